@@ -1,0 +1,13 @@
+"""WebSocket streaming inference server for Hugging Face fill-mask models.
+
+Modules, each one idea:
+- ``protocol``: the wire format of protocol.md, pure (frame in, request or error out).
+- ``batching``: the batching policy, pure (queue in, next batch out).
+- ``model``: loading and batched, pipeline-equal prediction.
+- ``engine``: the one thread that owns the model and the queue.
+- ``server``: the thin websockets shell (WebSocket + HTTP routes).
+- ``config``: the one configuration dataclass, from flags and environment.
+- ``checkpoint``: offline random-weight checkpoints for tests and benchmarks.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,235 @@
+"""The fill-mask model: loading, batched prediction equal to the transformers pipeline's.
+
+``FillMaskModel`` is owned by the engine thread; nothing else calls it (the tokenizer and torch are
+not used from two threads). Its ``predict`` returns, for each text of a batch, exactly what
+``pipeline("fill-mask")(text, top_k=..., targets=...)`` returns for that text alone
+(``transformers/pipelines/fill_mask.py``: softmax over the vocabulary at each mask, optional
+restriction to target ids, top-k, then one decode per candidate), with two differences in *how*:
+
+- The encoder runs once per batch on padded inputs, and the MLM head only on the hidden states at
+  mask positions (for architectures whose head is a separate per-position module), instead of on
+  every position of every text.
+- Softmax and top-k run once over all mask rows of the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Model types whose ``*ForMaskedLM.forward`` is exactly ``head(encoder(...).last_hidden_state)``
+# with a per-position head, so the head may run on the mask positions alone.
+_HEAD_ATTRIBUTE = {"bert": "cls", "roberta": "lm_head", "xlm-roberta": "lm_head", "camembert": "lm_head"}
+
+
+class ModelLoadError(Exception):
+    """The model could not be loaded; ``str(error)`` is one line for the operator."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One text of a batch: its token ids (with special tokens), top_k, and target ids or None."""
+
+    input_ids: Sequence[int]
+    top_k: int
+    target_ids: tuple[int, ...] | None = None
+
+
+class TargetError(ValueError):
+    """No target of a request maps to a vocabulary token."""
+
+
+class FillMaskModel:
+    """A tokenizer and a masked-LM model on one device. Not thread-safe: one owner thread."""
+
+    def __init__(self, name: str, tokenizer: Any, model: Any, device: str, dtype: str) -> None:
+        import torch
+
+        self.name = name
+        self.tokenizer = tokenizer
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.mask_token: str = tokenizer.mask_token
+        self.mask_token_id: int = tokenizer.mask_token_id
+        self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.max_tokens: int = _max_tokens(tokenizer, model.config)
+        self._wants_token_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
+        head_attr = _HEAD_ATTRIBUTE.get(model.config.model_type)
+        self._head = getattr(model, head_attr, None) if head_attr else None
+        self._encoder = model.base_model if self._head is not None else None
+        self._token_str = lru_cache(maxsize=65536)(self._decode_one)
+        self._target_ids = lru_cache(maxsize=1024)(self._resolve_targets)
+
+    # --- tokenizing ------------------------------------------------------------------------------
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, with special tokens, unpadded and untruncated (one batched call)."""
+        encoded = self.tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
+                                 return_token_type_ids=False, verbose=False)
+        return encoded["input_ids"]
+
+    def target_ids(self, targets: tuple[str, ...]) -> tuple[int, ...]:
+        """The pipeline's ``get_target_ids``: vocab id, else first token; deduplicated. Cached."""
+        return self._target_ids(targets)
+
+    def _resolve_targets(self, targets: tuple[str, ...]) -> tuple[int, ...]:
+        vocab = self.tokenizer.get_vocab()
+        ids: list[int] = []
+        for target in targets:
+            id_ = vocab.get(target)
+            if id_ is None:
+                pieces = self.tokenizer(target, add_special_tokens=False, return_attention_mask=False,
+                                        return_token_type_ids=False, max_length=1, truncation=True)["input_ids"]
+                if not pieces:
+                    continue
+                id_ = pieces[0]
+            ids.append(id_)
+        unique = list(set(ids))  # the pipeline's order, which decides ties in top-k
+        if not unique:
+            raise TargetError("none of the targets is a token of this model's vocabulary")
+        return tuple(unique)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # --- predicting ------------------------------------------------------------------------------
+
+    def predict(self, items: Sequence[Item]) -> list[Any]:
+        """Pipeline-equal predictions for each item; every item must hold at least one mask token."""
+        import torch
+
+        lengths = [len(item.input_ids) for item in items]
+        longest = max(lengths)
+        ids = torch.full((len(items), longest), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(items), longest), dtype=torch.long)
+        for row, item in enumerate(items):
+            ids[row, : lengths[row]] = torch.as_tensor(item.input_ids, dtype=torch.long)
+            attention[row, : lengths[row]] = 1
+        rows, cols = (ids == self.mask_token_id).nonzero(as_tuple=True)
+        inputs: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": attention.to(self.device)}
+        if self._wants_token_types:
+            inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+        with torch.inference_mode():
+            if self._head is not None:
+                hidden = self._encoder(**inputs).last_hidden_state
+                logits = self._head(hidden[rows.to(self.device), cols.to(self.device)])
+            else:
+                logits = self.model(**inputs).logits[rows.to(self.device), cols.to(self.device)]
+            probs = logits.softmax(dim=-1)
+            results: list[Any] = []
+            first = 0
+            rows_list = rows.tolist()
+            for row, item in enumerate(items):
+                last = first
+                while last < len(rows_list) and rows_list[last] == row:
+                    last += 1
+                results.append(self._postprocess(item, probs[first:last], cols[first:last].tolist()))
+                first = last
+        return results
+
+    def _postprocess(self, item: Item, probs: Any, mask_positions: list[int]) -> Any:
+        top_k = item.top_k
+        if item.target_ids is not None:
+            probs = probs[..., list(item.target_ids)]
+            top_k = min(top_k, len(item.target_ids))
+        top_k = min(top_k, probs.shape[-1])
+        values, predictions = probs.topk(top_k)
+        single_mask = len(mask_positions) == 1
+        tokens = list(item.input_ids)
+        result = []
+        for position, scores, picks in zip(mask_positions, values.tolist(), predictions.tolist(), strict=True):
+            row = []
+            for score, pick in zip(scores, picks, strict=True):
+                token = item.target_ids[pick] if item.target_ids is not None else pick
+                original = tokens[position]
+                tokens[position] = token
+                sequence = self.tokenizer.decode(tokens, skip_special_tokens=single_mask)
+                tokens[position] = original
+                row.append({"score": score, "token": token, "token_str": self._token_str(token),
+                            "sequence": sequence})
+            result.append(row)
+        return result[0] if single_mask else result
+
+
+def _max_tokens(tokenizer: Any, config: Any) -> int:
+    """Longest input the model accepts, special tokens included."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 1_000_000:
+        return limit
+    positions = getattr(config, "max_position_embeddings", 512)
+    if config.model_type in ("roberta", "xlm-roberta", "camembert"):
+        positions -= config.pad_token_id + 1  # position ids start after the padding index
+    return positions
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` picks cuda when available, else cpu; anything else is passed to torch as is."""
+    import torch
+
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(name: str, device: str = "auto", dtype: str = "float32", threads: int = 0) -> FillMaskModel:
+    """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import transformers
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if threads:
+        torch.set_num_threads(threads)
+    device = resolve_device(device)
+    try:
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        torch.empty(1, device=device)
+    except (KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot use --device {device} --dtype {dtype}: {_first_line(exc)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForMaskedLM.from_pretrained(name, dtype=torch_dtype)
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
+        raise ModelLoadError(_explain_load_failure(name, exc)) from None
+    if getattr(tokenizer, "mask_token_id", None) is None:
+        raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
+                             "use a fill-mask model such as google-bert/bert-base-uncased")
+    model = model.to(device).eval()
+    log.info("loaded %s on %s (%s)", name, device, dtype)
+    return FillMaskModel(name, tokenizer, model, device, dtype)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+_HINT = ("point --model at a local directory holding config.json, the weights and the tokenizer files "
+         "(make an offline test model with: python -m fillmask_server.checkpoint tiny models/tiny)")
+
+
+def _explain_load_failure(name: str, exc: BaseException) -> str:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
+        if isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
+            return (f"model in {name!r} is not a fill-mask (masked language) model; use a model with a "
+                    f"masked-LM head, or {_HINT}")
+        return f"cannot load model from directory {name!r}: {_first_line(exc)}; {_HINT}"
+    if isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
+        return f"model {name!r} is not a fill-mask (masked language) model; use one with a masked-LM head"
+    return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub (offline, or no such model); {_HINT}")

@@ -1,0 +1,246 @@
+"""The wire protocol of protocol.md, as pure functions: frame in, request or error out; values in, frame out.
+
+Nothing here touches a socket, an event loop, a thread or torch, so every rule of protocol.md §3, §5
+and §7 is unit-tested directly (tests/test_protocol.py). Invariants:
+
+- ``parse_frame`` never raises: any ``str`` or ``bytes`` gives a request or a ``ProtocolError``.
+- A ``ProtocolError`` carries the frame's id only when that id is itself valid (§7).
+- Every ``encode_*`` function returns the bytes of one JSON object, sent as a text frame.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+import orjson
+
+PROTOCOL_VERSION = 1
+MAX_SAFE_INTEGER = 2**53 - 1
+
+RequestId = Union[int, str]  # noqa: UP007 (used at run time in isinstance-free annotations only)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The request limits in force, as announced in ``hello.limits`` (protocol.md §2)."""
+
+    mask_token: str
+    max_text_chars: int = 2000
+    max_masks: int = 8
+    top_k_min: int = 1
+    top_k_max: int = 100
+    top_k_default: int = 5
+    max_targets: int = 100
+    max_target_chars: int = 100
+    max_id_chars: int = 128
+    max_deadline_ms: int = 600_000
+
+
+@dataclass(frozen=True, slots=True)
+class FillMaskRequest:
+    """A validated ``fill_mask`` frame (§3). ``targets`` is None when the client sent none."""
+
+    id: RequestId
+    text: str
+    top_k: int
+    targets: tuple[str, ...] | None = None
+    deadline_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    """A validated ``cancel`` frame (§5)."""
+
+    id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolError:
+    """A frame that must be answered with one ``error`` frame (§7)."""
+
+    code: str
+    message: str
+    id: RequestId | None = None
+
+
+Parsed = Union[FillMaskRequest, CancelRequest, ProtocolError]  # noqa: UP007
+
+
+def _is_valid_id(value: Any, limits: Limits) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER
+    if isinstance(value, str):
+        return 1 <= len(value) <= limits.max_id_chars and _encodable(value)
+    return False
+
+
+def _encodable(text: str) -> bool:
+    """False for strings holding lone surrogates, which cannot be echoed as UTF-8 JSON."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
+
+
+def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
+    """Turn one incoming WebSocket message into a request, a cancel, or an error (never raises)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return ProtocolError("binary_frame", "binary frames are not accepted; send each request as a JSON text frame")
+    try:
+        obj = orjson.loads(data)
+    except (orjson.JSONDecodeError, ValueError, TypeError, RecursionError):
+        return ProtocolError("invalid_json", "the frame is not valid JSON; send one JSON object per text frame")
+    if not isinstance(obj, dict):
+        return ProtocolError(
+            "not_an_object", f"the frame is {_type_name(obj)}, not a JSON object; send an object with a \"type\" field"
+        )
+    raw_id = obj.get("id")
+    frame_id = raw_id if _is_valid_id(raw_id, limits) else None
+    kind = obj.get("type")
+    if kind is None:
+        return ProtocolError("missing_field", "the frame has no \"type\"; use \"fill_mask\" or \"cancel\"", frame_id)
+    if kind == "fill_mask":
+        return _parse_fill_mask(obj, frame_id, limits)
+    if kind == "cancel":
+        if "id" not in obj:
+            return ProtocolError("missing_field", "a cancel frame needs the \"id\" of the request to cancel")
+        if frame_id is None:
+            return ProtocolError("invalid_id", _id_rule(limits))
+        return CancelRequest(frame_id)
+    shown = repr(kind)[:40] if isinstance(kind, str) else _type_name(kind)
+    return ProtocolError("unknown_type", f"unknown frame type {shown}; use \"fill_mask\" or \"cancel\"", frame_id)
+
+
+def _id_rule(limits: Limits) -> str:
+    return (f"\"id\" must be a string of 1 to {limits.max_id_chars} characters "
+            f"or an integer between -{MAX_SAFE_INTEGER} and {MAX_SAFE_INTEGER}")
+
+
+def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Limits) -> Parsed:
+    if "id" not in obj:
+        return ProtocolError("missing_field", "a fill_mask frame needs an \"id\" (a string or an integer you choose)")
+    if frame_id is None:
+        return ProtocolError("invalid_id", _id_rule(limits))
+    text = obj.get("text")
+    if text is None:
+        return ProtocolError("missing_field", "a fill_mask frame needs a \"text\" containing "
+                             f"{limits.mask_token}", frame_id)
+    if not isinstance(text, str):
+        return ProtocolError("invalid_field", f"\"text\" must be a string, not {_type_name(text)}", frame_id)
+    if len(text) > limits.max_text_chars:
+        return ProtocolError("text_too_long", f"\"text\" has {len(text)} characters; the limit is "
+                             f"{limits.max_text_chars}", frame_id)
+    if not _encodable(text):
+        return ProtocolError("invalid_field", "\"text\" holds an unpaired surrogate; send valid Unicode", frame_id)
+    masks = text.count(limits.mask_token)
+    if masks == 0:
+        return ProtocolError("no_mask", f"the text has no {limits.mask_token} token; put {limits.mask_token} "
+                             "where the missing word goes", frame_id)
+    if masks > limits.max_masks:
+        return ProtocolError("too_many_masks", f"the text has {masks} {limits.mask_token} tokens; the limit is "
+                             f"{limits.max_masks}", frame_id)
+
+    top_k = obj.get("top_k")
+    if top_k is None:
+        top_k = limits.top_k_default
+    elif isinstance(top_k, bool) or not isinstance(top_k, int) or not limits.top_k_min <= top_k <= limits.top_k_max:
+        return ProtocolError("invalid_top_k", f"\"top_k\" must be an integer from {limits.top_k_min} to "
+                             f"{limits.top_k_max}", frame_id)
+
+    targets = obj.get("targets")
+    if targets is not None:
+        targets = _parse_targets(targets, limits)
+        if isinstance(targets, str):
+            return ProtocolError("invalid_targets", targets, frame_id)
+
+    deadline = obj.get("deadline_ms")
+    if deadline is not None:
+        if (isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
+                or not 0 < deadline <= limits.max_deadline_ms):
+            return ProtocolError("invalid_deadline", "\"deadline_ms\" must be a number of milliseconds greater than "
+                                 f"0 and at most {limits.max_deadline_ms}", frame_id)
+        deadline = float(deadline)
+    return FillMaskRequest(frame_id, text, top_k, targets, deadline)
+
+
+def _parse_targets(value: Any, limits: Limits) -> tuple[str, ...] | str:
+    """Return the targets as a tuple, or a message (a str) saying what is wrong with them."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        return f"\"targets\" must be a string or a list of strings, not {_type_name(value)}"
+    if not 1 <= len(value) <= limits.max_targets:
+        return f"\"targets\" must hold 1 to {limits.max_targets} strings; it holds {len(value)}"
+    for item in value:
+        if not isinstance(item, str):
+            return f"every target must be a string; one is {_type_name(item)}"
+        if not 1 <= len(item) <= limits.max_target_chars or not item.strip():
+            return f"every target must be a non-blank string of at most {limits.max_target_chars} characters"
+        if not _encodable(item):
+            return "a target holds an unpaired surrogate; send valid Unicode"
+    return tuple(value)
+
+
+# --- frames the server sends -------------------------------------------------------------------
+
+
+def encode_hello(server: str, model: str, limits: Limits, extra_limits: dict[str, Any]) -> bytes:
+    """The first frame on every connection (§2)."""
+    announced = {
+        **extra_limits,
+        "max_text_chars": limits.max_text_chars,
+        "max_masks": limits.max_masks,
+        "top_k": {"min": limits.top_k_min, "max": limits.top_k_max, "default": limits.top_k_default},
+        "max_targets": limits.max_targets,
+        "max_id_chars": limits.max_id_chars,
+        "max_deadline_ms": limits.max_deadline_ms,
+    }
+    return orjson.dumps({"type": "hello", "protocol": PROTOCOL_VERSION, "server": server, "model": model,
+                         "mask_token": limits.mask_token, "limits": announced})
+
+
+def encode_result(request_id: RequestId, predictions: Any, queue_ms: float, inference_ms: float,
+                  batch_size: int, batch_tokens: int) -> bytes:
+    """A request's result (§4)."""
+    return orjson.dumps({"type": "result", "id": request_id, "predictions": predictions,
+                         "queue_ms": round(queue_ms, 3), "inference_ms": round(inference_ms, 3),
+                         "batch_size": batch_size, "batch_tokens": batch_tokens})
+
+
+def encode_error(request_id: RequestId | None, code: str, message: str) -> bytes:
+    """An error frame (§7)."""
+    return orjson.dumps({"type": "error", "id": request_id, "code": code, "message": message})
+
+
+def encode_overloaded(request_id: RequestId, status: int, reason: str, retry_after_ms: int,
+                      queue_ms: float | None = None) -> bytes:
+    """A 503 or 504 answer (§6)."""
+    frame: dict[str, Any] = {"type": "overloaded", "id": request_id, "status": status, "reason": reason,
+                             "retry_after_ms": retry_after_ms}
+    if queue_ms is not None:
+        frame["queue_ms"] = round(queue_ms, 3)
+    return orjson.dumps(frame)
+
+
+def encode_cancelled(request_id: RequestId) -> bytes:
+    """The answer to a cancel that removed a queued request (§5)."""
+    return orjson.dumps({"type": "cancelled", "id": request_id})

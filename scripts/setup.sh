@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up everything the server and its tests need, idempotently, in ./.venv:
+#   bash scripts/setup.sh          # server: venv, torch, the package, the offline tiny model
+#   bash scripts/setup.sh --test   # also the test tools (and the browser for the demo-page test)
+#
+# torch: if the venv has no torch yet, this installs TORCH_SPEC (default torch==2.13.0, the CPU wheel
+# this machine keeps on disk). Elsewhere, install the torch you want into .venv first (or set
+# TORCH_SPEC, e.g. TORCH_SPEC=torch) and this script leaves it alone.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) want_test=1 ;;
+    *) echo "usage: bash scripts/setup.sh [--test]" >&2; exit 2 ;;
+  esac
+done
+
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: installing ${TORCH_SPEC:-torch==2.13.0}"
+  "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
+fi
+
+if [ "$want_test" = 1 ]; then
+  "${PIP[@]}" install -e ".[test]"
+else
+  "${PIP[@]}" install -e .
+fi
+
+# The offline random-weight model the quick start and the tests use (hubs may be unreachable).
+.venv/bin/python -m fillmask_server.checkpoint tiny models/tiny
+
+# --- browser for the demo-page test (issue 4) ---
+# --- end browser ---
+echo "setup: ready (.venv, models/tiny)"

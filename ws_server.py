@@ -1,0 +1,52 @@
+"""Entry point: ``python ws_server.py [options]`` (or the ``fillmask-server`` console script).
+
+The whole life of the server, in order:
+1. read the configuration (flags over environment over defaults; ``--help`` lists them);
+2. load the model once, or exit 1 with one line saying why;
+3. start the engine thread and listen for WebSocket and HTTP on one port;
+4. on SIGINT/SIGTERM, drain (protocol.md §10) and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from fillmask_server.config import Config, load_config
+from fillmask_server.model import ModelLoadError, load_model
+from fillmask_server.server import FillMaskServer
+
+
+async def serve_until_signalled(config: Config) -> None:
+    model = load_model(config.model, config.device, config.dtype, config.torch_threads)
+    server = FillMaskServer(config, model)
+    await server.start()
+    print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    logging.getLogger("fillmask_server").info("signal received: draining")
+    await server.drain()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_config(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
+    try:
+        asyncio.run(serve_until_signalled(config))
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # typically the port is taken
+        print(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
