@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 from dataclasses import dataclass, fields
 
 ENV_PREFIX = "FILLMASK_"
@@ -67,11 +68,18 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps help text without breaking model ids such as google-bert/bert-base-uncased at hyphens."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ws_server.py",
         description="WebSocket fill-mask inference server with dynamic batching.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     for f in fields(Config):
         kind = type(f.default)

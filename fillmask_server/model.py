@@ -185,7 +185,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import transformers
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -197,9 +198,22 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
         torch.empty(1, device=device)
     except (KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"cannot use --device {device} --dtype {dtype}: {_first_line(exc)}") from None
+    local = Path(name).expanduser().is_dir()
+    if not local and not _hub_reachable():
+        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
+                             f"cannot be reached from here; {_HINT}")
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        model_config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
+        raise ModelLoadError(_explain_load_failure(name, exc)) from None
+    if type(model_config) not in MODEL_FOR_MASKED_LM_MAPPING:
+        raise ModelLoadError(f"model {name!r} ({model_config.model_type}) has no masked-language-model head, so "
+                             "it cannot fill masks; point --model at a fill-mask model such as "
+                             "google-bert/bert-base-uncased")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForMaskedLM.from_pretrained(name, dtype=torch_dtype)
+        model = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype)
     except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
         raise ModelLoadError(_explain_load_failure(name, exc)) from None
     if getattr(tokenizer, "mask_token_id", None) is None:
@@ -225,11 +239,30 @@ def _explain_load_failure(name: str, exc: BaseException) -> str:
     if path.is_dir():
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
-        if isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
-            return (f"model in {name!r} is not a fill-mask (masked language) model; use a model with a "
-                    f"masked-LM head, or {_HINT}")
         return f"cannot load model from directory {name!r}: {_first_line(exc)}; {_HINT}"
-    if isinstance(exc, ValueError) and "Unrecognized configuration class" in str(exc):
-        return f"model {name!r} is not a fill-mask (masked language) model; use one with a masked-LM head"
     return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
             f"Hugging Face Hub (offline, or no such model); {_HINT}")
+
+
+def _hub_reachable() -> bool:
+    """False when the Hub is surely out of reach: offline mode, or its host name does not resolve.
+
+    Without this check an offline machine spends most of a minute in the Hub client's retries before
+    failing. A model already in the local cache still loads in offline mode, so offline mode only
+    skips the probe.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True  # from_pretrained looks in the cache only, and fails fast if it is not there
+    host = urlparse(constants.ENDPOINT).hostname
+    if not host:
+        return True
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,80 @@
+"""Shared fixtures: the offline tiny model, a running server on an ephemeral port, a reference pipeline.
+
+Servers run in the test process on the session's event loop, on a real socket (127.0.0.1, port 0),
+with their real engine thread; nothing is mocked. ``server.engine.paused()`` holds the engine
+between batches so that tests can make "queued" states deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
+from fillmask_server.config import Config  # noqa: E402
+from fillmask_server.model import load_model  # noqa: E402
+from fillmask_server.server import FillMaskServer  # noqa: E402
+
+TINY_DIR = ROOT / "models" / "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The offline random-weight tiny BERT (made on first use; scripts/setup.sh also makes it)."""
+    if not is_checkpoint(TINY_DIR):
+        write_checkpoint("tiny", TINY_DIR)
+    return TINY_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_model_dir: Path) -> Config:
+    return Config(model=str(tiny_model_dir), host="127.0.0.1", port=0, shutdown_timeout=5.0)
+
+
+@contextlib.asynccontextmanager
+async def running_server(config: Config) -> AsyncIterator[FillMaskServer]:
+    """A started server with its own model and engine; drained (closed with 1001) on exit."""
+    server = FillMaskServer(config, load_model(config.model, config.device, config.dtype))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.drain(timeout=2.0)
+
+
+@pytest.fixture(scope="session")
+async def server(tiny_config: Config) -> AsyncIterator[FillMaskServer]:
+    """One shared server with the default limits. Tests must leave it unpaused and idle."""
+    async with running_server(tiny_config) as srv:
+        yield srv
+
+
+@pytest.fixture
+def make_server(tiny_config: Config) -> Callable[..., contextlib.AbstractAsyncContextManager[FillMaskServer]]:
+    """``async with make_server(max_queue=2) as srv:`` — a private server with Config overrides."""
+
+    def factory(**overrides: Any) -> contextlib.AbstractAsyncContextManager[FillMaskServer]:
+        return running_server(replace(tiny_config, **overrides))
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def reference_pipeline(tiny_model_dir: Path) -> Any:
+    """``transformers.pipeline("fill-mask")`` on the same checkpoint: the oracle for results."""
+    from transformers import pipeline
+
+    return pipeline("fill-mask", model=str(tiny_model_dir), device="cpu")

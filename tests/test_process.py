@@ -1,0 +1,119 @@
+"""``python ws_server.py`` as a user runs it: flags, load failures, SIGTERM drain (in subprocesses)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from fillmask_server.config import Config, load_config
+from tests.wire import recv, send, session
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_server(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "ws_server.py", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_help_lists_every_option_with_its_env_variable_and_default() -> None:
+    result = run_server("--help")
+    assert result.returncode == 0
+    flat = " ".join(result.stdout.split())
+    for name in Config.__dataclass_fields__:
+        assert "--" + name.replace("_", "-") in flat
+        assert "FILLMASK_" + name.upper() in flat
+    assert "google-bert/bert-base-uncased" in flat
+
+
+def test_flags_beat_environment_which_beats_defaults() -> None:
+    env = {"FILLMASK_PORT": "9000", "FILLMASK_MAX_QUEUE": "7", "FILLMASK_DTYPE": "bfloat16"}
+    config = load_config(["--port", "9100"], env)
+    assert (config.port, config.max_queue, config.dtype, config.max_batch_size) == (9100, 7, "bfloat16", 32)
+
+
+@pytest.mark.parametrize("env", [{"FILLMASK_PORT": "eighty"}, {"FILLMASK_DTYPE": "float64"}])
+def test_bad_environment_values_exit_with_a_usage_line(env: dict[str, str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        load_config([], env)
+    assert exited.value.code == 2
+    assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_bad_flag_values_are_refused() -> None:
+    result = run_server("--max-batch-size", "0")
+    assert result.returncode == 2 and "--max-batch-size must be at least 1" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("/nonexistent/model-dir", "not a local directory"),
+        ("google-bert/bert-base-uncased", "not a local directory"),
+        ("{empty}", "has no config.json"),
+        ("{gpt2}", "has no masked-language-model head"),
+    ],
+)
+def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, model: str, expected: str) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    result = run_server("--model", model.format(empty=tmp_path / "empty", gpt2=tmp_path / "gpt2"), "--port", "0")
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0] and "--model" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_model_dir: Path) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--max-batch-size", "4",
+        cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
+        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+        async with session(url) as (ws, _):
+            count = 200
+            for i in range(count):
+                await send(ws, {"type": "fill_mask", "id": i, "text": "a long sentence about the [MASK] " * 8})
+            process.send_signal(signal.SIGTERM)
+            answers: dict[int, str] = {}
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    frame = await recv(ws, timeout=30)
+                    assert frame["id"] not in answers, f"answered twice: {frame}"
+                    answers[frame["id"]] = frame["type"] if frame["type"] == "result" else frame["reason"]
+            assert ws.close_code == 1001
+        assert sorted(answers) == list(range(count))  # every request exactly one terminal frame
+        assert set(answers.values()) <= {"result", "shutting_down"}
+        assert "result" in answers.values()
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def test_checkpoint_command_writes_a_loadable_model(tmp_path: Path) -> None:
+    target = tmp_path / "tiny"
+    made = subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", "tiny", str(target)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert AutoConfig.from_pretrained(target).num_hidden_layers == 2
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert len(tokenizer) == 30522 and tokenizer.mask_token_id == 103
+    again = subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", "tiny", str(target)], cwd=ROOT,
+                           env=ENV, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "already there" in again.stdout

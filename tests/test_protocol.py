@@ -1,0 +1,142 @@
+"""Unit tests of the pure frame parser and encoders (protocol.md §3, §5, §7). No sockets, no torch."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from fillmask_server.protocol import (
+    MAX_SAFE_INTEGER,
+    CancelRequest,
+    FillMaskRequest,
+    Limits,
+    ProtocolError,
+    encode_error,
+    encode_hello,
+    encode_overloaded,
+    encode_result,
+    parse_frame,
+)
+
+LIMITS = Limits(mask_token="[MASK]", max_text_chars=50, max_masks=2, top_k_max=10, max_targets=3)
+
+
+def parse(obj: object) -> object:
+    return parse_frame(orjson.dumps(obj).decode(), LIMITS)
+
+
+def test_valid_request_with_defaults() -> None:
+    assert parse({"type": "fill_mask", "id": 7, "text": "a [MASK] b"}) == FillMaskRequest(7, "a [MASK] b", 5)
+
+
+def test_valid_request_with_every_field() -> None:
+    got = parse({"type": "fill_mask", "id": "x", "text": "[MASK]", "top_k": 10, "targets": ["a", "b"],
+                 "deadline_ms": 2.5, "unknown_field": [1]})
+    assert got == FillMaskRequest("x", "[MASK]", 10, ("a", "b"), 2.5)
+
+
+def test_single_string_target_is_a_list_of_one() -> None:
+    got = parse({"type": "fill_mask", "id": 1, "text": "[MASK]", "targets": "paris"})
+    assert isinstance(got, FillMaskRequest) and got.targets == ("paris",)
+
+
+@pytest.mark.parametrize("frame_id", [0, -1, MAX_SAFE_INTEGER, -MAX_SAFE_INTEGER, "a", "é" * 128])
+def test_ids_accepted_with_their_type(frame_id: object) -> None:
+    got = parse({"type": "fill_mask", "id": frame_id, "text": "[MASK]"})
+    assert isinstance(got, FillMaskRequest) and got.id == frame_id and type(got.id) is type(frame_id)
+
+
+@pytest.mark.parametrize("frame_id", [True, False, 1.0, 1.5, None, [], {}, "", "x" * 129, MAX_SAFE_INTEGER + 1])
+def test_invalid_ids(frame_id: object) -> None:
+    got = parse({"type": "fill_mask", "id": frame_id, "text": "[MASK]"})
+    assert isinstance(got, ProtocolError) and got.code == "invalid_id" and got.id is None
+
+
+def test_cancel() -> None:
+    assert parse({"type": "cancel", "id": "r1"}) == CancelRequest("r1")
+    missing = parse({"type": "cancel"})
+    assert isinstance(missing, ProtocolError) and missing.code == "missing_field"
+    bad = parse({"type": "cancel", "id": 2.5})
+    assert isinstance(bad, ProtocolError) and bad.code == "invalid_id"
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "echoed"),
+    [
+        ({"type": "fill_mask", "text": "[MASK]"}, "missing_field", None),
+        ({"id": 3, "text": "[MASK]"}, "missing_field", 3),
+        ({"type": "fill_mask", "id": 3}, "missing_field", 3),
+        ({"type": "fill_mask", "id": 3, "text": 5}, "invalid_field", 3),
+        ({"type": "fill_mask", "id": 3, "text": ["[MASK]"]}, "invalid_field", 3),
+        ({"type": "fill_mask", "id": 3, "text": "no mask here"}, "no_mask", 3),
+        ({"type": "fill_mask", "id": 3, "text": ""}, "no_mask", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[mask] lower case"}, "no_mask", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK] [MASK] [MASK]"}, "too_many_masks", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]" + "x" * 50}, "text_too_long", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "top_k": 0}, "invalid_top_k", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "top_k": 11}, "invalid_top_k", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "top_k": 2.0}, "invalid_top_k", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "top_k": "5"}, "invalid_top_k", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "top_k": True}, "invalid_top_k", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "targets": []}, "invalid_targets", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "targets": [1]}, "invalid_targets", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "targets": [""]}, "invalid_targets", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "targets": ["  "]}, "invalid_targets", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "targets": ["a"] * 4}, "invalid_targets", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "targets": {"a": 1}}, "invalid_targets", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "targets": ["x" * 101]}, "invalid_targets", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "deadline_ms": 0}, "invalid_deadline", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "deadline_ms": -5}, "invalid_deadline", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "deadline_ms": "10"}, "invalid_deadline", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "deadline_ms": 600_001}, "invalid_deadline", 3),
+        ({"type": "fill_mask", "id": 3, "text": "[MASK]", "deadline_ms": False}, "invalid_deadline", 3),
+        ({"type": "predict", "id": 3}, "unknown_type", 3),
+        ({"type": 5, "id": "q"}, "unknown_type", "q"),
+        ({"type": "fill_mask", "id": True, "text": "[MASK]"}, "invalid_id", None),
+    ],
+)
+def test_errors_name_the_problem_and_echo_valid_ids(frame: dict, code: str, echoed: object) -> None:
+    got = parse(frame)
+    assert isinstance(got, ProtocolError), got
+    assert (got.code, got.id) == (code, echoed)
+    assert got.message and "\n" not in got.message and "Traceback" not in got.message
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        ("not json", "invalid_json"),
+        ("{\"type\": ", "invalid_json"),
+        ("", "invalid_json"),
+        ("[1, 2]", "not_an_object"),
+        ("\"fill_mask\"", "not_an_object"),
+        ("null", "not_an_object"),
+        ("12", "not_an_object"),
+        ("[" * 5000 + "]" * 5000, "invalid_json"),
+        ("{\"type\":\"fill_mask\",\"id\":1,\"text\":\"\\ud800[MASK]\"}", None),
+        (b"{\"type\": \"fill_mask\"}", "binary_frame"),
+        (b"\xff\xfe", "binary_frame"),
+    ],
+)
+def test_malformed_frames(data: str | bytes, code: str | None) -> None:
+    got = parse_frame(data, LIMITS)
+    assert isinstance(got, ProtocolError)
+    if code:
+        assert got.code == code
+
+
+def test_huge_integer_is_an_error_not_an_exception() -> None:
+    got = parse_frame("{\"type\":\"fill_mask\",\"id\":1" + "0" * 400 + ",\"text\":\"[MASK]\"}", LIMITS)
+    assert isinstance(got, ProtocolError)
+
+
+def test_encoders_make_one_json_object() -> None:
+    hello = orjson.loads(encode_hello("s/1", "m", LIMITS, {"max_queue": 4}))
+    assert hello["type"] == "hello" and hello["protocol"] == 1 and hello["mask_token"] == "[MASK]"
+    assert hello["limits"]["max_queue"] == 4 and hello["limits"]["top_k"] == {"min": 1, "max": 10, "default": 5}
+    result = orjson.loads(encode_result("a", [{"score": 0.5}], 1.23456, 2.0, 3, 30))
+    assert result == {"type": "result", "id": "a", "predictions": [{"score": 0.5}], "queue_ms": 1.235,
+                      "inference_ms": 2.0, "batch_size": 3, "batch_tokens": 30}
+    assert orjson.loads(encode_error(None, "c", "m")) == {"type": "error", "id": None, "code": "c", "message": "m"}
+    assert orjson.loads(encode_overloaded(9, 503, "queue_full", 40)) == {
+        "type": "overloaded", "id": 9, "status": 503, "reason": "queue_full", "retry_after_ms": 40}

@@ -1,0 +1,373 @@
+"""The server on a real socket with the tiny offline model: protocol.md §2–§9, section by section.
+
+The shared ``server`` fixture is left idle and unpaused by every test; tests that change limits use
+``make_server``. ``engine.paused()`` holds the engine between batches, which makes "still queued"
+states deterministic without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from fillmask_server.server import FillMaskServer
+from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session
+
+TEXTS = [
+    "Paris is the [MASK] of France.",
+    "The [MASK] sat on the mat.",
+    "I went to the [MASK] yesterday to buy some bread, milk and a newspaper for my grandmother.",
+    "[MASK]",
+    "She plays the [MASK] and he plays the [MASK] in the evening.",
+    "After years of careful research, the scientists finally announced that the [MASK] had been "
+    "found deep beneath the ice of the southern continent, where nobody had ever thought to look.",
+]
+
+
+def fill(frame_id: Any, text: str, **fields: Any) -> dict[str, Any]:
+    return {"type": "fill_mask", "id": frame_id, "text": text, **fields}
+
+
+async def http_get(url: str) -> tuple[int, dict[str, Any]]:
+    def get() -> tuple[int, dict[str, Any]]:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status, orjson.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, orjson.loads(error.read())
+
+    return await asyncio.to_thread(get)
+
+
+# --- §2 hello ----------------------------------------------------------------------------------
+
+
+async def test_hello_is_the_first_frame_with_model_and_limits(server: FillMaskServer) -> None:
+    async with session(server.url) as (_, hello):
+        assert hello["type"] == "hello" and hello["protocol"] == 1
+        assert hello["model"] == server.config.model and hello["mask_token"] == "[MASK]"
+        limits = hello["limits"]
+        assert limits["max_batch_size"] == server.config.max_batch_size
+        assert limits["max_queue"] == server.config.max_queue
+        assert limits["max_text_chars"] == server.config.max_text_chars
+        assert limits["max_tokens"] == 512
+        assert limits["top_k"] == {"min": 1, "max": server.config.max_top_k, "default": 5}
+        assert {"max_masks", "max_targets", "max_id_chars", "max_deadline_ms", "max_frame_bytes"} <= set(limits)
+
+
+async def test_ws_alias_path_and_unknown_ws_path(server: FillMaskServer) -> None:
+    async with session(server.url + "ws") as (_, hello):
+        assert hello["type"] == "hello"
+    with pytest.raises(InvalidStatus) as refused:
+        async with connect(server.url + "elsewhere"):
+            pass
+    assert refused.value.response.status_code == 404
+
+
+# --- §4 results equal the pipeline ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+async def test_result_equals_pipeline(server: FillMaskServer, reference_pipeline: Any, text: str) -> None:
+    async with session(server.url) as (ws, _):
+        result = await request(ws, 1, text)
+    assert result["type"] == "result" and result["id"] == 1
+    assert_same_predictions(result["predictions"], reference_pipeline(text))
+    assert result["queue_ms"] >= 0 and result["inference_ms"] > 0 and result["batch_size"] >= 1
+    assert result["batch_tokens"] >= 3
+
+
+async def test_mixed_length_batch_equals_each_text_alone(server: FillMaskServer, reference_pipeline: Any) -> None:
+    """One batch of short and long texts, one and two masks, top_k and targets: each equals the pipeline."""
+    cases = [(text, {}) for text in TEXTS] + [
+        (TEXTS[0], {"top_k": 12}),
+        (TEXTS[2], {"targets": ["store", "bank", "zzqqxx", "store"]}),
+        (TEXTS[4], {"top_k": 2, "targets": ["piano", "guitar", "violin"]}),
+        (TEXTS[1], {"top_k": 1}),
+    ]
+    async with session(server.url) as (ws, _):
+        with server.engine.paused():
+            for i, (text, fields) in enumerate(cases):
+                await send(ws, fill(i, text, **fields))
+            while server.engine.queued() < len(cases):
+                await asyncio.sleep(0.01)
+        frames = {frame["id"]: frame for frame in await recv_n(ws, len(cases))}
+    assert max(frame["batch_size"] for frame in frames.values()) == len(cases)
+    for i, (text, fields) in enumerate(cases):
+        assert frames[i]["type"] == "result", frames[i]
+        assert_same_predictions(frames[i]["predictions"], reference_pipeline(text, **fields))
+
+
+async def test_several_masks_give_one_list_per_mask(server: FillMaskServer, reference_pipeline: Any) -> None:
+    async with session(server.url) as (ws, _):
+        result = await request(ws, "m", "The [MASK] and the [MASK] went to [MASK].", top_k=3)
+    predictions = result["predictions"]
+    assert len(predictions) == 3 and all(len(row) == 3 for row in predictions)
+    assert "[MASK]" in predictions[0][0]["sequence"]  # the other masks stay, as in the pipeline
+    assert_same_predictions(predictions, reference_pipeline("The [MASK] and the [MASK] went to [MASK].", top_k=3))
+
+
+async def test_top_k_and_targets(server: FillMaskServer, reference_pipeline: Any) -> None:
+    text = TEXTS[0]
+    async with session(server.url) as (ws, _):
+        one = await request(ws, 1, text, top_k=1)
+        many = await request(ws, 2, text, top_k=40)
+        targeted = await request(ws, 3, text, targets=["capital", "city", "heart"], top_k=10)
+        single = await request(ws, 4, text, targets="capital")
+    assert len(one["predictions"]) == 1 and len(many["predictions"]) == 40
+    assert_same_predictions(many["predictions"], reference_pipeline(text, top_k=40))
+    assert len(targeted["predictions"]) == 3  # top_k shrinks to the number of targets
+    assert {p["token_str"] for p in targeted["predictions"]} == {"capital", "city", "heart"}
+    assert_same_predictions(targeted["predictions"], reference_pipeline(text, targets=["capital", "city", "heart"],
+                                                                        top_k=10))
+    assert [p["token_str"] for p in single["predictions"]] == ["capital"]
+
+
+# --- §3 ids --------------------------------------------------------------------------------------
+
+
+async def test_integer_and_string_ids_are_echoed_with_their_type(server: FillMaskServer) -> None:
+    async with session(server.url) as (ws, _):
+        with server.engine.paused():
+            for frame_id in (5, "5", -7, "a-long-id-" * 10, 2**53 - 1):
+                await send(ws, fill(frame_id, TEXTS[1]))
+            while server.engine.queued() < 5:
+                await asyncio.sleep(0.01)
+        frames = await recv_n(ws, 5)
+    ids = sorted((type(f["id"]).__name__, f["id"]) for f in frames)
+    assert ids == sorted([("int", 5), ("str", "5"), ("int", -7), ("str", "a-long-id-" * 10), ("int", 2**53 - 1)])
+    assert all(f["type"] == "result" for f in frames)
+
+
+async def test_same_id_on_two_connections_is_independent(server: FillMaskServer) -> None:
+    async with session(server.url) as (a, _), session(server.url) as (b, _):
+        await send(a, fill(1, TEXTS[0]))
+        await send(b, fill(1, TEXTS[1]))
+        ra, rb = await recv(a), await recv(b)
+    assert (ra["type"], rb["type"]) == ("result", "result")
+    assert ra["predictions"][0]["sequence"].startswith("paris")
+    assert rb["predictions"][0]["sequence"].startswith("the")
+
+
+# --- §8 exactly one terminal frame, many in flight ----------------------------------------------
+
+
+async def exchange_many(url: str, count: int, tag: str) -> list[dict[str, Any]]:
+    async with session(url) as (ws, _):
+        for i in range(count):
+            await send(ws, fill(f"{tag}-{i}", TEXTS[i % len(TEXTS)], top_k=1 + i % 4))
+        frames = await recv_n(ws, count, timeout=60)
+        await assert_silent(ws, 0.2)
+    return frames
+
+
+def assert_each_answered_once(frames: list[dict[str, Any]], expected_ids: set[str]) -> None:
+    ids = [frame["id"] for frame in frames]
+    assert len(ids) == len(set(ids)) == len(expected_ids) and set(ids) == expected_ids
+    assert all(frame["type"] == "result" for frame in frames), [f for f in frames if f["type"] != "result"][:3]
+
+
+async def test_100_in_flight_on_one_socket_each_answered_once(server: FillMaskServer) -> None:
+    frames = await exchange_many(server.url, 100, "one")
+    assert_each_answered_once(frames, {f"one-{i}" for i in range(100)})
+    assert max(frame["batch_size"] for frame in frames) > 1  # they were batched together
+
+
+async def test_100_in_flight_on_each_of_10_sockets(server: FillMaskServer) -> None:
+    results = await asyncio.gather(*(exchange_many(server.url, 100, f"s{n}") for n in range(10)))
+    for n, frames in enumerate(results):
+        assert_each_answered_once(frames, {f"s{n}-{i}" for i in range(100)})
+    for frames in results:  # answers went back on the socket that asked
+        assert len({frame["id"].split("-")[0] for frame in frames}) == 1
+
+
+# --- §7 bad input ------------------------------------------------------------------------------
+
+
+BAD_FRAMES: list[tuple[str | bytes, str, Any]] = [
+    ("this is not json", "invalid_json", None),
+    ("[1, 2, 3]", "not_an_object", None),
+    (b"\x00\x01binary", "binary_frame", None),
+    ('{"type": "teleport", "id": 1}', "unknown_type", 1),
+    ('{"id": 2, "text": "[MASK]"}', "missing_field", 2),
+    ('{"type": "fill_mask", "id": 3}', "missing_field", 3),
+    ('{"type": "fill_mask", "text": "a [MASK]"}', "missing_field", None),
+    ('{"type": "fill_mask", "id": 4, "text": 42}', "invalid_field", 4),
+    ('{"type": "fill_mask", "id": [4], "text": "a [MASK]"}', "invalid_id", None),
+    ('{"type": "fill_mask", "id": 4.5, "text": "a [MASK]"}', "invalid_id", None),
+    ('{"type": "fill_mask", "id": true, "text": "a [MASK]"}', "invalid_id", None),
+    ('{"type": "fill_mask", "id": 5, "text": "no mask here"}', "no_mask", 5),
+    ('{"type": "fill_mask", "id": 6, "text": "' + "[MASK] " * 9 + '"}', "too_many_masks", 6),
+    ('{"type": "fill_mask", "id": 7, "text": "[MASK]' + "a" * 2000 + '"}', "text_too_long", 7),
+    ('{"type": "fill_mask", "id": 8, "text": "[MASK]' + " a" * 600 + '"}', "text_too_long", 8),
+    ('{"type": "fill_mask", "id": 9, "text": "a [MASK]", "top_k": 0}', "invalid_top_k", 9),
+    ('{"type": "fill_mask", "id": 10, "text": "a [MASK]", "top_k": 101}', "invalid_top_k", 10),
+    ('{"type": "fill_mask", "id": 11, "text": "a [MASK]", "targets": 5}', "invalid_targets", 11),
+    ('{"type": "fill_mask", "id": 12, "text": "a [MASK]", "targets": []}', "invalid_targets", 12),
+    ('{"type": "fill_mask", "id": 13, "text": "a [MASK]", "targets": ["\\u200b"]}', "invalid_targets", 13),
+    ('{"type": "fill_mask", "id": 14, "text": "a [MASK]", "deadline_ms": -1}', "invalid_deadline", 14),
+    ('{"type": "cancel"}', "missing_field", None),
+]
+
+
+async def test_every_bad_input_gets_one_clear_error_and_the_connection_stays_open(server: FillMaskServer) -> None:
+    async with session(server.url) as (ws, _):
+        for data, code, frame_id in BAD_FRAMES:
+            await ws.send(data)
+            frame = await recv(ws)
+            assert (frame["type"], frame["code"], frame["id"]) == ("error", code, frame_id), (data[:60], frame)
+            message = frame["message"]
+            assert message and "\n" not in message and "Traceback" not in message and "/" not in message, message
+        await assert_silent(ws, 0.2)
+        good = await request(ws, "still-open", TEXTS[0])
+        assert good["type"] == "result"
+
+
+async def test_duplicate_id_in_flight_is_rejected_and_the_first_still_answered(server: FillMaskServer) -> None:
+    async with session(server.url) as (ws, _):
+        with server.engine.paused():
+            await send(ws, fill("dup", TEXTS[0]))
+            await send(ws, fill("dup", TEXTS[1]))
+            error = await recv(ws)
+            assert (error["type"], error["code"], error["id"]) == ("error", "duplicate_id", "dup")
+        result = await recv(ws)
+        assert (result["type"], result["id"]) == ("result", "dup")
+        assert result["predictions"][0]["sequence"].startswith("paris")
+        again = await request(ws, "dup", TEXTS[1])  # answered, so the id is free again
+        assert again["type"] == "result"
+
+
+# --- §6 overload ------------------------------------------------------------------------------
+
+
+async def test_queue_bound_answers_503_at_once(make_server: Any) -> None:
+    async with make_server(max_queue=3) as srv, session(srv.url) as (ws, hello):
+        assert hello["limits"]["max_queue"] == 3
+        with srv.engine.paused():
+            for i in range(5):
+                await send(ws, fill(i, TEXTS[0]))
+            rejected = await recv_n(ws, 2, timeout=2)  # while the engine is held
+            assert srv.engine.queued() == 3
+        assert [(f["type"], f["id"], f["status"], f["reason"]) for f in rejected] == [
+            ("overloaded", 3, 503, "queue_full"), ("overloaded", 4, 503, "queue_full")]
+        assert all(isinstance(f["retry_after_ms"], int) and f["retry_after_ms"] > 0 for f in rejected)
+        results = await recv_n(ws, 3)
+        assert sorted(f["id"] for f in results) == [0, 1, 2] and {f["type"] for f in results} == {"result"}
+        await assert_silent(ws)
+
+
+async def test_deadline_passing_in_the_queue_answers_504_promptly(server: FillMaskServer) -> None:
+    async with session(server.url) as (ws, _):
+        with server.engine.paused():
+            await send(ws, fill("late", TEXTS[0], deadline_ms=50))
+            await send(ws, fill("patient", TEXTS[0], deadline_ms=60_000))
+            started = time.monotonic()
+            expired = await recv(ws, timeout=5)  # arrives while the engine is still held
+            waited = time.monotonic() - started
+        assert (expired["type"], expired["id"], expired["status"], expired["reason"]) == (
+            "overloaded", "late", 504, "deadline_exceeded")
+        assert expired["queue_ms"] >= 50 and waited < 2
+        result = await recv(ws)
+        assert (result["type"], result["id"]) == ("result", "patient")
+        await assert_silent(ws)  # nothing more for "late"
+
+
+# --- §5 cancel -----------------------------------------------------------------------------------
+
+
+async def test_cancel_removes_a_queued_request(server: FillMaskServer) -> None:
+    async with session(server.url) as (ws, _):
+        with server.engine.paused():
+            await send(ws, fill("a", TEXTS[0]))
+            await send(ws, fill("b", TEXTS[1]))
+            await send(ws, {"type": "cancel", "id": "a"})
+            cancelled = await recv(ws)
+            assert cancelled == {"type": "cancelled", "id": "a"}
+            await send(ws, {"type": "cancel", "id": "never-sent"})  # unknown: ignored
+        result = await recv(ws)
+        assert (result["type"], result["id"]) == ("result", "b")
+        await send(ws, {"type": "cancel", "id": "b"})  # already answered: ignored
+        await assert_silent(ws)
+
+
+# --- §8 closed connections ----------------------------------------------------------------------
+
+
+async def test_requests_of_a_closed_connection_never_reach_the_model(make_server: Any) -> None:
+    async with make_server() as srv:
+        with srv.engine.paused():
+            async with session(srv.url) as (ws, _):
+                for i in range(20):
+                    await send(ws, fill(i, TEXTS[i % len(TEXTS)]))
+                while srv.engine.queued() < 20:
+                    await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 5
+            while srv.engine.queued() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert srv.engine.queued() == 0
+        async with session(srv.url) as (ws, _):
+            assert (await request(ws, 1, TEXTS[0]))["type"] == "result"
+        assert srv.engine.stats.rows == 1
+
+
+# --- §9 HTTP --------------------------------------------------------------------------------------
+
+
+async def test_health_ready_and_404(server: FillMaskServer) -> None:
+    assert await http_get(server.http_url + "/healthz") == (200, {"status": "ok"})
+    assert await http_get(server.http_url + "/readyz") == (200, {"status": "ready"})
+    status, body = await http_get(server.http_url + "/no/such/page")
+    assert status == 404 and body == {"error": "not found"}
+    status, _ = await http_get(server.http_url + "/../pyproject.toml")
+    assert status == 404
+
+
+# --- §10 drain --------------------------------------------------------------------------------
+
+
+async def test_drain_finishes_accepted_work_refuses_new_and_closes_1001(make_server: Any) -> None:
+    async with make_server(shutdown_timeout=10) as srv, session(srv.url) as (ws, _):
+        with srv.engine.paused():
+            for i in range(3):
+                await send(ws, fill(i, TEXTS[i]))
+            while srv.engine.queued() < 3:
+                await asyncio.sleep(0.01)
+            drain = asyncio.create_task(srv.drain())
+            await asyncio.sleep(0.05)
+            assert (await http_get(srv.http_url + "/readyz"))[0] == 503
+            assert (await http_get(srv.http_url + "/healthz"))[0] == 200
+            with pytest.raises(InvalidStatus) as refused:
+                async with connect(srv.url):
+                    pass
+            assert refused.value.response.status_code == 503
+            await send(ws, fill("late", TEXTS[0]))
+            late = await recv(ws)
+            assert (late["type"], late["status"], late["reason"]) == ("overloaded", 503, "shutting_down")
+        frames = await recv_n(ws, 3)
+        assert sorted(f["id"] for f in frames) == [0, 1, 2] and {f["type"] for f in frames} == {"result"}
+        with pytest.raises(ConnectionClosed):
+            await recv(ws)
+        assert ws.close_code == 1001
+        await drain
+
+
+async def test_drain_timeout_answers_what_is_still_queued(make_server: Any) -> None:
+    async with make_server() as srv, session(srv.url) as (ws, _):
+        with srv.engine.paused():
+            await send(ws, fill("stuck", TEXTS[0]))
+            while srv.engine.queued() < 1:
+                await asyncio.sleep(0.01)
+            await srv.drain(timeout=0.1)
+            frame = await recv(ws)
+            assert (frame["type"], frame["id"], frame["reason"]) == ("overloaded", "stuck", "shutting_down")
+            with pytest.raises(ConnectionClosed):
+                await recv(ws)
+            assert ws.close_code == 1001

@@ -1,0 +1,59 @@
+"""Small helpers for talking raw protocol frames to a server in tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from websockets.asyncio.client import ClientConnection, connect
+
+
+@contextlib.asynccontextmanager
+async def session(url: str) -> AsyncIterator[tuple[ClientConnection, dict[str, Any]]]:
+    """Connect, read the hello frame, and yield (socket, hello)."""
+    async with connect(url, max_size=None) as ws:
+        hello = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        yield ws, hello
+
+
+async def send(ws: ClientConnection, frame: dict[str, Any]) -> None:
+    await ws.send(orjson.dumps(frame).decode())
+
+
+async def recv(ws: ClientConnection, timeout: float = 10.0) -> dict[str, Any]:
+    return orjson.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_n(ws: ClientConnection, n: int, timeout: float = 20.0) -> list[dict[str, Any]]:
+    """Read exactly ``n`` frames (within ``timeout`` seconds in all)."""
+    async with asyncio.timeout(timeout):
+        return [orjson.loads(await ws.recv()) for _ in range(n)]
+
+
+async def request(ws: ClientConnection, frame_id: Any, text: str, **fields: Any) -> dict[str, Any]:
+    """Send one fill_mask and return the next frame (use only with nothing else in flight)."""
+    await send(ws, {"type": "fill_mask", "id": frame_id, "text": text, **fields})
+    return await recv(ws)
+
+
+async def assert_silent(ws: ClientConnection, seconds: float = 0.2) -> None:
+    """Fail if the server sends anything within ``seconds``."""
+    with contextlib.suppress(TimeoutError):
+        frame = await asyncio.wait_for(ws.recv(), seconds)
+        raise AssertionError(f"unexpected frame: {frame!r}")
+
+
+def assert_same_predictions(got: Any, expected: Any, tolerance: float = 1e-4) -> None:
+    """Same structure, tokens, token_str and sequences as the pipeline; scores within ``tolerance``."""
+    assert isinstance(got, list) and isinstance(expected, list)
+    assert len(got) == len(expected), (got, expected)
+    for g, e in zip(got, expected, strict=True):
+        if isinstance(e, list):
+            assert_same_predictions(g, e, tolerance)
+            continue
+        assert set(g) == {"score", "token", "token_str", "sequence"}, g
+        assert (g["token"], g["token_str"], g["sequence"]) == (e["token"], e["token_str"], e["sequence"])
+        assert abs(g["score"] - e["score"]) <= tolerance, (g, e)
