@@ -41,7 +41,10 @@ def is_checkpoint(directory: Path) -> bool:
 def write_checkpoint(size: str, directory: Path, seed: int = 0, init_range: float = 0.2) -> Path:
     """Create ``directory`` with a random-weight ``BertForMaskedLM`` of ``size`` and its tokenizer."""
     import torch
+    import transformers
     from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
