@@ -108,56 +108,84 @@ class FillMaskModel:
         import torch
 
         lengths = [len(item.input_ids) for item in items]
-        longest = max(lengths)
-        ids = torch.full((len(items), longest), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(items), longest), dtype=torch.long)
+        ids = torch.full((len(items), max(lengths)), self.pad_token_id, dtype=torch.long)
         for row, item in enumerate(items):
             ids[row, : lengths[row]] = torch.as_tensor(item.input_ids, dtype=torch.long)
-            attention[row, : lengths[row]] = 1
+        attention = (torch.arange(ids.shape[1]) < torch.as_tensor(lengths)[:, None]).long()
         rows, cols = (ids == self.mask_token_id).nonzero(as_tuple=True)
         inputs: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": attention.to(self.device)}
         if self._wants_token_types:
             inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
         with torch.inference_mode():
+            at_masks = (rows.to(self.device), cols.to(self.device))
             if self._head is not None:
-                hidden = self._encoder(**inputs).last_hidden_state
-                logits = self._head(hidden[rows.to(self.device), cols.to(self.device)])
+                logits = self._head(self._encoder(**inputs).last_hidden_state[at_masks])
             else:
-                logits = self.model(**inputs).logits[rows.to(self.device), cols.to(self.device)]
-            probs = logits.softmax(dim=-1)
+                logits = self.model(**inputs).logits[at_masks]
+            # float32 softmax whatever the weights' dtype: reduced-precision modes lose digits in the
+            # encoder only. For float32 models this is exactly the pipeline's computation.
+            probs = logits.float().softmax(dim=-1).cpu()
+            spans = _spans(rows.tolist(), len(items))
+            plain = [row for row, item in enumerate(items) if item.target_ids is None]
+            top: dict[int, tuple[list[list[float]], list[list[int]]]] = {}
+            if plain:  # one top-k for every row without targets, sliced per request below
+                k = min(max(items[row].top_k for row in plain), probs.shape[-1])
+                picked = torch.cat([torch.arange(*spans[row]) for row in plain])
+                values, indices = probs[picked].topk(k)
+                values_list, indices_list = values.tolist(), indices.tolist()
+                offset = 0
+                for row in plain:
+                    count = spans[row][1] - spans[row][0]
+                    top[row] = (values_list[offset: offset + count], indices_list[offset: offset + count])
+                    offset += count
+            cols_list = cols.tolist()
             results: list[Any] = []
-            first = 0
-            rows_list = rows.tolist()
             for row, item in enumerate(items):
-                last = first
-                while last < len(rows_list) and rows_list[last] == row:
-                    last += 1
-                results.append(self._postprocess(item, probs[first:last], cols[first:last].tolist()))
-                first = last
+                first, last = spans[row]
+                if row in top:
+                    values_rows, indices_rows = top[row]
+                    scores = [v[: item.top_k] for v in values_rows]
+                    tokens = [i[: item.top_k] for i in indices_rows]
+                else:
+                    scores, tokens = self._top_targets(probs[first:last], item)
+                results.append(self._describe(item, cols_list[first:last], scores, tokens))
         return results
 
-    def _postprocess(self, item: Item, probs: Any, mask_positions: list[int]) -> Any:
-        top_k = item.top_k
-        if item.target_ids is not None:
-            probs = probs[..., list(item.target_ids)]
-            top_k = min(top_k, len(item.target_ids))
-        top_k = min(top_k, probs.shape[-1])
-        values, predictions = probs.topk(top_k)
-        single_mask = len(mask_positions) == 1
-        tokens = list(item.input_ids)
+    def _top_targets(self, probs: Any, item: Item) -> tuple[list[list[float]], list[list[int]]]:
+        """The pipeline's top-k restricted to target ids (top_k shrinks to the number of targets)."""
+        targets = list(item.target_ids or ())
+        values, picks = probs[..., targets].topk(min(item.top_k, len(targets)))
+        return values.tolist(), [[targets[p] for p in row] for row in picks.tolist()]
+
+    def _describe(self, item: Item, positions: list[int], scores: list[list[float]],
+                  tokens: list[list[int]]) -> Any:
+        """The pipeline's output dictionaries: one list per mask, or the list itself for one mask."""
+        single_mask = len(positions) == 1
+        ids = list(item.input_ids)
         result = []
-        for position, scores, picks in zip(mask_positions, values.tolist(), predictions.tolist(), strict=True):
+        for position, row_scores, row_tokens in zip(positions, scores, tokens, strict=True):
             row = []
-            for score, pick in zip(scores, picks, strict=True):
-                token = item.target_ids[pick] if item.target_ids is not None else pick
-                original = tokens[position]
-                tokens[position] = token
-                sequence = self.tokenizer.decode(tokens, skip_special_tokens=single_mask)
-                tokens[position] = original
+            original = ids[position]
+            for score, token in zip(row_scores, row_tokens, strict=True):
+                ids[position] = token
                 row.append({"score": score, "token": token, "token_str": self._token_str(token),
-                            "sequence": sequence})
+                            "sequence": self.tokenizer.decode(ids, skip_special_tokens=single_mask)})
+            ids[position] = original
             result.append(row)
         return result[0] if single_mask else result
+
+
+def _spans(rows: list[int], count: int) -> list[tuple[int, int]]:
+    """For each of ``count`` items, the [first, last) range of its mask rows in the sorted ``rows``."""
+    spans = []
+    first = 0
+    for item in range(count):
+        last = first
+        while last < len(rows) and rows[last] == item:
+            last += 1
+        spans.append((first, last))
+        first = last
+    return spans
 
 
 def _max_tokens(tokenizer: Any, config: Any) -> int:

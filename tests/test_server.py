@@ -100,7 +100,11 @@ async def test_mixed_length_batch_equals_each_text_alone(server: FillMaskServer,
             while server.engine.queued() < len(cases):
                 await asyncio.sleep(0.01)
         frames = {frame["id"]: frame for frame in await recv_n(ws, len(cases))}
-    assert max(frame["batch_size"] for frame in frames.values()) == len(cases)
+    padded = 0
+    for i, (text, _) in enumerate(cases):  # a row shorter than its batch's longest row was padded
+        longest = frames[i]["batch_tokens"] // frames[i]["batch_size"]
+        padded += len(reference_pipeline.tokenizer(text)["input_ids"]) < longest
+    assert padded >= 3 and max(frame["batch_size"] for frame in frames.values()) >= 4
     for i, (text, fields) in enumerate(cases):
         assert frames[i]["type"] == "result", frames[i]
         assert_same_predictions(frames[i]["predictions"], reference_pipeline(text, **fields))
