@@ -52,14 +52,15 @@ _HELP: dict[str, str] = {
     "max_targets": "most targets in one request",
     "max_frame_bytes": "largest WebSocket frame; larger ones close the connection with 1009",
     "device": "auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps",
-    "dtype": "model weights: float32 (exact), bfloat16 or float16 (faster, scores differ in later digits)",
+    "dtype": "float32 (exact, default), bfloat16 or float16 (faster where the hardware has them), int8 (dynamic "
+             "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",
     "torch_threads": "torch intra-op threads; 0 = all cores",
     "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM/SIGINT",
     "log_level": "debug, info, warning or error",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": ("float32", "bfloat16", "float16"),
+    "dtype": ("float32", "bfloat16", "float16", "int8"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 

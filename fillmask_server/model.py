@@ -60,7 +60,7 @@ class FillMaskModel:
         self.mask_token: str = tokenizer.mask_token
         self.mask_token_id: int = tokenizer.mask_token_id
         self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size: int = model.config.vocab_size
         self.max_tokens: int = _max_tokens(tokenizer, model.config)
         self._wants_token_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
         head_attr = _HEAD_ATTRIBUTE.get(model.config.model_type)
@@ -221,11 +221,14 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(device)
+    if dtype == "int8" and not device.startswith("cpu"):
+        raise ModelLoadError("--dtype int8 (dynamic quantisation) runs on the CPU only; use --device cpu")
     try:
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                       "int8": torch.float32}[dtype]
         torch.empty(1, device=device)
-    except (KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot use --device {device} --dtype {dtype}: {_first_line(exc)}") from None
+    except (KeyError, RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
+        raise ModelLoadError(f"cannot use --device {device} with --dtype {dtype}: {_first_line(exc)}") from None
     local = Path(name).expanduser().is_dir()
     if not local and not _hub_reachable():
         raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
@@ -248,8 +251,22 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
         raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
                              "use a fill-mask model such as google-bert/bert-base-uncased")
     model = model.to(device).eval()
+    if dtype == "int8":
+        model = _quantize_dynamic(model)
     log.info("loaded %s on %s (%s)", name, device, dtype)
     return FillMaskModel(name, tokenizer, model, device, dtype)
+
+
+def _quantize_dynamic(model: Any) -> Any:
+    """int8 weights for every Linear layer, activations quantised on the fly (CPU)."""
+    import warnings
+
+    import torch
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its own deprecation
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def _first_line(exc: BaseException) -> str:
