@@ -11,6 +11,8 @@ import os
 import textwrap
 from dataclasses import dataclass, fields
 
+from .access import OriginPolicy, tls_context
+
 ENV_PREFIX = "FILLMASK_"
 DEFAULT_MODEL = "google-bert/bert-base-uncased"
 
@@ -36,6 +38,14 @@ class Config:
     torch_threads: int = 0
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    max_connections: int = 1000
+    max_inflight_per_connection: int = 256
+    max_send_buffer_bytes: int = 1_048_576
+    send_timeout: float = 30.0
+    allowed_origins: str = "same-origin,localhost"
+    token: str = ""
+    certfile: str = ""
+    keyfile: str = ""
 
 
 _HELP: dict[str, str] = {
@@ -57,6 +67,20 @@ _HELP: dict[str, str] = {
     "torch_threads": "torch intra-op threads; 0 = all cores",
     "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM/SIGINT",
     "log_level": "debug, info, warning or error",
+    "max_connections": "most open WebSocket connections; beyond it the handshake is refused with HTTP 503",
+    "max_inflight_per_connection": "most requests in flight on one connection; beyond it requests get the error "
+                                   "too_many_inflight",
+    "max_send_buffer_bytes": "bytes of answers waiting to be sent on one connection beyond which the server stops "
+                             "reading that connection's frames until its client reads",
+    "send_timeout": "seconds a client whose unsent answers are over --max-send-buffer-bytes may take nothing from "
+                    "its socket before the connection is closed with 1008",
+    "allowed_origins": "comma-separated origins whose pages may open a WebSocket (e.g. https://app.example.com), "
+                       "plus the keywords same-origin, localhost, null (pages opened from disk) and * (any page); "
+                       "others get HTTP 403. Clients that send no Origin header (not browsers) are always allowed",
+    "token": "shared secret clients must present as 'Authorization: Bearer TOKEN' or ?token=TOKEN on the "
+             "WebSocket and /metrics requests (HTTP 401 otherwise); empty = no token",
+    "certfile": "PEM certificate chain (may also hold the key): serve wss:// and https:// instead of ws:// and http://",
+    "keyfile": "PEM private key for --certfile, when the certificate file does not hold it",
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -90,9 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
             type=kind,
             default=argparse.SUPPRESS,
             choices=_CHOICES.get(f.name),
-            help=f"{_HELP[f.name]} [env {env_name(f.name)}] (default: {f.default})",
+            help=f"{_HELP[f.name]} [env {env_name(f.name)}] (default: {_shown_default(f.default)})",
         )
     return parser
+
+
+def _shown_default(default: object) -> str:
+    """The default as --help shows it (argparse expands % in help text, so it is escaped)."""
+    if default == "":
+        return "none"
+    return str(default).replace("%", "%%")
 
 
 def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Config:
@@ -127,7 +158,8 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
 def validate(config: Config) -> str | None:
     """Return a one-line description of the first nonsensical value, or None."""
     positive = ("max_batch_size", "max_batch_tokens", "max_queue", "max_text_chars", "max_masks",
-                "max_top_k", "max_targets", "max_frame_bytes")
+                "max_top_k", "max_targets", "max_frame_bytes", "max_connections", "max_inflight_per_connection",
+                "max_send_buffer_bytes")
     for name in positive:
         if getattr(config, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
@@ -139,4 +171,19 @@ def validate(config: Config) -> str | None:
         return "--torch-threads must not be negative"
     if not 0 <= config.port <= 65535:
         return "--port must be between 0 and 65535"
+    if config.send_timeout <= 0:
+        return "--send-timeout must be greater than 0"
+    try:
+        OriginPolicy.parse(config.allowed_origins)
+    except ValueError as exc:
+        return str(exc)
+    if config.token != config.token.strip() or any(ord(c) < 33 or ord(c) > 126 for c in config.token):
+        return "--token must be printable ASCII without spaces (it travels in an HTTP header and a URL)"
+    if config.keyfile and not config.certfile:
+        return "--keyfile needs --certfile (the certificate the key belongs to)"
+    if config.certfile:
+        try:
+            tls_context(config.certfile, config.keyfile)
+        except ValueError as exc:
+            return f"--certfile/--keyfile: {exc}"
     return None

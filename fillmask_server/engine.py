@@ -10,6 +10,13 @@ only the caller that made that transition produces its terminal frame. The engin
 QUEUED → RUNNING → DONE (result or error) or QUEUED → DONE (504, tokenizer check failed); the loop
 moves QUEUED → DONE by cancel, deadline timer, disconnect or shutdown. Whoever loses a race sees a
 state other than QUEUED and does nothing.
+
+Faults (protocol.md §7, §9): a batch the model fails on is retried, split in halves while the failure
+is out of memory and item by item otherwise, so only requests that fail alone get ``internal_error``.
+Any other exception while handling a batch fails that batch's requests and the loop goes on. If the
+thread still ends abnormally, ``_die`` marks the engine not ``alive`` (so ``/readyz`` answers 503 and
+``submit`` refuses) and answers every request it held: running ones ``internal_error``, queued ones
+``overloaded`` 503 ``engine_stopped``. Nothing is left hanging.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ class Job:
 
 
 Deliver = Callable[[list[tuple[Job, bytes]]], None]
+# (batch size, padded tokens, each request's queue wait in s, the batch's time on the model in s)
+BatchObserver = Callable[[int, int, list[float], float], None]
 
 
 @dataclass
@@ -71,29 +80,34 @@ class Engine:
     """Owns the queue and the model thread. ``deliver`` is called on the engine thread."""
 
     def __init__(self, model: FillMaskModel, policy: BatchPolicy, max_queue: int, max_masks: int,
-                 deliver: Deliver, clock: Callable[[], float] = time.monotonic) -> None:
+                 deliver: Deliver, clock: Callable[[], float] = time.monotonic,
+                 on_batch: BatchObserver | None = None) -> None:
         self.model = model
         self.policy = policy
         self.max_queue = max_queue
         self.max_masks = max_masks
         self.stats = EngineStats()
         self._deliver = deliver
+        self._on_batch = on_batch
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: deque[Job] = deque()
         self._untokenized: list[Job] = []
         self._running = 0
+        self._batch: list[Job] = []  # the batch the thread is running, for _die
         self._paused = False
         self._stopping = False
         self._seconds_per_row = 0.01  # moving estimate, for retry_after_ms
         self._thread = threading.Thread(target=self._run, name="fillmask-engine", daemon=True)
         self.alive = False
+        self.started_at = clock()
 
     # --- called from the event loop (cheap, never blocks on the model) -------------------------
 
     def start(self) -> None:
         self.alive = True
+        self.started_at = self._clock()
         self._thread.start()
 
     def submit(self, job: Job) -> bool:
@@ -179,7 +193,9 @@ class Engine:
             return False
         job.state = State.DONE
         self._queue.remove(job)
-        if job.n_tokens is None:
+        # An untokenized job is in ``_untokenized``, unless the engine thread has just taken it for
+        # ``_intake`` (which then skips it: its state is no longer QUEUED).
+        if job.n_tokens is None and job in self._untokenized:
             self._untokenized.remove(job)
         return True
 
@@ -195,7 +211,11 @@ class Engine:
                         return
                     fresh, self._untokenized = self._untokenized, []
                 if fresh:
-                    self._intake(fresh)
+                    try:
+                        self._intake(fresh)
+                    except Exception:
+                        log.exception("checking %d new requests failed; answering them internal_error", len(fresh))
+                        self._fail(fresh)
                 with self._lock:
                     if self._paused or self._stopping:
                         continue
@@ -210,16 +230,70 @@ class Engine:
                     for job in decision.batch:
                         job.state = State.RUNNING
                     self._running = len(decision.batch)
+                    self._batch = decision.batch
                 if decision.expired:
                     self._answer_expired(decision.expired, now)
                 if decision.batch:
-                    self._run_batch(decision.batch, decision.padded_tokens, now)
+                    self._run_guarded(decision.batch, decision.padded_tokens, now)
                 with self._lock:
                     self._running = 0
-        except BaseException:  # pragma: no cover - a bug; keep the process honest about it
-            log.exception("engine thread died")
+                    self._batch = []
+        except BaseException as exc:
+            self._die(exc)
+
+    def _run_guarded(self, batch: list[Job], padded_tokens: int, started: float) -> None:
+        """Run one batch; whatever goes wrong outside the model fails this batch only."""
+        try:
+            self._run_batch(batch, padded_tokens, started)
+        except Exception:
+            log.exception("a batch of %d failed outside the model; answering its requests internal_error", len(batch))
+            self._fail(batch)
+            return
+        if self._on_batch is not None:
+            try:
+                self._on_batch(len(batch), padded_tokens, [started - job.arrival for job in batch],
+                               self._clock() - started)
+            except Exception:
+                log.exception("recording batch metrics failed")
+
+    def _fail(self, jobs: list[Job]) -> None:
+        """Answer ``internal_error`` to each job still running, or still queued and untokenized."""
+        failed: list[Job] = []
+        with self._lock:
+            for job in jobs:
+                if job.state is State.RUNNING or (job.state is State.QUEUED and job.n_tokens is None):
+                    if job.state is State.QUEUED:
+                        self._queue.remove(job)
+                        if job in self._untokenized:
+                            self._untokenized.remove(job)
+                    job.state = State.DONE
+                    failed.append(job)
+        self.stats.failed += len(failed)
+        if failed:
+            self._deliver([(job, encode_error(job.request.id, "internal_error", _SERVER_FAILED)) for job in failed])
+
+    def _die(self, exc: BaseException) -> None:
+        """The thread is ending abnormally: refuse new work and answer every request still held."""
+        log.critical("the engine thread stopped (%s); /readyz now answers 503 and requests get 503 engine_stopped",
+                     type(exc).__name__, exc_info=exc)
+        with self._lock:
             self.alive = False
-            raise
+            running = [job for job in self._batch if job.state is State.RUNNING]
+            queued = list(self._queue)
+            for job in (*running, *queued):
+                job.state = State.DONE
+            self._queue.clear()
+            self._untokenized.clear()
+            self._batch = []
+            self._running = 0
+        frames = [(job, encode_error(job.request.id, "internal_error", _SERVER_FAILED)) for job in running]
+        frames += [(job, encode_overloaded(job.request.id, 503, "engine_stopped", ENGINE_STOPPED_RETRY_MS))
+                   for job in queued]
+        if frames:
+            try:
+                self._deliver(frames)
+            except Exception:
+                log.exception("answering the requests of the stopped engine failed")
 
     def _intake(self, jobs: list[Job]) -> None:
         """Tokenize new jobs in one call; answer those that fail the model-side checks of §3."""
@@ -281,11 +355,7 @@ class Engine:
 
     def _run_batch(self, batch: list[Job], padded_tokens: int, started: float) -> None:
         items = [Item(job.input_ids or [], job.request.top_k, job.target_ids) for job in batch]
-        try:
-            outputs: list[Any] = self.model.predict(items)
-        except Exception:
-            log.exception("a batch of %d failed; retrying its requests one by one", len(batch))
-            outputs = [self._predict_one(item) for item in items]
+        outputs = self._predict_all(items)
         elapsed = self._clock() - started
         inference_ms = elapsed * 1000
         frames: list[tuple[Job, bytes]] = []
@@ -296,7 +366,7 @@ class Engine:
                                      "retried, and other requests are unaffected")
             else:
                 frame = encode_result(job.request.id, output, (started - job.arrival) * 1000, inference_ms,
-                                      len(batch), padded_tokens)
+                                      len(batch), padded_tokens, self.stats.batches + 1)
             frames.append((job, frame))
         with self._lock:
             for job in batch:
@@ -309,9 +379,40 @@ class Engine:
         stats.batch_sizes[len(batch)] = stats.batch_sizes.get(len(batch), 0) + 1
         self._deliver(frames)
 
-    def _predict_one(self, item: Item) -> Any:
+    def _predict_all(self, items: list[Item]) -> list[Any]:
+        """One prediction per item, or the exception of an item that failed alone; raises no ``Exception``.
+
+        Out of memory splits the batch in halves, recursively down to single items, so a batch too
+        big for the device still gets through in smaller pieces; any other failure retries item by
+        item, so one bad input fails only itself.
+        """
         try:
-            return self.model.predict([item])[0]
+            return self.model.predict(items)
         except Exception as exc:
-            log.exception("a request failed on the model")
-            return exc
+            if len(items) == 1:
+                if _out_of_memory(exc):
+                    log.error("out of memory on a single request of %d tokens; answering it internal_error",
+                              len(items[0].input_ids))
+                else:
+                    log.exception("the model failed on a request; answering it internal_error")
+                return [exc]
+            if _out_of_memory(exc):
+                log.warning("out of memory on a batch of %d; retrying it in halves", len(items))
+                half = len(items) // 2
+                return self._predict_all(items[:half]) + self._predict_all(items[half:])
+            log.warning("a batch of %d failed (%s); retrying its requests one by one", len(items), type(exc).__name__)
+            return [self._predict_all([item])[0] for item in items]
+
+
+ENGINE_STOPPED_RETRY_MS = 1000
+_SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """True for host or device out-of-memory errors (``MemoryError``, ``torch.OutOfMemoryError``)."""
+    if isinstance(exc, MemoryError):
+        return True
+    import torch  # already loaded: the model runs on torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return isinstance(exc, oom)

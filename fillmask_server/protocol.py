@@ -219,11 +219,11 @@ def encode_hello(server: str, model: str, limits: Limits, extra_limits: dict[str
 
 
 def encode_result(request_id: RequestId, predictions: Any, queue_ms: float, inference_ms: float,
-                  batch_size: int, batch_tokens: int) -> bytes:
+                  batch_size: int, batch_tokens: int, batch_id: int) -> bytes:
     """A request's result (§4)."""
     return orjson.dumps({"type": "result", "id": request_id, "predictions": predictions,
                          "queue_ms": round(queue_ms, 3), "inference_ms": round(inference_ms, 3),
-                         "batch_size": batch_size, "batch_tokens": batch_tokens})
+                         "batch_size": batch_size, "batch_tokens": batch_tokens, "batch_id": batch_id})
 
 
 def encode_error(request_id: RequestId | None, code: str, message: str) -> bytes:

@@ -1,12 +1,17 @@
 """The websockets shell: sockets and HTTP in, protocol frames and engine calls out.
 
 Everything here runs on the asyncio event loop and stays cheap: parsing is ``protocol.parse_frame``,
-admission is ``Engine.submit`` (a lock and an append), and finished frames arrive from the engine
-thread through ``call_soon_threadsafe``. No model code runs on the loop.
+admission is ``Engine.submit`` (a lock and an append), access decisions are ``access`` functions, and
+finished frames arrive from the engine thread through ``call_soon_threadsafe``. No model code runs on
+the loop.
 
 Per connection, ``Connection.inflight`` maps each accepted id to its job until its terminal frame is
 queued for sending (protocol.md §8); every outgoing frame goes through one outbox and one writer
-task, so frames leave in the order they were produced.
+task, so frames leave in the order they were produced. The outbox is bounded: once the bytes
+waiting in it pass ``--max-send-buffer-bytes`` the server reads no more frames from that client, so
+only answers to requests already in flight (at most ``--max-inflight-per-connection``) can still join
+it; and if the socket then takes nothing for ``--send-timeout`` seconds the server drops the outbox
+and closes the connection with 1008 (protocol.md §12).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import email.utils
 import http
 import logging
 import mimetypes
+import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +37,11 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from . import __version__
+from .access import OriginPolicy, presented_token, tls_context, token_matches
 from .batching import BatchPolicy
 from .config import Config
-from .engine import Engine, Job
+from .engine import ENGINE_STOPPED_RETRY_MS, Engine, Job
+from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
 from .protocol import (
     CancelRequest,
@@ -53,27 +62,70 @@ WEBSOCKET_PATHS = ("/", "/ws")
 WEB_ROOT = Path(__file__).resolve().parent.parent / "web_demo"
 SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
+POLICY_VIOLATION = 1008
+CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
 
 
 class Connection:
-    """One client socket: its requests in flight and its ordered outbox."""
+    """One client socket: its requests in flight and its ordered, byte-counted outbox.
 
-    def __init__(self, ws: ServerConnection) -> None:
+    ``pending_bytes`` is the size of the frames queued and not yet handed to the socket; ``congested``
+    is True while it exceeds ``max_send_buffer``, and ``on_congested`` is called each time it becomes
+    True. ``stalled_s`` is how long the writer has been waiting
+    for the socket to take its current frame (websockets' ``send`` waits only while the transport's
+    buffer is full, i.e. while the client reads nothing). Every answer about a request goes through
+    ``reply`` or ``finish``, which count it in the metrics; an answer for a closed connection is
+    counted as dropped and goes nowhere.
+    """
+
+    def __init__(self, ws: ServerConnection, metrics: Metrics, max_send_buffer: int,
+                 on_congested: Callable[[Connection], None]) -> None:
         self.ws = ws
         self.inflight: dict[RequestId, Job] = {}
         self.closed = False
+        self.pending_bytes = 0
+        self._metrics = metrics
+        self._max_send_buffer = max_send_buffer
+        self._on_congested = on_congested
         self._outbox: deque[bytes] = deque()
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._uncongested = asyncio.Event()
+        self._uncongested.set()
+        self._writer: asyncio.Task[None] | None = None
+        self._send_started: float | None = None
+        self.closing: asyncio.Task[None] | None = None  # the server's own close, once it decided on one
+        self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while congested
+
+    @property
+    def congested(self) -> bool:
+        return self.pending_bytes > self._max_send_buffer
+
+    @property
+    def stalled_s(self) -> float:
+        started = self._send_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop())
 
     def send(self, frame: bytes) -> None:
         """Queue one frame for the writer task (never blocks)."""
         if self.closed:
             return
         self._outbox.append(frame)
+        self.pending_bytes += len(frame)
+        if self.pending_bytes > self._max_send_buffer and self._uncongested.is_set():
+            self._uncongested.clear()
+            self._on_congested(self)
         self._idle.clear()
         self._ready.set()
+
+    def reply(self, frame: bytes) -> None:
+        """Send one answer (error, overloaded, result, cancelled) and count it."""
+        self._metrics.answered(frame)
+        self.send(frame)
 
     def finish(self, job: Job, frame: bytes) -> None:
         """Send ``job``'s terminal frame and forget its id (the engine guarantees one call per job)."""
@@ -82,24 +134,72 @@ class Connection:
         if job.timer is not None:
             job.timer.cancel()
             job.timer = None
-        self.send(frame)
+        if self.closed:
+            self._metrics.dropped()
+            return
+        self.reply(frame)
 
-    async def write_loop(self) -> None:
+    async def _write_loop(self) -> None:
         """Send queued frames in order until the connection closes."""
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
                 while self._outbox:
-                    await self.ws.send(self._outbox.popleft(), text=True)
+                    frame = self._outbox.popleft()
+                    self._send_started = time.monotonic()
+                    await self.ws.send(frame, text=True)
+                    self._send_started = None
+                    self.pending_bytes -= len(frame)
+                    if not self.congested:
+                        self._uncongested.set()
                 self._idle.set()
         except ConnectionClosed:
-            self._outbox.clear()
-            self._idle.set()
+            self._drop_outbox()
+
+    def _drop_outbox(self) -> None:
+        self._send_started = None
+        self._outbox.clear()
+        self.pending_bytes = 0
+        self._uncongested.set()
+        self._idle.set()
 
     async def flushed(self) -> None:
         """Return once every queued frame has been handed to the socket."""
         await self._idle.wait()
+
+    async def uncongested(self) -> None:
+        """Return once the unsent bytes are back within the bound (or the connection closed)."""
+        await self._uncongested.wait()
+
+    async def close(self, code: int, reason: str, flush_s: float = 0.0) -> None:
+        """Close with ``code`` after waiting up to ``flush_s`` for the outbox to go out."""
+        if flush_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.flushed(), flush_s)
+        self.stop()
+        await self._close_socket(code, reason)
+
+    def close_soon(self, code: int, reason: str) -> None:
+        """Stop sending at once, dropping the outbox, and close in a task (``closing``); idempotent."""
+        if self.closing is None:
+            self.stop()
+            self.closing = asyncio.create_task(self._close_socket(code, reason))
+
+    async def _close_socket(self, code: int, reason: str) -> None:
+        """Send the close frame and wait ``CLOSE_GRACE_S`` for the closing handshake; a client that
+        does not take the close frame in that time loses the socket (TCP abort)."""
+        try:
+            await asyncio.wait_for(self.ws.close(code, reason), CLOSE_GRACE_S)
+        except TimeoutError:
+            self.ws.transport.abort()
+
+    def stop(self) -> None:
+        """Send nothing more: mark closed, stop the writer, drop the outbox (idempotent)."""
+        self.closed = True
+        if self._writer is not None:
+            self._writer.cancel()
+        self._drop_outbox()
 
 
 @dataclass
@@ -122,16 +222,28 @@ class FillMaskServer:
             top_k_default=min(5, config.max_top_k, model.vocab_size),
             max_targets=config.max_targets,
         )
-        policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000)
-        self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine)
         self.ready = Readiness()
         self.connections: set[Connection] = set()
+        self.origins = OriginPolicy.parse(config.allowed_origins)
+        self._tls: ssl.SSLContext | None = (
+            tls_context(config.certfile, config.keyfile) if config.certfile else None)
+        policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000)
+        self.metrics = Metrics(LiveValues(
+            queue_depth=lambda: self.engine.queued(),
+            open_connections=lambda: len(self.connections),
+            engine_busy_seconds=lambda: self.engine.stats.busy_s,
+            engine_uptime_seconds=lambda: time.monotonic() - self.engine.started_at,
+            engine_alive=lambda: self.engine.alive,
+        ))
+        self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
+                             on_batch=self.metrics.observe_batch)
         self._hello = encode_hello(SERVER_NAME, config.model, self.limits, {
             "max_batch_size": config.max_batch_size,
             "max_batch_tokens": config.max_batch_tokens,
             "max_queue": config.max_queue,
             "max_tokens": model.max_tokens,
             "max_frame_bytes": config.max_frame_bytes,
+            "max_inflight_per_connection": config.max_inflight_per_connection,
         })
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Server | None = None
@@ -148,6 +260,7 @@ class FillMaskServer:
             max_size=self.config.max_frame_bytes,
             compression=None,
             server_header=SERVER_NAME,
+            ssl=self._tls,
         )
         self.ready.loaded = True
         log.info("serving %s on %s", self.config.model, self.url)
@@ -159,11 +272,11 @@ class FillMaskServer:
 
     @property
     def url(self) -> str:
-        return f"ws://{self._display_host()}:{self.port}/"
+        return f"{'wss' if self._tls else 'ws'}://{self._display_host()}:{self.port}/"
 
     @property
     def http_url(self) -> str:
-        return f"http://{self._display_host()}:{self.port}"
+        return f"{'https' if self._tls else 'http'}://{self._display_host()}:{self.port}"
 
     def _display_host(self) -> str:
         host = self.config.host
@@ -181,63 +294,121 @@ class FillMaskServer:
             await asyncio.sleep(0.02)
         for job in self.engine.drain_queue():
             job.owner.finish(job, encode_overloaded(job.request.id, 503, "shutting_down", 1000))
-        for conn in list(self.connections):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(conn.flushed(), timeout=1.0)
-            await conn.ws.close(GOING_AWAY, "server shutting down")
+        # Concurrently, and each bounded in time: a client that does not read cannot hold up the rest.
+        await asyncio.gather(*(conn.close(GOING_AWAY, "server shutting down", flush_s=1.0)
+                               for conn in list(self.connections)))
         if self._server is not None:
             self._server.close(close_connections=True, code=GOING_AWAY)
             await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
         log.info("stopped")
 
-    # --- HTTP -------------------------------------------------------------------------------------
+    # --- HTTP and the handshake -------------------------------------------------------------------
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        """Answer plain HTTP, and decide WebSocket handshakes (protocol.md §9, §12).
+
+        A handshake passes, in this order: the path (404), the Origin rule (403), the token (401),
+        readiness (503) and ``--max-connections`` (503). The connection count is read here and the
+        connection becomes OPEN before the loop runs anything else (websockets sends the 101 without
+        yielding after this synchronous hook), so concurrent handshakes cannot overshoot the limit.
+        """
         path = request.path.split("?", 1)[0]
-        if request.headers.get("Upgrade", "").lower() == "websocket":
+        headers = request.headers
+        if headers.get("Upgrade", "").lower() == "websocket":
             if path not in WEBSOCKET_PATHS:
-                return _json_response(404, {"error": f"no WebSocket endpoint at {path}; connect to /"})
+                return _json_response(404, {"error": f"no WebSocket endpoint at {path[:100]}; connect to /"})
+            if not self.origins.allows(headers.get("Origin"), headers.get("Host"), self._tls is not None):
+                return self._refuse("origin", 403, "pages of this origin may not connect to this server; its "
+                                    "operator can allow them with --allowed-origins")
+            if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
+                return self._refuse("token", 401, _TOKEN_HELP, [("WWW-Authenticate", "Bearer")])
             if self.ready.draining or not self.ready.loaded:
-                return _json_response(503, {"error": "server is shutting down; reconnect later"})
+                return self._refuse("unavailable", 503, "server is shutting down; reconnect later")
+            if not self.engine.alive:
+                return self._refuse("unavailable", 503, "the server's model worker stopped; connect to another "
+                                    "server")
+            assert self._server is not None
+            if len(self._server.connections) >= self.config.max_connections:
+                return self._refuse("max_connections", 503, "the server has as many connections as it accepts; "
+                                    "try again later", [("Retry-After", "1")])
             return None
         if path == "/healthz":
             return _json_response(200, {"status": "ok"})
         if path == "/readyz":
             if self.ready.draining:
                 return _json_response(503, {"status": "draining"})
-            if not self.ready.loaded or not self.engine.alive:
-                return _json_response(503, {"status": "loading" if not self.ready.loaded else "engine stopped"})
+            if not self.ready.loaded:
+                return _json_response(503, {"status": "loading"})
+            if not self.engine.alive:
+                return _json_response(503, {"status": "engine_stopped"})
             return _json_response(200, {"status": "ready"})
+        if path == "/metrics":
+            if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
+                return _json_response(401, {"error": _TOKEN_HELP}, [("WWW-Authenticate", "Bearer")])
+            body, content_type = self.metrics.render(headers.get("Accept"))
+            return _response(200, body, content_type)
         static = _static_file(path)
         if static is not None:
             return static
         return _json_response(404, {"error": "not found"})
 
+    def _refuse(self, reason: str, status: int, message: str,
+                extra_headers: list[tuple[str, str]] | None = None) -> Response:
+        self.metrics.handshakes_refused.labels(reason).inc()
+        return _json_response(status, {"error": message}, extra_headers)
+
     # --- WebSocket --------------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(ws)
+        conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested)
         self.connections.add(conn)
-        writer = asyncio.create_task(conn.write_loop())
+        conn.start()
         conn.send(self._hello)
         try:
             async for message in ws:
+                if conn.closed:
+                    continue  # closing: frames still arriving are read only to reach the client's close frame
                 self._on_message(conn, message)
+                if conn.congested:  # backpressure: read nothing more until the client takes its answers
+                    await conn.uncongested()
         except ConnectionClosed:
             pass
         finally:
-            conn.closed = True
+            conn.stop()
             self.connections.discard(conn)
             jobs = list(conn.inflight.values())
             for job in jobs:
                 if job.timer is not None:
                     job.timer.cancel()
             dropped = self.engine.discard(jobs)
+            self.metrics.dropped(dropped)
             if dropped:
                 log.debug("connection closed with %d requests queued; discarded", dropped)
             conn.inflight.clear()
-            writer.cancel()
+
+    def _on_congested(self, conn: Connection) -> None:
+        self.metrics.reading_paused.inc()
+        conn.watchdog = asyncio.create_task(self._watch_reader(conn))
+
+    async def _watch_reader(self, conn: Connection) -> None:
+        """While ``conn`` is congested, close it once its socket has taken nothing for ``--send-timeout``
+        seconds. A client that reads, however slowly, keeps resetting that clock and is only slowed
+        down; one that reads nothing is closed even if it also sends nothing more."""
+        while conn.congested and not conn.closed:
+            remaining = self.config.send_timeout - conn.stalled_s
+            if remaining <= 0:
+                self.metrics.slow_clients_closed.inc()
+                log.info("closing a connection whose client read nothing for %gs (%d bytes of answers unsent)",
+                         self.config.send_timeout, conn.pending_bytes)
+                # In a task: the handler goes on reading (and discarding) so that websockets can see the
+                # client's answering close frame behind the requests still in the socket.
+                conn.close_soon(POLICY_VIOLATION, "too many unread messages; read the server's messages as "
+                                "they come")
+                self.metrics.dropped(self.engine.discard(list(conn.inflight.values())))  # nobody to answer
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(conn.uncongested(), remaining)
 
     def _on_message(self, conn: Connection, message: str | bytes) -> None:
         parsed = parse_frame(message, self.limits)
@@ -249,21 +420,29 @@ class FillMaskServer:
                 conn.finish(job, encode_cancelled(job.request.id))
         else:
             assert isinstance(parsed, ProtocolError)
-            conn.send(encode_error(parsed.id, parsed.code, parsed.message))
+            conn.reply(encode_error(parsed.id, parsed.code, parsed.message))
 
     def _admit(self, conn: Connection, request: FillMaskRequest) -> None:
         if request.id in conn.inflight:
-            conn.send(encode_error(request.id, "duplicate_id", "a request with this id is still in flight on this "
-                                   "connection; use a new id, or wait for its answer"))
+            conn.reply(encode_error(request.id, "duplicate_id", "a request with this id is still in flight on this "
+                                    "connection; use a new id, or wait for its answer"))
+            return
+        if len(conn.inflight) >= self.config.max_inflight_per_connection:
+            conn.reply(encode_error(request.id, "too_many_inflight", f"this connection already has "
+                                    f"{len(conn.inflight)} requests in flight, the most allowed; wait for "
+                                    "answers before sending more"))
             return
         if self.ready.draining:
-            conn.send(encode_overloaded(request.id, 503, "shutting_down", 1000))
+            conn.reply(encode_overloaded(request.id, 503, "shutting_down", 1000))
             return
         now = time.monotonic()
         deadline = None if request.deadline_ms is None else now + request.deadline_ms / 1000
         job = Job(request, conn, now, deadline)
         if not self.engine.submit(job):
-            conn.send(encode_overloaded(request.id, 503, "queue_full", self.engine.retry_after_ms()))
+            if self.engine.alive:
+                conn.reply(encode_overloaded(request.id, 503, "queue_full", self.engine.retry_after_ms()))
+            else:
+                conn.reply(encode_overloaded(request.id, 503, "engine_stopped", ENGINE_STOPPED_RETRY_MS))
             return
         conn.inflight[request.id] = job
         if deadline is not None:
@@ -286,22 +465,28 @@ class FillMaskServer:
             loop.call_soon_threadsafe(_finish_all, frames)
 
 
+_TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or the query "
+               "parameter ?token=TOKEN")
+
+
 def _finish_all(frames: list[tuple[Job, bytes]]) -> None:
     for job, frame in frames:
         job.owner.finish(job, frame)
 
 
-def _json_response(status: int, body: dict[str, Any]) -> Response:
-    return _response(status, orjson.dumps(body), "application/json")
+def _json_response(status: int, body: dict[str, Any], extra_headers: list[tuple[str, str]] | None = None) -> Response:
+    return _response(status, orjson.dumps(body), "application/json", extra_headers)
 
 
-def _response(status: int, body: bytes, content_type: str) -> Response:
+def _response(status: int, body: bytes, content_type: str,
+              extra_headers: list[tuple[str, str]] | None = None) -> Response:
     headers = Headers([
         ("Date", email.utils.formatdate(usegmt=True)),
         ("Connection", "close"),
         ("Content-Length", str(len(body))),
         ("Content-Type", content_type),
         ("Cache-Control", "no-store"),
+        *(extra_headers or []),
     ])
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 
@@ -313,10 +498,14 @@ def _static_file(path: str) -> Response | None:
     relative = "index.html" if path in ("", "/") else path.lstrip("/")
     if ".." in relative.split("/") or "\\" in relative or relative.startswith("."):
         return None
-    target = (WEB_ROOT / relative).resolve()
-    if WEB_ROOT not in target.parents or not target.is_file():
+    try:
+        target = (WEB_ROOT / relative).resolve()
+        if WEB_ROOT not in target.parents or not target.is_file():
+            return None
+        body = target.read_bytes()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte, no permission, ...
         return None
     content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
     if content_type.startswith("text/") or content_type in ("application/javascript", "application/json"):
         content_type += "; charset=utf-8"
-    return _response(200, target.read_bytes(), content_type)
+    return _response(200, body, content_type)

@@ -78,3 +78,22 @@ def reference_pipeline(tiny_model_dir: Path) -> Any:
     from transformers import pipeline
 
     return pipeline("fill-mask", model=str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture
+def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsyncContextManager[FillMaskServer]]:
+    """``async with make_server_for(model, max_queue=2) as srv:`` — a private server around a given model.
+
+    For fault injection: ``model`` is typically a test subclass of ``FillMaskModel`` that fails on purpose.
+    """
+
+    @contextlib.asynccontextmanager
+    async def factory(model: Any, **overrides: Any) -> AsyncIterator[FillMaskServer]:
+        server = FillMaskServer(replace(tiny_config, **overrides), model)
+        await server.start()
+        try:
+            yield server
+        finally:
+            await server.drain(timeout=2.0)
+
+    return factory

@@ -375,3 +375,23 @@ async def test_drain_timeout_answers_what_is_still_queued(make_server: Any) -> N
             with pytest.raises(ConnectionClosed):
                 await recv(ws)
             assert ws.close_code == 1001
+
+
+# --- fairness across connections (batching.py) ---------------------------------------------------
+
+
+async def test_a_light_connection_is_not_starved_by_a_heavy_one(make_server: Any) -> None:
+    """1,000 requests queued by one connection; another's single request runs in the next batch."""
+    async with make_server(max_batch_size=8, max_queue=2000, max_inflight_per_connection=1000) as srv, \
+            session(srv.url) as (heavy, _), session(srv.url) as (light, _):
+        with srv.engine.paused():
+            for i in range(1000):
+                await send(heavy, fill(i, TEXTS[i % 3]))
+            await send(light, fill("light", TEXTS[2]))
+            while srv.engine.queued() < 1001:
+                await asyncio.sleep(0.01)
+        result = await recv(light)
+        first_heavy = await recv(heavy)
+        assert result["type"] == "result" and first_heavy["type"] == "result"
+        assert result["batch_id"] <= first_heavy["batch_id"] + 1  # served within the next two batches
+        await recv_n(heavy, 999, timeout=60)

@@ -1,0 +1,141 @@
+"""Prometheus metrics of one server, in its own registry (no global state: tests run several servers).
+
+Served by ``GET /metrics`` (protocol.md §9, §11) in the Prometheus text format that the scraper's
+``Accept`` header asks for. Invariants:
+
+- Every frame that ends a request, and every accepted request dropped because its connection closed,
+  is counted exactly once in ``fillmask_requests_total``, at the one place the server hands it to
+  its connection (``FillMaskServer``); frames answering garbage count there too (outcome ``error``).
+- Batch figures are recorded by the engine thread once per batch, right after the batch ran.
+- Live values (queue depth, connections, engine busy time) are read when scraped, from callables,
+  so nothing has to be kept in step with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+OUTCOMES = ("result", "error", "overloaded", "cancelled", "dropped")
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_BATCH_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_RESULT_PREFIX = b'{"type":"result"'  # protocol.encode_result writes "type" first
+
+
+def outcome_of(frame: bytes) -> tuple[str, str]:
+    """(outcome, code) of a frame the server sends about a request: the label values of the counter.
+
+    ``code`` is the error code for ``error``, the reason for ``overloaded`` (``queue_full``,
+    ``shutting_down``, ``engine_stopped``: 503; ``deadline_exceeded``: 504) and empty otherwise.
+    Results are recognised by their first bytes, so the large frames are never parsed again.
+    """
+    if frame.startswith(_RESULT_PREFIX):
+        return "result", ""
+    obj = orjson.loads(frame)
+    kind = obj.get("type")
+    if kind == "error":
+        return "error", str(obj.get("code"))
+    if kind == "overloaded":
+        return "overloaded", str(obj.get("reason"))
+    return str(kind), ""
+
+
+@dataclass(frozen=True)
+class LiveValues:
+    """Callables read at scrape time; each must be cheap and safe to call from the event loop."""
+
+    queue_depth: Callable[[], int]
+    open_connections: Callable[[], int]
+    engine_busy_seconds: Callable[[], float]
+    engine_uptime_seconds: Callable[[], float]
+    engine_alive: Callable[[], bool]
+
+
+class _LiveCollector:
+    """Turns ``LiveValues`` into metric families on every scrape."""
+
+    def __init__(self, live: LiveValues) -> None:
+        self._live = live
+
+    def describe(self) -> Iterable[Metric]:
+        """The families without values, so that registering reads none of the callables."""
+        return self._families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._live)
+
+    @staticmethod
+    def _families(live: LiveValues | None) -> list[Metric]:
+        busy = live.engine_busy_seconds() if live else None
+        uptime = live.engine_uptime_seconds() if live else 0.0
+        ratio = None if busy is None else (busy / uptime if uptime > 0 else 0.0)
+        return [
+            GaugeMetricFamily("fillmask_queue_depth", "Requests waiting in the queue for the model.",
+                              value=live.queue_depth() if live else None),
+            GaugeMetricFamily("fillmask_open_connections", "Open WebSocket connections.",
+                              value=live.open_connections() if live else None),
+            CounterMetricFamily("fillmask_engine_busy_seconds", "Seconds the engine spent running batches; "
+                                "rate() of it is the recent busy ratio.", value=busy),
+            GaugeMetricFamily("fillmask_engine_busy_ratio", "Fraction of the time since the engine started that "
+                              "it spent running batches.", value=ratio),
+            GaugeMetricFamily("fillmask_engine_up", "1 while the engine thread runs, 0 once it stopped.",
+                              value=None if live is None else float(live.engine_alive())),
+        ]
+
+
+class Metrics:
+    """The metrics of one server; ``render`` gives the ``/metrics`` body and its content type."""
+
+    def __init__(self, live: LiveValues) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.requests = Counter(
+            "fillmask_requests", "Requests by how they ended: outcome is result, error, overloaded, cancelled or "
+            "dropped (connection closed first); code is the error code or the overloaded reason.",
+            ["outcome", "code"], registry=registry)
+        self.queue_wait = Histogram("fillmask_queue_wait_seconds", "Time from reading a request to the start "
+                                    "of its batch.", buckets=_SECONDS, registry=registry)
+        self.inference = Histogram("fillmask_inference_seconds", "Time one batch took on the model, "
+                                   "tokenizing and decoding included.", buckets=_SECONDS, registry=registry)
+        self.batch_size = Histogram("fillmask_batch_size", "Requests per batch.", buckets=_BATCH_SIZES,
+                                    registry=registry)
+        self.batch_tokens = Histogram("fillmask_batch_tokens", "Padded tokens (rows x longest row) per batch.",
+                                      buckets=_BATCH_TOKENS, registry=registry)
+        self.handshakes_refused = Counter("fillmask_handshakes_refused", "WebSocket handshakes refused, by reason: "
+                                          "origin (403), token (401), max_connections or unavailable (503).",
+                                          ["reason"], registry=registry)
+        self.reading_paused = Counter("fillmask_reading_paused", "Times the server stopped reading a connection "
+                                      "because its unsent answers passed --max-send-buffer-bytes.", registry=registry)
+        self.slow_clients_closed = Counter("fillmask_slow_clients_closed", "Connections closed with 1008 because "
+                                           "their client did not read for --send-timeout.", registry=registry)
+        registry.register(_LiveCollector(live))
+
+    def answered(self, frame: bytes) -> None:
+        """Count one terminal or error frame handed to a connection."""
+        outcome, code = outcome_of(frame)
+        self.requests.labels(outcome, code).inc()
+
+    def dropped(self, count: int = 1) -> None:
+        """Count accepted requests whose connection closed before their answer could be sent."""
+        if count:
+            self.requests.labels("dropped", "").inc(count)
+
+    def observe_batch(self, size: int, padded_tokens: int, queue_waits_s: Sequence[float],
+                      inference_s: float) -> None:
+        """Record one batch (called on the engine thread; prometheus_client is thread-safe)."""
+        self.batch_size.observe(size)
+        self.batch_tokens.observe(padded_tokens)
+        self.inference.observe(inference_s)
+        for wait in queue_waits_s:
+            self.queue_wait.observe(wait)
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition body and its content type, in the format ``accept`` asks for."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

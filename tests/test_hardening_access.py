@@ -1,0 +1,247 @@
+"""Who may connect (protocol.md §9, §12): the Origin rule, the token, TLS, and clean HTTP errors.
+
+The pure decisions of ``fillmask_server.access`` are tested directly; the handshake is then tested
+on real sockets, with raw HTTP where a test needs headers a WebSocket client would not send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import ssl
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from fillmask_server.access import OriginPolicy, normalize_origin, presented_token, tls_context, token_matches
+from fillmask_server.config import Config, load_config, validate
+from fillmask_server.server import FillMaskServer
+from tests.wire import request, session
+
+TEXT = "Paris is the [MASK] of France."
+TOKEN = "s3cret-Token_42"
+
+# --- the pure rules -------------------------------------------------------------------------------
+
+
+def test_default_origin_policy_allows_no_origin_same_origin_and_localhost_only() -> None:
+    policy = OriginPolicy.parse(Config().allowed_origins)
+    host = "fill.example.com:8765"
+    assert policy.allows(None, host, tls=False)  # not a browser
+    assert policy.allows("http://fill.example.com:8765", host, tls=False)  # the server's own page
+    assert policy.allows("HTTP://Fill.Example.com:8765", host, tls=False)
+    for local in ("http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443", "http://app.localhost:5173"):
+        assert policy.allows(local, host, tls=False), local
+    for other in ("https://fill.example.com:8765", "http://fill.example.com", "http://fill.example.com:8766",
+                  "https://evil.example", "http://localhost.evil.example", "null", "", "garbage", "http://"):
+        assert not policy.allows(other, host, tls=False), other
+    assert policy.allows("https://fill.example.com", "fill.example.com:443", tls=True)  # default ports
+    assert policy.allows("https://fill.example.com:443", "fill.example.com", tls=True)
+
+
+def test_explicit_origins_and_keywords() -> None:
+    policy = OriginPolicy.parse("https://app.example.com, http://10.0.0.5:8080")
+    assert policy.allows("https://app.example.com", "api.example.com", tls=True)
+    assert policy.allows("https://APP.example.com:443", "api.example.com", tls=True)
+    assert policy.allows("http://10.0.0.5:8080", "api.example.com", tls=False)
+    assert not policy.allows("http://localhost:3000", "api.example.com", tls=False)  # not listed any more
+    assert not policy.allows("http://api.example.com", "api.example.com", tls=False)  # nor same-origin
+    assert OriginPolicy.parse("*").allows("https://anything.example", None, tls=False)
+    assert OriginPolicy.parse("null").allows("null", None, tls=False)
+    for bad in ("example.com", "ftp://example.com", "https://example.com/path", "https://", "same origin"):
+        with pytest.raises(ValueError, match="--allowed-origins"):
+            OriginPolicy.parse(bad)
+    assert normalize_origin("https://example.com:443") == "https://example.com"
+    assert normalize_origin("http://[::1]:80") == "http://[::1]"
+    assert normalize_origin("http://example.com:99999") is None
+
+
+def test_token_from_header_or_query() -> None:
+    assert presented_token(f"Bearer {TOKEN}", "/") == TOKEN
+    assert presented_token(f"bearer  {TOKEN} ", "/") == TOKEN
+    assert presented_token(None, f"/?a=1&token={TOKEN}") == TOKEN
+    assert presented_token(None, "/?token=a%20b%2B") == "a b+"  # URL-encoded
+    assert presented_token("Basic abc", "/") is None and presented_token(None, "/ws?tok=1") is None
+    assert token_matches("", None) and token_matches(TOKEN, TOKEN)
+    assert not token_matches(TOKEN, None) and not token_matches(TOKEN, TOKEN + "x") and not token_matches(TOKEN, "")
+    assert not token_matches(TOKEN, "\ud800")  # never raises, whatever arrives
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"max_connections": 0}, "--max-connections must be at least 1"),
+    ({"max_inflight_per_connection": 0}, "--max-inflight-per-connection must be at least 1"),
+    ({"max_send_buffer_bytes": 0}, "--max-send-buffer-bytes must be at least 1"),
+    ({"send_timeout": 0.0}, "--send-timeout must be greater than 0"),
+    ({"allowed_origins": "example.com"}, "--allowed-origins entry 'example.com'"),
+    ({"token": "two words"}, "--token must be printable ASCII"),
+    ({"keyfile": "key.pem"}, "--keyfile needs --certfile"),
+    ({"certfile": "/nonexistent/cert.pem"}, "cannot read TLS file '/nonexistent/cert.pem'"),
+])
+def test_bad_hardening_settings_are_refused_with_one_line(overrides: dict[str, Any], message: str) -> None:
+    problem = validate(Config(**overrides))
+    assert problem is not None and message in problem and "\n" not in problem
+
+
+def test_hardening_flags_have_environment_variables() -> None:
+    config = load_config(["--max-connections", "5"], {"FILLMASK_MAX_CONNECTIONS": "7", "FILLMASK_TOKEN": TOKEN,
+                                                      "FILLMASK_ALLOWED_ORIGINS": "*",
+                                                      "FILLMASK_MAX_INFLIGHT_PER_CONNECTION": "9"})
+    assert (config.max_connections, config.token, config.allowed_origins, config.max_inflight_per_connection) == (
+        5, TOKEN, "*", 9)
+
+
+# --- the handshake on a real socket --------------------------------------------------------------
+
+
+async def raw_handshake(port: int, path: str = "/", headers: dict[str, str] | None = None,
+                        ssl_context: ssl.SSLContext | None = None) -> tuple[int, dict[str, str], bytes]:
+    """Send one WebSocket upgrade request; return the status, headers and body of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ssl_context,
+                                                   server_hostname="localhost" if ssl_context else None)
+    lines = [f"GET {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Upgrade: websocket", "Connection: Upgrade",
+             f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}", "Sec-WebSocket-Version: 13"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    answer_headers = dict(line.split(": ", 1) for line in header_lines if ": " in line)
+    body = b""
+    if "Content-Length" in answer_headers:
+        body = await reader.readexactly(int(answer_headers["Content-Length"]))
+    writer.close()
+    return int(status_line.split()[1]), answer_headers, body
+
+
+def assert_clean_error_body(body: bytes) -> str:
+    message = orjson.loads(body)["error"]
+    assert message and "\n" not in message and "Traceback" not in message and ".py" not in message, message
+    return message
+
+
+async def test_origin_check_on_the_handshake(server: FillMaskServer) -> None:
+    port = server.port
+    for origin in (None, f"http://127.0.0.1:{port}", "http://localhost:5173"):
+        status, _, _ = await raw_handshake(port, headers={"Origin": origin} if origin else {})
+        assert status == 101, origin
+    for origin in ("https://evil.example", "null", f"https://127.0.0.1.evil.example:{port}"):
+        status, _, body = await raw_handshake(port, headers={"Origin": origin})
+        assert status == 403, origin
+        assert "--allowed-origins" in assert_clean_error_body(body)
+    with pytest.raises(InvalidStatus) as refused:  # what a browser page on another site would see
+        async with connect(server.url, origin="https://evil.example"):  # type: ignore[arg-type]
+            pass
+    assert refused.value.response.status_code == 403
+
+
+async def test_allowed_origins_setting_replaces_the_default(make_server: Any) -> None:
+    async with make_server(allowed_origins="https://app.example.com") as srv:
+        assert (await raw_handshake(srv.port, headers={"Origin": "https://app.example.com"}))[0] == 101
+        assert (await raw_handshake(srv.port, headers={"Origin": "http://localhost:3000"}))[0] == 403
+        assert (await raw_handshake(srv.port))[0] == 101
+
+
+async def test_token_is_required_in_header_or_query(make_server: Any) -> None:
+    async with make_server(token=TOKEN) as srv:
+        port = srv.port
+        for headers, path in (({}, "/"), ({"Authorization": "Bearer wrong"}, "/"), ({}, "/?token=wrong"),
+                              ({"Authorization": f"Basic {TOKEN}"}, "/")):
+            status, answer_headers, body = await raw_handshake(port, path, headers)
+            assert status == 401 and answer_headers["WWW-Authenticate"] == "Bearer", (headers, path)
+            assert "?token=" in assert_clean_error_body(body)
+        assert (await raw_handshake(port, "/", {"Authorization": f"Bearer {TOKEN}"}))[0] == 101
+        assert (await raw_handshake(port, f"/ws?token={TOKEN}"))[0] == 101
+        async with session(f"{srv.url}?token={TOKEN}") as (ws, _):  # as the demo page does it
+            assert (await request(ws, 1, TEXT))["type"] == "result"
+        async with connect(srv.url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+            assert orjson.loads(await ws.recv())["type"] == "hello"
+        # Origin comes first: a foreign page learns nothing about the token.
+        assert (await raw_handshake(port, "/", {"Origin": "https://evil.example"}))[0] == 403
+        # Probes stay open; metrics need the token too.
+        assert (await http_status(f"{srv.http_url}/healthz")) == 200
+        assert (await http_status(f"{srv.http_url}/readyz")) == 200
+        assert (await http_status(f"{srv.http_url}/metrics")) == 401
+        assert (await http_status(f"{srv.http_url}/metrics?token={TOKEN}")) == 200
+        assert (await http_status(f"{srv.http_url}/metrics", {"Authorization": f"Bearer {TOKEN}"})) == 200
+        refused = srv.metrics.registry.get_sample_value("fillmask_handshakes_refused_total", {"reason": "token"})
+        assert refused == 4
+
+
+async def http_status(url: str, headers: dict[str, str] | None = None,
+                      context: ssl.SSLContext | None = None) -> int:
+    def get() -> int:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5,
+                                        context=context) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            assert_clean_error_body(error.read())
+            return error.code
+
+    return await asyncio.to_thread(get)
+
+
+async def test_http_errors_are_clean_json_lines(server: FillMaskServer) -> None:
+    for path in ("/nope", "/../../etc/passwd", "/%2e%2e/pyproject.toml", "/" + "a" * 5000):
+        assert await http_status(server.http_url + path) == 404
+    status, _, body = await raw_handshake(server.port, "/elsewhere" + "x" * 3000)
+    assert status == 404 and len(assert_clean_error_body(body)) < 300
+
+
+# --- TLS -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and 127.0.0.1, made here with openssl."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        pytest.skip(f"openssl could not make a certificate: {made.stderr.strip()[:200]}")
+    return cert, key
+
+
+async def test_tls_serves_wss_and_https_only(make_server: Any, certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    client = ssl.create_default_context(cafile=str(cert))
+    async with make_server(certfile=str(cert), keyfile=str(key)) as srv:
+        assert srv.url.startswith("wss://") and srv.http_url.startswith("https://")
+        async with connect(srv.url, ssl=client) as ws:
+            assert orjson.loads(await ws.recv())["type"] == "hello"
+            await ws.send(orjson.dumps({"type": "fill_mask", "id": 1, "text": TEXT}).decode())
+            assert orjson.loads(await ws.recv())["type"] == "result"
+        assert await http_status(srv.http_url + "/readyz", context=client) == 200
+        same_origin = {"Origin": f"https://127.0.0.1:{srv.port}"}
+        assert (await raw_handshake(srv.port, headers=same_origin, ssl_context=client))[0] == 101
+        assert (await raw_handshake(srv.port, headers={"Origin": f"http://127.0.0.1.evil:{srv.port}"},
+                                    ssl_context=client))[0] == 403
+        with pytest.raises(Exception):  # noqa: B017 (plain ws:// on a TLS port fails, however it fails)
+            async with connect(srv.url.replace("wss://", "ws://"), open_timeout=3):
+                pass
+        with pytest.raises(ssl.SSLCertVerificationError):  # an untrusted certificate is not accepted
+            async with connect(srv.url, open_timeout=3):
+                pass
+
+
+def test_tls_files_that_do_not_load_are_one_line_errors(certificate: tuple[Path, Path], tmp_path: Path) -> None:
+    cert, key = certificate
+    assert isinstance(tls_context(str(cert), str(key)), ssl.SSLContext)
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_text(cert.read_text() + key.read_text())
+    assert isinstance(tls_context(str(bundle)), ssl.SSLContext)  # key in the certificate file
+    with pytest.raises(ValueError, match="not PEM, or the key does not match"):
+        tls_context(str(cert))  # no key anywhere
+    (tmp_path / "junk.pem").write_text("junk")
+    problem = validate(Config(certfile=str(tmp_path / "junk.pem")))
+    assert problem is not None and problem.startswith("--certfile/--keyfile: ") and "\n" not in problem

@@ -1,0 +1,191 @@
+"""Greedy and slow clients (protocol.md §7 ``too_many_inflight``, §9 handshake refusals, §12).
+
+A client that never reads is made real: its socket has a tiny receive buffer and its websockets
+library stops taking frames after one, so the server's answers to it pile up on the server's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import statistics
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from fillmask_server.server import Connection, FillMaskServer
+from tests.wire import assert_silent, recv, recv_n, request, send, session
+
+TEXT = "Paris is the [MASK] of France."
+# Eight masks and top_k 100: a result of about 100 kB, so a few of them fill any buffer.
+BIG = {"text": " ".join(["the [MASK] of"] * 8), "top_k": 100}
+
+
+def fill(frame_id: Any, text: str = TEXT, **fields: Any) -> dict[str, Any]:
+    return {"type": "fill_mask", "id": frame_id, "text": text, **fields}
+
+
+# --- too_many_inflight -------------------------------------------------------------------------------
+
+
+async def test_requests_beyond_the_per_connection_cap_get_too_many_inflight(make_server: Any) -> None:
+    async with make_server(max_inflight_per_connection=3) as srv, session(srv.url) as (ws, hello), \
+            session(srv.url) as (other, _):
+        assert hello["limits"]["max_inflight_per_connection"] == 3
+        with srv.engine.paused():
+            for i in range(5):
+                await send(ws, fill(i))
+            refused = await recv_n(ws, 2, timeout=2)  # answered while the engine is held
+            for i in range(3):  # the cap is per connection: another one has its own
+                await send(other, fill(i))
+            while srv.engine.queued() < 6:
+                await asyncio.sleep(0.005)
+        assert [(f["type"], f["code"], f["id"]) for f in refused] == [
+            ("error", "too_many_inflight", 3), ("error", "too_many_inflight", 4)]
+        assert "3 requests in flight" in refused[0]["message"] and "wait" in refused[0]["message"]
+        assert sorted(f["id"] for f in await recv_n(ws, 3)) == [0, 1, 2]
+        assert sorted(f["id"] for f in await recv_n(other, 3)) == [0, 1, 2]
+        assert (await request(ws, 3, TEXT))["type"] == "result"  # answers freed the places
+        await assert_silent(ws, 0.1)
+
+
+# --- --max-connections -------------------------------------------------------------------------------
+
+
+async def test_handshakes_beyond_max_connections_get_503(make_server: Any) -> None:
+    async with make_server(max_connections=2) as srv:
+
+        async def try_connect() -> ClientConnection | int:
+            try:
+                ws = await connect(srv.url)
+            except InvalidStatus as refused:
+                body = orjson.loads(refused.response.body)
+                assert "try again later" in body["error"]
+                assert refused.response.headers["Retry-After"] == "1"
+                return refused.response.status_code
+            await ws.recv()
+            return ws
+
+        attempts = await asyncio.gather(*(try_connect() for _ in range(6)))  # at once: no overshoot
+        opened = [a for a in attempts if not isinstance(a, int)]
+        assert len(opened) == 2 and sorted(a for a in attempts if isinstance(a, int)) == [503] * 4
+        await opened[0].close()
+        while len(srv.connections) > 1:
+            await asyncio.sleep(0.005)
+        async with session(srv.url) as (ws, _):  # a place is free again
+            assert (await request(ws, 1, TEXT))["type"] == "result"
+        await opened[1].close()
+
+
+# --- clients that do not read ------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def non_reading_client(srv: FillMaskServer) -> AsyncIterator[ClientConnection]:
+    """A connection whose client takes one frame (the hello) and then reads nothing.
+
+    The kernel's socket buffers on both sides are made small (the server's accepted socket inherits
+    them from its listening socket), so that a few answers fill them, as a few megabytes would on a
+    real network.
+    """
+    assert srv._server is not None
+    for listener in srv._server.sockets:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect, so the window stays small
+    sock.connect(("127.0.0.1", srv.port))
+    sock.setblocking(False)
+    ws = await connect(srv.url, sock=sock, max_queue=1, max_size=None, close_timeout=1)
+    try:
+        yield ws
+    finally:
+        ws.transport.abort()
+
+
+def connection_of(srv: FillMaskServer, exclude: set[Connection]) -> Connection:
+    (conn,) = [c for c in srv.connections if c not in exclude]
+    return conn
+
+
+async def wait_until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.005)
+
+
+async def latencies(ws: ClientConnection, tag: str, count: int = 15) -> list[float]:
+    seen = []
+    for i in range(count):
+        started = time.perf_counter()
+        frame = await request(ws, f"{tag}-{i}", TEXT)
+        seen.append(time.perf_counter() - started)
+        assert frame["type"] == "result", frame
+    return seen
+
+
+async def test_a_client_that_never_reads_is_not_read_from_and_others_are_not_slowed(make_server: Any) -> None:
+    bound, cap = 64 * 1024, 8
+    async with make_server(max_send_buffer_bytes=bound, max_inflight_per_connection=cap, send_timeout=60) as srv, \
+            session(srv.url) as (light, _):
+        await latencies(light, "warm", 5)
+        before = statistics.median(await latencies(light, "before"))
+        known = set(srv.connections)
+        async with non_reading_client(srv) as hog:
+            hog_conn = connection_of(srv, known)
+            sender = asyncio.create_task(flood(hog, 20_000))
+            await wait_until(lambda: sample(srv, "fillmask_reading_paused_total") >= 1)
+            await wait_until(lambda: srv.engine.queued() == 0 and not hog_conn.inflight)
+            answered = answered_count(srv)
+            during = await latencies(light, "during")
+            # Nothing more was read from the hog while the light client was served...
+            assert answered_count(srv) == answered + len(during)
+            assert answered - 20 < 20_000 and not sender.done()
+            # ...and what waits for it is the bound plus the answers to its requests in flight.
+            assert hog_conn.congested and hog_conn.pending_bytes <= bound + cap * 200_000
+            sender.cancel()
+        assert statistics.median(during) <= 3 * before + 0.05, (before, statistics.median(during))
+        assert max(during) <= 10 * before + 0.25, (before, during)
+
+
+async def flood(ws: ClientConnection, count: int) -> None:
+    """Send ``count`` requests for big answers without reading any; stalls once the server stops reading."""
+    for i in range(count):
+        await send(ws, fill(f"hog-{i}", **BIG))
+
+
+def answered_count(srv: FillMaskServer) -> float:
+    return sum(s.value for metric in srv.metrics.requests.collect() for s in metric.samples
+               if s.name.endswith("_total"))
+
+
+def sample(srv: FillMaskServer, name: str, **labels: str) -> float:
+    return srv.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("count", [8, 20_000], ids=["then-silent", "flooding"])
+async def test_a_client_that_does_not_read_for_send_timeout_is_closed_with_1008(make_server: Any, count: int) -> None:
+    """Whether it keeps sending (reading it is stopped) or sent a few requests and went quiet."""
+    async with make_server(max_send_buffer_bytes=64 * 1024, max_inflight_per_connection=8, send_timeout=0.3) as srv:
+        known = set(srv.connections)
+        async with non_reading_client(srv) as hog:
+            hog_conn = connection_of(srv, known)
+            sender = asyncio.create_task(flood(hog, count))
+            await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == 1)
+            assert hog_conn.closed and hog_conn.pending_bytes == 0  # what waited was dropped
+            sender.cancel()
+            with pytest.raises(ConnectionClosed):  # now it reads: what was on the wire, then the close
+                while True:
+                    await recv(hog, timeout=5)
+            assert hog.close_code == 1008
+            assert "read the server's messages" in hog.close_reason
+        await wait_until(lambda: hog_conn not in srv.connections)
+        async with session(srv.url) as (ws, _):
+            assert (await request(ws, 1, TEXT))["type"] == "result"

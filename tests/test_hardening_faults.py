@@ -1,0 +1,229 @@
+"""Faults in the engine (protocol.md §6, §7, §8, §9): bad inputs, out of memory, a dying engine thread,
+and clients that leave while their batch runs.
+
+No real input makes the tiny model raise (the protocol checks catch them all first), so faults are
+injected by a subclass of ``FillMaskModel`` that fails on purpose for texts holding a marker word, and
+otherwise predicts normally. Everything else is real: sockets, engine thread, batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from fillmask_server.model import FillMaskModel, Item, load_model
+from fillmask_server.server import FillMaskServer
+from tests.test_server import http_get
+from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session
+
+MARKER = "explode"  # one WordPiece token of the bert-base-uncased vocabulary
+TEXT = "Paris is the [MASK] of France."
+BAD_TEXT = f"{MARKER} is the [MASK] of France."  # the same length in tokens as TEXT
+
+
+class EngineKiller(BaseException):
+    """Not an ``Exception``: nothing in the engine is meant to catch it, so the thread ends."""
+
+
+class FaultyModel(FillMaskModel):
+    """The tiny model, except that ``predict`` first asks ``fault(items, has_marker)`` for an exception.
+
+    ``calls`` records the size of every ``predict`` call, to see how the engine retried.
+    """
+
+    def __init__(self, base: FillMaskModel, fault: Callable[[Sequence[Item], bool], BaseException | None]) -> None:
+        self.__dict__.update(base.__dict__)
+        self.marker_id = base.tokenizer.convert_tokens_to_ids(MARKER)
+        self.fault = fault
+        self.calls: list[int] = []
+
+    def predict(self, items: Sequence[Item]) -> list[Any]:
+        self.calls.append(len(items))
+        error = self.fault(items, any(self.marker_id in item.input_ids for item in items))
+        if error is not None:
+            raise error
+        return super().predict(items)
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir: Path) -> FillMaskModel:
+    return load_model(str(tiny_model_dir))
+
+
+async def queue_then_release(srv: FillMaskServer, ws: Any, frames: list[dict[str, Any]]) -> None:
+    """Send ``frames`` while the engine is held, so that they form one batch when it resumes."""
+    with srv.engine.paused():
+        for frame in frames:
+            await send(ws, frame)
+        while srv.engine.queued() < len(frames):
+            await asyncio.sleep(0.005)
+
+
+def fill(frame_id: Any, text: str) -> dict[str, Any]:
+    return {"type": "fill_mask", "id": frame_id, "text": text}
+
+
+def assert_clean_internal_error(frame: dict[str, Any]) -> None:
+    assert (frame["type"], frame["code"]) == ("error", "internal_error"), frame
+    message = frame["message"]
+    assert "\n" not in message and "/" not in message and "Traceback" not in message and "Error" not in message
+
+
+async def test_an_input_that_makes_the_model_raise_fails_only_that_request(
+        base_model: FillMaskModel, make_server_for: Any, reference_pipeline: Any) -> None:
+    model = FaultyModel(base_model, lambda items, marked: RuntimeError("boom at /secret/path.py") if marked else None)
+    async with make_server_for(model) as srv, session(srv.url) as (ws, _):
+        await queue_then_release(srv, ws, [fill(i, BAD_TEXT if i == 3 else TEXT) for i in range(6)])
+        frames = {frame["id"]: frame for frame in await recv_n(ws, 6)}
+        await assert_silent(ws, 0.1)
+        assert model.calls == [6, 1, 1, 1, 1, 1, 1]  # the batch, then each request alone
+        assert_clean_internal_error(frames.pop(3))
+        expected = reference_pipeline(TEXT)
+        for frame in frames.values():
+            assert frame["type"] == "result" and frame["batch_size"] == 6
+            assert_same_predictions(frame["predictions"], expected)
+        assert (await request(ws, "next", TEXT))["type"] == "result"
+        assert srv.engine.alive
+
+
+@pytest.mark.parametrize("oom", [torch.OutOfMemoryError, MemoryError])
+async def test_out_of_memory_splits_the_batch_in_halves_down_to_one(
+        base_model: FillMaskModel, make_server_for: Any, oom: type[Exception]) -> None:
+    """Batches of more than two rows are "too big"; so is any batch holding the marker text."""
+    model = FaultyModel(base_model, lambda items, marked: oom("out of memory") if marked or len(items) > 2 else None)
+    async with make_server_for(model) as srv, session(srv.url) as (ws, _):
+        await queue_then_release(srv, ws, [fill(i, BAD_TEXT if i == 5 else TEXT) for i in range(8)])
+        frames = {frame["id"]: frame for frame in await recv_n(ws, 8)}
+        await assert_silent(ws, 0.1)
+    # 8 fails; both 4s fail; the four 2s succeed but the marker's pair, which splits into two 1s.
+    assert sorted(model.calls) == [1, 1, 2, 2, 2, 2, 4, 4, 8] and model.calls[0] == 8
+    assert_clean_internal_error(frames.pop(5))
+    assert {frame["type"] for frame in frames.values()} == {"result"}
+
+
+async def test_a_batch_failing_outside_the_model_fails_that_batch_and_the_engine_goes_on(
+        base_model: FillMaskModel, make_server_for: Any) -> None:
+    """The model returns something the engine cannot encode: a bug in the engine's own path."""
+
+    class UnencodableModel(FaultyModel):
+        def predict(self, items: Sequence[Item]) -> list[Any]:
+            results = super().predict(items)
+            return [object() if self.marker_id in item.input_ids else r for item, r in zip(items, results,
+                                                                                             strict=True)]
+
+    model = UnencodableModel(base_model, lambda items, marked: None)
+    async with make_server_for(model) as srv, session(srv.url) as (ws, _):
+        await queue_then_release(srv, ws, [fill(0, BAD_TEXT), fill(1, TEXT)])
+        for frame in await recv_n(ws, 2):
+            assert_clean_internal_error(frame)
+        assert srv.engine.alive
+        assert (await request(ws, "after", TEXT))["type"] == "result"
+        assert await http_get(srv.http_url + "/readyz") == (200, {"status": "ready"})
+
+
+async def test_a_dead_engine_answers_everything_and_turns_readiness_503(
+        base_model: FillMaskModel, make_server_for: Any, caplog: pytest.LogCaptureFixture) -> None:
+    model = FaultyModel(base_model, lambda items, marked: EngineKiller() if marked else None)
+    async with make_server_for(model, max_batch_size=2) as srv, session(srv.url) as (ws, _):
+        await queue_then_release(srv, ws, [fill(i, BAD_TEXT) for i in range(5)])
+        frames = await recv_n(ws, 5)
+        running = [f for f in frames if f["type"] == "error"]
+        queued = [f for f in frames if f["type"] == "overloaded"]
+        assert len(running) == 2 and len(queued) == 3  # the batch that was running, and the rest
+        for frame in running:
+            assert_clean_internal_error(frame)
+        assert {(f["status"], f["reason"]) for f in queued} == {(503, "engine_stopped")}
+        assert not srv.engine.alive
+        assert await http_get(srv.http_url + "/readyz") == (503, {"status": "engine_stopped"})
+        assert (await http_get(srv.http_url + "/healthz"))[0] == 200
+        late = await request(ws, "late", TEXT)  # an open connection: answered at once, never left hanging
+        assert (late["type"], late["status"], late["reason"]) == ("overloaded", 503, "engine_stopped")
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(srv.url):
+                pass
+        assert refused.value.response.status_code == 503
+        assert "engine_up 0.0" in (await http_text(srv.http_url + "/metrics"))
+    assert [r.levelname for r in caplog.records if "engine thread stopped" in r.getMessage()] == ["CRITICAL"]
+
+
+async def test_a_client_leaving_mid_batch_drops_its_results_quietly(
+        base_model: FillMaskModel, make_server_for: Any, caplog: pytest.LogCaptureFixture) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    def hold_first_batch(items: Sequence[Item], marked: bool) -> None:
+        if not entered.is_set():
+            entered.set()
+            release.wait(10)
+        return None
+
+    model = FaultyModel(base_model, hold_first_batch)
+    caplog.set_level(logging.DEBUG)
+    async with make_server_for(model) as srv:
+        async with session(srv.url) as (ws, _):
+            await queue_then_release(srv, ws, [fill(i, TEXT) for i in range(5)])
+            assert await asyncio.to_thread(entered.wait, 5)
+        while srv.connections:  # the server has seen the close
+            await asyncio.sleep(0.005)
+        caplog.clear()
+        release.set()
+        async with session(srv.url) as (ws, _):
+            assert (await request(ws, "other", TEXT))["type"] == "result"
+        assert srv.engine.stats.rows == 6
+        metrics = await http_text(srv.http_url + "/metrics")
+        assert 'fillmask_requests_total{code="",outcome="dropped"} 5.0' in metrics
+    # websockets' own INFO lines ("connection open") are its lifecycle, silenced by ws_server.py.
+    noisy = [r for r in caplog.records if r.levelno >= logging.WARNING or (
+        r.name.startswith("fillmask") and r.levelno >= logging.INFO
+        and not r.getMessage().startswith(("drain", "stop")))]
+    assert noisy == [], [r.getMessage() for r in noisy]
+
+
+async def http_text(url: str) -> str:
+    import urllib.request
+
+    def get() -> str:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.read().decode()
+
+    return await asyncio.to_thread(get)
+
+
+
+async def test_a_deadline_or_cancel_while_the_engine_tokenizes_is_answered_once(
+        base_model: FillMaskModel, make_server_for: Any) -> None:
+    """Found by the soak: a request leaving the queue while its text was being tokenized was never answered."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowTokenizer(FaultyModel):
+        def tokenize(self, texts: list[str]) -> list[list[int]]:
+            if MARKER in texts[0] and not release.is_set():
+                entered.set()
+                release.wait(10)
+            return super().tokenize(texts)
+
+    model = SlowTokenizer(base_model, lambda items, marked: None)
+    async with make_server_for(model) as srv, session(srv.url) as (ws, _):
+        await send(ws, {"type": "fill_mask", "id": "late", "text": BAD_TEXT, "deadline_ms": 30})
+        assert await asyncio.to_thread(entered.wait, 5)
+        expired = await recv(ws, timeout=5)  # while the tokenizer still holds it
+        assert (expired["id"], expired["status"], expired["reason"]) == ("late", 504, "deadline_exceeded")
+        release.set()
+        await assert_silent(ws, 0.2)
+        release.clear()
+        entered.clear()
+        await send(ws, fill("gone", BAD_TEXT))
+        assert await asyncio.to_thread(entered.wait, 5)
+        await send(ws, {"type": "cancel", "id": "gone"})
+        assert await recv(ws, timeout=5) == {"type": "cancelled", "id": "gone"}
+        release.set()
+        await assert_silent(ws, 0.2)
+        assert (await request(ws, "after", TEXT))["type"] == "result"

@@ -1,0 +1,93 @@
+"""``GET /metrics`` (protocol.md §11): every outcome counted once, batch histograms, live gauges, and one
+registry per server."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from fillmask_server.server import FillMaskServer
+from tests.wire import recv, recv_n, request, send, session
+
+TEXT = "Paris is the [MASK] of France."
+
+
+async def scrape(srv: FillMaskServer, accept: str | None = None) -> tuple[str, dict[tuple[str, tuple], float]]:
+    """The content type and every sample, keyed by (name, sorted labels)."""
+
+    def get() -> tuple[str, str]:
+        headers = {"Accept": accept} if accept else {}
+        with urllib.request.urlopen(urllib.request.Request(srv.http_url + "/metrics", headers=headers),
+                                    timeout=5) as response:
+            return response.headers["Content-Type"], response.read().decode()
+
+    content_type, text = await asyncio.to_thread(get)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return content_type, samples
+
+
+def outcome(samples: dict[tuple[str, tuple], float], kind: str, code: str = "") -> float:
+    return samples.get(("fillmask_requests_total", (("code", code), ("outcome", kind))), 0.0)
+
+
+async def test_every_outcome_batches_and_live_values(make_server: Any) -> None:
+    async with make_server(max_queue=1) as srv, make_server() as other:
+        async with session(srv.url) as (ws, _):
+            assert (await request(ws, "ok", TEXT))["type"] == "result"
+            with srv.engine.paused():
+                await send(ws, {"type": "fill_mask", "id": "late", "text": TEXT, "deadline_ms": 20})
+                assert (await recv(ws))["reason"] == "deadline_exceeded"
+                await send(ws, {"type": "fill_mask", "id": "gone", "text": TEXT})
+                await send(ws, {"type": "cancel", "id": "gone"})
+                assert (await recv(ws))["type"] == "cancelled"
+                await send(ws, {"type": "fill_mask", "id": "q1", "text": TEXT})
+                await send(ws, {"type": "fill_mask", "id": "q2", "text": TEXT})
+                assert (await recv(ws))["reason"] == "queue_full"
+                await ws.send("not json")
+                await send(ws, {"type": "fill_mask", "id": "nm", "text": "no mask"})
+                assert [f["code"] for f in await recv_n(ws, 2)] == ["invalid_json", "no_mask"]
+                _, held = await scrape(srv)
+                assert held[("fillmask_queue_depth", ())] == 1
+                assert held[("fillmask_open_connections", ())] == 1
+            assert (await recv(ws))["id"] == "q1"
+
+        for _ in range(100):  # the engine records a batch just after handing over its results
+            content_type, samples = await scrape(srv)
+            if samples[("fillmask_batch_size_count", ())] == srv.engine.stats.batches:
+                break
+            await asyncio.sleep(0.01)
+        assert content_type.startswith("text/plain; version=0.0.4")
+        assert outcome(samples, "result") == 2
+        assert outcome(samples, "overloaded", "deadline_exceeded") == 1
+        assert outcome(samples, "overloaded", "queue_full") == 1
+        assert outcome(samples, "cancelled") == 1
+        assert outcome(samples, "error", "invalid_json") == 1 and outcome(samples, "error", "no_mask") == 1
+        assert sum(v for (name, _), v in samples.items() if name == "fillmask_requests_total") == 7
+
+        batches = srv.engine.stats.batches
+        assert batches >= 2
+        assert samples[("fillmask_batch_size_count", ())] == batches
+        assert samples[("fillmask_batch_size_sum", ())] == srv.engine.stats.rows == 2
+        assert samples[("fillmask_inference_seconds_count", ())] == batches
+        assert samples[("fillmask_batch_tokens_count", ())] == batches
+        assert samples[("fillmask_batch_tokens_sum", ())] >= 2 * 9  # two rows of nine tokens at least
+        assert samples[("fillmask_queue_wait_seconds_count", ())] == 2
+        assert samples[("fillmask_queue_wait_seconds_bucket", (("le", "+Inf"),))] == 2
+        assert samples[("fillmask_queue_depth", ())] == 0
+        assert samples[("fillmask_engine_up", ())] == 1
+        assert 0 < samples[("fillmask_engine_busy_seconds_total", ())] <= samples[
+            ("fillmask_inference_seconds_sum", ())] + 0.01
+        assert 0 < samples[("fillmask_engine_busy_ratio", ())] < 1
+
+        _, fresh = await scrape(other)  # a second server in the same process counts on its own
+        assert sum(v for (name, _), v in fresh.items() if name == "fillmask_requests_total") == 0
+        assert fresh[("fillmask_batch_size_count", ())] == 0
+
+
+async def test_openmetrics_is_served_when_asked_for(server: FillMaskServer) -> None:
+    content_type, _ = await scrape(server, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
