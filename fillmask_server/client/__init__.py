@@ -1,0 +1,46 @@
+"""Python client for the fill-mask WebSocket server (``protocol.md``), async and blocking.
+
+    import asyncio
+    from fillmask_server.client import FillMaskClient
+
+    async def main() -> None:
+        async with FillMaskClient("ws://127.0.0.1:8765/") as client:
+            print(await client.fill_mask("Paris is the [MASK] of France.", top_k=3))
+
+    asyncio.run(main())
+
+Modules, one idea each: ``frames`` (the wire, without I/O), ``errors`` (what a failed call raises),
+``retry`` (backoff arithmetic), ``async_client`` (the connection and its calls), ``sync_client`` (the
+same behind a background loop), ``cli`` (the ``fillmask-client`` command).
+"""
+
+from .async_client import DEFAULT_URL, FillMaskClient
+from .cli import main
+from .errors import (
+    ConnectError,
+    ConnectionLostError,
+    DeadlineExceededError,
+    FillMaskError,
+    OverloadedError,
+    RequestError,
+)
+from .frames import FillMaskResult, Prediction, Predictions
+from .retry import RetryPolicy
+from .sync_client import SyncFillMaskClient
+
+__all__ = [
+    "DEFAULT_URL",
+    "ConnectError",
+    "ConnectionLostError",
+    "DeadlineExceededError",
+    "FillMaskClient",
+    "FillMaskError",
+    "FillMaskResult",
+    "OverloadedError",
+    "Prediction",
+    "Predictions",
+    "RequestError",
+    "RetryPolicy",
+    "SyncFillMaskClient",
+    "main",
+]

@@ -1,0 +1,155 @@
+"""The client's side of the wire, without I/O: build request frames, read server frames.
+
+Everything here is a pure function of its arguments, so the mapping from a server frame to a result
+or an exception can be read (and tested) without a socket or an event loop. The sections cited are
+those of ``protocol.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import orjson
+
+from .errors import DeadlineExceededError, FillMaskError, OverloadedError, RequestError
+
+PROTOCOL_VERSION = 1
+#: Frame types that end a request (§8). An ``error`` with code ``duplicate_id`` is the exception: it is
+#: about the rejected frame only, and the request in flight under that id still gets its own (§7).
+#: (``too_many_inflight`` also answers the rejected frame only, but that frame was the request: it was
+#: not accepted, so for its id that error is the one and only answer.)
+TERMINAL_TYPES = frozenset({"result", "error", "overloaded", "cancelled"})
+#: The largest integer id a browser echoes exactly (§3).
+MAX_SAFE_ID = 2**53 - 1
+
+
+class Prediction(TypedDict):
+    """One candidate for one mask, exactly as the ``fill-mask`` pipeline returns it (§4)."""
+
+    score: float
+    token: int
+    token_str: str
+    sequence: str
+
+
+#: A text with one mask gets a list of candidates; a text with several masks gets one list per mask.
+Predictions = list[Prediction] | list[list[Prediction]]
+
+
+@dataclass(frozen=True)
+class FillMaskResult:
+    """A ``result`` frame (§4): the predictions plus the server's timings for the request.
+
+    ``frame`` is the raw frame as received (what ``--json`` prints); the other fields are read from it.
+    """
+
+    predictions: Predictions
+    queue_ms: float | None
+    inference_ms: float | None
+    batch_size: int | None
+    batch_tokens: int | None
+    batch_id: int | None
+    frame: dict[str, Any]
+
+    @property
+    def mask_count(self) -> int:
+        """How many masks the text had (one list of predictions each)."""
+        preds = self.predictions
+        return len(preds) if preds and isinstance(preds[0], list) else 1
+
+    def per_mask(self) -> list[list[Prediction]]:
+        """The predictions as one list per mask, whether the text had one mask or several."""
+        preds = self.predictions
+        if preds and isinstance(preds[0], list):
+            return list(preds)  # type: ignore[arg-type]
+        return [preds]  # type: ignore[list-item]
+
+
+def encode_fill_mask(
+    request_id: int,
+    text: str,
+    *,
+    top_k: int | None = None,
+    targets: str | Sequence[str] | None = None,
+    deadline_ms: float | None = None,
+) -> bytes:
+    """The ``fill_mask`` frame (§3) as UTF-8 JSON; fields left as ``None`` are omitted (server defaults).
+
+    Values are not checked here: the server is the one authority on what is valid and answers with a
+    precise ``error`` (§7). Only ``targets`` is normalised from any sequence to a JSON list.
+    """
+    frame: dict[str, Any] = {"type": "fill_mask", "id": request_id, "text": text}
+    if top_k is not None:
+        frame["top_k"] = top_k
+    if targets is not None:
+        frame["targets"] = targets if isinstance(targets, str) else list(targets)
+    if deadline_ms is not None:
+        frame["deadline_ms"] = deadline_ms
+    return orjson.dumps(frame)
+
+
+def encode_cancel(request_id: int) -> bytes:
+    """The ``cancel`` frame (§5) for a request in flight."""
+    return orjson.dumps({"type": "cancel", "id": request_id})
+
+
+def decode_frame(data: bytes | str) -> dict[str, Any]:
+    """Parse one server frame; ``ValueError`` when it is not a JSON object with a string ``type``."""
+    value = orjson.loads(data)
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ValueError("server frame is not a JSON object with a string 'type'")
+    return value
+
+
+def check_hello(frame: dict[str, Any]) -> str | None:
+    """Return why ``frame`` is not an acceptable first frame (§2), or ``None`` when it is."""
+    if frame.get("type") != "hello":
+        return f"expected a 'hello' frame first, got {frame.get('type')!r}"
+    if frame.get("protocol") != PROTOCOL_VERSION:
+        return f"server speaks protocol {frame.get('protocol')!r}, this client speaks {PROTOCOL_VERSION}"
+    return None
+
+
+def terminal_id(frame: dict[str, Any]) -> int | None:
+    """The request id a frame ends, or ``None`` when it ends none of this client's requests.
+
+    This client only sends positive integer ids, so anything else (``null`` on an unattributable
+    ``error``, a string, a boolean, which ``==`` would confuse with 0 and 1) is not one of ours.
+    """
+    if frame["type"] not in TERMINAL_TYPES:
+        return None
+    if frame["type"] == "error" and frame.get("code") == "duplicate_id":
+        return None
+    request_id = frame.get("id")
+    return request_id if type(request_id) is int else None
+
+
+def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
+    """Map a terminal frame to what the caller gets: a ``FillMaskResult`` or the exception to raise."""
+    kind = frame["type"]
+    if kind == "result":
+        return FillMaskResult(
+            predictions=frame.get("predictions", []),
+            queue_ms=frame.get("queue_ms"),
+            inference_ms=frame.get("inference_ms"),
+            batch_size=frame.get("batch_size"),
+            batch_tokens=frame.get("batch_tokens"),
+            batch_id=frame.get("batch_id"),
+            frame=frame,
+        )
+    if kind == "error":
+        return RequestError(str(frame.get("code")), str(frame.get("message", "")), frame=frame)
+    if kind == "overloaded":
+        status = frame.get("status")
+        reason = str(frame.get("reason", ""))
+        retry_after_ms = frame.get("retry_after_ms")
+        if status == 504:
+            return DeadlineExceededError(retry_after_ms, frame.get("queue_ms"), reason=reason, frame=frame)
+        return OverloadedError(status if isinstance(status, int) else 503, reason, retry_after_ms, frame=frame)
+    if kind == "cancelled":
+        # This client sends `cancel` only after the caller gave up, so a caller never sees this frame;
+        # should a future server cancel on its own, the request still fails loudly rather than hangs.
+        return FillMaskError(f"the server cancelled request {frame.get('id')!r}", frame=frame)
+    return FillMaskError(f"unexpected terminal frame type {kind!r}", frame=frame)

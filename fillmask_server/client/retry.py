@@ -1,0 +1,58 @@
+"""When to resend: the backoff for ``overloaded`` answers and for reconnecting, as pure arithmetic.
+
+No sleeping happens here; the client asks a policy for a delay and sleeps itself, so the rules can be
+checked with plain numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Resend a request the server answered 503 ``queue_full`` (§6), waiting a little longer each time.
+
+    - ``attempts``: tries in all, the first included (so 5 means at most 4 resends).
+    - The wait before try ``n + 1`` is ``base_delay * 2**(n - 1)`` seconds capped at ``max_delay``, but
+      **never shorter than the server's** ``retry_after_ms``: the server's estimate is a floor, and
+      ``max_delay`` caps only the client's own doubling. Jitter only lengthens a wait (up to
+      ``jitter`` times it), so that many clients told the same ``retry_after_ms`` do not come back at once.
+    - A request with ``deadline_ms`` is not resent once the wait would use up what is left of it; the
+      last ``OverloadedError`` is raised instead, and a resend carries only the remaining milliseconds.
+
+    Only 503 ``queue_full`` is retried by this policy. 504 ``deadline_exceeded`` means the caller's time
+    is spent; 503 ``shutting_down`` and ``engine_stopped`` mean this server will not do the work at all,
+    which is the client's ``reconnect`` option's business.
+    """
+
+    attempts: int = 5
+    base_delay: float = 0.05
+    max_delay: float = 2.0
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("RetryPolicy.attempts must be at least 1")
+        if self.base_delay < 0 or self.max_delay < 0 or self.jitter < 0:
+            raise ValueError("RetryPolicy delays and jitter must not be negative")
+
+    def delay(self, attempt: int, retry_after_ms: float | None, rand: Callable[[], float] = random.random) -> float:
+        """Seconds to wait after try number ``attempt`` (1-based) was answered ``overloaded``."""
+        backoff = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+        floor = max(0.0, retry_after_ms or 0.0) / 1000.0
+        return max(floor, backoff) * (1.0 + self.jitter * rand())
+
+
+def reconnect_delays(first: float = 0.05, longest: float = 1.0) -> Iterator[float]:
+    """Waits between attempts to reopen a connection: doubling from ``first`` up to ``longest``, forever.
+
+    The caller bounds the total time (``reconnect_timeout``), not the number of attempts: a server that
+    restarts is refused (503, §9) while it drains and unreachable while it loads, for as long as that takes.
+    """
+    delay = first
+    while True:
+        yield delay
+        delay = min(longest, delay * 2)

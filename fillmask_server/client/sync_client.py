@@ -1,0 +1,166 @@
+"""A blocking client for scripts and notebooks: the async client, run on its own loop in a thread.
+
+    with SyncFillMaskClient("ws://127.0.0.1:8765/") as client:
+        print(client.fill_mask("Paris is the [MASK] of France."))
+
+It works where an event loop is already running in the calling thread (Jupyter), because it never uses
+that loop: every call is handed to a private loop in a daemon thread and the caller blocks on the answer.
+The methods may be called from several threads at once; their requests share the one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ssl as ssl_module
+import threading
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+from .async_client import DEFAULT_URL, FillMaskClient
+from .errors import FillMaskError
+from .frames import FillMaskResult, Predictions
+from .retry import RetryPolicy
+
+_T = TypeVar("_T")
+
+
+class SyncFillMaskClient:
+    """Blocking twin of ``FillMaskClient`` (same options, same exceptions), for code without asyncio.
+
+    Use it as a context manager, or call ``close()`` when done. Each call takes an optional ``timeout`` in
+    seconds: when it passes, the request is cancelled on the server (§5) and ``TimeoutError`` is raised.
+    Ctrl-C while waiting cancels the request the same way before ``KeyboardInterrupt`` propagates.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        retry: RetryPolicy | bool = False,
+        reconnect: bool = False,
+        reconnect_timeout: float = 30.0,
+        open_timeout: float = 10.0,
+        token: str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fillmask-client", daemon=True)
+        self._thread.start()
+        self._client = FillMaskClient(
+            url,
+            retry=retry,
+            reconnect=reconnect,
+            reconnect_timeout=reconnect_timeout,
+            open_timeout=open_timeout,
+            token=token,
+            ssl=ssl,
+        )
+        try:
+            self._call(self._client.connect(), None)
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    def __enter__(self) -> SyncFillMaskClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._client).replace("FillMaskClient", "SyncFillMaskClient", 1)
+
+    def close(self) -> None:
+        """Close the connection and stop the background thread; safe to call twice."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self._client.aclose(), None)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("SyncFillMaskClient is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except (concurrent.futures.TimeoutError, KeyboardInterrupt):
+            # Cancelling the concurrent future cancels the task on the loop, which sends `cancel` frames.
+            future.cancel()
+            raise
+
+    @property
+    def hello(self) -> dict[str, Any]:
+        """The server's ``hello`` frame (§2)."""
+        return self._client.hello
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        """The server's ``limits`` (§2)."""
+        return self._client.limits
+
+    @property
+    def model(self) -> str:
+        """The model the server runs."""
+        return self._client.model
+
+    @property
+    def mask_token(self) -> str:
+        """The literal mask string a text must contain, such as ``[MASK]``."""
+        return self._client.mask_token
+
+    def fill_mask(
+        self,
+        text: str,
+        *,
+        top_k: int | None = None,
+        targets: str | Sequence[str] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Predictions:
+        """Blocking ``FillMaskClient.fill_mask``; ``timeout`` seconds, then cancel and ``TimeoutError``."""
+        coro = self._client.fill_mask(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
+        return self._call(coro, timeout)
+
+    def fill_mask_result(
+        self,
+        text: str,
+        *,
+        top_k: int | None = None,
+        targets: str | Sequence[str] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> FillMaskResult:
+        """Blocking ``FillMaskClient.fill_mask_result``: predictions, timings and the raw frame."""
+        coro = self._client.fill_mask_result(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
+        return self._call(coro, timeout)
+
+    def fill_mask_many(
+        self,
+        texts: Iterable[str],
+        *,
+        concurrency: int | None = None,
+        top_k: int | None = None,
+        targets: str | Sequence[str] | None = None,
+        deadline_ms: float | None = None,
+        return_exceptions: bool = False,
+        timeout: float | None = None,
+    ) -> list[Predictions] | list[Predictions | FillMaskError]:
+        """Blocking ``FillMaskClient.fill_mask_many``; ``timeout`` bounds the whole batch."""
+        coro = self._client.fill_mask_many(
+            list(texts),
+            concurrency=concurrency,
+            top_k=top_k,
+            targets=targets,
+            deadline_ms=deadline_ms,
+            return_exceptions=return_exceptions,  # type: ignore[call-overload]
+        )
+        return self._call(coro, timeout)

@@ -1,0 +1,586 @@
+"""The Python client and its command line (issue 5), against the real server on the tiny model.
+
+Queued states are made deterministic with ``engine.paused()``; nothing is mocked on the wire. The
+first tests are pure (frames, retry arithmetic, table layout) and need no server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import re
+import socket
+import ssl
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from wire import assert_same_predictions
+
+from fillmask_server.client import (
+    ConnectError,
+    ConnectionLostError,
+    DeadlineExceededError,
+    FillMaskClient,
+    FillMaskError,
+    FillMaskResult,
+    OverloadedError,
+    RequestError,
+    RetryPolicy,
+    SyncFillMaskClient,
+)
+from fillmask_server.client.cli import build_parser, collect_texts, format_table, parse_targets
+from fillmask_server.client.frames import outcome, terminal_id
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "Paris is the [MASK] of France."
+TWO_MASKS = "The [MASK] of France is [MASK]."
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Poll ``predicate`` (cheaply) until it holds; fail the test after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+def free_port() -> int:
+    """A local port with nothing listening on it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def client_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """The client's warnings so far: a terminal frame for an id not in flight (answered twice, or routed
+    wrongly), or a server error tied to no request. Call it at the end of the test."""
+    caplog.set_level(logging.WARNING, logger="fillmask_server.client")
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name.startswith("fillmask_server.client") and r.levelno >= logging.WARNING]
+
+    return warnings
+
+
+# --- pure: frames, retry arithmetic, table -------------------------------------------------------
+
+
+def test_terminal_frames_map_to_results_and_typed_errors() -> None:
+    result = outcome({"type": "result", "id": 1, "predictions": [], "queue_ms": 1.0, "inference_ms": 2.0,
+                      "batch_size": 3, "batch_tokens": 12})
+    assert isinstance(result, FillMaskResult) and (result.queue_ms, result.batch_size) == (1.0, 3)
+    error = outcome({"type": "error", "id": 1, "code": "no_mask", "message": "put [MASK] in"})
+    assert type(error) is RequestError and (error.code, error.message) == ("no_mask", "put [MASK] in")
+    busy = outcome({"type": "overloaded", "id": 1, "status": 503, "reason": "queue_full", "retry_after_ms": 120})
+    assert type(busy) is OverloadedError and (busy.status, busy.reason, busy.retry_after_ms) == (503, "queue_full", 120)
+    late = outcome({"type": "overloaded", "id": 1, "status": 504, "reason": "deadline_exceeded",
+                    "retry_after_ms": 10, "queue_ms": 51.5})
+    assert type(late) is DeadlineExceededError and isinstance(late, OverloadedError)
+    assert (late.status, late.queue_ms, late.retry_after_ms) == (504, 51.5, 10)
+    assert type(outcome({"type": "cancelled", "id": 1})) is FillMaskError
+
+
+def test_only_our_ids_on_terminal_frames_end_a_request() -> None:
+    assert terminal_id({"type": "result", "id": 7}) == 7
+    assert terminal_id({"type": "error", "id": 7, "code": "no_mask"}) == 7
+    # §7: duplicate_id is about the rejected frame; the request in flight keeps waiting for its own answer.
+    assert terminal_id({"type": "error", "id": 7, "code": "duplicate_id"}) is None
+    assert terminal_id({"type": "error", "id": None, "code": "invalid_json"}) is None
+    assert terminal_id({"type": "result", "id": True}) is None  # True == 1, but it is not our id 1
+    assert terminal_id({"type": "hello", "id": 7}) is None
+
+
+def test_retry_delay_never_undercuts_retry_after_and_doubles_up_to_the_cap() -> None:
+    policy = RetryPolicy(base_delay=0.1, max_delay=0.4, jitter=0.5)
+    assert [policy.delay(n, None, rand=lambda: 0.0) for n in (1, 2, 3, 4)] == [0.1, 0.2, 0.4, 0.4]
+    assert policy.delay(1, 2500, rand=lambda: 0.0) == 2.5  # the server's hint beats max_delay
+    assert policy.delay(3, 50, rand=lambda: 0.0) == 0.4  # and the client's own backoff beats a small hint
+    assert policy.delay(1, 1000, rand=lambda: 1.0) == 1.5  # jitter only lengthens
+    with pytest.raises(ValueError):
+        RetryPolicy(attempts=0)
+
+
+def test_table_has_one_block_per_mask() -> None:
+    def candidate(word: str, score: float) -> dict[str, Any]:
+        return {"score": score, "token": 1, "token_str": word, "sequence": f"the {word}."}
+
+    frame = {"type": "result", "id": 1, "predictions": [[candidate("capital", 0.5), candidate("heart", 0.25)],
+                                                         [candidate("paris", 0.125)]]}
+    result = outcome(frame)
+    assert isinstance(result, FillMaskResult)
+    assert format_table(TWO_MASKS, result).splitlines() == [
+        TWO_MASKS,
+        "mask 1 of 2",
+        "rank  token     score  sequence",
+        "   1  capital  0.5000  the capital.",
+        "   2  heart    0.2500  the heart.",
+        "mask 2 of 2",
+        "rank  token   score  sequence",
+        "   1  paris  0.1250  the paris.",
+    ]
+
+
+def test_cli_reads_arguments_stdin_and_file_in_order(tmp_path: Path) -> None:
+    import io
+
+    listing = tmp_path / "texts.txt"
+    listing.write_text("from [MASK] file\n\n  \nsecond [MASK]\n", encoding="utf-8")
+    args = build_parser().parse_args(["first [MASK]", "-", "--file", str(listing)])
+    got = collect_texts(args, io.StringIO("stdin [MASK]\n\n"))
+    assert got == ["first [MASK]", "stdin [MASK]", "from [MASK] file", "second [MASK]"]
+    assert collect_texts(build_parser().parse_args([]), io.StringIO("only [MASK]\n")) == ["only [MASK]"]
+    assert parse_targets(["capital, heart", "city"]) == ["capital", "heart", "city"]
+
+
+# --- against the server -------------------------------------------------------------------------
+
+
+async def test_hello_is_exposed(server: Any) -> None:
+    async with FillMaskClient(server.url) as client:
+        assert client.hello["type"] == "hello" and client.hello["protocol"] == 1
+        assert client.model == server.config.model
+        assert client.mask_token == "[MASK]"
+        assert client.limits["max_queue"] == server.config.max_queue
+        assert client.in_flight == 0
+
+
+async def test_200_concurrent_calls_on_one_client_each_get_their_own_answer(
+    server: Any, reference_pipeline: Any, client_warnings: Callable[[], list[str]]
+) -> None:
+    # 10 texts x 20 top_k values: every call asks something different, so an answer routed to the wrong
+    # caller shows as a wrong text or length, not just a wrong score. The server answers in queue order,
+    # which would hide a client that matched answers by order; 20 invalid calls mixed in are answered at
+    # once, ahead of the queued ones, so only matching by id gets every answer to its caller.
+    texts = [f"Item {n} is the [MASK] of France." for n in range(9)] + [TWO_MASKS]
+    reference = {text: reference_pipeline(text, top_k=20) for text in texts}
+    calls = [(text, top_k) for text in texts for top_k in range(1, 21)]
+    random.Random(5).shuffle(calls)
+    for n in range(20):
+        calls.insert(n * 11, (texts[n % 10], 0))  # top_k 0: an `invalid_top_k` error
+    async with FillMaskClient(server.url) as client:
+        with server.engine.paused():
+            tasks = [asyncio.create_task(client.fill_mask(text, top_k=k)) for text, k in calls]
+            # All 200 valid calls wait on the one socket at once; the 20 errors came back ahead of them.
+            await wait_until(lambda: server.engine.queued() == 200 and client.in_flight == 200)
+            assert sum(task.done() for task in tasks) == 20
+        answers = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert client.in_flight == 0
+    assert len(answers) == 220
+    for (text, top_k), got in zip(calls, answers, strict=True):
+        if top_k == 0:
+            assert isinstance(got, RequestError) and got.code == "invalid_top_k", got
+            continue
+        assert not isinstance(got, BaseException), got
+        expected = reference[text]
+        if text == TWO_MASKS:
+            assert_same_predictions(got, [per_mask[:top_k] for per_mask in expected])
+        else:
+            assert_same_predictions(got, expected[:top_k])
+    assert not client_warnings()
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "asyncio.timeout"])
+async def test_cancelling_a_call_removes_it_from_the_server_queue(
+    server: Any, how: str, client_warnings: Callable[[], list[str]]
+) -> None:
+    async with FillMaskClient(server.url) as client:
+        rows_before = server.engine.stats.rows
+        with server.engine.paused():
+            if how == "task.cancel":
+                call = asyncio.create_task(client.fill_mask(TEXT))
+                await wait_until(lambda: server.engine.queued() == 1)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            else:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.1):
+                        await client.fill_mask(TEXT)
+            # The client keeps the id until its terminal frame (`cancelled`) arrives and is consumed,
+            # all on the open connection: the server dropped the job because of the cancel frame.
+            await wait_until(lambda: server.engine.queued() == 0 and client.in_flight == 0)
+        assert await client.fill_mask(TEXT, top_k=1)  # the connection is still good
+        assert server.engine.stats.rows == rows_before + 1  # only that last call reached the model
+    assert not client_warnings()
+
+
+async def test_cancel_after_the_batch_started_still_consumes_the_result(
+    server: Any, client_warnings: Callable[[], list[str]]
+) -> None:
+    async with FillMaskClient(server.url) as client:
+        rows_before = server.engine.stats.rows
+        with server.engine.paused():
+            call = asyncio.create_task(client.fill_mask(TEXT))
+            await wait_until(lambda: server.engine.queued() == 1)
+        # No await from here to call.cancel(): the loop (which also runs the server) stands still, so the
+        # result the engine has produced cannot reach the client before the cancel does.
+        give_up = time.monotonic() + 5
+        while server.engine.stats.rows == rows_before and time.monotonic() < give_up:
+            time.sleep(0.001)
+        assert server.engine.stats.rows == rows_before + 1, "the batch never ran"
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await wait_until(lambda: client.in_flight == 0)  # the late `result` was read and dropped
+        assert await client.fill_mask(TEXT, top_k=1)
+    assert not client_warnings()
+
+
+async def test_request_errors_carry_the_server_code_and_message(server: Any) -> None:
+    async with FillMaskClient(server.url) as client:
+        with pytest.raises(RequestError) as no_mask:
+            await client.fill_mask("There is no mask here.")
+        assert no_mask.value.code == "no_mask" and no_mask.value.message
+        assert no_mask.value.frame is not None and no_mask.value.frame["type"] == "error"
+        with pytest.raises(RequestError) as bad_top_k:
+            await client.fill_mask(TEXT, top_k=0)
+        assert bad_top_k.value.code == "invalid_top_k"
+        # A frame over max_frame_bytes would make the server close the connection (1009) and fail every
+        # call on it; the client refuses it locally instead and the connection lives on.
+        huge = TEXT + " word" * (client.limits["max_frame_bytes"] // 5)
+        with pytest.raises(RequestError) as too_big:
+            await client.fill_mask(huge)
+        assert too_big.value.code == "frame_too_large" and too_big.value.frame is None
+        assert await client.fill_mask(TEXT, top_k=1)
+        assert client.in_flight == 0
+
+
+async def test_deadline_expiry_raises_deadline_exceeded(server: Any) -> None:
+    async with FillMaskClient(server.url) as client:
+        with server.engine.paused(), pytest.raises(DeadlineExceededError) as late:
+            await asyncio.wait_for(client.fill_mask(TEXT, deadline_ms=30), 3)
+        assert isinstance(late.value, OverloadedError) and late.value.status == 504
+        assert late.value.queue_ms is not None and late.value.queue_ms >= 30
+
+
+async def test_queue_full_raises_overloaded_without_retry(make_server: Any) -> None:
+    async with make_server(max_queue=1) as srv, FillMaskClient(srv.url) as client:
+        with srv.engine.paused():
+            first = asyncio.create_task(client.fill_mask(TEXT))
+            await wait_until(lambda: srv.engine.queued() == 1)
+            with pytest.raises(OverloadedError) as busy:
+                await client.fill_mask(TEXT)
+        assert (busy.value.status, busy.value.reason) == (503, "queue_full")
+        assert isinstance(busy.value.retry_after_ms, int) and busy.value.retry_after_ms > 0
+        assert await first
+
+
+async def test_retry_on_overload_waits_at_least_retry_after(make_server: Any) -> None:
+    records: list[tuple[float, float | None, float]] = []  # (when asked, server's retry_after_ms, chosen wait)
+
+    class Recording(RetryPolicy):
+        def delay(self, attempt: int, retry_after_ms: float | None, rand: Callable[[], float] = random.random) -> float:
+            wait = super().delay(attempt, retry_after_ms, rand)
+            records.append((time.monotonic(), retry_after_ms, wait))
+            return wait
+
+    async with make_server(max_queue=1) as srv, FillMaskClient(srv.url) as blocker:
+        # Gives up: 3 tries in all, so exactly 2 waits, then the last 503 is raised.
+        async with FillMaskClient(srv.url, retry=Recording(attempts=3, base_delay=0.001)) as client:
+            with srv.engine.paused():
+                held = asyncio.create_task(blocker.fill_mask(TEXT))
+                await wait_until(lambda: srv.engine.queued() == 1)
+                with pytest.raises(OverloadedError) as busy:
+                    await client.fill_mask(TEXT)
+            assert busy.value.reason == "queue_full" and len(records) == 2
+            await held
+        records.clear()
+        # Succeeds: keeps resending while the queue is held full, gets through once it is released.
+        async with FillMaskClient(srv.url, retry=Recording(attempts=100, base_delay=0.001)) as client:
+            with srv.engine.paused():
+                held = asyncio.create_task(blocker.fill_mask(TEXT))
+                await wait_until(lambda: srv.engine.queued() == 1)
+                call = asyncio.create_task(client.fill_mask(TEXT, top_k=2))
+                await wait_until(lambda: len(records) >= 3)
+            assert len(await asyncio.wait_for(call, 5)) == 2
+            await held
+    for (asked, retry_after_ms, wait), (next_asked, _, _) in itertools.pairwise(records):
+        assert retry_after_ms is not None and wait >= retry_after_ms / 1000 > 0.001  # the hint, not the backoff
+        assert next_asked - asked >= wait - 0.001  # and the client really waited that long before resending
+
+
+async def test_retry_gives_up_within_the_callers_deadline(make_server: Any) -> None:
+    async with make_server(max_queue=1) as srv, FillMaskClient(srv.url) as blocker, \
+            FillMaskClient(srv.url, retry=RetryPolicy(attempts=1000, base_delay=0.2, jitter=0)) as client:
+        with srv.engine.paused():
+            held = asyncio.create_task(blocker.fill_mask(TEXT))
+            await wait_until(lambda: srv.engine.queued() == 1)
+            started = time.monotonic()
+            with pytest.raises(OverloadedError) as busy:
+                await asyncio.wait_for(client.fill_mask(TEXT, deadline_ms=300), 2)
+            # Tried at 0 and after 0.2 s; the next wait (0.4 s) would pass the deadline, so it gives up
+            # at once rather than sleeping into it (that would end near 0.6 s).
+            assert 0.2 <= time.monotonic() - started < 0.45 and busy.value.reason == "queue_full"
+        await held
+
+
+async def test_connection_loss_fails_pending_calls_promptly(make_server: Any) -> None:
+    async with make_server() as srv, FillMaskClient(srv.url) as client:
+        with srv.engine.paused():
+            calls = [asyncio.create_task(client.fill_mask(TEXT)) for _ in range(3)]
+            await wait_until(lambda: srv.engine.queued() == 3)
+            lost_at = time.monotonic()
+            for conn in list(srv.connections):
+                conn.ws.transport.abort()  # the TCP connection drops, no close frame
+            outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 2)
+        assert time.monotonic() - lost_at < 1.0
+        assert all(type(error) is ConnectionLostError for error in outcomes), outcomes
+        assert outcomes[0].code == 1006
+        assert client.in_flight == 0
+        with pytest.raises(ConnectionLostError):  # later calls fail at once instead of hanging
+            await asyncio.wait_for(client.fill_mask(TEXT), 1)
+
+
+async def test_unreachable_server_raises_connect_error() -> None:
+    url = f"ws://127.0.0.1:{free_port()}/"
+    with pytest.raises(ConnectError) as refused:
+        await asyncio.wait_for(FillMaskClient(url, open_timeout=2).connect(), 3)
+    assert isinstance(refused.value, ConnectionLostError) and url in str(refused.value)
+
+
+async def test_reconnects_after_the_server_restarts_with_1001(make_server: Any) -> None:
+    async with make_server() as first_server:
+        port = first_server.port
+        steady = FillMaskClient(first_server.url, reconnect=True, reconnect_timeout=5)
+        plain = FillMaskClient(first_server.url)
+        await steady.connect()
+        await plain.connect()
+        before = await steady.fill_mask(TEXT)
+    # The server drained and closed both connections with 1001 (§10).
+    with pytest.raises(ConnectionLostError) as lost:
+        await plain.fill_mask(TEXT)
+    assert lost.value.code == 1001
+    call = asyncio.create_task(steady.fill_mask(TEXT))  # keeps redialling while nothing listens
+    await asyncio.sleep(0.1)
+    assert not call.done()
+    async with make_server(port=port):
+        after = await asyncio.wait_for(call, 5)
+        assert_same_predictions(after, before)
+        await steady.aclose()
+    await plain.aclose()
+
+
+async def test_reconnect_resends_calls_cut_off_by_a_1012_close(make_server: Any) -> None:
+    async with make_server() as srv, FillMaskClient(srv.url, reconnect=True) as steady, \
+            FillMaskClient(srv.url) as plain:
+        with srv.engine.paused():
+            resent = [asyncio.create_task(steady.fill_mask(TEXT, top_k=k)) for k in (1, 2)]
+            dropped = asyncio.create_task(plain.fill_mask(TEXT))
+            await wait_until(lambda: srv.engine.queued() == 3)
+            for conn in list(srv.connections):  # a restart the server could not drain: 1012, jobs discarded
+                await conn.ws.close(1012, "service restart")
+            with pytest.raises(ConnectionLostError) as lost:
+                await asyncio.wait_for(dropped, 2)
+            assert lost.value.code == 1012
+            await wait_until(lambda: srv.engine.queued() == 2)  # resent on a new connection
+        first, second = await asyncio.wait_for(asyncio.gather(*resent), 5)
+        assert (len(first), len(second)) == (1, 2)
+
+
+async def test_reconnect_follows_a_shutting_down_answer_to_the_next_server(make_server: Any) -> None:
+    async with make_server() as srv:
+        port = srv.port
+        async with FillMaskClient(srv.url) as holder, FillMaskClient(srv.url) as plain, \
+                FillMaskClient(srv.url, reconnect=True, reconnect_timeout=5) as steady:
+            with srv.engine.paused():
+                held = asyncio.create_task(holder.fill_mask(TEXT))
+                await wait_until(lambda: srv.engine.queued() == 1)
+                drain = asyncio.create_task(srv.drain(timeout=5))  # waits for `held`, refuses new work (§10)
+                await wait_until(lambda: srv.ready.draining)
+                with pytest.raises(OverloadedError) as refused:
+                    await plain.fill_mask(TEXT)
+                assert (refused.value.status, refused.value.reason) == (503, "shutting_down")
+                call = asyncio.create_task(steady.fill_mask(TEXT, top_k=2))
+                await asyncio.sleep(0.1)
+                assert not call.done()  # answered shutting_down, now redialling (refused 503 while draining)
+            await asyncio.wait_for(held, 5)
+            await asyncio.wait_for(drain, 5)
+            assert not call.done()
+            async with make_server(port=port):
+                assert len(await asyncio.wait_for(call, 5)) == 2
+
+
+async def test_calls_beyond_the_per_connection_limit_wait_in_the_client(make_server: Any) -> None:
+    async with make_server(max_inflight_per_connection=4) as srv, FillMaskClient(srv.url) as client:
+        assert client.limits["max_inflight_per_connection"] == 4
+        with srv.engine.paused():
+            calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=1)) for _ in range(10)]
+            await wait_until(lambda: srv.engine.queued() == 4)
+            await asyncio.sleep(0.05)  # time enough for a fifth request, were one to be sent
+            assert srv.engine.queued() == 4 and client.in_flight == 4
+        # Nobody was refused with `too_many_inflight`: the six that waited went out as places freed.
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+        assert all(isinstance(answer, list) and len(answer) == 1 for answer in outcomes), outcomes
+        assert client.in_flight == 0
+
+
+async def test_engine_stopped_is_not_retried_but_followed_by_reconnect(make_server: Any) -> None:
+    async with make_server() as srv, FillMaskClient(srv.url, retry=RetryPolicy(base_delay=1.0)) as client, \
+            FillMaskClient(srv.url, reconnect=True, reconnect_timeout=0.3) as steady:
+        await asyncio.to_thread(srv.engine.stop)
+        started = time.monotonic()
+        with pytest.raises(OverloadedError) as stopped:
+            await asyncio.wait_for(client.fill_mask(TEXT), 2)
+        assert (stopped.value.status, stopped.value.reason) == (503, "engine_stopped")
+        assert time.monotonic() - started < 0.5  # raised at once, not after a 1 s backoff
+        # With reconnect, the client looks for a working server instead; this one refuses handshakes.
+        with pytest.raises(ConnectError) as refused:
+            await asyncio.wait_for(steady.fill_mask(TEXT), 2)
+        assert refused.value.http_status == 503
+
+
+async def test_token_is_sent_and_never_shown(make_server: Any) -> None:
+    async with make_server(token="s3cret-value") as srv:
+        with pytest.raises(ConnectError) as refused:
+            await FillMaskClient(srv.url + "?token=wrong-value").connect()
+        assert refused.value.http_status == 401
+        assert "token" in refused.value.message and "wrong-value" not in str(refused.value)
+        async with FillMaskClient(srv.url, token="s3cret-value") as client:
+            assert await client.fill_mask(TEXT, top_k=1)
+        code, out, err = await run_cli("--url", srv.url, "--token", "s3cret-value", "-k", "1", TEXT)
+        assert (code, err) == (0, "") and out.startswith(TEXT)
+
+
+async def test_wss_with_a_trusted_self_signed_certificate(make_server: Any, tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    try:
+        made = await asyncio.create_subprocess_exec(
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    except FileNotFoundError:
+        pytest.skip("the openssl command is not installed")
+    assert await made.wait() == 0
+    async with make_server(certfile=str(cert), keyfile=str(key)) as srv:
+        assert srv.url.startswith("wss://")
+        with pytest.raises(ConnectError) as untrusted:
+            await FillMaskClient(srv.url).connect()
+        assert "certificate" in str(untrusted.value).lower()
+        async with FillMaskClient(srv.url, ssl=ssl.create_default_context(cafile=str(cert))) as client:
+            assert await client.fill_mask(TEXT, top_k=1)
+        code, out, err = await run_cli("--url", srv.url, "--cafile", str(cert), "-k", "1", TEXT)
+        assert (code, err) == (0, "") and out.startswith(TEXT)
+
+
+async def test_fill_mask_many_keeps_at_most_k_in_flight_and_input_order(server: Any) -> None:
+    texts = [f"Number {n} is the [MASK] one." for n in range(10)]
+    async with FillMaskClient(server.url) as client:
+        one_by_one = [await client.fill_mask(text, top_k=2) for text in texts]
+        with server.engine.paused():
+            many = asyncio.create_task(client.fill_mask_many(texts, concurrency=3, top_k=2))
+            await wait_until(lambda: server.engine.queued() == 3)
+            await asyncio.sleep(0.05)  # time enough for a fourth request, were one to be sent
+            assert server.engine.queued() == 3 and client.in_flight == 3
+        got = await asyncio.wait_for(many, 5)
+        for answer, expected in zip(got, one_by_one, strict=True):
+            assert_same_predictions(answer, expected)
+
+        mixed = [texts[0], "no mask here", texts[1]]
+        outcomes = await client.fill_mask_many(mixed, concurrency=2, top_k=2, return_exceptions=True)
+        assert isinstance(outcomes[1], RequestError) and outcomes[1].code == "no_mask"
+        assert_same_predictions(outcomes[0], one_by_one[0])
+        assert_same_predictions(outcomes[2], one_by_one[1])
+        with pytest.raises(RequestError):
+            await client.fill_mask_many(mixed, concurrency=2)
+        await wait_until(lambda: client.in_flight == 0)
+
+
+async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
+    # The server runs on this test's loop, so the blocking client is driven from another thread.
+    async with FillMaskClient(server.url) as reference:
+        expected = await reference.fill_mask(TEXT, top_k=3)
+    client = await asyncio.to_thread(SyncFillMaskClient, server.url)
+    try:
+        assert client.model == server.config.model and client.limits["max_queue"] == server.config.max_queue
+        assert_same_predictions(await asyncio.to_thread(client.fill_mask, TEXT, top_k=3), expected)
+        many = await asyncio.to_thread(client.fill_mask_many, [TEXT, TWO_MASKS], top_k=3)
+        assert_same_predictions(many[0], expected)
+        assert len(many[1]) == 2 and all(len(per_mask) == 3 for per_mask in many[1])
+        with server.engine.paused():
+            with pytest.raises(TimeoutError):
+                await asyncio.to_thread(client.fill_mask, TEXT, timeout=0.1)
+            await wait_until(lambda: server.engine.queued() == 0)  # cancelled on the server, connection open
+    finally:
+        await asyncio.to_thread(client.close)
+    with pytest.raises(RuntimeError):
+        client.fill_mask(TEXT)
+
+
+# --- the command line, as a subprocess ----------------------------------------------------------
+
+
+async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fillmask_server.client", *args, cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 20)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+ROW = re.compile(r"^\s*(\d+)  (\S+)\s+(\d\.\d{4})  (.*)$")
+
+
+async def test_cli_prints_a_table_per_text_and_per_mask(server: Any) -> None:
+    async with FillMaskClient(server.url) as client:
+        one = await client.fill_mask(TEXT, top_k=3)
+        two = await client.fill_mask(TWO_MASKS, top_k=3)
+    code, out, err = await run_cli("--url", server.url, "--top-k", "3", TEXT, TWO_MASKS)
+    assert (code, err) == (0, ""), err
+    blocks = out.split("\n\n")
+    assert len(blocks) == 2
+    first = blocks[0].splitlines()
+    assert first[0] == TEXT and re.fullmatch(r"rank  token\s+score  sequence", first[1])
+    assert_rows(first[2:], one)
+    second = blocks[1].splitlines()
+    assert second[0] == TWO_MASKS and second[1] == "mask 1 of 2" and second[6] == "mask 2 of 2"
+    assert_rows(second[3:6], two[0])
+    assert_rows(second[8:], two[1])
+
+
+def assert_rows(lines: list[str], predictions: list[dict[str, Any]]) -> None:
+    assert len(lines) == len(predictions), lines
+    for rank, (line, prediction) in enumerate(zip(lines, predictions, strict=True), start=1):
+        row = ROW.match(line)
+        assert row is not None, line
+        assert (int(row[1]), row[2], row[4]) == (rank, prediction["token_str"], prediction["sequence"])
+        assert abs(float(row[3]) - prediction["score"]) <= 0.00051
+
+
+async def test_cli_json_reads_stdin_and_prints_one_frame_per_text(server: Any) -> None:
+    texts = ["The [MASK] is big.", "A [MASK] of France.", TWO_MASKS]
+    async with FillMaskClient(server.url) as client:
+        expected = [await client.fill_mask(text, top_k=2, targets=["capital", "city", "paris"]) for text in texts]
+    stdin = "\n".join(texts[:2]) + "\n\n" + texts[2] + "\n"
+    code, out, err = await run_cli("--url", server.url, "--json", "-k", "2", "-t", "capital,city", "-t", "paris",
+                                   "-c", "2", stdin=stdin)
+    assert (code, err) == (0, ""), err
+    frames = [orjson.loads(line) for line in out.splitlines()]
+    assert [frame["type"] for frame in frames] == ["result"] * 3
+    for frame, want in zip(frames, expected, strict=True):
+        assert_same_predictions(frame["predictions"], want)
+        assert {"queue_ms", "inference_ms", "batch_size", "batch_tokens"} <= set(frame)
+
+
+async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
+    code, out, err = await run_cli("--url", server.url, "-k", "1", TEXT, "no mask at all")
+    assert code == 1
+    assert out.startswith(TEXT + "\n") and "rank" in out  # the good text still printed
+    assert len(err.splitlines()) == 1 and "text 2" in err and "no_mask" in err
+
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", TEXT)
+    assert code == 3 and out == ""
+    assert len(err.splitlines()) == 1 and "cannot connect" in err
+
+    code, _, err = await run_cli("--url", server.url, stdin="\n\n")
+    assert code == 2 and "no texts" in err
