@@ -59,7 +59,10 @@ from .protocol import (
 log = logging.getLogger(__name__)
 
 WEBSOCKET_PATHS = ("/", "/ws")
-WEB_ROOT = Path(__file__).resolve().parent.parent / "web_demo"
+# The demo page: ``web_demo/`` of a checkout (editable installs too), else the copy a wheel installs
+# inside the package (pyproject.toml maps it there).
+_CHECKOUT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web_demo"
+WEB_ROOT = _CHECKOUT_WEB_ROOT if _CHECKOUT_WEB_ROOT.is_dir() else Path(__file__).resolve().parent / "web_demo"
 SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
