@@ -1,4 +1,4 @@
-"""The batching policy, pure: queue state and a clock reading in, the next batch out.
+"""The batching policy: queue state and a clock reading in, the next batch out. No I/O.
 
 No threads, no torch, no real clock: the engine calls it under its lock and tests call it with fake
 times (tests/test_batching.py). The queue holds requests in arrival order; each has an ``owner`` (its
@@ -7,20 +7,22 @@ connection). The rules:
 - **Expired first.** Requests whose deadline has passed are removed and reported, never batched.
 - **Limits.** A batch holds at most ``max_batch_size`` requests and at most ``max_batch_tokens``
   *padded* tokens (rows x longest row). Its first request is always taken, even alone over budget.
-- **Fair.** Connections are served round-robin: the oldest waiting request of every connection
-  (connections ordered by that request's age) enters the batch before any second request of any
-  connection. One connection with a thousand queued requests therefore cannot delay another
-  connection's request by more than one batch (unless more than ``max_batch_size`` connections wait).
-- **Little padding.** The remaining places go first to requests no longer than the batch's longest
-  row (they add no padding to the others), oldest first, then to longer requests in increasing
-  length while the longest row grows by at most ``growth`` x. Requests left out keep their places.
+- **Fair.** Each batch is built around one *lead* request: the oldest request of the connection that
+  was served least recently (never-served connections first, then by the age of their oldest request).
+  The other places are offered round-robin across connections in that same order. So a connection
+  with a thousand queued requests cannot keep another connection's request waiting for more than one
+  batch: that connection leads the next batch at the latest.
+- **Little padding.** A batch only takes requests whose token counts stay within a band: longest row
+  at most ``growth`` x the shortest. On a CPU a forward pass costs in proportion to the padded tokens,
+  so several batches of similar lengths beat one batch padded to its longest row; requests left out
+  keep their places and lead or join the next batches.
 - **Tokenized only.** A request not yet tokenized (``n_tokens is None``) waits for the next batch.
 - **Waiting.** ``max_wait_s`` is one deadline per batch, counted from the arrival of the oldest
   queued request, never restarted by later arrivals. With ``max_wait_s == 0`` a batch starts as
   soon as the engine is free, whatever its size.
 
-Every request is served after a bounded number of batches: the oldest request of the oldest
-connection is always in the next batch, so each batch serves the head of the queue.
+State: the policy remembers, per connection with queued requests, the number of the batch that last
+served it (``take`` updates it; ``wait_s`` only reads). Nothing else persists between calls.
 """
 
 from __future__ import annotations
@@ -51,14 +53,16 @@ class Decision(Generic[J]):
     padded_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class BatchPolicy:
-    """Limits of one batch; see the module docstring for the rules."""
+    """Limits of one batch and the fairness memory; see the module docstring for the rules."""
 
     max_batch_size: int
     max_batch_tokens: int
     max_wait_s: float = 0.0
     growth: float = 1.5
+    _last_served: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _batches: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_s < 0 or self.growth < 1:
@@ -95,56 +99,52 @@ class BatchPolicy:
         chosen = self._select([job for job in queue if job.n_tokens is not None])
         if not chosen:
             return decision
+        self._batches += 1
         taken = {id(job) for job in chosen}
         kept = [job for job in queue if id(job) not in taken]
         decision.batch = [job for job in queue if id(job) in taken]  # arrival order
         queue.clear()
         queue.extend(kept)
         decision.padded_tokens = len(chosen) * max(job.n_tokens or 0 for job in chosen)
+        waiting = {id(job.owner) for job in kept}
+        self._last_served = {owner: n for owner, n in self._last_served.items() if owner in waiting}
+        for job in chosen:
+            if id(job.owner) in waiting:
+                self._last_served[id(job.owner)] = self._batches
         return decision
 
     def _select(self, ready: list[J]) -> list[J]:
-        """The requests of the next batch, from tokenized requests in arrival order."""
+        """The requests of the next batch, chosen from tokenized requests in arrival order."""
         if not ready:
             return []
-        heads: list[J] = []
-        rest: list[J] = []
-        owners: set[int] = set()
+        by_owner: dict[int, list[J]] = {}
         for job in ready:
-            key = id(job.owner)
-            if key in owners:
-                rest.append(job)
-            else:
-                owners.add(key)
-                heads.append(job)
-        batch: list[J] = []
-        longest = 0
-        skipped_head = False
-        for job in heads:  # fairness: every connection's oldest request first
+            by_owner.setdefault(id(job.owner), []).append(job)
+        owners = sorted(by_owner, key=lambda o: (self._last_served.get(o, 0), by_owner[o][0].arrival))
+        lead = by_owner[owners[0]][0]
+        batch = [lead]
+        shortest = longest = lead.n_tokens or 0
+        for job in _round_robin([by_owner[o] for o in owners]):
             if len(batch) == self.max_batch_size:
-                return batch
-            if self._fits(len(batch), longest, job):
-                batch.append(job)
-                longest = max(longest, job.n_tokens or 0)
-            else:
-                skipped_head = True
-        if skipped_head:
-            return batch  # no second request of anyone ahead of a connection still waiting
-        for job in rest:  # free riders: no longer than the longest row, oldest first
-            if len(batch) == self.max_batch_size:
-                return batch
-            if (job.n_tokens or 0) <= longest and self._fits(len(batch), longest, job):
-                batch.append(job)
-        limit = longest * self.growth
-        for job in sorted((j for j in rest if (j.n_tokens or 0) > longest), key=lambda j: j.n_tokens or 0):
-            if len(batch) == self.max_batch_size or (job.n_tokens or 0) > limit:
                 break
-            if not self._fits(len(batch), longest, job):
-                break
+            if job is lead:
+                continue
+            n = job.n_tokens or 0
+            low, high = min(shortest, n), max(longest, n)
+            if high > self.growth * low or (len(batch) + 1) * high > self.max_batch_tokens:
+                continue
             batch.append(job)
-            longest = job.n_tokens or 0
+            shortest, longest = low, high
         return batch
 
-    def _fits(self, count: int, longest: int, job: J) -> bool:
-        """Whether ``job`` may join a batch of ``count`` rows padded to ``longest`` tokens."""
-        return count == 0 or (count + 1) * max(longest, job.n_tokens or 0) <= self.max_batch_tokens
+
+def _round_robin(queues: list[list[J]]) -> list[J]:
+    """First of each queue, then second of each, and so on."""
+    out: list[J] = []
+    depth = 0
+    while True:
+        layer = [q[depth] for q in queues if depth < len(q)]
+        if not layer:
+            return out
+        out.extend(layer)
+        depth += 1

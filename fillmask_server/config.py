@@ -28,6 +28,7 @@ class Config:
     max_batch_tokens: int = 8192
     max_queue: int = 1024
     max_wait_ms: float = 0.0
+    max_length_ratio: float = 1.5
     max_text_chars: int = 2000
     max_masks: int = 8
     max_top_k: int = 100
@@ -56,6 +57,8 @@ _HELP: dict[str, str] = {
     "max_batch_tokens": "most padded tokens (rows x longest row) in one model batch",
     "max_queue": "most requests waiting for the model; beyond it requests are answered 503",
     "max_wait_ms": "wait at most this long (from the oldest queued request) for a fuller batch; 0 = never wait",
+    "max_length_ratio": "in one batch, the longest text at most this many times the shortest (in tokens): less "
+                        "padding, which pays on CPUs; raise it (e.g. 100) to favour big batches on a GPU",
     "max_text_chars": "longest text accepted, in characters",
     "max_masks": "most mask tokens in one text",
     "max_top_k": "largest top_k a request may ask for",
@@ -163,6 +166,8 @@ def validate(config: Config) -> str | None:
     for name in positive:
         if getattr(config, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if config.max_length_ratio < 1:
+        return "--max-length-ratio must be at least 1"
     if config.max_wait_ms < 0:
         return "--max-wait-ms must not be negative"
     if config.shutdown_timeout < 0:

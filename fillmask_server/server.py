@@ -230,7 +230,8 @@ class FillMaskServer:
         self.origins = OriginPolicy.parse(config.allowed_origins)
         self._tls: ssl.SSLContext | None = (
             tls_context(config.certfile, config.keyfile) if config.certfile else None)
-        policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000)
+        policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000,
+                             config.max_length_ratio)
         self.metrics = Metrics(LiveValues(
             queue_depth=lambda: self.engine.queued(),
             open_connections=lambda: len(self.connections),

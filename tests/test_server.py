@@ -85,26 +85,28 @@ async def test_result_equals_pipeline(server: FillMaskServer, reference_pipeline
     assert result["batch_tokens"] >= 3
 
 
-async def test_mixed_length_batch_equals_each_text_alone(server: FillMaskServer, reference_pipeline: Any) -> None:
-    """One batch of short and long texts, one and two masks, top_k and targets: each equals the pipeline."""
+async def test_mixed_length_batch_equals_each_text_alone(make_server: Any, reference_pipeline: Any) -> None:
+    """One batch of short and long texts, one and two masks, top_k and targets: each equals the pipeline.
+
+    ``max_length_ratio`` is raised so that the lengths really mix in one padded batch."""
     cases = [(text, {}) for text in TEXTS] + [
         (TEXTS[0], {"top_k": 12}),
         (TEXTS[2], {"targets": ["store", "bank", "zzqqxx", "store"]}),
         (TEXTS[4], {"top_k": 2, "targets": ["piano", "guitar", "violin"]}),
         (TEXTS[1], {"top_k": 1}),
     ]
-    async with session(server.url) as (ws, _):
-        with server.engine.paused():
+    async with make_server(max_length_ratio=100) as srv, session(srv.url) as (ws, _):
+        with srv.engine.paused():
             for i, (text, fields) in enumerate(cases):
                 await send(ws, fill(i, text, **fields))
-            while server.engine.queued() < len(cases):
+            while srv.engine.queued() < len(cases):
                 await asyncio.sleep(0.01)
         frames = {frame["id"]: frame for frame in await recv_n(ws, len(cases))}
     padded = 0
     for i, (text, _) in enumerate(cases):  # a row shorter than its batch's longest row was padded
         longest = frames[i]["batch_tokens"] // frames[i]["batch_size"]
         padded += len(reference_pipeline.tokenizer(text)["input_ids"]) < longest
-    assert padded >= 3 and max(frame["batch_size"] for frame in frames.values()) >= 4
+    assert padded >= 6 and max(frame["batch_size"] for frame in frames.values()) == len(cases)
     for i, (text, fields) in enumerate(cases):
         assert frames[i]["type"] == "result", frames[i]
         assert_same_predictions(frames[i]["predictions"], reference_pipeline(text, **fields))

@@ -18,11 +18,9 @@
   const MAX_CARDS = 200;
   const DEFAULT_WS_FROM_DISK = 'ws://127.0.0.1:8765/';
 
-  // Sentences for the burst control; MASK is replaced by the server's mask token.
+  // Sentences for the burst control; MASK is replaced by the server's mask token. They are of similar
+  // length (10 to 13 tokens) so that the server, which batches texts of similar length, runs a burst together.
   const BURST_SENTENCES = [
-    'Paris is the MASK of France.',
-    'The cat sat on the MASK.',
-    'She poured a cup of hot MASK and opened the window.',
     'I forgot my MASK at home this morning.',
     'The MASK is the largest planet in our solar system.',
     'He plays the MASK in a small jazz band.',
@@ -42,7 +40,6 @@
     'The children played in the MASK after school.',
     'He looked up at the MASK and counted the stars.',
     'This MASK tastes better with a little salt.',
-    'Rain is expected MASK the weekend.',
     'The MASK of the story is a young engineer.',
   ];
 
