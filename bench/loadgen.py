@@ -1,0 +1,410 @@
+"""WebSocket load against a running server: closed loop, open loop and an idle single client.
+
+All times are ``time.perf_counter()`` seconds in this process; a request's latency is measured by
+the client, from the moment it was sent (closed loop, idle) or *scheduled* (open loop: a sender that
+falls behind its schedule adds its lag to the latency instead of hiding it) to the moment its answer
+was read. Each phase has a warm-up and a measured window; then every connection is closed (the
+server discards what is still queued) and ``settle`` waits for the batch still running.
+
+- Closed loop: ``clients`` connections, each keeping ``in_flight`` requests outstanding: a new one is
+  sent as soon as one is answered, until the window ends. Throughput is the rate of answers read in
+  the window (see ``_throughput``); latencies are those of the requests answered in the window.
+- Open loop: Poisson arrivals at ``rate`` req/s for the whole phase, spread round-robin over the
+  connections, whatever the server's progress; after the window a bounded grace period collects
+  the answers still due. Throughput is the rate of ``result`` answers read in the window; latencies
+  are those of the requests *scheduled* in the window, where a request still unanswered at the end
+  of the grace period counts as infinitely late (so percentiles never hide it), and ``overloaded``
+  answers are counted apart, not as latencies.
+- Idle: one connection, one request at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT, OVERLOADED, ERROR, OTHER = "result", "overloaded", "error", "other"
+BURST_GAP_S = 0.005  # answers closer than this belong to one burst (one batch, read back to back)
+
+
+@dataclass
+class Recorder:
+    """Every request of a phase, in parallel lists (cheap appends on the hot path)."""
+
+    sent: list[float] = field(default_factory=list)
+    done: list[float] = field(default_factory=list)
+    kind: list[str] = field(default_factory=list)
+    batch_size: list[int] = field(default_factory=list)
+    queue_ms: list[float] = field(default_factory=list)
+    inference_ms: list[float] = field(default_factory=list)
+    batch_tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the request text's own token count (0: unknown)
+    error_codes: Counter[str] = field(default_factory=Counter)
+
+    def add(self, sent: float, tokens: int = 0) -> int:
+        self.sent.append(sent)
+        self.tokens.append(tokens)
+        self.batch_tokens.append(0)
+        self.done.append(math.inf)
+        self.kind.append("")
+        self.batch_size.append(0)
+        self.queue_ms.append(math.nan)
+        self.inference_ms.append(math.nan)
+        return len(self.sent) - 1
+
+    def answer(self, index: int, now: float, frame: dict[str, Any]) -> None:
+        kind = frame.get("type")
+        self.done[index] = now
+        if kind == RESULT:
+            self.kind[index] = RESULT
+            self.batch_size[index] = int(frame.get("batch_size", 0))
+            self.batch_tokens[index] = int(frame.get("batch_tokens", 0))
+            self.queue_ms[index] = float(frame.get("queue_ms", math.nan))
+            self.inference_ms[index] = float(frame.get("inference_ms", math.nan))
+        elif kind == OVERLOADED:
+            self.kind[index] = OVERLOADED
+            self.error_codes[f"{frame.get('status')} {frame.get('reason')}"] += 1
+        elif kind == ERROR:
+            self.kind[index] = ERROR
+            self.error_codes[str(frame.get("code"))] += 1
+        else:
+            self.kind[index] = OTHER
+            self.error_codes[str(kind)] += 1
+
+
+class Client:
+    """One WebSocket connection that walks the corpus from its own offset (so that concurrent clients
+    send different texts and no client sends the same text twice in a row)."""
+
+    def __init__(self, ws: ClientConnection, texts: list[str], offset: int, recorder: Recorder,
+                 token_counts: Sequence[int] | None = None) -> None:
+        self.ws = ws
+        self.texts = texts
+        self.token_counts = token_counts
+        self.offset = offset
+        self.recorder = recorder
+        self.pending: dict[int, int] = {}
+        self.next_id = 0
+
+    async def send(self, scheduled: float | None = None) -> None:
+        """Send the next text; its latency counts from ``scheduled`` (default: now)."""
+        request_id = self.next_id
+        self.next_id += 1
+        index = (self.offset + request_id) % len(self.texts)
+        frame = orjson.dumps({"type": "fill_mask", "id": request_id, "text": self.texts[index]})
+        tokens = self.token_counts[index] if self.token_counts else 0
+        self.pending[request_id] = self.recorder.add(time.perf_counter() if scheduled is None else scheduled, tokens)
+        await self.ws.send(frame, text=True)
+
+    async def read_one(self) -> dict[str, Any]:
+        """Read the next answer, record it and return it (raises ConnectionClosed at the end)."""
+        raw = await self.ws.recv(decode=False)
+        now = time.perf_counter()
+        frame = orjson.loads(raw)
+        index = self.pending.pop(frame.get("id"), None)  # type: ignore[arg-type]
+        if index is not None:
+            self.recorder.answer(index, now, frame)
+        return frame
+
+
+async def _connect(url: str, n: int, texts: list[str], recorder: Recorder,
+                   token_counts: Sequence[int] | None = None) -> list[Client]:
+    """Open ``n`` connections concurrently and read each one's hello."""
+
+    async def one(i: int) -> Client:
+        ws = await connect(url, max_size=None, compression=None, ping_interval=None, close_timeout=2,
+                           open_timeout=30)
+        hello = orjson.loads(await asyncio.wait_for(ws.recv(decode=False), 30))
+        if hello.get("type") != "hello":
+            raise RuntimeError(f"expected hello, got {hello!r}")
+        return Client(ws, texts, (i * len(texts)) // n, recorder, token_counts)
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def _close_all(clients: list[Client]) -> None:
+    async def close(client: Client) -> None:
+        try:
+            await asyncio.wait_for(client.ws.close(), 3)
+        except (TimeoutError, ConnectionClosed, OSError):
+            client.ws.transport.abort()
+
+    await asyncio.gather(*(close(c) for c in clients), return_exceptions=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of ``values`` (``inf`` values sort last)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    if math.isinf(ordered[high]):
+        return math.inf
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _latency_summary(latencies_ms: list[float]) -> dict[str, float]:
+    finite = [v for v in latencies_ms if math.isfinite(v)]
+    return {
+        "p50": percentile(latencies_ms, 50), "p95": percentile(latencies_ms, 95),
+        "p99": percentile(latencies_ms, 99), "mean": statistics.fmean(finite) if finite else math.nan,
+        "max": max(latencies_ms) if latencies_ms else math.nan, "n": len(latencies_ms),
+    }
+
+
+def summarize(recorder: Recorder, window: tuple[float, float], by_schedule: bool) -> dict[str, Any]:
+    """Metrics of one phase over ``window`` (see the module docstring for what each mode counts)."""
+    start, end = window
+    duration = end - start
+    n = len(recorder.sent)
+    answered_in_window = [i for i in range(n) if start <= recorder.done[i] <= end]
+    results_in_window = [i for i in answered_in_window if recorder.kind[i] == RESULT]
+    if by_schedule:
+        chosen = [i for i in range(n) if start <= recorder.sent[i] < end]
+        sample = [i for i in chosen if recorder.kind[i] in (RESULT, "")]
+    else:
+        chosen = answered_in_window
+        sample = results_in_window
+    latencies = [(recorder.done[i] - recorder.sent[i]) * 1000 for i in sample]
+    overloaded = sum(1 for i in chosen if recorder.kind[i] == OVERLOADED)
+    errors = sum(1 for i in chosen if recorder.kind[i] in (ERROR, OTHER))
+    unanswered = sum(1 for i in chosen if recorder.kind[i] == "")
+    results = [i for i in sample if recorder.kind[i] == RESULT]
+    sizes = [recorder.batch_size[i] for i in results]
+    overheads = [(recorder.done[i] - recorder.sent[i]) * 1000 - recorder.queue_ms[i] - recorder.inference_ms[i]
+                 for i in results]
+    histogram = Counter(sizes)
+    known = [i for i in results if recorder.tokens[i] and recorder.batch_tokens[i] and recorder.batch_size[i]]
+    padded_per_row = sum(recorder.batch_tokens[i] / recorder.batch_size[i] for i in known)
+    return {
+        "window_s": round(duration, 3),
+        "requests": len(chosen),
+        "results": len(results),
+        "throughput_rps": _throughput(sorted(recorder.done[i] for i in results_in_window), window),
+        "latency_ms": _latency_summary(latencies),
+        "overloaded": overloaded,
+        "overloaded_share": overloaded / len(chosen) if chosen else 0.0,
+        "errors": errors,
+        "unanswered": unanswered,
+        "answer_codes": dict(recorder.error_codes),
+        "batch": {
+            # per batch: requests / number of batches (a batch of b rows is seen b times)
+            "mean_rows_per_batch": len(sizes) / sum(1 / s for s in sizes) if sizes and min(sizes) > 0 else math.nan,
+            "request_weighted_mean": statistics.fmean(sizes) if sizes else math.nan,
+            "p50": percentile([float(s) for s in sizes], 50),
+            "max": max(sizes) if sizes else 0,
+            "histogram": {str(k): histogram[k] for k in sorted(histogram)},
+            # the requests' own tokens over the padded tokens of their rows: 1.0 = no padding
+            "useful_token_share": sum(recorder.tokens[i] for i in known) / padded_per_row if known else math.nan,
+        },
+        "server_ms": {
+            "queue_p50": percentile([recorder.queue_ms[i] for i in results], 50),
+            "inference_p50": percentile([recorder.inference_ms[i] for i in results], 50),
+            "queue_mean": statistics.fmean([recorder.queue_ms[i] for i in results]) if results else math.nan,
+            "inference_mean": statistics.fmean([recorder.inference_ms[i] for i in results]) if results else math.nan,
+            # client latency minus queue and inference: sockets, JSON, both event loops
+            "overhead_p50": percentile(overheads, 50),
+        },
+    }
+
+
+def _throughput(done: list[float], window: tuple[float, float]) -> float:
+    """Answers per second in ``window`` (``done``: sorted answer times inside it).
+
+    Answers arrive in bursts, one per batch; with few, large batches (a base-sized model) a plain
+    count over the window is quantised by whether a burst falls just inside or just outside it. So
+    when the window holds at least 5 bursts, the rate is measured from the first burst to the last:
+    the answers after the first burst divided by the time between them. Otherwise, count / window.
+    """
+    duration = window[1] - window[0]
+    if not done or duration <= 0:
+        return 0.0 if duration > 0 else math.nan
+    bursts = 1 + sum(1 for a, b in itertools.pairwise(done) if b - a > BURST_GAP_S)
+    span = done[-1] - done[0]
+    if bursts >= 5 and span > 0.5 * duration:
+        first_burst = 1 + next((i for i, (a, b) in enumerate(itertools.pairwise(done)) if b - a > BURST_GAP_S),
+                               len(done) - 1)
+        return (len(done) - first_burst) / span
+    return len(done) / duration
+
+
+async def settle(url: str, timeout: float = 120.0) -> float:
+    """Send one request on a fresh connection and wait for its answer: returns once the engine has
+    finished whatever batch was running (a barrier between phases). Returns the seconds it took."""
+    recorder = Recorder()
+    t0 = time.perf_counter()
+    (conn,) = await _connect(url, 1, ["Settle the [MASK] now."], recorder)
+    try:
+        await conn.send()
+        await asyncio.wait_for(conn.read_one(), timeout)
+    finally:
+        await _close_all([conn])
+    return time.perf_counter() - t0
+
+
+async def _read_forever(client: Client, refill: float | None) -> None:
+    """Read answers until cancelled or the connection closes; with ``refill`` (a time), send one new
+    request per answer while ``time.perf_counter() < refill`` (the closed loop)."""
+    with contextlib.suppress(ConnectionClosed):
+        while True:
+            await client.read_one()
+            if refill is not None and time.perf_counter() < refill:
+                await client.send()
+
+
+async def _drain(conns: list[Client], readers: list[asyncio.Task[None]], grace_s: float) -> None:
+    """Wait (at most ``grace_s``) until no request is pending, then stop the readers."""
+    give_up = time.perf_counter() + grace_s
+    while any(c.pending for c in conns) and time.perf_counter() < give_up:
+        await asyncio.sleep(0.01)
+    await _stop_tasks(readers)
+
+
+async def _stop_tasks(tasks: Sequence[asyncio.Task[Any] | None]) -> None:
+    """Cancel the tasks still running and wait for them (idempotent)."""
+    live = [task for task in tasks if task is not None and not task.done()]
+    for task in live:
+        task.cancel()
+    await asyncio.gather(*live, return_exceptions=True)
+
+
+async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, warmup_s: float, duration_s: float,
+                      on_window: Any = None, token_counts: Sequence[int] | None = None) -> dict[str, Any]:
+    """Closed loop: ``clients`` connections each keeping ``in_flight`` requests outstanding.
+
+    Only answers read inside the window count, so the requests still in flight when it ends are not
+    waited for: the connections close and the server discards what is queued (call ``settle`` next).
+
+    ``on_window`` (optional) is an async callable started when the measured window opens, e.g. the
+    ``/healthz`` prober; its return value lands in the summary under ``"during_window"``.
+    """
+    recorder = Recorder()
+    conns = await _connect(url, clients, texts, recorder, token_counts)
+    readers: list[asyncio.Task[None]] = []
+    side_task: asyncio.Task[Any] | None = None
+    try:
+        t0 = time.perf_counter()
+        window = (t0 + warmup_s, t0 + warmup_s + duration_s)
+        for conn in conns:
+            for _ in range(in_flight):
+                await conn.send()
+        readers = [asyncio.create_task(_read_forever(c, window[1])) for c in conns]
+        await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
+        if on_window is not None:
+            side_task = asyncio.create_task(on_window())
+        await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
+        await _stop_tasks(readers)
+        summary = summarize(recorder, window, by_schedule=False)
+        if side_task is not None:
+            summary["during_window"] = await asyncio.wait_for(side_task, duration_s + 30)
+    finally:
+        await _stop_tasks([*readers, side_task])
+        await _close_all(conns)
+    summary.update({"mode": "closed", "clients": clients, "in_flight": in_flight})
+    return summary
+
+
+async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmup_s: float, duration_s: float,
+                    grace_s: float = 10.0, seed: int = 0, token_counts: Sequence[int] | None = None) -> dict[str, Any]:
+    """Open loop: Poisson arrivals at ``rate`` req/s over ``clients`` connections for warm-up + window."""
+    recorder = Recorder()
+    conns = await _connect(url, clients, texts, recorder, token_counts)
+    rng = random.Random(seed)
+    max_lag = 0.0
+    readers: list[asyncio.Task[None]] = []
+    try:
+        readers = [asyncio.create_task(_read_forever(c, None)) for c in conns]
+        t0 = time.perf_counter()
+        window = (t0 + warmup_s, t0 + warmup_s + duration_s)
+        due = t0
+        i = 0
+        while True:
+            due += rng.expovariate(rate)
+            if due >= window[1]:
+                break
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                max_lag = max(max_lag, -delay)
+            await conns[i % clients].send(scheduled=due)
+            i += 1
+        await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
+        await _drain(conns, readers, grace_s)
+        summary = summarize(recorder, window, by_schedule=True)
+    finally:
+        await _stop_tasks(readers)
+        await _close_all(conns)
+    summary.update({"mode": "open", "clients": clients, "rate_rps": rate, "send_lag_max_ms": max_lag * 1000})
+    return summary
+
+
+async def idle_single(url: str, texts: list[str], n: int, warmup: int = 10,
+                      token_counts: Sequence[int] | None = None) -> dict[str, Any]:
+    """One connection, one request at a time: ``warmup`` unmeasured requests, then ``n`` measured."""
+    recorder = Recorder()
+    (conn,) = await _connect(url, 1, texts, recorder, token_counts)
+    try:
+        for _ in range(warmup):
+            await conn.send()
+            await asyncio.wait_for(conn.read_one(), 30)
+        first = len(recorder.sent)
+        start = time.perf_counter()
+        for _ in range(n):
+            await conn.send()
+            await asyncio.wait_for(conn.read_one(), 30)
+        end = time.perf_counter()
+    finally:
+        await _close_all([conn])
+    measured = Recorder(recorder.sent[first:], recorder.done[first:], recorder.kind[first:],
+                        recorder.batch_size[first:], recorder.queue_ms[first:], recorder.inference_ms[first:],
+                        recorder.batch_tokens[first:], recorder.tokens[first:], recorder.error_codes)
+    summary = summarize(measured, (start, end), by_schedule=False)
+    summary.update({"mode": "idle", "clients": 1, "in_flight": 1})
+    return summary
+
+
+async def run_probe(port: int, duration_s: float, interval_s: float = 0.02) -> dict[str, Any]:
+    """Run ``bench.probe`` as a child process for ``duration_s`` and return its summary."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.probe", "--port", str(port), "--interval", str(interval_s),
+        "--duration", str(duration_s), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        cwd=str(ROOT))
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), duration_s + 30)
+    except TimeoutError:
+        return {"error": "probe timed out"}
+    finally:
+        if process.returncode is None:  # timed out or cancelled: never leave the prober running
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+    if process.returncode != 0:
+        return {"error": err.decode(errors="replace")[-500:]}
+    raw = orjson.loads(out.splitlines()[-1])
+    latencies = raw["latencies_ms"]
+    return {
+        "probes": len(latencies) + raw["failures"],
+        "failures": raw["failures"],
+        "skipped_ticks": raw["skipped"],
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies + [math.inf] * raw["failures"], 99),
+        "max_ms": max(latencies) if latencies else math.nan,
+    }

@@ -1,0 +1,418 @@
+"""The benchmark's outputs: medians over repeats, targets with ratios, Markdown, JSON and the plot.
+
+Every function here is pure (numbers in, text or a file out), so a finished ``results.json`` can be
+re-rendered without re-running anything: ``python -m bench.report bench/results``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+# The phase metrics that get a median over repeats: (path in a phase summary, name in the median dict).
+_MEDIAN_FIELDS: list[tuple[tuple[str, ...], str]] = [
+    (("throughput_rps",), "throughput_rps"),
+    (("latency_ms", "p50"), "p50_ms"),
+    (("latency_ms", "p95"), "p95_ms"),
+    (("latency_ms", "p99"), "p99_ms"),
+    (("overloaded_share",), "overloaded_share"),
+    (("unanswered",), "unanswered"),
+    (("errors",), "errors"),
+    (("batch", "mean_rows_per_batch"), "rows_per_batch"),
+    (("batch", "request_weighted_mean"), "batch_request_weighted"),
+    (("batch", "useful_token_share"), "useful_token_share"),
+    (("server_ms", "queue_p50"), "queue_p50_ms"),
+    (("server_ms", "inference_p50"), "inference_p50_ms"),
+    (("server_ms", "overhead_p50"), "overhead_p50_ms"),
+    (("during_window", "p50_ms"), "healthz_p50_ms"),
+    (("during_window", "p99_ms"), "healthz_p99_ms"),
+    (("healthz", "p50_ms"), "healthz_p50_ms"),
+    (("healthz", "p99_ms"), "healthz_p99_ms"),
+    (("cpu", "server"), "cpu_server"),
+    (("cpu", "client"), "cpu_client"),
+    (("cpu", "other"), "cpu_other"),
+    (("send_lag_max_ms",), "send_lag_max_ms"),
+    (("rate_rps",), "rate_rps"),
+]
+
+
+def _get(data: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def median(values: list[float]) -> float:
+    """Median that keeps ``inf`` (an unanswered p99 stays unanswered) and ignores NaN; NaN if empty."""
+    kept = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return float(statistics.median(kept)) if kept else math.nan
+
+
+def median_phase(repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the repeats of one phase, plus its description (mode, clients, in_flight/rate)."""
+    first = repeats[0]
+    out: dict[str, Any] = {key: first[key] for key in ("mode", "clients", "in_flight", "factor") if key in first}
+    for path, name in _MEDIAN_FIELDS:
+        values = [_get(r, path) for r in repeats]
+        if any(v is not None for v in values):
+            out[name] = median([float(v) for v in values if v is not None])
+    histogram: dict[str, int] = {}
+    for r in repeats:
+        for size, count in (_get(r, ("batch", "histogram")) or {}).items():
+            histogram[size] = histogram.get(size, 0) + count
+    if histogram:
+        out["batch_histogram"] = dict(sorted(histogram.items(), key=lambda kv: int(kv[0])))
+    out["repeats"] = len(repeats)
+    return out
+
+
+BATCH_BUCKETS: list[tuple[int, int]] = [(1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30)]
+
+
+def batch_shares(histogram: dict[str, int]) -> list[float]:
+    """Share of requests (summed over repeats) that ran in a batch of each size bucket."""
+    total = sum(histogram.values())
+    return [sum(n for size, n in histogram.items() if low <= int(size) <= high) / total if total else math.nan
+            for low, high in BATCH_BUCKETS]
+
+
+def pipeline_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """Median req/s per pipeline batch size, the best of them, and the single-call latency."""
+    per_size = {size: median(values) for size, values in raw["throughput"].items()}
+    best_size = max(per_size, key=lambda s: per_size[s])
+    singles = sorted(raw["single_ms"])
+    return {
+        "per_batch_size_rps": per_size,
+        "best_rps": per_size[best_size],
+        "best_batch_size": int(best_size),
+        "single_p50_ms": median(singles),
+        "single_p99_ms": _percentile(singles, 99),
+        "repeats": len(next(iter(raw["throughput"].values()))),
+        "n_texts": raw["n_texts"],
+        "torch_threads": raw["torch_threads"],
+        "cpu_other": raw.get("cpu", {}).get("other", math.nan),
+    }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def capacity(server: dict[str, Any]) -> float:
+    """A server config's capacity: the best closed-loop median throughput over its in-flight depths."""
+    closed = [p["throughput_rps"] for p in server["phases"] if p["mode"] == "closed"]
+    return max(closed) if closed else math.nan
+
+
+def _phase(server: dict[str, Any] | None, mode: str, in_flight: int | None = None) -> dict[str, Any] | None:
+    if server is None:
+        return None
+    candidates = [p for p in server["phases"] if p["mode"] == mode
+                  and (in_flight is None or p.get("in_flight") == in_flight)]
+    if mode == "closed" and in_flight is None and candidates:
+        return max(candidates, key=lambda p: p.get("in_flight", 0))  # the most saturated
+    return candidates[0] if candidates else None
+
+
+def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets of issue 3 that this run can judge: measured value, goal, PASS or MISS."""
+    servers = {s["name"]: s for s in summary["servers"]}
+    pipes = {p["name"]: p for p in summary["pipelines"]}
+    rows: list[dict[str, Any]] = []
+
+    def ratio_row(label: str, server_name: str, pipe_name: str, goal: float) -> None:
+        server, pipe = servers.get(server_name), pipes.get(pipe_name)
+        if server is None or pipe is None:
+            return
+        value = capacity(server) / pipe["best_rps"]
+        best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
+        rows.append({"target": label, "measured": f"{capacity(server):.1f} / {pipe['best_rps']:.1f} req/s",
+                     "value": value, "goal": f"≥ {goal:g}×", "shown": f"{value:.2f}×", "pass": value >= goal,
+                     "other_cores": [best.get("cpu_other"), pipe.get("cpu_other")]})
+
+    ratio_row("tiny fp32 server ÷ best tiny fp32 pipeline", "tiny fp32", "tiny fp32", 2.5)
+    ratio_row("base fp32 server ÷ best base fp32 pipeline", "base fp32", "base fp32", 1.2)
+    ratio_row("base bf16 server ÷ best base fp32 pipeline", "base bf16", "base fp32", 2.2)
+    for size in ("tiny", "base"):
+        idle = _phase(servers.get(f"{size} fp32"), "idle")
+        pipe = pipes.get(f"{size} fp32")
+        if idle is not None and pipe is not None:
+            delta = idle["p50_ms"] - pipe["single_p50_ms"]
+            rows.append({"target": f"{size} fp32 idle single request p50 − pipeline single call p50",
+                         "measured": f"{idle['p50_ms']:.2f} − {pipe['single_p50_ms']:.2f} ms",
+                         "value": delta, "goal": "≤ +1 ms", "shown": f"{delta:+.2f} ms", "pass": delta <= 1.0,
+                         "other_cores": [idle.get("cpu_other"), pipe.get("cpu_other")]})
+    for name in ("base fp32", "base bf16"):
+        saturated = _phase(servers.get(name), "closed")
+        if saturated is not None and "healthz_p99_ms" in saturated:
+            p99 = saturated["healthz_p99_ms"]
+            rows.append({"target": f"/healthz p99, {name} saturated ({saturated['clients']} clients × "
+                                   f"{saturated['in_flight']} in flight)",
+                         "measured": f"p50 {_fmt(saturated['healthz_p50_ms'], 1)} ms, p99 {_fmt(p99, 1)} ms",
+                         "value": p99, "goal": "≤ 20 ms", "shown": f"{_fmt(p99, 1)} ms", "pass": p99 <= 20.0,
+                         "other_cores": [saturated.get("cpu_other")]})
+    return rows
+
+
+def target_line(row: dict[str, Any]) -> str:
+    """One Markdown row of the targets table."""
+    noise = " / ".join(_other(v) for v in row.get("other_cores", []))
+    return (f"| {row['target']} | {row['measured']} | {row['shown']} | {row['goal']} | "
+            f"{'PASS' if row['pass'] else 'MISS'} | {noise or '–'} |")
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if isinstance(value, float) and math.isinf(value):
+        return "∞"
+    return f"{value:.{digits}f}"
+
+
+NOISY_CORES = 0.3  # other users' CPU during a measurement above which it is flagged
+
+
+def _other(value: Any) -> str:
+    """Others' CPU cores, with ⚠ when a measurement shared the machine with a busy neighbour."""
+    text = _fmt(value, 2)
+    return text + " ⚠" if isinstance(value, float) and value >= NOISY_CORES else text
+
+
+def _load(phase: dict[str, Any]) -> str:
+    if phase["mode"] == "closed":
+        return f"closed {phase['clients']}×{phase['in_flight']}"
+    if phase["mode"] == "open":
+        return f"open {phase.get('factor', 0):g}× ({phase.get('rate_rps', math.nan):.0f}/s)"
+    return "idle 1×1"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The whole ``results.md``: command, machine, limits, server table, targets, notes."""
+    meta = summary["meta"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"Run: {meta['date']} UTC, {meta['duration_s']:.0f} s; git {meta['git']}  ",
+        f"Machine: {meta['cpu_model']}, {meta['cores']} cores ({meta['cpu_flags']}), {meta['memory_gib']:.0f} GiB; "
+        f"load average at start {meta['loadavg_start']}  ",
+        f"Software: Python {meta['python']}, torch {meta['torch']} ({meta['torch_threads']} threads), "
+        f"transformers {meta['transformers']}, websockets {meta['websockets']}  ",
+        f"Corpus: {_corpus_line(summary['corpus'])}  ",
+        f"Settings: {_settings_line(summary['settings'])}",
+        "",
+        "## Targets (issue 3)",
+        "",
+        "| target | measured | ratio / value | goal | result | others' CPU cores (server / pipeline) |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [target_line(row) for row in summary["targets"]]
+    lines += [
+        "",
+        "## In-process pipeline (`pipeline(texts, batch_size=N)`), req/s, median of repeats",
+        "",
+        "| model | " + " | ".join(f"N={n}" for n in summary["settings"]["pipeline_batch_sizes"])
+        + " | best | single call p50 / p99 ms | CPU cores other |",
+        "|---|" + "---|" * (len(summary["settings"]["pipeline_batch_sizes"]) + 3),
+    ]
+    for pipe in summary["pipelines"]:
+        cells = [_fmt(pipe["per_batch_size_rps"].get(str(n)), 1) for n in summary["settings"]["pipeline_batch_sizes"]]
+        lines.append(f"| {pipe['name']} | " + " | ".join(cells)
+                     + f" | **{pipe['best_rps']:.1f}** (N={pipe['best_batch_size']}) | "
+                     f"{pipe['single_p50_ms']:.2f} / {pipe['single_p99_ms']:.2f} | {_other(pipe.get('cpu_other'))} |")
+    lines += [
+        "",
+        "## Server through WebSockets (client-measured), median of repeats",
+        "",
+        "| config | load | req/s | × pipeline | p50 ms | p95 ms | p99 ms | rows/batch | overloaded | "
+        "server queue / infer / other p50 ms | /healthz p50 / p99 ms | CPU cores server / client / other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    pipes = {p["name"]: p for p in summary["pipelines"]}
+    for server in summary["servers"]:
+        base_pipe = pipes.get(f"{server['size']} fp32")
+        for phase in server["phases"]:
+            ratio = (phase["throughput_rps"] / base_pipe["best_rps"]) if base_pipe and phase["mode"] != "idle" else None
+            health = (f"{_fmt(phase.get('healthz_p50_ms'))} / {_fmt(phase.get('healthz_p99_ms'))}"
+                      if "healthz_p99_ms" in phase else "–")
+            lines.append(
+                f"| {server['name']} | {_load(phase)} | {_fmt(phase['throughput_rps'], 1)} | "
+                f"{_fmt(ratio, 2) + '×' if ratio is not None else '–'} | {_fmt(phase['p50_ms'], 1)} | "
+                f"{_fmt(phase['p95_ms'], 1)} | {_fmt(phase['p99_ms'], 1)} | {_fmt(phase.get('rows_per_batch'), 1)} | "
+                f"{100 * phase.get('overloaded_share', 0):.1f}% | {_fmt(phase.get('queue_p50_ms'), 1)} / "
+                f"{_fmt(phase.get('inference_p50_ms'), 1)} / {_fmt(phase.get('overhead_p50_ms'), 1)} | {health} | "
+                f"{_fmt(phase.get('cpu_server'), 2)} / {_fmt(phase.get('cpu_client'), 2)} / "
+                f"{_other(phase.get('cpu_other'))} |")
+    bucket_names = [f"{low}" if low == high else (f"{low}–{high}" if high < 1 << 30 else f"> {low - 1}")
+                    for low, high in BATCH_BUCKETS]
+    lines += [
+        "",
+        "## Batch sizes: share of requests by the size of the batch they ran in (all repeats)",
+        "",
+        "*useful tokens*: the requests' own tokens ÷ the padded tokens of their batch rows (1.0 = no padding).",
+        "",
+        "| config | load | " + " | ".join(bucket_names) + " | rows/batch | useful tokens |",
+        "|---|---|" + "---|" * (len(bucket_names) + 2),
+    ]
+    for server in summary["servers"]:
+        for phase in server["phases"]:
+            if phase.get("batch_histogram") and phase["mode"] != "idle":
+                shares = batch_shares(phase["batch_histogram"])
+                cells = ["·" if v == 0 else f"{100 * v:.0f}%" for v in shares]
+                cells += [_fmt(phase.get("rows_per_batch"), 1), _fmt(phase.get("useful_token_share"), 2)]
+                lines.append(f"| {server['name']} | {_load(phase)} | " + " | ".join(cells) + " |")
+    lines += ["", "## How to read this", "", *_NOTES, ""]
+    return "\n".join(lines)
+
+
+_NOTES = [
+    "- *× pipeline*: server throughput divided by the best in-process float32 pipeline throughput of the same "
+    "model size (bf16 rows too, as issue 3 asks). A server config's capacity, used by the targets and to set "
+    "the open-loop rates, is its best closed-loop throughput.",
+    "- *closed C×K*: C WebSocket clients each keeping K requests in flight. *open F× (R/s)*: Poisson arrivals at "
+    "F times the config's capacity over the same C connections; latency counts from the scheduled send time, a "
+    "request still unanswered at the end of the grace period counts as ∞, and `overloaded` answers are counted "
+    "apart. *idle 1×1*: one client, one request at a time, compared with one `pipe(text)` call.",
+    "- *server queue / infer / other*: medians of the result frames' `queue_ms` and `inference_ms`, and of the "
+    "client latency minus both (sockets, JSON, both event loops, and waiting for a CPU).",
+    "- */healthz*: a separate process sends `GET /healthz` every 20 ms during the measured window of the most "
+    "loaded closed-loop phase (idle row: on the idle server); latency is connect to full answer.",
+    "- *CPU cores*: average cores used during the phase by the server process, by the benchmark process (the "
+    "load generator, on the same machine) and by everything else (other users: the noise). ⚠ marks a "
+    f"measurement during which others used ≥ {NOISY_CORES} cores: torch with one thread per core slows down "
+    "several times over when another process takes a core, so such a number says more about the neighbours "
+    "than about the server. Before each phase the run waits (bounded) for a quiet machine.",
+]
+
+
+def _corpus_line(corpus: dict[str, Any]) -> str:
+    text = (f"{corpus['texts']} distinct texts, {corpus['one_mask']} with one mask and {corpus['two_masks']} with "
+            f"two")
+    if "tokens_min" in corpus:
+        text += (f"; {corpus['tokens_min']}–{corpus['tokens_max']} tokens (median {corpus['tokens_p50']:g}, "
+                 f"mean {corpus['tokens_mean']:g})")
+    return text
+
+
+def _settings_line(settings: dict[str, Any]) -> str:
+    return "; ".join(
+        f"{size}: {s['repeats']} repeats, windows {s['closed_s']:g} s closed / {s['open_s']:g} s open "
+        f"(+{s['warmup_s']:g} s warm-up), pipeline {s['pipeline_texts']} texts per call"
+        for size, s in settings["per_size"].items()
+    ) + f"; {settings['clients']} clients, K ∈ {settings['in_flight']}, open-loop factors {settings['open_factors']}"
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    """Latency p50 (solid) and p99 (dashed) against achieved throughput for the open-loop points, one panel
+    per model size, one colour per server config; pipeline best throughput as a dotted vertical line."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [size for size in ("tiny", "base") if any(s["size"] == size for s in summary["servers"])]
+    if not sizes:
+        return False
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.8), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    pipes = {p["name"]: p for p in summary["pipelines"]}
+    for ax, size in zip(axes[0], sizes, strict=True):
+        servers = [s for s in summary["servers"] if s["size"] == size and any(p["mode"] == "open" for p in s["phases"])]
+        for i, server in enumerate(servers):
+            points = sorted((p for p in server["phases"] if p["mode"] == "open"), key=lambda p: p.get("factor", 0))
+            colour = colours[i % len(colours)]
+            for key, style, label in (("p50_ms", "-o", "p50"), ("p99_ms", "--x", "p99")):
+                finite = [(p["throughput_rps"], p[key]) for p in points if math.isfinite(p.get(key, math.nan))]
+                if finite:
+                    ax.plot([x for x, _ in finite], [y for _, y in finite], style, color=colour,
+                            label=f"{server['name']} {label}")
+            for p in points:
+                if not math.isfinite(p.get("p50_ms", math.nan)):
+                    continue
+                noisy = p.get("cpu_other", 0.0) >= NOISY_CORES
+                ax.annotate(f"{p.get('factor', 0):g}×" + (" ⚠" if noisy else ""), (p["throughput_rps"], p["p50_ms"]),
+                            fontsize=7, textcoords="offset points", xytext=(3, -9), color=colour)
+        for name, pipe in pipes.items():
+            if pipe["size"] == size:
+                ax.axvline(pipe["best_rps"], color="grey", linestyle=":" if pipe["dtype"] == "float32" else "-.",
+                           linewidth=1, label=f"pipeline {name.split(' ', 1)[1]} best")
+        ax.set_yscale("log")
+        ax.set_xlabel("achieved throughput (req/s)")
+        ax.set_ylabel("client latency (ms)")
+        ax.set_title(f"{size}: open loop, {summary['settings']['clients']} connections", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"fill-mask server, {summary['meta']['cpu_model']} ({summary['meta']['cores']} cores); labels: "
+                 f"offered load × capacity, ⚠ = others used ≥ {NOISY_CORES} cores; unanswered (∞) points omitted",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no inf/NaN: write them as the strings "inf" / null."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            return "inf"
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _unclean(value: Any) -> Any:
+    if value == "inf":
+        return math.inf
+    if value is None:
+        return math.nan
+    if isinstance(value, dict):
+        return {k: _unclean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unclean(v) for v in value]
+    return value
+
+
+def write_all(summary: dict[str, Any], out: Path) -> list[Path]:
+    """Write ``results.json``, ``results.md`` and ``latency_vs_throughput.png`` into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "results.json", out / "results.md"]
+    written[0].write_bytes(orjson.dumps(_clean(summary), option=orjson.OPT_INDENT_2) + b"\n")
+    written[1].write_text(markdown(summary) + "\n")
+    if plot(summary, out / "latency_vs_throughput.png"):
+        written.append(out / "latency_vs_throughput.png")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render the Markdown and the plot from an existing ``results.json``."""
+    args = sys.argv[1:] if argv is None else argv
+    out = Path(args[0] if args else "bench/results")
+    summary = _unclean(orjson.loads((out / "results.json").read_bytes()))
+    for path in write_all(summary, out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

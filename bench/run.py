@@ -1,0 +1,397 @@
+"""One command for the whole issue-3 benchmark (from the repository root)::
+
+    .venv/bin/python bench/run.py --sizes tiny,base --out bench/results     # full run, 13-16 min
+    .venv/bin/python bench/run.py --quick                                   # smoke run, tiny only, < 60 s
+
+For each model size it makes the offline checkpoint if missing, measures the in-process pipeline
+limits in a child process, then starts the real server (``ws_server.py``) once per configuration and
+drives it over WebSockets: idle single requests, closed loop (32 clients × K in flight, with the
+``/healthz`` prober running during the most loaded one) and open loop at fixed fractions of the
+closed-loop capacity. Repeats are interleaved (r1 of every phase, then r2, ...) and the report uses
+their medians, because this machine is shared. Every phase is time-boxed; servers are stopped in
+``finally`` blocks. Outputs: ``results.md``, ``results.json``, ``latency_vs_throughput.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as ``python bench/run.py``: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import orjson
+
+from bench import report
+from bench.corpus import corpus_stats, make_corpus
+from bench.loadgen import closed_loop, idle_single, open_loop, run_probe, settle
+from bench.server_proc import ROOT, CpuMeter, QuietGate, ServerProcess
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Durations and repeats of one model size (all phases are bounded by these)."""
+
+    repeats: int
+    warmup_s: float
+    closed_s: float
+    open_s: float
+    grace_s: float
+    pipeline_texts: int
+    singles: int  # single requests: pipe(text) calls, and idle-server requests (the same texts)
+    pipeline_timeout_s: float
+
+
+FULL: dict[str, Timing] = {
+    "tiny": Timing(repeats=3, warmup_s=1.0, closed_s=5.0, open_s=5.0, grace_s=6.0, pipeline_texts=256,
+                   singles=50, pipeline_timeout_s=300),
+    "base": Timing(repeats=2, warmup_s=2.0, closed_s=10.0, open_s=8.0, grace_s=8.0, pipeline_texts=128,
+                   singles=50, pipeline_timeout_s=600),
+}
+QUICK: dict[str, Timing] = {
+    "tiny": Timing(repeats=1, warmup_s=0.5, closed_s=1.5, open_s=1.5, grace_s=3.0, pipeline_texts=96,
+                   singles=20, pipeline_timeout_s=120),
+    "base": Timing(repeats=1, warmup_s=1.0, closed_s=3.0, open_s=3.0, grace_s=5.0, pipeline_texts=64,
+                   singles=10, pipeline_timeout_s=300),
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server configuration to start and measure."""
+
+    name: str
+    size: str
+    args: tuple[str, ...] = ()
+    in_flight: tuple[int, ...] = (1, 4)
+    open_loop: bool = True
+    idle: bool = True
+
+
+def server_configs(size: str, in_flight: tuple[int, ...]) -> list[ServerConfig]:
+    """The configurations of issue 3 for one model size: batching on (fp32, and bf16 for base) and off."""
+    configs = [ServerConfig(f"{size} fp32", size, (), in_flight)]
+    if size == "base":
+        configs.append(ServerConfig("base bf16", size, ("--dtype", "bfloat16"), in_flight))
+    configs.append(ServerConfig(f"{size} fp32 batch=1", size, ("--max-batch-size", "1"), (max(in_flight),),
+                                open_loop=False, idle=False))
+    return configs
+
+
+@dataclass
+class Settings:
+    """Everything the command line decides."""
+
+    sizes: list[str]
+    out: Path
+    models: Path
+    quick: bool
+    clients: int
+    in_flight: tuple[int, ...]
+    open_factors: tuple[float, ...]
+    pipeline_batch_sizes: tuple[int, ...]
+    pipeline_bf16: bool
+    repeats: int | None
+    gate: QuietGate
+    server_args: tuple[str, ...] = ()
+    timing: dict[str, Timing] = field(default_factory=dict)
+
+
+def log(message: str) -> None:
+    """Progress on stderr, with the time since start."""
+    print(f"[{time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+_T0 = time.perf_counter()
+
+
+def ensure_checkpoint(size: str, models: Path) -> Path:
+    """``models/SIZE``, written by ``fillmask_server.checkpoint`` when missing (base: about 30 s)."""
+    from fillmask_server.checkpoint import is_checkpoint
+
+    directory = models / size
+    if not is_checkpoint(directory):
+        log(f"writing the offline '{size}' checkpoint to {directory}")
+        subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", size, str(directory)], cwd=ROOT,
+                       check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return directory
+
+
+def measure_pipeline(model_dir: Path, dtype: str, settings: Settings, timing: Timing) -> dict[str, Any]:
+    """Run ``bench.pipeline_limits`` in a child process and return its raw JSON.
+
+    Only the float32 pipeline is a target's denominator; a bfloat16 one (information) gets one repeat.
+    """
+    repeats = timing.repeats if dtype == "float32" else 1
+    command = [sys.executable, "-m", "bench.pipeline_limits", "--model", str(model_dir), "--dtype", dtype,
+               "--batch-sizes", ",".join(map(str, settings.pipeline_batch_sizes)),
+               "--texts", str(timing.pipeline_texts), "--repeats", str(repeats),
+               "--singles", str(timing.singles), "--wait-quiet", str(settings.gate.per_wait_s),
+               "--wait-budget", str(max(0.0, min(60.0, settings.gate.budget_s - settings.gate.waited_s)))]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    meter = CpuMeter(None)  # the worker is a child: its CPU shows as "client" once it is reaped
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timing.pipeline_timeout_s)
+    share = meter.stop()
+    if done.returncode != 0:
+        raise RuntimeError(f"pipeline measurement failed:\n{done.stderr[-2000:]}")
+    raw = orjson.loads(done.stdout.strip().splitlines()[-1])
+    raw["cpu"] = {"pipeline": round(share.client, 2), "other": round(share.other, 2), "cores": share.cores}
+    settings.gate.waited_s += raw.get("quiet_waits", {}).get("waited_s", 0.0)
+    return raw
+
+
+class ServerBench:
+    """The phases run against one started server; every phase's raw summary is kept under its key."""
+
+    def __init__(self, server: ServerProcess, config: ServerConfig, texts: list[str], token_counts: list[int] | None,
+                 settings: Settings, timing: Timing) -> None:
+        self.server, self.config, self.texts, self.settings, self.timing = server, config, texts, settings, timing
+        self.token_counts = token_counts
+        self.raw: dict[str, list[dict[str, Any]]] = {}
+
+    def medians(self) -> list[dict[str, Any]]:
+        return [report.median_phase(repeats) for repeats in self.raw.values()]
+
+    async def _keep(self, key: str, result: dict[str, Any], meter: CpuMeter) -> None:
+        """Store a phase result with its CPU split, then wait until the server's last batch is done."""
+        result["cpu"] = meter.stop().as_dict()
+        self.raw.setdefault(key, []).append(result)
+        result["settle_s"] = await settle(self.server.url)
+
+    async def warm_up(self) -> None:
+        """Not measured: single requests, then a short saturated burst (kernels for many shapes)."""
+        await idle_single(self.server.url, self.texts, 5, warmup=5)
+        await closed_loop(self.server.url, self.texts, self.settings.clients, max(self.config.in_flight), 0.0,
+                          self.timing.warmup_s * 2)
+        await settle(self.server.url)
+
+    async def idle(self, r: int) -> None:
+        await quiet(self.settings, f"{self.config.name} r{r} idle")
+        meter = CpuMeter(self.server.pid)
+        result = await idle_single(self.server.url, self.texts, self.timing.singles, token_counts=self.token_counts)
+        result["healthz"] = await run_probe(self.server.port, 1.0)
+        await self._keep("idle", result, meter)
+        log(f"{self.config.name} r{r}: idle p50 {result['latency_ms']['p50']:.2f} ms "
+            f"(server inference {result['server_ms']['inference_p50']:.2f} ms)")
+
+    async def closed(self, r: int, k: int, probe: bool) -> None:
+        timing = self.timing
+        # the prober starts as the window opens (plus its own start-up) and must end inside it
+        on_window = (lambda: run_probe(self.server.port, max(1.0, timing.closed_s - 0.5))) if probe else None
+        await quiet(self.settings, f"{self.config.name} r{r} closed K={k}")
+        meter = CpuMeter(self.server.pid)
+        result = await closed_loop(self.server.url, self.texts, self.settings.clients, k, timing.warmup_s,
+                                   timing.closed_s, on_window=on_window, token_counts=self.token_counts)
+        await self._keep(f"closed K={k}", result, meter)
+        health = result.get("during_window", {})
+        log(f"{self.config.name} r{r}: closed {self.settings.clients}x{k}: {result['throughput_rps']:.1f} req/s, "
+            f"p50 {result['latency_ms']['p50']:.1f} ms, p99 {result['latency_ms']['p99']:.1f} ms, "
+            f"{result['batch']['mean_rows_per_batch']:.1f} rows/batch"
+            + (f", healthz p99 {health.get('p99_ms', float('nan')):.1f} ms" if health else ""))
+
+    async def open(self, r: int, factor: float, capacity: float) -> None:
+        timing = self.timing
+        await quiet(self.settings, f"{self.config.name} r{r} open {factor:g}x")
+        meter = CpuMeter(self.server.pid)
+        result = await open_loop(self.server.url, self.texts, self.settings.clients, factor * capacity,
+                                 timing.warmup_s, timing.open_s, timing.grace_s, seed=r,
+                                 token_counts=self.token_counts)
+        result["factor"] = factor
+        await self._keep(f"open {factor:g}x", result, meter)
+        log(f"{self.config.name} r{r}: open {factor:g}x ({factor * capacity:.0f}/s): "
+            f"{result['throughput_rps']:.1f} req/s, p50 {result['latency_ms']['p50']:.1f} ms, "
+            f"p99 {result['latency_ms']['p99']:.1f} ms, overloaded {100 * result['overloaded_share']:.1f}%, "
+            f"unanswered {result['unanswered']}")
+
+
+async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str], token_counts: list[int] | None,
+                         settings: Settings, timing: Timing) -> dict[str, Any]:
+    """Start one server, warm it up, run its phases (repeats interleaved) and return raw results + medians.
+
+    Order per repeat: idle single requests, closed loop for each K (the prober during the deepest K).
+    The open loop comes after all closed-loop repeats, at fractions of the closed-loop capacity.
+    """
+    args = [*config.args, *settings.server_args]
+    with ServerProcess(model_dir, args) as server:
+        log(f"{config.name}: server ready in {server.start_s:.1f} s at {server.url} (pid {server.pid})")
+        bench = ServerBench(server, config, texts, token_counts, settings, timing)
+        await bench.warm_up()
+        for r in range(1, timing.repeats + 1):
+            if config.idle:
+                await bench.idle(r)
+            for k in config.in_flight:
+                await bench.closed(r, k, probe=k == max(config.in_flight))
+        if config.open_loop:
+            capacity = report.capacity({"phases": bench.medians()})
+            for r in range(1, timing.repeats + 1):
+                for factor in settings.open_factors:
+                    await bench.open(r, factor, capacity)
+    return {"name": config.name, "size": config.size, "args": args, "start_s": server.start_s,
+            "phases": bench.medians(), "raw": bench.raw}
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, memory, relevant CPU flags, software versions and the git state."""
+    import torch
+    import transformers
+    import websockets
+
+    cpu_model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu_model == "unknown CPU":
+                cpu_model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+        memory_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                          if line.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        memory_kib = 0
+    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni") if f in flags]
+    git = _git("rev-parse", "--short", "HEAD")
+    dirty = _git("status", "--porcelain", "--", "fillmask_server", "ws_server.py")
+    return {
+        "cpu_model": cpu_model, "cores": os.cpu_count(), "cpu_flags": " ".join(wanted) or "none of note",
+        "memory_gib": memory_kib / 2**20, "loadavg_start": " ".join(f"{v:.2f}" for v in os.getloadavg()),
+        "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__, "websockets": websockets.__version__,
+        "git": git + (" with uncommitted server changes" if dirty else ""),
+    }
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+async def quiet(settings: Settings, what: str) -> dict[str, float]:
+    """Wait (bounded) for the machine to be quiet; log when it stays busy (the measurement runs anyway)."""
+    state = await asyncio.to_thread(settings.gate.wait)
+    if state.get("other_cores", 0.0) >= settings.gate.threshold:
+        log(f"{what}: the machine stays busy ({state['other_cores']:.2f} cores used by others after waiting "
+            f"{state['waited_s']:.0f} s); measuring anyway, see the CPU columns")
+    elif state.get("waited_s", 0.0) > 2:
+        log(f"{what}: waited {state['waited_s']:.0f} s for the machine to be quiet")
+    return state
+
+
+async def run_all(settings: Settings) -> dict[str, Any]:
+    """Every measurement of the run; returns the summary that ``report`` renders."""
+    texts = make_corpus()
+    summary: dict[str, Any] = {"pipelines": [], "servers": [], "raw_pipelines": {}}
+    token_counts: list[int] | None = None
+    for size in settings.sizes:
+        timing = settings.timing[size]
+        model_dir = ensure_checkpoint(size, settings.models)
+        dtypes = ["float32", "bfloat16"] if size == "base" and settings.pipeline_bf16 else ["float32"]
+        for dtype in dtypes:
+            name = f"{size} {'fp32' if dtype == 'float32' else 'bf16'}"
+            log(f"pipeline {name}: {timing.pipeline_texts} texts x batch sizes {settings.pipeline_batch_sizes}")
+            raw = measure_pipeline(model_dir, dtype, settings, timing)
+            token_counts = raw.pop("token_counts", token_counts)
+            pipe = {"name": name, "size": size, "dtype": dtype, **report.pipeline_summary(raw)}
+            summary["pipelines"].append(pipe)
+            summary["raw_pipelines"][name] = raw
+            log(f"pipeline {name}: best {pipe['best_rps']:.1f} req/s at N={pipe['best_batch_size']}, "
+                f"single call p50 {pipe['single_p50_ms']:.2f} ms")
+        for config in server_configs(size, settings.in_flight):
+            summary["servers"].append(await measure_server(config, model_dir, texts, token_counts, settings, timing))
+    summary["corpus"] = corpus_stats(texts, token_counts)
+    return summary
+
+
+def parse_args(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(description="Benchmark the fill-mask server against the in-process pipeline.")
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated model sizes: tiny, base (default tiny,base; with --quick tiny)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default bench/results; with --quick bench/out/tmp, git-ignored)")
+    parser.add_argument("--models", type=Path, default=ROOT / "models", help="where the offline checkpoints live")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: short windows, one repeat, tiny only unless --sizes says otherwise")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per phase (default: tiny 3, base 2)")
+    parser.add_argument("--clients", type=int, default=32, help="WebSocket connections")
+    parser.add_argument("--in-flight", default="1,4", help="closed loop: requests in flight per client")
+    parser.add_argument("--open-factors", default="0.5,1,1.5", help="open-loop rates as fractions of capacity")
+    parser.add_argument("--pipeline-batch-sizes", default=None,
+                        help="in-process pipeline batch sizes (default 1,8,16,32,64; with --quick 1,8,32)")
+    parser.add_argument("--no-pipeline-bf16", action="store_true", help="skip the base bf16 pipeline (info only)")
+    parser.add_argument("--wait-quiet", type=float, default=None,
+                        help="before each measured phase, wait up to this many seconds for the rest of the machine "
+                             "to use < 0.3 cores (default 15; with --quick 0)")
+    parser.add_argument("--wait-budget", type=float, default=150.0,
+                        help="most seconds spent waiting for quiet over the whole run")
+    parser.add_argument("--server-args", default="",
+                        help="extra ws_server.py flags for every server config, e.g. '--torch-threads 1'")
+    args = parser.parse_args(argv)
+    sizes_arg = args.sizes or ("tiny" if args.quick else "tiny,base")
+    sizes = [s.strip() for s in sizes_arg.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in FULL]
+    if unknown:
+        parser.error(f"unknown size(s) {unknown}; choose from {sorted(FULL)}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    timing = {}
+    for size in sizes:
+        base = (QUICK if args.quick else FULL)[size]
+        timing[size] = base if args.repeats is None else Timing(**{**asdict(base), "repeats": args.repeats})
+    return Settings(
+        sizes=sizes, out=args.out or ROOT / "bench" / ("out/tmp" if args.quick else "results"), models=args.models,
+        quick=args.quick, clients=args.clients,
+        in_flight=tuple(int(k) for k in args.in_flight.split(",")),
+        open_factors=tuple(float(f) for f in args.open_factors.split(",")),
+        pipeline_batch_sizes=tuple(int(n) for n in (args.pipeline_batch_sizes
+                                                     or ("1,8,32" if args.quick else "1,8,16,32,64")).split(",")),
+        pipeline_bf16=not args.no_pipeline_bf16, repeats=args.repeats, timing=timing,
+        server_args=tuple(shlex.split(args.server_args)),
+        gate=QuietGate(args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 15.0),
+                       args.wait_budget),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(argv)
+    started = time.time()
+    meta = machine_info()
+    summary = asyncio.run(run_all(settings))
+    meta.update({
+        "command": " ".join([".venv/bin/python", "bench/run.py", *map(shlex.quote, sys.argv[1:] if argv is None
+                                                                       else argv)]),
+        "date": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "duration_s": time.time() - started,
+    })
+    summary["meta"] = meta
+    summary["settings"] = {
+        "clients": settings.clients, "in_flight": list(settings.in_flight),
+        "open_factors": list(settings.open_factors), "pipeline_batch_sizes": list(settings.pipeline_batch_sizes),
+        "quick": settings.quick, "server_args": list(settings.server_args),
+        "quiet_waits": {"count": settings.gate.waits, "waited_s": round(settings.gate.waited_s, 1),
+                        "per_wait_s": settings.gate.per_wait_s, "budget_s": settings.gate.budget_s},
+        "per_size": {size: asdict(t) for size, t in settings.timing.items()},
+    }
+    summary["targets"] = report.targets(summary)
+    for path in report.write_all(summary, settings.out):
+        log(f"wrote {path}")
+    print()
+    print("| target | measured | ratio / value | goal | result | others' CPU cores (server / pipeline) |")
+    print("|---|---|---|---|---|---|")
+    for row in summary["targets"]:
+        print(report.target_line(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
