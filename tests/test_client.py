@@ -428,12 +428,12 @@ async def test_engine_stopped_is_not_retried_but_followed_by_reconnect(make_serv
         await asyncio.to_thread(srv.engine.stop)
         started = time.monotonic()
         with pytest.raises(OverloadedError) as stopped:
-            await asyncio.wait_for(client.fill_mask(TEXT), 2)
+            await asyncio.wait_for(client.fill_mask(TEXT), 10)
         assert (stopped.value.status, stopped.value.reason) == (503, "engine_stopped")
-        assert time.monotonic() - started < 0.5  # raised at once, not after a 1 s backoff
+        assert time.monotonic() - started < 0.9  # raised at once, not after the 1 s backoff
         # With reconnect, the client looks for a working server instead; this one refuses handshakes.
         with pytest.raises(ConnectError) as refused:
-            await asyncio.wait_for(steady.fill_mask(TEXT), 2)
+            await asyncio.wait_for(steady.fill_mask(TEXT), 10)
         assert refused.value.http_status == 503
 
 
