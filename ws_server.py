@@ -16,10 +16,11 @@ import sys
 
 from fillmask_server.config import Config, load_config
 from fillmask_server.model import ModelLoadError, load_model
-from fillmask_server.server import FillMaskServer
+from fillmask_server.server import FillMaskServer, check_can_listen
 
 
 async def serve_until_signalled(config: Config) -> None:
+    check_can_listen(config.host, config.port)
     model = load_model(config.model, config.device, config.dtype, config.torch_threads)
     server = FillMaskServer(config, model)
     await server.start()
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # typically the port is taken
-        print(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; is another server "
+              "running there? choose another --port (0 picks a free one)", file=sys.stderr)
         return 1
     return 0
 

@@ -67,7 +67,7 @@ _HELP: dict[str, str] = {
     "device": "auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps",
     "dtype": "float32 (exact, default), bfloat16 or float16 (faster where the hardware has them), int8 (dynamic "
              "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",
-    "torch_threads": "torch intra-op threads; 0 = all cores",
+    "torch_threads": "torch intra-op threads; 0 = torch's default (one per core)",
     "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM/SIGINT",
     "log_level": "debug, info, warning or error",
     "max_connections": "most open WebSocket connections; beyond it the handshake is refused with HTTP 503",
@@ -103,22 +103,45 @@ class _HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+# --help lists the options in these groups, in this order (every Config field is in exactly one).
+_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("model", ("model", "device", "dtype", "torch_threads")),
+    ("listening", ("host", "port", "certfile", "keyfile")),
+    ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_wait_ms", "max_queue")),
+    ("request limits", ("max_text_chars", "max_masks", "max_top_k", "max_targets", "max_frame_bytes")),
+    ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
+                                "send_timeout", "allowed_origins", "token")),
+    ("process", ("shutdown_timeout", "log_level")),
+]
+_METAVAR: dict[str, str] = {
+    "model": "ID_OR_DIR", "device": "DEVICE", "host": "HOST", "certfile": "PATH", "keyfile": "PATH",
+    "max_wait_ms": "MS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS", "shutdown_timeout": "SECONDS",
+    "allowed_origins": "ORIGINS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES", "max_frame_bytes": "BYTES",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ws_server.py",
-        description="WebSocket fill-mask inference server with dynamic batching.",
+        description="WebSocket fill-mask inference server with dynamic batching. Every option can also be "
+                    f"set by the environment variable shown ({ENV_PREFIX}NAME); a flag beats its variable.",
         formatter_class=_HelpFormatter,
     )
-    for f in fields(Config):
-        kind = type(f.default)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=kind,
-            default=argparse.SUPPRESS,
-            choices=_CHOICES.get(f.name),
-            help=f"{_HELP[f.name]} [env {env_name(f.name)}] (default: {_shown_default(f.default)})",
-        )
+    by_name = {f.name: f for f in fields(Config)}
+    assert sorted(n for _, names in _GROUPS for n in names) == sorted(by_name), "every option in one group"
+    for title, names in _GROUPS:
+        group = parser.add_argument_group(title)
+        for name in names:
+            default = by_name[name].default
+            group.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                type=type(default),
+                default=argparse.SUPPRESS,
+                choices=_CHOICES.get(name),
+                metavar=None if name in _CHOICES else _METAVAR.get(name, "N"),
+                help=f"{_HELP[name]} [env {env_name(name)}] (default: {_shown_default(default)})",
+            )
     return parser
 
 

@@ -230,6 +230,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     except (KeyError, RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
         raise ModelLoadError(f"cannot use --device {device} with --dtype {dtype}: {_first_line(exc)}") from None
     local = Path(name).expanduser().is_dir()
+    if not local and name.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
     if not local and not _hub_reachable():
         raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
                              f"cannot be reached from here; {_HINT}")

@@ -153,8 +153,9 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
         return ProtocolError("invalid_field", "\"text\" holds an unpaired surrogate; send valid Unicode", frame_id)
     masks = text.count(limits.mask_token)
     if masks == 0:
-        return ProtocolError("no_mask", f"the text has no {limits.mask_token} token; put {limits.mask_token} "
-                             "where the missing word goes", frame_id)
+        hint = " (it is case-sensitive)" if limits.mask_token.lower() in text.lower() else ""
+        return ProtocolError("no_mask", f"the text has no {limits.mask_token} token; put {limits.mask_token}"
+                             f"{hint} where the missing word goes", frame_id)
     if masks > limits.max_masks:
         return ProtocolError("too_many_masks", f"the text has {masks} {limits.mask_token} tokens; the limit is "
                              f"{limits.max_masks}", frame_id)

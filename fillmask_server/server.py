@@ -22,6 +22,7 @@ import email.utils
 import http
 import logging
 import mimetypes
+import socket
 import ssl
 import time
 from collections import deque
@@ -471,6 +472,18 @@ class FillMaskServer:
 
 _TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or the query "
                "parameter ?token=TOKEN")
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Raise ``OSError`` now if ``host:port`` cannot be bound, so that a port already in use is
+    reported before the model loads (which may take minutes), not after. Port 0 always works."""
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+            probe.bind(address)
 
 
 def _finish_all(frames: list[tuple[Job, bytes]]) -> None:

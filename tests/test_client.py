@@ -113,7 +113,7 @@ def test_table_has_one_block_per_mask() -> None:
         return {"score": score, "token": 1, "token_str": word, "sequence": f"the {word}."}
 
     frame = {"type": "result", "id": 1, "predictions": [[candidate("capital", 0.5), candidate("heart", 0.25)],
-                                                         [candidate("paris", 0.125)]]}
+                                                         [candidate("paris", 0.125), candidate("lyon", 2.03e-05)]]}
     result = outcome(frame)
     assert isinstance(result, FillMaskResult)
     assert format_table(TWO_MASKS, result).splitlines() == [
@@ -125,6 +125,7 @@ def test_table_has_one_block_per_mask() -> None:
         "mask 2 of 2",
         "rank  token   score  sequence",
         "   1  paris  0.1250  the paris.",
+        "   2  lyon   2.03e-05  the lyon.",  # too small for four decimals: not shown as 0.0000
     ]
 
 
@@ -584,3 +585,6 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
 
     code, _, err = await run_cli("--url", server.url, stdin="\n\n")
     assert code == 2 and "no texts" in err
+
+    code, _, err = await run_cli("--url", server.http_url + "/", TEXT)  # not a WebSocket URL: a usage error
+    assert code == 2 and "expected ws://" in err

@@ -57,7 +57,7 @@ def test_bad_flag_values_are_refused() -> None:
 @pytest.mark.parametrize(
     ("model", "expected"),
     [
-        ("/nonexistent/model-dir", "not a local directory"),
+        ("/nonexistent/model-dir", "no such directory"),
         ("google-bert/bert-base-uncased", "not a local directory"),
         ("{empty}", "has no config.json"),
         ("{gpt2}", "has no masked-language-model head"),
@@ -117,3 +117,16 @@ def test_checkpoint_command_writes_a_loadable_model(tmp_path: Path) -> None:
     again = subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", "tiny", str(target)], cwd=ROOT,
                            env=ENV, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "already there" in again.stdout
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_server("--model", str(tmp_path / "never-loaded"), "--port", str(port))
+    assert result.returncode == 1
+    assert "cannot listen on 127.0.0.1:" in result.stderr and "--port" in result.stderr
+    assert "cannot load model" not in result.stderr  # the port is checked first

@@ -125,6 +125,11 @@ def test_malformed_frames(data: str | bytes, code: str | None) -> None:
         assert got.code == code
 
 
+def test_a_lower_case_mask_gets_a_hint() -> None:
+    got = parse({"type": "fill_mask", "id": 1, "text": "a [mask] b"})
+    assert isinstance(got, ProtocolError) and got.code == "no_mask" and "case-sensitive" in got.message
+
+
 def test_huge_integer_is_an_error_not_an_exception() -> None:
     got = parse_frame("{\"type\":\"fill_mask\",\"id\":1" + "0" * 400 + ",\"text\":\"[MASK]\"}", LIMITS)
     assert isinstance(got, ProtocolError)

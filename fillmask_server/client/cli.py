@@ -100,9 +100,14 @@ def format_table(text: str, result: FillMaskResult) -> str:
         lines.append(f"{'rank':>4}  {'token':<{width}}  {'score':>6}  sequence")
         for rank, prediction in enumerate(predictions, start=1):
             token = str(prediction.get("token_str", ""))
-            score = float(prediction.get("score", 0.0))
-            lines.append(f"{rank:>4}  {token:<{width}}  {score:6.4f}  {prediction.get('sequence', '')}")
+            score = _score(float(prediction.get("score", 0.0)))
+            lines.append(f"{rank:>4}  {token:<{width}}  {score:>6}  {prediction.get('sequence', '')}")
     return "\n".join(lines)
+
+
+def _score(score: float) -> str:
+    """Four decimals, or three significant digits for scores too small to show that way."""
+    return f"{score:.4f}" if score >= 0.001 or score == 0 else f"{score:.2e}"
 
 
 def _one_line(text: str, limit: int = 60) -> str:
@@ -153,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    if not args.url.startswith(("ws://", "wss://")):
+        parser.error(f"--url {args.url}: expected ws://HOST:PORT/ or wss://HOST:PORT/")
     if args.cafile is not None and not os.path.isfile(args.cafile):
         parser.error(f"--cafile {args.cafile}: no such file")
     if not args.texts and args.file is None and sys.stdin.isatty():
