@@ -6,8 +6,11 @@ Modules, each one idea:
 - ``model``: loading and batched, pipeline-equal prediction.
 - ``engine``: the one thread that owns the model and the queue.
 - ``server``: the thin websockets shell (WebSocket + HTTP routes).
+- ``access``: the handshake's Origin rule, shared token and TLS context, pure.
+- ``metrics``: the Prometheus metrics of one server.
 - ``config``: the one configuration dataclass, from flags and environment.
 - ``checkpoint``: offline random-weight checkpoints for tests and benchmarks.
+- ``client``: the Python client (async and sync) and the ``fillmask-client`` command.
 """
 
 __version__ = "0.1.0"

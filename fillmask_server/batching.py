@@ -8,7 +8,9 @@ connection). The rules:
 - **Limits.** A batch holds at most ``max_batch_size`` requests and at most ``max_batch_tokens``
   *padded* tokens (rows x longest row). Its first request is always taken, even alone over budget.
 - **Fair.** Each batch is built around one *lead* request: the oldest request of the connection that
-  was served least recently (never-served connections first, then by the age of their oldest request).
+  was served least recently (ties broken by the age of their oldest request). A connection that
+  starts waiting ranks as served by the latest batch, so a steady trickle of new arrivals cannot
+  overtake a connection with a backlog again and again.
   The other places are offered round-robin across connections in that same order. So a connection
   with a thousand queued requests cannot keep another connection's request waiting for more than one
   batch: that connection leads the next batch at the latest.
@@ -22,7 +24,8 @@ connection). The rules:
   soon as the engine is free, whatever its size.
 
 State: the policy remembers, per connection with queued requests, the number of the batch that last
-served it (``take`` updates it; ``wait_s`` only reads). Nothing else persists between calls.
+served it, or the batch before which it started waiting (``take`` updates it; ``wait_s`` only reads).
+Nothing else persists between calls.
 """
 
 from __future__ import annotations
@@ -91,12 +94,19 @@ class BatchPolicy:
         ready = [job for job in queue if job.n_tokens is not None]
         if len(ready) >= self.max_batch_size or len(self._select(ready)) < len(ready):
             return 0.0  # a full batch is already there
-        return max(0.0, queue[0].arrival + self.max_wait_s - now)
+        wait_until = queue[0].arrival + self.max_wait_s
+        deadlines = [job.deadline for job in queue if job.deadline is not None]
+        if deadlines:  # never wait a request into its own deadline
+            wait_until = min(wait_until, min(deadlines))
+        return max(0.0, wait_until - now)
 
     def take(self, queue: deque[J], now: float) -> Decision[J]:
         """Remove the next batch from ``queue`` (after removing expired requests) and return it."""
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
-        chosen = self._select([job for job in queue if job.n_tokens is not None])
+        ready = [job for job in queue if job.n_tokens is not None]
+        for job in ready:  # a connection seen for the first time ranks as served by the latest batch
+            self._last_served.setdefault(id(job.owner), self._batches)
+        chosen = self._select(ready)
         if not chosen:
             return decision
         self._batches += 1
@@ -120,7 +130,7 @@ class BatchPolicy:
         by_owner: dict[int, list[J]] = {}
         for job in ready:
             by_owner.setdefault(id(job.owner), []).append(job)
-        owners = sorted(by_owner, key=lambda o: (self._last_served.get(o, 0), by_owner[o][0].arrival))
+        owners = sorted(by_owner, key=lambda o: (self._last_served.get(o, self._batches), by_owner[o][0].arrival))
         lead = by_owner[owners[0]][0]
         batch = [lead]
         shortest = longest = lead.n_tokens or 0

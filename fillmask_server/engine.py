@@ -305,7 +305,11 @@ class Engine:
             all_ids = [self._tokenize_one(text) for text in texts]
         rejected: list[tuple[Job, bytes]] = []
         for job, ids in zip(jobs, all_ids, strict=True):
-            frame = self._check(job, ids)
+            try:
+                frame = self._check(job, ids)
+            except Exception:  # a fault in one request's checks fails that request only
+                log.exception("checking a new request failed; answering it internal_error")
+                frame = encode_error(job.request.id, "internal_error", _SERVER_FAILED)
             with self._lock:
                 if job.state is not State.QUEUED:
                     continue
@@ -362,8 +366,8 @@ class Engine:
         for job, output in zip(batch, outputs, strict=True):
             if isinstance(output, Exception):
                 self.stats.failed += 1
-                frame = encode_error(job.request.id, "internal_error", "the model failed on this request; it was not "
-                                     "retried, and other requests are unaffected")
+                frame = encode_error(job.request.id, "internal_error", "the model failed on this request, also "
+                                     "when run alone; other requests are unaffected")
             else:
                 frame = encode_result(job.request.id, output, (started - job.arrival) * 1000, inference_ms,
                                       len(batch), padded_tokens, self.stats.batches + 1)

@@ -238,7 +238,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         model_config = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
+    except Exception as exc:  # corrupt files raise library-specific errors: all become one line
         raise ModelLoadError(_explain_load_failure(name, exc)) from None
     if type(model_config) not in MODEL_FOR_MASKED_LM_MAPPING:
         raise ModelLoadError(f"model {name!r} ({model_config.model_type}) has no masked-language-model head, so "
@@ -247,7 +247,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype)
-    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
+    except Exception as exc:  # corrupt files raise library-specific errors: all become one line
         raise ModelLoadError(_explain_load_failure(name, exc)) from None
     if getattr(tokenizer, "mask_token_id", None) is None:
         raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "

@@ -115,9 +115,9 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
         )
     raw_id = obj.get("id")
     frame_id = raw_id if _is_valid_id(raw_id, limits) else None
-    kind = obj.get("type")
-    if kind is None:
+    if "type" not in obj:
         return ProtocolError("missing_field", "the frame has no \"type\"; use \"fill_mask\" or \"cancel\"", frame_id)
+    kind = obj["type"]
     if kind == "fill_mask":
         return _parse_fill_mask(obj, frame_id, limits)
     if kind == "cancel":
@@ -141,7 +141,7 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
     if frame_id is None:
         return ProtocolError("invalid_id", _id_rule(limits))
     text = obj.get("text")
-    if text is None:
+    if "text" not in obj:
         return ProtocolError("missing_field", "a fill_mask frame needs a \"text\" containing "
                              f"{limits.mask_token}", frame_id)
     if not isinstance(text, str):
@@ -212,6 +212,7 @@ def encode_hello(server: str, model: str, limits: Limits, extra_limits: dict[str
         "max_masks": limits.max_masks,
         "top_k": {"min": limits.top_k_min, "max": limits.top_k_max, "default": limits.top_k_default},
         "max_targets": limits.max_targets,
+        "max_target_chars": limits.max_target_chars,
         "max_id_chars": limits.max_id_chars,
         "max_deadline_ms": limits.max_deadline_ms,
     }

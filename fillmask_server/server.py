@@ -67,6 +67,7 @@ WEB_ROOT = _CHECKOUT_WEB_ROOT if _CHECKOUT_WEB_ROOT.is_dir() else Path(__file__)
 SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
+RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
 CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
 
 
@@ -299,6 +300,11 @@ class FillMaskServer:
             await asyncio.sleep(0.02)
         for job in self.engine.drain_queue():
             job.owner.finish(job, encode_overloaded(job.request.id, 503, "shutting_down", 1000))
+        # A batch already running is never cut off: its requests were accepted and have started, so
+        # wait for it (one batch, bounded) rather than drop answers that are about to exist.
+        running_until = time.monotonic() + RUNNING_BATCH_GRACE_S
+        while self.engine.busy() and time.monotonic() < running_until:
+            await asyncio.sleep(0.02)
         # Concurrently, and each bounded in time: a client that does not read cannot hold up the rest.
         await asyncio.gather(*(conn.close(GOING_AWAY, "server shutting down", flush_s=1.0)
                                for conn in list(self.connections)))
@@ -343,8 +349,6 @@ class FillMaskServer:
         if path == "/readyz":
             if self.ready.draining:
                 return _json_response(503, {"status": "draining"})
-            if not self.ready.loaded:
-                return _json_response(503, {"status": "loading"})
             if not self.engine.alive:
                 return _json_response(503, {"status": "engine_stopped"})
             return _json_response(200, {"status": "ready"})

@@ -85,6 +85,25 @@ def test_the_least_recently_served_connection_leads_the_next_batch() -> None:
     assert names(p.take(q, now=0).batch) == ["light"]  # then light, the connection not yet served
 
 
+def test_a_trickle_of_new_connections_cannot_starve_a_backlog() -> None:
+    """A light client whose single request arrives between every two batches must not lead them all."""
+    heavy = [FakeJob(f"h{i}", arrival=i, n_tokens=80, owner="heavy") for i in range(400)]
+    q = queue(*heavy)
+    p = policy(size=4)
+    heavy_batches = 0
+    for n in range(100):
+        q.append(FakeJob(f"l{n}", arrival=1000 + n, n_tokens=8, owner=f"light{n % 2}"))
+        if any(job.owner == "heavy" for job in p.take(q, now=0).batch):
+            heavy_batches += 1
+    assert heavy_batches >= 45  # heavy leads at least every other batch
+
+
+def test_max_wait_never_waits_past_a_deadline() -> None:
+    p = policy(size=8, wait=0.050)
+    q = queue(FakeJob("a", arrival=1.000, deadline=1.010))
+    assert p.wait_s(q, now=1.002) == pytest.approx(0.008)
+
+
 def test_places_are_shared_round_robin_across_connections() -> None:
     a = [FakeJob(f"a{i}", arrival=i, owner="a") for i in range(10)]
     b = [FakeJob(f"b{i}", arrival=10 + i, owner="b") for i in range(10)]

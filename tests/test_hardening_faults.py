@@ -227,3 +227,58 @@ async def test_a_deadline_or_cancel_while_the_engine_tokenizes_is_answered_once(
         release.set()
         await assert_silent(ws, 0.2)
         assert (await request(ws, "after", TEXT))["type"] == "result"
+
+
+class FaultyTargets(FaultyModel):
+    """The tiny model, except that resolving the target ``boom`` raises (a fault in the intake checks)."""
+
+    def target_ids(self, targets: tuple[str, ...]) -> tuple[int, ...]:
+        if "boom" in targets:
+            raise RuntimeError("target lookup broke at /secret/path.py")
+        return super().target_ids(targets)
+
+
+async def test_a_fault_in_one_requests_checks_fails_only_that_request(
+        base_model: FillMaskModel, make_server_for: Any) -> None:
+    """Requests checked in the same intake keep their own answers: rejected, failed, or run."""
+    model = FaultyTargets(base_model, lambda items, marked: None)
+    too_long = "[MASK]" + " a" * 600  # under the character limit, over 512 tokens
+    async with make_server_for(model) as srv, session(srv.url) as (ws, _):
+        await queue_then_release(srv, ws, [
+            fill("long", too_long),
+            {**fill("boom", TEXT), "targets": ["boom"]},
+            fill("fine", TEXT),
+        ])
+        frames = {frame["id"]: frame for frame in await recv_n(ws, 3)}
+        await assert_silent(ws, 0.1)
+    assert frames["long"]["code"] == "text_too_long"
+    assert_clean_internal_error(frames["boom"])
+    assert frames["fine"]["type"] == "result"
+
+
+async def test_drain_timeout_waits_for_the_batch_already_running(
+        base_model: FillMaskModel, make_server_for: Any) -> None:
+    """§10.3: the queued request is answered shutting_down; the running batch still sends its result."""
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow(items: Sequence[Item], marked: bool) -> None:
+        if marked:
+            started.set()
+            release.wait(10)
+        return None
+
+    model = FaultyModel(base_model, slow)
+    async with make_server_for(model, max_batch_size=1) as srv, session(srv.url) as (ws, _):
+        await send(ws, fill("running", BAD_TEXT))
+        assert await asyncio.to_thread(started.wait, 10)
+        await send(ws, fill("queued", TEXT))
+        while srv.engine.queued() < 1:
+            await asyncio.sleep(0.005)
+        drain = asyncio.create_task(srv.drain(timeout=0.1))
+        first = await recv(ws)
+        assert (first["id"], first["type"], first["reason"]) == ("queued", "overloaded", "shutting_down")
+        release.set()
+        second = await recv(ws)
+        assert (second["id"], second["type"]) == ("running", "result")
+        await drain

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,13 +62,19 @@ def test_bad_flag_values_are_refused() -> None:
         ("google-bert/bert-base-uncased", "not a local directory"),
         ("{empty}", "has no config.json"),
         ("{gpt2}", "has no masked-language-model head"),
+        ("{corrupt}", "cannot load model from directory"),
     ],
 )
-def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, model: str, expected: str) -> None:
+def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_model_dir: Path, model: str,
+                                                           expected: str) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
-    result = run_server("--model", model.format(empty=tmp_path / "empty", gpt2=tmp_path / "gpt2"), "--port", "0")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)  # truncated weights
+    result = run_server("--model", model.format(empty=tmp_path / "empty", gpt2=tmp_path / "gpt2", corrupt=corrupt),
+                        "--port", "0")
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr

@@ -92,6 +92,8 @@ def test_cancel() -> None:
         ({"type": "fill_mask", "id": 3, "text": "[MASK]", "deadline_ms": False}, "invalid_deadline", 3),
         ({"type": "predict", "id": 3}, "unknown_type", 3),
         ({"type": 5, "id": "q"}, "unknown_type", "q"),
+        ({"type": None, "id": "q"}, "unknown_type", "q"),
+        ({"type": "fill_mask", "id": 3, "text": None}, "invalid_field", 3),
         ({"type": "fill_mask", "id": True, "text": "[MASK]"}, "invalid_id", None),
     ],
 )
@@ -139,6 +141,7 @@ def test_encoders_make_one_json_object() -> None:
     hello = orjson.loads(encode_hello("s/1", "m", LIMITS, {"max_queue": 4}))
     assert hello["type"] == "hello" and hello["protocol"] == 1 and hello["mask_token"] == "[MASK]"
     assert hello["limits"]["max_queue"] == 4 and hello["limits"]["top_k"] == {"min": 1, "max": 10, "default": 5}
+    assert hello["limits"]["max_target_chars"] == 100
     result = orjson.loads(encode_result("a", [{"score": 0.5}], 1.23456, 2.0, 3, 30, 9))
     assert result == {"type": "result", "id": "a", "predictions": [{"score": 0.5}], "queue_ms": 1.235,
                       "inference_ms": 2.0, "batch_size": 3, "batch_tokens": 30, "batch_id": 9}
