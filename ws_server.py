@@ -4,13 +4,14 @@ The whole life of the server, in order:
 1. read the configuration (flags over environment over defaults; ``--help`` lists them);
 2. load the model once, or exit 1 with one line saying why;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
-4. on SIGINT/SIGTERM, drain (protocol.md §10) and exit 0.
+4. on SIGINT/SIGTERM, drain (protocol.md §10) and exit 0; a second signal stops at once (exit 130).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -30,8 +31,16 @@ async def serve_until_signalled(config: Config) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
-    logging.getLogger("fillmask_server").info("signal received: draining")
+    logging.getLogger("fillmask_server").info("signal received: draining (a second signal stops at once)")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, _stop_now)
     await server.drain()
+
+
+def _stop_now() -> None:
+    """A second SIGINT/SIGTERM during the drain: leave at once, without waiting for accepted work."""
+    print("error: stopped before the drain finished; accepted requests were not all answered", file=sys.stderr)
+    os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import orjson
 
 PROTOCOL_VERSION = 1
 MAX_SAFE_INTEGER = 2**53 - 1
 
-RequestId = Union[int, str]  # noqa: UP007 (used at run time in isinstance-free annotations only)
+RequestId = int | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ class ProtocolError:
     id: RequestId | None = None
 
 
-Parsed = Union[FillMaskRequest, CancelRequest, ProtocolError]  # noqa: UP007
+Parsed = FillMaskRequest | CancelRequest | ProtocolError
 
 
 def _is_valid_id(value: Any, limits: Limits) -> bool:

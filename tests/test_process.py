@@ -137,3 +137,23 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> Non
     assert result.returncode == 1
     assert "cannot listen on 127.0.0.1:" in result.stderr and "--port" in result.stderr
     assert "cannot load model" not in result.stderr  # the port is checked first
+
+
+async def test_a_second_signal_during_the_drain_stops_at_once(tiny_model_dir: Path) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--shutdown-timeout", "60",
+        "--max-batch-size", "1", cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
+        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+        async with session(url) as (ws, _):
+            for i in range(250):  # one by one, seconds of work: the drain is still going at the second signal
+                await send(ws, {"type": "fill_mask", "id": i, "text": "a long sentence about the [MASK] " * 12})
+            process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), 10) == 130
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
