@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from bench.loadgen import percentile
+
 # The phase metrics that get a median over repeats: (path in a phase summary, name in the median dict).
 _MEDIAN_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("throughput_rps",), "throughput_rps"),
@@ -93,21 +95,13 @@ def pipeline_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "best_rps": per_size[best_size],
         "best_batch_size": int(best_size),
         "single_p50_ms": median(singles),
-        "single_p99_ms": _percentile(singles, 99),
+        "single_p99_ms": percentile(singles, 99),
         "repeats": len(next(iter(raw["throughput"].values()))),
         "n_texts": raw["n_texts"],
         "torch_threads": raw["torch_threads"],
         "cpu_other": raw.get("cpu", {}).get("other", math.nan),
     }
 
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def capacity(server: dict[str, Any]) -> float:
