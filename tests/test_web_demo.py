@@ -389,3 +389,20 @@ async def test_screenshots_desktop_and_phone(server: Any, open_page: Any) -> Non
         assert path.stat().st_size > 10_000
         if name == "desktop" and os.environ.get("FILLMASK_UPDATE_SCREENSHOT"):
             shutil.copyfile(path, README_SCREENSHOT)
+
+
+async def test_page_opened_from_disk_works_with_null_origin_allowed(make_server: Any, open_page: Any) -> None:
+    """file://…/index.html?ws=… sends `Origin: null`: refused by default, served with `null` allowed."""
+    from playwright.async_api import expect
+
+    page_url = (ROOT / "web_demo" / "index.html").as_uri()
+    async with make_server() as strict:
+        refused = strict.metrics.handshakes_refused.labels("origin")
+        page = await open_page(f"{page_url}?ws={strict.url}", wait=False)
+        await wait_until(lambda: refused._value.get() >= 1)
+        assert await page.by("conn-status").get_attribute("data-state") != "connected"
+        assert not strict.connections
+    async with make_server(allowed_origins="same-origin,localhost,null") as open_to_disk:
+        page = await open_page(f"{page_url}?ws={open_to_disk.url}")
+        await page.ask("Opened from [MASK].")
+        await expect(page.card(1)).to_have_attribute("data-state", "done")
