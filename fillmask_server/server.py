@@ -67,6 +67,7 @@ WEB_ROOT = _CHECKOUT_WEB_ROOT if _CHECKOUT_WEB_ROOT.is_dir() else Path(__file__)
 SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
+SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
 CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
 
@@ -299,7 +300,7 @@ class FillMaskServer:
         while any(conn.inflight for conn in self.connections) and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
         for job in self.engine.drain_queue():
-            job.owner.finish(job, encode_overloaded(job.request.id, 503, "shutting_down", 1000))
+            job.owner.finish(job, encode_overloaded(job.request.id, 503, "shutting_down", SHUTTING_DOWN_RETRY_MS))
         # A batch already running is never cut off: its requests were accepted and have started, so
         # wait for it (one batch, bounded) rather than drop answers that are about to exist.
         running_until = time.monotonic() + RUNNING_BATCH_GRACE_S
@@ -442,7 +443,7 @@ class FillMaskServer:
                                     "answers before sending more"))
             return
         if self.ready.draining:
-            conn.reply(encode_overloaded(request.id, 503, "shutting_down", 1000))
+            conn.reply(encode_overloaded(request.id, 503, "shutting_down", SHUTTING_DOWN_RETRY_MS))
             return
         now = time.monotonic()
         deadline = None if request.deadline_ms is None else now + request.deadline_ms / 1000
