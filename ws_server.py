@@ -4,7 +4,8 @@ The whole life of the server, in order:
 1. read the configuration (flags over environment over defaults; ``--help`` lists them);
 2. load the model once, or exit 1 with one line saying why;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
-4. on SIGINT/SIGTERM, drain (protocol.md §10) and exit 0; a second signal stops at once (exit 130).
+4. on SIGINT/SIGTERM, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with ``/readyz`` at 503)
+   and exit 0; a second signal stops at once (exit 130).
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ async def serve_until_signalled(config: Config) -> None:
     server = FillMaskServer(config, model)
     await server.start()
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
-    stop = asyncio.Event()
+    received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    logging.getLogger("fillmask_server").info("signal received: draining (a second signal stops at once)")
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, _stop_now)
-    await server.drain()
+        loop.add_signal_handler(signum, lambda s=signum: received.done() or received.set_result(s))
+    signum = await received
+    logging.getLogger("fillmask_server").info("%s received: draining (a second signal stops at once)",
+                                              signal.Signals(signum).name)
+    for signum_ in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum_, _stop_now)
+    # An orchestrator stops a replica with SIGTERM: give its load balancer time to notice /readyz first.
+    # A person's Ctrl-C (SIGINT) wants the drain now.
+    await server.drain(delay=config.drain_delay if signum == signal.SIGTERM else 0.0)
 
 
 def _stop_now() -> None:

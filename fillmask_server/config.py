@@ -38,6 +38,7 @@ class Config:
     dtype: str = "float32"
     torch_threads: int = 0
     shutdown_timeout: float = 30.0
+    drain_delay: float = 0.0
     log_level: str = "info"
     max_connections: int = 1000
     max_inflight_per_connection: int = 256
@@ -69,6 +70,9 @@ _HELP: dict[str, str] = {
              "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",
     "torch_threads": "torch intra-op threads; 0 = torch's default (one per core)",
     "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM/SIGINT",
+    "drain_delay": "on SIGTERM, seconds to go on serving with /readyz answering 503 before the drain starts, so "
+                   "that a load balancer's health check takes this server out first (the Kubernetes preStop "
+                   "pattern); SIGINT (Ctrl-C) skips it",
     "log_level": "debug, info, warning or error",
     "max_connections": "most open WebSocket connections; beyond it the handshake is refused with HTTP 503",
     "max_inflight_per_connection": "most requests in flight on one connection; beyond it requests get the error "
@@ -111,11 +115,12 @@ _GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("request limits", ("max_text_chars", "max_masks", "max_top_k", "max_targets", "max_frame_bytes")),
     ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
                                 "send_timeout", "allowed_origins", "token")),
-    ("process", ("shutdown_timeout", "log_level")),
+    ("process", ("shutdown_timeout", "drain_delay", "log_level")),
 ]
 _METAVAR: dict[str, str] = {
     "model": "ID_OR_DIR", "device": "DEVICE", "host": "HOST", "certfile": "PATH", "keyfile": "PATH",
     "max_wait_ms": "MS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS", "shutdown_timeout": "SECONDS",
+    "drain_delay": "SECONDS",
     "allowed_origins": "ORIGINS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES", "max_frame_bytes": "BYTES",
 }
 
@@ -195,6 +200,8 @@ def validate(config: Config) -> str | None:
         return "--max-wait-ms must not be negative"
     if config.shutdown_timeout < 0:
         return "--shutdown-timeout must not be negative"
+    if config.drain_delay < 0:
+        return "--drain-delay must not be negative"
     if config.torch_threads < 0:
         return "--torch-threads must not be negative"
     if not 0 <= config.port <= 65535:

@@ -243,6 +243,11 @@ def encode_overloaded(request_id: RequestId, status: int, reason: str, retry_aft
     return orjson.dumps(frame)
 
 
+def encode_going_away(reason: str, reconnect_within_ms: int) -> bytes:
+    """The drain's notice on every open connection (§10): accepted requests still get their answers."""
+    return orjson.dumps({"type": "going_away", "reason": reason, "reconnect_within_ms": reconnect_within_ms})
+
+
 def encode_cancelled(request_id: RequestId) -> bytes:
     """The answer to a cancel that removed a queued request (§5)."""
     return orjson.dumps({"type": "cancelled", "id": request_id})

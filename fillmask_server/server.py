@@ -52,6 +52,7 @@ from .protocol import (
     RequestId,
     encode_cancelled,
     encode_error,
+    encode_going_away,
     encode_hello,
     encode_overloaded,
     parse_frame,
@@ -68,6 +69,7 @@ SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
 SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
+RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread their reconnects over it (§10)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
 CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
 
@@ -210,7 +212,15 @@ class Connection:
 
 @dataclass
 class Readiness:
+    """Where the server is in its life (protocol.md §9, §10); each flag only ever turns on.
+
+    ``unready``: a drain has begun, ``/readyz`` answers 503 so that load balancers stop sending new
+    connections, but everything is still served (the ``--drain-delay``). ``draining``: new handshakes
+    and requests are refused and open connections have been told ``going_away``.
+    """
+
     loaded: bool = False
+    unready: bool = False
     draining: bool = False
 
 
@@ -252,6 +262,7 @@ class FillMaskServer:
             "max_frame_bytes": config.max_frame_bytes,
             "max_inflight_per_connection": config.max_inflight_per_connection,
         })
+        self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Server | None = None
 
@@ -291,10 +302,17 @@ class FillMaskServer:
             return "127.0.0.1"
         return f"[{host}]" if ":" in host else host
 
-    async def drain(self, timeout: float | None = None) -> None:
-        """Graceful shutdown (protocol.md §10): refuse new work, finish accepted work, close with 1001."""
+    async def drain(self, timeout: float | None = None, delay: float = 0.0) -> None:
+        """Graceful shutdown (protocol.md §10): after ``delay`` seconds of serving with ``/readyz`` at 503,
+        refuse new work, tell every connection ``going_away``, finish accepted work, close with 1001."""
         timeout = self.config.shutdown_timeout if timeout is None else timeout
+        self.ready.unready = True
+        if delay > 0:
+            log.info("draining in %g s: /readyz answers 503 meanwhile, everything is still served", delay)
+            await asyncio.sleep(delay)
         self.ready.draining = True
+        for conn in list(self.connections):
+            conn.send(self._going_away)
         log.info("draining: %d requests in flight", sum(len(c.inflight) for c in self.connections))
         give_up = time.monotonic() + timeout
         while any(conn.inflight for conn in self.connections) and time.monotonic() < give_up:
@@ -348,7 +366,7 @@ class FillMaskServer:
         if path == "/healthz":
             return _json_response(200, {"status": "ok"})
         if path == "/readyz":
-            if self.ready.draining:
+            if self.ready.unready:
                 return _json_response(503, {"status": "draining"})
             if not self.engine.alive:
                 return _json_response(503, {"status": "engine_stopped"})
@@ -375,6 +393,8 @@ class FillMaskServer:
         self.connections.add(conn)
         conn.start()
         conn.send(self._hello)
+        if self.ready.draining:  # the handshake passed just before the drain began
+            conn.send(self._going_away)
         try:
             async for message in ws:
                 if conn.closed:

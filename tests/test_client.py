@@ -21,7 +21,6 @@ from typing import Any
 
 import orjson
 import pytest
-from wire import assert_same_predictions
 
 from fillmask_server.client import (
     ConnectError,
@@ -37,17 +36,12 @@ from fillmask_server.client import (
 )
 from fillmask_server.client.cli import build_parser, collect_texts, format_table, parse_targets
 from fillmask_server.client.frames import outcome, terminal_id
+from tests.wire import assert_same_predictions, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Paris is the [MASK] of France."
 TWO_MASKS = "The [MASK] of France is [MASK]."
 
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
-    """Poll ``predicate`` (cheaply) until it holds; fail the test after ``timeout`` seconds."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 def free_port() -> int:

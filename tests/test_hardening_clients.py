@@ -20,7 +20,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from fillmask_server.server import Connection, FillMaskServer
-from tests.wire import assert_silent, recv, recv_n, request, send, session
+from tests.wire import assert_silent, recv, recv_n, request, send, session, wait_until
 
 TEXT = "Paris is the [MASK] of France."
 # Eight masks and top_k 100: a result of about 100 kB, so a few of them fill any buffer.
@@ -113,12 +113,6 @@ def connection_of(srv: FillMaskServer, exclude: set[Connection]) -> Connection:
     (conn,) = [c for c in srv.connections if c not in exclude]
     return conn
 
-
-async def wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        await asyncio.sleep(0.005)
 
 
 async def latencies(ws: ClientConnection, tag: str, count: int = 15) -> list[float]:

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,15 +96,70 @@ async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_mo
                 await send(ws, {"type": "fill_mask", "id": i, "text": "a long sentence about the [MASK] " * 8})
             process.send_signal(signal.SIGTERM)
             answers: dict[int, str] = {}
+            notices = 0
             with pytest.raises(ConnectionClosed):
                 while True:
                     frame = await recv(ws, timeout=30)
+                    if frame["type"] == "going_away":
+                        notices += 1
+                        continue
                     assert frame["id"] not in answers, f"answered twice: {frame}"
                     answers[frame["id"]] = frame["type"] if frame["type"] == "result" else frame["reason"]
             assert ws.close_code == 1001
+        assert notices == 1
         assert sorted(answers) == list(range(count))  # every request exactly one terminal frame
         assert set(answers.values()) <= {"result", "shutting_down"}
         assert "result" in answers.values()
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def start_server(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+    """``ws_server.py`` in a subprocess, once it printed its ready line: (process, WebSocket URL)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "ws_server.py", "--port", "0", *args, cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
+    return process, re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+
+
+async def readyz(url: str) -> int:
+    """The status of ``GET /readyz`` on the server of WebSocket ``url``."""
+    import urllib.error
+    import urllib.request
+
+    http = url.replace("ws://", "http://").rstrip("/") + "/readyz"
+    try:
+        with await asyncio.to_thread(urllib.request.urlopen, http, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize(("signum", "delayed"), [(signal.SIGTERM, True), (signal.SIGINT, False)])
+async def test_sigterm_waits_the_drain_delay_with_readyz_503_and_sigint_does_not(
+        tiny_model_dir: Path, signum: signal.Signals, delayed: bool) -> None:
+    """§10.1: SIGTERM keeps serving for --drain-delay with /readyz at 503 (a load balancer's cue); SIGINT,
+    a person's Ctrl-C, starts the drain at once. Either way the connection hears going_away, then 1001."""
+    process, url = await start_server("--model", str(tiny_model_dir), "--drain-delay", "1.5")
+    try:
+        async with session(url) as (ws, _):
+            assert await readyz(url) == 200
+            signalled = time.monotonic()
+            process.send_signal(signum)
+            if delayed:  # still served meanwhile: a request sent now is answered before going_away comes
+                await asyncio.sleep(0.3)
+                assert await readyz(url) == 503
+                await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK] day."})
+                assert (await recv(ws, timeout=10))["type"] == "result"
+            assert (await recv(ws, timeout=10))["type"] == "going_away"
+            assert (time.monotonic() - signalled >= 1.5) is delayed
+            with pytest.raises(ConnectionClosed):
+                await recv(ws, timeout=10)
+            assert ws.close_code == 1001
         assert await asyncio.wait_for(process.wait(), 30) == 0
     finally:
         if process.returncode is None:

@@ -19,7 +19,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from fillmask_server.server import FillMaskServer
-from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session
+from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session, wait_until
 
 TEXTS = [
     "Paris is the [MASK] of France.",
@@ -347,7 +347,8 @@ async def test_drain_finishes_accepted_work_refuses_new_and_closes_1001(make_ser
             while srv.engine.queued() < 3:
                 await asyncio.sleep(0.01)
             drain = asyncio.create_task(srv.drain())
-            await asyncio.sleep(0.05)
+            notice = await recv(ws)
+            assert notice == {"type": "going_away", "reason": "shutting_down", "reconnect_within_ms": 1000}
             assert (await http_get(srv.http_url + "/readyz"))[0] == 503
             assert (await http_get(srv.http_url + "/healthz"))[0] == 200
             with pytest.raises(InvalidStatus) as refused:
@@ -365,6 +366,28 @@ async def test_drain_finishes_accepted_work_refuses_new_and_closes_1001(make_ser
         await drain
 
 
+async def test_drain_delay_keeps_serving_with_readyz_503_then_says_going_away(make_server: Any) -> None:
+    """§10.1-2: during the delay a load balancer sees 503 on /readyz, yet connections and requests still
+    work; only then does every connection get going_away (once) and new handshakes get 503."""
+    async with make_server() as srv, session(srv.url) as (ws, _):
+        drain = asyncio.create_task(srv.drain(delay=1.0))
+        await wait_until(lambda: srv.ready.unready)
+        assert await http_get(srv.http_url + "/readyz") == (503, {"status": "draining"})
+        async with session(srv.url) as (newcomer, _):  # still accepted during the delay
+            assert (await request(newcomer, "during", TEXTS[0]))["type"] == "result"
+            assert (await request(ws, "during", TEXTS[1]))["type"] == "result"
+            assert (await recv(newcomer, timeout=5))["type"] == "going_away"
+        assert (await recv(ws, timeout=5))["type"] == "going_away"
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(srv.url):
+                pass
+        assert refused.value.response.status_code == 503
+        with pytest.raises(ConnectionClosed):
+            await recv(ws)  # nothing else came before the close: one going_away, no second one
+        assert ws.close_code == 1001
+        await drain
+
+
 async def test_drain_timeout_answers_what_is_still_queued(make_server: Any) -> None:
     async with make_server() as srv, session(srv.url) as (ws, _):
         with srv.engine.paused():
@@ -372,6 +395,7 @@ async def test_drain_timeout_answers_what_is_still_queued(make_server: Any) -> N
             while srv.engine.queued() < 1:
                 await asyncio.sleep(0.01)
             await srv.drain(timeout=0.1)
+            assert (await recv(ws))["type"] == "going_away"
             frame = await recv(ws)
             assert (frame["type"], frame["id"], frame["reason"]) == ("overloaded", "stuck", "shutting_down")
             with pytest.raises(ConnectionClosed):

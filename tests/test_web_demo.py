@@ -22,6 +22,8 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
+from tests.wire import wait_until
+
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 README_SCREENSHOT = ROOT / "web_demo" / "screenshot.png"
@@ -140,11 +142,6 @@ async def reference(url: str, frame: dict[str, Any] | None) -> tuple[dict[str, A
         await ws.send(orjson.dumps(frame).decode())
         return hello, orjson.loads(await asyncio.wait_for(ws.recv(), 10))
 
-
-async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 async def rendered(card: Any) -> list[dict[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -37,6 +37,13 @@ async def request(ws: ClientConnection, frame_id: Any, text: str, **fields: Any)
     """Send one fill_mask and return the next frame (use only with nothing else in flight)."""
     await send(ws, {"type": "fill_mask", "id": frame_id, "text": text, **fields})
     return await recv(ws)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``condition`` (cheaply) until it holds; fail the test after ``timeout`` seconds."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
 
 
 async def assert_silent(ws: ClientConnection, seconds: float = 0.2) -> None:
