@@ -5,7 +5,8 @@ Modules, each one idea:
 - ``batching``: the batching policy, pure (queue in, next batch out).
 - ``model``: loading and batched, pipeline-equal prediction.
 - ``engine``: the one thread that owns the model and the queue.
-- ``server``: the thin websockets shell (WebSocket + HTTP routes).
+- ``server``: the thin websockets shell (connections, outboxes, drain).
+- ``http``: the HTTP routes and the decision on each WebSocket handshake.
 - ``access``: the handshake's Origin rule, shared token and TLS context, pure.
 - ``metrics``: the Prometheus metrics of one server.
 - ``config``: the one configuration dataclass, from flags and environment.

@@ -1,7 +1,7 @@
-"""The websockets shell: sockets and HTTP in, protocol frames and engine calls out.
+"""The websockets shell: sockets in, protocol frames and engine calls out (HTTP routes: ``http``).
 
 Everything here runs on the asyncio event loop and stays cheap: parsing is ``protocol.parse_frame``,
-admission is ``Engine.submit`` (a lock and an append), access decisions are ``access`` functions, and
+admission is ``Engine.submit`` (a lock and an append), handshakes are decided by ``http.HttpFront``, and
 finished frames arrive from the engine thread through ``call_soon_threadsafe``. No model code runs on
 the loop.
 
@@ -18,30 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
-import http
 import logging
-import mimetypes
 import socket
 import ssl
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
 
 from . import __version__
-from .access import OriginPolicy, presented_token, tls_context, token_matches
+from .access import OriginPolicy, tls_context
 from .batching import BatchPolicy
 from .config import Config
 from .engine import ENGINE_STOPPED_RETRY_MS, Engine, Job
+from .http import FrontState, HttpFront
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
 from .protocol import (
@@ -60,11 +53,6 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 
-WEBSOCKET_PATHS = ("/", "/ws")
-# The demo page: ``web_demo/`` of a checkout (editable installs too), else the copy a wheel installs
-# inside the package (pyproject.toml maps it there).
-_CHECKOUT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web_demo"
-WEB_ROOT = _CHECKOUT_WEB_ROOT if _CHECKOUT_WEB_ROOT.is_dir() else Path(__file__).resolve().parent / "web_demo"
 SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
@@ -263,6 +251,12 @@ class FillMaskServer:
             "max_inflight_per_connection": config.max_inflight_per_connection,
         })
         self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
+        self.http = HttpFront(config, self.origins, self._tls is not None, self.metrics, FrontState(
+            accepting=lambda: self.ready.loaded and not self.ready.draining,
+            unready=lambda: self.ready.unready,
+            engine_alive=lambda: self.engine.alive,
+            connections=lambda: len(self._server.connections) if self._server is not None else 0,
+        ))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Server | None = None
 
@@ -274,7 +268,7 @@ class FillMaskServer:
         self.engine.start()
         self._server = await serve(
             self._handle, self.config.host, self.config.port,
-            process_request=self._process_request,
+            process_request=self.http.process_request,
             max_size=self.config.max_frame_bytes,
             compression=None,
             server_header=SERVER_NAME,
@@ -332,59 +326,6 @@ class FillMaskServer:
             await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
         log.info("stopped")
-
-    # --- HTTP and the handshake -------------------------------------------------------------------
-
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        """Answer plain HTTP, and decide WebSocket handshakes (protocol.md §9, §12).
-
-        A handshake passes, in this order: the path (404), the Origin rule (403), the token (401),
-        readiness (503) and ``--max-connections`` (503). The connection count is read here and the
-        connection becomes OPEN before the loop runs anything else (websockets sends the 101 without
-        yielding after this synchronous hook), so concurrent handshakes cannot overshoot the limit.
-        """
-        path = request.path.split("?", 1)[0]
-        headers = request.headers
-        if headers.get("Upgrade", "").lower() == "websocket":
-            if path not in WEBSOCKET_PATHS:
-                return _json_response(404, {"error": f"no WebSocket endpoint at {path[:100]}; connect to /"})
-            if not self.origins.allows(headers.get("Origin"), headers.get("Host"), self._tls is not None):
-                return self._refuse("origin", 403, "pages of this origin may not connect to this server; its "
-                                    "operator can allow them with --allowed-origins")
-            if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
-                return self._refuse("token", 401, _TOKEN_HELP, [("WWW-Authenticate", "Bearer")])
-            if self.ready.draining or not self.ready.loaded:
-                return self._refuse("unavailable", 503, "server is shutting down; reconnect later")
-            if not self.engine.alive:
-                return self._refuse("unavailable", 503, "the server's model worker stopped; connect to another "
-                                    "server")
-            assert self._server is not None
-            if len(self._server.connections) >= self.config.max_connections:
-                return self._refuse("max_connections", 503, "the server has as many connections as it accepts; "
-                                    "try again later", [("Retry-After", "1")])
-            return None
-        if path == "/healthz":
-            return _json_response(200, {"status": "ok"})
-        if path == "/readyz":
-            if self.ready.unready:
-                return _json_response(503, {"status": "draining"})
-            if not self.engine.alive:
-                return _json_response(503, {"status": "engine_stopped"})
-            return _json_response(200, {"status": "ready"})
-        if path == "/metrics":
-            if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
-                return _json_response(401, {"error": _TOKEN_HELP}, [("WWW-Authenticate", "Bearer")])
-            body, content_type = self.metrics.render(headers.get("Accept"))
-            return _response(200, body, content_type)
-        static = _static_file(path)
-        if static is not None:
-            return static
-        return _json_response(404, {"error": "not found"})
-
-    def _refuse(self, reason: str, status: int, message: str,
-                extra_headers: list[tuple[str, str]] | None = None) -> Response:
-        self.metrics.handshakes_refused.labels(reason).inc()
-        return _json_response(status, {"error": message}, extra_headers)
 
     # --- WebSocket --------------------------------------------------------------------------------
 
@@ -495,10 +436,6 @@ class FillMaskServer:
             loop.call_soon_threadsafe(_finish_all, frames)
 
 
-_TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or the query "
-               "parameter ?token=TOKEN")
-
-
 def check_can_listen(host: str, port: int) -> None:
     """Raise ``OSError`` now if ``host:port`` cannot be bound, so that a port already in use is
     reported before the model loads (which may take minutes), not after. Port 0 always works."""
@@ -514,40 +451,3 @@ def check_can_listen(host: str, port: int) -> None:
 def _finish_all(frames: list[tuple[Job, bytes]]) -> None:
     for job, frame in frames:
         job.owner.finish(job, frame)
-
-
-def _json_response(status: int, body: dict[str, Any], extra_headers: list[tuple[str, str]] | None = None) -> Response:
-    return _response(status, orjson.dumps(body), "application/json", extra_headers)
-
-
-def _response(status: int, body: bytes, content_type: str,
-              extra_headers: list[tuple[str, str]] | None = None) -> Response:
-    headers = Headers([
-        ("Date", email.utils.formatdate(usegmt=True)),
-        ("Connection", "close"),
-        ("Content-Length", str(len(body))),
-        ("Content-Type", content_type),
-        ("Cache-Control", "no-store"),
-        *(extra_headers or []),
-    ])
-    return Response(status, http.HTTPStatus(status).phrase, headers, body)
-
-
-def _static_file(path: str) -> Response | None:
-    """A file of web_demo/ (``/`` is index.html), or None; never a path outside web_demo/."""
-    if not WEB_ROOT.is_dir():
-        return None
-    relative = "index.html" if path in ("", "/") else path.lstrip("/")
-    if ".." in relative.split("/") or "\\" in relative or relative.startswith("."):
-        return None
-    try:
-        target = (WEB_ROOT / relative).resolve()
-        if WEB_ROOT not in target.parents or not target.is_file():
-            return None
-        body = target.read_bytes()
-    except (OSError, ValueError):  # a name too long for the file system, a NUL byte, no permission, ...
-        return None
-    content_type = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
-    if content_type.startswith("text/") or content_type in ("application/javascript", "application/json"):
-        content_type += "; charset=utf-8"
-    return _response(200, body, content_type)
