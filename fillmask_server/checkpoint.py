@@ -15,12 +15,14 @@ Sizes:
 
 The weights are drawn with a wider spread than BERT's usual initialisation so that predictions are
 peaked rather than nearly uniform: rankings then don't hinge on the last bits of a float, and
-comparisons between the server and the pipeline are meaningful.
+comparisons between the server and the pipeline are meaningful. The config records
+``fillmask_random_weights: true`` so that the server can say so (``hello.random_weights``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from importlib import resources
 from pathlib import Path
@@ -31,11 +33,17 @@ SIZES: dict[str, dict[str, int]] = {
     "base": {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072},
 }
 VOCAB_FILE = "bert-base-uncased-vocab.txt"
+RANDOM_WEIGHTS_KEY = "fillmask_random_weights"  # in config.json: these weights were never trained
 
 
 def is_checkpoint(directory: Path) -> bool:
-    """True when ``directory`` already holds a complete checkpoint (so set-up can skip the work)."""
-    return all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+    """True when ``directory`` already holds a complete checkpoint of this command (so set-up can skip the work)."""
+    if not all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
+        return False
+    try:
+        return json.loads((directory / "config.json").read_text()).get(RANDOM_WEIGHTS_KEY) is True
+    except (OSError, ValueError):
+        return False
 
 
 def write_checkpoint(size: str, directory: Path, seed: int = 0, init_range: float = 0.2) -> Path:
@@ -53,7 +61,7 @@ def write_checkpoint(size: str, directory: Path, seed: int = 0, init_range: floa
         tokenizer = BertTokenizer(vocab=str(vocab), do_lower_case=True, model_max_length=512)
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512,
-                        initializer_range=init_range, **SIZES[size])
+                        initializer_range=init_range, **SIZES[size], **{RANDOM_WEIGHTS_KEY: True})
     model = BertForMaskedLM(config).eval()
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -53,6 +53,8 @@ class FillMaskModel:
         import torch
 
         self.name = name
+        # A checkpoint made by ``fillmask_server.checkpoint`` says its weights are random (hello tells clients).
+        self.random_weights = getattr(model.config, "fillmask_random_weights", False) is True
         self.tokenizer = tokenizer
         self.model = model
         self.device = torch.device(device)

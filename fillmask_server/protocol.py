@@ -204,7 +204,8 @@ def _parse_targets(value: Any, limits: Limits) -> tuple[str, ...] | str:
 # --- frames the server sends -------------------------------------------------------------------
 
 
-def encode_hello(server: str, model: str, limits: Limits, extra_limits: dict[str, Any]) -> bytes:
+def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
+                 extra_limits: dict[str, Any]) -> bytes:
     """The first frame on every connection (§2)."""
     announced = {
         **extra_limits,
@@ -217,7 +218,7 @@ def encode_hello(server: str, model: str, limits: Limits, extra_limits: dict[str
         "max_deadline_ms": limits.max_deadline_ms,
     }
     return orjson.dumps({"type": "hello", "protocol": PROTOCOL_VERSION, "server": server, "model": model,
-                         "mask_token": limits.mask_token, "limits": announced})
+                         "random_weights": random_weights, "mask_token": limits.mask_token, "limits": announced})
 
 
 def encode_result(request_id: RequestId, predictions: Any, queue_ms: float, inference_ms: float,

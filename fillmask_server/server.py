@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -242,7 +243,7 @@ class FillMaskServer:
         ))
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self.metrics.observe_batch)
-        self._hello = encode_hello(SERVER_NAME, config.model, self.limits, {
+        self._hello = encode_hello(SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": config.max_batch_size,
             "max_batch_tokens": config.max_batch_tokens,
             "max_queue": config.max_queue,
@@ -434,6 +435,15 @@ class FillMaskServer:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
             loop.call_soon_threadsafe(_finish_all, frames)
+
+
+def model_display_name(model: str) -> str:
+    """How ``hello`` names the model (§2): a hub id as given, a local directory by its name only, so that
+    no client learns the server's file system layout."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    return model
 
 
 def check_can_listen(host: str, port: int) -> None:

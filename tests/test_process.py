@@ -174,7 +174,8 @@ def test_checkpoint_command_writes_a_loadable_model(tmp_path: Path) -> None:
     assert made.returncode == 0, made.stderr
     from transformers import AutoConfig, AutoTokenizer
 
-    assert AutoConfig.from_pretrained(target).num_hidden_layers == 2
+    config = AutoConfig.from_pretrained(target)
+    assert config.num_hidden_layers == 2 and config.fillmask_random_weights is True
     tokenizer = AutoTokenizer.from_pretrained(target)
     assert len(tokenizer) == 30522 and tokenizer.mask_token_id == 103
     again = subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", "tiny", str(target)], cwd=ROOT,
@@ -213,3 +214,20 @@ async def test_a_second_signal_during_the_drain_stops_at_once(tiny_model_dir: Pa
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_a_checkpoint_without_the_random_weights_mark_is_reported_as_trained(tmp_path: Path,
+                                                                              tiny_model_dir: Path) -> None:
+    """§2 random_weights: only the offline checkpoints say their weights are random; any other model,
+    such as one from the Hub, is taken as trained."""
+    import json
+
+    from fillmask_server.model import load_model
+
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_model_dir, trained)
+    config = json.loads((trained / "config.json").read_text())
+    del config["fillmask_random_weights"]
+    (trained / "config.json").write_text(json.dumps(config))
+    assert load_model(str(tiny_model_dir)).random_weights is True
+    assert load_model(str(trained)).random_weights is False

@@ -53,7 +53,9 @@ async def http_get(url: str) -> tuple[int, dict[str, Any]]:
 async def test_hello_is_the_first_frame_with_model_and_limits(server: FillMaskServer) -> None:
     async with session(server.url) as (_, hello):
         assert hello["type"] == "hello" and hello["protocol"] == 1
-        assert hello["model"] == server.config.model and hello["mask_token"] == "[MASK]"
+        assert server.config.model.startswith("/")  # an absolute directory, which hello never shows (§2)
+        assert hello["model"] == "tiny" and hello["mask_token"] == "[MASK]"
+        assert hello["random_weights"] is True  # the offline checkpoint says its weights are random
         limits = hello["limits"]
         assert limits["max_batch_size"] == server.config.max_batch_size
         assert limits["max_queue"] == server.config.max_queue
