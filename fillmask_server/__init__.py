@@ -2,10 +2,14 @@
 
 Modules, each one idea:
 - ``protocol``: the wire format of protocol.md, pure (frame in, request or error out).
+- ``session``: one connection's conversation, sans I/O (admission, in-flight table, cancel, deadlines).
 - ``batching``: the batching policy, pure (queue in, next batch out).
-- ``model``: loading and batched, pipeline-equal prediction.
-- ``engine``: the one thread that owns the model and the queue.
-- ``server``: the thin websockets shell (connections, outboxes, drain).
+- ``jobs``: an accepted request's states, the one table of legal moves, and its typed outcomes.
+- ``model``: loading, tokenizing, and the batched forward pass (top-k tensors).
+- ``intake``: the tokenizer stage's checks; ``decode``: top-k into the pipeline's predictions (JSON).
+- ``engine``: the stages' threads (tokenizer, model, decode) and the queues between them.
+- ``connection``: one socket's ordered, byte-counted outbox.
+- ``server``: the thin websockets shell (wiring, watchdog, drain).
 - ``http``: the HTTP routes and the decision on each WebSocket handshake.
 - ``access``: the handshake's Origin rule, shared token and TLS context, pure.
 - ``metrics``: the Prometheus metrics of one server.

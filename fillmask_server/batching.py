@@ -18,7 +18,6 @@ connection). The rules:
   at most ``growth`` x the shortest. On a CPU a forward pass costs in proportion to the padded tokens,
   so several batches of similar lengths beat one batch padded to its longest row; requests left out
   keep their places and lead or join the next batches.
-- **Tokenized only.** A request not yet tokenized (``n_tokens is None``) waits for the next batch.
 - **Waiting.** ``max_wait_s`` is one deadline per batch, counted from the arrival of the oldest
   queued request, never restarted by later arrivals. With ``max_wait_s == 0`` a batch starts as
   soon as the engine is free, whatever its size.
@@ -40,7 +39,7 @@ class Queued(Protocol):
 
     arrival: float
     deadline: float | None
-    n_tokens: int | None
+    n_tokens: int
     owner: object
 
 
@@ -87,11 +86,11 @@ class BatchPolicy:
         """Seconds to wait before forming the next batch; 0 means form it now.
 
         Waiting only makes sense when a batch could still grow: with ``max_wait_s`` set, fewer
-        tokenized requests queued than a full batch, and the oldest request younger than ``max_wait_s``.
+        requests queued than a full batch, and the oldest request younger than ``max_wait_s``.
         """
         if not queue or self.max_wait_s == 0:
             return 0.0
-        ready = [job for job in queue if job.n_tokens is not None]
+        ready = list(queue)
         if len(ready) >= self.max_batch_size or len(self._select(ready)) < len(ready):
             return 0.0  # a full batch is already there
         wait_until = queue[0].arrival + self.max_wait_s
@@ -103,7 +102,7 @@ class BatchPolicy:
     def take(self, queue: deque[J], now: float) -> Decision[J]:
         """Remove the next batch from ``queue`` (after removing expired requests) and return it."""
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
-        ready = [job for job in queue if job.n_tokens is not None]
+        ready = list(queue)
         for job in ready:  # a connection seen for the first time ranks as served by the latest batch
             self._last_served.setdefault(id(job.owner), self._batches)
         chosen = self._select(ready)
@@ -115,7 +114,7 @@ class BatchPolicy:
         decision.batch = [job for job in queue if id(job) in taken]  # arrival order
         queue.clear()
         queue.extend(kept)
-        decision.padded_tokens = len(chosen) * max(job.n_tokens or 0 for job in chosen)
+        decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         waiting = {id(job.owner) for job in kept}
         self._last_served = {owner: n for owner, n in self._last_served.items() if owner in waiting}
         for job in chosen:
@@ -124,7 +123,7 @@ class BatchPolicy:
         return decision
 
     def _select(self, ready: list[J]) -> list[J]:
-        """The requests of the next batch, chosen from tokenized requests in arrival order."""
+        """The requests of the next batch, chosen from the queued requests in arrival order."""
         if not ready:
             return []
         by_owner: dict[int, list[J]] = {}
@@ -133,13 +132,13 @@ class BatchPolicy:
         owners = sorted(by_owner, key=lambda o: (self._last_served.get(o, self._batches), by_owner[o][0].arrival))
         lead = by_owner[owners[0]][0]
         batch = [lead]
-        shortest = longest = lead.n_tokens or 0
+        shortest = longest = lead.n_tokens
         for job in _round_robin([by_owner[o] for o in owners]):
             if len(batch) == self.max_batch_size:
                 break
             if job is lead:
                 continue
-            n = job.n_tokens or 0
+            n = job.n_tokens
             low, high = min(shortest, n), max(longest, n)
             if high > self.growth * low or (len(batch) + 1) * high > self.max_batch_tokens:
                 continue

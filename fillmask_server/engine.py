@@ -1,72 +1,63 @@
-"""The engine: one thread that owns the model and turns the shared queue into batches.
+"""The engine: the stages between the connections and the model, each run by one thread.
 
-Every connection's requests meet in one queue; the engine thread alone runs the model. The event
-loop never runs model code: it only calls the cheap, lock-protected methods ``submit``, ``cancel``,
-``expire`` and ``discard``, and receives finished frames through the ``deliver`` callback (which the
-server makes thread-safe with ``loop.call_soon_threadsafe``).
+    submit ──> [tokenizing] ──tokenizer stage──> [queue] ──model thread──> [decoding] ──decode stage──> deliver
 
-Invariant (protocol.md §8): a job leaves the QUEUED state exactly once, under ``self._lock``, and
-only the caller that made that transition produces its terminal frame. The engine thread moves
-QUEUED → RUNNING → DONE (result or error) or QUEUED → DONE (504, tokenizer check failed); the loop
-moves QUEUED → DONE by cancel, deadline timer, disconnect or shutdown. Whoever loses a race sees a
-state other than QUEUED and does nothing.
+- **Tokenizer stage** (``fillmask-intake``): takes every newly accepted request, tokenizes them in one
+  call (the fast tokenizer releases the GIL) and makes the §3 checks that need tokens; a request that
+  fails one is answered (``Rejected``), the others join the model's queue. The queue therefore holds
+  only requests that can run.
+- **Model thread** (``fillmask-model``): asks the batching policy for the next batch and runs the
+  forward pass (``FillMaskModel.forward``): tensors in, top-k tensors out. Nothing else: no
+  tokenizing, no strings, no JSON. Faults are isolated here: a batch the model fails on is retried in
+  halves while the failure is out of memory and item by item otherwise, so only requests that fail
+  alone get ``internal_error``.
+- **Decode stage** (``fillmask-decode``): turns top-k tensors into the pipeline's predictions and
+  serializes them (``decode.py``), while the model thread already runs the next batch.
 
-Faults (protocol.md §7, §9): a batch the model fails on is retried, split in halves while the failure
-is out of memory and item by item otherwise, so only requests that fail alone get ``internal_error``.
-Any other exception while handling a batch fails that batch's requests and the loop goes on. If the
-thread still ends abnormally, ``_die`` marks the engine not ``alive`` (so ``/readyz`` answers 503 and
-``submit`` refuses) and answers every request it held: running ones ``internal_error``, queued ones
-``overloaded`` 503 ``engine_stopped``. Nothing is left hanging.
+The event loop only calls the cheap methods ``submit``, ``withdraw``, ``discard``, ``withdraw_all``
+and the counters; finished work reaches it as typed ``Outcome``\\ s through ``deliver`` (called on a
+stage thread; the server makes it thread-safe).
+
+Invariants: every job state change is ``jobs.advance`` under ``self._lock``, guarded by ``jobs.can``
+where another thread may have moved the job first; whoever moves a job to DONE creates its outcome,
+so each accepted request gets exactly one (protocol.md §8). If a stage thread ends abnormally, ``_die``
+marks the engine not ``alive`` (``/readyz`` answers 503, ``submit`` refuses) and answers every request
+it held: those not yet on the model ``Stopped`` (503 ``engine_stopped``), the others ``Failed``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
+import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
+from . import intake
 from .batching import BatchPolicy
-from .model import FillMaskModel, Item, TargetError
-from .protocol import FillMaskRequest, encode_error, encode_overloaded, encode_result
+from .decode import SequenceDecoder, predictions_json
+from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, Result, State, Stopped, advance, can
+from .model import FillMaskModel, Item, TopK
 
 log = logging.getLogger(__name__)
 
-
-class State(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-
-
-@dataclass(eq=False)
-class Job:
-    """One accepted request on its way through the engine. ``owner`` is the connection, opaque here."""
-
-    request: FillMaskRequest
-    owner: Any
-    arrival: float
-    deadline: float | None = None
-    state: State = State.QUEUED
-    input_ids: list[int] | None = None
-    n_tokens: int | None = None
-    target_ids: tuple[int, ...] | None = None
-    timer: Any = None  # the loop's deadline timer handle, owned by the server
-
-
-Deliver = Callable[[list[tuple[Job, bytes]]], None]
+Deliver = Callable[[list[Outcome]], None]
 # (batch size, padded tokens, each request's queue wait in s, the batch's time on the model in s)
 BatchObserver = Callable[[int, int, list[float], float], None]
+
+ENGINE_STOPPED_RETRY_MS = 1000
+INTAKE_BATCH = 256  # most requests the tokenizer stage takes in one call
+DECODE_BACKLOG = 2  # the model thread runs at most this many batches ahead of the decode stage
+_SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
+_MODEL_FAILED = "the model failed on this request, also when run alone; other requests are unaffected"
 
 
 @dataclass
 class EngineStats:
-    """Counters read by tests and logs; written only by the engine thread (reads may lag)."""
+    """Counters read by tests and logs; each written by one stage thread only (reads may lag)."""
 
     batches: int = 0
     rows: int = 0
@@ -76,8 +67,19 @@ class EngineStats:
     busy_s: float = 0.0
 
 
+@dataclass
+class _Forwarded:
+    """One batch between the model thread and the decode stage."""
+
+    jobs: list[Job]
+    groups: list[tuple[list[int], TopK]]  # item indices of ``jobs`` and their top-k (one group unless split)
+    batch_id: int
+    padded_tokens: int
+    inference_ms: float
+
+
 class Engine:
-    """Owns the queue and the model thread. ``deliver`` is called on the engine thread."""
+    """The three stages and the queues between them (see the module docstring)."""
 
     def __init__(self, model: FillMaskModel, policy: BatchPolicy, max_queue: int, max_masks: int,
                  deliver: Deliver, clock: Callable[[], float] = time.monotonic,
@@ -87,19 +89,28 @@ class Engine:
         self.max_queue = max_queue
         self.max_masks = max_masks
         self.stats = EngineStats()
+        self.decoder = SequenceDecoder(model.decode_tokenizer)
         self._deliver = deliver
         self._on_batch = on_batch
         self._clock = clock
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._queue: deque[Job] = deque()
-        self._untokenized: list[Job] = []
-        self._running = 0
-        self._batch: list[Job] = []  # the batch the thread is running, for _die
+        self._intake_wake = threading.Condition(self._lock)
+        self._model_wake = threading.Condition(self._lock)
+        self._decode_wake = threading.Condition(self._lock)
+        self._tokenizing: deque[Job] = deque()  # accepted, not yet taken by the tokenizer stage
+        self._intake: list[Job] = []  # taken by the tokenizer stage, being tokenized
+        self._queue: deque[Job] = deque()  # runnable, waiting for a batch
+        self._running: list[Job] = []  # the batch on the model
+        self._decoding: deque[_Forwarded] = deque()
+        self._decoding_jobs = 0
+        self._batch_ids = itertools.count(1)
         self._paused = False
         self._stopping = False
         self._seconds_per_row = 0.01  # moving estimate, for retry_after_ms
-        self._thread = threading.Thread(target=self._run, name="fillmask-engine", daemon=True)
+        self._threads = [threading.Thread(target=self._guarded, args=(body,), name=name, daemon=True)
+                         for name, body in (("fillmask-intake", self._intake_loop),
+                                            ("fillmask-model", self._model_loop),
+                                            ("fillmask-decode", self._decode_loop))]
         self.alive = False
         self.started_at = clock()
 
@@ -108,68 +119,61 @@ class Engine:
     def start(self) -> None:
         self.alive = True
         self.started_at = self._clock()
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: Job) -> bool:
-        """Queue ``job``; False (and nothing queued) when the queue already holds ``max_queue`` jobs."""
+        """Accept ``job`` for the tokenizer stage; False (nothing kept) when ``max_queue`` requests
+        already wait for the model, or the engine has stopped."""
         with self._lock:
-            if len(self._queue) >= self.max_queue or not self.alive:
+            if not self.alive or self._waiting_locked() >= self.max_queue:
                 return False
-            self._queue.append(job)
-            self._untokenized.append(job)
-            self._wake.notify()
+            self._tokenizing.append(job)
+            self._intake_wake.notify()
         return True
 
-    def cancel(self, job: Job) -> bool:
-        """Remove ``job`` if still queued; True when this call did it (the caller answers it)."""
+    def withdraw(self, job: Job) -> bool:
+        """Take ``job`` out if the model does not have it yet; True when this call did it (the caller
+        answers it: cancelled, 504, ...)."""
         with self._lock:
-            return self._remove_locked(job)
-
-    expire = cancel  # the loop's deadline timer: same transition, the caller answers 504
+            return self._withdraw_locked(job)
 
     def discard(self, jobs: list[Job]) -> int:
-        """Remove every still-queued job of ``jobs`` (their connection closed); returns how many."""
-        doomed = {id(job) for job in jobs if job.state is State.QUEUED}
-        if not doomed:
-            return 0
+        """Withdraw every job of ``jobs`` the model does not have yet (their connection closed); how many."""
         with self._lock:
-            kept = [job for job in self._queue if id(job) not in doomed]
-            removed = len(self._queue) - len(kept)
-            for job in self._queue:
-                if id(job) in doomed:
-                    job.state = State.DONE
-            self._queue = deque(kept)
-            self._untokenized = [job for job in self._untokenized if job.state is State.QUEUED]
-        return removed
+            return sum(self._withdraw_locked(job) for job in jobs)
 
-    def drain_queue(self) -> list[Job]:
-        """Remove and return every queued job (shutdown timeout); the caller answers them."""
+    def withdraw_all(self, reason: str, retry_after_ms: int) -> list[Stopped]:
+        """Withdraw every job not yet on the model (the drain ran out of time): their ``Stopped`` answers."""
         with self._lock:
-            jobs = list(self._queue)
-            for job in jobs:
-                job.state = State.DONE
-            self._queue.clear()
-            self._untokenized.clear()
-        return jobs
+            jobs = [job for job in (*self._tokenizing, *self._intake, *self._queue) if self._withdraw_locked(job)]
+        return [Stopped(job, reason, retry_after_ms) for job in jobs]
 
     def queued(self) -> int:
+        """Requests waiting for the model: being tokenized or in its queue."""
+        with self._lock:
+            return self._waiting_locked()
+
+    def runnable(self) -> int:
+        """Requests tokenized and checked, in the model's queue."""
         with self._lock:
             return len(self._queue)
 
     def busy(self) -> bool:
-        """True while any job is queued or running."""
+        """True while any accepted request has no outcome yet."""
         with self._lock:
-            return bool(self._queue) or self._running > 0
+            return bool(self._waiting_locked() or self._running or self._decoding_jobs)
 
     def retry_after_ms(self) -> int:
         """Estimate of how long the current queue takes to clear, for 503/504 answers."""
         with self._lock:
-            waiting = len(self._queue) + self._running
+            waiting = self._waiting_locked() + len(self._running)
         return int(min(30_000, max(10, waiting * self._seconds_per_row * 1000)))
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Hold the engine between batches (requests stay queued); for tests and maintenance."""
+        """Hold the model thread between batches (requests are still tokenized and queued); for tests
+        and maintenance."""
         with self._lock:
             self._paused = True
         try:
@@ -177,239 +181,242 @@ class Engine:
         finally:
             with self._lock:
                 self._paused = False
-                self._wake.notify()
+                self._model_wake.notify()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread after its current batch; queued jobs stay unanswered (drain first)."""
+        """Stop the threads after their current work; jobs still waiting stay unanswered (drain first)."""
         with self._lock:
             self._stopping = True
-            self._wake.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+            for wake in (self._intake_wake, self._model_wake, self._decode_wake):
+                wake.notify_all()
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout)
         self.alive = False
 
-    def _remove_locked(self, job: Job) -> bool:
-        if job.state is not State.QUEUED:
+    def _waiting_locked(self) -> int:
+        return len(self._tokenizing) + len(self._intake) + len(self._queue)
+
+    def _withdraw_locked(self, job: Job) -> bool:
+        if not can(job, Event.WITHDRAWN):
             return False
-        job.state = State.DONE
-        self._queue.remove(job)
-        # An untokenized job is in ``_untokenized``, unless the engine thread has just taken it for
-        # ``_intake`` (which then skips it: its state is no longer QUEUED).
-        if job.n_tokens is None and job in self._untokenized:
-            self._untokenized.remove(job)
+        waiting_in = self._tokenizing if job.state is State.TOKENIZING else self._queue
+        advance(job, Event.WITHDRAWN)
+        with contextlib.suppress(ValueError):  # a job the tokenizer stage holds is in neither deque
+            waiting_in.remove(job)
         return True
 
-    # --- the engine thread ------------------------------------------------------------------------
+    # --- the stage threads --------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _guarded(self, body: Callable[[], None]) -> None:
         try:
-            while True:
-                with self._lock:
-                    while not self._stopping and (self._paused or not self._queue):
-                        self._wake.wait()
-                    if self._stopping:
-                        return
-                    fresh, self._untokenized = self._untokenized, []
-                if fresh:
-                    try:
-                        self._intake(fresh)
-                    except Exception:
-                        log.exception("checking %d new requests failed; answering them internal_error", len(fresh))
-                        self._fail(fresh)
-                with self._lock:
-                    if self._paused or self._stopping:
-                        continue
-                    now = self._clock()
-                    wait = self.policy.wait_s(self._queue, now)
-                    if wait > 0 and not self._untokenized:
-                        self._wake.wait(wait)
-                        continue
-                    decision = self.policy.take(self._queue, now)
-                    for job in decision.expired:
-                        job.state = State.DONE
-                    for job in decision.batch:
-                        job.state = State.RUNNING
-                    self._running = len(decision.batch)
-                    self._batch = decision.batch
-                if decision.expired:
-                    self._answer_expired(decision.expired, now)
-                if decision.batch:
-                    self._run_guarded(decision.batch, decision.padded_tokens, now)
-                with self._lock:
-                    self._running = 0
-                    self._batch = []
+            body()
         except BaseException as exc:
             self._die(exc)
 
-    def _run_guarded(self, batch: list[Job], padded_tokens: int, started: float) -> None:
-        """Run one batch; whatever goes wrong outside the model fails this batch only."""
-        try:
-            self._run_batch(batch, padded_tokens, started)
-        except Exception:
-            log.exception("a batch of %d failed outside the model; answering its requests internal_error", len(batch))
-            self._fail(batch)
-            return
-        if self._on_batch is not None:
+    def _intake_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._tokenizing:
+                    self._intake_wake.wait()
+                if self._stopping:
+                    return
+                count = min(len(self._tokenizing), INTAKE_BATCH)
+                self._intake = [self._tokenizing.popleft() for _ in range(count)]
+                fresh = list(self._intake)
             try:
-                self._on_batch(len(batch), padded_tokens, [started - job.arrival for job in batch],
-                               self._clock() - started)
-            except Exception:
-                log.exception("recording batch metrics failed")
+                answers = self._check_all(fresh)
+            finally:
+                with self._lock:
+                    self._intake = []
+            if answers:
+                self._deliver(answers)
 
-    def _fail(self, jobs: list[Job]) -> None:
-        """Answer ``internal_error`` to each job still running, or still queued and untokenized."""
-        failed: list[Job] = []
-        with self._lock:
-            for job in jobs:
-                if job.state is State.RUNNING or (job.state is State.QUEUED and job.n_tokens is None):
-                    if job.state is State.QUEUED:
-                        self._queue.remove(job)
-                        if job in self._untokenized:
-                            self._untokenized.remove(job)
-                    job.state = State.DONE
-                    failed.append(job)
-        self.stats.failed += len(failed)
-        if failed:
-            self._deliver([(job, encode_error(job.request.id, "internal_error", _SERVER_FAILED)) for job in failed])
-
-    def _die(self, exc: BaseException) -> None:
-        """The thread is ending abnormally: refuse new work and answer every request still held."""
-        log.critical("the engine thread stopped (%s); /readyz now answers 503 and requests get 503 engine_stopped",
-                     type(exc).__name__, exc_info=exc)
-        with self._lock:
-            self.alive = False
-            running = [job for job in self._batch if job.state is State.RUNNING]
-            queued = list(self._queue)
-            for job in (*running, *queued):
-                job.state = State.DONE
-            self._queue.clear()
-            self._untokenized.clear()
-            self._batch = []
-            self._running = 0
-        frames = [(job, encode_error(job.request.id, "internal_error", _SERVER_FAILED)) for job in running]
-        frames += [(job, encode_overloaded(job.request.id, 503, "engine_stopped", ENGINE_STOPPED_RETRY_MS))
-                   for job in queued]
-        if frames:
+    def _check_all(self, fresh: list[Job]) -> list[Outcome]:
+        """Tokenize and check ``fresh``; queue the runnable ones, return the others' answers."""
+        token_ids = intake.tokenize_all(self.model, [job.request.text for job in fresh])
+        verdicts: list[intake.Checked | intake.Refusal | None] = []
+        for job, ids in zip(fresh, token_ids, strict=True):
             try:
-                self._deliver(frames)
-            except Exception:
-                log.exception("answering the requests of the stopped engine failed")
-
-    def _intake(self, jobs: list[Job]) -> None:
-        """Tokenize new jobs in one call; answer those that fail the model-side checks of §3."""
-        texts = [job.request.text for job in jobs]
-        try:
-            all_ids = self.model.tokenize(texts)
-        except Exception:
-            log.exception("tokenizer failed on a batch of %d texts; retrying one by one", len(texts))
-            all_ids = [self._tokenize_one(text) for text in texts]
-        rejected: list[tuple[Job, bytes]] = []
-        for job, ids in zip(jobs, all_ids, strict=True):
-            try:
-                frame = self._check(job, ids)
+                verdicts.append(intake.check(self.model, job.request, ids, self.max_masks))
             except Exception:  # a fault in one request's checks fails that request only
                 log.exception("checking a new request failed; answering it internal_error")
-                frame = encode_error(job.request.id, "internal_error", _SERVER_FAILED)
-            with self._lock:
-                if job.state is not State.QUEUED:
-                    continue
-                if frame is not None:
-                    job.state = State.DONE
-                    self._queue.remove(job)
-                    rejected.append((job, frame))
+                verdicts.append(None)
+        answers: list[Outcome] = []
+        with self._lock:
+            for job, verdict in zip(fresh, verdicts, strict=True):
+                if job.state is not State.TOKENIZING:
+                    continue  # withdrawn while it was being tokenized
+                if isinstance(verdict, intake.Checked):
+                    job.input_ids, job.masks, job.target_ids = verdict.input_ids, verdict.masks, verdict.target_ids
+                    job.n_tokens = len(verdict.input_ids)
+                    advance(job, Event.CHECKED)
+                    self._queue.append(job)
+                elif isinstance(verdict, intake.Refusal):
+                    advance(job, Event.REJECTED)
+                    answers.append(Rejected(job, verdict.code, verdict.message))
                 else:
-                    job.input_ids = ids
-                    job.n_tokens = len(ids)
-        if rejected:
-            self._deliver(rejected)
+                    advance(job, Event.FAILED)
+                    answers.append(Failed(job, _SERVER_FAILED))
+            self._model_wake.notify()
+        return answers
 
-    def _tokenize_one(self, text: str) -> list[int] | None:
-        try:
-            return self.model.tokenize([text])[0]
-        except Exception:
-            return None
-
-    def _check(self, job: Job, ids: list[int] | None) -> bytes | None:
-        """The error frame for a request the tokenizer rejects, or None when it may run."""
-        request = job.request
-        if ids is None:
-            return encode_error(request.id, "invalid_field", "the text could not be tokenized; send plain text")
-        if len(ids) > self.model.max_tokens:
-            return encode_error(request.id, "text_too_long", f"the text is {len(ids)} tokens long; this model "
-                                f"accepts at most {self.model.max_tokens}; shorten it")
-        masks = ids.count(self.model.mask_token_id)
-        if masks == 0:
-            return encode_error(request.id, "no_mask", f"the text has no {self.model.mask_token} token after "
-                                f"tokenizing; write {self.model.mask_token} exactly, with spaces around it")
-        if masks > self.max_masks:
-            return encode_error(request.id, "too_many_masks", f"the text has {masks} mask tokens; the limit is "
-                                f"{self.max_masks}")
-        if request.targets is not None:
-            try:
-                job.target_ids = self.model.target_ids(request.targets)
-            except TargetError as exc:
-                return encode_error(request.id, "invalid_targets", f"{exc}; use words from the vocabulary")
-        return None
-
-    def _answer_expired(self, jobs: list[Job], now: float) -> None:
-        retry = self.retry_after_ms()
-        self.stats.expired += len(jobs)
-        self._deliver([(job, encode_overloaded(job.request.id, 504, "deadline_exceeded", retry,
-                                               (now - job.arrival) * 1000)) for job in jobs])
+    def _model_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and (self._paused or not self._queue
+                                              or len(self._decoding) >= DECODE_BACKLOG):
+                    self._model_wake.wait()
+                if self._stopping:
+                    return
+                now = self._clock()
+                wait = self.policy.wait_s(self._queue, now)
+                if wait > 0:
+                    self._model_wake.wait(wait)
+                    continue
+                decision = self.policy.take(self._queue, now)
+                for job in decision.expired:
+                    advance(job, Event.EXPIRED)
+                for job in decision.batch:
+                    advance(job, Event.BATCHED)
+                    job.started = now
+                self._running = decision.batch
+            if decision.expired:
+                retry = self.retry_after_ms()
+                self.stats.expired += len(decision.expired)
+                self._deliver([Expired(job, (now - job.arrival) * 1000, retry) for job in decision.expired])
+            if decision.batch:
+                self._run_batch(decision.batch, decision.padded_tokens, now)
 
     def _run_batch(self, batch: list[Job], padded_tokens: int, started: float) -> None:
-        items = [Item(job.input_ids or [], job.request.top_k, job.target_ids) for job in batch]
-        outputs = self._predict_all(items)
+        """One forward pass (split on failure); hand what succeeded to the decode stage."""
+        items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
+        groups, failed_items = self._forward_all(items, list(range(len(items))))
         elapsed = self._clock() - started
-        inference_ms = elapsed * 1000
-        frames: list[tuple[Job, bytes]] = []
-        for job, output in zip(batch, outputs, strict=True):
-            if isinstance(output, Exception):
-                self.stats.failed += 1
-                frame = encode_error(job.request.id, "internal_error", "the model failed on this request, also "
-                                     "when run alone; other requests are unaffected")
-            else:
-                frame = encode_result(job.request.id, output, (started - job.arrival) * 1000, inference_ms,
-                                      len(batch), padded_tokens, self.stats.batches + 1)
-            frames.append((job, frame))
+        failed: list[Outcome] = []
         with self._lock:
-            for job in batch:
-                job.state = State.DONE
+            for i in failed_items:
+                if can(batch[i], Event.FAILED):
+                    advance(batch[i], Event.FAILED)
+                    failed.append(Failed(batch[i], _MODEL_FAILED))
+            for indices, _ in groups:
+                for i in indices:
+                    if can(batch[i], Event.FORWARDED):
+                        advance(batch[i], Event.FORWARDED)
+                        self._decoding_jobs += 1
+            self._decoding.append(_Forwarded(batch, groups, next(self._batch_ids), padded_tokens, elapsed * 1000))
+            self._running = []
             self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (elapsed / len(batch))
+            self._decode_wake.notify()
         stats = self.stats
         stats.batches += 1
         stats.rows += len(batch)
+        stats.failed += len(failed)
         stats.busy_s += elapsed
         stats.batch_sizes[len(batch)] = stats.batch_sizes.get(len(batch), 0) + 1
-        self._deliver(frames)
+        if failed:
+            self._deliver(failed)
+        if self._on_batch is not None:
+            try:
+                self._on_batch(len(batch), padded_tokens, [started - job.arrival for job in batch], elapsed)
+            except Exception:
+                log.exception("recording batch metrics failed")
 
-    def _predict_all(self, items: list[Item]) -> list[Any]:
-        """One prediction per item, or the exception of an item that failed alone; raises no ``Exception``.
+    def _forward_all(self, items: list[Item], indices: list[int]) -> tuple[list[tuple[list[int], TopK]], list[int]]:
+        """Top-k for ``indices`` of ``items``: (groups that succeeded, indices that failed alone).
 
         Out of memory splits the batch in halves, recursively down to single items, so a batch too
         big for the device still gets through in smaller pieces; any other failure retries item by
-        item, so one bad input fails only itself.
+        item, so one bad input fails only itself. Raises no ``Exception``.
         """
         try:
-            return self.model.predict(items)
+            return [(indices, self.model.forward([items[i] for i in indices]))], []
         except Exception as exc:
-            if len(items) == 1:
+            if len(indices) == 1:
                 if _out_of_memory(exc):
                     log.error("out of memory on a single request of %d tokens; answering it internal_error",
-                              len(items[0].input_ids))
+                              len(items[indices[0]].input_ids))
                 else:
                     log.exception("the model failed on a request; answering it internal_error")
-                return [exc]
+                return [], indices
             if _out_of_memory(exc):
-                log.warning("out of memory on a batch of %d; retrying it in halves", len(items))
-                half = len(items) // 2
-                return self._predict_all(items[:half]) + self._predict_all(items[half:])
-            log.warning("a batch of %d failed (%s); retrying its requests one by one", len(items), type(exc).__name__)
-            return [self._predict_all([item])[0] for item in items]
+                log.warning("out of memory on a batch of %d; retrying it in halves", len(indices))
+                half = len(indices) // 2
+                parts = [indices[:half], indices[half:]]
+            else:
+                log.warning("a batch of %d failed (%s); retrying its requests one by one", len(indices),
+                            type(exc).__name__)
+                parts = [[i] for i in indices]
+        groups: list[tuple[list[int], TopK]] = []
+        failed: list[int] = []
+        for part in parts:
+            more_groups, more_failed = self._forward_all(items, part)
+            groups += more_groups
+            failed += more_failed
+        return groups, failed
 
+    def _decode_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._decoding:
+                    self._decode_wake.wait()
+                if self._stopping:
+                    return
+                work = self._decoding[0]
+            outcomes = self._decode(work)
+            with self._lock:
+                self._decoding.popleft()
+                for outcome in outcomes:
+                    job = outcome.job
+                    if can(job, Event.DECODED):
+                        advance(job, Event.DECODED if isinstance(outcome, Result) else Event.FAILED)
+                        self._decoding_jobs -= 1
+                self._model_wake.notify()
+            self._deliver(outcomes)
 
-ENGINE_STOPPED_RETRY_MS = 1000
-_SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
+    def _decode(self, work: _Forwarded) -> list[Outcome]:
+        """Each job's predictions as JSON; a job whose decoding fails gets ``Failed``, the others go on."""
+        outcomes: list[Outcome] = []
+        size = len(work.jobs)
+        for indices, topk in work.groups:
+            for n, i in enumerate(indices):
+                job = work.jobs[i]
+                try:
+                    item = Item(job.input_ids, job.request.top_k, job.target_ids)
+                    data = predictions_json(self.decoder, item, topk, n)
+                except Exception:
+                    log.exception("decoding a result failed; answering it internal_error")
+                    outcomes.append(Failed(job, _SERVER_FAILED))
+                    continue
+                outcomes.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, size,
+                                       work.padded_tokens, work.batch_id))
+        return outcomes
+
+    def _die(self, exc: BaseException) -> None:
+        """A stage thread is ending abnormally: refuse new work, stop the other stages, answer everything held."""
+        log.critical("an engine thread stopped (%s); /readyz now answers 503 and requests get 503 engine_stopped",
+                     type(exc).__name__, exc_info=exc)
+        with self._lock:
+            self.alive = False
+            self._stopping = True
+            for wake in (self._intake_wake, self._model_wake, self._decode_wake):
+                wake.notify_all()
+            waiting = [job for job in (*self._tokenizing, *self._intake, *self._queue)
+                       if self._withdraw_locked(job)]
+            started = [job for job in (*self._running, *(j for w in self._decoding for j in w.jobs))
+                       if can(job, Event.FAILED)]
+            for job in started:
+                advance(job, Event.FAILED)
+            self._running = []
+            self._decoding.clear()
+            self._decoding_jobs = 0
+        outcomes: list[Outcome] = [Failed(job, _SERVER_FAILED) for job in started]
+        outcomes += [Stopped(job, "engine_stopped", ENGINE_STOPPED_RETRY_MS) for job in waiting]
+        if outcomes:
+            try:
+                self._deliver(outcomes)
+            except Exception:
+                log.exception("answering the requests of the stopped engine failed")
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -3,9 +3,10 @@
 Served by ``GET /metrics`` (protocol.md §9, §11) in the Prometheus text format that the scraper's
 ``Accept`` header asks for. Invariants:
 
-- Every frame that ends a request, and every accepted request dropped because its connection closed,
-  is counted exactly once in ``fillmask_requests_total``, at the one place the server hands it to
-  its connection (``FillMaskServer``); frames answering garbage count there too (outcome ``error``).
+- Every answer about a request is counted exactly once in ``fillmask_requests_total``: when it is
+  handed to the client's socket, labelled with what the session made of it (``Answer.outcome`` and
+  ``.code``), or as ``dropped`` when its connection closed first (before the answer existed, or with
+  the answer still unsent). Frames answering garbage count too (outcome ``error``).
 - Batch figures are recorded by the engine thread once per batch, right after the batch ran.
 - Live values (queue depth, connections, engine busy time) are read when scraped, from callables,
   so nothing has to be kept in step with them.
@@ -16,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,27 +25,6 @@ OUTCOMES = ("result", "error", "overloaded", "cancelled", "dropped")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _BATCH_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-_RESULT_PREFIX = b'{"type":"result"'  # protocol.encode_result writes "type" first
-
-
-def outcome_of(frame: bytes) -> tuple[str, str]:
-    """(outcome, code) of a frame the server sends about a request: the label values of the counter.
-
-    ``code`` is the error code for ``error``, the reason for ``overloaded`` (``queue_full``,
-    ``shutting_down``, ``engine_stopped``: 503; ``deadline_exceeded``: 504) and empty otherwise.
-    Results are recognised by their first bytes, so the large frames are never parsed again.
-    """
-    if frame.startswith(_RESULT_PREFIX):
-        return "result", ""
-    obj = orjson.loads(frame)
-    kind = obj.get("type")
-    if kind == "error":
-        return "error", str(obj.get("code"))
-    if kind == "overloaded":
-        return "overloaded", str(obj.get("reason"))
-    return str(kind), ""
-
-
 @dataclass(frozen=True)
 class LiveValues:
     """Callables read at scrape time; each must be cheap and safe to call from the event loop."""
@@ -101,8 +80,8 @@ class Metrics:
             ["outcome", "code"], registry=registry)
         self.queue_wait = Histogram("fillmask_queue_wait_seconds", "Time from reading a request to the start "
                                     "of its batch.", buckets=_SECONDS, registry=registry)
-        self.inference = Histogram("fillmask_inference_seconds", "Time one batch took on the model, "
-                                   "tokenizing and decoding included.", buckets=_SECONDS, registry=registry)
+        self.inference = Histogram("fillmask_inference_seconds", "Time one batch's forward pass took on "
+                                   "the model.", buckets=_SECONDS, registry=registry)
         self.batch_size = Histogram("fillmask_batch_size", "Requests per batch.", buckets=_BATCH_SIZES,
                                     registry=registry)
         self.batch_tokens = Histogram("fillmask_batch_tokens", "Padded tokens (rows x longest row) per batch.",
@@ -116,9 +95,8 @@ class Metrics:
                                            "their client did not read for --send-timeout.", registry=registry)
         registry.register(_LiveCollector(live))
 
-    def answered(self, frame: bytes) -> None:
-        """Count one terminal or error frame handed to a connection."""
-        outcome, code = outcome_of(frame)
+    def answered(self, outcome: str, code: str) -> None:
+        """Count one answer handed to a client's socket, labelled by what it was (never by parsing it)."""
         self.requests.labels(outcome, code).inc()
 
     def dropped(self, count: int = 1) -> None:

@@ -1,24 +1,29 @@
-"""The fill-mask model: loading, batched prediction equal to the transformers pipeline's.
+"""The fill-mask model: loading, tokenizing, and the batched forward pass whose top-k the decode stage
+turns into exactly what the transformers pipeline returns.
 
-``FillMaskModel`` is owned by the engine thread; nothing else calls it (the tokenizer and torch are
-not used from two threads). Its ``predict`` returns, for each text of a batch, exactly what
-``pipeline("fill-mask")(text, top_k=..., targets=...)`` returns for that text alone
-(``transformers/pipelines/fill_mask.py``: softmax over the vocabulary at each mask, optional
-restriction to target ids, top-k, then one decode per candidate), with two differences in *how*:
+``FillMaskModel`` is shared by stages with one owner each: the tokenizer stage calls ``tokenize`` and
+``target_ids`` (the tokenizer), the model thread calls ``forward`` (torch), and the decode stage reads
+nothing of it but ``decode_tokenizer``, its own copy of the tokenizer (a Rust tokenizer is not used from
+two threads at once). ``forward`` computes what ``pipeline("fill-mask")`` computes for each text alone
+(``transformers/pipelines/fill_mask.py``: softmax over the vocabulary at each mask, optional restriction
+to target ids, top-k), with two differences in *how*:
 
 - The encoder runs once per batch on padded inputs, and the MLM head only on the hidden states at
   mask positions (for architectures whose head is a separate per-position module), instead of on
   every position of every text.
-- Softmax and top-k run once over all mask rows of the batch.
+- Softmax and top-k run once over all mask rows of the batch that have no targets.
+
+It returns tensors (``TopK``); turning them into Python lists and strings is the decode stage's work
+(``decode.py``), so that the model thread can start the next batch at once.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +51,42 @@ class TargetError(ValueError):
     """No target of a request maps to a vocabulary token."""
 
 
+@dataclass
+class TopK:
+    """The forward pass's answer for a batch, as CPU tensors, in the items' order.
+
+    For item ``i``: ``spans[i]`` is the [first, last) range of its mask rows; ``columns[first:last]``
+    are the mask positions in its ``input_ids``. Items without targets share one top-k over the
+    vocabulary (``values``/``indices``, row ``plain_rows[i] + j`` for its ``j``-th mask, ``k`` wide:
+    the largest ``top_k`` among them, so each item keeps its first ``top_k`` columns). An item with
+    targets has its own ``targeted[i] = (values, picks)`` where ``picks`` index its ``target_ids``.
+    """
+
+    spans: list[tuple[int, int]]
+    columns: Any
+    values: Any = None
+    indices: Any = None
+    plain_rows: dict[int, int] | None = None
+    targeted: dict[int, tuple[Any, Any]] | None = None
+
+    def candidates(self, i: int, item: Item) -> tuple[list[int], list[list[float]], list[list[int]]]:
+        """Item ``i``'s mask positions, and per mask its scores and token ids, best first (Python lists)."""
+        first, last = self.spans[i]
+        positions = self.columns[first:last].tolist()
+        if self.targeted is not None and i in self.targeted:
+            values, picks = self.targeted[i]
+            targets = item.target_ids or ()
+            return positions, values.tolist(), [[targets[p] for p in row] for row in picks.tolist()]
+        assert self.plain_rows is not None and self.values is not None
+        row = self.plain_rows[i]
+        count = last - first
+        scores = self.values[row: row + count, : item.top_k].tolist()
+        tokens = self.indices[row: row + count, : item.top_k].tolist()
+        return positions, scores, tokens
+
+
 class FillMaskModel:
-    """A tokenizer and a masked-LM model on one device. Not thread-safe: one owner thread."""
+    """A tokenizer and a masked-LM model on one device; each method has one owner thread (see above)."""
 
     def __init__(self, name: str, tokenizer: Any, model: Any, device: str, dtype: str) -> None:
         import torch
@@ -56,6 +95,7 @@ class FillMaskModel:
         # A checkpoint made by ``fillmask_server.checkpoint`` says its weights are random (hello tells clients).
         self.random_weights = getattr(model.config, "fillmask_random_weights", False) is True
         self.tokenizer = tokenizer
+        self.decode_tokenizer = copy.deepcopy(tokenizer)
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
@@ -68,10 +108,10 @@ class FillMaskModel:
         head_attr = _HEAD_ATTRIBUTE.get(model.config.model_type)
         self._head = getattr(model, head_attr, None) if head_attr else None
         self._encoder = model.base_model if self._head is not None else None
-        self._token_str = lru_cache(maxsize=65536)(self._decode_one)
-        self._target_ids = lru_cache(maxsize=1024)(self._resolve_targets)
+        self._vocab: dict[str, int] | None = None
+        self._targets: dict[tuple[str, ...], tuple[int, ...]] = {}
 
-    # --- tokenizing ------------------------------------------------------------------------------
+    # --- tokenizing (the tokenizer stage) --------------------------------------------------------
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, with special tokens, unpadded and untruncated (one batched call)."""
@@ -81,16 +121,25 @@ class FillMaskModel:
 
     def target_ids(self, targets: tuple[str, ...]) -> tuple[int, ...]:
         """The pipeline's ``get_target_ids``: vocab id, else first token; deduplicated. Cached."""
-        return self._target_ids(targets)
+        ids = self._targets.get(targets)
+        if ids is None:
+            ids = self._resolve_targets(targets)
+            if len(self._targets) >= 1024:
+                self._targets.clear()
+            self._targets[targets] = ids
+        return ids
 
     def _resolve_targets(self, targets: tuple[str, ...]) -> tuple[int, ...]:
-        vocab = self.tokenizer.get_vocab()
+        if self._vocab is None:
+            self._vocab = self.tokenizer.get_vocab()
         ids: list[int] = []
         for target in targets:
-            id_ = vocab.get(target)
+            id_ = self._vocab.get(target)
             if id_ is None:
+                # The pipeline truncates to max_length=1; taking the first token is the same and does
+                # not switch the shared Rust tokenizer's truncation setting back and forth.
                 pieces = self.tokenizer(target, add_special_tokens=False, return_attention_mask=False,
-                                        return_token_type_ids=False, max_length=1, truncation=True)["input_ids"]
+                                        return_token_type_ids=False)["input_ids"]
                 if not pieces:
                     continue
                 id_ = pieces[0]
@@ -100,20 +149,18 @@ class FillMaskModel:
             raise TargetError("none of the targets is a token of this model's vocabulary")
         return tuple(unique)
 
-    def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    # --- the forward pass (the model thread) ---------------------------------------------------------
 
-    # --- predicting ------------------------------------------------------------------------------
-
-    def predict(self, items: Sequence[Item]) -> list[Any]:
-        """Pipeline-equal predictions for each item; every item must hold at least one mask token."""
+    def forward(self, items: Sequence[Item]) -> TopK:
+        """The batch's top-k at every mask; every item must hold at least one mask token."""
         import torch
 
-        lengths = [len(item.input_ids) for item in items]
-        ids = torch.full((len(items), max(lengths)), self.pad_token_id, dtype=torch.long)
-        for row, item in enumerate(items):
-            ids[row, : lengths[row]] = torch.as_tensor(item.input_ids, dtype=torch.long)
-        attention = (torch.arange(ids.shape[1]) < torch.as_tensor(lengths)[:, None]).long()
+        width = max(len(item.input_ids) for item in items)
+        pad = self.pad_token_id
+        ids = torch.tensor([[*item.input_ids, *([pad] * (width - len(item.input_ids)))] for item in items],
+                           dtype=torch.long)
+        lengths = torch.tensor([len(item.input_ids) for item in items])
+        attention = (torch.arange(width) < lengths[:, None]).long()
         rows, cols = (ids == self.mask_token_id).nonzero(as_tuple=True)
         inputs: dict[str, Any] = {"input_ids": ids.to(self.device), "attention_mask": attention.to(self.device)}
         if self._wants_token_types:
@@ -127,66 +174,36 @@ class FillMaskModel:
             # float32 softmax whatever the weights' dtype: reduced-precision modes lose digits in the
             # encoder only. For float32 models this is exactly the pipeline's computation.
             probs = logits.float().softmax(dim=-1).cpu()
-            spans = _spans(rows.tolist(), len(items))
-            plain = [row for row, item in enumerate(items) if item.target_ids is None]
-            top: dict[int, tuple[list[list[float]], list[list[int]]]] = {}
-            if plain:  # one top-k for every row without targets, sliced per request below
-                k = min(max(items[row].top_k for row in plain), probs.shape[-1])
-                picked = torch.cat([torch.arange(*spans[row]) for row in plain])
-                values, indices = probs[picked].topk(k)
-                values_list, indices_list = values.tolist(), indices.tolist()
+            counts = torch.bincount(rows, minlength=len(items)).tolist()
+            spans = _spans(counts)
+            out = TopK(spans=spans, columns=cols)
+            plain = [i for i, item in enumerate(items) if item.target_ids is None]
+            if plain:
+                k = min(max(items[i].top_k for i in plain), probs.shape[-1])
+                picked = torch.cat([torch.arange(*spans[i]) for i in plain])
+                out.values, out.indices = probs[picked].topk(k)
+                out.plain_rows = {}
                 offset = 0
-                for row in plain:
-                    count = spans[row][1] - spans[row][0]
-                    top[row] = (values_list[offset: offset + count], indices_list[offset: offset + count])
-                    offset += count
-            cols_list = cols.tolist()
-            results: list[Any] = []
-            for row, item in enumerate(items):
-                first, last = spans[row]
-                if row in top:
-                    values_rows, indices_rows = top[row]
-                    scores = [v[: item.top_k] for v in values_rows]
-                    tokens = [i[: item.top_k] for i in indices_rows]
-                else:
-                    scores, tokens = self._top_targets(probs[first:last], item)
-                results.append(self._describe(item, cols_list[first:last], scores, tokens))
-        return results
-
-    def _top_targets(self, probs: Any, item: Item) -> tuple[list[list[float]], list[list[int]]]:
-        """The pipeline's top-k restricted to target ids (top_k shrinks to the number of targets)."""
-        targets = list(item.target_ids or ())
-        values, picks = probs[..., targets].topk(min(item.top_k, len(targets)))
-        return values.tolist(), [[targets[p] for p in row] for row in picks.tolist()]
-
-    def _describe(self, item: Item, positions: list[int], scores: list[list[float]],
-                  tokens: list[list[int]]) -> Any:
-        """The pipeline's output dictionaries: one list per mask, or the list itself for one mask."""
-        single_mask = len(positions) == 1
-        ids = list(item.input_ids)
-        result = []
-        for position, row_scores, row_tokens in zip(positions, scores, tokens, strict=True):
-            row = []
-            original = ids[position]
-            for score, token in zip(row_scores, row_tokens, strict=True):
-                ids[position] = token
-                row.append({"score": score, "token": token, "token_str": self._token_str(token),
-                            "sequence": self.tokenizer.decode(ids, skip_special_tokens=single_mask)})
-            ids[position] = original
-            result.append(row)
-        return result[0] if single_mask else result
+                for i in plain:
+                    out.plain_rows[i] = offset
+                    offset += counts[i]
+            if len(plain) < len(items):
+                out.targeted = {}
+                for i, item in enumerate(items):
+                    if item.target_ids is not None:
+                        targets = list(item.target_ids)
+                        first, last = spans[i]
+                        out.targeted[i] = probs[first:last][..., targets].topk(min(item.top_k, len(targets)))
+        return out
 
 
-def _spans(rows: list[int], count: int) -> list[tuple[int, int]]:
-    """For each of ``count`` items, the [first, last) range of its mask rows in the sorted ``rows``."""
+def _spans(counts: list[int]) -> list[tuple[int, int]]:
+    """For consecutive groups of ``counts[i]`` rows, each group's [first, last) range."""
     spans = []
     first = 0
-    for item in range(count):
-        last = first
-        while last < len(rows) and rows[last] == item:
-            last += 1
-        spans.append((first, last))
-        first = last
+    for count in counts:
+        spans.append((first, first + count))
+        first += count
     return spans
 
 

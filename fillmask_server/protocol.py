@@ -19,6 +19,15 @@ import orjson
 PROTOCOL_VERSION = 1
 MAX_SAFE_INTEGER = 2**53 - 1
 
+#: Every ``error`` code the server sends (§7's table); ``encode_error`` refuses any other.
+ERROR_CODES = frozenset({
+    "invalid_json", "not_an_object", "binary_frame", "missing_field", "unknown_type", "invalid_id", "duplicate_id",
+    "invalid_field", "text_too_long", "no_mask", "too_many_masks", "invalid_top_k", "invalid_targets",
+    "invalid_deadline", "too_many_inflight", "internal_error",
+})
+#: Every ``overloaded`` reason with its status (§6); ``encode_overloaded`` refuses any other pair.
+OVERLOADED_REASONS = {"queue_full": 503, "shutting_down": 503, "engine_stopped": 503, "deadline_exceeded": 504}
+
 RequestId = int | str
 
 
@@ -221,22 +230,26 @@ def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
                          "random_weights": random_weights, "mask_token": limits.mask_token, "limits": announced})
 
 
-def encode_result(request_id: RequestId, predictions: Any, queue_ms: float, inference_ms: float,
+def encode_result(request_id: RequestId, predictions_json: bytes, queue_ms: float, inference_ms: float,
                   batch_size: int, batch_tokens: int, batch_id: int) -> bytes:
-    """A request's result (§4)."""
-    return orjson.dumps({"type": "result", "id": request_id, "predictions": predictions,
-                         "queue_ms": round(queue_ms, 3), "inference_ms": round(inference_ms, 3),
+    """A request's result (§4). ``predictions_json`` is the predictions already serialized (by the
+    decode stage, off the event loop); only the small envelope is encoded here."""
+    tail = orjson.dumps({"queue_ms": round(queue_ms, 3), "inference_ms": round(inference_ms, 3),
                          "batch_size": batch_size, "batch_tokens": batch_tokens, "batch_id": batch_id})
+    return b"".join((b'{"type":"result","id":', orjson.dumps(request_id), b',"predictions":', predictions_json,
+                     b",", tail[1:]))
 
 
 def encode_error(request_id: RequestId | None, code: str, message: str) -> bytes:
     """An error frame (§7)."""
+    assert code in ERROR_CODES, code
     return orjson.dumps({"type": "error", "id": request_id, "code": code, "message": message})
 
 
 def encode_overloaded(request_id: RequestId, status: int, reason: str, retry_after_ms: int,
                       queue_ms: float | None = None) -> bytes:
     """A 503 or 504 answer (§6)."""
+    assert OVERLOADED_REASONS.get(reason) == status, (reason, status)
     frame: dict[str, Any] = {"type": "overloaded", "id": request_id, "status": status, "reason": reason,
                              "retry_after_ms": retry_after_ms}
     if queue_ms is not None:

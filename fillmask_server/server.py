@@ -1,17 +1,18 @@
-"""The websockets shell: sockets in, protocol frames and engine calls out (HTTP routes: ``http``).
+"""The websockets shell: sockets in and out, wired to sessions and the engine (HTTP routes: ``http``).
 
-Everything here runs on the asyncio event loop and stays cheap: parsing is ``protocol.parse_frame``,
-admission is ``Engine.submit`` (a lock and an append), handshakes are decided by ``http.HttpFront``, and
-finished frames arrive from the engine thread through ``call_soon_threadsafe``. No model code runs on
-the loop.
+Everything here runs on the asyncio event loop and stays cheap. Per connection there is a
+``Connection`` (the socket and its outbox, ``connection.py``) and a ``Session`` (the protocol's rules,
+``session.py``); this module only moves things between them:
 
-Per connection, ``Connection.inflight`` maps each accepted id to its job until its terminal frame is
-queued for sending (protocol.md §8); every outgoing frame goes through one outbox and one writer
-task, so frames leave in the order they were produced. The outbox is bounded: once the bytes
-waiting in it pass ``--max-send-buffer-bytes`` the server reads no more frames from that client, so
-only answers to requests already in flight (at most ``--max-inflight-per-connection``) can still join
-it; and if the socket then takes nothing for ``--send-timeout`` seconds the server drops the outbox
-and closes the connection with 1008 (protocol.md §12).
+- each incoming message goes to ``Session.receive``, and its answers to the outbox;
+- the engine's outcomes arrive from its stage threads in one ``call_soon_threadsafe`` per batch; each
+  goes to its job's session (``Session.on_outcome``), and the answer to that session's outbox;
+- one timer per connection wakes ``Session.expire`` at its next request deadline;
+- the watchdog closes a client that takes no bytes at all for ``--send-timeout`` while its outbox is
+  over ``--max-send-buffer-bytes`` (protocol.md §12); a client that reads, however slowly, is kept;
+- ``drain`` carries out protocol.md §10.
+
+No model code runs on the loop: admission is ``Engine.submit`` (a lock and an append).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import logging
 import socket
 import ssl
 import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,169 +33,23 @@ from . import __version__
 from .access import OriginPolicy, tls_context
 from .batching import BatchPolicy
 from .config import Config
-from .engine import ENGINE_STOPPED_RETRY_MS, Engine, Job
+from .connection import Connection
+from .engine import Engine
 from .http import FrontState, HttpFront
+from .jobs import Outcome
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
-from .protocol import (
-    CancelRequest,
-    FillMaskRequest,
-    Limits,
-    ProtocolError,
-    RequestId,
-    encode_cancelled,
-    encode_error,
-    encode_going_away,
-    encode_hello,
-    encode_overloaded,
-    parse_frame,
-)
+from .protocol import Limits, encode_going_away, encode_hello
+from .session import SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
-SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
 RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread their reconnects over it (§10)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
-CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
-
-
-class Connection:
-    """One client socket: its requests in flight and its ordered, byte-counted outbox.
-
-    ``pending_bytes`` is the size of the frames queued and not yet handed to the socket; ``congested``
-    is True while it exceeds ``max_send_buffer``, and ``on_congested`` is called each time it becomes
-    True. ``stalled_s`` is how long the writer has been waiting
-    for the socket to take its current frame (websockets' ``send`` waits only while the transport's
-    buffer is full, i.e. while the client reads nothing). Every answer about a request goes through
-    ``reply`` or ``finish``, which count it in the metrics; an answer for a closed connection is
-    counted as dropped and goes nowhere.
-    """
-
-    def __init__(self, ws: ServerConnection, metrics: Metrics, max_send_buffer: int,
-                 on_congested: Callable[[Connection], None]) -> None:
-        self.ws = ws
-        self.inflight: dict[RequestId, Job] = {}
-        self.closed = False
-        self.pending_bytes = 0
-        self._metrics = metrics
-        self._max_send_buffer = max_send_buffer
-        self._on_congested = on_congested
-        self._outbox: deque[bytes] = deque()
-        self._ready = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._uncongested = asyncio.Event()
-        self._uncongested.set()
-        self._writer: asyncio.Task[None] | None = None
-        self._send_started: float | None = None
-        self.closing: asyncio.Task[None] | None = None  # the server's own close, once it decided on one
-        self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while congested
-
-    @property
-    def congested(self) -> bool:
-        return self.pending_bytes > self._max_send_buffer
-
-    @property
-    def stalled_s(self) -> float:
-        started = self._send_started
-        return 0.0 if started is None else time.monotonic() - started
-
-    def start(self) -> None:
-        self._writer = asyncio.create_task(self._write_loop())
-
-    def send(self, frame: bytes) -> None:
-        """Queue one frame for the writer task (never blocks)."""
-        if self.closed:
-            return
-        self._outbox.append(frame)
-        self.pending_bytes += len(frame)
-        if self.pending_bytes > self._max_send_buffer and self._uncongested.is_set():
-            self._uncongested.clear()
-            self._on_congested(self)
-        self._idle.clear()
-        self._ready.set()
-
-    def reply(self, frame: bytes) -> None:
-        """Send one answer (error, overloaded, result, cancelled) and count it."""
-        self._metrics.answered(frame)
-        self.send(frame)
-
-    def finish(self, job: Job, frame: bytes) -> None:
-        """Send ``job``'s terminal frame and forget its id (the engine guarantees one call per job)."""
-        if self.inflight.get(job.request.id) is job:
-            del self.inflight[job.request.id]
-        if job.timer is not None:
-            job.timer.cancel()
-            job.timer = None
-        if self.closed:
-            self._metrics.dropped()
-            return
-        self.reply(frame)
-
-    async def _write_loop(self) -> None:
-        """Send queued frames in order until the connection closes."""
-        try:
-            while True:
-                await self._ready.wait()
-                self._ready.clear()
-                while self._outbox:
-                    frame = self._outbox.popleft()
-                    self._send_started = time.monotonic()
-                    await self.ws.send(frame, text=True)
-                    self._send_started = None
-                    self.pending_bytes -= len(frame)
-                    if not self.congested:
-                        self._uncongested.set()
-                self._idle.set()
-        except ConnectionClosed:
-            self._drop_outbox()
-
-    def _drop_outbox(self) -> None:
-        self._send_started = None
-        self._outbox.clear()
-        self.pending_bytes = 0
-        self._uncongested.set()
-        self._idle.set()
-
-    async def flushed(self) -> None:
-        """Return once every queued frame has been handed to the socket."""
-        await self._idle.wait()
-
-    async def uncongested(self) -> None:
-        """Return once the unsent bytes are back within the bound (or the connection closed)."""
-        await self._uncongested.wait()
-
-    async def close(self, code: int, reason: str, flush_s: float = 0.0) -> None:
-        """Close with ``code`` after waiting up to ``flush_s`` for the outbox to go out."""
-        if flush_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.flushed(), flush_s)
-        self.stop()
-        await self._close_socket(code, reason)
-
-    def close_soon(self, code: int, reason: str) -> None:
-        """Stop sending at once, dropping the outbox, and close in a task (``closing``); idempotent."""
-        if self.closing is None:
-            self.stop()
-            self.closing = asyncio.create_task(self._close_socket(code, reason))
-
-    async def _close_socket(self, code: int, reason: str) -> None:
-        """Send the close frame and wait ``CLOSE_GRACE_S`` for the closing handshake; a client that
-        does not take the close frame in that time loses the socket (TCP abort)."""
-        try:
-            await asyncio.wait_for(self.ws.close(code, reason), CLOSE_GRACE_S)
-        except TimeoutError:
-            self.ws.transport.abort()
-
-    def stop(self) -> None:
-        """Send nothing more: mark closed, stop the writer, drop the outbox (idempotent)."""
-        self.closed = True
-        if self._writer is not None:
-            self._writer.cancel()
-        self._drop_outbox()
+WATCHDOG_LOOKS = 10  # the watchdog looks at a stalled socket this many times per --send-timeout
 
 
 @dataclass
@@ -264,7 +117,7 @@ class FillMaskServer:
     # --- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine thread and listen; ready once this returns."""
+        """Start the engine's threads and listen; ready once this returns."""
         self._loop = asyncio.get_running_loop()
         self.engine.start()
         self._server = await serve(
@@ -297,6 +150,10 @@ class FillMaskServer:
             return "127.0.0.1"
         return f"[{host}]" if ":" in host else host
 
+    def in_flight(self) -> int:
+        """Accepted requests without their terminal answer, over every connection."""
+        return sum(len(conn.session.inflight) for conn in self.connections)
+
     async def drain(self, timeout: float | None = None, delay: float = 0.0) -> None:
         """Graceful shutdown (protocol.md §10): after ``delay`` seconds of serving with ``/readyz`` at 503,
         refuse new work, tell every connection ``going_away``, finish accepted work, close with 1001."""
@@ -307,18 +164,19 @@ class FillMaskServer:
             await asyncio.sleep(delay)
         self.ready.draining = True
         for conn in list(self.connections):
+            conn.session.shut_down()
             conn.send(self._going_away)
-        log.info("draining: %d requests in flight", sum(len(c.inflight) for c in self.connections))
+        log.info("draining: %d requests in flight", self.in_flight())
         give_up = time.monotonic() + timeout
-        while any(conn.inflight for conn in self.connections) and time.monotonic() < give_up:
+        while self.in_flight() and time.monotonic() < give_up:
             await asyncio.sleep(0.02)
-        for job in self.engine.drain_queue():
-            job.owner.finish(job, encode_overloaded(job.request.id, 503, "shutting_down", SHUTTING_DOWN_RETRY_MS))
+        self._on_outcomes(self.engine.withdraw_all("shutting_down", SHUTTING_DOWN_RETRY_MS))
         # A batch already running is never cut off: its requests were accepted and have started, so
         # wait for it (one batch, bounded) rather than drop answers that are about to exist.
         running_until = time.monotonic() + RUNNING_BATCH_GRACE_S
         while self.engine.busy() and time.monotonic() < running_until:
             await asyncio.sleep(0.02)
+        await asyncio.sleep(0)  # let the last call_soon_threadsafe deliveries run
         # Concurrently, and each bounded in time: a client that does not read cannot hold up the rest.
         await asyncio.gather(*(conn.close(GOING_AWAY, "server shutting down", flush_s=1.0)
                                for conn in list(self.connections)))
@@ -332,16 +190,21 @@ class FillMaskServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested)
+        session = Session(self.limits, self.engine, self.config.max_inflight_per_connection, time.monotonic,
+                          peer=conn)
+        conn.session = session
         self.connections.add(conn)
         conn.start()
         conn.send(self._hello)
         if self.ready.draining:  # the handshake passed just before the drain began
+            session.shut_down()
             conn.send(self._going_away)
         try:
             async for message in ws:
                 if conn.closed:
                     continue  # closing: frames still arriving are read only to reach the client's close frame
-                self._on_message(conn, message)
+                self._send_answers(conn, session.receive(message))
+                self._arm_deadline(conn)
                 if conn.congested:  # backpressure: read nothing more until the client takes its answers
                     await conn.uncongested()
         except ConnectionClosed:
@@ -349,92 +212,81 @@ class FillMaskServer:
         finally:
             conn.stop()
             self.connections.discard(conn)
-            jobs = list(conn.inflight.values())
-            for job in jobs:
-                if job.timer is not None:
-                    job.timer.cancel()
-            dropped = self.engine.discard(jobs)
-            self.metrics.dropped(dropped)
-            if dropped:
-                log.debug("connection closed with %d requests queued; discarded", dropped)
-            conn.inflight.clear()
+            withdrawn = session.close()
+            self.metrics.dropped(withdrawn)
+            if withdrawn:
+                log.debug("connection closed with %d requests not yet started; discarded", withdrawn)
+
+    def _send_answers(self, conn: Connection, answers: list[Answer]) -> None:
+        for answer in answers:
+            conn.send(answer.frame, (answer.outcome, answer.code))
+
+    def _arm_deadline(self, conn: Connection) -> None:
+        """Keep one timer per connection, set to its session's next request deadline."""
+        when = conn.session.next_deadline()
+        timer = conn.deadline_timer
+        if timer is not None and (when is None or timer.when() != when):
+            timer.cancel()
+            conn.deadline_timer = timer = None
+        if when is not None and timer is None and not conn.closed:
+            assert self._loop is not None  # the loop's clock is time.monotonic, the session's clock
+            conn.deadline_timer = self._loop.call_at(when, self._on_deadline, conn)
+
+    def _on_deadline(self, conn: Connection) -> None:
+        conn.deadline_timer = None
+        if not conn.closed:
+            self._send_answers(conn, conn.session.expire())
+            self._arm_deadline(conn)
+
+    def _deliver_from_engine(self, outcomes: list[Outcome]) -> None:
+        """Called on an engine thread: hand a batch's outcomes to the loop in one wake-up."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
+            loop.call_soon_threadsafe(self._on_outcomes, outcomes)
+
+    def _on_outcomes(self, outcomes: list[Outcome]) -> None:
+        """Each outcome to its job's session, and the answer to that session's connection."""
+        for outcome in outcomes:
+            session: Session = outcome.job.owner
+            try:
+                answer = session.on_outcome(outcome)
+            except DoubleAnswer:
+                log.exception("not sending a second answer")
+                continue
+            if answer is None:
+                self.metrics.dropped()  # its connection closed while the model had it
+            else:
+                session.peer.send(answer.frame, (answer.outcome, answer.code))
+
+    # --- clients that do not read ------------------------------------------------------------------
 
     def _on_congested(self, conn: Connection) -> None:
         self.metrics.reading_paused.inc()
         conn.watchdog = asyncio.create_task(self._watch_reader(conn))
 
     async def _watch_reader(self, conn: Connection) -> None:
-        """While ``conn`` is congested, close it once its socket has taken nothing for ``--send-timeout``
-        seconds. A client that reads, however slowly, keeps resetting that clock and is only slowed
-        down; one that reads nothing is closed even if it also sends nothing more."""
+        """While ``conn`` is congested, close it once its client has taken no bytes at all for
+        ``--send-timeout`` seconds. Progress is measured on the transport (``Connection.note_progress``),
+        so a client that reads steadily, however slowly and however large the frame it is reading, is
+        only slowed down; one that reads nothing is closed even if it also sends nothing more."""
+        timeout = self.config.send_timeout
+        look = timeout / WATCHDOG_LOOKS
         while conn.congested and not conn.closed:
-            remaining = self.config.send_timeout - conn.stalled_s
-            if remaining <= 0:
+            conn.note_progress()
+            if time.monotonic() - conn.last_progress >= timeout:
                 self.metrics.slow_clients_closed.inc()
                 log.info("closing a connection whose client read nothing for %gs (%d bytes of answers unsent)",
-                         self.config.send_timeout, conn.pending_bytes)
+                         timeout, conn.pending_bytes)
                 # In a task: the handler goes on reading (and discarding) so that websockets can see the
                 # client's answering close frame behind the requests still in the socket.
                 conn.close_soon(POLICY_VIOLATION, "too many unread messages; read the server's messages as "
                                 "they come")
-                self.metrics.dropped(self.engine.discard(list(conn.inflight.values())))  # nobody to answer
+                self.metrics.dropped(conn.session.close())  # nobody to answer
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(conn.uncongested(), remaining)
-
-    def _on_message(self, conn: Connection, message: str | bytes) -> None:
-        parsed = parse_frame(message, self.limits)
-        if isinstance(parsed, FillMaskRequest):
-            self._admit(conn, parsed)
-        elif isinstance(parsed, CancelRequest):
-            job = conn.inflight.get(parsed.id)
-            if job is not None and self.engine.cancel(job):
-                conn.finish(job, encode_cancelled(job.request.id))
-        else:
-            assert isinstance(parsed, ProtocolError)
-            conn.reply(encode_error(parsed.id, parsed.code, parsed.message))
-
-    def _admit(self, conn: Connection, request: FillMaskRequest) -> None:
-        if request.id in conn.inflight:
-            conn.reply(encode_error(request.id, "duplicate_id", "a request with this id is still in flight on this "
-                                    "connection; use a new id, or wait for its answer"))
-            return
-        if len(conn.inflight) >= self.config.max_inflight_per_connection:
-            conn.reply(encode_error(request.id, "too_many_inflight", f"this connection already has "
-                                    f"{len(conn.inflight)} requests in flight, the most allowed; wait for "
-                                    "answers before sending more"))
-            return
-        if self.ready.draining:
-            conn.reply(encode_overloaded(request.id, 503, "shutting_down", SHUTTING_DOWN_RETRY_MS))
-            return
-        now = time.monotonic()
-        deadline = None if request.deadline_ms is None else now + request.deadline_ms / 1000
-        job = Job(request, conn, now, deadline)
-        if not self.engine.submit(job):
-            if self.engine.alive:
-                conn.reply(encode_overloaded(request.id, 503, "queue_full", self.engine.retry_after_ms()))
-            else:
-                conn.reply(encode_overloaded(request.id, 503, "engine_stopped", ENGINE_STOPPED_RETRY_MS))
-            return
-        conn.inflight[request.id] = job
-        if deadline is not None:
-            assert self._loop is not None
-            job.timer = self._loop.call_at(self._loop.time() + request.deadline_ms / 1000, self._expire, job)
-
-    def _expire(self, job: Job) -> None:
-        job.timer = None
-        if self.engine.expire(job):
-            queued_ms = (time.monotonic() - job.arrival) * 1000
-            job.owner.finish(job, encode_overloaded(job.request.id, 504, "deadline_exceeded",
-                                                    self.engine.retry_after_ms(), queued_ms))
-
-    def _deliver_from_engine(self, frames: list[tuple[Job, bytes]]) -> None:
-        """Called on the engine thread: hand the frames to the loop in one wake-up."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
-            loop.call_soon_threadsafe(_finish_all, frames)
+                await asyncio.wait_for(conn.uncongested(), look)
 
 
 def model_display_name(model: str) -> str:
@@ -456,8 +308,3 @@ def check_can_listen(host: str, port: int) -> None:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
             probe.bind(address)
-
-
-def _finish_all(frames: list[tuple[Job, bytes]]) -> None:
-    for job, frame in frames:
-        job.owner.finish(job, frame)

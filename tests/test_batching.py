@@ -15,7 +15,7 @@ class FakeJob:
     name: str
     arrival: float = 0.0
     deadline: float | None = None
-    n_tokens: int | None = 10
+    n_tokens: int = 10
     owner: str = "conn"
 
 
@@ -134,12 +134,6 @@ def test_expired_requests_are_removed_not_batched() -> None:
     decision = policy().take(q, now=1.0)
     assert names(decision.expired) == ["old"]
     assert names(decision.batch) == ["ok", "free"]
-
-
-def test_untokenized_requests_wait_for_the_next_batch() -> None:
-    q = queue(FakeJob("a"), FakeJob("new", n_tokens=None), FakeJob("b"))
-    decision = policy().take(q, now=0)
-    assert names(decision.batch) == ["a", "b"] and names(q) == ["new"]
 
 
 def test_no_wait_by_default_even_for_one_request() -> None:

@@ -164,8 +164,8 @@ async def test_200_concurrent_calls_on_one_client_each_get_their_own_answer(
         with server.engine.paused():
             tasks = [asyncio.create_task(client.fill_mask(text, top_k=k)) for text, k in calls]
             # All 200 valid calls wait on the one socket at once; the 20 errors came back ahead of them.
-            await wait_until(lambda: server.engine.queued() == 200 and client.in_flight == 200)
-            assert sum(task.done() for task in tasks) == 20
+            await wait_until(lambda: server.engine.runnable() == 200 and client.in_flight == 200
+                             and sum(task.done() for task in tasks) == 20)
         answers = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
         assert client.in_flight == 0
     assert len(answers) == 220

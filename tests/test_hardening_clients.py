@@ -19,7 +19,8 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from fillmask_server.server import Connection, FillMaskServer
+from fillmask_server.connection import Connection
+from fillmask_server.server import FillMaskServer
 from tests.wire import assert_silent, recv, recv_n, request, send, session, wait_until
 
 TEXT = "Paris is the [MASK] of France."
@@ -44,8 +45,7 @@ async def test_requests_beyond_the_per_connection_cap_get_too_many_inflight(make
             refused = await recv_n(ws, 2, timeout=2)  # answered while the engine is held
             for i in range(3):  # the cap is per connection: another one has its own
                 await send(other, fill(i))
-            while srv.engine.queued() < 6:
-                await asyncio.sleep(0.005)
+            await wait_until(lambda: srv.engine.runnable() >= 6, timeout=30)
         assert [(f["type"], f["code"], f["id"]) for f in refused] == [
             ("error", "too_many_inflight", 3), ("error", "too_many_inflight", 4)]
         assert "3 requests in flight" in refused[0]["message"] and "wait" in refused[0]["message"]
@@ -136,7 +136,7 @@ async def test_a_client_that_never_reads_is_not_read_from_and_others_are_not_slo
             hog_conn = connection_of(srv, known)
             sender = asyncio.create_task(flood(hog, 20_000))
             await wait_until(lambda: sample(srv, "fillmask_reading_paused_total") >= 1)
-            await wait_until(lambda: srv.engine.queued() == 0 and not hog_conn.inflight)
+            await wait_until(lambda: srv.engine.queued() == 0 and not hog_conn.session.inflight)
             answered = answered_count(srv)
             during = await latencies(light, "during")
             # Nothing more was read from the hog while the light client was served...

@@ -20,10 +20,10 @@ import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from fillmask_server.model import FillMaskModel, Item, load_model
+from fillmask_server.model import FillMaskModel, Item, TopK, load_model
 from fillmask_server.server import FillMaskServer
 from tests.test_server import http_get
-from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session
+from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session, wait_until
 
 MARKER = "explode"  # one WordPiece token of the bert-base-uncased vocabulary
 TEXT = "Paris is the [MASK] of France."
@@ -35,9 +35,9 @@ class EngineKiller(BaseException):
 
 
 class FaultyModel(FillMaskModel):
-    """The tiny model, except that ``predict`` first asks ``fault(items, has_marker)`` for an exception.
+    """The tiny model, except that ``forward`` first asks ``fault(items, has_marker)`` for an exception.
 
-    ``calls`` records the size of every ``predict`` call, to see how the engine retried.
+    ``calls`` records the size of every ``forward`` call, to see how the engine retried.
     """
 
     def __init__(self, base: FillMaskModel, fault: Callable[[Sequence[Item], bool], BaseException | None]) -> None:
@@ -46,12 +46,12 @@ class FaultyModel(FillMaskModel):
         self.fault = fault
         self.calls: list[int] = []
 
-    def predict(self, items: Sequence[Item]) -> list[Any]:
+    def forward(self, items: Sequence[Item]) -> TopK:
         self.calls.append(len(items))
         error = self.fault(items, any(self.marker_id in item.input_ids for item in items))
         if error is not None:
             raise error
-        return super().predict(items)
+        return super().forward(items)
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +59,14 @@ def base_model(tiny_model_dir: Path) -> FillMaskModel:
     return load_model(str(tiny_model_dir))
 
 
-async def queue_then_release(srv: FillMaskServer, ws: Any, frames: list[dict[str, Any]]) -> None:
-    """Send ``frames`` while the engine is held, so that they form one batch when it resumes."""
+async def queue_then_release(srv: FillMaskServer, ws: Any, frames: list[dict[str, Any]],
+                             runnable: int | None = None) -> None:
+    """Send ``frames`` while the model is held, so that the ``runnable`` ones (all by default) form one
+    batch when it resumes."""
     with srv.engine.paused():
         for frame in frames:
             await send(ws, frame)
-        while srv.engine.queued() < len(frames):
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: srv.engine.runnable() == (len(frames) if runnable is None else runnable))
 
 
 def fill(frame_id: Any, text: str) -> dict[str, Any]:
@@ -110,21 +111,28 @@ async def test_out_of_memory_splits_the_batch_in_halves_down_to_one(
     assert {frame["type"] for frame in frames.values()} == {"result"}
 
 
-async def test_a_batch_failing_outside_the_model_fails_that_batch_and_the_engine_goes_on(
+async def test_a_fault_while_decoding_fails_only_that_request_and_the_engine_goes_on(
         base_model: FillMaskModel, make_server_for: Any) -> None:
-    """The model returns something the engine cannot encode: a bug in the engine's own path."""
+    """The decode stage cannot turn one request's top-k into predictions (a bug in the server's own path):
+    that request gets internal_error, the rest of its batch their results."""
+    marker_id = base_model.tokenizer.convert_tokens_to_ids(MARKER)
 
-    class UnencodableModel(FaultyModel):
-        def predict(self, items: Sequence[Item]) -> list[Any]:
-            results = super().predict(items)
-            return [object() if self.marker_id in item.input_ids else r for item, r in zip(items, results,
-                                                                                             strict=True)]
+    class BrokenTopK(TopK):
+        def candidates(self, i: int, item: Item) -> Any:
+            if marker_id in item.input_ids:
+                raise ValueError("cannot decode at /secret/path.py")
+            return super().candidates(i, item)
 
-    model = UnencodableModel(base_model, lambda items, marked: None)
+    class UndecodableModel(FaultyModel):
+        def forward(self, items: Sequence[Item]) -> TopK:
+            return BrokenTopK(**vars(super().forward(items)))
+
+    model = UndecodableModel(base_model, lambda items, marked: None)
     async with make_server_for(model) as srv, session(srv.url) as (ws, _):
         await queue_then_release(srv, ws, [fill(0, BAD_TEXT), fill(1, TEXT)])
-        for frame in await recv_n(ws, 2):
-            assert_clean_internal_error(frame)
+        frames = {frame["id"]: frame for frame in await recv_n(ws, 2)}
+        assert_clean_internal_error(frames[0])
+        assert frames[1]["type"] == "result" and frames[1]["batch_size"] == 2
         assert srv.engine.alive
         assert (await request(ws, "after", TEXT))["type"] == "result"
         assert await http_get(srv.http_url + "/readyz") == (200, {"status": "ready"})
@@ -171,8 +179,7 @@ async def test_a_client_leaving_mid_batch_drops_its_results_quietly(
         async with session(srv.url) as (ws, _):
             await queue_then_release(srv, ws, [fill(i, TEXT) for i in range(5)])
             assert await asyncio.to_thread(entered.wait, 5)
-        while srv.connections:  # the server has seen the close
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: not srv.connections)  # the server has seen the close
         caplog.clear()
         release.set()
         async with session(srv.url) as (ws, _):
@@ -248,7 +255,7 @@ async def test_a_fault_in_one_requests_checks_fails_only_that_request(
             fill("long", too_long),
             {**fill("boom", TEXT), "targets": ["boom"]},
             fill("fine", TEXT),
-        ])
+        ], runnable=1)
         frames = {frame["id"]: frame for frame in await recv_n(ws, 3)}
         await assert_silent(ws, 0.1)
     assert frames["long"]["code"] == "text_too_long"
@@ -273,9 +280,9 @@ async def test_drain_timeout_waits_for_the_batch_already_running(
         await send(ws, fill("running", BAD_TEXT))
         assert await asyncio.to_thread(started.wait, 10)
         await send(ws, fill("queued", TEXT))
-        while srv.engine.queued() < 1:
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: srv.engine.runnable() >= 1, timeout=30)
         drain = asyncio.create_task(srv.drain(timeout=0.1))
+        assert (await recv(ws))["type"] == "going_away"
         first = await recv(ws)
         assert (first["id"], first["type"], first["reason"]) == ("queued", "overloaded", "shutting_down")
         release.set()

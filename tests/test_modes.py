@@ -11,13 +11,12 @@ tokens and at least 3 of 5 tokens shared.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 import torch
 
-from tests.wire import recv_n, send, session
+from tests.wire import recv_n, send, session, wait_until
 
 TEXTS = [
     "Paris is the [MASK] of France.",
@@ -47,8 +46,7 @@ async def batch_results(srv: Any) -> dict[int, Any]:
         with srv.engine.paused():
             for i, text in enumerate(TEXTS):
                 await send(ws, {"type": "fill_mask", "id": i, "text": text})
-            while srv.engine.queued() < len(TEXTS):
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: srv.engine.runnable() >= len(TEXTS), timeout=30)
         return {frame["id"]: frame["predictions"] for frame in await recv_n(ws, len(TEXTS))}
 
 

@@ -138,13 +138,15 @@ def test_huge_integer_is_an_error_not_an_exception() -> None:
 
 
 def test_encoders_make_one_json_object() -> None:
-    hello = orjson.loads(encode_hello("s/1", "m", LIMITS, {"max_queue": 4}))
+    hello = orjson.loads(encode_hello("s/1", "m", True, LIMITS, {"max_queue": 4}))
     assert hello["type"] == "hello" and hello["protocol"] == 1 and hello["mask_token"] == "[MASK]"
+    assert hello["random_weights"] is True
     assert hello["limits"]["max_queue"] == 4 and hello["limits"]["top_k"] == {"min": 1, "max": 10, "default": 5}
     assert hello["limits"]["max_target_chars"] == 100
-    result = orjson.loads(encode_result("a", [{"score": 0.5}], 1.23456, 2.0, 3, 30, 9))
+    result = orjson.loads(encode_result("a", orjson.dumps([{"score": 0.5}]), 1.23456, 2.0, 3, 30, 9))
     assert result == {"type": "result", "id": "a", "predictions": [{"score": 0.5}], "queue_ms": 1.235,
                       "inference_ms": 2.0, "batch_size": 3, "batch_tokens": 30, "batch_id": 9}
-    assert orjson.loads(encode_error(None, "c", "m")) == {"type": "error", "id": None, "code": "c", "message": "m"}
+    assert orjson.loads(encode_error(None, "no_mask", "m")) == {"type": "error", "id": None, "code": "no_mask",
+                                                                  "message": "m"}
     assert orjson.loads(encode_overloaded(9, 503, "queue_full", 40)) == {
         "type": "overloaded", "id": 9, "status": 503, "reason": "queue_full", "retry_after_ms": 40}

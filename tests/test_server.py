@@ -101,8 +101,7 @@ async def test_mixed_length_batch_equals_each_text_alone(make_server: Any, refer
         with srv.engine.paused():
             for i, (text, fields) in enumerate(cases):
                 await send(ws, fill(i, text, **fields))
-            while srv.engine.queued() < len(cases):
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: srv.engine.runnable() >= len(cases), timeout=30)
         frames = {frame["id"]: frame for frame in await recv_n(ws, len(cases))}
     padded = 0
     for i, (text, _) in enumerate(cases):  # a row shorter than its batch's longest row was padded
@@ -147,8 +146,7 @@ async def test_integer_and_string_ids_are_echoed_with_their_type(server: FillMas
         with server.engine.paused():
             for frame_id in (5, "5", -7, "a-long-id-" * 10, 2**53 - 1):
                 await send(ws, fill(frame_id, TEXTS[1]))
-            while server.engine.queued() < 5:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: server.engine.runnable() >= 5, timeout=30)
         frames = await recv_n(ws, 5)
     ids = sorted((type(f["id"]).__name__, f["id"]) for f in frames)
     assert ids == sorted([("int", 5), ("str", "5"), ("int", -7), ("str", "a-long-id-" * 10), ("int", 2**53 - 1)])
@@ -315,8 +313,7 @@ async def test_requests_of_a_closed_connection_never_reach_the_model(make_server
             async with session(srv.url) as (ws, _):
                 for i in range(20):
                     await send(ws, fill(i, TEXTS[i % len(TEXTS)]))
-                while srv.engine.queued() < 20:
-                    await asyncio.sleep(0.01)
+                await wait_until(lambda: srv.engine.runnable() >= 20, timeout=30)
             deadline = time.monotonic() + 5
             while srv.engine.queued() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
@@ -346,8 +343,7 @@ async def test_drain_finishes_accepted_work_refuses_new_and_closes_1001(make_ser
         with srv.engine.paused():
             for i in range(3):
                 await send(ws, fill(i, TEXTS[i]))
-            while srv.engine.queued() < 3:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: srv.engine.runnable() >= 3, timeout=30)
             drain = asyncio.create_task(srv.drain())
             notice = await recv(ws)
             assert notice == {"type": "going_away", "reason": "shutting_down", "reconnect_within_ms": 1000}
@@ -394,8 +390,7 @@ async def test_drain_timeout_answers_what_is_still_queued(make_server: Any) -> N
     async with make_server() as srv, session(srv.url) as (ws, _):
         with srv.engine.paused():
             await send(ws, fill("stuck", TEXTS[0]))
-            while srv.engine.queued() < 1:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: srv.engine.runnable() >= 1, timeout=30)
             await srv.drain(timeout=0.1)
             assert (await recv(ws))["type"] == "going_away"
             frame = await recv(ws)
@@ -416,8 +411,7 @@ async def test_a_light_connection_is_not_starved_by_a_heavy_one(make_server: Any
             for i in range(1000):
                 await send(heavy, fill(i, TEXTS[i % 3]))
             await send(light, fill("light", TEXTS[2]))
-            while srv.engine.queued() < 1001:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: srv.engine.runnable() >= 1001, timeout=30)
         result = await recv(light)
         first_heavy = await recv(heavy)
         assert result["type"] == "result" and first_heavy["type"] == "result"

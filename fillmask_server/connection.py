@@ -1,0 +1,158 @@
+"""The socket side of one WebSocket connection: an ordered, byte-counted outbox and its writer task.
+
+Every frame for the client goes through ``send``; one writer task hands them to websockets in order.
+The protocol decisions (what to answer, when) are the connection's ``Session``'s; this class only
+moves bytes and reports how the client keeps up:
+
+- ``pending_bytes`` counts the frames queued and not yet handed to the socket; ``congested`` is True
+  while it exceeds ``max_send_buffer`` (the server then reads nothing more from this client), and
+  ``on_congested`` is called each time it becomes True.
+- ``last_progress`` is the last time the client was seen taking bytes: a frame's write finished (its
+  bytes went below websockets' write buffer limit), or the transport's unsent buffer shrank between
+  two looks (``note_progress``). A client that reads, however slowly, keeps moving it; one that reads
+  nothing does not, whatever the size of the frame it is stuck on (protocol.md §12).
+- Answers about requests are counted in the metrics when they are handed to the socket; answers still
+  in the outbox when it is dropped (the connection closed, or the server gave up on it) are counted as
+  ``dropped``. So every answer is counted once, as what happened to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from .metrics import Metrics
+
+CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
+
+Label = tuple[str, str] | None  # (outcome, code) of an answer about a request; None for other frames
+
+
+class Connection:
+    """One client socket and its outbox (see the module docstring). ``session`` is its protocol state."""
+
+    def __init__(self, ws: ServerConnection, metrics: Metrics, max_send_buffer: int,
+                 on_congested: Callable[[Connection], None]) -> None:
+        self.ws = ws
+        self.session: Any = None
+        self.closed = False
+        self.pending_bytes = 0
+        self.last_progress = time.monotonic()
+        self._metrics = metrics
+        self._max_send_buffer = max_send_buffer
+        self._on_congested = on_congested
+        self._outbox: deque[tuple[bytes, Label]] = deque()
+        self._ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._uncongested = asyncio.Event()
+        self._uncongested.set()
+        self._writer: asyncio.Task[None] | None = None
+        self._unsent_seen = 0
+        self.closing: asyncio.Task[None] | None = None  # the server's own close, once it decided on one
+        self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while congested
+        self.deadline_timer: asyncio.TimerHandle | None = None  # the session's next deadline (server-owned)
+
+    @property
+    def congested(self) -> bool:
+        return self.pending_bytes > self._max_send_buffer
+
+    def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop())
+
+    def send(self, frame: bytes, label: Label = None) -> None:
+        """Queue one frame for the writer task (never blocks); ``label`` counts an answer in the metrics."""
+        if self.closed:
+            if label is not None:
+                self._metrics.dropped()
+            return
+        self._outbox.append((frame, label))
+        self.pending_bytes += len(frame)
+        if self.pending_bytes > self._max_send_buffer and self._uncongested.is_set():
+            self._uncongested.clear()
+            self._on_congested(self)
+        self._idle.clear()
+        self._ready.set()
+
+    def note_progress(self) -> None:
+        """Look at the transport: if its unsent bytes shrank since the last look, the client is reading."""
+        transport = self.ws.transport
+        unsent = transport.get_write_buffer_size() if transport is not None else 0
+        if unsent < self._unsent_seen:
+            self.last_progress = time.monotonic()
+        self._unsent_seen = unsent
+
+    async def _write_loop(self) -> None:
+        """Send queued frames in order until the connection closes."""
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                while self._outbox:
+                    frame, label = self._outbox[0]
+                    await self.ws.send(frame, text=True)
+                    self._outbox.popleft()
+                    self.last_progress = time.monotonic()
+                    self.pending_bytes -= len(frame)
+                    if label is not None:
+                        self._metrics.answered(*label)
+                    if not self.congested:
+                        self._uncongested.set()
+                self._idle.set()
+        except ConnectionClosed:
+            self._drop_outbox()
+
+    def _drop_outbox(self) -> None:
+        dropped = sum(1 for _, label in self._outbox if label is not None)
+        self._metrics.dropped(dropped)
+        self._outbox.clear()
+        self.pending_bytes = 0
+        self._uncongested.set()
+        self._idle.set()
+
+    async def flushed(self) -> None:
+        """Return once every queued frame has been handed to the socket."""
+        await self._idle.wait()
+
+    async def uncongested(self) -> None:
+        """Return once the unsent bytes are back within the bound (or the connection closed)."""
+        await self._uncongested.wait()
+
+    async def close(self, code: int, reason: str, flush_s: float = 0.0) -> None:
+        """Close with ``code`` after waiting up to ``flush_s`` for the outbox to go out."""
+        if flush_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.flushed(), flush_s)
+        self.stop()
+        await self._close_socket(code, reason)
+
+    def close_soon(self, code: int, reason: str) -> None:
+        """Stop sending at once, dropping the outbox, and close in a task (``closing``); idempotent."""
+        if self.closing is None:
+            self.stop()
+            self.closing = asyncio.create_task(self._close_socket(code, reason))
+
+    async def _close_socket(self, code: int, reason: str) -> None:
+        """Send the close frame and wait ``CLOSE_GRACE_S`` for the closing handshake; a client that
+        does not take the close frame in that time loses the socket (TCP abort)."""
+        try:
+            await asyncio.wait_for(self.ws.close(code, reason), CLOSE_GRACE_S)
+        except TimeoutError:
+            self.ws.transport.abort()
+
+    def stop(self) -> None:
+        """Send nothing more: mark closed, stop the writer, drop the outbox (idempotent)."""
+        self.closed = True
+        if self._writer is not None:
+            self._writer.cancel()
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+            self.deadline_timer = None
+        self._drop_outbox()

@@ -1,0 +1,179 @@
+"""Turning a batch's top-k into the pipeline's predictions, as JSON bytes (the decode stage's work).
+
+The pipeline builds each candidate's ``sequence`` by decoding the whole text again with the candidate
+put in the mask's place: ``tokenizer.decode(ids, skip_special_tokens=single_mask)`` after dropping
+padding ids (``FillMaskPipeline.postprocess``). For 8 masks x 100 candidates that is 800 full decodes.
+
+``SequenceDecoder`` gives the same strings, byte for byte, from one decode of the text with a slot.
+For a fast tokenizer whose decoder is WordPiece (BERT and its relatives), decoding is, exactly:
+
+1. ids → token strings, dropping ids the tokenizer cannot map and, when skipping, special tokens;
+2. each token → a *piece* that depends only on the token and on whether it comes first (the Rust
+   ``WordPiece`` decoder: ``##`` glued on, others after a space, then its cleanup, per piece);
+3. the pieces joined with ``""``;
+4. when the tokenizer's ``clean_up_tokenization_spaces`` is set, transformers' whole-string cleanup.
+
+So with ``left`` and ``right`` the joined pieces around the mask, a candidate's sequence is
+``cleanup(left + piece(candidate) + right)``. Pieces come from the tokenizer's own decoder (one call per
+vocabulary id, cached), not from a re-implementation. The few candidates that would change what is
+dropped around them (a special token while skipping, the padding id, an unmappable id) take the
+pipeline's own path. On start-up the fast path is checked against ``tokenizer.decode`` on random
+sequences; any difference (an unknown tokenizer, a new library version) turns it off for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from .model import Item, TopK
+
+log = logging.getLogger(__name__)
+
+_ANCHOR = "a"  # a plain token: decode([ANCHOR, t]) is ANCHOR followed by t's non-first piece
+
+
+class SequenceDecoder:
+    """``sequences`` returns exactly the pipeline's ``sequence`` for each candidate (see the module doc).
+
+    Not thread-safe (caches); owned by the decode stage, with a tokenizer no other thread uses.
+    """
+
+    def __init__(self, tokenizer: Any, self_check: int = 300) -> None:
+        self.tokenizer = tokenizer
+        self.pad_id: int | None = tokenizer.pad_token_id
+        self._token_str: dict[int, str] = {}
+        self._first: dict[int, str] = {}
+        self._rest: dict[int, str] = {}
+        self.fast = self._can_slot()
+        if self.fast and self_check:
+            mismatch = self._self_check(self_check)
+            if mismatch is not None:
+                log.warning("decoding each candidate in full (as the pipeline does): the one-decode shortcut "
+                            "differs from the tokenizer on %r", mismatch)
+                self.fast = False
+
+    def _can_slot(self) -> bool:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        if backend is None or type(decoder).__name__ != "WordPiece":
+            return False
+        self._backend = backend
+        self._decoder = decoder
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._special = {id_ for id_, token in self.tokenizer.added_tokens_decoder.items() if token.special}
+        self._anchor_len = len(decoder.decode([_ANCHOR]))
+        self._cleanup = self._whole_string_cleanup()
+        return True
+
+    def _whole_string_cleanup(self) -> Callable[[str], str] | None:
+        """transformers' own rule (``TokenizersBackend._decode``): cleanup when the flag is set, except for BPE."""
+        tokenizer = self.tokenizer
+        if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            return None
+        if type(self._backend.model).__name__ == "BPE" and not getattr(
+                tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False):
+            return None
+        return tokenizer.clean_up_tokenization
+
+    def token_str(self, token: int) -> str:
+        """The pipeline's ``token_str``: ``decode([token])``."""
+        text = self._token_str.get(token)
+        if text is None:
+            text = self._token_str[token] = self.tokenizer.decode([token])
+        return text
+
+    def sequences(self, ids: Sequence[int], position: int, candidates: Sequence[int], skip_special: bool) -> list[str]:
+        """For each candidate, the text ``ids`` decoded with the candidate at ``position``."""
+        if not self.fast:
+            return [self._full(ids, position, c, skip_special) for c in candidates]
+        left, right, first = self._slot(ids, position, skip_special)
+        out = []
+        for candidate in candidates:
+            piece = self._piece(candidate, first, skip_special)
+            if piece is None:
+                out.append(self._full(ids, position, candidate, skip_special))
+                continue
+            text = left + piece + right
+            out.append(text if self._cleanup is None else self._cleanup(text))
+        return out
+
+    def _slot(self, ids: Sequence[int], position: int, skip_special: bool) -> tuple[str, str, bool]:
+        """The joined pieces left and right of ``position``, and whether the slot comes first."""
+        kept_left = [t for t in ids[:position] if self._kept(t, skip_special)]
+        kept_right = [t for t in ids[position + 1:] if self._kept(t, skip_special)]
+        left = "".join(self._first_piece(t) if n == 0 else self._rest_piece(t) for n, t in enumerate(kept_left))
+        right = "".join(self._rest_piece(t) for t in kept_right)
+        return left, right, not kept_left
+
+    def _kept(self, token: int, skip_special: bool) -> bool:
+        """Whether ``token`` survives the pipeline's padding filter and the tokenizer's skipping."""
+        if token == self.pad_id or not 0 <= token < self._vocab_size:
+            return False
+        return not (skip_special and token in self._special)
+
+    def _piece(self, token: int, first: bool, skip_special: bool) -> str | None:
+        """The candidate's piece, or None when the candidate itself would be dropped (full decode then)."""
+        if not self._kept(token, skip_special):
+            return None
+        return self._first_piece(token) if first else self._rest_piece(token)
+
+    def _first_piece(self, token: int) -> str:
+        piece = self._first.get(token)
+        if piece is None:
+            piece = self._first[token] = self._decoder.decode([self._backend.id_to_token(token)])
+        return piece
+
+    def _rest_piece(self, token: int) -> str:
+        piece = self._rest.get(token)
+        if piece is None:
+            both = self._decoder.decode([_ANCHOR, self._backend.id_to_token(token)])
+            piece = self._rest[token] = both[self._anchor_len:]
+        return piece
+
+    def _full(self, ids: Sequence[int], position: int, candidate: int, skip_special: bool) -> str:
+        """The pipeline's own way: the whole text decoded again, padding ids dropped first."""
+        tokens = list(ids)
+        tokens[position] = candidate
+        return self.tokenizer.decode([t for t in tokens if t != self.pad_id], skip_special_tokens=skip_special)
+
+    def _self_check(self, cases: int) -> tuple[list[int], int, int, bool] | None:
+        """Compare the shortcut with ``_full`` on random texts (special, glued and punctuation tokens
+        included); the first case that differs, or None."""
+        rng = random.Random(0)
+        interesting = sorted(self._special) + [
+            id_ for token, id_ in self.tokenizer.get_vocab().items()
+            if token.startswith("##") or (len(token) == 1 and not token.isalnum()) or "'" in token
+            or token in ("do", "not", "n", "t", "s", "m", "ve", "re")]
+        pool = rng.sample(range(self._vocab_size), min(2000, self._vocab_size)) + interesting
+        for _ in range(cases):
+            ids = [rng.choice(pool) for _ in range(rng.randint(1, 12))]
+            position = rng.randrange(len(ids))
+            skip = rng.random() < 0.5
+            candidates = [rng.choice(pool) for _ in range(3)]
+            fast = self.sequences(ids, position, candidates, skip)
+            for candidate, text in zip(candidates, fast, strict=True):
+                if text != self._full(ids, position, candidate, skip):
+                    return ids, position, candidate, skip
+        return None
+
+
+def predictions(decoder: SequenceDecoder, item: Item, topk: TopK, i: int) -> Any:
+    """The pipeline's output for item ``i`` of a batch: a list of candidates, or one list per mask."""
+    positions, scores, tokens = topk.candidates(i, item)
+    single = len(positions) == 1
+    out = []
+    for position, row_scores, row_tokens in zip(positions, scores, tokens, strict=True):
+        texts = decoder.sequences(item.input_ids, position, row_tokens, skip_special=single)
+        out.append([{"score": score, "token": token, "token_str": decoder.token_str(token), "sequence": text}
+                    for score, token, text in zip(row_scores, row_tokens, texts, strict=True)])
+    return out[0] if single else out
+
+
+def predictions_json(decoder: SequenceDecoder, item: Item, topk: TopK, i: int) -> bytes:
+    """``predictions`` serialized, the bytes a ``result`` frame carries (§4)."""
+    return orjson.dumps(predictions(decoder, item, topk, i))

@@ -1,0 +1,71 @@
+"""The tokenizer stage's work, as plain functions: tokenize new requests in one call and check them.
+
+Run on the tokenizer stage's thread (``engine.Engine``), never on the event loop or the model thread:
+the fast tokenizer's batch call releases the GIL while it works. Every check of protocol.md §3 that
+needs tokens happens here, so the model's queue only ever holds requests that can run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .model import FillMaskModel, TargetError
+from .protocol import FillMaskRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A request that may run: what the model and the batching policy need of it."""
+
+    input_ids: list[int]
+    masks: int
+    target_ids: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request that may not run: the §7 error code and the one-line message for the client."""
+
+    code: str
+    message: str
+
+
+def tokenize_all(model: FillMaskModel, texts: list[str]) -> list[list[int] | None]:
+    """Token ids of each text in one batched call; if that fails, text by text (None for a text that
+    cannot be tokenized), so one bad text fails only itself."""
+    try:
+        return list(model.tokenize(texts))
+    except Exception:
+        log.exception("the tokenizer failed on a batch of %d texts; retrying them one by one", len(texts))
+    out: list[list[int] | None] = []
+    for text in texts:
+        try:
+            out.append(model.tokenize([text])[0])
+        except Exception:
+            out.append(None)
+    return out
+
+
+def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None, max_masks: int) -> Checked | Refusal:
+    """The §3 checks that need the tokenizer, in this order: tokenizable, length, masks, targets."""
+    if ids is None:
+        return Refusal("invalid_field", "the text could not be tokenized; send plain text")
+    if len(ids) > model.max_tokens:
+        return Refusal("text_too_long", f"the text is {len(ids)} tokens long; this model accepts at most "
+                       f"{model.max_tokens}; shorten it")
+    masks = ids.count(model.mask_token_id)
+    if masks == 0:
+        return Refusal("no_mask", f"the text has no {model.mask_token} token after tokenizing; write "
+                       f"{model.mask_token} exactly, with spaces around it")
+    if masks > max_masks:
+        return Refusal("too_many_masks", f"the text has {masks} mask tokens; the limit is {max_masks}")
+    target_ids = None
+    if request.targets is not None:
+        try:
+            target_ids = model.target_ids(request.targets)
+        except TargetError as exc:
+            return Refusal("invalid_targets", f"{exc}; use words from the vocabulary")
+    return Checked(ids, masks, target_ids)

@@ -1,0 +1,157 @@
+"""The life of one accepted request: its states, the one table of legal moves, and how it can end.
+
+A ``Job`` is created when a connection accepts a ``fill_mask`` frame (protocol.md §3) and then moves
+through the stages, each with one owner::
+
+    TOKENIZING --checked--> QUEUED --batched--> RUNNING --forwarded--> DECODING --decoded--> DONE
+        |                     |                   |                       |
+        +--rejected--> DONE   +--withdrawn--> DONE +--failed--> DONE       +--failed--> DONE
+        +--withdrawn--> DONE  +--expired--> DONE
+        +--failed--> DONE
+
+``advance`` is the only function that changes ``Job.state``; it looks the move up in ``TRANSITIONS``
+and raises ``IllegalTransition`` for anything else (as h11 does for its connection states). Callers
+hold the engine's lock around the check and the move, so two threads can never both move one job:
+whoever moves a job to DONE is the one that produces its ``Outcome``, and a job reaches DONE once.
+That is how "exactly one terminal frame" (§8) holds by construction; the connection's ``Session``
+checks it once more when the frame is written.
+
+``withdrawn`` is every removal decided outside the stages (cancel, deadline timer, closed connection,
+drain timeout, a stopped engine): it is legal only before the model has the job, which is exactly the
+protocol's rule that a request whose batch has started is never cut short (§5, §6).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import FillMaskRequest
+
+
+class State(enum.Enum):
+    TOKENIZING = "tokenizing"  # accepted, waiting for (or in) the tokenizer stage
+    QUEUED = "queued"  # tokenized and checked: runnable, waiting for a batch
+    RUNNING = "running"  # in a batch on the model
+    DECODING = "decoding"  # the model is done; its top-k waits to become predictions
+    DONE = "done"  # its outcome exists (or its connection is gone)
+
+
+class Event(enum.Enum):
+    CHECKED = "checked"
+    REJECTED = "rejected"
+    BATCHED = "batched"
+    FORWARDED = "forwarded"
+    DECODED = "decoded"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    WITHDRAWN = "withdrawn"
+
+
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (State.TOKENIZING, Event.CHECKED): State.QUEUED,
+    (State.TOKENIZING, Event.REJECTED): State.DONE,
+    (State.TOKENIZING, Event.FAILED): State.DONE,
+    (State.TOKENIZING, Event.WITHDRAWN): State.DONE,
+    (State.QUEUED, Event.BATCHED): State.RUNNING,
+    (State.QUEUED, Event.EXPIRED): State.DONE,
+    (State.QUEUED, Event.WITHDRAWN): State.DONE,
+    (State.RUNNING, Event.FORWARDED): State.DECODING,
+    (State.RUNNING, Event.FAILED): State.DONE,
+    (State.DECODING, Event.DECODED): State.DONE,
+    (State.DECODING, Event.FAILED): State.DONE,
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A move that ``TRANSITIONS`` does not allow: a bug, never a client's doing."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One accepted request on its way through the stages. ``owner`` is its connection, opaque here.
+
+    Written by the tokenizer stage before the job is QUEUED (``input_ids``, ``n_tokens``, ``masks``,
+    ``target_ids``, ``cost``); read-only afterwards. ``state`` is written by ``advance`` only.
+    """
+
+    request: FillMaskRequest
+    owner: Any
+    arrival: float
+    deadline: float | None = None
+    state: State = State.TOKENIZING
+    input_ids: list[int] = field(default_factory=list)
+    n_tokens: int = 0
+    masks: int = 0
+    target_ids: tuple[int, ...] | None = None
+    cost: float = 0.0  # engine work this request asks for, in token-equivalents (batching.request_cost)
+    started: float = 0.0  # when its batch started on the model
+
+
+def can(job: Job, event: Event) -> bool:
+    """Whether ``event`` is a legal move for ``job`` now (read under the same lock as ``advance``)."""
+    return (job.state, event) in TRANSITIONS
+
+
+def advance(job: Job, event: Event) -> None:
+    """Move ``job`` by ``event``; the one place a job's state changes."""
+    try:
+        job.state = TRANSITIONS[(job.state, event)]
+    except KeyError:
+        raise IllegalTransition(f"{event.value} is not a legal move from {job.state.value}") from None
+
+
+# --- how a job ends: the typed outcomes the stages hand to the server (never wire bytes) ----------
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The request ran: its predictions, already serialized as JSON by the decode stage."""
+
+    job: Job
+    predictions_json: bytes
+    queue_ms: float
+    inference_ms: float
+    batch_size: int
+    batch_tokens: int
+    batch_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A check of §3 that needs the tokenizer failed (``text_too_long``, ``no_mask``, ...)."""
+
+    job: Job
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """Its deadline passed while it waited (§6, 504)."""
+
+    job: Job
+    queue_ms: float
+    retry_after_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The server failed on this request alone (§7 ``internal_error``)."""
+
+    job: Job
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """It will not run here: the engine stopped (``engine_stopped``) or the drain ran out of time
+    (``shutting_down``); §6, 503. Sending it to another server is safe."""
+
+    job: Job
+    reason: str
+    retry_after_ms: int
+
+
+Outcome = Result | Rejected | Expired | Failed | Stopped

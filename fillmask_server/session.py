@@ -1,0 +1,223 @@
+"""One connection's conversation, sans I/O: frames and outcomes in, answer frames out.
+
+A ``Session`` holds the rules of protocol.md §3, §5, §6, §7 and §8 for one peer, like h11's
+``Connection``: it never touches a socket, an event loop or a thread. The websockets shell feeds it
+each incoming message (``receive``), each outcome the engine produced for one of its jobs
+(``on_outcome``) and the clock (``expire``), and sends the ``Answer``\\ s it returns. It reaches the
+engine only through the narrow ``Scheduler`` interface, so tests drive it with a stand-in.
+
+Admission order (stated in protocol.md §3), for each frame read:
+
+1. a frame that cannot be read as a request, or whose ``id`` is missing or invalid → ``error`` with
+   ``id`` null (or the frame's valid id);
+2. a valid ``id`` already in flight on this connection → ``duplicate_id``, *whatever else is wrong with
+   the frame* (answering, say, ``invalid_top_k`` under that id would read as the in-flight request's
+   answer); a ``cancel`` for an id in flight is the exception: it is what cancels;
+3. other field errors of the frame → ``error`` under its id;
+4. ``too_many_inflight``; 5. the server is draining → 503 ``shutting_down``; 6. the engine stopped →
+   503 ``engine_stopped``; 7. the queue is full → 503 ``queue_full``; otherwise the request is accepted.
+
+Invariants:
+
+- ``inflight`` maps each accepted id to its job until the job's terminal answer is produced; an answer
+  is produced only for a job that is ``inflight`` under its id, and removes it, so a job is answered
+  at most once. An outcome for a job that is not in flight raises ``DoubleAnswer`` (a server bug, never
+  sent): "exactly one terminal frame" is checked here, at the point of delivery.
+- After ``close`` nothing is answered: jobs the engine still had are withdrawn, and outcomes still due
+  for the others (already on the model) are recognised and dropped, once each.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .jobs import Expired, Failed, Job, Outcome, Rejected, Result, Stopped
+from .protocol import (
+    CancelRequest,
+    FillMaskRequest,
+    Limits,
+    ProtocolError,
+    RequestId,
+    encode_cancelled,
+    encode_error,
+    encode_overloaded,
+    encode_result,
+    parse_frame,
+)
+
+SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
+ENGINE_STOPPED_RETRY_MS = 1000
+
+
+class Scheduler(Protocol):
+    """What a session needs of the engine."""
+
+    alive: bool
+
+    def submit(self, job: Job) -> bool: ...
+
+    def withdraw(self, job: Job) -> bool: ...
+
+    def retry_after_ms(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One frame for the client, and how the metrics count it (``fillmask_requests_total``, §11)."""
+
+    frame: bytes
+    outcome: str  # result, error, overloaded or cancelled
+    code: str = ""  # the error code or the overloaded reason
+
+
+class DoubleAnswer(RuntimeError):
+    """A second terminal answer for one request: a bug in the server, never sent to the client."""
+
+
+class Session:
+    """The protocol state of one connection (see the module docstring). ``peer`` is the shell's handle."""
+
+    def __init__(self, limits: Limits, scheduler: Scheduler, max_inflight: int,
+                 clock: Callable[[], float], peer: Any = None) -> None:
+        self.limits = limits
+        self.scheduler = scheduler
+        self.max_inflight = max_inflight
+        self.clock = clock
+        self.peer = peer
+        self.inflight: dict[RequestId, Job] = {}
+        self.draining = False
+        self.closed = False
+        self._deadlines: list[tuple[float, int, Job]] = []
+        self._order = itertools.count()
+        self._orphans: set[int] = set()  # id() of jobs still on the model when the connection closed
+
+    # --- input: one message from the client ----------------------------------------------------------
+
+    def receive(self, data: str | bytes) -> list[Answer]:
+        """Handle one incoming message; the answers to send now (none for an accepted request)."""
+        parsed = parse_frame(data, self.limits)
+        if isinstance(parsed, CancelRequest):
+            return self._cancel(parsed.id)
+        if parsed.id is not None and parsed.id in self.inflight:
+            return [_error(parsed.id, "duplicate_id", "a request with this id is still in flight on this "
+                           "connection; use a new id, or wait for its answer")]
+        if isinstance(parsed, ProtocolError):
+            return [_error(parsed.id, parsed.code, parsed.message)]
+        return self._admit(parsed)
+
+    def _admit(self, request: FillMaskRequest) -> list[Answer]:
+        if len(self.inflight) >= self.max_inflight:
+            return [_error(request.id, "too_many_inflight", f"this connection already has {len(self.inflight)} "
+                           "requests in flight, the most allowed; wait for answers before sending more")]
+        if self.draining:
+            return [_overloaded(request.id, 503, "shutting_down", SHUTTING_DOWN_RETRY_MS)]
+        if not self.scheduler.alive:
+            return [_overloaded(request.id, 503, "engine_stopped", ENGINE_STOPPED_RETRY_MS)]
+        now = self.clock()
+        deadline = None if request.deadline_ms is None else now + request.deadline_ms / 1000
+        job = Job(request, self, now, deadline)
+        if not self.scheduler.submit(job):
+            if self.scheduler.alive:
+                return [_overloaded(request.id, 503, "queue_full", self.scheduler.retry_after_ms())]
+            return [_overloaded(request.id, 503, "engine_stopped", ENGINE_STOPPED_RETRY_MS)]
+        self.inflight[request.id] = job
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, next(self._order), job))
+        return []
+
+    def _cancel(self, request_id: RequestId) -> list[Answer]:
+        """§5: a queued request is removed and answered ``cancelled``; otherwise nothing happens."""
+        job = self.inflight.get(request_id)
+        if job is None or not self.scheduler.withdraw(job):
+            return []
+        del self.inflight[request_id]
+        return [Answer(encode_cancelled(request_id), "cancelled")]
+
+    # --- input: the engine's outcome for one of this session's jobs --------------------------------
+
+    def on_outcome(self, outcome: Outcome) -> Answer | None:
+        """The terminal answer for ``outcome``'s job; None when the connection has closed (dropped)."""
+        job = outcome.job
+        if self.closed:
+            if id(job) not in self._orphans:
+                raise DoubleAnswer(f"an answer for request {job.request.id!r} after its connection closed, "
+                                   "which it had no claim to")
+            self._orphans.discard(id(job))
+            return None
+        request_id = job.request.id
+        if self.inflight.get(request_id) is not job:
+            raise DoubleAnswer(f"a second terminal answer for request {request_id!r}: {type(outcome).__name__}")
+        del self.inflight[request_id]
+        return _encode(outcome)
+
+    # --- input: the clock ------------------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When ``expire`` next has work (a deadline of a request still in flight), or None."""
+        while self._deadlines and self.inflight.get(self._deadlines[0][2].request.id) is not self._deadlines[0][2]:
+            heapq.heappop(self._deadlines)  # answered already
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self) -> list[Answer]:
+        """504 for every request whose deadline has passed while the engine had not started it (§6);
+        one whose batch has started is left alone and gets its result."""
+        now = self.clock()
+        answers = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, job = heapq.heappop(self._deadlines)
+            request_id = job.request.id
+            if self.inflight.get(request_id) is job and self.scheduler.withdraw(job):
+                del self.inflight[request_id]
+                answers.append(_encode(Expired(job, (now - job.arrival) * 1000, self.scheduler.retry_after_ms())))
+        return answers
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    def shut_down(self) -> None:
+        """The server drains (§10): every request from now on is answered 503 ``shutting_down``."""
+        self.draining = True
+
+    def close(self) -> int:
+        """The connection is gone: withdraw what the engine has not started; how many were withdrawn
+        (dropped, §8). Idempotent."""
+        if self.closed:
+            return 0
+        self.closed = True
+        withdrawn = 0
+        for job in self.inflight.values():
+            if self.scheduler.withdraw(job):
+                withdrawn += 1
+            else:
+                self._orphans.add(id(job))
+        self.inflight.clear()
+        self._deadlines.clear()
+        return withdrawn
+
+
+def _encode(outcome: Outcome) -> Answer:
+    """The frame for an outcome, labelled for the metrics by the outcome's type (never by parsing it)."""
+    request_id = outcome.job.request.id
+    if isinstance(outcome, Result):
+        return Answer(encode_result(request_id, outcome.predictions_json, outcome.queue_ms, outcome.inference_ms,
+                                    outcome.batch_size, outcome.batch_tokens, outcome.batch_id), "result")
+    if isinstance(outcome, Rejected):
+        return _error(request_id, outcome.code, outcome.message)
+    if isinstance(outcome, Failed):
+        return _error(request_id, "internal_error", outcome.message)
+    if isinstance(outcome, Expired):
+        return _overloaded(request_id, 504, "deadline_exceeded", outcome.retry_after_ms, outcome.queue_ms)
+    assert isinstance(outcome, Stopped)
+    return _overloaded(request_id, 503, outcome.reason, outcome.retry_after_ms)
+
+
+def _error(request_id: RequestId | None, code: str, message: str) -> Answer:
+    return Answer(encode_error(request_id, code, message), "error", code)
+
+
+def _overloaded(request_id: RequestId, status: int, reason: str, retry_after_ms: int,
+                queue_ms: float | None = None) -> Answer:
+    return Answer(encode_overloaded(request_id, status, reason, retry_after_ms, queue_ms), "overloaded", reason)
