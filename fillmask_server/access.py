@@ -1,7 +1,14 @@
-"""Who may connect, as pure decisions: the Origin rule, the shared token, and the TLS context.
+"""Who may connect, as pure decisions: the Host rule, the Origin rule, the shared token, and the TLS context.
 
-Nothing here touches a socket or an event loop; the server calls these from its handshake hook and
+Nothing here touches a socket or an event loop; the server calls these from its request hook and
 tests call them directly (tests/test_hardening_access.py). Invariants:
+
+- ``HostPolicy.allows`` never lets through a host *name* that is not configured (other than localhost
+  names). That is what defeats DNS rebinding: the attacker's page runs under the attacker's name, so
+  its requests carry ``Host: attacker.example`` whatever address that name resolves to. An IP
+  address in ``Host`` cannot come from rebinding (the browser connects to that very address, so the
+  page is either this server's own or cross-origin, which the Origin rule decides), which is why the
+  default lets addresses through: load balancers, Kubernetes probes and port mappings use them.
 
 - ``OriginPolicy.allows`` lets through every handshake without an ``Origin`` header: browsers always
   send one on a WebSocket handshake, so its absence means a non-browser client, which the Origin
@@ -14,6 +21,7 @@ tests call them directly (tests/test_hardening_access.py). Invariants:
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import re
 import ssl
 from dataclasses import dataclass
@@ -26,10 +34,15 @@ ANY_ORIGIN = "*"
 NULL_ORIGIN = "null"
 KEYWORDS = (SAME_ORIGIN, LOCALHOST, ANY_ORIGIN, NULL_ORIGIN)
 TOKEN_QUERY_PARAMETER = "token"
+ANY_HOST = "*"
+IP_HOSTS = "ip"
+HOST_KEYWORDS = (LOCALHOST, IP_HOSTS, ANY_HOST)
 
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 _ORIGIN_SYNTAX = re.compile(r"^https?://[^/?#\s]+$", re.IGNORECASE)
+_REG_NAME = re.compile(r"^[a-z0-9\-._~!$&'()*+,;=%]+$")  # RFC 3986 reg-name, lower-cased
+_PORT = re.compile(r"^[0-9]{1,5}$")
 
 
 def normalize_origin(origin: str) -> str | None:
@@ -107,6 +120,116 @@ class OriginPolicy:
                 return True
         if self.same_origin and host is not None:
             return scheme == ("https" if tls else "http") and authority == _normalize_host(host, tls)
+        return False
+
+
+@dataclass(frozen=True)
+class Authority:
+    """A parsed ``Host`` header: ``host`` in lower case, without a trailing dot or IPv6 brackets;
+    ``address`` is set when the host is an IP address rather than a name; ``port`` None when absent."""
+
+    host: str
+    port: int | None
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address | None
+
+
+def parse_host(value: str) -> Authority | None:
+    """Read ``host[:port]`` (RFC 9110 §7.2: a name, a dotted IPv4 address or a bracketed IPv6 address);
+    None when it is none of those."""
+    value = value.strip()
+    if value.startswith("["):
+        literal, bracket, rest = value[1:].partition("]")
+        try:
+            address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.IPv6Address(literal)
+        except ValueError:
+            return None
+        if not bracket or (rest and not rest.startswith(":")):
+            return None
+        host, port_text = str(address), rest[1:]
+    else:
+        host, _, port_text = value.partition(":")
+        if ":" in port_text:
+            return None  # an IPv6 address without brackets, or junk
+        host = host.lower()
+        host = host[:-1] if host.endswith(".") else host  # "example.com." is the same name
+        if not _REG_NAME.match(host):
+            return None
+        try:
+            address = ipaddress.IPv4Address(host)
+        except ValueError:
+            address = None
+    if port_text and not (_PORT.match(port_text) and int(port_text) <= 65535):
+        return None
+    return Authority(host, int(port_text) if port_text else None, address)
+
+
+def is_local(authority: Authority) -> bool:
+    """localhost, a name under .localhost (browsers resolve both to loopback themselves, RFC 6761),
+    or a loopback address (127.0.0.0/8, ::1, or 127.x written as an IPv4-mapped IPv6 address)."""
+    address = authority.address
+    if address is None:
+        return authority.host == "localhost" or authority.host.endswith(".localhost")
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """Which ``Host`` headers this server answers (see ``parse``); ``hosts`` holds (host, port or None)."""
+
+    any_host: bool = False
+    localhost: bool = True
+    ip: bool = True
+    hosts: frozenset[tuple[str, int | None]] = frozenset()
+    suffixes: frozenset[tuple[str, int | None]] = frozenset()  # "*.example.com" is (".example.com", None)
+
+    @classmethod
+    def parse(cls, spec: str, listen: str = "") -> HostPolicy:
+        """Read ``--allowed-hosts``: comma-separated entries, each a keyword or a host.
+
+        Keywords: ``localhost`` (localhost, ``*.localhost``, 127.0.0.0/8 and ::1), ``ip`` (any IP address,
+        see the module docstring), ``*`` (any host: behind a proxy that rewrites ``Host``, or where the
+        token alone guards the server). Other entries are names or addresses with an optional port
+        (``fill.example.com``, ``fill.example.com:443``, ``10.0.0.5``, ``[fd00::5]:8765``) or
+        ``*.example.com`` (any name under example.com); without a port, any port matches. ``listen``,
+        the ``--host`` the server listens on, is always allowed unless it is a wildcard address.
+        Raises ``ValueError`` with one readable line for anything else.
+        """
+        entries = [entry.strip() for entry in spec.split(",") if entry.strip()]
+        if not entries:
+            raise ValueError(f"--allowed-hosts is empty; name hosts, or use the keywords {', '.join(HOST_KEYWORDS)}")
+        hosts: set[tuple[str, int | None]] = set()
+        suffixes: set[tuple[str, int | None]] = set()
+        for entry in entries:
+            if entry.lower() in HOST_KEYWORDS:
+                continue
+            wildcard = entry.startswith("*.")
+            authority = parse_host(entry[1:] if wildcard else entry)
+            if authority is None or (wildcard and (parse_host(entry[2:]) or authority).address is not None):
+                raise ValueError(f"--allowed-hosts entry {entry!r} is not a host name or IP address (with an optional "
+                                 f":port) such as fill.example.com, *.example.com or 10.0.0.5:8765, nor one of "
+                                 f"{', '.join(HOST_KEYWORDS)}")
+            (suffixes if wildcard else hosts).add((authority.host, authority.port))
+        if listen not in ("", "0.0.0.0", "::"):
+            listening = parse_host(f"[{listen}]" if ":" in listen else listen)
+            if listening is not None:
+                hosts.add((listening.host, None))
+        lowered = {entry.lower() for entry in entries}
+        return cls(ANY_HOST in lowered, LOCALHOST in lowered, IP_HOSTS in lowered, frozenset(hosts),
+                   frozenset(suffixes))
+
+    def allows(self, authority: Authority, tls: bool) -> bool:
+        """Does this server answer for ``authority`` (the request's ``Host``) on a ``tls`` or plain port?"""
+        if self.any_host or (self.ip and authority.address is not None) or (self.localhost and is_local(authority)):
+            return True
+        port = authority.port if authority.port is not None else (443 if tls else 80)
+        for host, entry_port in self.hosts:
+            if host == authority.host and entry_port in (None, port):
+                return True
+        for suffix, entry_port in self.suffixes:
+            if authority.host.endswith(suffix) and entry_port in (None, port):
+                return True
         return False
 
 

@@ -11,7 +11,7 @@ import os
 import textwrap
 from dataclasses import dataclass, fields
 
-from .access import OriginPolicy, tls_context
+from .access import HostPolicy, OriginPolicy, tls_context
 
 ENV_PREFIX = "FILLMASK_"
 DEFAULT_MODEL = "google-bert/bert-base-uncased"
@@ -45,6 +45,7 @@ class Config:
     max_send_buffer_bytes: int = 1_048_576
     send_timeout: float = 30.0
     allowed_origins: str = "same-origin,localhost"
+    allowed_hosts: str = "localhost,ip"
     token: str = ""
     certfile: str = ""
     keyfile: str = ""
@@ -84,6 +85,11 @@ _HELP: dict[str, str] = {
     "allowed_origins": "comma-separated origins whose pages may open a WebSocket (e.g. https://app.example.com), "
                        "plus the keywords same-origin, localhost, null (pages opened from disk) and * (any page); "
                        "others get HTTP 403. Clients that send no Origin header (not browsers) are always allowed",
+    "allowed_hosts": "comma-separated Host names this server answers to (e.g. fill.example.com, *.example.com, "
+                     "fill.example.com:443), plus the keywords localhost (localhost, *.localhost, loopback addresses), "
+                     "ip (any IP address) and * (any host, e.g. behind a proxy that rewrites Host); the --host address "
+                     "is always allowed. Others get HTTP 421, which stops DNS rebinding; /healthz and /readyz answer "
+                     "any Host",
     "token": "shared secret clients must present as 'Authorization: Bearer TOKEN' or ?token=TOKEN on the "
              "WebSocket and /metrics requests (HTTP 401 otherwise); empty = no token",
     "certfile": "PEM certificate chain (may also hold the key): serve wss:// and https:// instead of ws:// and http://",
@@ -114,14 +120,15 @@ _GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_wait_ms", "max_queue")),
     ("request limits", ("max_text_chars", "max_masks", "max_top_k", "max_targets", "max_frame_bytes")),
     ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
-                                "send_timeout", "allowed_origins", "token")),
+                                "send_timeout", "allowed_origins", "allowed_hosts", "token")),
     ("process", ("shutdown_timeout", "drain_delay", "log_level")),
 ]
 _METAVAR: dict[str, str] = {
     "model": "ID_OR_DIR", "device": "DEVICE", "host": "HOST", "certfile": "PATH", "keyfile": "PATH",
     "max_wait_ms": "MS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS", "shutdown_timeout": "SECONDS",
     "drain_delay": "SECONDS",
-    "allowed_origins": "ORIGINS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES", "max_frame_bytes": "BYTES",
+    "allowed_origins": "ORIGINS", "allowed_hosts": "HOSTS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES",
+    "max_frame_bytes": "BYTES",
 }
 
 
@@ -210,6 +217,7 @@ def validate(config: Config) -> str | None:
         return "--send-timeout must be greater than 0"
     try:
         OriginPolicy.parse(config.allowed_origins)
+        HostPolicy.parse(config.allowed_hosts)
     except ValueError as exc:
         return str(exc)
     if config.token != config.token.strip() or any(ord(c) < 33 or ord(c) > 126 for c in config.token):

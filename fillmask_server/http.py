@@ -3,23 +3,34 @@
 ``HttpFront.process_request`` is websockets' ``process_request`` hook: it runs on the event loop for
 every incoming HTTP request, before any upgrade, and returns either a complete ``Response`` (plain
 HTTP, or a refused handshake) or ``None`` (let the WebSocket handshake go on). It reads the server's
-state through ``FrontState`` callables and never blocks.
+state through ``FrontState`` callables and never blocks. ``process_response`` (websockets' hook after
+its own handshake checks) and ``FrontConnection`` (websockets' connection, for requests too broken to
+reach the hooks) turn the library's plain-text refusals into this server's JSON ones.
 
 Invariants:
 
-- Every answer is a complete response with ``Content-Length``, JSON unless it is a file or metrics.
-- A handshake passes, in this order: the path (404), the Origin rule (403), the token (401),
-  readiness (503) and ``--max-connections`` (503). The connection count is read here and the
-  connection becomes OPEN before the loop runs anything else (websockets sends the 101 without
-  yielding after this synchronous hook), so concurrent handshakes cannot overshoot the limit.
+- Every answer is a complete response with ``Content-Length``, JSON unless it is a file or metrics;
+  every refusal is ``{"error": "<one line>"}``. A HEAD answer is the GET answer without its body.
+- Every request passes, in this order: well-formed (400: one value of each header we decide on, a
+  valid ``Host``), the method (405: GET or HEAD), the ``Host`` rule (421; ``/healthz`` and ``/readyz``
+  are exempt). A handshake then passes the path (404), the Origin rule (403), the token (401),
+  readiness (503) and ``--max-connections`` (503), then websockets' own RFC 6455 checks (400/426/505).
+  The connection count is read here and the connection becomes OPEN before the loop runs anything
+  else (websockets sends the 101 without yielding after these synchronous hooks), so concurrent
+  handshakes cannot overshoot the limit.
+- A malformed request costs at most one log line per ``LOG_INTERVAL_S`` (per kind), never a traceback.
 - Nothing outside ``web_demo/`` is ever served as a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import http
+import logging
 import mimetypes
+import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,17 +39,41 @@ from typing import Any
 import orjson
 from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
+from websockets.exceptions import (
+    HeaderLineTooLong,
+    InvalidHandshake,
+    InvalidHeader,
+    InvalidHeaderValue,
+    InvalidMethod,
+    InvalidProtocol,
+    InvalidUpgrade,
+    RequestLineTooLong,
+    TooManyHeaders,
+)
 from websockets.http11 import Request, Response
 
-from .access import OriginPolicy, presented_token, token_matches
+from .access import HostPolicy, OriginPolicy, parse_host, presented_token, token_matches
 from .config import Config
 from .metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 WEBSOCKET_PATHS = ("/", "/ws")
 # The demo page: ``web_demo/`` of a checkout (editable installs too), else the copy a wheel installs
 # inside the package (pyproject.toml maps it there).
 _CHECKOUT_WEB_ROOT = Path(__file__).resolve().parent.parent / "web_demo"
 WEB_ROOT = _CHECKOUT_WEB_ROOT if _CHECKOUT_WEB_ROOT.is_dir() else Path(__file__).resolve().parent / "web_demo"
+
+ALLOWED_METHODS = ("GET", "HEAD")  # case-sensitive (RFC 9110 §9.1): "get" is another method
+PROBE_PATHS = ("/healthz", "/readyz")  # answer any Host: load balancers and Kubernetes probe by address or any name
+# Headers whose value decides something here. A second line of one of them makes the request
+# ambiguous (which origin? which token? which host?), so it is refused rather than guessed at.
+# RFC 9110 §5.3 would let a recipient join the list-valued ones (Upgrade, Accept); no browser,
+# WebSocket client or Prometheus sends them twice, so refusing costs nothing and keeps one rule.
+SINGLE_VALUED_HEADERS = ("Host", "Origin", "Authorization", "Upgrade", "Accept", "Sec-WebSocket-Key",
+                         "Sec-WebSocket-Version")
+LOG_INTERVAL_S = 10.0
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,20}$")  # an HTTP method as RFC 9110 §5.6.2 spells it
 
 TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or the query "
               "parameter ?token=TOKEN")
@@ -61,15 +96,42 @@ class HttpFront:
                  state: FrontState) -> None:
         self.config = config
         self.origins = origins
+        self.hosts = HostPolicy.parse(config.allowed_hosts, listen=config.host)
         self.tls = tls
         self.metrics = metrics
         self.state = state
+        self.log = LogThrottle(log, LOG_INTERVAL_S)
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         """websockets' hook: a response for plain HTTP and refused handshakes; None lets a handshake go on."""
-        path = request.path.split("?", 1)[0]
+        response = self._answer(connection, request)
+        if response is not None and request.method == "HEAD":
+            return Response(response.status_code, response.reason_phrase, response.headers, b"")
+        return response
+
+    def _answer(self, connection: ServerConnection, request: Request) -> Response | None:
         headers = request.headers
-        if headers.get("Upgrade", "").lower() == "websocket":
+        problem = header_problem(request)
+        if problem is not None:
+            if any(value.strip().lower() == "websocket" for value in headers.get_all("Upgrade")):
+                self.metrics.handshakes_refused.labels("bad_request").inc()
+            return self._refuse_bad_request(connection, 400, problem)
+        if request.method not in ALLOWED_METHODS:
+            method = request.method if _TOKEN.match(request.method) else "this method"
+            return json_response(405, {"error": f"{method} is not allowed here; use GET or HEAD (method names are "
+                                        "case-sensitive)"}, [("Allow", ", ".join(ALLOWED_METHODS))])
+        path = request.path.split("?", 1)[0]
+        handshake = request.method == "GET" and headers.get("Upgrade", "").lower() == "websocket"
+        host = headers.get("Host")  # well-formed (header_problem); None only in HTTP/1.0, which predates it
+        if host is not None and path not in PROBE_PATHS and not self._answers_for(host):
+            if handshake:
+                self.metrics.handshakes_refused.labels("host").inc()
+            self.log.warning("host", "refused %s from %s with 421: Host %r is not in --allowed-hosts",
+                             request.method, peer(connection), _shorten(host))
+            return json_response(421, {"error": f"this server does not answer for the host {_shorten(host)!r}; use "
+                                        "its address or an allowed name, or its operator can allow this one with "
+                                        "--allowed-hosts"})
+        if handshake:
             return self._handshake(path, request)
         if path == "/healthz":
             return json_response(200, {"status": "ok"})
@@ -88,6 +150,10 @@ class HttpFront:
         if static is not None:
             return static
         return json_response(404, {"error": "not found"})
+
+    def _answers_for(self, host: str) -> bool:
+        authority = parse_host(host)
+        return authority is not None and self.hosts.allows(authority, self.tls)
 
     def _handshake(self, path: str, request: Request) -> Response | None:
         headers = request.headers
@@ -112,6 +178,162 @@ class HttpFront:
         self.metrics.handshakes_refused.labels(reason).inc()
         return json_response(status, {"error": message}, extra_headers)
 
+    def _refuse_bad_request(self, connection: ServerConnection, status: int, message: str,
+                            extra_headers: list[tuple[str, str]] | None = None) -> Response:
+        self.log.warning("bad_request", "refused a request from %s with %d: %s", peer(connection), status, message)
+        return json_response(status, {"error": message}, extra_headers)
+
+    def process_response(self, connection: ServerConnection, request: Request, answer: Response) -> Response | None:
+        """websockets' hook once its answer to a handshake exists: a refusal of its own (the RFC 6455 checks
+        that follow ``process_request``, or its 500 when a hook failed) becomes a JSON one; others stand."""
+        exc = connection.protocol.handshake_exc
+        if exc is None or answer.status_code == 101:
+            return None
+        if isinstance(exc, InvalidHandshake):
+            self.metrics.handshakes_refused.labels("bad_request").inc()
+        status, message, extra_headers = websocket_refusal(exc, answer)
+        if status >= 500:  # websockets has already logged the failure with its traceback
+            return json_response(status, {"error": message}, extra_headers)
+        return self._refuse_bad_request(connection, status, message, extra_headers)
+
+    def early_refusal(self, connection: ServerConnection, exc: Exception) -> Response | None:
+        """The answer to a request websockets could not parse (so no hook saw it); None when the client
+        closed before sending a whole request, leaving nobody to answer."""
+        cause = exc.__cause__
+        if isinstance(exc, RequestLineTooLong):
+            status, message = 414, "the request line is too long; shorten the path and query"
+        elif isinstance(exc, HeaderLineTooLong):
+            status, message = 431, "a header line is too long; shorten it"
+        elif isinstance(exc, TooManyHeaders):
+            status, message = 431, "the request has too many headers; send fewer"
+        elif isinstance(cause, EOFError):
+            return None
+        elif isinstance(cause, NotImplementedError) or "body" in str(cause):
+            status, message = 400, "requests with a body are not accepted; this server answers GET and HEAD"
+        else:
+            status, message = 400, ("the request is not valid HTTP/1.1 (its request line or a header line is "
+                                    "malformed); send 'GET /path HTTP/1.1' and well-formed headers")
+        return self._refuse_bad_request(connection, status, message)
+
+    def connection_class(self) -> type[ServerConnection]:
+        """``serve(create_connection=...)``: websockets' connection, bound to this front."""
+        return type("FrontConnection", (FrontConnection,), {"front": self})
+
+
+class FrontConnection(ServerConnection):
+    """websockets' server connection, with one change: a request it refuses while parsing, before any
+    hook runs (request line or headers too long, not HTTP at all), is answered with the front's JSON
+    instead of the library's plain text (``websockets.server.ServerProtocol.parse`` writes that answer
+    and ends the stream; ``send_data`` is where its bytes would reach the socket).
+
+    The rest is websockets' own behaviour: a request that parsed has ``self.request`` set before any
+    refusal can be made, and those refusals go through the hooks instead.
+    """
+
+    front: HttpFront
+    _answered_early = False
+
+    def send_data(self) -> None:
+        exc = self.protocol.handshake_exc
+        if self.request is not None or exc is None or self._answered_early:
+            super().send_data()
+            return
+        self._answered_early = True
+        self.protocol.data_to_send()  # websockets' plain-text answer (if any) and its end of stream: replaced
+        answer = self.front.early_refusal(self, exc)
+        if answer is not None:
+            self.transport.write(answer.serialize())
+        # End the stream as websockets does: half-close where the transport can (plain TCP), else close.
+        if self.transport.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):  # as websockets: write_eof documents no errors
+                self.transport.write_eof()
+        else:
+            self.transport.close()
+
+
+class LogThrottle:
+    """At most one log line per ``interval_s`` for each kind of event; the next line that is written
+    says how many were left out since the last one. ``kind`` takes a few fixed values, so the table
+    stays small whatever clients send."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = self.clock()
+        since = now - self._last.get(kind, -float("inf"))
+        if since < self.interval_s:
+            self._left_out[kind] = self._left_out.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        left_out = self._left_out.pop(kind, 0)
+        if left_out:
+            message += f" (and {left_out} more like it in the last {since:.0f} s, not logged)"
+        self.logger.warning(message, *args)
+
+
+def header_problem(request: Request) -> str | None:
+    """One line saying why the request's headers cannot be acted on, or None when they can."""
+    for name in SINGLE_VALUED_HEADERS:
+        if len(request.headers.get_all(name)) > 1:
+            return f"the request has more than one {name} header; send it once"
+    host = request.headers.get("Host")
+    if host is None:
+        # RFC 9112 §3.2: an HTTP/1.1 request without Host is answered 400. HTTP/1.0 predates Host.
+        return "the request has no Host header; HTTP/1.1 requires one" if request.protocol != "HTTP/1.0" else None
+    if parse_host(host) is None:
+        return "the Host header is not a host name or IP address with an optional :port"
+    return None
+
+
+def websocket_refusal(exc: Exception, answer: Response) -> tuple[int, str, list[tuple[str, str]]]:
+    """Status, one-line message and headers for websockets' refusal of a handshake (``answer``),
+    from the check that failed (``exc``); no value the client sent is echoed back."""
+    status = answer.status_code
+    kept = [(name, answer.headers[name]) for name in ("Allow", "Server") if name in answer.headers]
+    # RFC 9110 §15.5.22: a 426 names the protocol to upgrade to (and Upgrade is a connection option).
+    upgrade_required = [*kept, ("Upgrade", "websocket"), ("Connection", "Upgrade, close")]
+    advice = "; connect with a WebSocket client (RFC 6455)"
+    if isinstance(exc, InvalidUpgrade):
+        wanted = "include Upgrade" if exc.name.lower() == "connection" else "be websocket"
+        return 426, f"not a WebSocket handshake: the {exc.name} header must {wanted}{advice}", upgrade_required
+    if isinstance(exc, InvalidHeaderValue) and exc.name == "Sec-WebSocket-Version":
+        # RFC 6455 §4.2.2: an unsupported version is answered 426 with the versions this server speaks.
+        return 426, "this server speaks WebSocket version 13 only (RFC 6455); send Sec-WebSocket-Version: 13", [
+            *upgrade_required, ("Sec-WebSocket-Version", "13")]
+    if isinstance(exc, InvalidHeader):
+        if exc.value is None:
+            what = "is missing"
+        elif exc.value == "multiple values":
+            what = "appears more than once"
+        else:
+            what = "has an invalid value"
+        return 400, f"not a valid WebSocket handshake: the {exc.name} header {what}{advice}", kept
+    if isinstance(exc, InvalidMethod):
+        return 405, "a WebSocket handshake must be a GET request", kept
+    if isinstance(exc, InvalidProtocol):
+        return 505, "a WebSocket handshake must use HTTP/1.1", kept
+    if isinstance(exc, InvalidHandshake):
+        return 400, f"not a valid WebSocket handshake{advice}", kept
+    return status, "the server failed on this request; it is in the server's log", kept
+
+
+def peer(connection: ServerConnection) -> str:
+    """The client's address as host:port, for log lines."""
+    address = connection.remote_address
+    if not address:
+        return "an unknown address"
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def _shorten(value: str, limit: int = 100) -> str:
+    return value if len(value) <= limit else value[:limit] + "..."
+
 
 def json_response(status: int, body: dict[str, Any], extra_headers: list[tuple[str, str]] | None = None) -> Response:
     return response(status, orjson.dumps(body), "application/json", extra_headers)
@@ -119,14 +341,15 @@ def json_response(status: int, body: dict[str, Any], extra_headers: list[tuple[s
 
 def response(status: int, body: bytes, content_type: str,
              extra_headers: list[tuple[str, str]] | None = None) -> Response:
-    headers = Headers([
+    extra_headers = extra_headers or []
+    replaced = {name.lower() for name, _ in extra_headers}  # an extra header replaces a standard one
+    headers = Headers([(name, value) for name, value in (
         ("Date", email.utils.formatdate(usegmt=True)),
         ("Connection", "close"),
         ("Content-Length", str(len(body))),
         ("Content-Type", content_type),
         ("Cache-Control", "no-store"),
-        *(extra_headers or []),
-    ])
+    ) if name.lower() not in replaced] + extra_headers)
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 
 

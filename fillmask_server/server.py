@@ -123,6 +123,8 @@ class FillMaskServer:
         self._server = await serve(
             self._handle, self.config.host, self.config.port,
             process_request=self.http.process_request,
+            process_response=self.http.process_response,
+            create_connection=self.http.connection_class(),
             max_size=self.config.max_frame_bytes,
             compression=None,
             server_header=SERVER_NAME,

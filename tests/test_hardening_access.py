@@ -1,4 +1,4 @@
-"""Who may connect (protocol.md §9, §12): the Origin rule, the token, TLS, and clean HTTP errors.
+"""Who may connect (protocol.md §9, §12): the Host rule, the Origin rule, the token, TLS, and clean HTTP errors.
 
 The pure decisions of ``fillmask_server.access`` are tested directly; the handshake is then tested
 on real sockets, with raw HTTP where a test needs headers a WebSocket client would not send.
@@ -20,7 +20,15 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from fillmask_server.access import OriginPolicy, normalize_origin, presented_token, tls_context, token_matches
+from fillmask_server.access import (
+    HostPolicy,
+    OriginPolicy,
+    normalize_origin,
+    parse_host,
+    presented_token,
+    tls_context,
+    token_matches,
+)
 from fillmask_server.config import Config, load_config, validate
 from fillmask_server.server import FillMaskServer
 from tests.wire import request, session
@@ -63,6 +71,59 @@ def test_explicit_origins_and_keywords() -> None:
     assert normalize_origin("http://example.com:99999") is None
 
 
+def test_parse_host_reads_names_addresses_and_ports() -> None:
+    parsed = parse_host("Fill.Example.COM.:8443")
+    assert parsed is not None and (parsed.host, parsed.port, parsed.address) == ("fill.example.com", 8443, None)
+    v6 = parse_host("[::1]:8765")
+    assert v6 is not None and (v6.host, v6.port, str(v6.address)) == ("::1", 8765, "::1")
+    v4 = parse_host("10.0.0.5")
+    assert v4 is not None and (v4.port, str(v4.address)) == (None, "10.0.0.5")
+    for bad in ("", " ", "::1", "[::1", "[nope]:80", "[::1]x", "a b", "host:port", "host:99999", "host:1:2",
+                "http://host", "user@host", "host/path"):
+        assert parse_host(bad) is None, bad
+
+
+def test_default_host_policy_refuses_only_names_that_are_not_local() -> None:
+    """§12: the default lets localhost names and every address through, and no other name (DNS rebinding)."""
+    policy = HostPolicy.parse(Config().allowed_hosts, listen=Config().host)
+
+    def allows(host: str) -> bool:
+        authority = parse_host(host)
+        assert authority is not None, host
+        return policy.allows(authority, tls=False)
+
+    for host in ("127.0.0.1:8765", "127.9.9.9", "localhost", "LOCALHOST:1", "localhost.", "app.localhost:5173",
+                 "[::1]:8765", "[::ffff:127.0.0.1]", "10.0.0.5:8765", "192.168.1.20", "[fd00::5]"):
+        assert allows(host), host
+    for host in ("attacker.example:8765", "attacker.example", "localhost.attacker.example", "localhost.example",
+                 "127.0.0.1.nip.io", "fill.example.com"):
+        assert not allows(host), host
+
+
+def test_explicit_hosts_wildcards_ports_and_keywords() -> None:
+    policy = HostPolicy.parse("fill.example.com, *.internal.example:8765, [fd00::5]:443", listen="0.0.0.0")
+
+    def allows(host: str, tls: bool = False) -> bool:
+        authority = parse_host(host)
+        assert authority is not None, host
+        return policy.allows(authority, tls)
+
+    assert allows("fill.example.com") and allows("FILL.example.com:9999")  # no port given: any port
+    assert allows("a.internal.example:8765") and allows("a.b.internal.example:8765")
+    assert not allows("a.internal.example:8766") and not allows("internal.example:8765")
+    assert allows("[fd00::5]", tls=True) and not allows("[fd00::5]") and not allows("[fd00::5]:80")  # default ports
+    assert not allows("localhost") and not allows("127.0.0.1") and not allows("10.0.0.5")  # keywords replaced
+    assert HostPolicy.parse("*").allows(parse_host("attacker.example"), tls=False)  # type: ignore[arg-type]
+    listening = HostPolicy.parse("fill.example.com", listen="myhost.lan")
+    assert listening.allows(parse_host("myhost.lan:8765"), tls=False)  # type: ignore[arg-type]
+    ipv6_listener = HostPolicy.parse("fill.example.com", listen="::1")
+    assert ipv6_listener.allows(parse_host("[::1]:8765"), tls=False)  # type: ignore[arg-type]
+    assert not ipv6_listener.allows(parse_host("[::2]"), tls=False)  # type: ignore[arg-type]
+    for bad in ("http://fill.example.com", "fill.example.com/", "*.10.0.0.5", "*.", "", " , "):
+        with pytest.raises(ValueError, match="--allowed-hosts"):
+            HostPolicy.parse(bad)
+
+
 def test_token_from_header_or_query() -> None:
     assert presented_token(f"Bearer {TOKEN}", "/") == TOKEN
     assert presented_token(f"bearer  {TOKEN} ", "/") == TOKEN
@@ -80,6 +141,8 @@ def test_token_from_header_or_query() -> None:
     ({"max_send_buffer_bytes": 0}, "--max-send-buffer-bytes must be at least 1"),
     ({"send_timeout": 0.0}, "--send-timeout must be greater than 0"),
     ({"allowed_origins": "example.com"}, "--allowed-origins entry 'example.com'"),
+    ({"allowed_hosts": "https://example.com"}, "--allowed-hosts entry 'https://example.com'"),
+    ({"allowed_hosts": ","}, "--allowed-hosts is empty"),
     ({"token": "two words"}, "--token must be printable ASCII"),
     ({"keyfile": "key.pem"}, "--keyfile needs --certfile"),
     ({"certfile": "/nonexistent/cert.pem"}, "cannot read TLS file '/nonexistent/cert.pem'"),
@@ -92,9 +155,10 @@ def test_bad_hardening_settings_are_refused_with_one_line(overrides: dict[str, A
 def test_hardening_flags_have_environment_variables() -> None:
     config = load_config(["--max-connections", "5"], {"FILLMASK_MAX_CONNECTIONS": "7", "FILLMASK_TOKEN": TOKEN,
                                                       "FILLMASK_ALLOWED_ORIGINS": "*",
+                                                      "FILLMASK_ALLOWED_HOSTS": "fill.example.com",
                                                       "FILLMASK_MAX_INFLIGHT_PER_CONNECTION": "9"})
-    assert (config.max_connections, config.token, config.allowed_origins, config.max_inflight_per_connection) == (
-        5, TOKEN, "*", 9)
+    assert (config.max_connections, config.token, config.allowed_origins, config.allowed_hosts,
+            config.max_inflight_per_connection) == (5, TOKEN, "*", "fill.example.com", 9)
 
 
 # --- the handshake on a real socket --------------------------------------------------------------

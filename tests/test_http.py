@@ -1,0 +1,318 @@
+"""HTTP done right (protocol.md §9, §12): the Host rule against DNS rebinding, well-formed requests only,
+GET and HEAD only, and every refusal as one JSON line, websockets' own refusals included.
+
+The pure parts (``header_problem``, ``LogThrottle``) are tested directly, as the Host rule itself
+(``access.HostPolicy``) is in test_hardening_access.py; everything else runs on a real server, with
+raw sockets writing the exact bytes a test needs (duplicate headers, odd methods, a forged Host) that
+no HTTP or WebSocket client would send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from websockets.datastructures import Headers
+from websockets.http11 import Request
+
+from fillmask_server.config import Config
+from fillmask_server.http import ALLOWED_METHODS, SINGLE_VALUED_HEADERS, LogThrottle, header_problem
+from fillmask_server.server import FillMaskServer
+
+ATTACKER = "attacker.example"
+SPEC = (Path(__file__).resolve().parent.parent / "protocol.md").read_text()
+
+
+def spec_section(number: int) -> str:
+    start = SPEC.index(f"## §{number} ")
+    following = SPEC.find("\n## §", start + 1)
+    return SPEC[start: following if following != -1 else len(SPEC)]
+
+
+def test_the_spec_states_these_rules() -> None:
+    """§9 lists every status the front answers with and the headers it wants once; §12 the Host rule."""
+    for status in (400, 405, 414, 421, 426, 431, 505, 404, 403, 401, 503):
+        assert f"\n| {status} |" in spec_section(9), status
+    for name in SINGLE_VALUED_HEADERS:
+        assert f"`{name}`" in spec_section(9), name
+    assert f"`Allow: {', '.join(ALLOWED_METHODS)}`" in spec_section(9)
+    assert "`--allowed-hosts`" in spec_section(12) and f"The default is `{Config().allowed_hosts}`" in spec_section(12)
+    assert "`host` (421)" in spec_section(11) and "`bad_request`" in spec_section(11)
+
+
+# --- the pure rules ----------------------------------------------------------------------------------
+
+
+def request_with(*headers: tuple[str, str], protocol: str = "HTTP/1.1") -> Request:
+    return Request("/", Headers(list(headers)), "GET", protocol)
+
+
+def test_header_problem_names_what_is_wrong_in_one_line() -> None:
+    host = ("Host", "127.0.0.1:8765")
+    assert header_problem(request_with(host)) is None
+    assert header_problem(request_with(host, ("Connection", "keep-alive"), ("Connection", "Upgrade"))) is None
+    for name in ("Host", "Origin", "Upgrade", "Authorization", "Accept", "sec-websocket-key"):
+        problem = header_problem(request_with(host, (name, "a"), (name.upper(), "b")))
+        assert problem is not None and "more than one" in problem, name
+    assert "no Host header" in (header_problem(request_with()) or "")
+    assert header_problem(request_with(protocol="HTTP/1.0")) is None  # HTTP/1.0 has no Host
+    assert "Host header is not" in (header_problem(request_with(("Host", "[::1"))) or "")
+
+
+def test_log_throttle_writes_one_line_per_interval_and_counts_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("test.throttle"), 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="test.throttle"):
+        for _ in range(50):
+            throttle.warning("bad", "bad request from %s", "here")
+            now[0] += 0.1
+        throttle.warning("host", "refused host")  # another kind has its own allowance
+        now[0] += 6.0
+        throttle.warning("bad", "bad request from %s", "there")
+    assert [record.getMessage() for record in caplog.records] == [
+        "bad request from here", "refused host",
+        "bad request from there (and 49 more like it in the last 11 s, not logged)"]
+
+
+# --- raw HTTP against a real server ----------------------------------------------------------------
+
+
+def handshake_headers() -> list[str]:
+    key = base64.b64encode(os.urandom(16)).decode()
+    return ["Upgrade: websocket", "Connection: Upgrade", f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
+
+
+async def exchange(port: int, raw: bytes, address: str = "127.0.0.1") -> tuple[int, Headers, bytes]:
+    """Write ``raw``, read one answer: its status, headers and body. For anything but a 101 it also reads
+    to the end of the stream, so that a byte beyond Content-Length (a body on HEAD) fails the test."""
+    reader, writer = await asyncio.open_connection(address, port)
+    try:
+        writer.write(raw)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        status_line, *lines = head.decode("latin-1").rstrip("\r\n").split("\r\n")
+        headers = Headers([tuple(line.split(": ", 1)) for line in lines])  # type: ignore[misc]
+        status = int(status_line.split()[1])
+        if status == 101:
+            return status, headers, b""
+        body = await asyncio.wait_for(reader.read(), 5)  # the server ends the stream after one answer
+        expected = 0 if raw.startswith(b"HEAD ") else int(headers.get("Content-Length", "0"))
+        assert len(body) == expected, (status, body[:200])
+        return status, headers, body
+    finally:
+        writer.close()
+
+
+async def get(port: int, path: str = "/healthz", host: str | None = None, method: str = "GET",
+              extra: list[str] | None = None, address: str = "127.0.0.1", protocol: str = "HTTP/1.1",
+              ) -> tuple[int, Headers, bytes]:
+    lines = [f"{method} {path} {protocol}"]
+    authority = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    lines += [f"Host: {host if host is not None else authority}"] if host != "" else []
+    lines += extra or []
+    return await exchange(port, ("\r\n".join(lines) + "\r\n\r\n").encode(), address)
+
+
+def error_line(headers: Headers, body: bytes) -> str:
+    """The refusal's message, checked to be the one-line JSON every refusal is (§9)."""
+    assert headers["Content-Type"] == "application/json", headers
+    message = orjson.loads(body)["error"]
+    assert message and "\n" not in message and "Traceback" not in message and ".py" not in message, message
+    assert len(message) < 300, message
+    return message
+
+
+def refused(srv: FillMaskServer, reason: str) -> float:
+    value = srv.metrics.registry.get_sample_value("fillmask_handshakes_refused_total", {"reason": reason})
+    return value or 0.0
+
+
+async def test_dns_rebinding_is_refused_421_without_a_token(server: FillMaskServer) -> None:
+    """The issue's reproduction: the attacker's page, rebound to 127.0.0.1, has a matching Origin and Host."""
+    port = server.port
+    before = refused(server, "host")
+    forged = [f"Origin: http://{ATTACKER}:{port}", *handshake_headers()]
+    status, headers, body = await get(port, "/", host=f"{ATTACKER}:{port}", extra=forged)
+    assert status == 421 and "--allowed-hosts" in error_line(headers, body)
+    assert refused(server, "host") == before + 1
+    for path in ("/", "/index.html", "/metrics", "/nope"):  # the page and the metrics are reachable by rebinding too
+        status, headers, body = await get(port, path, host=f"{ATTACKER}:{port}")
+        assert status == 421 and ATTACKER in error_line(headers, body), path
+    for path in ("/healthz", "/readyz"):  # probes send whatever Host their configuration says
+        assert (await get(port, path, host="fillmask.default.svc.cluster.local"))[0] == 200, path
+
+
+async def test_allowed_hosts_pass(server: FillMaskServer) -> None:
+    port = server.port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"app.localhost:{port}", f"10.1.2.3:{port}",
+                 f"LocalHost.:{port}"):
+        status, _, _ = await get(port, "/", host=host, extra=[f"Origin: http://{host}", *handshake_headers()])
+        assert status == 101, host
+        assert (await get(port, "/", host=host))[0] == 200, host  # the demo page
+
+
+async def test_allowed_hosts_on_ipv6_loopback(make_server: Any) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    async with make_server(host="::1") as srv:
+        port = srv.port
+        assert srv.url == f"ws://[::1]:{port}/"
+        status, _, _ = await get(port, "/", address="::1", extra=[f"Origin: http://[::1]:{port}", *handshake_headers()])
+        assert status == 101
+        assert (await get(port, "/healthz", address="::1"))[0] == 200
+        assert (await get(port, "/", address="::1", host=f"{ATTACKER}:{port}"))[0] == 421
+
+
+async def test_allowed_hosts_setting(make_server: Any) -> None:
+    async with make_server(allowed_hosts="fill.example.com") as srv:
+        port = srv.port
+        ok = f"fill.example.com:{port}"
+        assert (await get(port, "/", host=ok, extra=[f"Origin: http://{ok}", *handshake_headers()]))[0] == 101
+        assert (await get(port, "/", host=f"127.0.0.1:{port}", extra=handshake_headers()))[0] == 101  # --host
+        for host in (f"localhost:{port}", f"10.1.2.3:{port}", f"{ATTACKER}:{port}"):
+            assert (await get(port, "/", host=host, extra=handshake_headers()))[0] == 421, host
+    async with make_server(allowed_hosts="*") as srv:  # behind a proxy that rewrites Host: the token's job then
+        port = srv.port
+        assert (await get(port, "/", host=f"{ATTACKER}:{port}", extra=handshake_headers()))[0] == 101
+
+
+@pytest.mark.parametrize("name", ["Origin", "Upgrade", "Authorization", "Accept", "Host", "Sec-WebSocket-Key"])
+async def test_duplicate_headers_get_400_json_and_no_traceback(server: FillMaskServer, name: str,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    port = server.port
+    values = {"Origin": "http://127.0.0.1", "Upgrade": "websocket", "Authorization": "Bearer x",
+              "Accept": "text/plain", "Host": f"127.0.0.1:{port}", "Sec-WebSocket-Key": "AAAAAAAAAAAAAAAAAAAAAA=="}
+    twice = [f"{name}: {values[name]}", f"{name.lower()}: {values[name]}"]
+    with caplog.at_level(logging.INFO):
+        for path, extra in (("/", [*handshake_headers(), *twice]), ("/healthz", twice), ("/metrics", twice)):
+            status, headers, body = await get(port, path, extra=extra)
+            assert status == 400 and f"more than one {name} header" in error_line(headers, body), (path, body)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_healthz_with_two_upgrade_headers_is_400_not_500(server: FillMaskServer) -> None:
+    status, headers, body = await get(server.port, "/healthz", extra=["Upgrade: websocket", "Upgrade: h2c"])
+    assert status == 400 and "Upgrade" in error_line(headers, body)
+
+
+async def test_malformed_host_is_400(server: FillMaskServer) -> None:
+    port = server.port
+    for host in ("[::1", "127.0.0.1:99999", "two:colons:here", "user@127.0.0.1"):
+        status, headers, body = await get(port, "/healthz", host=host)
+        assert status == 400 and "Host" in error_line(headers, body), host
+    status, headers, body = await get(port, "/healthz", host="")
+    assert status == 400 and "no Host header" in error_line(headers, body)
+    assert (await get(port, "/healthz", host="", protocol="HTTP/1.0"))[0] == 200  # HTTP/1.0 predates Host
+
+
+async def test_2000_bad_requests_write_a_handful_of_log_lines(make_server: Any,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 10 item 6: 2,000 requests with duplicate headers wrote 1.6 MB of tracebacks."""
+    async with make_server() as srv:
+        port = srv.port
+        raw = (f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nOrigin: http://a\r\nOrigin: http://b\r\n"
+               "\r\n").encode()
+        statuses: list[int] = []
+
+        async def client(count: int) -> None:
+            for _ in range(count):
+                statuses.append((await exchange(port, raw))[0])
+
+        with caplog.at_level(logging.INFO):
+            await asyncio.gather(*(client(100) for _ in range(20)))
+        assert statuses == [400] * 2000
+        ours = [r for r in caplog.records if r.name == "fillmask_server.http"]
+        assert 1 <= len(ours) <= 3, [r.getMessage() for r in ours]
+        assert "more than one Origin header" in ours[0].getMessage()
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_only_get_and_head(server: FillMaskServer) -> None:
+    port = server.port
+    for method, path in (("PUT", "/metrics"), ("DELETE", "/"), ("POST", "/healthz"), ("get", "/healthz"),
+                         ("PATCH", "/readyz"), ("OPTIONS", "/"), ("Head", "/"), ("POST", "/")):
+        extra = handshake_headers() if path == "/" and method == "POST" else []
+        status, headers, body = await get(port, path, method=method, extra=extra)
+        assert status == 405 and headers["Allow"] == "GET, HEAD", (method, path)
+        assert method in error_line(headers, body)
+    status, headers, body = await get(port, "/healthz", method="POST", extra=["Content-Length: 5"])
+    assert status == 400 and "body" in error_line(headers, body)  # websockets reads no request bodies
+
+
+async def test_head_has_the_get_headers_and_no_body(server: FillMaskServer) -> None:
+    port = server.port
+    for path in ("/healthz", "/readyz", "/", "/metrics", "/nope"):
+        get_status, get_headers, get_body = await get(port, path)
+        head_status, head_headers, head_body = await get(port, path, method="HEAD")
+        assert (head_status, head_body) == (get_status, b""), path
+        assert head_headers["Content-Type"] == get_headers["Content-Type"], path
+        if path != "/metrics":  # the metrics change between the two requests
+            assert head_headers["Content-Length"] == str(len(get_body)), path
+        else:
+            assert int(head_headers["Content-Length"]) > 0
+    assert (await get(port, "/", method="HEAD", host=f"{ATTACKER}:{port}"))[0] == 421
+
+
+async def test_websockets_own_handshake_refusals_are_json(server: FillMaskServer) -> None:
+    port = server.port
+    before = refused(server, "bad_request")
+    upgrade = ["Upgrade: websocket", "Connection: Upgrade"]
+    cases: list[tuple[list[str], str, int, str]] = [
+        ([*upgrade, "Sec-WebSocket-Version: 13"], "HTTP/1.1", 400, "Sec-WebSocket-Key header is missing"),
+        ([*upgrade, "Sec-WebSocket-Key: short", "Sec-WebSocket-Version: 13"], "HTTP/1.1", 400,
+         "Sec-WebSocket-Key header has an invalid value"),
+        ([*upgrade, "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA=="], "HTTP/1.1", 400,
+         "Sec-WebSocket-Version header is missing"),
+        ([*upgrade, "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==", "Sec-WebSocket-Version: 8"], "HTTP/1.1", 426,
+         "version 13"),
+        (["Upgrade: websocket", "Connection: keep-alive", "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==",
+          "Sec-WebSocket-Version: 13"], "HTTP/1.1", 426, "Connection header must include Upgrade"),
+        (handshake_headers(), "HTTP/1.0", 505, "HTTP/1.1"),
+    ]
+    for extra, protocol, status_wanted, message in cases:
+        status, headers, body = await get(port, "/", extra=extra, protocol=protocol)
+        assert status == status_wanted and message in error_line(headers, body), (extra, body)
+        if status == 426:  # RFC 9110 §15.5.22
+            assert (headers["Upgrade"], headers["Connection"]) == ("websocket", "Upgrade, close")
+        if "version 13" in message:
+            assert headers["Sec-WebSocket-Version"] == "13"  # RFC 6455 §4.2.2
+        assert headers["Server"].startswith("fillmask-server/")
+    assert refused(server, "bad_request") == before + len(cases)
+
+
+async def test_requests_websockets_cannot_parse_are_answered_in_json(server: FillMaskServer,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    port = server.port
+    host = f"Host: 127.0.0.1:{port}\r\n"
+    cases = [
+        (f"GET /{'a' * 9000} HTTP/1.1\r\n{host}\r\n", 414, "request line is too long"),
+        (f"GET / HTTP/1.1\r\n{host}X-Big: {'b' * 9000}\r\n\r\n", 431, "header line is too long"),
+        ("GET / HTTP/1.1\r\n" + host + "".join(f"X-{i}: {i}\r\n" for i in range(200)) + "\r\n", 431,
+         "too many headers"),
+        ("HELLO\r\n\r\n", 400, "not valid HTTP/1.1"),
+        (f"GET / HTTP/2.0\r\n{host}\r\n", 400, "not valid HTTP/1.1"),
+        (f"GET / HTTP/1.1\r\n{host}Bad Header: x\r\n\r\n", 400, "not valid HTTP/1.1"),
+        (f"GET /healthz HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\n", 400, "body"),
+    ]
+    with caplog.at_level(logging.INFO):
+        for raw, status_wanted, message in cases:
+            status, headers, body = await exchange(port, raw.encode())
+            assert status == status_wanted and message in error_line(headers, body), (raw[:40], body)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    # A client that hangs up halfway gets nothing, and the server is none the worse for it.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHo")
+    writer.write_eof()
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    assert (await get(port, "/healthz"))[0] == 200
