@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update({
         "command": " ".join([".venv/bin/python", "bench/run.py", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                        else argv)]),
-        "date": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date": datetime.datetime.fromtimestamp(started, datetime.UTC).strftime("%Y-%m-%d %H:%M"),
         "duration_s": time.time() - started,
     })
     summary["meta"] = meta

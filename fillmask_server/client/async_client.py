@@ -171,14 +171,14 @@ class _Connection:
                                http_status=status) from exc
         except InvalidHandshake as exc:
             raise ConnectError(f"cannot connect to {shown}: {exc}", url=shown) from exc
-        except (TimeoutError, asyncio.TimeoutError) as exc:
+        except TimeoutError as exc:
             raise ConnectError(f"cannot connect to {shown}: timed out after {open_timeout:g} s", url=shown) from exc
         except OSError as exc:
             raise ConnectError(f"cannot connect to {shown}: {exc.strerror or exc}", url=shown) from exc
         try:
             hello = decode_frame(await asyncio.wait_for(ws.recv(decode=False), open_timeout))
             problem = check_hello(hello)
-        except (TimeoutError, asyncio.TimeoutError, ConnectionClosed, ValueError) as exc:
+        except (TimeoutError, ConnectionClosed, ValueError) as exc:
             problem = f"no valid hello frame ({type(exc).__name__}: {exc})"
         if problem is not None:
             await ws.close()
