@@ -57,8 +57,8 @@
       { key: 'p50', label: 'Latency p50', text: formatMs(p50), value: p50 },
       { key: 'p99', label: 'Latency p99', text: formatMs(p99), value: p99 },
       {
-        key: 'batch', label: 'Batch size', value: mean, extra: { max: max },
-        text: mean === null ? '–' : (mean < 10 ? mean.toFixed(1) : Math.round(mean)) + ' avg, ' + formatCount(max) + ' max',
+        key: 'batch', label: 'Batch size', value: mean, extra: { max: max }, title: 'mean / largest',
+        text: mean === null ? '–' : (mean < 10 ? mean.toFixed(1) : Math.round(mean)) + ' / ' + formatCount(max),
       },
       { key: 'busy', label: 'Engine busy', text: busyText, value: busy, meter: busy },
       { key: 'connections', label: 'Connections', text: formatCount(num(frame.connections)), value: num(frame.connections) },
@@ -116,6 +116,7 @@
     tile.className = 'stat';
     tile.dataset.testid = 'stat-' + t.key;
     tile.dataset.value = t.value === null ? '' : String(t.value);
+    if (t.title) tile.title = t.title;
     for (const [k, x] of Object.entries(t.extra || {})) tile.dataset[k] = x === null ? '' : String(x);
     const label = document.createElement('dt');
     label.textContent = t.label;
