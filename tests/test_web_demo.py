@@ -2,8 +2,10 @@
 
 Each test opens the page as a person would (served by the server itself at ``GET /``), drives it
 with the keyboard and mouse through Playwright, and checks what is rendered against what the server
-sent: the frames the page received (captured from the browser's own WebSocket) and, independently, a
-reference request made over a separate connection.
+sent: the frames the page sent and received (captured from the browser's own WebSocket) and,
+independently, a reference request made over a separate connection. Controls are exercised at
+desktop (1280x900) and phone (375x812) sizes. The pure helpers of ``web_demo/lib.js`` and
+``web_demo/live.js`` are also called directly in the page (``page.evaluate``).
 
 Needs Debian's ``chromium`` and the ``playwright`` Python package (``bash scripts/setup.sh --test``).
 Without them the tests skip and say how to install them, except in CI (``CI`` set), where they fail.
@@ -11,9 +13,14 @@ Without them the tests skip and say how to install them, except in CI (``CI`` se
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
+import re
+import shlex
 import shutil
+import socket
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,7 @@ from tests.wire import wait_until
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
 README_SCREENSHOT = ROOT / "web_demo" / "screenshot.png"
+README_PHONE_SCREENSHOT = ROOT / "web_demo" / "screenshot-phone.png"
 INSTALL_HINT = ("install them with `bash scripts/setup.sh --test` (Debian's chromium and the playwright "
                 "package), or set FILLMASK_CHROMIUM to a Chromium binary")
 CHROMIUM_FLAGS = [
@@ -36,6 +44,8 @@ CHROMIUM_FLAGS = [
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 375, "height": 812}
 PORTRAIT = {"width": 1280, "height": 1200}  # the README's picture: room for the burst's cards too
+SIZES = pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
+NO_STATS_YET = "needs the server's stats frames (lead)"
 
 
 def _unavailable(reason: str) -> None:
@@ -73,23 +83,38 @@ async def browser() -> AsyncIterator[Any]:
 
 
 class Page:
-    """One browser tab on the demo page, with the frames its WebSocket received."""
+    """One browser tab on the demo page, with the frames its WebSockets sent and received."""
 
     def __init__(self, page: Any) -> None:
         self.page = page
-        self.frames: list[dict[str, Any]] = []
+        self.frames: list[dict[str, Any]] = []  # received, in order
+        self.sent: list[dict[str, Any]] = []
+        self.raw_in: list[str] = []
+        self.raw_out: list[str] = []
         self.errors: list[str] = []
         page.on("pageerror", lambda exc: self.errors.append(str(exc)))
         page.on("websocket", self._watch)
 
     def _watch(self, ws: Any) -> None:
-        ws.on("framereceived", lambda payload: self.frames.append(orjson.loads(payload)))
+        ws.on("framereceived", self._received)
+        ws.on("framesent", self._sent)
+
+    def _received(self, payload: str) -> None:
+        self.raw_in.append(payload)
+        self.frames.append(orjson.loads(payload))
+
+    def _sent(self, payload: str) -> None:
+        self.raw_out.append(payload)
+        self.sent.append(orjson.loads(payload))
 
     def by(self, test_id: str) -> Any:
         return self.page.get_by_test_id(test_id)
 
     def card(self, request_id: int) -> Any:
         return self.page.locator(f'[data-testid="request-card"][data-id="{request_id}"]')
+
+    def burst(self, n: int) -> Any:
+        return self.page.locator(f'[data-testid="burst-card"][data-burst="{n}"]')
 
     async def frame_for(self, request_id: int) -> dict[str, Any]:
         """The one frame the page received about ``request_id`` (its terminal frame, §8)."""
@@ -98,11 +123,20 @@ class Page:
         assert len(frames) == 1, frames
         return frames[0]
 
+    def sent_for(self, request_id: int) -> dict[str, Any]:
+        frames = [f for f in self.sent if f.get("type") == "fill_mask" and f.get("id") == request_id]
+        assert len(frames) == 1, frames
+        return frames[0]
+
     async def ask(self, text: str) -> None:
         """Type ``text`` into the sentence box and press Enter."""
         box = self.by("text-input")
         await box.fill(text)
         await box.press("Enter")
+
+    async def send_burst(self, n: int) -> None:
+        await self.by("burst-size").fill(str(n))
+        await self.by("burst-send").click()
 
     async def wait_connected(self) -> None:
         from playwright.async_api import expect
@@ -117,7 +151,8 @@ async def open_page(browser: Any) -> AsyncIterator[Callable[..., Any]]:
     pages: list[Page] = []
 
     async def opener(url: str, viewport: dict[str, int] = DESKTOP, wait: bool = True) -> Page:
-        context = await browser.new_context(viewport=viewport, color_scheme="light", reduced_motion="reduce")
+        context = await browser.new_context(viewport=viewport, color_scheme="light", reduced_motion="reduce",
+                                            permissions=["clipboard-read", "clipboard-write"])
         contexts.append(context)
         page = Page(await context.new_page())
         pages.append(page)
@@ -143,46 +178,85 @@ async def reference(url: str, frame: dict[str, Any] | None) -> tuple[dict[str, A
         return hello, orjson.loads(await asyncio.wait_for(ws.recv(), 10))
 
 
+async def server_has_stats(url: str) -> bool:
+    """Whether the server answers subscribe_stats with stats frames (not unknown_type)."""
+    async with connect(url) as ws:
+        await asyncio.wait_for(ws.recv(), 5)  # hello
+        await ws.send('{"type":"subscribe_stats","interval_ms":250}')
+        answer = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
+        return answer.get("type") == "stats"
 
-async def rendered(card: Any) -> list[dict[str, Any]]:
-    """Each prediction list of a card, as shown: one dict per list with its rows and filled-in sentence."""
-    return await card.evaluate("""card => Array.from(card.querySelectorAll('[data-testid=prediction-list]'))
-        .map(list => ({
-            filled: list.querySelector('[data-testid=filled-sentence]').textContent,
-            highlighted: (list.querySelector('[data-testid=filled-sentence] mark') || {}).textContent || null,
-            rows: Array.from(list.querySelectorAll('[data-testid=prediction]')).map(li => ({
+
+def free_port() -> int:
+    """A loopback port where nothing listens (bound and released at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def run(*argv: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                                                   stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    return process.returncode or 0, out.decode(), err.decode()
+
+
+def expected_filled(text: str, mask: str, fills: list[str]) -> str:
+    """The user's text with each mask replaced by its chosen word (word pieces join the word before)."""
+    parts = text.split(mask)
+    out = parts[0]
+    for fill, part in zip(fills, parts[1:], strict=True):
+        if fill.startswith("##") and len(fill) > 2:
+            fill = fill[2:]
+            out = out[:-1] if out.endswith((" ", "\t")) else out
+        out += fill + part
+    return out
+
+
+async def rendered(card: Any) -> dict[str, Any]:
+    """A card's predictions as shown: its filled-in sentence and each prediction list's rows."""
+    return await card.evaluate("""card => ({
+        filled: (card.querySelector('[data-testid=filled-sentence]') || {}).textContent,
+        marks: Array.from(card.querySelectorAll('[data-testid=filled-sentence] mark')).map(m => m.textContent),
+        lists: Array.from(card.querySelectorAll('[data-testid=prediction-list]')).map(list =>
+            Array.from(list.querySelectorAll('[data-testid=prediction]')).map(li => ({
                 rank: Number(li.dataset.rank),
                 token: Number(li.dataset.token),
                 token_str: li.dataset.tokenStr,
                 score: Number(li.dataset.score),
                 sequence: li.dataset.sequence,
                 shown_token: li.querySelector('[data-testid=prediction-token]').textContent,
+                special: li.querySelector('[data-testid=prediction-token]').classList.contains('special'),
+                note: li.querySelector('[data-testid=prediction-token]').title,
                 shown_score: li.querySelector('[data-testid=prediction-score]').textContent,
                 bar_percent: parseFloat(li.querySelector('.fill').style.width),
                 visible: li.getBoundingClientRect().height > 0,
-            })),
-        }))""")
+            }))),
+    })""")
 
 
-def assert_rendered_as_sent(lists: list[dict[str, Any]], predictions: list[Any]) -> None:
-    """The rows show exactly the frame's predictions, in its order, with honest scores and bars."""
+def assert_rendered_as_sent(shown: dict[str, Any], text: str, mask: str, predictions: list[Any]) -> None:
+    """The rows show exactly the frame's predictions, in its order, with honest scores and bars; the
+    filled-in sentence is the text with each mask's top candidate, without special tokens (§4)."""
     groups = predictions if predictions and isinstance(predictions[0], list) else [predictions]
-    assert len(lists) == len(groups)
-    for shown, group in zip(lists, groups, strict=True):
-        assert [row["rank"] for row in shown["rows"]] == list(range(1, len(group) + 1))
-        for row, pred in zip(shown["rows"], group, strict=True):
+    assert len(shown["lists"]) == len(groups)
+    for rows, group in zip(shown["lists"], groups, strict=True):
+        assert [row["rank"] for row in rows] == list(range(1, len(group) + 1))
+        for row, pred in zip(rows, group, strict=True):
             assert row["visible"]
-            assert (row["token"], row["token_str"], row["shown_token"]) == (pred["token"], pred["token_str"],
-                                                                           pred["token_str"])
+            assert (row["token"], row["token_str"]) == (pred["token"], pred["token_str"])
+            if pred["token_str"].isascii() and pred["token_str"].isprintable() and pred["token_str"].strip():
+                assert row["shown_token"] == pred["token_str"]
             assert row["score"] == pred["score"]  # the exact number the frame carried
             assert row["shown_score"].endswith("%")
             percent = float(row["shown_score"][:-1])
             assert percent == pytest.approx(pred["score"] * 100, rel=5e-3), row  # 3 significant digits
             assert row["bar_percent"] == pytest.approx(pred["score"] * 100, abs=1e-3)  # CSS keeps ~6 digits
-        # The first row is selected: its sequence is the filled-in sentence.
-        assert shown["filled"] == "Filled in: " + group[0]["sequence"]
-        if group[0]["token_str"].isalpha() and group[0]["token_str"] in group[0]["sequence"]:
-            assert shown["highlighted"] == group[0]["token_str"]
+    tops = [rows[0]["shown_token"] for rows in shown["lists"]]
+    assert shown["filled"] == "Filled in: " + expected_filled(text, mask, tops)
+    assert len(shown["marks"]) == len(groups)
+    for special in ("[CLS]", "[SEP]", mask):
+        assert special not in shown["filled"], shown["filled"]
 
 
 def assert_same_as_reference(got: list[Any], expected: list[Any]) -> None:
@@ -210,6 +284,29 @@ async def metrics(card: Any) -> dict[str, dict[str, str]]:
             {value: m.dataset.value, text: m.querySelector('.metric-value').textContent}]))""")
 
 
+async def position(locator: Any) -> dict[str, float]:
+    """Where an element is in the window, and where the sticky header ends."""
+    return await locator.evaluate("""e => { const r = e.getBoundingClientRect();
+        return {top: r.top, bottom: r.bottom, left: r.left, right: r.right, height: innerHeight,
+                width: innerWidth, header: document.querySelector('.top-bar').getBoundingClientRect().bottom}; }""")
+
+
+async def assert_in_view(locator: Any, below_header: bool = True) -> None:
+    """The element is wholly inside the window (and not under the sticky header)."""
+    box = await position(locator)
+    top = box["header"] if below_header else 0
+    assert top - 1 <= box["top"] and box["bottom"] <= box["height"] + 1, box
+    assert box["left"] >= 0 and box["right"] <= box["width"] + 1, box
+
+
+def tokens_of(predictions: list[Any]) -> list[Any]:
+    groups = predictions if predictions and isinstance(predictions[0], list) else [predictions]
+    return [[p["token"] for p in g] for g in groups]
+
+
+# ---------------------------------------------------------------------------- predictions
+
+
 async def test_page_renders_the_servers_predictions(server: Any, open_page: Any) -> None:
     """Typed with the keyboard and the mask button, sent with Enter: what is drawn is what the server sent."""
     from playwright.async_api import expect
@@ -235,7 +332,7 @@ async def test_page_renders_the_servers_predictions(server: Any, open_page: Any)
     await expect(card.get_by_test_id("card-id")).to_have_text("#1")
     result = await page.frame_for(1)
     assert result["type"] == "result" and len(result["predictions"]) == 7
-    assert_rendered_as_sent(await rendered(card), result["predictions"])
+    assert_rendered_as_sent(await rendered(card), text, mask, result["predictions"])
     _, expected = await reference(server.url, {"type": "fill_mask", "id": "ref", "text": text, "top_k": 7})
     assert_same_as_reference(result["predictions"], expected["predictions"])
 
@@ -243,25 +340,31 @@ async def test_page_renders_the_servers_predictions(server: Any, open_page: Any)
     assert_metric(shown, "metric-queue-ms", result["queue_ms"])
     assert_metric(shown, "metric-inference-ms", result["inference_ms"])
     assert int(shown["metric-batch-size"]["value"]) == result["batch_size"] >= 1
+    assert int(shown["metric-batch-id"]["value"]) == result["batch_id"]
 
-    # Two masks: one ranked list per mask, in text order.
+    # Two masks: one ranked list per mask, in text order, and ONE clean filled-in sentence (the
+    # pipeline's sequence for several masks keeps [CLS], [SEP] and the other mask: not shown as such).
     two = f"The {mask} sat on the {mask}."
     await page.ask(two)
     card = page.card(2)
     await expect(card).to_have_attribute("data-state", "done")
     await expect(card.locator(".mask-title")).to_have_text(["Mask 1 of 2", "Mask 2 of 2"])
     result = await page.frame_for(2)
-    assert_rendered_as_sent(await rendered(card), result["predictions"])
+    assert "[CLS]" in result["predictions"][0][0]["sequence"]  # what the wire carries, unchanged (§4)
+    shown_two = await rendered(card)
+    assert_rendered_as_sent(shown_two, two, mask, result["predictions"])
     _, expected = await reference(server.url, {"type": "fill_mask", "id": "ref", "text": two, "top_k": 7})
     assert_same_as_reference(result["predictions"], expected["predictions"])
 
-    # Choosing another row (keyboard: arrow down) shows that row's filled-in sentence.
+    # Choosing another row of the first list (keyboard: arrow down) changes only the first mask's word.
     first_list = card.get_by_test_id("prediction-list").first
     await first_list.locator(".pred-button").first.focus()
     await page.page.keyboard.press("ArrowDown")
-    await expect(first_list.get_by_test_id("filled-sentence")).to_have_text(
-        "Filled in: " + result["predictions"][0][1]["sequence"])
     await expect(first_list.locator(".pred-button").nth(1)).to_be_focused()
+    second = shown_two["lists"][0][1]["shown_token"]
+    top_of_second_mask = shown_two["lists"][1][0]["shown_token"]
+    await expect(card.get_by_test_id("filled-sentence")).to_have_text(
+        "Filled in: " + expected_filled(two, mask, [second, top_of_second_mask]))
 
 
 async def test_error_frame_is_shown_on_its_card(server: Any, open_page: Any) -> None:
@@ -281,6 +384,171 @@ async def test_error_frame_is_shown_on_its_card(server: Any, open_page: Any) -> 
     await expect(page.by("inflight")).to_have_attribute("data-count", "0")
 
 
+async def test_tokens_are_shown_readably(server: Any, open_page: Any) -> None:
+    """Unused vocabulary entries are marked as such, and no token is drawn as a missing-glyph box: a
+    character this device has no font for is shown as its code point (U+....), with a note."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/")
+    await page.by("options").locator("summary").click()
+    targets = ["[unused12]", "ு", "漢", "ཀ", "capital"]  # ཀ is not in the vocabulary: [UNK]
+    await page.by("targets").fill(", ".join(targets))
+    await page.by("top-k").fill("10")
+    await page.ask("A [MASK] here.")
+    card = page.card(1)
+    await expect(card).to_have_attribute("data-state", "done")
+    result = await page.frame_for(1)
+    rows = {row["token_str"]: row for row in (await rendered(card))["lists"][0]}
+    assert set(rows) == {p["token_str"] for p in result["predictions"]} >= {"[unused12]", "[UNK]", "capital"}
+    assert rows["[unused12]"]["special"] and "unused" in rows["[unused12]"]["note"]
+    assert rows["[UNK]"]["special"]
+    assert rows["capital"]["shown_token"] == "capital" and not rows["capital"]["note"]
+    boxes = await card.evaluate("""card => {
+        const missing = FillMask.lib.glyphProbe('600 16px ' + getComputedStyle(document.body).fontFamily);
+        return Array.from(card.querySelectorAll('[data-testid=prediction]')).map(li => ({
+            raw: li.dataset.tokenStr,
+            raw_missing: [...li.dataset.tokenStr].some(missing),
+            shown_missing: [...li.querySelector('.tok').textContent].some(missing),
+        }));
+    }""")
+    for b in boxes:
+        assert not b["shown_missing"], b
+        if b["raw_missing"]:  # on this device: shown by code point, with a note saying why
+            row = rows[b["raw"]]
+            assert "U+" in row["shown_token"] and "no font" in row["note"], row
+
+
+async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
+    """lib.js called directly: counting, filling, readable tokens, accounting, snippets, diagnosis."""
+    page = await open_page(server.http_url + "/")
+    got = await page.page.evaluate("""() => {
+        const L = FillMask.lib;
+        const never = () => false;
+        const join = (segs) => segs.map(s => s.text).join('');
+        return {
+            chars: [L.codePoints('😀a'), L.codePoints('é'), L.codePoints('')],
+            targets: [L.parseTargets(''), L.parseTargets(' , ,'), L.parseTargets(' capital ,city,, ')],
+            filled: [
+                join(L.filledSegments('The [MASK] sat on the [MASK].', '[MASK]', ['cat', 'mat'])),
+                join(L.filledSegments('A big [MASK] here', '[MASK]', ['##gest'])),
+                join(L.filledSegments('Hello <mask> world', '<mask>', [' there'])),
+                L.filledSegments('[MASK] and [MASK]', '[MASK]', ['x', 'y']).map(s => s.mask),
+            ],
+            tokens: ['\\u0085', '\\uE000', '\\u200d', ' ', '##\\u0BC1', '[unused12]', 'capital', '']
+                .map(t => L.readableToken(t, never)),
+            tally: L.tally(['done', 'cancelled', 'cancelled', 'overloaded', 'error', 'lost', 'pending']),
+            tallyText: L.tallyText(L.tally(['done', 'done', 'cancelled', 'pending'])),
+            diagnosis: [
+                {pageProtocol: 'file:', pageOrigin: 'null', reachable: true},
+                {pageProtocol: 'file:', pageOrigin: 'null', reachable: false},
+                {reachable: true, ready: 'ready'},
+                {reachable: true, ready: 'draining'},
+                {reachable: true, restarting: true},
+            ].map(f => L.diagnose(Object.assign({url: 'ws://127.0.0.1:8765/', pageProtocol: 'http:',
+                                                 pageOrigin: 'http://127.0.0.1:8765'}, f))),
+        };
+    }""")
+    assert got["chars"] == [len("😀a"), len("é"), 0] == [2, 1, 0]
+    assert got["targets"] == [None, [], ["capital", "city"]]
+    assert got["filled"][:3] == ["The cat sat on the mat.", "A biggest here", "Hello there world"]
+    assert got["filled"][3] == [0, -1, 1]
+    control, private, joiner, space, mark, unused, word, empty = got["tokens"]
+    assert control["text"] == "⟨U+0085⟩" and "control" in control["note"]
+    assert private["text"] == "⟨U+E000⟩" and "private" in private["note"]
+    assert joiner["text"] == "⟨U+200D⟩"
+    assert space["text"] in ("␣", "(space)") and "U+0020" in space["note"]
+    assert mark["text"] == "##◌\u0bc1"  # a combining mark alone sits on a dotted circle
+    assert unused["special"] and unused["text"] == "[unused12]"
+    assert word == {"text": "capital", "note": "", "special": False}
+    assert empty["text"] == "∅"
+    assert got["tally"] == {"sent": 7, "waiting": 1, "answered": 1, "cancelled": 2, "overloaded": 1,
+                            "errors": 1, "lost": 1}
+    assert got["tallyText"] == "4 sent: 2 answered, 1 cancelled, 1 waiting"
+    from_disk, down, token, draining, restarting = got["diagnosis"]
+    assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
+    assert down["kind"] == "offline" and "Is it running?" in down["notice"]
+    assert token["kind"] == "refused" and "--token" in token["notice"] and "?token=" in token["notice"]
+    assert draining["kind"] == "reconnecting" and "shutting down" in draining["notice"]
+    assert restarting == {"kind": "reconnecting", "label": "Server is restarting; reconnecting", "notice": ""}
+
+    # Snippets survive any text: the shell and Python read back exactly what was typed.
+    nasty = "It's a \"[MASK]\" -- $HOME `x` \\n ünï 😀"
+    for text in (nasty, "-starts with a dash [MASK]"):
+        frame = {"type": "fill_mask", "id": 3, "text": text, "top_k": 2, "targets": ["it's", "b"],
+                 "deadline_ms": 50}
+        url = "ws://127.0.0.1:1/?token=a b"
+        cli = await page.page.evaluate("([u, f]) => FillMask.lib.snippet('cli', u, f)", [url, frame])
+        argv = shlex.split(cli)
+        assert argv[0] == "fillmask-client" and text in argv
+        assert argv[argv.index("--targets") + 1] == "it's,b" and argv[argv.index("--url") + 1] == url
+        if text.startswith("-"):
+            assert argv[-2:] == ["--", text]
+        python = await page.page.evaluate("([f]) => FillMask.lib.snippet('python', 'ws://x/', f)", [frame])
+        call = next(n for n in ast.walk(ast.parse(python)) if isinstance(n, ast.Call)
+                    and getattr(n.func, "attr", "") == "fill_mask")
+        assert ast.literal_eval(call.args[0]) == text
+        assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == \
+               {"top_k": 2, "targets": ["it's", "b"], "deadline_ms": 50}
+
+
+async def test_character_counter_counts_as_the_server_does(make_server: Any, open_page: Any) -> None:
+    """Code points (§3: Python's len), not UTF-16 units: emoji count once, and the limit in hello holds."""
+    from playwright.async_api import expect
+
+    async with make_server(max_text_chars=12) as small:
+        page = await open_page(small.http_url + "/")
+        counter = page.by("text-count")
+        fits = "😀😀😀 [MASK]."       # 11 code points, 14 UTF-16 units
+        too_long = "😀😀😀😀😀 [MASK]."  # 13 code points
+        await page.by("text-input").fill(fits)
+        await expect(counter).to_have_attribute("data-chars", str(len(fits)))
+        await expect(counter).to_contain_text(f"{len(fits)} / 12 characters")
+        await expect(counter).not_to_have_class("help counter warn")
+        await page.by("text-input").press("Enter")
+        await expect(page.card(1)).to_have_attribute("data-state", "done")
+        await page.by("text-input").fill(too_long)
+        await expect(counter).to_contain_text(f"{len(too_long)} / 12 characters")
+        await expect(counter).to_have_class("help counter warn")
+        await page.by("text-input").press("Enter")
+        await expect(page.card(2)).to_have_attribute("data-state", "error")
+        assert (await page.frame_for(2))["code"] == "text_too_long"
+
+
+async def test_random_weights_badge(server: Any, make_server: Any, open_page: Any, tiny_model_dir: Path,
+                                    tmp_path: Path) -> None:
+    """hello.random_weights true: a badge says the words are arbitrary; a trained checkpoint: no badge."""
+    from playwright.async_api import expect
+
+    hello, _ = await reference(server.url, None)
+    assert hello["random_weights"] is True
+    page = await open_page(server.http_url + "/")
+    await expect(page.by("random-weights")).to_be_visible()
+    await expect(page.by("random-weights-help")).to_contain_text("arbitrary words")
+    await page.ask("A [MASK] day.")
+    await expect(page.card(1).get_by_test_id("metric-random")).to_be_visible()
+
+    # The same files with config.json saying nothing of random weights: a trained checkpoint to the server.
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    for item in tiny_model_dir.iterdir():
+        if item.name != "config.json":
+            (trained / item.name).symlink_to(item)
+    config = orjson.loads((tiny_model_dir / "config.json").read_bytes())
+    config.pop("fillmask_random_weights")
+    (trained / "config.json").write_bytes(orjson.dumps(config))
+    async with make_server(model=str(trained)) as srv:
+        page = await open_page(f"{server.http_url}/?ws={srv.url}")
+        await expect(page.by("model-name")).to_have_text("trained")
+        await page.ask("A [MASK] day.")
+        await expect(page.card(1)).to_have_attribute("data-state", "done")
+        await expect(page.by("random-weights")).to_be_hidden()
+        await expect(page.by("random-weights-help")).to_be_hidden()
+        await expect(page.card(1).get_by_test_id("metric-random")).to_have_count(0)
+
+
+# ---------------------------------------------------------------------------- controls
+
+
 async def test_burst_is_batched(server: Any, open_page: Any) -> None:
     """A burst sent while the engine is held runs as one batch: every card shows a batch size above 1."""
     from playwright.async_api import expect
@@ -288,12 +556,12 @@ async def test_burst_is_batched(server: Any, open_page: Any) -> None:
     page = await open_page(server.http_url + "/")
     n = 6
     with server.engine.paused():
-        await page.by("burst-size").fill(str(n))
-        await page.by("burst-send").click()
+        await page.send_burst(n)
         await wait_until(lambda: server.engine.queued() == n)
         await expect(page.by("inflight")).to_have_attribute("data-count", str(n))
-    summary = page.by("burst-summary")
+    summary = page.burst(1).get_by_test_id("burst-summary")
     await expect(summary).to_have_attribute("data-done", str(n))
+    await expect(summary).to_have_attribute("data-answered", str(n))
 
     cards = page.page.locator('[data-testid="request-card"]')
     await expect(cards).to_have_count(n)
@@ -305,7 +573,9 @@ async def test_burst_is_batched(server: Any, open_page: Any) -> None:
     assert sorted(sizes) == sorted(f["batch_size"] for f in frames)
     assert min(sizes) > 1, sizes
     assert int(await summary.get_attribute("data-max-batch")) == max(sizes)
-    await expect(summary.get_by_test_id("batch-chip").first).to_be_visible()
+    chips = page.burst(1).get_by_test_id("batch-chip")
+    await expect(chips.first).to_be_visible()
+    assert await chips.count() == len({f["batch_id"] for f in frames})  # one chip per batch_id
 
 
 async def test_cancel_of_a_queued_request(server: Any, open_page: Any) -> None:
@@ -324,6 +594,296 @@ async def test_cancel_of_a_queued_request(server: Any, open_page: Any) -> None:
     await expect(card.get_by_test_id("card-status")).to_have_text("Cancelled")
     await expect(card.get_by_test_id("cancel")).to_be_hidden()
     await expect(page.by("inflight")).to_have_attribute("data-count", "0")
+
+
+@SIZES
+async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
+    """Targets and deadline go into the request; its card can be copied as Python, JavaScript and a
+    command line, each of which, run as is, asks the server the same question. On a phone the new
+    result and the connection state are in view."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/", viewport=viewport)
+    await page.by("options").locator("summary").click()
+    await page.by("targets").fill(" capital, city ,")
+    await page.by("deadline-ms").fill("5000")
+    await expect(page.by("options-brief")).to_have_text("(2 targets, deadline 5000 ms)")
+    text = "Paris is the [MASK] of France."
+    await page.ask(text)
+    card = page.card(1)
+    await expect(card).to_have_attribute("data-state", "done")
+    assert page.sent_for(1) == {"type": "fill_mask", "id": 1, "text": text, "top_k": 5,
+                                "targets": ["capital", "city"], "deadline_ms": 5000}
+    result = await page.frame_for(1)
+    assert {p["token_str"] for p in result["predictions"]} == {"capital", "city"}
+    await expect(card.get_by_test_id("card-tag")).to_have_text("top 5 · targets: capital, city · deadline 5000 ms")
+
+    # The newest result and the connection state are in view, right after the answer (phones too),
+    # and the result is close below the button, not a screen away.
+    await assert_in_view(card.get_by_test_id("filled-sentence"))
+    await assert_in_view(card.get_by_test_id("prediction").last)
+    await assert_in_view(page.by("conn-status"), below_header=False)
+    if viewport is PHONE:
+        gap = (await position(card))["top"] - (await position(page.by("submit")))["bottom"]
+        assert gap < 200, gap
+
+    snippets = {}
+    for language in ("python", "js", "cli"):
+        await card.get_by_test_id(f"copy-{language}").click()
+        shown = card.get_by_test_id("snippet")
+        await expect(shown).to_be_visible()
+        await expect(card.get_by_test_id("copy-status")).to_have_text("copied")
+        snippets[language] = await shown.text_content()
+        assert await page.page.evaluate("navigator.clipboard.readText()") == snippets[language]
+    await card.get_by_test_id("copy-cli").click()  # a second click on the shown language hides it
+    await expect(card.get_by_test_id("snippet")).to_be_hidden()
+
+    expected = tokens_of(result["predictions"])
+    rc, out, err = await run(sys.executable, "-c", snippets["python"])
+    assert rc == 0, err
+    assert tokens_of(ast.literal_eval(out.strip())) == expected
+    argv = shlex.split(snippets["cli"])
+    assert argv[0] == "fillmask-client"
+    rc, out, err = await run(str(Path(sys.executable).parent / "fillmask-client"), *argv[1:])
+    assert rc == 0, err
+    for p in result["predictions"]:
+        assert p["token_str"] in out
+    # JavaScript: run as pasted into a browser console, on a page of the server's own origin.
+    scratch = await page.page.context.new_page()
+    await scratch.goto(server.http_url + "/healthz")
+    answer = await scratch.evaluate("""code => new Promise((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error('no answer within 10 s')), 10000);
+        new Function('console', code)({log: (x) => { clearTimeout(timer); resolve(x); }});
+    })""", snippets["js"])
+    await scratch.close()
+    assert tokens_of(answer) == expected
+
+    # A deadline that passes while the request waits in the queue: 504 on its card (§6).
+    await page.by("targets").fill("")
+    await page.by("deadline-ms").fill("1")
+    with server.engine.paused():
+        await page.ask("Too [MASK] to wait.")
+        await expect(page.card(2)).to_have_attribute("data-state", "overloaded")
+    frame = await page.frame_for(2)
+    assert (frame["status"], frame["reason"]) == (504, "deadline_exceeded")
+    assert page.sent_for(2)["deadline_ms"] == 1 and "targets" not in page.sent_for(2)
+    await expect(page.card(2).get_by_test_id("card-message")).to_contain_text("deadline passed")
+
+
+@SIZES
+async def test_cancel_all_and_burst_accounting(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
+    """A burst is one card whatever its size, counting answered, cancelled, ... separately; "Cancel
+    burst" cancels its queued requests, "Cancel all" every queued request of the page."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/", viewport=viewport)
+    await expect(page.by("cancel-all")).to_be_disabled()
+    with server.engine.paused():
+        await page.ask("My own [MASK] first.")           # 1
+        await wait_until(lambda: server.engine.queued() == 1)
+        await page.send_burst(6)                          # 2..7
+        await wait_until(lambda: server.engine.queued() == 7)
+        await page.ask("And my own [MASK] after.")       # 8
+        await wait_until(lambda: server.engine.queued() == 8)
+        # The burst takes one card: the user's cards stay next to it, its requests are folded away.
+        top_level = page.page.locator("#cards > li")
+        await expect(top_level).to_have_count(3)
+        assert await top_level.evaluate_all("items => items.map(i => i.dataset.testid + (i.dataset.id || ''))") == \
+            ["request-card8", "burst-card", "request-card1"]
+        await expect(page.burst(1).locator('[data-testid="request-card"]').first).to_be_hidden()
+        await assert_in_view(page.card(8))
+        # "Cancel burst" cancels that burst's requests only; "Cancel all" then the rest.
+        await page.burst(1).get_by_test_id("burst-cancel").click()
+        await expect(page.by("inflight")).to_have_attribute("data-count", "2")
+        await expect(page.card(1)).to_have_attribute("data-state", "pending")
+        await expect(page.by("cancel-all")).to_be_enabled()
+        await page.by("cancel-all").click()
+        await expect(page.by("inflight")).to_have_attribute("data-count", "0")
+    assert [f["id"] for f in page.sent if f["type"] == "cancel"] == [2, 3, 4, 5, 6, 7, 1, 8]
+    for request_id in range(1, 9):
+        assert await page.frame_for(request_id) == {"type": "cancelled", "id": request_id}
+    summary = page.burst(1).get_by_test_id("burst-summary")
+    await expect(summary).to_have_text(re.compile(r"^6 sent: 0 answered, 6 cancelled in \d+ ms\.$"))
+    await expect(summary).to_have_attribute("data-cancelled", "6")
+    await expect(summary).to_have_attribute("data-answered", "0")
+    await expect(page.by("cancel-all")).to_be_disabled()
+
+    # A second burst: one of its requests cancelled from its own card, the rest answered.
+    with server.engine.paused():
+        await page.send_burst(4)                          # 9..12
+        await wait_until(lambda: server.engine.queued() == 4)
+        burst = page.burst(2)
+        await burst.get_by_test_id("burst-requests").locator("summary").click()
+        await page.card(9).get_by_test_id("cancel").click()
+        await expect(page.card(9)).to_have_attribute("data-state", "cancelled")
+    summary = burst.get_by_test_id("burst-summary")
+    await expect(summary).to_have_attribute("data-done", "4")
+    await expect(summary).to_contain_text("4 sent: 3 answered, 1 cancelled in ")
+    assert [int(await summary.get_attribute(f"data-{k}")) for k in ("answered", "cancelled", "overloaded",
+                                                                     "errors", "lost", "waiting")] == [3, 1, 0, 0, 0, 0]
+    await expect(page.by("burst-status")).to_contain_text("Burst 2: 4 sent: 3 answered, 1 cancelled")
+    await expect(burst.get_by_test_id("burst-cancel")).to_be_hidden()
+
+
+@SIZES
+async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
+    """The log holds every frame sent and received, newest last, and keeps only the newest ones."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/", viewport=viewport)
+    await page.ask("Log this [MASK].")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    await page.ask("And this [MASK].")
+    await expect(page.card(2)).to_have_attribute("data-state", "done")
+    await wait_until(lambda: len(page.raw_in) >= 4)  # hello, the stats answer, two results
+
+    log = page.by("frame-log")
+    await log.locator("summary").click()
+    entries = log.get_by_test_id("log-entry")
+    await expect(entries.last).to_be_visible()
+    shown = await entries.evaluate_all("items => items.map(i => [i.dataset.dir, i.querySelector('code').textContent, "
+                                       "Number(i.dataset.seq)])")
+    # Each direction complete and in order; entries oldest first (a server with stats adds its frames).
+    assert [text for d, text, _ in shown if d == "out"] == page.raw_out
+    assert [text for d, text, _ in shown if d == "in"] == page.raw_in
+    assert shown[0][:2] == ["event", f"connecting to {server.url}"]
+    seqs = [seq for _, _, seq in shown]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    results = [orjson.loads(text)["id"] for d, text, _ in shown if d == "in" and '"type":"result"' in text]
+    assert results == [1, 2]
+    await expect(page.by("log-count")).to_have_text(f"({len(shown)})")
+
+    # Bounded: with room for 3, the list keeps the 3 newest frames, the last request's among them.
+    await page.page.evaluate("FillMaskDemo.frameLog.max = 3")
+    await page.ask("Bounded [MASK].")
+    await expect(page.card(3)).to_have_attribute("data-state", "done")
+    await expect(entries).to_have_count(3)
+    texts = await entries.locator("code").all_text_contents()
+    assert any(orjson.loads(t).get("id") == 3 and orjson.loads(t)["type"] == "result" for t in texts), texts
+    await expect(page.by("log-dropped")).to_contain_text("older frames dropped")
+    await page.by("log-clear").click()
+    await expect(entries).to_have_count(0)
+
+
+# ---------------------------------------------------------------------------- live view
+
+
+def stats_frame(batches: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    frame = {"type": "stats", "window_s": 1.0, "queue_depth": 3, "in_flight": 12, "connections": 4,
+             "requests_per_s": 812.5, "latency_ms": {"p50": 12.1, "p99": 40.2},
+             "batch_size": {"mean": 21.3, "max": 32}, "engine_busy": 0.83, "batches": batches}
+    frame.update(fields)
+    return frame
+
+
+async def tiles(page: Page) -> dict[str, tuple[str, str]]:
+    return await page.by("live-tiles").evaluate("""box => Object.fromEntries(Array.from(box.children).map(
+        t => [t.dataset.testid.slice(5), [t.dataset.value, t.querySelector('dd').textContent]]))""")
+
+
+@SIZES
+async def test_live_panel_renders_stats_frames(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
+    """live.js fed stats frames (the contract's shape) through the page's own frame handler: tiles,
+    nulls, the batch timeline by batch_id (deduplicated, ours marked), folding, and the log filter."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/", viewport=viewport)
+    await page.ask("Mine [MASK].")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    ours = (await page.frame_for(1))["batch_id"]
+
+    def batch(batch_id: int, size: int) -> dict[str, Any]:
+        return {"batch_id": batch_id, "size": size, "tokens": size * 16, "inference_ms": 6.1}
+
+    first = stats_frame([batch(ours + 1, 32), batch(ours + 2, 8)])
+    second = stats_frame([batch(ours + 2, 8), batch(ours + 3, 1)], queue_depth=0, requests_per_s=0.5,
+                         latency_ms={"p50": None, "p99": None}, batch_size={"mean": None, "max": None},
+                         engine_busy=0.0)
+    panel = page.by("live-panel")
+    await page.page.evaluate("f => FillMaskDemo.receive(JSON.stringify(f))", first)
+    await expect(panel).to_be_visible()
+    if viewport is PHONE:  # folded on a phone: the summary line carries the key numbers
+        await expect(page.by("live-tiles")).to_be_hidden()
+        await expect(page.by("live-brief")).to_have_text("queue 3 · 813 req/s · p99 40 ms · busy 83%")
+        await panel.locator("summary").click()
+    await expect(page.by("live-tiles")).to_be_visible()
+    assert await tiles(page) == {
+        "queue": ["3", "3"], "inflight": ["12", "12"], "rps": ["812.5", "813"], "p50": ["12.1", "12 ms"],
+        "p99": ["40.2", "40 ms"], "batch": ["21.3", "21 / 32"], "busy": ["0.83", "83%"],
+        "connections": ["4", "4"]}
+    assert await page.by("stat-busy").locator(".stat-meter span").evaluate("e => e.style.width") == "83%"
+
+    # A frame with the batch that answered our request (a real batch_id) and one seen before.
+    second["batches"].insert(0, batch(ours, 1))
+    await page.page.evaluate("f => FillMaskDemo.receive(JSON.stringify(f))", second)
+    shown = await tiles(page)
+    assert shown["p50"] == ["", "–"] and shown["p99"] == ["", "–"] and shown["batch"] == ["", "–"]
+    assert shown["rps"] == ["0.5", "0.5"] and shown["busy"] == ["0", "0%"]
+    bars = page.by("live-timeline").get_by_test_id("timeline-batch")
+    assert await bars.evaluate_all("bs => bs.map(b => [Number(b.dataset.batchId), Number(b.dataset.size), "
+                                   "b.classList.contains('ours')])") == \
+        [[ours, 1, True], [ours + 1, 32, False], [ours + 2, 8, False], [ours + 3, 1, False]]
+    await expect(page.by("live-axis")).to_have_text(f"#{ours}#{ours + 3}")
+    await expect(page.by("live-last")).to_have_text(f"Last batch #{ours + 3}: 1 request, 16 tokens, 6.1 ms")
+    await expect(page.by("live-window")).to_have_text("over the last 1.0 s")
+    await expect(page.by("notice")).to_be_hidden()
+
+    # The stats frames are in the frame log, and can be hidden there.
+    log = page.by("frame-log")
+    await log.locator("summary").click()
+    stats_entries = log.locator('[data-testid="log-entry"][data-type="stats"]')
+    await expect(stats_entries).to_have_count(2)
+    await expect(stats_entries.first).to_be_visible()
+    await page.by("log-hide-stats").check()
+    await expect(stats_entries.first).to_be_hidden()
+
+
+async def test_live_panel_hidden_quietly_when_server_lacks_stats(server: Any, open_page: Any) -> None:
+    """A server that answers subscribe_stats with unknown_type offers no live view: no panel, no notice."""
+    from playwright.async_api import expect
+
+    if await server_has_stats(server.url):
+        pytest.skip("the server offers stats: test_live_panel_follows_the_servers_stats covers the panel")
+    page = await open_page(server.http_url + "/")
+    await wait_until(lambda: any(f.get("code") == "unknown_type" for f in page.frames))
+    assert [f for f in page.sent if "stats" in f["type"]] == [{"type": "subscribe_stats", "interval_ms": 1000}]
+    await expect(page.by("live-panel")).to_be_hidden()
+    await expect(page.by("notice")).to_be_hidden()
+    await page.ask("Still [MASK].")  # and the page works as before
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+
+
+@SIZES
+async def test_live_panel_follows_the_servers_stats(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
+    """Against the real server's stats frames: the interval control, queue depth while the engine is
+    held, and the batches that answered this page marked on the timeline."""
+    from playwright.async_api import expect
+
+    if not await server_has_stats(server.url):
+        pytest.skip(NO_STATS_YET)
+    page = await open_page(server.http_url + "/", viewport=viewport)
+    panel = page.by("live-panel")
+    await expect(panel).to_be_visible()
+    assert page.sent[0] == {"type": "subscribe_stats", "interval_ms": 1000}
+    if viewport is PHONE:
+        await panel.locator("summary").click()
+    await page.by("live-interval").select_option("250")
+    await wait_until(lambda: {"type": "subscribe_stats", "interval_ms": 250} in page.sent)
+    with server.engine.paused():
+        await page.send_burst(4)
+        await wait_until(lambda: server.engine.queued() == 4)
+        await expect(page.by("stat-queue")).to_have_attribute("data-value", "4", timeout=10_000)
+    await expect(page.burst(1).get_by_test_id("burst-summary")).to_have_attribute("data-answered", "4")
+    batch_ids = {f["batch_id"] for f in page.frames if f.get("type") == "result"}
+    for batch_id in batch_ids:
+        bar = page.by("live-timeline").locator(f'[data-batch-id="{batch_id}"]')
+        await expect(bar).to_have_class("tl-bar ours", timeout=10_000)
+    last = [f for f in page.frames if f.get("type") == "stats"][-1]
+    assert set(last) >= {"window_s", "queue_depth", "in_flight", "connections", "requests_per_s", "latency_ms",
+                         "batch_size", "engine_busy", "batches"}
+
+
+# ---------------------------------------------------------------------------- connection
 
 
 async def test_overloaded_and_reconnect(server: Any, make_server: Any, open_page: Any) -> None:
@@ -351,12 +911,96 @@ async def test_overloaded_and_reconnect(server: Any, make_server: Any, open_page
     # The server drained and closed with 1001: the page says so and retries with backoff ...
     status = page.by("conn-status")
     await expect(status).to_have_attribute("data-state", "reconnecting")
-    await expect(status).to_contain_text("Reconnecting")
+    await expect(status).to_contain_text("restarting")
     # ... and finds a new server on the same address by itself.
     async with make_server(max_queue=1, port=port):
         await expect(status).to_have_attribute("data-state", "connected", timeout=20_000)
         await page.ask("Back [MASK] again.")
         await expect(page.card(3)).to_have_attribute("data-state", "done")
+
+
+async def test_going_away_keeps_the_cards_and_reconnects(server: Any, make_server: Any, open_page: Any) -> None:
+    """§10: on going_away the page says the server is restarting and sends nothing more there; the
+    answers still owed arrive on the old connection (cards not lost), then a new server is found."""
+    from playwright.async_api import expect
+
+    async with make_server(shutdown_timeout=10) as old:
+        port = old.port
+        page = await open_page(f"{server.http_url}/?ws={old.url}")
+        status = page.by("conn-status")
+        with old.engine.paused():
+            await page.ask("Still [MASK] after the restart.")
+            await page.ask("And this [MASK] too.")
+            await wait_until(lambda: old.engine.queued() == 2)
+            drain = asyncio.create_task(old.drain())
+            await expect(status).to_contain_text("Server is restarting; reconnecting")
+            await expect(page.by("submit")).to_be_disabled()
+            await expect(page.card(1)).to_have_attribute("data-state", "pending")
+            await expect(page.card(2)).to_have_attribute("data-state", "pending")
+        await expect(page.card(1)).to_have_attribute("data-state", "done")
+        await expect(page.card(2)).to_have_attribute("data-state", "done")
+        await drain
+    assert [f["type"] for f in page.frames if f.get("type") == "going_away"] == ["going_away"]
+    assert [(await page.frame_for(i))["type"] for i in (1, 2)] == ["result", "result"]
+    # Nothing was sent on the old connection after going_away: only the stats subscription and the
+    # two requests before it (the draining server refused the new connection's handshakes).
+    assert [f["type"] for f in page.sent] == ["subscribe_stats", "fill_mask", "fill_mask"]
+    async with make_server(port=port):
+        await expect(status).to_have_attribute("data-state", "connected", timeout=20_000)
+        await page.ask("Back [MASK].")
+        await expect(page.card(3)).to_have_attribute("data-state", "done")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")  # the old cards are still there
+    await expect(page.by("notice")).to_be_hidden()
+
+
+async def test_page_opened_from_disk_says_why_it_is_refused(make_server: Any, open_page: Any) -> None:
+    """file://…/index.html?ws=… sends `Origin: null`: refused by default, and the page says so and how
+    to fix it (not "is it running?"); with nothing listening it says it cannot reach the server; with
+    `null` allowed it works."""
+    from playwright.async_api import expect
+
+    page_url = (ROOT / "web_demo" / "index.html").as_uri()
+    async with make_server() as strict:
+        refused = strict.metrics.handshakes_refused.labels("origin")
+        page = await open_page(f"{page_url}?ws={strict.url}", wait=False)
+        await wait_until(lambda: refused._value.get() >= 1)
+        await expect(page.by("conn-status")).to_have_attribute("data-state", "refused")
+        await expect(page.by("conn-status")).to_contain_text("Refused by the server")
+        notice = page.by("notice")
+        await expect(notice).to_contain_text("is running but refused this page")
+        await expect(notice).to_contain_text("--allowed-origins same-origin,localhost,null")
+        await expect(notice).not_to_contain_text("Is it running?")
+        assert not strict.connections
+
+    nobody = f"ws://127.0.0.1:{free_port()}/"
+    page = await open_page(f"{page_url}?ws={nobody}", wait=False)
+    await expect(page.by("notice")).to_contain_text(f"Cannot reach the server at {nobody}. Is it running?")
+    await expect(page.by("conn-status")).to_have_attribute("data-state", "offline")
+
+    async with make_server(allowed_origins="same-origin,localhost,null") as open_to_disk:
+        page = await open_page(f"{page_url}?ws={open_to_disk.url}")
+        await page.ask("Opened from [MASK].")
+        await expect(page.card(1)).to_have_attribute("data-state", "done")
+
+
+async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: Any, open_page: Any) -> None:
+    """The page served by a server with --token cannot connect without it: the page says so (it can
+    read /readyz on its own origin), and the address with ?token= set on the page connects."""
+    from playwright.async_api import expect
+
+    async with make_server(token="s3cret") as guarded:
+        page = await open_page(guarded.http_url + "/", wait=False)
+        await expect(page.by("conn-status")).to_have_attribute("data-state", "refused")
+        await expect(page.by("notice")).to_contain_text("--token")
+        await page.by("ws-url").fill(f"{guarded.url}?token=s3cret")
+        await page.by("ws-url").press("Enter")
+        await page.wait_connected()
+        await expect(page.by("notice")).to_be_hidden()
+        await page.ask("With the [MASK].")
+        await expect(page.card(1)).to_have_attribute("data-state", "done")
+
+
+# ---------------------------------------------------------------------------- pictures
 
 
 async def test_screenshots_desktop_and_phone(server: Any, open_page: Any) -> None:
@@ -368,38 +1012,32 @@ async def test_screenshots_desktop_and_phone(server: Any, open_page: Any) -> Non
         page = await open_page(server.http_url + "/", viewport=viewport)
         await page.ask("There is no mask in this one.")
         with server.engine.paused():
-            await page.by("burst-size").fill("4")
-            await page.by("burst-send").click()
+            await page.send_burst(4)
             await wait_until(lambda: server.engine.queued() == 4)
-        await expect(page.by("burst-summary")).to_have_attribute("data-done", "4")
+        await expect(page.burst(1).get_by_test_id("burst-summary")).to_have_attribute("data-done", "4")
         await page.ask("The [MASK] sat on the [MASK].")
+        await page.by("options").locator("summary").click()
+        await page.by("targets").fill("capital, city, heart")
         await page.ask("Paris is the [MASK] of France.")
         await expect(page.card(7)).to_have_attribute("data-state", "done")
         await expect(page.by("inflight")).to_have_attribute("data-count", "0")
+        await page.card(7).get_by_test_id("copy-python").click()
         await page.page.get_by_text("Server and limits").click()
         await expect(page.by("limits")).to_contain_text(f"up to {server.config.max_batch_size} requests")
-        await page.page.evaluate("document.activeElement.blur()")
+        await page.page.get_by_text("Server and limits").click()
+        await page.by("frame-log").locator("summary").click()
+        await expect(page.by("frame-log").get_by_test_id("log-entry").last).to_be_visible()
+        await page.page.evaluate("document.activeElement.blur(); window.scrollTo(0, 0)")
         width = await page.page.evaluate("document.documentElement.scrollWidth")
         assert width <= viewport["width"], f"{name}: the page is {width}px wide in a {viewport['width']}px window"
         path = ARTIFACTS / f"web-demo-{name}.png"
         await page.page.screenshot(path=str(path), full_page=name == "phone")
         assert path.stat().st_size > 10_000
-        if name == "desktop" and os.environ.get("FILLMASK_UPDATE_SCREENSHOT"):
-            shutil.copyfile(path, README_SCREENSHOT)
-
-
-async def test_page_opened_from_disk_works_with_null_origin_allowed(make_server: Any, open_page: Any) -> None:
-    """file://…/index.html?ws=… sends `Origin: null`: refused by default, served with `null` allowed."""
-    from playwright.async_api import expect
-
-    page_url = (ROOT / "web_demo" / "index.html").as_uri()
-    async with make_server() as strict:
-        refused = strict.metrics.handshakes_refused.labels("origin")
-        page = await open_page(f"{page_url}?ws={strict.url}", wait=False)
-        await wait_until(lambda: refused._value.get() >= 1)
-        assert await page.by("conn-status").get_attribute("data-state") != "connected"
-        assert not strict.connections
-    async with make_server(allowed_origins="same-origin,localhost,null") as open_to_disk:
-        page = await open_page(f"{page_url}?ws={open_to_disk.url}")
-        await page.ask("Opened from [MASK].")
-        await expect(page.card(1)).to_have_attribute("data-state", "done")
+        if os.environ.get("FILLMASK_UPDATE_SCREENSHOT"):
+            if name == "desktop":
+                shutil.copyfile(path, README_SCREENSHOT)
+            else:  # the README's phone picture: the window itself, right after the answer came
+                await page.page.evaluate("window.scrollTo(0, 0)")
+                await page.ask("Paris is the [MASK] of France.")
+                await expect(page.card(8)).to_have_attribute("data-state", "done")
+                await page.page.screenshot(path=str(README_PHONE_SCREENSHOT))

@@ -1,0 +1,411 @@
+/* Fill-mask demo page: the pure parts (no page state, no network), shared as window.FillMask.lib.
+ *
+ * Everything here takes values and returns values, so the browser test can call each function
+ * directly (page.evaluate) as well as through the page. The one exception is glyphProbe, which
+ * draws on a detached canvas to learn whether this device has a font for a character.
+ */
+'use strict';
+
+(function () {
+  const FillMask = (window.FillMask = window.FillMask || {});
+
+  // ---------------------------------------------------------------- numbers and words
+
+  /** Score as a percentage with three significant digits: 41.2%, 4.12%, 0.0412%. */
+  function formatScore(score) {
+    const pct = score * 100;
+    if (pct === 0) return '0%';
+    if (pct >= 99.95) return pct.toFixed(1) + '%';
+    return pct.toPrecision(3) + '%';
+  }
+
+  function formatMs(ms) {
+    if (typeof ms !== 'number' || !isFinite(ms)) return '–';
+    if (ms < 10) return ms.toFixed(1) + ' ms';
+    if (ms < 10000) return Math.round(ms) + ' ms';
+    return (ms / 1000).toFixed(1) + ' s';
+  }
+
+  function plural(n, one, many) { return n + ' ' + (n === 1 ? one : many); }
+
+  // ---------------------------------------------------------------- text as the server counts it
+
+  /**
+   * Characters as the server counts them (protocol.md §3: Python's len, i.e. Unicode code points).
+   * String.length counts UTF-16 units, which says 2 for one emoji.
+   */
+  function codePoints(text) {
+    let n = 0;
+    // A for..of loop walks code points without building an array (texts may be long).
+    for (const _ of text) n++;
+    return n;
+  }
+
+  function countOccurrences(text, token) {
+    if (!token) return 0;
+    let n = 0;
+    for (let i = text.indexOf(token); i !== -1; i = text.indexOf(token, i + token.length)) n++;
+    return n;
+  }
+
+  /**
+   * The targets field as the request's `targets`: words separated by commas, trimmed, blanks dropped.
+   * Returns null for a blank field (no targets sent) and [] for one holding only commas (an error).
+   */
+  function parseTargets(raw) {
+    if (!raw || !raw.trim()) return null;
+    return raw.split(',').map((t) => t.trim()).filter((t) => t !== '');
+  }
+
+  // ---------------------------------------------------------------- filled-in sentence
+
+  /**
+   * The user's text with mask i replaced by fills[i], as segments [{text, mask}] (mask: index of the
+   * filled mask, or -1 for the text around it). The pipeline's own `sequence` is no good for this
+   * with several masks: it keeps [CLS], [SEP] and the other masks (protocol.md §4), and it is the
+   * tokenizer's normalised text (lower case for uncased models).
+   *
+   * Word pieces join the word before them ("##s" after "cat" reads "cats"); a token that carries its
+   * own leading space (byte-level BPE) does not add a second one.
+   */
+  function filledSegments(text, maskToken, fills) {
+    const parts = maskToken ? text.split(maskToken) : [text];
+    const out = [];
+    parts.forEach((part, i) => {
+      if (i > 0) {
+        let fill = String(fills[i - 1] ?? maskToken);
+        const prev = out.length ? out[out.length - 1] : null;
+        const before = prev ? prev.text : '';
+        if (fill.startsWith('##') && fill.length > 2) {
+          fill = fill.slice(2);
+          if (prev && prev.mask === -1) prev.text = before.replace(/[ \t]$/, '');
+        } else if (/^\s/.test(fill) && (before === '' || /\s$/.test(before))) {
+          fill = fill.replace(/^\s+/, '');
+        }
+        out.push({ text: fill, mask: i - 1 });
+      }
+      if (part) out.push({ text: part, mask: -1 });
+    });
+    return out;
+  }
+
+  // ---------------------------------------------------------------- tokens a person can read
+
+  const SPECIAL_TOKEN = /^(\[[A-Za-z_]+\d*\]|<[^<>\s]+>)$/;  // [unused12], [UNK], <mask>, </s>
+
+  function uPlus(cp) { return 'U+' + cp.toString(16).toUpperCase().padStart(4, '0'); }
+
+  /**
+   * How to show a predicted token so that it never renders as a missing-glyph box or as nothing:
+   * returns {text, note, special}. `note` (for a tooltip and screen readers) says what was changed;
+   * `special` marks tokens that are not words (special and unused vocabulary entries).
+   * `glyphMissing(ch)` (optional) says whether this device lacks a font for ch.
+   */
+  function readableToken(str, glyphMissing) {
+    str = String(str);
+    if (str === '') return { text: '∅', note: 'an empty token', special: true };
+    if (SPECIAL_TOKEN.test(str)) {
+      const unused = /^\[unused\d+\]$/.test(str);
+      return {
+        text: str,
+        note: unused ? 'an unused vocabulary entry: the model was never trained on it' : 'a special token, not a word',
+        special: true,
+      };
+    }
+    if (/^\s+$/u.test(str)) {
+      const codes = Array.from(str, (ch) => uPlus(ch.codePointAt(0))).join(' ');
+      const space = glyphMissing && glyphMissing('␣') ? '(space)' : '␣';
+      return { text: space, note: 'whitespace (' + codes + ')', special: true };
+    }
+    let text = '';
+    const notes = [];
+    let hasBase = false;
+    for (const ch of str) {
+      const cp = ch.codePointAt(0);
+      const kind = invisibleKind(ch);
+      if (kind) {
+        text += '⟨' + uPlus(cp) + '⟩';
+        notes.push(kind + ' ' + uPlus(cp));
+        continue;
+      }
+      if (cp > 0x24f && glyphMissing && glyphMissing(ch)) {
+        text += '⟨' + uPlus(cp) + '⟩';
+        notes.push(uPlus(cp) + ', which no font on this device shows');
+        hasBase = true;
+        continue;
+      }
+      // A combining mark with nothing to sit on is drawn on a dotted circle, as Unicode charts do.
+      if (/\p{M}/u.test(ch) && !hasBase) text += '◌';
+      text += ch;
+      if (!/\p{M}/u.test(ch) && ch !== '#') hasBase = true;
+    }
+    return { text, note: notes.join('; '), special: false };
+  }
+
+  /** Why ch would show as nothing or as a box whatever the fonts: its kind, or '' for a visible one. */
+  function invisibleKind(ch) {
+    if (/\p{Cc}/u.test(ch)) return 'control character';
+    if (/\p{Cf}/u.test(ch)) return 'invisible formatting character';
+    if (/\p{Co}/u.test(ch)) return 'private-use character';
+    if (/\p{Cs}/u.test(ch)) return 'lone surrogate';
+    if (/\p{Cn}/u.test(ch)) return 'unassigned code point';
+    if (/[\p{Zl}\p{Zp}]/u.test(ch) || (/\p{Zs}/u.test(ch) && ch !== ' ')) return 'space character';
+    return '';
+  }
+
+  /**
+   * A function ch -> true when this device has no font for ch: the character, drawn on a canvas,
+   * looks exactly like an unassigned code point (the font's missing-glyph box). Answers are cached.
+   */
+  function glyphProbe(font) {
+    const cache = new Map();
+    let ctx = null;
+    let reference = null;
+    const W = 48;
+    const H = 40;
+    function draw(ch) {
+      ctx.clearRect(0, 0, W, H);
+      ctx.fillText(ch, 6, H - 10);
+      return ctx.getImageData(0, 0, W, H).data;
+    }
+    return function glyphMissing(ch) {
+      if (cache.has(ch)) return cache.get(ch);
+      if (!ctx) {
+        const canvas = document.createElement('canvas');
+        canvas.width = W;
+        canvas.height = H;
+        ctx = canvas.getContext('2d', { willReadFrequently: true });
+        if (!ctx) return false;
+        ctx.font = font;
+        reference = draw('\u0378');  // unassigned since Unicode 1.1: always the missing-glyph box
+      }
+      const image = draw(ch);
+      let same = true;
+      for (let i = 3; i < image.length; i += 4) {
+        if (image[i] !== reference[i]) { same = false; break; }
+      }
+      cache.set(ch, same);
+      return same;
+    };
+  }
+
+  // ---------------------------------------------------------------- burst accounting
+
+  /**
+   * Count a burst's requests by outcome. `kinds` holds each request's card state: 'pending' while
+   * unanswered, else 'done', 'cancelled', 'overloaded', 'error' or 'lost'.
+   */
+  function tally(kinds) {
+    const t = { sent: kinds.length, waiting: 0, answered: 0, cancelled: 0, overloaded: 0, errors: 0, lost: 0 };
+    for (const kind of kinds) {
+      if (kind === 'done') t.answered++;
+      else if (kind === 'error') t.errors++;
+      else if (kind in t && kind !== 'sent') t[kind]++;
+      else t.waiting++;
+    }
+    return t;
+  }
+
+  /** "64 sent: 12 answered, 52 cancelled" (outcomes with none are left out; answered always shown). */
+  function tallyText(t) {
+    const parts = [t.answered + ' answered'];
+    if (t.cancelled) parts.push(t.cancelled + ' cancelled');
+    if (t.overloaded) parts.push(t.overloaded + ' overloaded');
+    if (t.errors) parts.push(plural(t.errors, 'error', 'errors'));
+    if (t.lost) parts.push(t.lost + ' lost with the connection');
+    if (t.waiting) parts.push(t.waiting + ' waiting');
+    return t.sent + ' sent: ' + parts.join(', ');
+  }
+
+  // ---------------------------------------------------------------- copy as code
+
+  /** A shell word: left bare when safe, else in single quotes (a quote inside becomes '\''). */
+  function shellQuote(s) {
+    if (/^[A-Za-z0-9_\/:.,@%+=-]+$/.test(s)) return s;
+    return "'" + s.replace(/'/g, "'\\''") + "'";
+  }
+
+  /** JSON strings are valid Python and JavaScript string literals (escapes included). */
+  function literal(s) { return JSON.stringify(String(s)); }
+
+  function pythonSnippet(url, frame) {
+    const args = ['            ' + literal(frame.text) + ','];
+    if (frame.top_k !== undefined) args.push('            top_k=' + frame.top_k + ',');
+    if (frame.targets !== undefined) args.push('            targets=[' + frame.targets.map(literal).join(', ') + '],');
+    if (frame.deadline_ms !== undefined) args.push('            deadline_ms=' + frame.deadline_ms + ',');
+    return [
+      'import asyncio',
+      '',
+      'from fillmask_server.client import FillMaskClient',
+      '',
+      '',
+      'async def main() -> None:',
+      '    async with FillMaskClient(' + literal(url) + ') as client:',
+      '        predictions = await client.fill_mask(',
+      ...args,
+      '        )',
+      '    print(predictions)',
+      '',
+      '',
+      'asyncio.run(main())',
+      '',
+    ].join('\n');
+  }
+
+  function cliSnippet(url, frame) {
+    const options = [];
+    if (frame.top_k !== undefined) options.push('--top-k', String(frame.top_k));
+    if (frame.targets !== undefined) options.push('--targets', shellQuote(frame.targets.join(',')));
+    if (frame.deadline_ms !== undefined) options.push('--deadline-ms', String(frame.deadline_ms));
+    options.push('--url', shellQuote(url));
+    // A text starting with '-' would read as an option (and '-' alone as stdin): put it after '--'.
+    const words = frame.text.startsWith('-')
+      ? ['fillmask-client', ...options, '--', shellQuote(frame.text)]
+      : ['fillmask-client', shellQuote(frame.text), ...options];
+    return words.join(' ') + '\n';
+  }
+
+  function jsSnippet(url, frame) {
+    const request = Object.assign({}, frame, { id: 1 });
+    return [
+      '// Plain WebSocket: a browser console (on a page the server allows, see --allowed-origins)',
+      '// or Node.js 22+.',
+      'const ws = new WebSocket(' + literal(url) + ');',
+      'ws.onmessage = (event) => {',
+      '  const frame = JSON.parse(event.data);',
+      "  if (frame.type === 'hello') {",
+      '    ws.send(JSON.stringify(' + JSON.stringify(request) + '));',
+      '  } else if (frame.id === 1) {',
+      "    // result, error, overloaded or cancelled: the request's one terminal frame",
+      "    console.log(frame.type === 'result' ? frame.predictions : frame);",
+      '    ws.close();',
+      '  }',
+      '};',
+      '',
+    ].join('\n');
+  }
+
+  const SNIPPETS = { python: pythonSnippet, js: jsSnippet, cli: cliSnippet };
+
+  /** The request `frame` (as sent, any id) as code in `language` ('python', 'js' or 'cli'). */
+  function snippet(language, url, frame) {
+    const clean = {};
+    for (const key of ['type', 'text', 'top_k', 'targets', 'deadline_ms']) {
+      if (frame[key] !== undefined && frame[key] !== null) clean[key] = frame[key];
+    }
+    if (typeof clean.targets === 'string') clean.targets = [clean.targets];
+    return SNIPPETS[language](url, clean);
+  }
+
+  // ---------------------------------------------------------------- why a connection failed
+
+  /** The HTTP address of the server behind a WebSocket URL, for its /healthz and /readyz. */
+  function httpBase(wsUrl) {
+    const u = new URL(wsUrl);
+    u.protocol = u.protocol === 'wss:' ? 'https:' : 'http:';
+    return u.origin;
+  }
+
+  /**
+   * What to tell the user after a WebSocket handshake failed (no `open`), from what the page could
+   * learn without it. Browsers hide the HTTP status of a refused handshake, but the server answers
+   * /healthz to anyone (no Origin rule): if it answers, the server is up and refused this page.
+   *
+   * facts: {url, pageProtocol, pageOrigin, reachable, ready ('ready', 'draining', 'engine_stopped'
+   * or null when unknown), restarting (a going_away came), everConnected}
+   * returns {kind: 'reconnecting'|'refused'|'offline', label, notice (or '' for none)}
+   */
+  function diagnose(facts) {
+    const url = facts.url;
+    if (facts.restarting) {
+      return { kind: 'reconnecting', label: 'Server is restarting; reconnecting', notice: '' };
+    }
+    if (!facts.reachable) {
+      if (facts.everConnected) return { kind: 'reconnecting', label: 'Reconnecting', notice: '' };
+      return {
+        kind: 'offline', label: 'Server not reachable',
+        notice: 'Cannot reach the server at ' + url + '. Is it running? The page keeps trying; ' +
+          'another address can be set under "Server and limits".',
+      };
+    }
+    if (facts.ready === 'draining') {
+      return { kind: 'reconnecting', label: 'Server is shutting down', notice: 'The server at ' + url +
+        ' is shutting down and takes no new connections. The page keeps trying.' };
+    }
+    if (facts.ready === 'engine_stopped') {
+      return { kind: 'refused', label: 'Server unavailable', notice: 'The server at ' + url +
+        " is running but its model worker stopped, so it takes no connections. Restart the server." };
+    }
+    let path = '/';
+    try { path = new URL(url).pathname; } catch (err) { /* checked before connecting */ }
+    if (path !== '/' && path !== '/ws') {
+      return { kind: 'refused', label: 'Refused by the server', notice: 'The server at ' + httpBase(url) +
+        ' is running but has no WebSocket endpoint at ' + path + '. Connect to ' + httpBase(url).replace(/^http/, 'ws') + '/ .' };
+    }
+    const refused = 'The server at ' + url + ' is running but refused this page';
+    if (facts.pageProtocol === 'file:') {
+      return {
+        kind: 'refused', label: 'Refused by the server',
+        notice: refused + ': a page opened from disk sends "Origin: null", which the server refuses by ' +
+          'default. Start the server with --allowed-origins same-origin,localhost,null (or open the page ' +
+          'it serves, ' + httpBase(url) + '/). If it already allows null, it may need its token: add ' +
+          '?token=TOKEN to the address under "Server and limits".',
+      };
+    }
+    const sameOrigin = facts.pageOrigin === httpBase(url);
+    const causes = sameOrigin
+      ? ': it was probably started with --token; add ?token=TOKEN to the WebSocket address under ' +
+        '"Server and limits". Or it has reached its --max-connections.'
+      : ': either pages of this origin (' + facts.pageOrigin + ') are not allowed (start it with ' +
+        '--allowed-origins same-origin,localhost,' + facts.pageOrigin + '), or it needs its token (add ' +
+        '?token=TOKEN to the address under "Server and limits"), or it has reached its --max-connections.';
+    return { kind: 'refused', label: 'Refused by the server', notice: refused + causes };
+  }
+
+  // ---------------------------------------------------------------- the raw-frame log
+
+  /**
+   * The last `max` frames sent and received, oldest first; each entry's text is cut to `maxChars`
+   * characters so that one 150 KB result cannot make the log heavy. `dropped` counts entries that
+   * fell off the front.
+   */
+  class FrameLog {
+    constructor(max, maxChars) {
+      this.max = max;
+      this.maxChars = maxChars;
+      this.entries = [];
+      this.dropped = 0;
+      this.seq = 0;
+    }
+
+    /** dir: 'out' (sent), 'in' (received) or 'event' (the connection opened or closed). */
+    add(dir, text, type, at) {
+      let shown = String(text);
+      if (shown.length > this.maxChars) {
+        shown = shown.slice(0, this.maxChars) + ' … (' + (shown.length - this.maxChars) + ' more characters)';
+      }
+      const entry = { seq: ++this.seq, dir, type: type || '', text: shown, at };
+      this.entries.push(entry);
+      this.trim();
+      return entry;
+    }
+
+    trim() {
+      const excess = this.entries.length - this.max;
+      if (excess > 0) {
+        this.entries.splice(0, excess);
+        this.dropped += excess;
+      }
+    }
+
+    clear() {
+      this.entries = [];
+      this.dropped = 0;
+    }
+  }
+
+  FillMask.lib = {
+    formatScore, formatMs, plural, codePoints, countOccurrences, parseTargets, filledSegments,
+    readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, diagnose, FrameLog,
+  };
+})();
