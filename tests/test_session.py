@@ -1,0 +1,184 @@
+"""The sans-I/O session (session.py), driven without sockets, threads or an event loop.
+
+A ``Scheduler`` stand-in plays the engine: it accepts or refuses, and lets the test move jobs as the
+stages would (``take`` = the model started it). Every answer is checked as bytes on the wire would be.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from fillmask_server.jobs import Event, Expired, Failed, Job, Rejected, Result, Stopped, advance, can
+from fillmask_server.protocol import Limits
+from fillmask_server.session import Answer, DoubleAnswer, Session
+
+LIMITS = Limits(mask_token="[MASK]", max_text_chars=100, top_k_max=10, max_deadline_ms=10_000)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Engine:
+    """Accepts up to ``room`` jobs; ``take`` moves a job onto the model, as the stages would."""
+
+    def __init__(self, room: int = 100) -> None:
+        self.alive = True
+        self.room = room
+        self.jobs: list[Job] = []
+
+    def submit(self, job: Job) -> bool:
+        if len([j for j in self.jobs if can(j, Event.WITHDRAWN)]) >= self.room:
+            return False
+        self.jobs.append(job)
+        return True
+
+    def withdraw(self, job: Job) -> bool:
+        if not can(job, Event.WITHDRAWN):
+            return False
+        advance(job, Event.WITHDRAWN)
+        return True
+
+    def retry_after_ms(self) -> int:
+        return 42
+
+    def take(self, job: Job) -> Job:
+        advance(job, Event.CHECKED)
+        advance(job, Event.BATCHED)
+        return job
+
+
+def make(room: int = 100, max_inflight: int = 4) -> tuple[Session, Engine, Clock]:
+    engine, clock = Engine(room), Clock()
+    return Session(LIMITS, engine, max_inflight, clock), engine, clock
+
+
+def fill(frame_id: Any, text: str = "a [MASK] b", **fields: Any) -> str:
+    return orjson.dumps({"type": "fill_mask", "id": frame_id, "text": text, **fields}).decode()
+
+
+def frames(answers: list[Answer]) -> list[dict[str, Any]]:
+    return [orjson.loads(answer.frame) for answer in answers]
+
+
+def result(job: Job) -> Result:
+    return Result(job, b'[{"score":1.0}]', 1.0, 2.0, 1, 3, 7)
+
+
+def test_an_accepted_request_is_silent_until_its_outcome_which_answers_it_once() -> None:
+    session, engine, _ = make()
+    assert session.receive(fill(1)) == []
+    job = engine.jobs[0]
+    answer = session.on_outcome(result(engine.take(job)))
+    assert answer is not None and answer.outcome == "result"
+    assert orjson.loads(answer.frame)["predictions"] == [{"score": 1.0}]
+    assert session.inflight == {}
+    with pytest.raises(DoubleAnswer):
+        session.on_outcome(Failed(job, "again"))
+
+
+def test_each_outcome_type_becomes_its_frame_and_metric_label() -> None:
+    session, engine, _ = make(max_inflight=10)
+    for i in range(4):
+        session.receive(fill(i))
+    j = engine.jobs
+    answers = [session.on_outcome(o) for o in (Rejected(j[0], "no_mask", "m"), Failed(j[1], "m"),
+                                                Expired(j[2], 5.0, 42), Stopped(j[3], "engine_stopped", 1000))]
+    assert [(a.outcome, a.code) for a in answers if a] == [
+        ("error", "no_mask"), ("error", "internal_error"), ("overloaded", "deadline_exceeded"),
+        ("overloaded", "engine_stopped")]
+    assert [(f["type"], f.get("status")) for f in frames([a for a in answers if a])] == [
+        ("error", None), ("error", None), ("overloaded", 504), ("overloaded", 503)]
+
+
+def test_an_id_in_flight_is_duplicate_id_whatever_else_is_wrong_with_the_frame() -> None:
+    """§3 order of the checks: the reused id with a bad top_k must not get invalid_top_k under that id."""
+    session, engine, _ = make()
+    session.receive(fill(7))
+    for frame in (fill(7), fill(7, top_k=0), fill(7, text="no mask"), fill(7, deadline_ms=-1),
+                  orjson.dumps({"type": "nonsense", "id": 7}).decode(), orjson.dumps({"type": "fill_mask", "id": 7})
+                  .decode()):
+        (answer,) = frames(session.receive(frame))
+        assert (answer["id"], answer["code"]) == (7, "duplicate_id"), frame
+    assert len(engine.jobs) == 1 and list(session.inflight) == [7]
+    # A field error on a fresh id is that field's error; an id only becomes free with its terminal answer.
+    assert frames(session.receive(fill(8, top_k=0)))[0]["code"] == "invalid_top_k"
+    session.on_outcome(result(engine.take(engine.jobs[0])))
+    assert session.receive(fill(7)) == []
+
+
+def test_order_after_the_frame_is_valid_inflight_then_draining_then_engine_then_queue() -> None:
+    session, engine, _ = make(room=1, max_inflight=2)
+    session.receive(fill(1))
+    assert frames(session.receive(fill(2)))[0]["reason"] == "queue_full"
+    assert frames(session.receive(fill(2)))[0]["retry_after_ms"] == 42
+    session.receive(fill(3))  # refused (queue_full) again: nothing held
+    engine.room = 5
+    assert session.receive(fill(2)) == []
+    assert frames(session.receive(fill(3)))[0]["code"] == "too_many_inflight"  # before draining
+    session.on_outcome(result(engine.take(engine.jobs[0])))
+    engine.alive = False
+    assert frames(session.receive(fill(3)))[0]["reason"] == "engine_stopped"
+    session.shut_down()
+    assert frames(session.receive(fill(3)))[0]["reason"] == "shutting_down"  # draining comes first
+    assert frames(session.receive(fill(2)))[0]["code"] == "duplicate_id"  # and the id rule before all
+
+
+def test_cancel_answers_only_a_request_the_engine_has_not_started() -> None:
+    session, engine, _ = make()
+    session.receive(fill("q"))
+    session.receive(fill("r"))
+    queued, running = engine.jobs
+    engine.take(running)
+    assert frames(session.receive('{"type":"cancel","id":"q"}')) == [{"type": "cancelled", "id": "q"}]
+    assert session.receive('{"type":"cancel","id":"r"}') == []  # running: its result stands
+    assert session.receive('{"type":"cancel","id":"nope"}') == []  # not in flight: ignored
+    assert list(session.inflight) == ["r"]
+    with pytest.raises(DoubleAnswer):  # the cancelled job can never be answered again
+        session.on_outcome(Failed(queued, "late"))
+
+
+def test_deadlines_expire_queued_requests_and_leave_started_ones_alone() -> None:
+    session, engine, clock = make()
+    session.receive(fill("slow", deadline_ms=50))
+    session.receive(fill("fast", deadline_ms=20))
+    session.receive(fill("none"))
+    assert session.next_deadline() == pytest.approx(100.020)
+    engine.take(engine.jobs[0])  # "slow" started: never cut short
+    clock.now = 100.030
+    (expired,) = frames(session.expire())
+    assert (expired["id"], expired["status"], expired["queue_ms"]) == ("fast", 504, pytest.approx(30.0))
+    assert session.next_deadline() == pytest.approx(100.050)
+    clock.now = 101.0
+    assert session.expire() == []
+    assert session.next_deadline() is None
+    assert sorted(session.inflight) == ["none", "slow"]
+
+
+def test_close_withdraws_what_waits_and_drops_later_outcomes_once() -> None:
+    session, engine, _ = make()
+    session.receive(fill(1))
+    session.receive(fill(2))
+    waiting, running = engine.jobs
+    engine.take(running)
+    assert session.close() == 1 and session.close() == 0
+    assert session.on_outcome(result(running)) is None  # dropped: nobody to answer
+    with pytest.raises(DoubleAnswer):
+        session.on_outcome(result(running))
+    with pytest.raises(DoubleAnswer):
+        session.on_outcome(Stopped(waiting, "shutting_down", 1))
+
+
+def test_garbage_gets_one_error_with_a_null_id_and_costs_nothing() -> None:
+    session, engine, _ = make()
+    for data in (b"\x00binary", "not json", "[1]", '{"id": 1}', '{"type":"fill_mask","id":true,"text":"a [MASK]"}'):
+        (answer,) = session.receive(data)
+        assert answer.outcome == "error"
+    assert engine.jobs == [] and session.inflight == {}
