@@ -15,8 +15,9 @@
   serializes them (``decode.py``), while the model thread already runs the next batch.
 
 The event loop only calls the cheap methods ``submit``, ``withdraw``, ``discard``, ``withdraw_all``
-and the counters; finished work reaches it as typed ``Outcome``\\ s through ``deliver`` (called on a
-stage thread; the server makes it thread-safe).
+and the counters; finished work reaches it as typed ``Outcome``\\ s through ``deliver``, called on a
+stage thread under the engine's lock (the server makes it thread-safe and non-blocking with
+``call_soon_threadsafe``).
 
 Invariants: every job state change is ``jobs.advance`` under ``self._lock``, guarded by ``jobs.can``
 where another thread may have moved the job first; whoever moves a job to DONE creates its outcome,
@@ -167,7 +168,10 @@ class Engine:
     def retry_after_ms(self) -> int:
         """Estimate of how long the current queue takes to clear, for 503/504 answers."""
         with self._lock:
-            waiting = self._waiting_locked() + len(self._running)
+            return self._retry_after_ms_locked()
+
+    def _retry_after_ms_locked(self) -> int:
+        waiting = self._waiting_locked() + len(self._running)
         return int(min(30_000, max(10, waiting * self._seconds_per_row * 1000)))
 
     @contextlib.contextmanager
@@ -193,6 +197,12 @@ class Engine:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout)
         self.alive = False
+
+    def _hand_over_locked(self, outcomes: list[Outcome]) -> None:
+        """Give outcomes to ``deliver`` before the lock that made them final is released, so that once
+        ``busy()`` is False every outcome has been handed over (``deliver`` must not block)."""
+        if outcomes:
+            self._deliver(outcomes)
 
     def _waiting_locked(self) -> int:
         return len(self._tokenizing) + len(self._intake) + len(self._queue)
@@ -225,15 +235,13 @@ class Engine:
                 self._intake = [self._tokenizing.popleft() for _ in range(count)]
                 fresh = list(self._intake)
             try:
-                answers = self._check_all(fresh)
+                self._check_all(fresh)
             finally:
                 with self._lock:
                     self._intake = []
-            if answers:
-                self._deliver(answers)
 
-    def _check_all(self, fresh: list[Job]) -> list[Outcome]:
-        """Tokenize and check ``fresh``; queue the runnable ones, return the others' answers."""
+    def _check_all(self, fresh: list[Job]) -> None:
+        """Tokenize and check ``fresh``; queue the runnable ones, answer the others."""
         token_ids = intake.tokenize_all(self.model, [job.request.text for job in fresh])
         verdicts: list[intake.Checked | intake.Refusal | None] = []
         for job, ids in zip(fresh, token_ids, strict=True):
@@ -258,8 +266,8 @@ class Engine:
                 else:
                     advance(job, Event.FAILED)
                     answers.append(Failed(job, _SERVER_FAILED))
+            self._hand_over_locked(answers)
             self._model_wake.notify()
-        return answers
 
     def _model_loop(self) -> None:
         while True:
@@ -281,10 +289,11 @@ class Engine:
                     advance(job, Event.BATCHED)
                     job.started = now
                 self._running = decision.batch
-            if decision.expired:
-                retry = self.retry_after_ms()
-                self.stats.expired += len(decision.expired)
-                self._deliver([Expired(job, (now - job.arrival) * 1000, retry) for job in decision.expired])
+                if decision.expired:
+                    retry = self._retry_after_ms_locked()
+                    self.stats.expired += len(decision.expired)
+                    self._hand_over_locked([Expired(job, (now - job.arrival) * 1000, retry)
+                                            for job in decision.expired])
             if decision.batch:
                 self._run_batch(decision.batch, decision.padded_tokens, now)
 
@@ -307,6 +316,7 @@ class Engine:
             self._decoding.append(_Forwarded(batch, groups, next(self._batch_ids), padded_tokens, elapsed * 1000))
             self._running = []
             self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (elapsed / len(batch))
+            self._hand_over_locked(failed)
             self._decode_wake.notify()
         stats = self.stats
         stats.batches += 1
@@ -314,8 +324,6 @@ class Engine:
         stats.failed += len(failed)
         stats.busy_s += elapsed
         stats.batch_sizes[len(batch)] = stats.batch_sizes.get(len(batch), 0) + 1
-        if failed:
-            self._deliver(failed)
         if self._on_batch is not None:
             try:
                 self._on_batch(len(batch), padded_tokens, [started - job.arrival for job in batch], elapsed)
@@ -371,8 +379,8 @@ class Engine:
                     if can(job, Event.DECODED):
                         advance(job, Event.DECODED if isinstance(outcome, Result) else Event.FAILED)
                         self._decoding_jobs -= 1
+                self._hand_over_locked(outcomes)
                 self._model_wake.notify()
-            self._deliver(outcomes)
 
     def _decode(self, work: _Forwarded) -> list[Outcome]:
         """Each job's predictions as JSON; a job whose decoding fails gets ``Failed``, the others go on."""
@@ -410,11 +418,10 @@ class Engine:
             self._running = []
             self._decoding.clear()
             self._decoding_jobs = 0
-        outcomes: list[Outcome] = [Failed(job, _SERVER_FAILED) for job in started]
-        outcomes += [Stopped(job, "engine_stopped", ENGINE_STOPPED_RETRY_MS) for job in waiting]
-        if outcomes:
+            outcomes: list[Outcome] = [Failed(job, _SERVER_FAILED) for job in started]
+            outcomes += [Stopped(job, "engine_stopped", ENGINE_STOPPED_RETRY_MS) for job in waiting]
             try:
-                self._deliver(outcomes)
+                self._hand_over_locked(outcomes)
             except Exception:
                 log.exception("answering the requests of the stopped engine failed")
 

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,9 @@ class FillMaskServer:
         ))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Server | None = None
+        self._in_transit = 0  # batches of outcomes handed over by the engine, not yet routed by the loop
+        self._transit_lock = threading.Lock()
+        self.double_answers = 0  # second answers a session refused to send: a bug if ever above 0
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -155,6 +159,12 @@ class FillMaskServer:
     def in_flight(self) -> int:
         """Accepted requests without their terminal answer, over every connection."""
         return sum(len(conn.session.inflight) for conn in self.connections)
+
+    def settled(self) -> bool:
+        """Nothing left to happen by itself: no request on its way through the engine, no outcome on its
+        way to the loop, no answer waiting in an outbox. (Tests count answers once this holds.)"""
+        return (not self.engine.busy() and self._in_transit == 0
+                and all(conn.pending_bytes == 0 for conn in self.connections))
 
     async def drain(self, timeout: float | None = None, delay: float = 0.0) -> None:
         """Graceful shutdown (protocol.md §10): after ``delay`` seconds of serving with ``/readyz`` at 503,
@@ -245,22 +255,31 @@ class FillMaskServer:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
-        with contextlib.suppress(RuntimeError):  # the loop closed between the check and the call
-            loop.call_soon_threadsafe(self._on_outcomes, outcomes)
+        with self._transit_lock:
+            self._in_transit += 1
+        try:
+            loop.call_soon_threadsafe(self._on_outcomes, outcomes, True)
+        except RuntimeError:  # the loop closed between the check and the call
+            with self._transit_lock:
+                self._in_transit -= 1
 
-    def _on_outcomes(self, outcomes: list[Outcome]) -> None:
+    def _on_outcomes(self, outcomes: list[Outcome], in_transit: bool = False) -> None:
         """Each outcome to its job's session, and the answer to that session's connection."""
         for outcome in outcomes:
             session: Session = outcome.job.owner
             try:
                 answer = session.on_outcome(outcome)
             except DoubleAnswer:
+                self.double_answers += 1
                 log.exception("not sending a second answer")
                 continue
             if answer is None:
                 self.metrics.dropped()  # its connection closed while the model had it
             else:
                 session.peer.send(answer.frame, (answer.outcome, answer.code))
+        if in_transit:
+            with self._transit_lock:
+                self._in_transit -= 1
 
     # --- clients that do not read ------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ async def running_server(config: Config) -> AsyncIterator[FillMaskServer]:
         yield server
     finally:
         await server.drain(timeout=2.0)
+    assert server.double_answers == 0  # after the drain every outcome has been delivered: none was a second
 
 
 @pytest.fixture(scope="session")
@@ -95,5 +96,6 @@ def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsy
             yield server
         finally:
             await server.drain(timeout=2.0)
+        assert server.double_answers == 0
 
     return factory

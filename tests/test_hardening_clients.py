@@ -7,6 +7,10 @@ library stops taking frames after one, so the server's answers to it pile up on 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import os
+import re
 import socket
 import statistics
 import time
@@ -21,7 +25,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from fillmask_server.connection import Connection
 from fillmask_server.server import FillMaskServer
-from tests.wire import assert_silent, recv, recv_n, request, send, session, wait_until
+from tests.wire import answers_counted, assert_answered, recv, recv_n, request, send, session, wait_until
 
 TEXT = "Paris is the [MASK] of France."
 # Eight masks and top_k 100: a result of about 100 kB, so a few of them fill any buffer.
@@ -39,6 +43,7 @@ async def test_requests_beyond_the_per_connection_cap_get_too_many_inflight(make
     async with make_server(max_inflight_per_connection=3) as srv, session(srv.url) as (ws, hello), \
             session(srv.url) as (other, _):
         assert hello["limits"]["max_inflight_per_connection"] == 3
+        before = answers_counted(srv)
         with srv.engine.paused():
             for i in range(5):
                 await send(ws, fill(i))
@@ -52,7 +57,7 @@ async def test_requests_beyond_the_per_connection_cap_get_too_many_inflight(make
         assert sorted(f["id"] for f in await recv_n(ws, 3)) == [0, 1, 2]
         assert sorted(f["id"] for f in await recv_n(other, 3)) == [0, 1, 2]
         assert (await request(ws, 3, TEXT))["type"] == "result"  # answers freed the places
-        await assert_silent(ws, 0.1)
+        await assert_answered(srv, before, 5 + 3 + 1, ws, other)
 
 
 # --- --max-connections -------------------------------------------------------------------------------
@@ -86,14 +91,10 @@ async def test_handshakes_beyond_max_connections_get_503(make_server: Any) -> No
 # --- clients that do not read ------------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def non_reading_client(srv: FillMaskServer) -> AsyncIterator[ClientConnection]:
-    """A connection whose client takes one frame (the hello) and then reads nothing.
-
-    The kernel's socket buffers on both sides are made small (the server's accepted socket inherits
-    them from its listening socket), so that a few answers fill them, as a few megabytes would on a
-    real network.
-    """
+def small_buffer_socket(srv: FillMaskServer) -> socket.socket:
+    """A connected TCP socket with small kernel buffers on both sides (the server's accepted socket
+    inherits them from its listening socket), so that a few answers fill them, as a few megabytes
+    would on a real network."""
     assert srv._server is not None
     for listener in srv._server.sockets:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
@@ -102,7 +103,15 @@ async def non_reading_client(srv: FillMaskServer) -> AsyncIterator[ClientConnect
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect, so the window stays small
     sock.connect(("127.0.0.1", srv.port))
     sock.setblocking(False)
-    ws = await connect(srv.url, sock=sock, max_queue=1, max_size=None, close_timeout=1)
+    return sock
+
+
+@asynccontextmanager
+async def non_reading_client(srv: FillMaskServer, sock: socket.socket | None = None
+                             ) -> AsyncIterator[ClientConnection]:
+    """A connection whose client takes one frame (the hello) and then reads nothing (see
+    ``small_buffer_socket``)."""
+    ws = await connect(srv.url, sock=sock or small_buffer_socket(srv), max_queue=1, max_size=None, close_timeout=1)
     try:
         yield ws
     finally:
@@ -181,5 +190,60 @@ async def test_a_client_that_does_not_read_for_send_timeout_is_closed_with_1008(
             assert hog.close_code == 1008
             assert "read the server's messages" in hog.close_reason
         await wait_until(lambda: hog_conn not in srv.connections)
+        if count == 8:  # every request it sent is counted once: sent before the close, or dropped (§11)
+            await assert_answered(srv, 0, 8)
+            assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") >= 1
         async with session(srv.url) as (ws, _):
             assert (await request(ws, 1, TEXT))["type"] == "result"
+
+
+async def test_answers_a_drain_cannot_deliver_are_counted_as_dropped(make_server: Any) -> None:
+    """§10, §11: a client that reads nothing holds answers the drain's bounded flush cannot send; each
+    of its requests is still counted exactly once, as a result that reached its socket or as dropped."""
+    async with make_server(max_send_buffer_bytes=64 * 1024, max_inflight_per_connection=8) as srv:
+        async with non_reading_client(srv) as hog:
+            for i in range(8):
+                await send(hog, fill(f"hog-{i}", **BIG))
+            await wait_until(lambda: sample(srv, "fillmask_reading_paused_total") >= 1, timeout=20)
+            await wait_until(lambda: not srv.engine.busy() and srv.in_flight() == 0, timeout=20)
+            await srv.drain(timeout=1)
+        assert answers_counted(srv) == 8
+        assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") >= 1
+
+
+def masked_text_frame(payload: bytes) -> bytes:
+    """One client-to-server WebSocket text frame (RFC 6455 §5.2), masked as a client must."""
+    mask = os.urandom(4)
+    size = len(payload)
+    header = bytes([0x81]) + (bytes([0x80 | size]) if size < 126 else bytes([0x80 | 126]) + size.to_bytes(2, "big"))
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+async def test_a_slow_but_steady_reader_is_never_closed(make_server: Any) -> None:
+    """§12, issue 10: the watchdog measures whether the client takes bytes, not how long one frame takes.
+    A raw-socket client with a small receive buffer, reading about 48 KB/s without pause for several
+    --send-timeouts while its outbox is over --max-send-buffer-bytes, gets every answer, never closed."""
+    count, medium = 8, {"text": " ".join(["the [MASK] of"] * 8), "top_k": 30}  # about 48 kB per answer
+    async with make_server(max_send_buffer_bytes=64 * 1024, max_inflight_per_connection=count,
+                           send_timeout=0.5) as srv:
+        raw = small_buffer_socket(srv)
+        raw.setblocking(True)
+        raw.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                    f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                    "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        for i in range(count):
+            raw.sendall(masked_text_frame(orjson.dumps(fill(f"big-{i}", **medium))))
+        raw.setblocking(False)
+        await wait_until(lambda: sample(srv, "fillmask_reading_paused_total") >= 1, timeout=20)
+        received = bytearray()
+        started = time.monotonic()
+        while len(answered := set(re.findall(rb'"id":"(big-\d+)"', bytes(received)))) < count:
+            assert time.monotonic() - started < 30, f"the slow reader got {len(answered)} answers"
+            await asyncio.sleep(0.125)
+            with contextlib.suppress(BlockingIOError):
+                chunk = raw.recv(6144)
+                assert chunk, "the server closed the connection"
+                received += chunk
+        raw.close()
+        assert time.monotonic() - started > 4 * srv.config.send_timeout  # long enough to have been closed
+        assert sample(srv, "fillmask_slow_clients_closed_total") == 0

@@ -23,7 +23,7 @@ from websockets.exceptions import InvalidStatus
 from fillmask_server.model import FillMaskModel, Item, TopK, load_model
 from fillmask_server.server import FillMaskServer
 from tests.test_server import http_get
-from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session, wait_until
+from tests.wire import assert_answered, assert_same_predictions, recv, recv_n, request, send, session, wait_until
 
 MARKER = "explode"  # one WordPiece token of the bert-base-uncased vocabulary
 TEXT = "Paris is the [MASK] of France."
@@ -85,7 +85,7 @@ async def test_an_input_that_makes_the_model_raise_fails_only_that_request(
     async with make_server_for(model) as srv, session(srv.url) as (ws, _):
         await queue_then_release(srv, ws, [fill(i, BAD_TEXT if i == 3 else TEXT) for i in range(6)])
         frames = {frame["id"]: frame for frame in await recv_n(ws, 6)}
-        await assert_silent(ws, 0.1)
+        await assert_answered(srv, 0, 6, ws)
         assert model.calls == [6, 1, 1, 1, 1, 1, 1]  # the batch, then each request alone
         assert_clean_internal_error(frames.pop(3))
         expected = reference_pipeline(TEXT)
@@ -104,7 +104,7 @@ async def test_out_of_memory_splits_the_batch_in_halves_down_to_one(
     async with make_server_for(model) as srv, session(srv.url) as (ws, _):
         await queue_then_release(srv, ws, [fill(i, BAD_TEXT if i == 5 else TEXT) for i in range(8)])
         frames = {frame["id"]: frame for frame in await recv_n(ws, 8)}
-        await assert_silent(ws, 0.1)
+        await assert_answered(srv, 0, 8, ws)
     # 8 fails; both 4s fail; the four 2s succeed but the marker's pair, which splits into two 1s.
     assert sorted(model.calls) == [1, 1, 2, 2, 2, 2, 4, 4, 8] and model.calls[0] == 8
     assert_clean_internal_error(frames.pop(5))
@@ -224,7 +224,7 @@ async def test_a_deadline_or_cancel_while_the_engine_tokenizes_is_answered_once(
         expired = await recv(ws, timeout=5)  # while the tokenizer still holds it
         assert (expired["id"], expired["status"], expired["reason"]) == ("late", 504, "deadline_exceeded")
         release.set()
-        await assert_silent(ws, 0.2)
+        await assert_answered(srv, 0, 1, ws)
         release.clear()
         entered.clear()
         await send(ws, fill("gone", BAD_TEXT))
@@ -232,7 +232,7 @@ async def test_a_deadline_or_cancel_while_the_engine_tokenizes_is_answered_once(
         await send(ws, {"type": "cancel", "id": "gone"})
         assert await recv(ws, timeout=5) == {"type": "cancelled", "id": "gone"}
         release.set()
-        await assert_silent(ws, 0.2)
+        await assert_answered(srv, 0, 2, ws)
         assert (await request(ws, "after", TEXT))["type"] == "result"
 
 
@@ -257,7 +257,7 @@ async def test_a_fault_in_one_requests_checks_fails_only_that_request(
             fill("fine", TEXT),
         ], runnable=1)
         frames = {frame["id"]: frame for frame in await recv_n(ws, 3)}
-        await assert_silent(ws, 0.1)
+        await assert_answered(srv, 0, 3, ws)
     assert frames["long"]["code"] == "text_too_long"
     assert_clean_internal_error(frames["boom"])
     assert frames["fine"]["type"] == "result"

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from fillmask_server.protocol import Limits, ProtocolError, parse_frame
 from fillmask_server.server import FillMaskServer
 from tests.test_hardening_protocol import SPEC_ERROR_CODES
-from tests.wire import assert_same_predictions, assert_silent, request, session
+from tests.wire import answers_counted, assert_answered, assert_same_predictions, request, session
 
 FRAMES = 10_000
 CONNECTIONS = 4
@@ -138,7 +138,6 @@ async def fire(url: str, frames: list[tuple[str | bytes, ProtocolError]]) -> lis
                 assert answer["type"] == "error", (index, frame[:80], answer)
                 assert (answer["code"], answer["id"]) == (expected.code, expected.id), (index, frame[:80], answer)
                 messages.append(answer["message"])
-        await assert_silent(ws, 0.1)  # exactly one answer per frame
     return messages
 
 
@@ -177,6 +176,7 @@ async def test_ten_thousand_malformed_frames(server: FillMaskServer, reference_p
 
     async def fuzz_round(batches: list[list[tuple[str | bytes, ProtocolError]]]) -> list[str]:
         sizes = [max_bytes + 1, max_bytes + 1000, 4 * max_bytes, 1 << 20]
+        before = answers_counted(server)
         outcome = await asyncio.gather(
             *(fire(server.url, frames) for frames in batches),
             *(oversized(server.url, size, binary) for size in sizes for binary in (False, True)),
@@ -185,6 +185,8 @@ async def test_ten_thousand_malformed_frames(server: FillMaskServer, reference_p
         close_codes = outcome[len(batches): -1]
         assert close_codes == [1009] * len(close_codes)
         assert outcome[-1] == 10
+        # Exactly one answer per frame (§7, §8), counted: nothing for the oversized ones.
+        await assert_answered(server, before, sum(len(frames) for frames in batches) + 10)
         return [message for part in outcome[: len(batches)] for message in part]
 
     await fuzz_round([error_frames(99, 500, limits, max_bytes)])  # warm-up: first inference, buffers

@@ -19,7 +19,17 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from fillmask_server.server import FillMaskServer
-from tests.wire import assert_same_predictions, assert_silent, recv, recv_n, request, send, session, wait_until
+from tests.wire import (
+    answers_counted,
+    assert_answered,
+    assert_same_predictions,
+    recv,
+    recv_n,
+    request,
+    send,
+    session,
+    wait_until,
+)
 
 TEXTS = [
     "Paris is the [MASK] of France.",
@@ -170,9 +180,7 @@ async def exchange_many(url: str, count: int, tag: str) -> list[dict[str, Any]]:
     async with session(url) as (ws, _):
         for i in range(count):
             await send(ws, fill(f"{tag}-{i}", TEXTS[i % len(TEXTS)], top_k=1 + i % 4))
-        frames = await recv_n(ws, count, timeout=60)
-        await assert_silent(ws, 0.2)
-    return frames
+        return await recv_n(ws, count, timeout=60)
 
 
 def assert_each_answered_once(frames: list[dict[str, Any]], expected_ids: set[str]) -> None:
@@ -182,13 +190,17 @@ def assert_each_answered_once(frames: list[dict[str, Any]], expected_ids: set[st
 
 
 async def test_100_in_flight_on_one_socket_each_answered_once(server: FillMaskServer) -> None:
+    before = answers_counted(server)
     frames = await exchange_many(server.url, 100, "one")
     assert_each_answered_once(frames, {f"one-{i}" for i in range(100)})
+    await assert_answered(server, before, 100)
     assert max(frame["batch_size"] for frame in frames) > 1  # they were batched together
 
 
 async def test_100_in_flight_on_each_of_10_sockets(server: FillMaskServer) -> None:
+    before = answers_counted(server)
     results = await asyncio.gather(*(exchange_many(server.url, 100, f"s{n}") for n in range(10)))
+    await assert_answered(server, before, 1000)
     for n, frames in enumerate(results):
         assert_each_answered_once(frames, {f"s{n}-{i}" for i in range(100)})
     for frames in results:  # answers went back on the socket that asked
@@ -225,6 +237,7 @@ BAD_FRAMES: list[tuple[str | bytes, str, Any]] = [
 
 
 async def test_every_bad_input_gets_one_clear_error_and_the_connection_stays_open(server: FillMaskServer) -> None:
+    before = answers_counted(server)
     async with session(server.url) as (ws, _):
         for data, code, frame_id in BAD_FRAMES:
             await ws.send(data)
@@ -232,7 +245,7 @@ async def test_every_bad_input_gets_one_clear_error_and_the_connection_stays_ope
             assert (frame["type"], frame["code"], frame["id"]) == ("error", code, frame_id), (data[:60], frame)
             message = frame["message"]
             assert message and "\n" not in message and "Traceback" not in message and "/" not in message, message
-        await assert_silent(ws, 0.2)
+        await assert_answered(server, before, len(BAD_FRAMES), ws)
         good = await request(ws, "still-open", TEXTS[0])
         assert good["type"] == "result"
 
@@ -256,6 +269,7 @@ async def test_duplicate_id_in_flight_is_rejected_and_the_first_still_answered(s
 
 async def test_queue_bound_answers_503_at_once(make_server: Any) -> None:
     async with make_server(max_queue=3) as srv, session(srv.url) as (ws, hello):
+        before = answers_counted(srv)
         assert hello["limits"]["max_queue"] == 3
         with srv.engine.paused():
             for i in range(5):
@@ -267,10 +281,11 @@ async def test_queue_bound_answers_503_at_once(make_server: Any) -> None:
         assert all(isinstance(f["retry_after_ms"], int) and f["retry_after_ms"] > 0 for f in rejected)
         results = await recv_n(ws, 3)
         assert sorted(f["id"] for f in results) == [0, 1, 2] and {f["type"] for f in results} == {"result"}
-        await assert_silent(ws)
+        await assert_answered(srv, before, 5, ws)
 
 
 async def test_deadline_passing_in_the_queue_answers_504_promptly(server: FillMaskServer) -> None:
+    before = answers_counted(server)
     async with session(server.url) as (ws, _):
         with server.engine.paused():
             await send(ws, fill("late", TEXTS[0], deadline_ms=50))
@@ -283,13 +298,14 @@ async def test_deadline_passing_in_the_queue_answers_504_promptly(server: FillMa
         assert expired["queue_ms"] >= 50 and waited < 2
         result = await recv(ws)
         assert (result["type"], result["id"]) == ("result", "patient")
-        await assert_silent(ws)  # nothing more for "late"
+        await assert_answered(server, before, 2, ws)  # nothing more for "late"
 
 
 # --- §5 cancel -----------------------------------------------------------------------------------
 
 
 async def test_cancel_removes_a_queued_request(server: FillMaskServer) -> None:
+    before = answers_counted(server)
     async with session(server.url) as (ws, _):
         with server.engine.paused():
             await send(ws, fill("a", TEXTS[0]))
@@ -301,7 +317,7 @@ async def test_cancel_removes_a_queued_request(server: FillMaskServer) -> None:
         result = await recv(ws)
         assert (result["type"], result["id"]) == ("result", "b")
         await send(ws, {"type": "cancel", "id": "b"})  # already answered: ignored
-        await assert_silent(ws)
+        await assert_answered(server, before, 2, ws)
 
 
 # --- §8 closed connections ----------------------------------------------------------------------

@@ -53,6 +53,23 @@ async def assert_silent(ws: ClientConnection, seconds: float = 0.2) -> None:
         raise AssertionError(f"unexpected frame: {frame!r}")
 
 
+def answers_counted(srv: Any) -> float:
+    """Every answer the server has counted in ``fillmask_requests_total`` (§11), whatever its outcome."""
+    return sum(sample.value for metric in srv.metrics.requests.collect() for sample in metric.samples
+               if sample.name.endswith("_total"))
+
+
+async def assert_answered(srv: Any, before: float, expected: int, *sockets: ClientConnection) -> None:
+    """§8 by counting, not by waiting: once the server has settled (nothing left in it that could still
+    produce an answer), exactly ``expected`` answers were counted at the socket since ``before``, no
+    request ever got a second answer, and ``sockets`` have nothing left unread."""
+    await wait_until(srv.settled, timeout=20)
+    assert srv.double_answers == 0
+    assert answers_counted(srv) - before == expected
+    for ws in sockets:
+        await assert_silent(ws, 0.05)  # settled: nothing more can come, so only unread frames would show
+
+
 def assert_same_predictions(got: Any, expected: Any, tolerance: float = 1e-4) -> None:
     """Same structure, tokens, token_str and sequences as the pipeline; scores within ``tolerance``."""
     assert isinstance(got, list) and isinstance(expected, list)
