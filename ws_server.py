@@ -23,7 +23,7 @@ from fillmask_server.server import FillMaskServer, check_can_listen
 
 async def serve_until_signalled(config: Config) -> None:
     check_can_listen(config.host, config.port)
-    model = load_model(config.model, config.device, config.dtype, config.torch_threads)
+    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward)
     server = FillMaskServer(config, model)
     await server.start()
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
@@ -47,8 +47,15 @@ def _stop_now() -> None:
     os._exit(130)
 
 
+# The process's GIL hand-over interval. The model thread needs the GIL only briefly, a few times per batch
+# (its forward pass is one traced call), but each time another thread (the event loop, the decode stage)
+# may hold it for up to this long; Python's default of 5 ms would add up to 5 ms to every hand-over.
+SWITCH_INTERVAL_S = 0.0005
+
+
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:

@@ -1,15 +1,19 @@
-"""The in-process limits: ``transformers.pipeline("fill-mask")`` on the benchmark corpus.
+"""The in-process limits on a benchmark corpus: the transformers pipeline, and the server's own work.
 
 Run as a child process by ``bench/run.py`` (so that torch's threads and memory go away with it
 before the server is measured)::
 
-    python -m bench.pipeline_limits --model models/tiny --texts 512 --repeats 3
+    python -m bench.pipeline_limits --model models/tiny --corpus short --texts 512 --repeats 3
 
 It prints one JSON object on its last stdout line:
 
 - ``throughput``: for each ``batch_size`` N, the req/s of ``pipe(texts, batch_size=N)`` over
   ``--texts`` corpus texts, one value per repeat (repeats are interleaved across N);
 - ``single_ms``: the latency of ``pipe(text)`` for single texts, one value per call;
+- ``limit``: the *in-process limit* (issue 9): the same model through the server's own code, with no
+  sockets and no threads: the texts sorted by length, in batches of 32, each tokenized in one call,
+  one forward pass (encoder once, MLM head at the masks, one top-k per batch) and decoded to the
+  pipeline's predictions as JSON. ``limit_forward_only`` leaves out the decoding (information);
 - ``token_counts``: the token length of each corpus text (special tokens included).
 """
 
@@ -23,14 +27,50 @@ from typing import Any
 
 import orjson
 
-from bench.corpus import make_corpus
+from bench.corpus import CORPORA
 from bench.server_proc import QuietGate
 
 SINGLE_WARMUP = 10  # the idle-server client's warm-up requests (bench.loadgen.idle_single)
 
 
+LIMIT_BATCH = 32
+
+
+def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate
+                     ) -> tuple[list[float], list[float]]:
+    """req/s of the server's own work without sockets or threads (see the module docstring): with the
+    decoding, and without it; one value per repeat each."""
+    from fillmask_server.decode import SequenceDecoder, predictions_json
+    from fillmask_server.model import Item, load_model
+
+    model = load_model(model_dir, "cpu", dtype)
+    decoder = SequenceDecoder(model.decode_tokenizer)
+    lengths = [len(ids) for ids in model.tokenize(texts)]
+    order = sorted(range(len(texts)), key=lambda i: lengths[i])
+    batches = [[texts[i] for i in order[start: start + LIMIT_BATCH]] for start in range(0, len(order), LIMIT_BATCH)]
+
+    def run(decode: bool) -> float:
+        started = time.perf_counter()
+        for batch in batches:
+            items = [Item(ids, 5) for ids in model.tokenize(batch)]
+            topk = model.forward(items)
+            if decode:
+                for n, item in enumerate(items):
+                    predictions_json(decoder, item, topk, n)
+        return len(texts) / (time.perf_counter() - started)
+
+    run(True)  # warm-up: kernels for these shapes, the decoder's caches
+    full: list[float] = []
+    forward_only: list[float] = []
+    for _ in range(repeats):
+        gate.wait()
+        full.append(run(True))
+        forward_only.append(run(False))
+    return full, forward_only
+
+
 def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, repeats: int, singles: int,
-            seed: int, gate: QuietGate) -> dict[str, Any]:
+            seed: int, gate: QuietGate, corpus_name: str = "mixed") -> dict[str, Any]:
     """Load the pipeline once, warm it up, then time batched and single calls (see module docstring)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
@@ -43,7 +83,7 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
     started = time.perf_counter()
     pipe = pipeline("fill-mask", model=model_dir, device="cpu", dtype=torch_dtype)
     load_s = time.perf_counter() - started
-    corpus = make_corpus(seed=seed)
+    corpus = CORPORA[corpus_name](seed=seed)
     texts = [corpus[i % len(corpus)] for i in range(n_texts)]
     token_counts = [len(ids) for ids in pipe.tokenizer(corpus)["input_ids"]]
 
@@ -72,9 +112,14 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
         pipe(text)
         single_ms.append((time.perf_counter() - t0) * 1000)
 
+    del pipe
+    limit, limit_forward_only = in_process_limit(model_dir, dtype, texts, repeats, gate)
     return {
         "model": model_dir,
         "dtype": dtype,
+        "corpus": corpus_name,
+        "limit": limit,
+        "limit_forward_only": limit_forward_only,
         "torch_threads": torch.get_num_threads(),
         "load_s": round(load_s, 2),
         "n_texts": n_texts,
@@ -94,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch size")
     parser.add_argument("--singles", type=int, default=50, help="single-text calls to time")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed")
+    parser.add_argument("--corpus", default="mixed", choices=sorted(CORPORA), help="which benchmark corpus")
     parser.add_argument("--wait-quiet", type=float, default=0.0,
                         help="before each timed call, wait up to this many seconds for a quiet machine")
     parser.add_argument("--wait-budget", type=float, default=0.0, help="most seconds of such waiting in all")
     args = parser.parse_args(argv)
     result = measure(args.model, args.dtype, [int(s) for s in args.batch_sizes.split(",")], args.texts,
-                     args.repeats, args.singles, args.seed, QuietGate(args.wait_quiet, args.wait_budget))
+                     args.repeats, args.singles, args.seed, QuietGate(args.wait_quiet, args.wait_budget), args.corpus)
     sys.stdout.write(orjson.dumps(result).decode() + "\n")
     return 0
 

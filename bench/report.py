@@ -100,6 +100,8 @@ def pipeline_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "n_texts": raw["n_texts"],
         "torch_threads": raw["torch_threads"],
         "cpu_other": raw.get("cpu", {}).get("other", math.nan),
+        "limit_rps": median(raw.get("limit", [])),
+        "limit_forward_only_rps": median(raw.get("limit_forward_only", [])),
     }
 
 
@@ -121,30 +123,40 @@ def _phase(server: dict[str, Any] | None, mode: str, in_flight: int | None = Non
 
 
 def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The targets of issue 3 that this run can judge: measured value, goal, PASS or MISS."""
-    servers = {s["name"]: s for s in summary["servers"]}
-    pipes = {p["name"]: p for p in summary["pipelines"]}
+    """The targets (issue 9) that this run can judge, for each corpus: measured value, goal, PASS or MISS."""
+    rows: list[dict[str, Any]] = []
+    for corpus in summary["settings"].get("corpora", ["mixed"]):
+        rows += _corpus_targets(summary, corpus)
+    return rows
+
+
+def _corpus_targets(summary: dict[str, Any], corpus: str) -> list[dict[str, Any]]:
+    servers = {s["name"]: s for s in summary["servers"] if s.get("corpus", "mixed") == corpus}
+    pipes = {p["name"]: p for p in summary["pipelines"] if p.get("corpus", "mixed") == corpus}
     rows: list[dict[str, Any]] = []
 
-    def ratio_row(label: str, server_name: str, pipe_name: str, goal: float) -> None:
+    def ratio_row(label: str, server_name: str, pipe_name: str, goal: float, against: str = "best_rps") -> None:
         server, pipe = servers.get(server_name), pipes.get(pipe_name)
-        if server is None or pipe is None:
+        if server is None or pipe is None or not math.isfinite(pipe.get(against, math.nan)):
             return
-        value = capacity(server) / pipe["best_rps"]
+        value = capacity(server) / pipe[against]
         best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
-        rows.append({"target": label, "measured": f"{capacity(server):.1f} / {pipe['best_rps']:.1f} req/s",
+        rows.append({"target": f"[{corpus}] {label}",
+                     "measured": f"{capacity(server):.1f} / {pipe[against]:.1f} req/s",
                      "value": value, "goal": f"≥ {goal:g}×", "shown": f"{value:.2f}×", "pass": value >= goal,
                      "other_cores": [best.get("cpu_other"), pipe.get("cpu_other")]})
 
     ratio_row("tiny fp32 server ÷ best tiny fp32 pipeline", "tiny fp32", "tiny fp32", 2.5)
     ratio_row("base fp32 server ÷ best base fp32 pipeline", "base fp32", "base fp32", 1.2)
-    ratio_row("base bf16 server ÷ best base fp32 pipeline", "base bf16", "base fp32", 2.2)
+    ratio_row("base bf16 server ÷ best base fp32 pipeline", "base bf16", "base fp32", 2.5)
+    ratio_row("tiny fp32 server ÷ in-process limit", "tiny fp32", "tiny fp32", 0.75, "limit_rps")
+    ratio_row("base fp32 server ÷ in-process limit", "base fp32", "base fp32", 0.9, "limit_rps")
     for size in ("tiny", "base"):
         idle = _phase(servers.get(f"{size} fp32"), "idle")
         pipe = pipes.get(f"{size} fp32")
         if idle is not None and pipe is not None:
             delta = idle["p50_ms"] - pipe["single_p50_ms"]
-            rows.append({"target": f"{size} fp32 idle single request p50 − pipeline single call p50",
+            rows.append({"target": f"[{corpus}] {size} fp32 idle single request p50 − pipeline single call p50",
                          "measured": f"{idle['p50_ms']:.2f} − {pipe['single_p50_ms']:.2f} ms",
                          "value": delta, "goal": "≤ +1 ms", "shown": f"{delta:+.2f} ms", "pass": delta <= 1.0,
                          "other_cores": [idle.get("cpu_other"), pipe.get("cpu_other")]})
@@ -152,7 +164,7 @@ def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         saturated = _phase(servers.get(name), "closed")
         if saturated is not None and "healthz_p99_ms" in saturated:
             p99 = saturated["healthz_p99_ms"]
-            rows.append({"target": f"/healthz p99, {name} saturated ({saturated['clients']} clients × "
+            rows.append({"target": f"[{corpus}] /healthz p99, {name} saturated ({saturated['clients']} clients × "
                                    f"{saturated['in_flight']} in flight)",
                          "measured": f"p50 {_fmt(saturated['healthz_p50_ms'], 1)} ms, p99 {_fmt(p99, 1)} ms",
                          "value": p99, "goal": "≤ 20 ms", "shown": f"{_fmt(p99, 1)} ms", "pass": p99 <= 20.0,
@@ -204,10 +216,10 @@ def markdown(summary: dict[str, Any]) -> str:
         f"load average at start {meta['loadavg_start']}  ",
         f"Software: Python {meta['python']}, torch {meta['torch']} ({meta['torch_threads']} threads), "
         f"transformers {meta['transformers']}, websockets {meta['websockets']}  ",
-        f"Corpus: {_corpus_line(summary['corpus'])}  ",
+        *[f"Corpus `{name}`: {_corpus_line(stats)}  " for name, stats in summary["corpora"].items()],
         f"Settings: {_settings_line(summary['settings'])}",
         "",
-        "## Targets (issue 3)",
+        "## Targets (issue 9; both corpora)",
         "",
         "| target | measured | ratio / value | goal | result | others' CPU cores (server / pipeline) |",
         "|---|---|---|---|---|---|",
@@ -215,35 +227,47 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += [target_line(row) for row in summary["targets"]]
     lines += [
         "",
-        "## In-process pipeline (`pipeline(texts, batch_size=N)`), req/s, median of repeats",
+        "## In-process: `pipeline(texts, batch_size=N)` and the in-process limit, req/s, median of repeats",
         "",
-        "| model | " + " | ".join(f"N={n}" for n in summary["settings"]["pipeline_batch_sizes"])
-        + " | best | single call p50 / p99 ms | CPU cores other |",
-        "|---|" + "---|" * (len(summary["settings"]["pipeline_batch_sizes"]) + 3),
+        "*limit*: the server's own code without sockets or threads (texts sorted by length, batches of 32, one "
+        "tokenizer call, one forward pass with the head at the masks, decoded to the pipeline's JSON); "
+        "*forward only*: the same without the decoding.",
+        "",
+        "| model | corpus | " + " | ".join(f"N={n}" for n in summary["settings"]["pipeline_batch_sizes"])
+        + " | best | single call p50 / p99 ms | limit | forward only | CPU cores other |",
+        "|---|---|" + "---|" * (len(summary["settings"]["pipeline_batch_sizes"]) + 5),
     ]
     for pipe in summary["pipelines"]:
         cells = [_fmt(pipe["per_batch_size_rps"].get(str(n)), 1) for n in summary["settings"]["pipeline_batch_sizes"]]
-        lines.append(f"| {pipe['name']} | " + " | ".join(cells)
+        lines.append(f"| {pipe['name']} | {pipe.get('corpus', 'mixed')} | " + " | ".join(cells)
                      + f" | **{pipe['best_rps']:.1f}** (N={pipe['best_batch_size']}) | "
-                     f"{pipe['single_p50_ms']:.2f} / {pipe['single_p99_ms']:.2f} | {_other(pipe.get('cpu_other'))} |")
+                     f"{pipe['single_p50_ms']:.2f} / {pipe['single_p99_ms']:.2f} | "
+                     f"{_fmt(pipe.get('limit_rps'), 1)} | {_fmt(pipe.get('limit_forward_only_rps'), 1)} | "
+                     f"{_other(pipe.get('cpu_other'))} |")
     lines += [
         "",
         "## Server through WebSockets (client-measured), median of repeats",
         "",
-        "| config | load | req/s | × pipeline | p50 ms | p95 ms | p99 ms | rows/batch | overloaded | "
-        "server queue / infer / other p50 ms | /healthz p50 / p99 ms | CPU cores server / client / other |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | corpus | load | req/s | × pipeline | × limit | p50 ms | p95 ms | p99 ms | rows/batch | "
+        "overloaded | server queue / infer / other p50 ms | /healthz p50 / p99 ms | "
+        "CPU cores server / client / other |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    pipes = {p["name"]: p for p in summary["pipelines"]}
+    pipes = {(p["name"], p.get("corpus", "mixed")): p for p in summary["pipelines"]}
     for server in summary["servers"]:
-        base_pipe = pipes.get(f"{server['size']} fp32")
+        corpus = server.get("corpus", "mixed")
+        base_pipe = pipes.get((f"{server['size']} fp32", corpus))
         for phase in server["phases"]:
             ratio = (phase["throughput_rps"] / base_pipe["best_rps"]) if base_pipe and phase["mode"] != "idle" else None
+            of_limit = (phase["throughput_rps"] / base_pipe["limit_rps"]
+                        if base_pipe and phase["mode"] != "idle" and math.isfinite(base_pipe.get("limit_rps", math.nan))
+                        else None)
             health = (f"{_fmt(phase.get('healthz_p50_ms'))} / {_fmt(phase.get('healthz_p99_ms'))}"
                       if "healthz_p99_ms" in phase else "–")
             lines.append(
-                f"| {server['name']} | {_load(phase)} | {_fmt(phase['throughput_rps'], 1)} | "
-                f"{_fmt(ratio, 2) + '×' if ratio is not None else '–'} | {_fmt(phase['p50_ms'], 1)} | "
+                f"| {server['name']} | {corpus} | {_load(phase)} | {_fmt(phase['throughput_rps'], 1)} | "
+                f"{_fmt(ratio, 2) + '×' if ratio is not None else '–'} | "
+                f"{_fmt(of_limit, 2) + '×' if of_limit is not None else '–'} | {_fmt(phase['p50_ms'], 1)} | "
                 f"{_fmt(phase['p95_ms'], 1)} | {_fmt(phase['p99_ms'], 1)} | {_fmt(phase.get('rows_per_batch'), 1)} | "
                 f"{100 * phase.get('overloaded_share', 0):.1f}% | {_fmt(phase.get('queue_p50_ms'), 1)} / "
                 f"{_fmt(phase.get('inference_p50_ms'), 1)} / {_fmt(phase.get('overhead_p50_ms'), 1)} | {health} | "
@@ -257,8 +281,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "*useful tokens*: the requests' own tokens ÷ the padded tokens of their batch rows (1.0 = no padding).",
         "",
-        "| config | load | " + " | ".join(bucket_names) + " | rows/batch | useful tokens |",
-        "|---|---|" + "---|" * (len(bucket_names) + 2),
+        "| config | corpus | load | " + " | ".join(bucket_names) + " | rows/batch | useful tokens |",
+        "|---|---|---|" + "---|" * (len(bucket_names) + 2),
     ]
     for server in summary["servers"]:
         for phase in server["phases"]:
@@ -266,14 +290,16 @@ def markdown(summary: dict[str, Any]) -> str:
                 shares = batch_shares(phase["batch_histogram"])
                 cells = ["·" if v == 0 else f"{100 * v:.0f}%" for v in shares]
                 cells += [_fmt(phase.get("rows_per_batch"), 1), _fmt(phase.get("useful_token_share"), 2)]
-                lines.append(f"| {server['name']} | {_load(phase)} | " + " | ".join(cells) + " |")
+                lines.append(f"| {server['name']} | {server.get('corpus', 'mixed')} | {_load(phase)} | "
+                             + " | ".join(cells) + " |")
     lines += ["", "## How to read this", "", *_NOTES, ""]
     return "\n".join(lines)
 
 
 _NOTES = [
     "- *× pipeline*: server throughput divided by the best in-process float32 pipeline throughput of the same "
-    "model size (bf16 rows too, as issue 3 asks). A server config's capacity, used by the targets and to set "
+    "model size on the same corpus (bf16 rows too, as the issues ask); *× limit*: divided by the in-process "
+    "limit. A server config's capacity, used by the targets and to set "
     "the open-loop rates, is its best closed-loop throughput.",
     "- *closed C×K*: C WebSocket clients each keeping K requests in flight. *open F× (R/s)*: Poisson arrivals at "
     "F times the config's capacity over the same C connections; latency counts from the scheduled send time, a "
@@ -324,7 +350,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, len(sizes), figsize=(6.5 * len(sizes), 4.8), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    pipes = {p["name"]: p for p in summary["pipelines"]}
+    pipes = {p["name"]: p for p in summary["pipelines"] if p.get("corpus", "mixed") == "mixed"}
     for ax, size in zip(axes[0], sizes, strict=True):
         servers = [s for s in summary["servers"] if s["size"] == size and any(p["mode"] == "open" for p in s["phases"])]
         for i, server in enumerate(servers):

@@ -1,15 +1,17 @@
-"""One command for the whole issue-3 benchmark (from the repository root)::
+"""One command for the whole benchmark (from the repository root)::
 
-    .venv/bin/python bench/run.py --sizes tiny,base --out bench/results     # full run, 13-16 min
-    .venv/bin/python bench/run.py --quick                                   # smoke run, tiny only, < 60 s
+    .venv/bin/python bench/run.py --sizes tiny,base --out bench/results     # full run, about 30 min
+    .venv/bin/python bench/run.py --quick                                   # smoke run, tiny only, < 2 min
 
-For each model size it makes the offline checkpoint if missing, measures the in-process pipeline
-limits in a child process, then starts the real server (``ws_server.py``) once per configuration and
-drives it over WebSockets: idle single requests, closed loop (32 clients × K in flight, with the
-``/healthz`` prober running during the most loaded one) and open loop at fixed fractions of the
-closed-loop capacity. Repeats are interleaved (r1 of every phase, then r2, ...) and the report uses
-their medians, because this machine is shared. Every phase is time-boxed; servers are stopped in
-``finally`` blocks. Outputs: ``results.md``, ``results.json``, ``latency_vs_throughput.png``.
+For each model size and each corpus (``mixed``: 8-81 tokens, one and two masks; ``short``: 9-16
+tokens, one mask) it makes the offline checkpoint if missing, measures the in-process limits in a
+child process (the pipeline, and the server's own code without sockets), then starts the real server
+(``ws_server.py``) once per configuration and drives it over WebSockets: idle single requests, closed
+loop (32 clients × K in flight, with the ``/healthz`` prober running during the most loaded one) and,
+on the mixed corpus, open loop at fixed fractions of the closed-loop capacity. Repeats are interleaved
+(r1 of every phase, then r2, ...) and the report uses their medians, because this machine is shared.
+Every phase is time-boxed; servers are stopped in ``finally`` blocks. Outputs: ``results.md``,
+``results.json``, ``latency_vs_throughput.png``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ if __package__ in (None, ""):  # run as ``python bench/run.py``: make ``bench`` 
 import orjson
 
 from bench import report
-from bench.corpus import corpus_stats, make_corpus
+from bench.corpus import CORPORA, corpus_stats
 from bench.loadgen import closed_loop, idle_single, open_loop, run_probe, settle
 from bench.server_proc import ROOT, CpuMeter, QuietGate, ServerProcess
 
@@ -72,19 +74,27 @@ class ServerConfig:
 
     name: str
     size: str
+    corpus: str = "mixed"
     args: tuple[str, ...] = ()
     in_flight: tuple[int, ...] = (1, 4)
     open_loop: bool = True
     idle: bool = True
 
+    @property
+    def label(self) -> str:
+        return f"{self.name} [{self.corpus}]"
 
-def server_configs(size: str, in_flight: tuple[int, ...]) -> list[ServerConfig]:
-    """The configurations of issue 3 for one model size: batching on (fp32, and bf16 for base) and off."""
-    configs = [ServerConfig(f"{size} fp32", size, (), in_flight)]
+
+def server_configs(size: str, in_flight: tuple[int, ...], corpus: str) -> list[ServerConfig]:
+    """The configurations for one model size and corpus: batching on (fp32, and bf16 for base); on the
+    mixed corpus also open loop, and batching off (``--max-batch-size 1``) for comparison."""
+    mixed = corpus == "mixed"
+    configs = [ServerConfig(f"{size} fp32", size, corpus, (), in_flight, open_loop=mixed)]
     if size == "base":
-        configs.append(ServerConfig("base bf16", size, ("--dtype", "bfloat16"), in_flight))
-    configs.append(ServerConfig(f"{size} fp32 batch=1", size, ("--max-batch-size", "1"), (max(in_flight),),
-                                open_loop=False, idle=False))
+        configs.append(ServerConfig("base bf16", size, corpus, ("--dtype", "bfloat16"), in_flight, open_loop=mixed))
+    if mixed:
+        configs.append(ServerConfig(f"{size} fp32 batch=1", size, corpus, ("--max-batch-size", "1"),
+                                    (max(in_flight),), open_loop=False, idle=False))
     return configs
 
 
@@ -93,6 +103,7 @@ class Settings:
     """Everything the command line decides."""
 
     sizes: list[str]
+    corpora: list[str]
     out: Path
     models: Path
     quick: bool
@@ -127,13 +138,14 @@ def ensure_checkpoint(size: str, models: Path) -> Path:
     return directory
 
 
-def measure_pipeline(model_dir: Path, dtype: str, settings: Settings, timing: Timing) -> dict[str, Any]:
+def measure_pipeline(model_dir: Path, dtype: str, corpus: str, settings: Settings, timing: Timing) -> dict[str, Any]:
     """Run ``bench.pipeline_limits`` in a child process and return its raw JSON.
 
     Only the float32 pipeline is a target's denominator; a bfloat16 one (information) gets one repeat.
     """
     repeats = timing.repeats if dtype == "float32" else 1
     command = [sys.executable, "-m", "bench.pipeline_limits", "--model", str(model_dir), "--dtype", dtype,
+               "--corpus", corpus,
                "--batch-sizes", ",".join(map(str, settings.pipeline_batch_sizes)),
                "--texts", str(timing.pipeline_texts), "--repeats", str(repeats),
                "--singles", str(timing.singles), "--wait-quiet", str(settings.gate.per_wait_s),
@@ -177,39 +189,39 @@ class ServerBench:
         await settle(self.server.url)
 
     async def idle(self, r: int) -> None:
-        await quiet(self.settings, f"{self.config.name} r{r} idle")
+        await quiet(self.settings, f"{self.config.label} r{r} idle")
         meter = CpuMeter(self.server.pid)
         result = await idle_single(self.server.url, self.texts, self.timing.singles, token_counts=self.token_counts)
         result["healthz"] = await run_probe(self.server.port, 1.0)
         await self._keep("idle", result, meter)
-        log(f"{self.config.name} r{r}: idle p50 {result['latency_ms']['p50']:.2f} ms "
+        log(f"{self.config.label} r{r}: idle p50 {result['latency_ms']['p50']:.2f} ms "
             f"(server inference {result['server_ms']['inference_p50']:.2f} ms)")
 
     async def closed(self, r: int, k: int, probe: bool) -> None:
         timing = self.timing
         # the prober starts as the window opens (plus its own start-up) and must end inside it
         on_window = (lambda: run_probe(self.server.port, max(1.0, timing.closed_s - 0.5))) if probe else None
-        await quiet(self.settings, f"{self.config.name} r{r} closed K={k}")
+        await quiet(self.settings, f"{self.config.label} r{r} closed K={k}")
         meter = CpuMeter(self.server.pid)
         result = await closed_loop(self.server.url, self.texts, self.settings.clients, k, timing.warmup_s,
                                    timing.closed_s, on_window=on_window, token_counts=self.token_counts)
         await self._keep(f"closed K={k}", result, meter)
         health = result.get("during_window", {})
-        log(f"{self.config.name} r{r}: closed {self.settings.clients}x{k}: {result['throughput_rps']:.1f} req/s, "
+        log(f"{self.config.label} r{r}: closed {self.settings.clients}x{k}: {result['throughput_rps']:.1f} req/s, "
             f"p50 {result['latency_ms']['p50']:.1f} ms, p99 {result['latency_ms']['p99']:.1f} ms, "
             f"{result['batch']['mean_rows_per_batch']:.1f} rows/batch"
             + (f", healthz p99 {health.get('p99_ms', float('nan')):.1f} ms" if health else ""))
 
     async def open(self, r: int, factor: float, capacity: float) -> None:
         timing = self.timing
-        await quiet(self.settings, f"{self.config.name} r{r} open {factor:g}x")
+        await quiet(self.settings, f"{self.config.label} r{r} open {factor:g}x")
         meter = CpuMeter(self.server.pid)
         result = await open_loop(self.server.url, self.texts, self.settings.clients, factor * capacity,
                                  timing.warmup_s, timing.open_s, timing.grace_s, seed=r,
                                  token_counts=self.token_counts)
         result["factor"] = factor
         await self._keep(f"open {factor:g}x", result, meter)
-        log(f"{self.config.name} r{r}: open {factor:g}x ({factor * capacity:.0f}/s): "
+        log(f"{self.config.label} r{r}: open {factor:g}x ({factor * capacity:.0f}/s): "
             f"{result['throughput_rps']:.1f} req/s, p50 {result['latency_ms']['p50']:.1f} ms, "
             f"p99 {result['latency_ms']['p99']:.1f} ms, overloaded {100 * result['overloaded_share']:.1f}%, "
             f"unanswered {result['unanswered']}")
@@ -224,7 +236,7 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
     """
     args = [*config.args, *settings.server_args]
     with ServerProcess(model_dir, args) as server:
-        log(f"{config.name}: server ready in {server.start_s:.1f} s at {server.url} (pid {server.pid})")
+        log(f"{config.label}: server ready in {server.start_s:.1f} s at {server.url} (pid {server.pid})")
         bench = ServerBench(server, config, texts, token_counts, settings, timing)
         await bench.warm_up()
         for r in range(1, timing.repeats + 1):
@@ -237,8 +249,8 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
             for r in range(1, timing.repeats + 1):
                 for factor in settings.open_factors:
                     await bench.open(r, factor, capacity)
-    return {"name": config.name, "size": config.size, "args": args, "start_s": server.start_s,
-            "phases": bench.medians(), "raw": bench.raw}
+    return {"name": config.name, "size": config.size, "corpus": config.corpus, "args": args,
+            "start_s": server.start_s, "phases": bench.medians(), "raw": bench.raw}
 
 
 def machine_info() -> dict[str, Any]:
@@ -290,26 +302,30 @@ async def quiet(settings: Settings, what: str) -> dict[str, float]:
 
 async def run_all(settings: Settings) -> dict[str, Any]:
     """Every measurement of the run; returns the summary that ``report`` renders."""
-    texts = make_corpus()
-    summary: dict[str, Any] = {"pipelines": [], "servers": [], "raw_pipelines": {}}
-    token_counts: list[int] | None = None
+    summary: dict[str, Any] = {"pipelines": [], "servers": [], "raw_pipelines": {}, "corpora": {}}
     for size in settings.sizes:
         timing = settings.timing[size]
         model_dir = ensure_checkpoint(size, settings.models)
-        dtypes = ["float32", "bfloat16"] if size == "base" and settings.pipeline_bf16 else ["float32"]
-        for dtype in dtypes:
-            name = f"{size} {'fp32' if dtype == 'float32' else 'bf16'}"
-            log(f"pipeline {name}: {timing.pipeline_texts} texts x batch sizes {settings.pipeline_batch_sizes}")
-            raw = measure_pipeline(model_dir, dtype, settings, timing)
-            token_counts = raw.pop("token_counts", token_counts)
-            pipe = {"name": name, "size": size, "dtype": dtype, **report.pipeline_summary(raw)}
-            summary["pipelines"].append(pipe)
-            summary["raw_pipelines"][name] = raw
-            log(f"pipeline {name}: best {pipe['best_rps']:.1f} req/s at N={pipe['best_batch_size']}, "
-                f"single call p50 {pipe['single_p50_ms']:.2f} ms")
-        for config in server_configs(size, settings.in_flight):
-            summary["servers"].append(await measure_server(config, model_dir, texts, token_counts, settings, timing))
-    summary["corpus"] = corpus_stats(texts, token_counts)
+        for corpus in settings.corpora:
+            texts = CORPORA[corpus]()
+            token_counts: list[int] | None = None
+            dtypes = ["float32", "bfloat16"] if size == "base" and settings.pipeline_bf16 and corpus == "mixed" \
+                else ["float32"]
+            for dtype in dtypes:
+                name = f"{size} {'fp32' if dtype == 'float32' else 'bf16'}"
+                log(f"pipeline {name} {corpus}: {timing.pipeline_texts} texts x batch sizes "
+                    f"{settings.pipeline_batch_sizes}")
+                raw = measure_pipeline(model_dir, dtype, corpus, settings, timing)
+                token_counts = raw.pop("token_counts", token_counts)
+                pipe = {"name": name, "size": size, "dtype": dtype, "corpus": corpus, **report.pipeline_summary(raw)}
+                summary["pipelines"].append(pipe)
+                summary["raw_pipelines"][f"{name} {corpus}"] = raw
+                log(f"pipeline {name} {corpus}: best {pipe['best_rps']:.1f} req/s at N={pipe['best_batch_size']}, "
+                    f"single call p50 {pipe['single_p50_ms']:.2f} ms; in-process limit {pipe['limit_rps']:.1f} req/s")
+            for config in server_configs(size, settings.in_flight, corpus):
+                summary["servers"].append(await measure_server(config, model_dir, texts, token_counts, settings,
+                                                               timing))
+            summary["corpora"][corpus] = corpus_stats(texts, token_counts)
     return summary
 
 
@@ -319,6 +335,8 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="comma-separated model sizes: tiny, base (default tiny,base; with --quick tiny)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default bench/results; with --quick bench/out/tmp, git-ignored)")
+    parser.add_argument("--corpora", default="mixed,short",
+                        help=f"comma-separated corpora: {', '.join(sorted(CORPORA))} (default both)")
     parser.add_argument("--models", type=Path, default=ROOT / "models", help="where the offline checkpoints live")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: short windows, one repeat, tiny only unless --sizes says otherwise")
@@ -342,6 +360,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     unknown = [s for s in sizes if s not in FULL]
     if unknown:
         parser.error(f"unknown size(s) {unknown}; choose from {sorted(FULL)}")
+    corpora = [c.strip() for c in args.corpora.split(",") if c.strip()]
+    if not corpora or any(c not in CORPORA for c in corpora):
+        parser.error(f"--corpora takes {', '.join(sorted(CORPORA))}")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be at least 1")
     timing = {}
@@ -349,7 +370,8 @@ def parse_args(argv: list[str] | None) -> Settings:
         base = (QUICK if args.quick else FULL)[size]
         timing[size] = base if args.repeats is None else Timing(**{**asdict(base), "repeats": args.repeats})
     return Settings(
-        sizes=sizes, out=args.out or ROOT / "bench" / ("out/tmp" if args.quick else "results"), models=args.models,
+        sizes=sizes, corpora=corpora, out=args.out or ROOT / "bench" / ("out/tmp" if args.quick else "results"),
+        models=args.models,
         quick=args.quick, clients=args.clients,
         in_flight=tuple(int(k) for k in args.in_flight.split(",")),
         open_factors=tuple(float(f) for f in args.open_factors.split(",")),
@@ -375,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     })
     summary["meta"] = meta
     summary["settings"] = {
+        "corpora": settings.corpora,
         "clients": settings.clients, "in_flight": list(settings.in_flight),
         "open_factors": list(settings.open_factors), "pipeline_batch_sizes": list(settings.pipeline_batch_sizes),
         "quick": settings.quick, "server_args": list(settings.server_args),

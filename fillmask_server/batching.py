@@ -19,12 +19,21 @@ connection). The rules:
   so several batches of similar lengths beat one batch padded to its longest row; requests left out
   keep their places and lead or join the next batches.
 - **Waiting.** ``max_wait_s`` is one deadline per batch, counted from the arrival of the oldest
-  queued request, never restarted by later arrivals. With ``max_wait_s == 0`` a batch starts as
-  soon as the engine is free, whatever its size.
+  queued request, never restarted by later arrivals. With ``max_wait_s == 0`` (the default) a batch
+  starts as soon as the engine is free, whatever its size, with one exception:
+- **Anticipation.** Answers just sent bring requests back: a client that keeps a few requests in
+  flight sends its next one as soon as an answer arrives, a few milliseconds later. Started at once,
+  the next batch would hold only what was already queued, and the clients answered by the batch before
+  would wait a whole batch (batches of 32 closed-loop clients alternate around 16 and 16). So after
+  answers are handed over (``answered``), while fewer requests are queued than a full batch and some
+  of those answers have not yet been followed by an arrival (``arrived``), the next batch waits for
+  them, until ``anticipate_share`` of the last batch's time (``batch_ran``) or ``anticipate_s``,
+  whichever is shorter, has passed since the hand-over. So the wait never costs more than that share
+  of a batch, and an idle engine (nothing answered lately) starts a request at once.
 
-State: the policy remembers, per connection with queued requests, the number of the batch that last
-served it, or the batch before which it started waiting (``take`` updates it; ``wait_s`` only reads).
-Nothing else persists between calls.
+State: per connection with queued requests, the number of the batch that last served it, or the
+batch before which it started waiting (``take`` updates it); the anticipation counters above.
+``wait_s`` only reads.
 """
 
 from __future__ import annotations
@@ -63,12 +72,32 @@ class BatchPolicy:
     max_batch_tokens: int
     max_wait_s: float = 0.0
     growth: float = 1.5
+    anticipate_s: float = 0.0
+    anticipate_share: float = 0.3
     _last_served: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _batches: int = field(default=0, init=False, repr=False)
+    _returning: int = field(default=0, init=False, repr=False)  # answers sent, not yet followed by an arrival
+    _anticipate_until: float = field(default=float("-inf"), init=False, repr=False)
+    _last_batch_s: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_s < 0 or self.growth < 1:
+        if (self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_s < 0 or self.growth < 1
+                or self.anticipate_s < 0 or not 0 <= self.anticipate_share <= 1):
             raise ValueError("batch limits must be positive")
+
+    def answered(self, count: int, now: float) -> None:
+        """``count`` answers were handed over at ``now``: their clients may send again soon."""
+        if self.anticipate_s > 0 and count > 0:
+            self._returning = min(self.max_batch_size, self._returning + count)
+            self._anticipate_until = now + min(self.anticipate_s, self.anticipate_share * self._last_batch_s)
+
+    def arrived(self, count: int) -> None:
+        """``count`` new requests joined the queue."""
+        self._returning = max(0, self._returning - count)
+
+    def batch_ran(self, seconds: float) -> None:
+        """The last batch took ``seconds`` on the model: what a wait for company is measured against."""
+        self._last_batch_s = seconds
 
     def expire(self, queue: deque[J], now: float) -> list[J]:
         """Remove and return every queued request whose deadline is at or before ``now``."""
@@ -85,15 +114,19 @@ class BatchPolicy:
     def wait_s(self, queue: deque[J], now: float) -> float:
         """Seconds to wait before forming the next batch; 0 means form it now.
 
-        Waiting only makes sense when a batch could still grow: with ``max_wait_s`` set, fewer
-        requests queued than a full batch, and the oldest request younger than ``max_wait_s``.
+        Waiting only makes sense when a batch could still grow (fewer requests queued than a full
+        batch) and there is something to wait for: the oldest request is younger than ``max_wait_s``,
+        or answers just sent are expected to bring requests back (anticipation, see the module doc).
         """
-        if not queue or self.max_wait_s == 0:
+        anticipating = self._returning > 0 and now < self._anticipate_until
+        if not queue or (self.max_wait_s == 0 and not anticipating):
             return 0.0
         ready = list(queue)
         if len(ready) >= self.max_batch_size or len(self._select(ready)) < len(ready):
             return 0.0  # a full batch is already there
-        wait_until = queue[0].arrival + self.max_wait_s
+        wait_until = queue[0].arrival + self.max_wait_s if self.max_wait_s else now
+        if anticipating:
+            wait_until = max(wait_until, self._anticipate_until)
         deadlines = [job.deadline for job in queue if job.deadline is not None]
         if deadlines:  # never wait a request into its own deadline
             wait_until = min(wait_until, min(deadlines))

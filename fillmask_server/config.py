@@ -28,6 +28,7 @@ class Config:
     max_batch_tokens: int = 8192
     max_queue: int = 1024
     max_wait_ms: float = 0.0
+    anticipate_ms: float = 5.0
     max_length_ratio: float = 1.5
     max_text_chars: int = 2000
     max_masks: int = 8
@@ -37,6 +38,7 @@ class Config:
     device: str = "auto"
     dtype: str = "float32"
     torch_threads: int = 0
+    forward: str = "traced"
     shutdown_timeout: float = 30.0
     drain_delay: float = 0.0
     log_level: str = "info"
@@ -59,6 +61,9 @@ _HELP: dict[str, str] = {
     "max_batch_tokens": "most padded tokens (rows x longest row) in one model batch",
     "max_queue": "most requests waiting for the model; beyond it requests are answered 503",
     "max_wait_ms": "wait at most this long (from the oldest queued request) for a fuller batch; 0 = never wait",
+    "anticipate_ms": "after sending answers, wait at most this long (and at most 30%% of the last batch's time) for "
+                     "the requests those clients are likely to send back, before starting a batch that is not full; "
+                     "an idle server never waits; 0 = off",
     "max_length_ratio": "in one batch, the longest text at most this many times the shortest (in tokens): less "
                         "padding, which pays on CPUs; raise it (e.g. 100) to favour big batches on a GPU",
     "max_text_chars": "longest text accepted, in characters",
@@ -70,6 +75,9 @@ _HELP: dict[str, str] = {
     "dtype": "float32 (exact, default), bfloat16 or float16 (faster where the hardware has them), int8 (dynamic "
              "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",
     "torch_threads": "torch intra-op threads; 0 = torch's default (one per core)",
+    "forward": "traced: run encoder, head and softmax as one TorchScript graph, which holds the GIL once per "
+               "batch instead of once per operator, so other threads' Python work cannot stall the model (checked "
+               "bit for bit against eager at start-up, which it falls back to); eager: plain PyTorch modules",
     "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM/SIGINT",
     "drain_delay": "on SIGTERM, seconds to go on serving with /readyz answering 503 before the drain starts, so "
                    "that a load balancer's health check takes this server out first (the Kubernetes preStop "
@@ -99,6 +107,7 @@ _HELP: dict[str, str] = {
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16", "float16", "int8"),
     "log_level": ("debug", "info", "warning", "error"),
+    "forward": ("traced", "eager"),
 }
 
 
@@ -115,9 +124,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 # --help lists the options in these groups, in this order (every Config field is in exactly one).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("model", ("model", "device", "dtype", "torch_threads")),
+    ("model", ("model", "device", "dtype", "torch_threads", "forward")),
     ("listening", ("host", "port", "certfile", "keyfile")),
-    ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_wait_ms", "max_queue")),
+    ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_wait_ms", "anticipate_ms",
+                            "max_queue")),
     ("request limits", ("max_text_chars", "max_masks", "max_top_k", "max_targets", "max_frame_bytes")),
     ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
                                 "send_timeout", "allowed_origins", "allowed_hosts", "token")),
@@ -125,8 +135,8 @@ _GROUPS: list[tuple[str, tuple[str, ...]]] = [
 ]
 _METAVAR: dict[str, str] = {
     "model": "ID_OR_DIR", "device": "DEVICE", "host": "HOST", "certfile": "PATH", "keyfile": "PATH",
-    "max_wait_ms": "MS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS", "shutdown_timeout": "SECONDS",
-    "drain_delay": "SECONDS",
+    "max_wait_ms": "MS", "anticipate_ms": "MS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS",
+    "shutdown_timeout": "SECONDS", "drain_delay": "SECONDS",
     "allowed_origins": "ORIGINS", "allowed_hosts": "HOSTS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES",
     "max_frame_bytes": "BYTES",
 }
@@ -205,6 +215,8 @@ def validate(config: Config) -> str | None:
         return "--max-length-ratio must be at least 1"
     if config.max_wait_ms < 0:
         return "--max-wait-ms must not be negative"
+    if config.anticipate_ms < 0:
+        return "--anticipate-ms must not be negative"
     if config.shutdown_timeout < 0:
         return "--shutdown-timeout must not be negative"
     if config.drain_delay < 0:

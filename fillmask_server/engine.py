@@ -266,6 +266,7 @@ class Engine:
                 else:
                     advance(job, Event.FAILED)
                     answers.append(Failed(job, _SERVER_FAILED))
+            self.policy.arrived(len(fresh) - len(answers))
             self._hand_over_locked(answers)
             self._model_wake.notify()
 
@@ -315,6 +316,7 @@ class Engine:
                         self._decoding_jobs += 1
             self._decoding.append(_Forwarded(batch, groups, next(self._batch_ids), padded_tokens, elapsed * 1000))
             self._running = []
+            self.policy.batch_ran(elapsed)
             self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (elapsed / len(batch))
             self._hand_over_locked(failed)
             self._decode_wake.notify()
@@ -380,6 +382,7 @@ class Engine:
                         advance(job, Event.DECODED if isinstance(outcome, Result) else Event.FAILED)
                         self._decoding_jobs -= 1
                 self._hand_over_locked(outcomes)
+                self.policy.answered(len(outcomes), self._clock())
                 self._model_wake.notify()
 
     def _decode(self, work: _Forwarded) -> list[Outcome]:

@@ -87,7 +87,7 @@ class FillMaskServer:
         self._tls: ssl.SSLContext | None = (
             tls_context(config.certfile, config.keyfile) if config.certfile else None)
         policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000,
-                             config.max_length_ratio)
+                             config.max_length_ratio, anticipate_s=config.anticipate_ms / 1000)
         self.metrics = Metrics(LiveValues(
             queue_depth=lambda: self.engine.queued(),
             open_connections=lambda: len(self.connections),

@@ -47,7 +47,7 @@ def tiny_config(tiny_model_dir: Path) -> Config:
 @contextlib.asynccontextmanager
 async def running_server(config: Config) -> AsyncIterator[FillMaskServer]:
     """A started server with its own model and engine; drained (closed with 1001) on exit."""
-    server = FillMaskServer(config, load_model(config.model, config.device, config.dtype))
+    server = FillMaskServer(config, load_model(config.model, config.device, config.dtype, forward=config.forward))
     await server.start()
     try:
         yield server

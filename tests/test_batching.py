@@ -163,3 +163,51 @@ def test_empty_queue_gives_an_empty_batch() -> None:
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError):
         BatchPolicy(max_batch_size=0, max_batch_tokens=10)
+
+
+# --- anticipation: answers just sent bring requests back (issue 9 item 3) ---------------------------
+
+
+def anticipating(size: int = 32, cap: float = 0.005) -> BatchPolicy:
+    p = BatchPolicy(max_batch_size=size, max_batch_tokens=10_000, anticipate_s=cap)
+    p.batch_ran(0.010)  # the last batch took 10 ms: a wait may cost at most 30% of that, 3 ms
+    return p
+
+
+def test_an_idle_engine_never_waits_for_company() -> None:
+    assert anticipating().wait_s(queue(FakeJob("a", arrival=1.0)), now=1.0) == 0.0
+
+
+def test_after_answers_a_half_empty_batch_waits_for_the_requests_they_bring_back() -> None:
+    p = anticipating()
+    p.answered(16, now=1.000)  # a batch of 16 answered; 16 others are queued meanwhile
+    q = queue(*(FakeJob(str(i), arrival=0.995) for i in range(16)))
+    assert p.wait_s(q, now=1.001) == pytest.approx(0.002)  # until 1.003: 30% of the 10 ms batch
+    p.arrived(10)
+    q.extend(FakeJob(f"back-{i}", arrival=1.0015) for i in range(10))
+    assert p.wait_s(q, now=1.0015) == pytest.approx(0.0015)  # the deadline is not restarted
+    p.arrived(6)  # all 16 came back: nothing more to wait for
+    q.extend(FakeJob(f"back-{i}", arrival=1.002) for i in range(10, 16))
+    assert p.wait_s(q, now=1.002) == 0.0
+
+
+def test_the_wait_is_capped_and_ends_with_its_window() -> None:
+    p = anticipating(cap=0.001)
+    p.answered(8, now=2.0)
+    q = queue(FakeJob("a", arrival=1.99))
+    assert p.wait_s(q, now=2.0) == pytest.approx(0.001)  # the cap, below 30% of 10 ms
+    assert p.wait_s(q, now=2.001) == 0.0  # returns that have not come back by then are not waited for
+
+
+def test_a_full_batch_or_a_deadline_does_not_wait() -> None:
+    p = anticipating(size=4)
+    p.answered(4, now=3.0)
+    assert p.wait_s(queue(*(FakeJob(str(i)) for i in range(4))), now=3.0) == 0.0
+    assert p.wait_s(queue(FakeJob("soon", deadline=3.001)), now=3.0) == pytest.approx(0.001)
+
+
+def test_anticipation_off_by_default() -> None:
+    p = policy()
+    p.batch_ran(0.010)
+    p.answered(16, now=1.0)
+    assert p.wait_s(queue(FakeJob("a", arrival=1.0)), now=1.0) == 0.0

@@ -1,0 +1,70 @@
+"""The forward pass (model.py): the traced graph is used when it is exact, and eager PyTorch otherwise."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fillmask_server.model import FillMaskModel, Item, load_model
+
+TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
+         "[MASK] is a word.", "A much longer sentence, about the old [MASK] who lived by the river in a small house."]
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_model_dir: Path) -> FillMaskModel:
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_model_dir: Path) -> FillMaskModel:
+    return load_model(str(tiny_model_dir), forward="eager")
+
+
+def items(model: FillMaskModel) -> list[Item]:
+    ids = model.tokenize(TEXTS)
+    return [Item(ids[0], 5), Item(ids[1], 3), Item(ids[2], 7, model.target_ids(("word", "thing", "car"))),
+            Item(ids[3], 100)]
+
+
+def test_the_tiny_bert_runs_traced_by_default_and_eager_on_request(traced: FillMaskModel,
+                                                                   eager: FillMaskModel) -> None:
+    assert traced.forward_mode == "traced" and eager.forward_mode == "eager"
+
+
+def test_traced_and_eager_give_the_same_bits(traced: FillMaskModel, eager: FillMaskModel) -> None:
+    """Padding (texts of different lengths), several masks, targets and top_k 100 in one batch."""
+    a, b = traced.forward(items(traced)), eager.forward(items(eager))
+    assert a.spans == b.spans and torch.equal(a.columns, b.columns)
+    assert torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)
+    assert a.targeted is not None and b.targeted is not None
+    assert all(torch.equal(x, y) for i in a.targeted for x, y in zip(a.targeted[i], b.targeted[i], strict=True))
+
+
+def test_a_model_the_tracer_cannot_follow_runs_eager(traced: FillMaskModel) -> None:
+    """A head with a Python branch on the number of masks: the tracer bakes in one branch, the start-up
+    check (which tries 1 to 32 masks) sees the difference, and the model runs eager, correctly."""
+    base_head = traced._head
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = base_head
+
+        def forward(self, hidden: Any) -> Any:
+            logits = self.head(hidden)
+            return logits if hidden.shape[0] < 8 else logits.flip(-1)
+
+    model = copy.copy(traced)
+    model._head = Branchy()
+    model._scores = model._trace()
+    assert model._scores is None  # fell back to eager
+    few = [Item(ids, 5) for ids in model.tokenize(["[MASK] a b c."])]  # one mask: the head as it was
+    many = [Item(ids, 5) for ids in model.tokenize(["[MASK] " * 3 + "x"] * 4)]  # 12 masks: the other branch
+    assert torch.equal(model.forward(few).indices, traced.forward(few).indices)
+    # Eager follows the branch a traced graph would have missed: other tokens win at 12 masks.
+    assert not torch.equal(model.forward(many).indices, traced.forward(many).indices)
