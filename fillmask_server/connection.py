@@ -59,6 +59,8 @@ class Connection:
         self.closing: asyncio.Task[None] | None = None  # the server's own close, once it decided on one
         self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while congested
         self.deadline_timer: asyncio.TimerHandle | None = None  # the session's next deadline (server-owned)
+        self.stats_task: asyncio.Task[None] | None = None  # sends stats frames while subscribed (server-owned)
+        self.stats_interval_ms: int | None = None
 
     @property
     def congested(self) -> bool:
@@ -155,4 +157,7 @@ class Connection:
         if self.deadline_timer is not None:
             self.deadline_timer.cancel()
             self.deadline_timer = None
+        if self.stats_task is not None:
+            self.stats_task.cancel()
+            self.stats_task = None
         self._drop_outbox()

@@ -46,8 +46,8 @@ from .model import FillMaskModel, Item, TopK
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[list[Outcome]], None]
-# (batch size, padded tokens, each request's queue wait in s, the batch's time on the model in s)
-BatchObserver = Callable[[int, int, list[float], float], None]
+# (batch id, batch size, padded tokens, each request's queue wait in s, the batch's time on the model in s)
+BatchObserver = Callable[[int, int, int, list[float], float], None]
 
 ENGINE_STOPPED_RETRY_MS = 1000
 INTAKE_BATCH = 256  # most requests the tokenizer stage takes in one call
@@ -314,7 +314,8 @@ class Engine:
                     if can(batch[i], Event.FORWARDED):
                         advance(batch[i], Event.FORWARDED)
                         self._decoding_jobs += 1
-            self._decoding.append(_Forwarded(batch, groups, next(self._batch_ids), padded_tokens, elapsed * 1000))
+            batch_id = next(self._batch_ids)
+            self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
             self._running = []
             self.policy.batch_ran(elapsed)
             self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (elapsed / len(batch))
@@ -328,7 +329,7 @@ class Engine:
         stats.batch_sizes[len(batch)] = stats.batch_sizes.get(len(batch), 0) + 1
         if self._on_batch is not None:
             try:
-                self._on_batch(len(batch), padded_tokens, [started - job.arrival for job in batch], elapsed)
+                self._on_batch(batch_id, len(batch), padded_tokens, [started - job.arrival for job in batch], elapsed)
             except Exception:
                 log.exception("recording batch metrics failed")
 

@@ -104,7 +104,7 @@ class Metrics:
         if count:
             self.requests.labels("dropped", "").inc(count)
 
-    def observe_batch(self, size: int, padded_tokens: int, queue_waits_s: Sequence[float],
+    def observe_batch(self, batch_id: int, size: int, padded_tokens: int, queue_waits_s: Sequence[float],
                       inference_s: float) -> None:
         """Record one batch (called on the engine thread; prometheus_client is thread-safe)."""
         self.batch_size.observe(size)

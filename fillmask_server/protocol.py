@@ -27,6 +27,9 @@ ERROR_CODES = frozenset({
 })
 #: Every ``overloaded`` reason with its status (§6); ``encode_overloaded`` refuses any other pair.
 OVERLOADED_REASONS = {"queue_full": 503, "shutting_down": 503, "engine_stopped": 503, "deadline_exceeded": 504}
+#: ``subscribe_stats`` intervals (§13), announced in ``hello.stats``.
+STATS_INTERVAL_MS = {"min": 250, "max": 10_000, "default": 1000}
+CLIENT_FRAME_TYPES = ("fill_mask", "cancel", "subscribe_stats", "unsubscribe_stats")
 
 RequestId = int | str
 
@@ -66,6 +69,13 @@ class CancelRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class StatsSubscription:
+    """A validated ``subscribe_stats`` (``interval_ms`` set) or ``unsubscribe_stats`` (None) frame (§13)."""
+
+    interval_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class ProtocolError:
     """A frame that must be answered with one ``error`` frame (§7)."""
 
@@ -74,7 +84,7 @@ class ProtocolError:
     id: RequestId | None = None
 
 
-Parsed = FillMaskRequest | CancelRequest | ProtocolError
+Parsed = FillMaskRequest | CancelRequest | StatsSubscription | ProtocolError
 
 
 def _is_valid_id(value: Any, limits: Limits) -> bool:
@@ -125,7 +135,7 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
     raw_id = obj.get("id")
     frame_id = raw_id if _is_valid_id(raw_id, limits) else None
     if "type" not in obj:
-        return ProtocolError("missing_field", "the frame has no \"type\"; use \"fill_mask\" or \"cancel\"", frame_id)
+        return ProtocolError("missing_field", f"the frame has no \"type\"; use {_TYPES}", frame_id)
     kind = obj["type"]
     if kind == "fill_mask":
         return _parse_fill_mask(obj, frame_id, limits)
@@ -135,8 +145,21 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
         if frame_id is None:
             return ProtocolError("invalid_id", _id_rule(limits))
         return CancelRequest(frame_id)
+    if kind == "subscribe_stats":
+        interval = obj.get("interval_ms", STATS_INTERVAL_MS["default"])
+        if (isinstance(interval, bool) or not isinstance(interval, int)
+                or not STATS_INTERVAL_MS["min"] <= interval <= STATS_INTERVAL_MS["max"]):
+            return ProtocolError("invalid_field", f"\"interval_ms\" must be an integer from {STATS_INTERVAL_MS['min']} "
+                                 f"to {STATS_INTERVAL_MS['max']}", frame_id)
+        return StatsSubscription(interval)
+    if kind == "unsubscribe_stats":
+        return StatsSubscription(None)
     shown = repr(kind)[:40] if isinstance(kind, str) else _type_name(kind)
-    return ProtocolError("unknown_type", f"unknown frame type {shown}; use \"fill_mask\" or \"cancel\"", frame_id)
+    return ProtocolError("unknown_type", f"unknown frame type {shown}; use {_TYPES}", frame_id)
+
+
+_TYPES = ", ".join(f'"{kind}"' for kind in CLIENT_FRAME_TYPES[:-1]) + f' or "{CLIENT_FRAME_TYPES[-1]}"'
+
 
 
 def _id_rule(limits: Limits) -> str:
@@ -227,7 +250,8 @@ def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
         "max_deadline_ms": limits.max_deadline_ms,
     }
     return orjson.dumps({"type": "hello", "protocol": PROTOCOL_VERSION, "server": server, "model": model,
-                         "random_weights": random_weights, "mask_token": limits.mask_token, "limits": announced})
+                         "random_weights": random_weights, "mask_token": limits.mask_token, "limits": announced,
+                         "stats": {f"{key}_interval_ms": value for key, value in STATS_INTERVAL_MS.items()}})
 
 
 def encode_result(request_id: RequestId, predictions_json: bytes, queue_ms: float, inference_ms: float,
@@ -260,6 +284,11 @@ def encode_overloaded(request_id: RequestId, status: int, reason: str, retry_aft
 def encode_going_away(reason: str, reconnect_within_ms: int) -> bytes:
     """The drain's notice on every open connection (§10): accepted requests still get their answers."""
     return orjson.dumps({"type": "going_away", "reason": reason, "reconnect_within_ms": reconnect_within_ms})
+
+
+def encode_stats(fields: dict[str, Any]) -> bytes:
+    """A live-figures frame for a subscriber (§13); ``fields`` come from ``stats.LiveStats.snapshot``."""
+    return orjson.dumps({"type": "stats", **fields})
 
 
 def encode_cancelled(request_id: RequestId) -> bytes:

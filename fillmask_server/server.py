@@ -37,11 +37,12 @@ from .config import Config
 from .connection import Connection
 from .engine import Engine
 from .http import FrontState, HttpFront
-from .jobs import Outcome
+from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
-from .protocol import Limits, encode_going_away, encode_hello
+from .protocol import Limits, encode_going_away, encode_hello, encode_stats
 from .session import SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
+from .stats import BatchRecord, LiveStats
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,9 @@ class FillMaskServer:
             engine_uptime_seconds=lambda: time.monotonic() - self.engine.started_at,
             engine_alive=lambda: self.engine.alive,
         ))
+        self.stats = LiveStats()
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
-                             on_batch=self.metrics.observe_batch)
+                             on_batch=self._observe_batch)
         self._hello = encode_hello(SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": config.max_batch_size,
             "max_batch_tokens": config.max_batch_tokens,
@@ -217,6 +219,8 @@ class FillMaskServer:
                     continue  # closing: frames still arriving are read only to reach the client's close frame
                 self._send_answers(conn, session.receive(message))
                 self._arm_deadline(conn)
+                if session.stats_interval_ms != conn.stats_interval_ms:
+                    self._follow_stats(conn)
                 if conn.congested:  # backpressure: read nothing more until the client takes its answers
                     await conn.uncongested()
         except ConnectionClosed:
@@ -250,6 +254,12 @@ class FillMaskServer:
             self._send_answers(conn, conn.session.expire())
             self._arm_deadline(conn)
 
+    def _observe_batch(self, batch_id: int, size: int, padded_tokens: int, queue_waits_s: list[float],
+                       seconds: float) -> None:
+        """Called on the model thread after each batch: the metrics and the live figures."""
+        self.metrics.observe_batch(batch_id, size, padded_tokens, queue_waits_s, seconds)
+        self.stats.batch_ran(BatchRecord(time.monotonic(), batch_id, size, padded_tokens, seconds))
+
     def _deliver_from_engine(self, outcomes: list[Outcome]) -> None:
         """Called on an engine thread: hand a batch's outcomes to the loop in one wake-up."""
         loop = self._loop
@@ -275,11 +285,38 @@ class FillMaskServer:
                 continue
             if answer is None:
                 self.metrics.dropped()  # its connection closed while the model had it
-            else:
-                session.peer.send(answer.frame, (answer.outcome, answer.code))
+                continue
+            session.peer.send(answer.frame, (answer.outcome, answer.code))
+            if isinstance(outcome, Result):
+                now = time.monotonic()
+                self.stats.result(now, (now - outcome.job.arrival) * 1000)
         if in_transit:
             with self._transit_lock:
                 self._in_transit -= 1
+
+    # --- live figures (§13) -----------------------------------------------------------------------
+
+    def _follow_stats(self, conn: Connection) -> None:
+        """Start, restart with a new interval, or stop ``conn``'s stats frames, as its session asks."""
+        if conn.stats_task is not None:
+            conn.stats_task.cancel()
+            conn.stats_task = None
+        conn.stats_interval_ms = conn.session.stats_interval_ms
+        if conn.stats_interval_ms is not None:
+            conn.stats_task = asyncio.create_task(self._send_stats(conn, conn.stats_interval_ms / 1000))
+
+    async def _send_stats(self, conn: Connection, interval: float) -> None:
+        """Every ``interval`` seconds, the figures since the previous frame; none while the client is
+        behind on reading (a stats frame never adds to a backlog), nor after the connection closed."""
+        since = time.monotonic()
+        while not conn.closed:
+            await asyncio.sleep(interval)
+            if conn.closed or conn.congested:
+                continue
+            now = time.monotonic()
+            conn.send(encode_stats(self.stats.snapshot(since, now, self.engine.queued(), self.in_flight(),
+                                                       len(self.connections))))
+            since = now
 
     # --- clients that do not read ------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from .protocol import (
     Limits,
     ProtocolError,
     RequestId,
+    StatsSubscription,
     encode_cancelled,
     encode_error,
     encode_overloaded,
@@ -91,6 +92,7 @@ class Session:
         self.inflight: dict[RequestId, Job] = {}
         self.draining = False
         self.closed = False
+        self.stats_interval_ms: int | None = None  # set while the client subscribes to stats frames (§13)
         self._deadlines: list[tuple[float, int, Job]] = []
         self._order = itertools.count()
         self._orphans: set[int] = set()  # id() of jobs still on the model when the connection closed
@@ -100,6 +102,9 @@ class Session:
     def receive(self, data: str | bytes) -> list[Answer]:
         """Handle one incoming message; the answers to send now (none for an accepted request)."""
         parsed = parse_frame(data, self.limits)
+        if isinstance(parsed, StatsSubscription):
+            self.stats_interval_ms = parsed.interval_ms
+            return []
         if isinstance(parsed, CancelRequest):
             return self._cancel(parsed.id)
         if parsed.id is not None and parsed.id in self.inflight:

@@ -45,7 +45,6 @@ DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 375, "height": 812}
 PORTRAIT = {"width": 1280, "height": 1200}  # the README's picture: room for the burst's cards too
 SIZES = pytest.mark.parametrize("viewport", [DESKTOP, PHONE], ids=["desktop", "phone"])
-NO_STATS_YET = "needs the server's stats frames (lead)"
 
 
 def _unavailable(reason: str) -> None:
@@ -176,15 +175,6 @@ async def reference(url: str, frame: dict[str, Any] | None) -> tuple[dict[str, A
             return hello, None
         await ws.send(orjson.dumps(frame).decode())
         return hello, orjson.loads(await asyncio.wait_for(ws.recv(), 10))
-
-
-async def server_has_stats(url: str) -> bool:
-    """Whether the server answers subscribe_stats with stats frames (not unknown_type)."""
-    async with connect(url) as ws:
-        await asyncio.wait_for(ws.recv(), 5)  # hello
-        await ws.send('{"type":"subscribe_stats","interval_ms":250}')
-        answer = orjson.loads(await asyncio.wait_for(ws.recv(), 5))
-        return answer.get("type") == "stats"
 
 
 def free_port() -> int:
@@ -839,18 +829,29 @@ async def test_live_panel_renders_stats_frames(server: Any, open_page: Any, view
 
 
 async def test_live_panel_hidden_quietly_when_server_lacks_stats(server: Any, open_page: Any) -> None:
-    """A server that answers subscribe_stats with unknown_type offers no live view: no panel, no notice."""
+    """A server whose hello has no ``stats`` (§2; an older version) offers no live view: the page asks for
+    nothing, shows no panel and no notice. The server here is a stand-in that only says hello."""
     from playwright.async_api import expect
+    from websockets.asyncio.server import serve
 
-    if await server_has_stats(server.url):
-        pytest.skip("the server offers stats: test_live_panel_follows_the_servers_stats covers the panel")
-    page = await open_page(server.http_url + "/")
-    await wait_until(lambda: any(f.get("code") == "unknown_type" for f in page.frames))
-    assert [f for f in page.sent if "stats" in f["type"]] == [{"type": "subscribe_stats", "interval_ms": 1000}]
-    await expect(page.by("live-panel")).to_be_hidden()
-    await expect(page.by("notice")).to_be_hidden()
-    await page.ask("Still [MASK].")  # and the page works as before
-    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    async with connect(server.url) as ws:
+        hello = orjson.loads(await ws.recv())
+    old_hello = orjson.dumps({key: value for key, value in hello.items() if key != "stats"}).decode()
+    received: list[str] = []
+
+    async def old_server(ws: Any) -> None:
+        await ws.send(old_hello)
+        async for message in ws:
+            received.append(message)
+
+    async with serve(old_server, "127.0.0.1", 0) as stand_in:
+        port = stand_in.sockets[0].getsockname()[1]
+        page = await open_page(f"{server.http_url}/?ws=ws://127.0.0.1:{port}/")
+        await expect(page.by("model-name")).to_have_text(hello["model"])
+        await expect(page.by("live-panel")).to_be_hidden()
+        await expect(page.by("notice")).to_be_hidden()
+        await asyncio.sleep(0.3)
+        assert [m for m in received if "stats" in m] == []
 
 
 @SIZES
@@ -859,8 +860,6 @@ async def test_live_panel_follows_the_servers_stats(server: Any, open_page: Any,
     held, and the batches that answered this page marked on the timeline."""
     from playwright.async_api import expect
 
-    if not await server_has_stats(server.url):
-        pytest.skip(NO_STATS_YET)
     page = await open_page(server.http_url + "/", viewport=viewport)
     panel = page.by("live-panel")
     await expect(panel).to_be_visible()

@@ -473,10 +473,14 @@
     logFrame('out', text, frame.type);
   }
 
-  /** On every hello: forget the old server's batches and ask this one for stats (it may not know them). */
+  /** On every hello: forget the old server's batches and ask this one for stats if its hello offers
+   *  them (protocol §2, §13). A server without hello.stats has no live view, which is not a fault: the
+   *  panel stays hidden and nothing is asked. */
   function startStats() {
     Object.assign(state.stats, { subscribed: false, pending: false, history: [], ours: new Set(), last: null });
-    if (state.stats.supported === false) state.stats.supported = null;  // another server may offer them
+    const offered = Boolean(state.conn && state.conn.hello && state.conn.hello.stats);
+    state.stats.supported = offered ? null : false;
+    if (!offered) { el.live.hidden = true; return; }
     subscribeStats();
   }
 

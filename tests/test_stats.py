@@ -1,0 +1,90 @@
+"""Live figures (protocol.md §13): the pure aggregator, and subscriptions on a real server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from fillmask_server.server import FillMaskServer
+from fillmask_server.stats import BatchRecord, LiveStats
+from tests.wire import recv, send, session
+
+TEXT = "Paris is the [MASK] of France."
+
+
+def test_a_snapshot_covers_its_window_only() -> None:
+    stats = LiveStats()
+    stats.result(9.0, 1.0)  # before the window
+    for i, latency in enumerate([5.0, 1.0, 3.0, 2.0, 4.0]):
+        stats.result(10.1 + i / 10, latency)
+    stats.batch_ran(BatchRecord(9.5, 1, 8, 100, 0.2))
+    stats.batch_ran(BatchRecord(10.5, 2, 3, 30, 0.25))
+    stats.batch_ran(BatchRecord(10.9, 3, 2, 20, 0.25))
+    frame = stats.snapshot(10.0, 11.0, queue_depth=4, in_flight=6, connections=2)
+    assert frame["window_s"] == 1.0 and frame["requests_per_s"] == 5.0
+    assert frame["latency_ms"] == {"p50": 3.0, "p99": 5.0}
+    assert frame["batch_size"] == {"mean": 2.5, "max": 3}
+    assert frame["engine_busy"] == 0.5
+    assert [b["batch_id"] for b in frame["batches"]] == [2, 3]
+    assert (frame["queue_depth"], frame["in_flight"], frame["connections"]) == (4, 6, 2)
+
+
+def test_an_empty_window_says_null_not_zero() -> None:
+    frame = LiveStats().snapshot(0.0, 1.0, 0, 0, 1)
+    assert frame["latency_ms"] == {"p50": None, "p99": None}
+    assert frame["batch_size"] == {"mean": None, "max": None}
+    assert frame["requests_per_s"] == 0.0 and frame["batches"] == []
+
+
+async def frames_of_type(ws: Any, kind: str, count: int, timeout: float = 10) -> list[dict[str, Any]]:
+    """The next ``count`` frames of ``kind``, skipping others."""
+    found: list[dict[str, Any]] = []
+    async with asyncio.timeout(timeout):
+        while len(found) < count:
+            frame = await recv(ws)
+            if frame["type"] == kind:
+                found.append(frame)
+    return found
+
+
+async def test_a_subscriber_gets_the_figures_of_what_the_server_did(server: FillMaskServer) -> None:
+    async with session(server.url) as (ws, hello):
+        assert hello["stats"] == {"min_interval_ms": 250, "max_interval_ms": 10000, "default_interval_ms": 1000}
+        await send(ws, {"type": "subscribe_stats", "interval_ms": 250})
+        for i in range(5):
+            await send(ws, {"type": "fill_mask", "id": i, "text": TEXT})
+        results = await frames_of_type(ws, "result", 5)
+        figures: list[dict[str, Any]] = []
+        async with asyncio.timeout(10):  # the frames after the results cover them
+            while round(sum(f["requests_per_s"] * f["window_s"] for f in figures)) < 5:
+                figures += await frames_of_type(ws, "stats", 1)
+        seen = {b["batch_id"]: b for f in figures for b in f["batches"]}
+        assert {r["batch_id"] for r in results} <= set(seen)
+        assert all(0 < f["window_s"] < 1 for f in figures[1:])
+        assert any(f["latency_ms"]["p50"] is not None and f["engine_busy"] > 0 for f in figures)
+        assert figures[-1]["connections"] >= 1 and figures[-1]["in_flight"] == 0
+
+
+@pytest.mark.parametrize("interval", [0, 249, 10_001, 1.5, "1000", True])
+async def test_a_bad_interval_is_one_error_and_subscribes_nothing(server: FillMaskServer, interval: Any) -> None:
+    async with session(server.url) as (ws, _):
+        await send(ws, {"type": "subscribe_stats", "interval_ms": interval})
+        error = await recv(ws)
+        assert (error["type"], error["code"], error["id"]) == ("error", "invalid_field", None)
+        assert "interval_ms" in error["message"]
+        await send(ws, {"type": "fill_mask", "id": "after", "text": TEXT})
+        assert (await recv(ws))["type"] == "result"  # and not a stats frame
+
+
+async def test_unsubscribing_stops_the_frames(server: FillMaskServer) -> None:
+    async with session(server.url) as (ws, _):
+        await send(ws, {"type": "subscribe_stats", "interval_ms": 250})
+        await frames_of_type(ws, "stats", 1)
+        await send(ws, {"type": "unsubscribe_stats"})
+        await send(ws, {"type": "fill_mask", "id": "marker", "text": TEXT})
+        while (frame := await recv(ws))["type"] != "result":  # stats sent before the unsubscribe may come first
+            assert frame["type"] == "stats"
+        with pytest.raises(TimeoutError):
+            await recv(ws, timeout=0.6)  # more than two intervals: nothing
