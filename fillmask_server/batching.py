@@ -5,15 +5,24 @@ times (tests/test_batching.py). The queue holds requests in arrival order; each 
 connection). The rules:
 
 - **Expired first.** Requests whose deadline has passed are removed and reported, never batched.
+- **Cost.** A request costs what it asks of the engine, in token-equivalents (``cost``): its tokens
+  for the encoder plus its output (its result's size bound, which the decode stage turns into
+  strings and JSON) at the engine's measured price of a result byte in tokens.
 - **Limits.** A batch holds at most ``max_batch_size`` requests and at most ``max_batch_tokens``
-  *padded* tokens (rows x longest row). Its first request is always taken, even alone over budget.
-- **Fair.** Each batch is built around one *lead* request: the oldest request of the connection that
-  was served least recently (ties broken by the age of their oldest request). A connection that
-  starts waiting ranks as served by the latest batch, so a steady trickle of new arrivals cannot
-  overtake a connection with a backlog again and again.
-  The other places are offered round-robin across connections in that same order. So a connection
-  with a thousand queued requests cannot keep another connection's request waiting for more than one
-  batch: that connection leads the next batch at the latest.
+  token-equivalents: its *padded* tokens (rows x longest row) plus its requests' output. Its first
+  request is always taken, even alone over budget.
+- **Room.** A request whose connection has no room left for answers (``Room``: answers unsent or
+  being computed, per connection and in all) is not started; it keeps its place. A connection with
+  nothing waiting always has room for one request, so nobody waits for room forever.
+- **Fair by cost** (start-time fair queuing). Each connection has a virtual time: the cost it has
+  been served. Each place of a batch goes to the waiting connection with the lowest virtual time,
+  counting what this batch already gives it (ties: the connection served longest ago, a newcomer
+  first; then the oldest request), which offers its oldest request that fits. A connection that
+  starts waiting starts at the later of its own virtual time and the system's (the lowest among
+  those waiting after the last batch): no credit for having been away, and no escaping its debt by
+  leaving the queue for a moment. So connections share the engine's time, not its request count:
+  heavy requests cost their owner more of its share, and a light request of another connection is in
+  the next batch, or the one after if the next cannot hold its length.
 - **Little padding.** A batch only takes requests whose token counts stay within a band: longest row
   at most ``growth`` x the shortest. On a CPU a forward pass costs in proportion to the padded tokens,
   so several batches of similar lengths beat one batch padded to its longest row; requests left out
@@ -31,16 +40,15 @@ connection). The rules:
   whichever is shorter, has passed since the hand-over. So the wait never costs more than that share
   of a batch, and an idle engine (nothing answered lately) starts a request at once.
 
-State: per connection with queued requests, the number of the batch that last served it, or the
-batch before which it started waiting (``take`` updates it); the anticipation counters above.
-``wait_s`` only reads.
+State: per connection with queued requests, its virtual time and the number of the batch that last
+served it (``take`` updates them); the anticipation counters above. ``wait_s`` only reads.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 
 class Queued(Protocol):
@@ -49,6 +57,8 @@ class Queued(Protocol):
     arrival: float
     deadline: float | None
     n_tokens: int
+    cost: float  # token-equivalents: n_tokens plus its output (see the module docstring)
+    result_bytes: int  # room its answer may take (an upper bound)
     owner: object
 
 
@@ -65,6 +75,26 @@ class Decision(Generic[J]):
 
 
 @dataclass
+class Room:
+    """Answer memory left for one batch decision: ``used`` bytes per owner and in all, against
+    ``per_owner`` and ``total``. An owner with nothing used fits any one request."""
+
+    per_owner: int
+    total: int
+    used: dict[Any, int] = field(default_factory=dict)
+    used_total: int = 0
+
+    def fits(self, owner: Any, size: int) -> bool:
+        used = self.used.get(owner, 0)
+        return ((used == 0 or used + size <= self.per_owner)
+                and (self.used_total == 0 or self.used_total + size <= self.total))
+
+    def take(self, owner: Any, size: int) -> None:
+        self.used[owner] = self.used.get(owner, 0) + size
+        self.used_total += size
+
+
+@dataclass
 class BatchPolicy:
     """Limits of one batch and the fairness memory; see the module docstring for the rules."""
 
@@ -74,7 +104,10 @@ class BatchPolicy:
     growth: float = 1.5
     anticipate_s: float = 0.0
     anticipate_share: float = 0.3
-    _last_served: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
+    _virtual: dict[Any, float] = field(default_factory=dict, init=False, repr=False)  # owner -> cost served
+    _served_in: dict[Any, int] = field(default_factory=dict, init=False, repr=False)  # owner -> last batch number
+    _system: float = field(default=0.0, init=False, repr=False)  # the system's virtual time
     _batches: int = field(default=0, init=False, repr=False)
     _returning: int = field(default=0, init=False, repr=False)  # answers sent, not yet followed by an arrival
     _anticipate_until: float = field(default=float("-inf"), init=False, repr=False)
@@ -94,6 +127,11 @@ class BatchPolicy:
     def arrived(self, count: int) -> None:
         """``count`` new requests joined the queue."""
         self._returning = max(0, self._returning - count)
+
+    def forget(self, owner: Any) -> None:
+        """``owner`` (a connection) is gone: drop what the policy remembers of it."""
+        self._virtual.pop(owner, None)
+        self._served_in.pop(owner, None)
 
     def batch_ran(self, seconds: float) -> None:
         """The last batch took ``seconds`` on the model: what a wait for company is measured against."""
@@ -132,13 +170,14 @@ class BatchPolicy:
             wait_until = min(wait_until, min(deadlines))
         return max(0.0, wait_until - now)
 
-    def take(self, queue: deque[J], now: float) -> Decision[J]:
-        """Remove the next batch from ``queue`` (after removing expired requests) and return it."""
+    def take(self, queue: deque[J], now: float, room: Room | None = None) -> Decision[J]:
+        """Remove the next batch from ``queue`` (after removing expired requests) and return it.
+
+        ``room`` (optional) is the answer memory left; it is updated with what the batch reserves.
+        """
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
         ready = list(queue)
-        for job in ready:  # a connection seen for the first time ranks as served by the latest batch
-            self._last_served.setdefault(id(job.owner), self._batches)
-        chosen = self._select(ready)
+        chosen, charged = self._pick(ready, room)
         if not chosen:
             return decision
         self._batches += 1
@@ -148,45 +187,57 @@ class BatchPolicy:
         queue.clear()
         queue.extend(kept)
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
-        waiting = {id(job.owner) for job in kept}
-        self._last_served = {owner: n for owner, n in self._last_served.items() if owner in waiting}
-        for job in chosen:
-            if id(job.owner) in waiting:
-                self._last_served[id(job.owner)] = self._batches
+        for owner, virtual in charged.items():
+            self._virtual[owner] = virtual
+            self._served_in[owner] = self._batches
+        waiting = {job.owner for job in kept}
+        if waiting:
+            self._system = max(self._system, min(self._virtual.get(o, self._system) for o in waiting))
+        # Virtual times at or below the system's say nothing a newcomer's would not: forget them.
+        for owner in [o for o, virtual in self._virtual.items() if virtual <= self._system and o not in waiting]:
+            del self._virtual[owner]
+            self._served_in.pop(owner, None)
         return decision
 
     def _select(self, ready: list[J]) -> list[J]:
-        """The requests of the next batch, chosen from the queued requests in arrival order."""
+        """The requests the next batch would hold (no room limit): for ``wait_s``."""
+        return self._pick(ready, None)[0]
+
+    def _pick(self, ready: list[J], room: Room | None) -> tuple[list[J], dict[Any, float]]:
+        """The next batch's requests, and each served owner's virtual time after it (see the module doc)."""
         if not ready:
-            return []
-        by_owner: dict[int, list[J]] = {}
+            return [], {}
+        by_owner: dict[Any, deque[J]] = {}
         for job in ready:
-            by_owner.setdefault(id(job.owner), []).append(job)
-        owners = sorted(by_owner, key=lambda o: (self._last_served.get(o, self._batches), by_owner[o][0].arrival))
-        lead = by_owner[owners[0]][0]
-        batch = [lead]
-        shortest = longest = lead.n_tokens
-        for job in _round_robin([by_owner[o] for o in owners]):
-            if len(batch) == self.max_batch_size:
-                break
-            if job is lead:
-                continue
+            by_owner.setdefault(job.owner, deque()).append(job)
+        virtual = {o: max(self._virtual.get(o, self._system), self._system) for o in by_owner}
+
+        def rank(owner: Any) -> tuple[float, int, float]:
+            return virtual[owner], self._served_in.get(owner, -1), by_owner[owner][0].arrival
+
+        batch: list[J] = []
+        shortest = longest = 0
+        output = 0.0
+        charged: dict[Any, float] = {}
+        candidates = set(by_owner)
+        while candidates and len(batch) < self.max_batch_size:
+            owner = min(candidates, key=rank)
+            job = by_owner[owner].popleft()
+            if not by_owner[owner]:
+                candidates.discard(owner)
             n = job.n_tokens
-            low, high = min(shortest, n), max(longest, n)
-            if high > self.growth * low or (len(batch) + 1) * high > self.max_batch_tokens:
+            low, high = (n, n) if not batch else (min(shortest, n), max(longest, n))
+            extra = max(0.0, job.cost - n)
+            if batch and (high > self.growth * low
+                          or (len(batch) + 1) * high + output + extra > self.max_batch_tokens):
                 continue
+            if room is not None and not room.fits(owner, job.result_bytes):
+                candidates.discard(owner)  # no room for this connection now: its requests keep their places
+                continue
+            if room is not None:
+                room.take(owner, job.result_bytes)
             batch.append(job)
-            shortest, longest = low, high
-        return batch
-
-
-def _round_robin(queues: list[list[J]]) -> list[J]:
-    """First of each queue, then second of each, and so on."""
-    out: list[J] = []
-    depth = 0
-    while True:
-        layer = [q[depth] for q in queues if depth < len(q)]
-        if not layer:
-            return out
-        out.extend(layer)
-        depth += 1
+            shortest, longest, output = low, high, output + extra
+            virtual[owner] += job.cost
+            charged[owner] = virtual[owner]
+        return batch, charged

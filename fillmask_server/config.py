@@ -35,6 +35,8 @@ class Config:
     max_top_k: int = 100
     max_targets: int = 100
     max_frame_bytes: int = 65536
+    max_result_bytes: int = 1_048_576
+    max_answer_bytes: int = 268_435_456
     device: str = "auto"
     dtype: str = "float32"
     torch_threads: int = 0
@@ -70,7 +72,11 @@ _HELP: dict[str, str] = {
     "max_masks": "most mask tokens in one text",
     "max_top_k": "largest top_k a request may ask for",
     "max_targets": "most targets in one request",
-    "max_frame_bytes": "largest WebSocket frame; larger ones close the connection with 1009",
+    "max_frame_bytes": "largest WebSocket frame a client may send; larger ones close the connection with 1009",
+    "max_result_bytes": "largest answer a request may ask for: a request whose predictions could be larger (bounded "
+                        "from top_k, its masks and its text before it runs) gets the error result_too_large",
+    "max_answer_bytes": "memory for answers, all connections together: answers waiting to be sent plus those being "
+                        "computed; beyond it no request starts until clients take theirs",
     "device": "auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps",
     "dtype": "float32 (exact, default), bfloat16 or float16 (faster where the hardware has them), int8 (dynamic "
              "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",
@@ -86,8 +92,9 @@ _HELP: dict[str, str] = {
     "max_connections": "most open WebSocket connections; beyond it the handshake is refused with HTTP 503",
     "max_inflight_per_connection": "most requests in flight on one connection; beyond it requests get the error "
                                    "too_many_inflight",
-    "max_send_buffer_bytes": "bytes of answers waiting to be sent on one connection beyond which the server stops "
-                             "reading that connection's frames until its client reads",
+    "max_send_buffer_bytes": "answers waiting for one client (unsent, or being computed) beyond which the server "
+                             "stops reading that connection's frames and starts none of its queued requests until "
+                             "its client reads (one request always may start)",
     "send_timeout": "seconds a client whose unsent answers are over --max-send-buffer-bytes may take nothing from "
                     "its socket before the connection is closed with 1008",
     "allowed_origins": "comma-separated origins whose pages may open a WebSocket (e.g. https://app.example.com), "
@@ -128,8 +135,10 @@ _GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("listening", ("host", "port", "certfile", "keyfile")),
     ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_wait_ms", "anticipate_ms",
                             "max_queue")),
-    ("request limits", ("max_text_chars", "max_masks", "max_top_k", "max_targets", "max_frame_bytes")),
+    ("request limits", ("max_text_chars", "max_masks", "max_top_k", "max_targets", "max_frame_bytes",
+                        "max_result_bytes")),
     ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
+                                "max_answer_bytes",
                                 "send_timeout", "allowed_origins", "allowed_hosts", "token")),
     ("process", ("shutdown_timeout", "drain_delay", "log_level")),
 ]
@@ -138,7 +147,7 @@ _METAVAR: dict[str, str] = {
     "max_wait_ms": "MS", "anticipate_ms": "MS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS",
     "shutdown_timeout": "SECONDS", "drain_delay": "SECONDS",
     "allowed_origins": "ORIGINS", "allowed_hosts": "HOSTS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES",
-    "max_frame_bytes": "BYTES",
+    "max_frame_bytes": "BYTES", "max_result_bytes": "BYTES", "max_answer_bytes": "BYTES",
 }
 
 
@@ -207,7 +216,7 @@ def validate(config: Config) -> str | None:
     """Return a one-line description of the first nonsensical value, or None."""
     positive = ("max_batch_size", "max_batch_tokens", "max_queue", "max_text_chars", "max_masks",
                 "max_top_k", "max_targets", "max_frame_bytes", "max_connections", "max_inflight_per_connection",
-                "max_send_buffer_bytes")
+                "max_send_buffer_bytes", "max_result_bytes", "max_answer_bytes")
     for name in positive:
         if getattr(config, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"

@@ -35,12 +35,24 @@ CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close 
 Label = tuple[str, str] | None  # (outcome, code) of an answer about a request; None for other frames
 
 
+class UnsentBytes:
+    """The bytes of answers queued and not yet handed to a socket, over every connection of a server.
+
+    Written on the event loop only (each ``Connection`` adds and subtracts its own), read by the engine's
+    model thread to keep answers within ``--max-answer-bytes``: a single integer, so a read is atomic.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
 class Connection:
     """One client socket and its outbox (see the module docstring). ``session`` is its protocol state."""
 
     def __init__(self, ws: ServerConnection, metrics: Metrics, max_send_buffer: int,
-                 on_congested: Callable[[Connection], None]) -> None:
+                 on_congested: Callable[[Connection], None], unsent: UnsentBytes | None = None) -> None:
         self.ws = ws
+        self._unsent = unsent or UnsentBytes()
         self.session: Any = None
         self.closed = False
         self.pending_bytes = 0
@@ -77,6 +89,7 @@ class Connection:
             return
         self._outbox.append((frame, label))
         self.pending_bytes += len(frame)
+        self._unsent.total += len(frame)
         if self.pending_bytes > self._max_send_buffer and self._uncongested.is_set():
             self._uncongested.clear()
             self._on_congested(self)
@@ -103,6 +116,7 @@ class Connection:
                     self._outbox.popleft()
                     self.last_progress = time.monotonic()
                     self.pending_bytes -= len(frame)
+                    self._unsent.total -= len(frame)
                     if label is not None:
                         self._metrics.answered(*label)
                     if not self.congested:
@@ -115,6 +129,7 @@ class Connection:
         dropped = sum(1 for _, label in self._outbox if label is not None)
         self._metrics.dropped(dropped)
         self._outbox.clear()
+        self._unsent.total -= self.pending_bytes
         self.pending_bytes = 0
         self._uncongested.set()
         self._idle.set()

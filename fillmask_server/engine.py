@@ -29,6 +29,7 @@ it held: those not yet on the model ``Stopped`` (503 ``engine_stopped``), the ot
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import logging
 import threading
@@ -38,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import intake
-from .batching import BatchPolicy
+from .batching import BatchPolicy, Room
 from .decode import SequenceDecoder, predictions_json
 from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, Result, State, Stopped, advance, can
 from .model import FillMaskModel, Item, TopK
@@ -49,7 +50,10 @@ Deliver = Callable[[list[Outcome]], None]
 # (batch id, batch size, padded tokens, each request's queue wait in s, the batch's time on the model in s)
 BatchObserver = Callable[[int, int, int, list[float], float], None]
 
+WAITING = (State.TOKENIZING, State.QUEUED)  # a request in these states counts against the queue
 ENGINE_STOPPED_RETRY_MS = 1000
+HAND_OVER_S = 0.002  # the decode stage hands results over at least this often while it works on a batch
+ROOM_RECHECK_S = 0.02  # how often the model thread looks again when every queued request waits for answer room
 INTAKE_BATCH = 256  # most requests the tokenizer stage takes in one call
 DECODE_BACKLOG = 2  # the model thread runs at most this many batches ahead of the decode stage
 _SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
@@ -68,6 +72,28 @@ class EngineStats:
     busy_s: float = 0.0
 
 
+class Admission(enum.Enum):
+    """What ``submit`` made of a request (protocol.md §3 order of the checks, §6)."""
+
+    ACCEPTED = "accepted"
+    QUEUE_FULL = "queue_full"  # max_queue requests wait for the model
+    QUEUE_SHARE = "queue_share"  # the queue is under pressure and this connection holds its share of it
+    STOPPED = "engine_stopped"
+
+
+@dataclass(frozen=True)
+class AnswerMemory:
+    """The answer budgets (protocol.md §12): bytes of answers per connection and in all, counting the
+    answers the shell holds unsent (``unsent``, ``unsent_total``, read from the model thread: each a
+    single integer the event loop writes) and those the engine computes (reserved when a request
+    starts, for its ``result_bytes``, until ``release``)."""
+
+    per_connection: int = 1 << 62
+    total: int = 1 << 62
+    unsent: Callable[[object], int] = lambda owner: 0
+    unsent_total: Callable[[], int] = lambda: 0
+
+
 @dataclass
 class _Forwarded:
     """One batch between the model thread and the decode stage."""
@@ -84,11 +110,14 @@ class Engine:
 
     def __init__(self, model: FillMaskModel, policy: BatchPolicy, max_queue: int, max_masks: int,
                  deliver: Deliver, clock: Callable[[], float] = time.monotonic,
-                 on_batch: BatchObserver | None = None) -> None:
+                 on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
+                 memory: AnswerMemory | None = None) -> None:
         self.model = model
         self.policy = policy
         self.max_queue = max_queue
         self.max_masks = max_masks
+        self.max_result_bytes = max_result_bytes
+        self.memory = memory or AnswerMemory()
         self.stats = EngineStats()
         self.decoder = SequenceDecoder(model.decode_tokenizer)
         self._deliver = deliver
@@ -108,6 +137,13 @@ class Engine:
         self._paused = False
         self._stopping = False
         self._seconds_per_row = 0.01  # moving estimate, for retry_after_ms
+        self._waiting_by: dict[object, int] = {}  # owner -> its requests tokenizing or queued
+        self._reserved: dict[object, int] = {}  # owner -> answer bytes reserved by its started requests
+        self._reserved_total = 0
+        # Moving estimates of the engine's prices: seconds per padded token of a forward pass, seconds per
+        # byte of predictions decoded. Their ratio turns a request's output into token-equivalents.
+        self._token_s = 2e-5
+        self._byte_s = 2e-8
         self._threads = [threading.Thread(target=self._guarded, args=(body,), name=name, daemon=True)
                          for name, body in (("fillmask-intake", self._intake_loop),
                                             ("fillmask-model", self._model_loop),
@@ -123,15 +159,51 @@ class Engine:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, job: Job) -> bool:
-        """Accept ``job`` for the tokenizer stage; False (nothing kept) when ``max_queue`` requests
-        already wait for the model, or the engine has stopped."""
+    def submit(self, job: Job) -> Admission:
+        """Accept ``job`` for the tokenizer stage, or say why not (nothing is kept then).
+
+        A fair share of the queue: while more than half of ``max_queue`` waits, a connection may hold
+        at most ``max_queue`` divided by the connections waiting (itself included), so that a few
+        connections sending as fast as they can never fill the queue that others need.
+        """
         with self._lock:
-            if not self.alive or self._waiting_locked() >= self.max_queue:
-                return False
+            if not self.alive:
+                return Admission.STOPPED
+            waiting = self._waiting_locked()
+            if waiting >= self.max_queue:
+                return Admission.QUEUE_FULL
+            mine = self._waiting_by.get(job.owner, 0)
+            if waiting * 2 >= self.max_queue:
+                owners = len(self._waiting_by) + (0 if mine else 1)
+                if mine >= max(1, self.max_queue // owners):
+                    return Admission.QUEUE_SHARE
+            self._waiting_by[job.owner] = mine + 1
             self._tokenizing.append(job)
             self._intake_wake.notify()
-        return True
+        return Admission.ACCEPTED
+
+    def release(self, jobs: list[Job]) -> None:
+        """The answers of ``jobs`` have left the engine (queued for their socket, or dropped): give back
+        the answer memory they reserved when they started."""
+        with self._lock:
+            freed = 0
+            for job in jobs:
+                if job.reserved:
+                    left = self._reserved.get(job.owner, 0) - job.reserved
+                    if left > 0:
+                        self._reserved[job.owner] = left
+                    else:
+                        self._reserved.pop(job.owner, None)
+                    freed += job.reserved
+                    job.reserved = 0
+            self._reserved_total -= freed
+            if freed:
+                self._model_wake.notify()
+
+    def forget(self, owner: object) -> None:
+        """``owner``'s connection closed: the batching policy drops what it remembers of it."""
+        with self._lock:
+            self.policy.forget(owner)
 
     def withdraw(self, job: Job) -> bool:
         """Take ``job`` out if the model does not have it yet; True when this call did it (the caller
@@ -159,6 +231,11 @@ class Engine:
         """Requests tokenized and checked, in the model's queue."""
         with self._lock:
             return len(self._queue)
+
+    def started(self) -> int:
+        """Requests on the model or being decoded."""
+        with self._lock:
+            return len(self._running) + self._decoding_jobs
 
     def busy(self) -> bool:
         """True while any accepted request has no outcome yet."""
@@ -198,6 +275,24 @@ class Engine:
                 thread.join(timeout)
         self.alive = False
 
+    def _move(self, job: Job, event: Event) -> None:
+        """``jobs.advance``, keeping each connection's count of waiting requests (the queue's fair share)."""
+        was_waiting = job.state in WAITING
+        advance(job, event)
+        if was_waiting and job.state not in WAITING:
+            left = self._waiting_by.get(job.owner, 0) - 1
+            if left > 0:
+                self._waiting_by[job.owner] = left
+            else:
+                self._waiting_by.pop(job.owner, None)
+
+    def _room_locked(self) -> Room:
+        """The answer memory left, for the owners with queued requests."""
+        memory = self.memory
+        owners = {job.owner for job in self._queue}
+        used = {owner: self._reserved.get(owner, 0) + memory.unsent(owner) for owner in owners}
+        return Room(memory.per_connection, memory.total, used, self._reserved_total + memory.unsent_total())
+
     def _hand_over_locked(self, outcomes: list[Outcome]) -> None:
         """Give outcomes to ``deliver`` before the lock that made them final is released, so that once
         ``busy()`` is False every outcome has been handed over (``deliver`` must not block)."""
@@ -211,7 +306,7 @@ class Engine:
         if not can(job, Event.WITHDRAWN):
             return False
         waiting_in = self._tokenizing if job.state is State.TOKENIZING else self._queue
-        advance(job, Event.WITHDRAWN)
+        self._move(job, Event.WITHDRAWN)
         with contextlib.suppress(ValueError):  # a job the tokenizer stage holds is in neither deque
             waiting_in.remove(job)
         return True
@@ -246,7 +341,7 @@ class Engine:
         verdicts: list[intake.Checked | intake.Refusal | None] = []
         for job, ids in zip(fresh, token_ids, strict=True):
             try:
-                verdicts.append(intake.check(self.model, job.request, ids, self.max_masks))
+                verdicts.append(intake.check(self.model, job.request, ids, self.max_masks, self.max_result_bytes))
             except Exception:  # a fault in one request's checks fails that request only
                 log.exception("checking a new request failed; answering it internal_error")
                 verdicts.append(None)
@@ -258,13 +353,15 @@ class Engine:
                 if isinstance(verdict, intake.Checked):
                     job.input_ids, job.masks, job.target_ids = verdict.input_ids, verdict.masks, verdict.target_ids
                     job.n_tokens = len(verdict.input_ids)
-                    advance(job, Event.CHECKED)
+                    job.result_bytes = verdict.result_bytes
+                    job.cost = job.n_tokens + verdict.result_bytes * (self._byte_s / self._token_s)
+                    self._move(job, Event.CHECKED)
                     self._queue.append(job)
                 elif isinstance(verdict, intake.Refusal):
-                    advance(job, Event.REJECTED)
+                    self._move(job, Event.REJECTED)
                     answers.append(Rejected(job, verdict.code, verdict.message))
                 else:
-                    advance(job, Event.FAILED)
+                    self._move(job, Event.FAILED)
                     answers.append(Failed(job, _SERVER_FAILED))
             self.policy.arrived(len(fresh) - len(answers))
             self._hand_over_locked(answers)
@@ -283,12 +380,15 @@ class Engine:
                 if wait > 0:
                     self._model_wake.wait(wait)
                     continue
-                decision = self.policy.take(self._queue, now)
+                decision = self.policy.take(self._queue, now, self._room_locked())
                 for job in decision.expired:
-                    advance(job, Event.EXPIRED)
+                    self._move(job, Event.EXPIRED)
                 for job in decision.batch:
-                    advance(job, Event.BATCHED)
+                    self._move(job, Event.BATCHED)
                     job.started = now
+                    job.reserved = job.result_bytes
+                    self._reserved[job.owner] = self._reserved.get(job.owner, 0) + job.reserved
+                    self._reserved_total += job.reserved
                 self._running = decision.batch
                 if decision.expired:
                     retry = self._retry_after_ms_locked()
@@ -297,6 +397,9 @@ class Engine:
                                             for job in decision.expired])
             if decision.batch:
                 self._run_batch(decision.batch, decision.padded_tokens, now)
+            elif not decision.expired:
+                with self._lock:  # every queued request waits for answer room: look again soon
+                    self._model_wake.wait(ROOM_RECHECK_S)
 
     def _run_batch(self, batch: list[Job], padded_tokens: int, started: float) -> None:
         """One forward pass (split on failure); hand what succeeded to the decode stage."""
@@ -307,18 +410,19 @@ class Engine:
         with self._lock:
             for i in failed_items:
                 if can(batch[i], Event.FAILED):
-                    advance(batch[i], Event.FAILED)
+                    self._move(batch[i], Event.FAILED)
                     failed.append(Failed(batch[i], _MODEL_FAILED))
             for indices, _ in groups:
                 for i in indices:
                     if can(batch[i], Event.FORWARDED):
-                        advance(batch[i], Event.FORWARDED)
+                        self._move(batch[i], Event.FORWARDED)
                         self._decoding_jobs += 1
             batch_id = next(self._batch_ids)
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
             self._running = []
             self.policy.batch_ran(elapsed)
             self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (elapsed / len(batch))
+            self._token_s = 0.9 * self._token_s + 0.1 * (elapsed / max(1, padded_tokens))
             self._hand_over_locked(failed)
             self._decode_wake.notify()
         stats = self.stats
@@ -374,35 +478,48 @@ class Engine:
                 if self._stopping:
                     return
                 work = self._decoding[0]
-            outcomes = self._decode(work)
+            self._decode(work)
             with self._lock:
                 self._decoding.popleft()
-                for outcome in outcomes:
-                    job = outcome.job
-                    if can(job, Event.DECODED):
-                        advance(job, Event.DECODED if isinstance(outcome, Result) else Event.FAILED)
-                        self._decoding_jobs -= 1
-                self._hand_over_locked(outcomes)
-                self.policy.answered(len(outcomes), self._clock())
                 self._model_wake.notify()
 
-    def _decode(self, work: _Forwarded) -> list[Outcome]:
-        """Each job's predictions as JSON; a job whose decoding fails gets ``Failed``, the others go on."""
-        outcomes: list[Outcome] = []
+    def _decode(self, work: _Forwarded) -> None:
+        """Each job's predictions as JSON, cheapest first, handed over in chunks of about ``HAND_OVER_S``
+        of work: a light request that shares a batch with heavy ones does not wait for their strings.
+        A job whose decoding fails gets ``Failed``; the others go on."""
+        jobs = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
+        jobs.sort(key=lambda entry: entry[0].result_bytes)
         size = len(work.jobs)
-        for indices, topk in work.groups:
-            for n, i in enumerate(indices):
-                job = work.jobs[i]
-                try:
-                    item = Item(job.input_ids, job.request.top_k, job.target_ids)
-                    data = predictions_json(self.decoder, item, topk, n)
-                except Exception:
-                    log.exception("decoding a result failed; answering it internal_error")
-                    outcomes.append(Failed(job, _SERVER_FAILED))
-                    continue
-                outcomes.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, size,
-                                       work.padded_tokens, work.batch_id))
-        return outcomes
+        chunk: list[Outcome] = []
+        started = chunk_started = time.perf_counter()
+        decoded_bytes = 0
+        for job, n, topk in jobs:
+            try:
+                item = Item(job.input_ids, job.request.top_k, job.target_ids)
+                data = predictions_json(self.decoder, item, topk, n)
+                decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
+                chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, size,
+                                    work.padded_tokens, work.batch_id))
+            except Exception:
+                log.exception("decoding a result failed; answering it internal_error")
+                chunk.append(Failed(job, _SERVER_FAILED))
+            if time.perf_counter() - chunk_started >= HAND_OVER_S:
+                self._finish_decoded(chunk)
+                chunk, chunk_started = [], time.perf_counter()
+        self._finish_decoded(chunk)
+        if decoded_bytes:
+            self._byte_s = 0.9 * self._byte_s + 0.1 * ((time.perf_counter() - started) / decoded_bytes)
+
+    def _finish_decoded(self, outcomes: list[Outcome]) -> None:
+        if not outcomes:
+            return
+        with self._lock:
+            for outcome in outcomes:
+                if can(outcome.job, Event.DECODED):
+                    self._move(outcome.job, Event.DECODED if isinstance(outcome, Result) else Event.FAILED)
+                    self._decoding_jobs -= 1
+            self._hand_over_locked(outcomes)
+            self.policy.answered(len(outcomes), self._clock())
 
     def _die(self, exc: BaseException) -> None:
         """A stage thread is ending abnormally: refuse new work, stop the other stages, answer everything held."""
@@ -418,7 +535,7 @@ class Engine:
             started = [job for job in (*self._running, *(j for w in self._decoding for j in w.jobs))
                        if can(job, Event.FAILED)]
             for job in started:
-                advance(job, Event.FAILED)
+                self._move(job, Event.FAILED)
             self._running = []
             self._decoding.clear()
             self._decoding_jobs = 0

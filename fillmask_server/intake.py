@@ -10,10 +10,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import orjson
+
 from .model import FillMaskModel, TargetError
 from .protocol import FillMaskRequest
 
 log = logging.getLogger(__name__)
+
+
+# JSON of one candidate besides its two strings: {"score":…,"token":…,"token_str":,"sequence":}, with the
+# longest float repr (22 characters), a token id of up to 10 digits, and the separators.
+CANDIDATE_OVERHEAD_BYTES = 96
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +30,7 @@ class Checked:
     input_ids: list[int]
     masks: int
     target_ids: tuple[int, ...] | None
+    result_bytes: int  # an upper bound on its predictions' JSON (``result_bound``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +57,20 @@ def tokenize_all(model: FillMaskModel, texts: list[str]) -> list[list[int] | Non
     return out
 
 
-def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None, max_masks: int) -> Checked | Refusal:
-    """The §3 checks that need the tokenizer, in this order: tokenizable, length, masks, targets."""
+def result_bound(model: FillMaskModel, ids: list[int], masks: int, candidates: int) -> int:
+    """An upper bound on the JSON size of a request's predictions, known before the model runs.
+
+    Each candidate's ``sequence`` is the text decoded with the candidate in a mask's place: at most the
+    JSON of the whole text decoded with its special tokens, plus one token; its ``token_str`` is one
+    token. So: masks x candidates x (overhead + text + 2 x the longest token), in JSON bytes.
+    """
+    text = len(orjson.dumps(model.tokenizer.decode(ids)))
+    return masks * candidates * (CANDIDATE_OVERHEAD_BYTES + text + 2 * model.longest_token_json)
+
+
+def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None, max_masks: int,
+          max_result_bytes: int) -> Checked | Refusal:
+    """The §3 checks that need the tokenizer, in this order: tokenizable, length, masks, targets, result size."""
     if ids is None:
         return Refusal("invalid_field", "the text could not be tokenized; send plain text")
     if len(ids) > model.max_tokens:
@@ -68,4 +88,10 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
             target_ids = model.target_ids(request.targets)
         except TargetError as exc:
             return Refusal("invalid_targets", f"{exc}; use words from the vocabulary")
-    return Checked(ids, masks, target_ids)
+    candidates = min(request.top_k, len(target_ids) if target_ids is not None else model.vocab_size)
+    bound = result_bound(model, ids, masks, candidates)
+    if bound > max_result_bytes:
+        return Refusal("result_too_large", f"the answer could be up to {bound} bytes, more than this server's "
+                       f"{max_result_bytes} (limits.max_result_bytes); ask for a smaller top_k, fewer masks or "
+                       "a shorter text")
+    return Checked(ids, masks, target_ids, bound)

@@ -73,7 +73,8 @@ class Job:
     """One accepted request on its way through the stages. ``owner`` is its connection, opaque here.
 
     Written by the tokenizer stage before the job is QUEUED (``input_ids``, ``n_tokens``, ``masks``,
-    ``target_ids``, ``cost``); read-only afterwards. ``state`` is written by ``advance`` only.
+    ``target_ids``, ``result_bytes``, ``cost``); read-only afterwards, but for ``reserved`` (the engine,
+    under its lock). ``state`` is written by ``advance`` only.
     """
 
     request: FillMaskRequest
@@ -85,7 +86,9 @@ class Job:
     n_tokens: int = 0
     masks: int = 0
     target_ids: tuple[int, ...] | None = None
-    cost: float = 0.0  # engine work this request asks for, in token-equivalents (batching.request_cost)
+    cost: float = 0.0  # engine work it asks for, in token-equivalents (see batching.py)
+    result_bytes: int = 0  # an upper bound on its predictions' JSON (intake.result_bound)
+    reserved: int = 0  # answer memory reserved for it while its answer is being computed (engine)
     started: float = 0.0  # when its batch started on the model
 
 

@@ -91,6 +91,9 @@ class Metrics:
                                           ["reason"], registry=registry)
         self.reading_paused = Counter("fillmask_reading_paused", "Times the server stopped reading a connection "
                                       "because its unsent answers passed --max-send-buffer-bytes.", registry=registry)
+        self.resenders_closed = Counter("fillmask_resenders_closed", "Connections closed with 1008 because their "
+                                        "client kept sending before the retry_after_ms it was given.",
+                                        registry=registry)
         self.slow_clients_closed = Counter("fillmask_slow_clients_closed", "Connections closed with 1008 because "
                                            "their client did not read for --send-timeout.", registry=registry)
         registry.register(_LiveCollector(live))

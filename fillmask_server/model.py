@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 log = logging.getLogger(__name__)
 
 # Model types whose ``*ForMaskedLM.forward`` is exactly ``head(encoder(...).last_hidden_state)``
@@ -120,6 +122,9 @@ class FillMaskModel:
         self._encoder = model.base_model if self._head is not None else None
         self._vocab: dict[str, int] | None = None
         self._targets: dict[tuple[str, ...], tuple[int, ...]] = {}
+        # The longest token as JSON (quotes and escapes included), plus the space that may join it: the
+        # most one candidate adds to a decoded text.
+        self.longest_token_json = max(len(orjson.dumps(token)) for token in tokenizer.get_vocab()) + 2
         self._scores: Any = None  # the traced graph: inputs and mask positions in, softmax at the masks out
         if forward == "traced" and self._head is not None:
             self._scores = self._trace()

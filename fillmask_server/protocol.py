@@ -23,10 +23,11 @@ MAX_SAFE_INTEGER = 2**53 - 1
 ERROR_CODES = frozenset({
     "invalid_json", "not_an_object", "binary_frame", "missing_field", "unknown_type", "invalid_id", "duplicate_id",
     "invalid_field", "text_too_long", "no_mask", "too_many_masks", "invalid_top_k", "invalid_targets",
-    "invalid_deadline", "too_many_inflight", "internal_error",
+    "invalid_deadline", "too_many_inflight", "result_too_large", "internal_error",
 })
 #: Every ``overloaded`` reason with its status (§6); ``encode_overloaded`` refuses any other pair.
-OVERLOADED_REASONS = {"queue_full": 503, "shutting_down": 503, "engine_stopped": 503, "deadline_exceeded": 504}
+OVERLOADED_REASONS = {"queue_full": 503, "queue_share": 429, "shutting_down": 503, "engine_stopped": 503,
+                      "deadline_exceeded": 504}
 #: ``subscribe_stats`` intervals (§13), announced in ``hello.stats``.
 STATS_INTERVAL_MS = {"min": 250, "max": 10_000, "default": 1000}
 CLIENT_FRAME_TYPES = ("fill_mask", "cancel", "subscribe_stats", "unsubscribe_stats")

@@ -34,8 +34,8 @@ from . import __version__
 from .access import OriginPolicy, tls_context
 from .batching import BatchPolicy
 from .config import Config
-from .connection import Connection
-from .engine import Engine
+from .connection import Connection, UnsentBytes
+from .engine import AnswerMemory, Engine
 from .http import FrontState, HttpFront
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
@@ -97,14 +97,19 @@ class FillMaskServer:
             engine_alive=lambda: self.engine.alive,
         ))
         self.stats = LiveStats()
+        self.unsent = UnsentBytes()
+        memory = AnswerMemory(config.max_send_buffer_bytes, config.max_answer_bytes,
+                              unsent=lambda session: session.peer.pending_bytes,
+                              unsent_total=lambda: self.unsent.total)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
-                             on_batch=self._observe_batch)
+                             on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory)
         self._hello = encode_hello(SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": config.max_batch_size,
             "max_batch_tokens": config.max_batch_tokens,
             "max_queue": config.max_queue,
             "max_tokens": model.max_tokens,
             "max_frame_bytes": config.max_frame_bytes,
+            "max_result_bytes": config.max_result_bytes,
             "max_inflight_per_connection": config.max_inflight_per_connection,
         })
         self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
@@ -203,7 +208,7 @@ class FillMaskServer:
     # --- WebSocket --------------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested)
+        conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested, self.unsent)
         session = Session(self.limits, self.engine, self.config.max_inflight_per_connection, time.monotonic,
                           peer=conn)
         conn.session = session
@@ -221,6 +226,10 @@ class FillMaskServer:
                 self._arm_deadline(conn)
                 if session.stats_interval_ms != conn.stats_interval_ms:
                     self._follow_stats(conn)
+                if session.close_request is not None:  # it kept sending before its retry_after_ms (§12)
+                    self.metrics.resenders_closed.inc()
+                    conn.close_soon(*session.close_request)
+                    self.metrics.dropped(session.close())
                 if conn.congested:  # backpressure: read nothing more until the client takes its answers
                     await conn.uncongested()
         except ConnectionClosed:
@@ -230,6 +239,7 @@ class FillMaskServer:
             self.connections.discard(conn)
             withdrawn = session.close()
             self.metrics.dropped(withdrawn)
+            self.engine.forget(session)
             if withdrawn:
                 log.debug("connection closed with %d requests not yet started; discarded", withdrawn)
 
@@ -274,7 +284,15 @@ class FillMaskServer:
                 self._in_transit -= 1
 
     def _on_outcomes(self, outcomes: list[Outcome], in_transit: bool = False) -> None:
-        """Each outcome to its job's session, and the answer to that session's connection."""
+        """Each outcome to its job's session, and the answer to that session's connection; then the answer
+        memory their computation reserved is given back (the answers are now counted as unsent bytes)."""
+        self._route(outcomes)
+        self.engine.release([outcome.job for outcome in outcomes])
+        if in_transit:
+            with self._transit_lock:
+                self._in_transit -= 1
+
+    def _route(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             session: Session = outcome.job.owner
             try:
@@ -290,9 +308,6 @@ class FillMaskServer:
             if isinstance(outcome, Result):
                 now = time.monotonic()
                 self.stats.result(now, (now - outcome.job.arrival) * 1000)
-        if in_transit:
-            with self._transit_lock:
-                self._in_transit -= 1
 
     # --- live figures (§13) -----------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .engine import Admission
 from .jobs import Expired, Failed, Job, Outcome, Rejected, Result, Stopped
 from .protocol import (
     CancelRequest,
@@ -52,6 +53,13 @@ from .protocol import (
 
 SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
 ENGINE_STOPPED_RETRY_MS = 1000
+MAX_RETRY_AFTER_MS = 30_000
+# A client that keeps sending while told to wait: requests refused again before the retry_after_ms they
+# were given had passed ("early"), counting only those sent after the first refusal could have reached
+# the client (the grace), close the connection once there are this many in a row.
+EARLY_RESENDS_LIMIT = 100
+EARLY_GRACE_S = 0.2
+POLICY_VIOLATION = 1008
 
 
 class Scheduler(Protocol):
@@ -59,7 +67,7 @@ class Scheduler(Protocol):
 
     alive: bool
 
-    def submit(self, job: Job) -> bool: ...
+    def submit(self, job: Job) -> Admission: ...
 
     def withdraw(self, job: Job) -> bool: ...
 
@@ -93,6 +101,11 @@ class Session:
         self.draining = False
         self.closed = False
         self.stats_interval_ms: int | None = None  # set while the client subscribes to stats frames (§13)
+        self.close_request: tuple[int, str] | None = None  # set when the session wants the connection closed
+        self._refusals = 0  # overload refusals since the last accepted request
+        self._first_refusal = 0.0
+        self._wait_until = float("-inf")  # the latest retry_after this client was told
+        self._early = 0
         self._deadlines: list[tuple[float, int, Job]] = []
         self._order = itertools.count()
         self._orphans: set[int] = set()  # id() of jobs still on the model when the connection closed
@@ -125,14 +138,33 @@ class Session:
         now = self.clock()
         deadline = None if request.deadline_ms is None else now + request.deadline_ms / 1000
         job = Job(request, self, now, deadline)
-        if not self.scheduler.submit(job):
-            if self.scheduler.alive:
-                return [_overloaded(request.id, 503, "queue_full", self.scheduler.retry_after_ms())]
+        admission = self.scheduler.submit(job)
+        if admission is Admission.STOPPED:
             return [_overloaded(request.id, 503, "engine_stopped", ENGINE_STOPPED_RETRY_MS)]
+        if admission is not Admission.ACCEPTED:
+            status = 503 if admission is Admission.QUEUE_FULL else 429
+            return [_overloaded(request.id, status, admission.value, self._back_off(now))]
+        self._refusals = self._early = 0
         self.inflight[request.id] = job
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, next(self._order), job))
         return []
+
+    def _back_off(self, now: float) -> int:
+        """The retry_after_ms of an overload refusal (§6): the engine's estimate, doubled for every
+        refusal since this connection's last accepted request, up to 30 s. A client that keeps
+        resending before the time it was given is closed with 1008 (§12) after ``EARLY_RESENDS_LIMIT``."""
+        if self._refusals == 0:
+            self._first_refusal = now
+        elif now < self._wait_until and now - self._first_refusal > EARLY_GRACE_S:
+            self._early += 1
+            if self._early >= EARLY_RESENDS_LIMIT and self.close_request is None:
+                self.close_request = (POLICY_VIOLATION, "too many requests sent before their retry_after_ms; "
+                                      "wait as overloaded answers say before sending again")
+        retry = min(MAX_RETRY_AFTER_MS, self.scheduler.retry_after_ms() * 2 ** min(self._refusals, 12))
+        self._refusals += 1
+        self._wait_until = max(self._wait_until, now + retry / 1000)
+        return retry
 
     def _cancel(self, request_id: RequestId) -> list[Answer]:
         """§5: a queued request is removed and answered ``cancelled``; otherwise nothing happens."""

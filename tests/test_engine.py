@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from fillmask_server.batching import BatchPolicy
-from fillmask_server.engine import Engine
+from fillmask_server.engine import Admission, Engine
 from fillmask_server.jobs import Expired, Job, Outcome, Rejected, Result, State
 from fillmask_server.model import FillMaskModel, load_model
 from fillmask_server.protocol import FillMaskRequest
@@ -77,7 +77,7 @@ def test_expired_requests_are_answered_504_without_running(engine: Engine, colle
 def test_submit_counts_requests_still_being_tokenized_against_max_queue(engine: Engine, collector: Collector) -> None:
     with engine.paused():
         accepted = [engine.submit(job(i)) for i in range(12)]
-        assert accepted == [True] * 10 + [False] * 2
+        assert accepted == [Admission.ACCEPTED] * 10 + [Admission.QUEUE_FULL] * 2
     assert len(collector.wait_for(10)) == 10
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
+from fillmask_server.engine import Admission
 from fillmask_server.jobs import Event, Expired, Failed, Job, Rejected, Result, Stopped, advance, can
 from fillmask_server.protocol import Limits
 from fillmask_server.session import Answer, DoubleAnswer, Session
@@ -32,13 +33,18 @@ class Engine:
     def __init__(self, room: int = 100) -> None:
         self.alive = True
         self.room = room
+        self.share: bool = False  # answer QUEUE_SHARE instead of accepting
         self.jobs: list[Job] = []
 
-    def submit(self, job: Job) -> bool:
+    def submit(self, job: Job) -> Admission:
+        if not self.alive:
+            return Admission.STOPPED
+        if self.share:
+            return Admission.QUEUE_SHARE
         if len([j for j in self.jobs if can(j, Event.WITHDRAWN)]) >= self.room:
-            return False
+            return Admission.QUEUE_FULL
         self.jobs.append(job)
-        return True
+        return Admission.ACCEPTED
 
     def withdraw(self, job: Job) -> bool:
         if not can(job, Event.WITHDRAWN):
@@ -117,8 +123,9 @@ def test_an_id_in_flight_is_duplicate_id_whatever_else_is_wrong_with_the_frame()
 def test_order_after_the_frame_is_valid_inflight_then_draining_then_engine_then_queue() -> None:
     session, engine, _ = make(room=1, max_inflight=2)
     session.receive(fill(1))
-    assert frames(session.receive(fill(2)))[0]["reason"] == "queue_full"
-    assert frames(session.receive(fill(2)))[0]["retry_after_ms"] == 42
+    first = frames(session.receive(fill(2)))[0]
+    assert (first["reason"], first["status"], first["retry_after_ms"]) == ("queue_full", 503, 42)
+    assert frames(session.receive(fill(2)))[0]["retry_after_ms"] == 84  # refused again: told to wait longer
     session.receive(fill(3))  # refused (queue_full) again: nothing held
     engine.room = 5
     assert session.receive(fill(2)) == []
@@ -182,3 +189,44 @@ def test_garbage_gets_one_error_with_a_null_id_and_costs_nothing() -> None:
         (answer,) = session.receive(data)
         assert answer.outcome == "error"
     assert engine.jobs == [] and session.inflight == {}
+
+
+def test_a_connection_over_its_share_of_the_queue_is_told_429_queue_share() -> None:
+    session, engine, _ = make()
+    engine.share = True
+    (answer,) = session.receive(fill(1))
+    frame = orjson.loads(answer.frame)
+    assert (frame["type"], frame["status"], frame["reason"]) == ("overloaded", 429, "queue_share")
+    assert (answer.outcome, answer.code) == ("overloaded", "queue_share")
+
+
+def test_retry_after_grows_with_each_refusal_and_resets_once_a_request_is_accepted() -> None:
+    session, engine, clock = make(room=0)
+    told = []
+    for i in range(16):
+        clock.now += 60.0  # a patient client: it always waits longer than it was told
+        told.append(frames(session.receive(fill(i)))[0]["retry_after_ms"])
+    assert told[:4] == [42, 84, 168, 336] and max(told) == 30_000  # doubling, capped at 30 s
+    assert session.close_request is None  # waiting as told is never punished
+    engine.room = 1
+    assert session.receive(fill("in")) == []
+    engine.room = 0
+    assert frames(session.receive(fill("again")))[0]["retry_after_ms"] == 42
+
+
+def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008() -> None:
+    """§12: past the grace for requests already on their way when the first refusal left, each request
+    refused again before its retry_after_ms counts; at 100 in a row the session asks for a 1008 close."""
+    session, _, clock = make(room=0)
+    session.receive(fill(0))
+    clock.now += 0.1
+    for i in range(120):  # all within the grace: requests the client sent before it could know
+        session.receive(fill(1000 + i))
+    assert session.close_request is None
+    clock.now += 0.2
+    for i in range(99):
+        session.receive(fill(i + 1))
+    assert session.close_request is None
+    session.receive(fill(100))
+    code, reason = session.close_request or (0, "")
+    assert code == 1008 and "retry_after_ms" in reason
