@@ -403,6 +403,41 @@ async def test_reconnect_follows_a_shutting_down_answer_to_the_next_server(make_
                 assert len(await asyncio.wait_for(call, 5)) == 2
 
 
+async def test_calls_waiting_to_redial_survive_a_server_that_drains_during_the_dial(make_server: Any) -> None:
+    # Issue 9 item 8: several calls lose their connection (the server drains, §10) and queue up to redial
+    # behind one of them. The server reached by that redial drains too before the others get their turn,
+    # so each of them finds the fresh connection gone as well. They must dial again, not wait forever on
+    # the dial lock they already hold (an asyncio.Lock is not reentrant).
+    drain_during_dial: list[Any] = []
+
+    class DrainsDuringTheDial(FillMaskClient):
+        async def _open(self, *args: Any, **kwargs: Any) -> Any:
+            conn = await super()._open(*args, **kwargs)
+            if drain_during_dial:  # the server just dialled drains while the other calls wait for this dial
+                await drain_during_dial.pop().drain(timeout=2)
+                await wait_until(lambda: conn.lost is not None)
+            return conn
+
+    async with make_server() as first:
+        port = first.port
+        client = DrainsDuringTheDial(first.url, reconnect=True, reconnect_timeout=10)
+        await client.connect()
+        assert len(await client.fill_mask(TEXT, top_k=1)) == 1
+    # The first server drained: the connection is gone (1001); every call now needs a fresh one.
+    calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in (1, 2, 3, 4, 5)]
+    try:
+        async with make_server(port=port) as second:
+            drain_during_dial.append(second)
+            await wait_until(lambda: not drain_during_dial, timeout=10)
+        async with make_server(port=port):
+            answers = await asyncio.wait_for(asyncio.gather(*calls), 10)
+            assert [len(answer) for answer in answers] == [1, 2, 3, 4, 5]
+    finally:
+        for call in calls:
+            call.cancel()
+        await client.aclose()
+
+
 async def test_calls_beyond_the_per_connection_limit_wait_in_the_client(make_server: Any) -> None:
     async with make_server(max_inflight_per_connection=4) as srv, FillMaskClient(srv.url) as client:
         assert client.limits["max_inflight_per_connection"] == 4

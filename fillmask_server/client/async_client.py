@@ -426,28 +426,34 @@ class FillMaskClient:
         return sum(len(c.pending) for c in connections)
 
     async def _connection(self) -> _Connection:
-        """The connection to send on: the current one, or (with ``reconnect``) a fresh one if it went away."""
-        conn = self._require()
-        if conn.lost is None and conn.ws.state is not State.OPEN:
-            # Closing: let the reader finish (within websockets' close_timeout) so that `lost` and the
-            # close code are settled, rather than sending into a closing socket again and again.
-            await asyncio.shield(conn.reader)
-        if conn.lost is None and not (self.reconnect and conn.draining):
-            return conn
-        if self._closed:
-            raise ConnectionLostError(f"the client for {redact(self.url)} was closed", url=redact(self.url))
-        if not (self.reconnect and conn.went_away):
-            raise conn.lost_error()
-        async with self._dial_lock:
-            if self._conn is not conn:  # another call reconnected while this one waited for the lock
-                return await self._connection()
-            fresh = await self._redial()
-            if conn.lost is None:  # draining: let it finish the requests it holds, then forget it
-                self._retired.add(conn)
-                conn.reader.add_done_callback(lambda _: self._retired.discard(conn))
-            self._conn = fresh
-            log.info("reconnected to %s", redact(self.url))
-            return fresh
+        """The connection to send on: the current one, or (with ``reconnect``) a fresh one if it went away.
+
+        A loop, not a recursion: when a call waited for the dial lock and the connection dialled meanwhile
+        is already gone too, it goes round again *after releasing the lock* (an ``asyncio.Lock`` is not
+        reentrant: taking it again while holding it would hang this call and every later reconnect).
+        """
+        while True:
+            conn = self._require()
+            if conn.lost is None and conn.ws.state is not State.OPEN:
+                # Closing: let the reader finish (within websockets' close_timeout) so that `lost` and the
+                # close code are settled, rather than sending into a closing socket again and again.
+                await asyncio.shield(conn.reader)
+            if conn.lost is None and not (self.reconnect and conn.draining):
+                return conn
+            if self._closed:
+                raise ConnectionLostError(f"the client for {redact(self.url)} was closed", url=redact(self.url))
+            if not (self.reconnect and conn.went_away):
+                raise conn.lost_error()
+            async with self._dial_lock:
+                if self._conn is not conn:  # another call reconnected while this one waited: look at that one
+                    continue
+                fresh = await self._redial()
+                if conn.lost is None:  # draining: let it finish the requests it holds, then forget it
+                    self._retired.add(conn)
+                    conn.reader.add_done_callback(lambda _, old=conn: self._retired.discard(old))
+                self._conn = fresh
+                log.info("reconnected to %s", redact(self.url))
+                return fresh
 
     async def _redial(self) -> _Connection:
         """Open a fresh connection, retrying refusals and failures for up to ``reconnect_timeout`` seconds.
