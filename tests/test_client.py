@@ -119,9 +119,9 @@ def test_table_has_one_block_per_mask() -> None:
         "   1  capital  0.5000  the capital.",
         "   2  heart    0.2500  the heart.",
         "mask 2 of 2",
-        "rank  token   score  sequence",
-        "   1  paris  0.1250  the paris.",
-        "   2  lyon   2.03e-05  the lyon.",  # too small for four decimals: not shown as 0.0000
+        "rank  token     score  sequence",
+        "   1  paris    0.1250  the paris.",
+        "   2  lyon   2.03e-05  the lyon.",  # too small for four decimals: not 0.0000, and still aligned
     ]
 
 
@@ -568,7 +568,7 @@ async def test_cli_prints_a_table_per_text_and_per_mask(server: Any) -> None:
     async with FillMaskClient(server.url) as client:
         one = await client.fill_mask(TEXT, top_k=3)
         two = await client.fill_mask(TWO_MASKS, top_k=3)
-    code, out, err = await run_cli("--url", server.url, "--top-k", "3", TEXT, TWO_MASKS)
+    code, out, err = await run_cli("--url", server.url, "--top-k", "3", "--quiet", TEXT, TWO_MASKS)
     assert (code, err) == (0, ""), err
     blocks = out.split("\n\n")
     assert len(blocks) == 2
@@ -597,7 +597,7 @@ async def test_cli_json_reads_stdin_and_prints_one_frame_per_text(server: Any) -
     stdin = "\n".join(texts[:2]) + "\n\n" + texts[2] + "\n"
     code, out, err = await run_cli("--url", server.url, "--json", "-k", "2", "-t", "capital,city", "-t", "paris",
                                    "-c", "2", stdin=stdin)
-    assert (code, err) == (0, ""), err
+    assert (code, err) == (0, "fillmask-client: 3 texts: 3 answered, 0 failed\n"), err  # the summary, on stderr
     frames = [orjson.loads(line) for line in out.splitlines()]
     assert [frame["type"] for frame in frames] == ["result"] * 3
     for frame, want in zip(frames, expected, strict=True):
@@ -609,7 +609,9 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
     code, out, err = await run_cli("--url", server.url, "-k", "1", TEXT, "no mask at all")
     assert code == 1
     assert out.startswith(TEXT + "\n") and "rank" in out  # the good text still printed
-    assert len(err.splitlines()) == 1 and "text 2" in err and "no_mask" in err
+    failed, summary = err.splitlines()  # one line for the failed text, one summary line
+    assert "text 2" in failed and "no_mask" in failed
+    assert summary == "fillmask-client: 2 texts: 1 answered, 1 failed (1 no_mask)"
 
     code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", TEXT)
     assert code == 3 and out == ""

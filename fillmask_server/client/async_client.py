@@ -24,13 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
 from .connection import Connection, NotSentError, redact, request_frame, retrieve
-from .errors import ConnectionLostError, FillMaskError, OverloadedError
+from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError
 from .frames import FillMaskResult, Predictions, outcome
 from .pool import Pool
 from .retry import ReconnectBackoff, RetryPolicy
@@ -149,16 +150,37 @@ class FillMaskClient:
         """Whether connections that go away are replaced (see the class docstring)."""
         return self._pool.reconnect
 
-    async def connect(self) -> None:
+    async def connect(self, *, wait: float = 0.0) -> None:
         """Open the connection(s) and read ``hello``; ``ConnectError`` when no server can be used.
 
         With several connections, it is enough that one opens: the others are dialled again in the
         background with ``reconnect``, or stay closed without it (a warning is logged).
+
+        ``wait``: for up to this many seconds, try again (with backoff) while the server is unreachable or
+        refuses with 5xx, as a server that is still loading its model (its port opens only then, §9) or a
+        load balancer with no replica ready yet (503) does. A 4xx refusal (token, origin, path) is final.
         """
         if self._pool.closed:
             raise ConnectionLostError(f"the client for {redact(self.url)} was closed", url=redact(self.url))
-        if not self._pool.opened:
-            await self._pool.open()
+        if self._pool.opened:
+            return
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait
+        backoff = self._pool.backoff
+        for attempt in itertools.count():
+            try:
+                await self._pool.open()
+                return
+            except ConnectError as exc:
+                final = exc.http_status is not None and 400 <= exc.http_status < 500
+                pause = backoff.delay(attempt + 1)  # a server that is starting: no burst of attempts
+                if final or loop.time() + pause >= give_up:
+                    if attempt == 0:
+                        raise
+                    raise ConnectError(f"{exc.message} (still, after trying for {wait:g} s)", url=exc.url,
+                                       http_status=exc.http_status) from exc
+                log.debug("server not there yet (%s); trying again in %.2f s", exc, pause)
+                await asyncio.sleep(pause)
 
     async def _open(self, url: str, on_change: Callable[[Connection], None]) -> Connection:
         """Open one connection to ``url`` (the pool's opener)."""

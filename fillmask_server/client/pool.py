@@ -215,7 +215,12 @@ class Pool:
                 failures.append(error)
         unexpected = [e for e in failures if not isinstance(e, ConnectError)]
         if unexpected or len(failures) == len(self.slots):
-            await self.close()
+            # Not opened: put the slots back as they were (so that ``open`` may be tried again later).
+            opened = [slot.conn for slot in self.slots if slot.conn is not None]
+            for slot in self.slots:
+                slot.conn, slot.failure, slot.final = None, None, False
+            self.hello = None
+            await asyncio.gather(*(conn.close() for conn in opened))
             raise (unexpected or failures)[0]
         self.opened = True
         if failures:
