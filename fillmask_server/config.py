@@ -153,7 +153,6 @@ _METAVAR: dict[str, str] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ws_server.py",
         description="WebSocket fill-mask inference server with dynamic batching. Every option can also be "
                     f"set by the environment variable shown ({ENV_PREFIX}NAME); a flag beats its variable.",
         formatter_class=_HelpFormatter,

@@ -35,19 +35,23 @@ fi
 # The offline random-weight model the quick start and the tests use (hubs may be unreachable).
 .venv/bin/python -m fillmask_server.checkpoint tiny models/tiny
 
-# --- browser for the demo-page test (issue 4) ---
-# Debian's Chromium, driven by Playwright's Python package pointed at /usr/bin/chromium (Playwright's
-# own browser download needs hosts that may be unreachable, so it is never used). Where Chromium cannot
-# be installed the demo-page test skips and says why; in CI (CI set) a failed install stops set-up.
+# --- system tools for the tests ---
+# Debian's Chromium for the demo-page test (issue 4), driven by Playwright's Python package pointed at
+# /usr/bin/chromium (Playwright's own browser download needs hosts that may be unreachable, so it is
+# never used); Debian's HAProxy for the many-replicas test (issue 11, deploy/haproxy.cfg). Where they
+# cannot be installed those tests skip and say why; in CI (CI set) a failed install stops set-up.
 if [ "$want_test" = 1 ]; then
-  if [ ! -x /usr/bin/chromium ]; then
+  missing=()
+  [ -x /usr/bin/chromium ] || missing+=(chromium)
+  command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+  if [ "${#missing[@]}" -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" = 0 ] || SUDO="sudo"
-    echo "setup: installing Debian's chromium for the demo-page test"
+    echo "setup: installing Debian's ${missing[*]} for the tests"
     if ! { command -v apt-get >/dev/null && { [ -z "$SUDO" ] || command -v sudo >/dev/null; } \
-           && $SUDO apt-get update -q \
-           && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium; }; then
-      echo "setup: could not install chromium; install it (or set FILLMASK_CHROMIUM to a Chromium binary)" >&2
+           && $SUDO apt-get update -q >/dev/null \
+           && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}" >/dev/null; }; then
+      echo "setup: could not install ${missing[*]}; install them (or set FILLMASK_CHROMIUM to a Chromium binary)" >&2
       [ -z "${CI:-}" ] || exit 1
     fi
   fi
@@ -56,5 +60,5 @@ if [ "$want_test" = 1 ]; then
     "${PIP[@]}" install "playwright>=1.45"
   fi
 fi
-# --- end browser ---
+# --- end system tools ---
 echo "setup: ready (.venv, models/tiny)"

@@ -30,12 +30,14 @@ from fillmask_server.client import (
     FillMaskError,
     FillMaskResult,
     OverloadedError,
+    ReconnectBackoff,
     RequestError,
     RetryPolicy,
     SyncFillMaskClient,
 )
 from fillmask_server.client.cli import build_parser, collect_texts, format_table, parse_targets
 from fillmask_server.client.frames import outcome, terminal_id
+from fillmask_server.client.pool import least_loaded
 from tests.wire import assert_same_predictions, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,9 +119,9 @@ def test_table_has_one_block_per_mask() -> None:
         "   1  capital  0.5000  the capital.",
         "   2  heart    0.2500  the heart.",
         "mask 2 of 2",
-        "rank  token   score  sequence",
-        "   1  paris  0.1250  the paris.",
-        "   2  lyon   2.03e-05  the lyon.",  # too small for four decimals: not shown as 0.0000
+        "rank  token     score  sequence",
+        "   1  paris    0.1250  the paris.",
+        "   2  lyon   2.03e-05  the lyon.",  # too small for four decimals: not 0.0000, and still aligned
     ]
 
 
@@ -403,6 +405,41 @@ async def test_reconnect_follows_a_shutting_down_answer_to_the_next_server(make_
                 assert len(await asyncio.wait_for(call, 5)) == 2
 
 
+async def test_calls_waiting_to_redial_survive_a_server_that_drains_during_the_dial(make_server: Any) -> None:
+    # Issue 9 item 8: several calls lose their connection (the server drains, §10) and queue up to redial
+    # behind one of them. The server reached by that redial drains too before the others get their turn,
+    # so each of them finds the fresh connection gone as well. They must dial again, not wait forever on
+    # the dial lock they already hold (an asyncio.Lock is not reentrant).
+    drain_during_dial: list[Any] = []
+
+    class DrainsDuringTheDial(FillMaskClient):
+        async def _open(self, *args: Any, **kwargs: Any) -> Any:
+            conn = await super()._open(*args, **kwargs)
+            if drain_during_dial:  # the server just dialled drains while the other calls wait for this dial
+                await drain_during_dial.pop().drain(timeout=2)
+                await wait_until(lambda: conn.lost is not None)
+            return conn
+
+    async with make_server() as first:
+        port = first.port
+        client = DrainsDuringTheDial(first.url, reconnect=True, reconnect_timeout=10)
+        await client.connect()
+        assert len(await client.fill_mask(TEXT, top_k=1)) == 1
+    # The first server drained: the connection is gone (1001); every call now needs a fresh one.
+    calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in (1, 2, 3, 4, 5)]
+    try:
+        async with make_server(port=port) as second:
+            drain_during_dial.append(second)
+            await wait_until(lambda: not drain_during_dial, timeout=10)
+        async with make_server(port=port):
+            answers = await asyncio.wait_for(asyncio.gather(*calls), 10)
+            assert [len(answer) for answer in answers] == [1, 2, 3, 4, 5]
+    finally:
+        for call in calls:
+            call.cancel()
+        await client.aclose()
+
+
 async def test_calls_beyond_the_per_connection_limit_wait_in_the_client(make_server: Any) -> None:
     async with make_server(max_inflight_per_connection=4) as srv, FillMaskClient(srv.url) as client:
         assert client.limits["max_inflight_per_connection"] == 4
@@ -419,14 +456,15 @@ async def test_calls_beyond_the_per_connection_limit_wait_in_the_client(make_ser
 
 async def test_engine_stopped_is_not_retried_but_followed_by_reconnect(make_server: Any) -> None:
     async with make_server() as srv, FillMaskClient(srv.url, retry=RetryPolicy(base_delay=1.0)) as client, \
-            FillMaskClient(srv.url, reconnect=True, reconnect_timeout=0.3) as steady:
+            FillMaskClient(srv.url, reconnect=True, reconnect_timeout=1.5) as steady:
         await asyncio.to_thread(srv.engine.stop)
         started = time.monotonic()
         with pytest.raises(OverloadedError) as stopped:
             await asyncio.wait_for(client.fill_mask(TEXT), 10)
         assert (stopped.value.status, stopped.value.reason) == (503, "engine_stopped")
         assert time.monotonic() - started < 0.9  # raised at once, not after the 1 s backoff
-        # With reconnect, the client looks for a working server instead; this one refuses handshakes.
+        # With reconnect, the client looks for a working server instead (its first redial spread over the
+        # answer's retry_after_ms, 1 s); this one refuses handshakes, so the call ends with that refusal.
         with pytest.raises(ConnectError) as refused:
             await asyncio.wait_for(steady.fill_mask(TEXT), 10)
         assert refused.value.http_status == 503
@@ -530,7 +568,7 @@ async def test_cli_prints_a_table_per_text_and_per_mask(server: Any) -> None:
     async with FillMaskClient(server.url) as client:
         one = await client.fill_mask(TEXT, top_k=3)
         two = await client.fill_mask(TWO_MASKS, top_k=3)
-    code, out, err = await run_cli("--url", server.url, "--top-k", "3", TEXT, TWO_MASKS)
+    code, out, err = await run_cli("--url", server.url, "--top-k", "3", "--quiet", TEXT, TWO_MASKS)
     assert (code, err) == (0, ""), err
     blocks = out.split("\n\n")
     assert len(blocks) == 2
@@ -559,7 +597,7 @@ async def test_cli_json_reads_stdin_and_prints_one_frame_per_text(server: Any) -
     stdin = "\n".join(texts[:2]) + "\n\n" + texts[2] + "\n"
     code, out, err = await run_cli("--url", server.url, "--json", "-k", "2", "-t", "capital,city", "-t", "paris",
                                    "-c", "2", stdin=stdin)
-    assert (code, err) == (0, ""), err
+    assert (code, err) == (0, "fillmask-client: 3 texts: 3 answered, 0 failed\n"), err  # the summary, on stderr
     frames = [orjson.loads(line) for line in out.splitlines()]
     assert [frame["type"] for frame in frames] == ["result"] * 3
     for frame, want in zip(frames, expected, strict=True):
@@ -571,7 +609,9 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
     code, out, err = await run_cli("--url", server.url, "-k", "1", TEXT, "no mask at all")
     assert code == 1
     assert out.startswith(TEXT + "\n") and "rank" in out  # the good text still printed
-    assert len(err.splitlines()) == 1 and "text 2" in err and "no_mask" in err
+    failed, summary = err.splitlines()  # one line for the failed text, one summary line
+    assert "text 2" in failed and "no_mask" in failed
+    assert summary == "fillmask-client: 2 texts: 1 answered, 1 failed (1 no_mask)"
 
     code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", TEXT)
     assert code == 3 and out == ""
@@ -582,3 +622,232 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
 
     code, _, err = await run_cli("--url", server.http_url + "/", TEXT)  # not a WebSocket URL: a usage error
     assert code == 2 and "expected ws://" in err
+
+
+# --- the pool: several connections, going away, resends (issue 11 item 3) ----------------------
+
+
+def test_least_loaded_takes_the_fewest_in_flight_and_breaks_ties_in_turn() -> None:
+    assert least_loaded([3, 1, 2]) == 1
+    assert least_loaded([None, 5, None]) == 1  # None: that slot takes no calls (going away, lost, dialling)
+    assert least_loaded([None, None]) is None
+    assert least_loaded([]) is None
+    # Equal loads: the first at or after `start`, going round, so a caller moving `start` rotates.
+    assert [least_loaded([0, 0, 0], start) for start in range(4)] == [0, 1, 2, 0]
+    assert least_loaded([1, 0, 1, 0], start=2) == 3 and least_loaded([1, 0, 1, 0], start=0) == 1
+    assert least_loaded([0, None, 0], start=1) == 2
+
+
+def test_reconnect_backoff_is_full_jitter_doubling_to_a_cap_and_honours_the_servers_window() -> None:
+    backoff = ReconnectBackoff(base=0.1, cap=1.0)
+    assert [backoff.window(n) for n in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert backoff.window(10_000) == 1.0  # no overflow on a long outage
+    # Full jitter: anywhere from 0 to the window, so clients cut off together spread over all of it.
+    assert backoff.delay(3, rand=lambda: 0.0) == 0.0
+    assert backoff.delay(3, rand=lambda: 0.5) == 0.4
+    # going_away's reconnect_within_ms (§10) is the window of the first attempt only, even above the cap.
+    assert backoff.window(0, first_window=2.5) == 2.5 and backoff.delay(0, 2.5, rand=lambda: 0.5) == 1.25
+    assert backoff.window(1, first_window=2.5) == 0.2
+    rng = random.Random(1)
+    delays = [backoff.delay(0, 1.0, rand=rng.random) for _ in range(1000)]
+    assert 0.0 <= min(delays) < 0.01 and 0.99 < max(delays) < 1.0  # spread over the whole window
+    with pytest.raises(ValueError):
+        ReconnectBackoff(base=-1)
+
+
+def results_of(srv: Any) -> float:
+    """The server's count of ``result`` frames (§11), from its own registry."""
+    return srv.metrics.registry.get_sample_value("fillmask_requests_total", {"outcome": "result", "code": ""}) or 0.0
+
+
+def refused_of(srv: Any, reason: str) -> float:
+    return srv.metrics.registry.get_sample_value("fillmask_requests_total",
+                                                 {"outcome": "overloaded", "code": reason}) or 0.0
+
+
+async def test_pool_opens_n_connections_and_sends_each_call_on_the_least_loaded(make_server: Any) -> None:
+    async with make_server() as srv, FillMaskClient(srv.url, connections=4) as client:
+        assert len(srv.connections) == 4 and client.usable_connections == 4
+        with srv.engine.paused():
+            calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=1)) for _ in range(8)]
+            await wait_until(lambda: srv.engine.queued() == 8)
+            assert sorted(len(conn.inflight) for conn in srv.connections) == [2, 2, 2, 2]
+        assert all(len(answer) == 1 for answer in await asyncio.wait_for(asyncio.gather(*calls), 5))
+        assert "4 of 4 connections usable" in repr(client)
+
+
+async def test_pool_over_a_list_of_servers_prefers_the_one_with_fewer_calls_in_flight(
+    make_server: Any, client_warnings: Callable[[], list[str]]
+) -> None:
+    async with make_server() as a, make_server() as b, FillMaskClient([a.url, b.url]) as client:
+        with a.engine.paused():
+            with b.engine.paused():
+                first = [asyncio.create_task(client.fill_mask(TEXT, top_k=1)) for _ in range(6)]
+                await wait_until(lambda: a.engine.queued() == 3 and b.engine.queued() == 3)
+            await asyncio.wait_for(asyncio.gather(*first[1::2]), 5)  # b answers its three, a holds its own
+            assert a.engine.queued() == 3 and client.in_flight == 3
+            with b.engine.paused():
+                more = [asyncio.create_task(client.fill_mask(TEXT, top_k=1)) for _ in range(3)]
+                await wait_until(lambda: b.engine.queued() == 3)
+                assert a.engine.queued() == 3  # all three went to b: 0, 1, 2 in flight there against 3 on a
+        await asyncio.wait_for(asyncio.gather(*first, *more), 5)
+    assert (results_of(a), results_of(b)) == (3, 6)
+    assert not client_warnings()
+
+
+async def test_a_connection_going_away_gets_no_new_calls_but_answers_those_it_accepted(
+    make_server: Any, client_warnings: Callable[[], list[str]]
+) -> None:
+    async with make_server() as a, make_server() as b, FillMaskClient([a.url, b.url]) as client:
+        with a.engine.paused():
+            held = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in (1, 2, 3, 4)]
+            await wait_until(lambda: a.engine.queued() == 2 and client.in_flight == 4)
+            drain = asyncio.create_task(a.drain(timeout=10))  # going_away (§10), then waits for its two
+            await wait_until(lambda: client.usable_connections == 1)  # the client read going_away
+            later = [asyncio.create_task(client.fill_mask(TEXT, top_k=5)) for _ in range(10)]
+            assert all(len(answer) == 5 for answer in await asyncio.wait_for(asyncio.gather(*later), 5))
+            assert a.engine.queued() == 2  # nothing new was sent to the server going away
+        # Its two calls were answered where they were accepted, on the draining connection: not resent.
+        assert [len(answer) for answer in await asyncio.wait_for(asyncio.gather(*held), 5)] == [1, 2, 3, 4]
+        await asyncio.wait_for(drain, 5)
+        assert (results_of(a), results_of(b), refused_of(a, "shutting_down")) == (2, 12, 0)
+        assert client.in_flight == 0
+    assert not client_warnings()
+
+
+async def test_calls_a_draining_server_did_not_run_are_resent_elsewhere_exactly_once(
+    make_server: Any, client_warnings: Callable[[], list[str]]
+) -> None:
+    async with make_server() as a, make_server() as b, FillMaskClient([a.url, b.url]) as client:
+        with a.engine.paused():
+            calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in range(1, 9)]
+            await wait_until(lambda: a.engine.queued() == 4 and client.in_flight == 8)
+            # The drain gives up on a's queued four after 0.1 s: answered 503 shutting_down, never run (§10.4).
+            await asyncio.wait_for(a.drain(timeout=0.1), 5)
+        answers = await asyncio.wait_for(asyncio.gather(*calls), 5)
+    assert [len(answer) for answer in answers] == list(range(1, 9))  # every caller one result, no error
+    assert (refused_of(a, "shutting_down"), results_of(a), results_of(b)) == (4, 0, 8)
+    assert not client_warnings()
+
+
+async def test_calls_on_a_dropped_connection_are_resent_on_another(
+    make_server: Any, client_warnings: Callable[[], list[str]]
+) -> None:
+    async with make_server() as a, make_server() as b, FillMaskClient([a.url, b.url]) as client:
+        with a.engine.paused():
+            calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in range(1, 7)]
+            await wait_until(lambda: a.engine.queued() == 3 and client.in_flight == 6)
+            for conn in list(a.connections):
+                conn.ws.transport.abort()  # a crashed replica: the TCP connection drops, no close frame (1006)
+            answers = await asyncio.wait_for(asyncio.gather(*calls), 5)
+        assert [len(answer) for answer in answers] == list(range(1, 7))
+        assert results_of(b) == 6 and client.usable_connections == 1  # without reconnect, not replaced
+    assert not client_warnings()
+
+
+async def test_without_reconnect_a_lone_connection_going_away_fails_calls_at_once(make_server: Any) -> None:
+    async with make_server() as srv, FillMaskClient(srv.url) as client:
+        with srv.engine.paused():
+            held = asyncio.create_task(client.fill_mask(TEXT))
+            await wait_until(lambda: srv.engine.queued() == 1)
+            drain = asyncio.create_task(srv.drain(timeout=5))
+            await wait_until(lambda: client.usable_connections == 0)
+            with pytest.raises(OverloadedError) as refused:  # not sent: §10 says send nothing more there
+                await client.fill_mask(TEXT)
+            assert (refused.value.status, refused.value.reason) == (503, "shutting_down")
+            assert refused.value.frame is not None and refused.value.frame["type"] == "going_away"
+            assert srv.engine.queued() == 1
+        assert len(await asyncio.wait_for(held, 5)) == 5  # the accepted call still got its result
+        await asyncio.wait_for(drain, 5)
+
+
+async def test_redial_waits_a_random_share_of_the_servers_reconnect_window(make_server: Any) -> None:
+    windows: list[tuple[int, float | None]] = []
+
+    class Recorded(ReconnectBackoff):
+        def delay(self, attempt: int, first_window: float | None = None, rand: Any = random.random) -> float:
+            windows.append((attempt, first_window))
+            return super().delay(attempt, first_window, rand)
+
+    async with make_server() as a, make_server() as b, \
+            FillMaskClient([a.url, b.url], reconnect=True, backoff=Recorded()) as client:
+        await asyncio.wait_for(a.drain(timeout=5), 5)
+        await wait_until(lambda: bool(windows))
+        # The first attempt is spread over going_away's reconnect_within_ms (1000 ms, §10), not made at once.
+        assert windows[0] == (0, 1.0)
+        assert len(await client.fill_mask(TEXT, top_k=2)) == 2  # meanwhile b carries the calls
+
+
+async def test_pool_keeps_every_call_answered_through_a_rolling_restart(
+    make_server: Any, client_warnings: Callable[[], list[str]]
+) -> None:
+    # Two servers on fixed ports, restarted in turn (drain: going_away, finish, 1001; then a new process
+    # on the same port) while 16 workers keep calling. Every call gets exactly one result.
+    async with make_server() as a0, make_server() as b0:
+        ports = [a0.port, b0.port]
+        urls = [a0.url, b0.url]
+    done: list[int] = []
+    failed: list[BaseException] = []
+    stop = asyncio.Event()
+
+    async def worker(client: FillMaskClient, n: int) -> None:
+        while not stop.is_set():
+            top_k = 1 + (n + len(done)) % 5
+            try:
+                answer = await client.fill_mask(TEXT, top_k=top_k)
+            except FillMaskError as exc:
+                failed.append(exc)
+                return
+            assert len(answer) == top_k
+            done.append(top_k)
+
+    servers = {port: make_server(port=port) for port in ports}
+    running = {port: await servers[port].__aenter__() for port in ports}
+    client = FillMaskClient(urls, reconnect=True, reconnect_timeout=20)
+    try:
+        await client.connect()
+        workers = [asyncio.create_task(worker(client, n)) for n in range(16)]
+        for port in ports:
+            before = len(done)
+            await wait_until(lambda before=before: len(done) >= before + 50, timeout=20)
+            await servers[port].__aexit__(None, None, None)  # drain, close with 1001
+            servers[port] = make_server(port=port)
+            running[port] = await servers[port].__aenter__()
+            await wait_until(lambda srv=running[port]: len(srv.connections) == 1, timeout=20)  # redialled
+        await wait_until(lambda: len(done) >= 300, timeout=20)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers), 10)
+    finally:
+        stop.set()
+        await client.aclose()
+        for port in ports:
+            await servers[port].__aexit__(None, None, None)
+    assert failed == []
+    assert not client_warnings()
+
+
+async def test_pool_with_every_server_down_raises_a_clear_error_not_a_hang(make_server: Any) -> None:
+    async with make_server() as a, make_server() as b:
+        urls = [a.url, b.url]
+        client = FillMaskClient(urls, reconnect=True, reconnect_timeout=1.0)
+        await client.connect()
+    started = time.monotonic()
+    with pytest.raises(ConnectError) as down:
+        await asyncio.wait_for(client.fill_mask(TEXT), 10)
+    assert time.monotonic() - started < 5  # the reconnect_timeout, not the 10 s guard
+    assert "could not reconnect within 1 s" in str(down.value) and "cannot connect" in str(down.value)
+    await client.aclose()
+    with pytest.raises(ConnectError):  # and a fresh client is refused at once
+        await FillMaskClient(urls, connections=2).connect()
+
+
+async def test_sync_client_with_a_pool(make_server: Any) -> None:
+    async with make_server() as a, make_server() as b:
+        client = await asyncio.to_thread(SyncFillMaskClient, [a.url, b.url], connections=2)
+        try:
+            assert len(a.connections) == len(b.connections) == 2
+            many = await asyncio.to_thread(client.fill_mask_many, [TEXT] * 20, top_k=2)
+            assert [len(answer) for answer in many] == [2] * 20
+        finally:
+            await asyncio.to_thread(client.close)
+        assert results_of(a) + results_of(b) == 20 and results_of(a) > 0 and results_of(b) > 0

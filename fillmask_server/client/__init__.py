@@ -10,8 +10,10 @@
     asyncio.run(main())
 
 Modules, one idea each: ``frames`` (the wire, without I/O), ``errors`` (what a failed call raises),
-``retry`` (backoff arithmetic), ``async_client`` (the connection and its calls), ``sync_client`` (the
-same behind a background loop), ``cli`` (the ``fillmask-client`` command).
+``retry`` (backoff arithmetic), ``connection`` (one WebSocket and the requests in flight on it),
+``pool`` (which connection a call goes on; replacing those that go away), ``async_client`` (the calls:
+retries and resends), ``sync_client`` (the same behind a background loop), ``cli`` (the
+``fillmask-client`` command).
 """
 
 from .async_client import DEFAULT_URL, FillMaskClient
@@ -25,7 +27,7 @@ from .errors import (
     RequestError,
 )
 from .frames import FillMaskResult, Prediction, Predictions
-from .retry import RetryPolicy
+from .retry import ReconnectBackoff, RetryPolicy
 from .sync_client import SyncFillMaskClient
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "OverloadedError",
     "Prediction",
     "Predictions",
+    "ReconnectBackoff",
     "RequestError",
     "RetryPolicy",
     "SyncFillMaskClient",

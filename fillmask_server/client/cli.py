@@ -1,12 +1,15 @@
-"""Command line: ``python -m fillmask_server.client "Paris is the [MASK] of France."``.
+"""Command line: ``fillmask-client "Paris is the [MASK] of France."`` (or ``python -m fillmask_server.client``).
 
 Prints one table per text (one per mask when a text has several), or with ``--json`` each text's raw
 terminal frame on one line, in input order. Texts come from the arguments, from ``-`` (standard input)
 or ``--file``, one per line; blank lines are skipped. With no texts given, standard input is read.
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
-text, the others still print); 2 for a usage error; 3 when the server cannot be reached or the
-connection is lost (one line on stderr).
+text, the others still print); 2 for a usage error, including ``--top-k``, ``--targets`` or
+``--deadline-ms`` outside the server's limits (checked once against its ``hello``, §2); 3 when the
+server cannot be reached within ``--timeout``, the connection is lost, or the server is shutting down
+(``going_away``, §10): the run stops there with one line saying how far it got, unless ``--reconnect``
+follows the server to its replacement. Runs of several texts end with a summary line on stderr.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import contextlib
 import os
 import ssl
 import sys
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import orjson
 
-from .async_client import DEFAULT_URL, FillMaskClient
-from .errors import ConnectionLostError, FillMaskError
+from .async_client import DEFAULT_URL, SERVER_GONE_REASONS, FillMaskClient
+from .errors import ConnectionLostError, FillMaskError, OverloadedError, RequestError
 from .frames import FillMaskResult
 
 #: Exit statuses of the command (documented in the module docstring and in ``--help``).
@@ -37,26 +42,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fillmask-client",
         description="Ask a fill-mask server to fill the [MASK] in each text.",
-        epilog="exit status: 0 all answered, 1 a request failed, 2 usage error, 3 server unreachable or lost",
+        epilog="exit status: 0 all answered, 1 a request failed, 2 usage error (also a value outside the "
+               "server's limits), 3 server unreachable, lost or shutting down",
     )
     parser.add_argument("texts", nargs="*", metavar="TEXT",
                         help="texts containing the mask token; '-' reads texts from stdin, one per line "
                              "(the default when no TEXT and no --file is given)")
     parser.add_argument("--file", "-f", metavar="PATH", help="read texts from PATH, one per line")
-    parser.add_argument("--url", default=DEFAULT_URL, help="server WebSocket URL (default: %(default)s)")
+    parser.add_argument("--url", action="append", metavar="URL",
+                        help=f"server WebSocket URL (default: {DEFAULT_URL}); repeat it to spread the texts "
+                             "over several servers")
     parser.add_argument("--top-k", "-k", type=int, metavar="K", help="candidates per mask (server default: 5)")
     parser.add_argument("--targets", "-t", action="append", metavar="WORDS",
                         help="only score these words: comma-separated, may be repeated")
     parser.add_argument("--deadline-ms", type=float, metavar="MS",
                         help="give up on a request still queued after MS milliseconds (answered 504)")
     parser.add_argument("--concurrency", "-c", type=int, metavar="N",
-                        help="most requests in flight at once (default: the server's max_batch_size)")
+                        help="most requests in flight at once (default: the server's max_batch_size per "
+                             "connection)")
+    parser.add_argument("--connections", type=int, default=1, metavar="N",
+                        help="connections per URL; each request goes on the least busy one (several "
+                             "replicas behind one load-balancer URL: use about one per replica) "
+                             "(default: %(default)s)")
     parser.add_argument("--json", action="store_true",
                         help="print each text's raw terminal frame as one line of JSON, in input order")
     parser.add_argument("--retry", action="store_true",
                         help="resend requests the server answers 503 queue_full, after its retry_after_ms")
+    parser.add_argument("--reconnect", action="store_true",
+                        help="when a server shuts down (going_away) or the connection drops, reconnect (to "
+                             "the same URL: a load balancer, or a restarted server) and resend what it did not "
+                             "answer, instead of stopping with exit status 3")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                        help="seconds to wait for the connection and the server's hello (default: %(default)s)")
+                        help="seconds to wait for a server that is starting or restarting (connection "
+                             "refused, or 503) and for its hello (default: %(default)s)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no summary line at the end of the run")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
                         help=f"the server's --token, sent as 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     parser.add_argument("--cafile", metavar="PATH",
@@ -83,25 +102,56 @@ def collect_texts(args: argparse.Namespace, stdin: TextIO) -> list[str]:
 
 
 def parse_targets(values: Sequence[str] | None) -> list[str] | None:
-    """``--targets a,b --targets c`` as ``["a", "b", "c"]``; ``None`` when not given."""
-    if not values:
+    """``--targets a,b --targets c`` as ``["a", "b", "c"]``; ``None`` when not given (``[]``: given, but blank)."""
+    if values is None:
         return None
     return [word.strip() for value in values for word in value.split(",") if word.strip()]
 
 
+def limits_problem(top_k: int | None, targets: list[str] | None, deadline_ms: float | None,
+                   limits: dict[str, Any]) -> str | None:
+    """Why a flag's value is outside the server's ``limits`` (§2, §3), naming the flag; ``None`` if none is.
+
+    Checked once, before any text is sent: otherwise every text would get the same error from the server.
+    A limit the server does not announce is not checked here (the server still is).
+    """
+    bounds = limits.get("top_k")
+    if top_k is not None and isinstance(bounds, dict):
+        low, high = bounds.get("min"), bounds.get("max")
+        if isinstance(low, int) and isinstance(high, int) and not low <= top_k <= high:
+            return f"--top-k {top_k}: the server accepts {low} to {high}"
+    if targets is not None:
+        most = limits.get("max_targets")
+        if isinstance(most, int) and len(targets) > most:
+            return f"--targets: {len(targets)} words; the server accepts at most {most}"
+        longest = limits.get("max_target_chars")
+        too_long = [word for word in targets if isinstance(longest, int) and len(word) > longest]
+        if too_long:
+            return (f"--targets: {_one_line(too_long[0], 30)!r} has {len(too_long[0])} characters; the server "
+                    f"accepts at most {longest}")
+    latest = limits.get("max_deadline_ms")
+    if deadline_ms is not None and isinstance(latest, (int, float)) and deadline_ms > latest:
+        return f"--deadline-ms {deadline_ms:g}: the server accepts at most {latest:g}"
+    return None
+
+
 def format_table(text: str, result: FillMaskResult) -> str:
-    """A readable table of one text's predictions: rank, token, score, sequence; one table per mask."""
+    """A readable table of one text's predictions: rank, token, score, sequence; one table per mask.
+
+    Columns are aligned whatever the scores look like (``0.5000`` beside ``2.03e-05``).
+    """
     lines = [text]
     tables = result.per_mask()
     for number, predictions in enumerate(tables, start=1):
         if len(tables) > 1:
             lines.append(f"mask {number} of {len(tables)}")
-        width = max([len("token"), *(len(str(p.get("token_str", ""))) for p in predictions)])
-        lines.append(f"{'rank':>4}  {'token':<{width}}  {'score':>6}  sequence")
-        for rank, prediction in enumerate(predictions, start=1):
-            token = str(prediction.get("token_str", ""))
-            score = _score(float(prediction.get("score", 0.0)))
-            lines.append(f"{rank:>4}  {token:<{width}}  {score:>6}  {prediction.get('sequence', '')}")
+        tokens = [str(p.get("token_str", "")) for p in predictions]
+        scores = [_score(float(p.get("score", 0.0))) for p in predictions]
+        token_width = max([len("token"), *(len(token) for token in tokens)])
+        score_width = max([len("score"), *(len(score) for score in scores)])
+        lines.append(f"{'rank':>4}  {'token':<{token_width}}  {'score':>{score_width}}  sequence")
+        for rank, (prediction, token, score) in enumerate(zip(predictions, tokens, scores, strict=True), start=1):
+            lines.append(f"{rank:>4}  {token:<{token_width}}  {score:>{score_width}}  {prediction.get('sequence', '')}")
     return "\n".join(lines)
 
 
@@ -114,38 +164,109 @@ def _one_line(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def failure_reason(error: FillMaskError) -> str:
+    """A short, stable name for how a request failed, for the summary: the §7 code or §6 reason."""
+    if isinstance(error, RequestError):
+        return error.code
+    if isinstance(error, OverloadedError):
+        return error.reason or str(error.status)
+    if isinstance(error, ConnectionLostError):
+        return "connection_lost"
+    return "failed"
+
+
+def stops_the_run(error: FillMaskError) -> bool:
+    """The server is going away or gone (§10, §6), or the connection is: the rest would fail the same way."""
+    if isinstance(error, ConnectionLostError):
+        return True
+    return isinstance(error, OverloadedError) and error.reason in SERVER_GONE_REASONS
+
+
+@dataclass
+class Tally:
+    """What happened to the texts of one run, for the closing line."""
+
+    total: int
+    answered: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        """``5 texts: 3 answered, 2 failed (1 no_mask, 1 queue_full)``."""
+        failures = sum(self.failed.values())
+        line = f"{self.total} texts: {self.answered} answered, {failures} failed"
+        if failures:
+            line += " (" + ", ".join(f"{count} {reason}" for reason, count in self.failed.most_common()) + ")"
+        unanswered = self.total - self.answered - failures
+        if unanswered:
+            line += f", {unanswered} not answered"
+        return line
+
+
+def stop_line(error: FillMaskError, tally: Tally, reconnect: bool) -> str:
+    """The one line for a run that stopped because the server went away or the connection did."""
+    if isinstance(error, OverloadedError):
+        what = f"the server is shutting down ({error.status} {error.reason})"
+        if error.reason == "engine_stopped":
+            what = f"the server's model worker stopped ({error.status} {error.reason})"
+    else:
+        what = error.message
+    line = f"stopped: {what}"
+    if tally.total > 1:
+        line += f"; {tally.summary()}"
+    if not reconnect:
+        line += "; run again, or pass --reconnect to follow the server to its replacement"
+    return line
+
+
 async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: TextIO) -> int:
-    """Send every text over one connection and print the outcomes in input order; the exit status."""
-    failures = 0
+    """Send every text and print the outcomes in input order; the exit status (see the module docstring)."""
+
+    def say(line: str) -> None:
+        print(f"fillmask-client: {line}", file=err, flush=True)
+
     targets = parse_targets(args.targets)
     context = ssl.create_default_context(cafile=args.cafile) if args.cafile else None
+    client = FillMaskClient(args.url or [DEFAULT_URL], connections=args.connections, retry=args.retry,
+                            reconnect=args.reconnect, reconnect_timeout=args.timeout, open_timeout=args.timeout,
+                            token=args.token, ssl=context)
+    tally = Tally(len(texts))
     try:
-        client = FillMaskClient(args.url, retry=args.retry, open_timeout=args.timeout, token=args.token, ssl=context)
-        async with client:
-            outcomes = client.fill_mask_iter(
-                texts, concurrency=args.concurrency, top_k=args.top_k, targets=targets, deadline_ms=args.deadline_ms
-            )
-            async with contextlib.aclosing(outcomes):
-                index = 0
-                async for item in outcomes:
-                    text, index = texts[index], index + 1
-                    if isinstance(item, ConnectionLostError):
-                        raise item
-                    if isinstance(item, FillMaskError):
-                        failures += 1
-                        where = f"text {index} ({_one_line(text)!r}): " if len(texts) > 1 else ""
-                        print(f"fillmask-client: {where}{item}", file=err, flush=True)
-                        if args.json and item.frame is not None:
-                            print(_dumps(item.frame), file=out, flush=True)
-                        continue
-                    if args.json:
+        await client.connect(wait=args.timeout)
+        problem = limits_problem(args.top_k, targets, args.deadline_ms, client.limits)
+        if problem is not None:
+            say(problem)
+            return EXIT_USAGE
+        outcomes = client.fill_mask_iter(
+            texts, concurrency=args.concurrency, top_k=args.top_k, targets=targets, deadline_ms=args.deadline_ms
+        )
+        async with contextlib.aclosing(outcomes):
+            index = 0
+            async for item in outcomes:
+                text, index = texts[index], index + 1
+                if isinstance(item, FillMaskError):
+                    if stops_the_run(item):
+                        # Leaving the loop cancels what is still in flight; one line says how far it got.
+                        say(stop_line(item, tally, args.reconnect))
+                        return EXIT_CONNECTION
+                    tally.failed[failure_reason(item)] += 1
+                    where = f"text {index} ({_one_line(text)!r}): " if len(texts) > 1 else ""
+                    say(f"{where}{item}")
+                    if args.json and item.frame is not None:
                         print(_dumps(item.frame), file=out, flush=True)
-                    else:
-                        print(("\n" if index > 1 else "") + format_table(text, item), file=out, flush=True)
-    except ConnectionLostError as exc:
-        print(f"fillmask-client: {exc}", file=err, flush=True)
+                    continue
+                tally.answered += 1
+                if args.json:
+                    print(_dumps(item.frame), file=out, flush=True)
+                else:
+                    print(("\n" if index > 1 else "") + format_table(text, item), file=out, flush=True)
+    except ConnectionLostError as exc:  # from connect(): no server usable within --timeout
+        say(str(exc))
         return EXIT_CONNECTION
-    return EXIT_REQUEST_FAILED if failures else EXIT_OK
+    finally:
+        await client.aclose()
+    if len(texts) > 1 and not args.quiet:
+        say(tally.summary())
+    return EXIT_REQUEST_FAILED if tally.failed else EXIT_OK
 
 
 def _dumps(frame: dict[str, Any]) -> str:
@@ -158,8 +279,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
-    if not args.url.startswith(("ws://", "wss://")):
-        parser.error(f"--url {args.url}: expected ws://HOST:PORT/ or wss://HOST:PORT/")
+    if args.connections < 1:
+        parser.error("--connections must be at least 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be greater than 0")
+    for url in args.url or []:
+        if not url.startswith(("ws://", "wss://")):
+            parser.error(f"--url {url}: expected ws://HOST:PORT/ or wss://HOST:PORT/")
+    # What needs no server to judge is judged here (the server's own limits are checked after its hello).
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k {args.top_k}: must be at least 1")
+    if args.targets is not None and not parse_targets(args.targets):
+        parser.error("--targets: no words given (comma-separated words, e.g. -t capital,city)")
+    if args.deadline_ms is not None and not args.deadline_ms > 0:
+        parser.error(f"--deadline-ms {args.deadline_ms:g}: must be greater than 0")
     if args.cafile is not None and not os.path.isfile(args.cafile):
         parser.error(f"--cafile {args.cafile}: no such file")
     if not args.texts and args.file is None and sys.stdin.isatty():

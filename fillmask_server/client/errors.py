@@ -11,8 +11,11 @@
 an ``overloaded`` frame with status 504. ``except OverloadedError`` therefore catches both; catch
 ``DeadlineExceededError`` first when the two need different handling. Automatic retry (see
 ``RetryPolicy``) only ever resends 503 ``queue_full`` answers, never 504s: the caller's deadline is spent.
-The other 503 reasons, ``shutting_down`` and ``engine_stopped``, say that this server will not do the
-work; the client's ``reconnect`` option follows them to a fresh connection.
+The other 503 reasons, ``shutting_down`` and ``engine_stopped``, say that this server did not and will
+not do the work: the client sends such a call again on another connection (another of its pool, or one
+that ``reconnect`` opens), and raises them only when there is none. Without ``reconnect``, a connection
+whose server announced ``going_away`` (§10) makes later calls raise the same ``OverloadedError`` 503
+``shutting_down`` at once, without sending (its ``frame`` is then the ``going_away`` frame).
 
 Every exception raised because of a server frame keeps that frame in ``frame`` (``None`` otherwise),
 so a program can log or forward exactly what the server said.
@@ -112,8 +115,8 @@ class ConnectError(ConnectionLostError):
     not greet with a protocol-1 ``hello``.
 
     ``http_status`` is set when the server refused the handshake (§9): 401 missing or wrong token, 403
-    origin not allowed, 404 wrong path, 503 loading, draining or at ``--max-connections``; the message
-    then carries the server's one-line explanation.
+    origin not allowed, 404 wrong path, 503 draining, model worker stopped, at ``--max-connections``, or
+    (from a load balancer) no replica ready; the message then carries the server's one-line explanation.
     """
 
     def __init__(self, message: str, *, url: str, http_status: int | None = None) -> None:

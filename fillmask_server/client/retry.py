@@ -7,7 +7,7 @@ checked with plain numbers.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -46,13 +46,38 @@ class RetryPolicy:
         return max(floor, backoff) * (1.0 + self.jitter * rand())
 
 
-def reconnect_delays(first: float = 0.05, longest: float = 1.0) -> Iterator[float]:
-    """Waits between attempts to reopen a connection: doubling from ``first`` up to ``longest``, forever.
+@dataclass(frozen=True)
+class ReconnectBackoff:
+    """How long to wait before each attempt to reopen a connection: exponential backoff, full jitter.
 
-    The caller bounds the total time (``reconnect_timeout``), not the number of attempts: a server that
-    restarts is refused (503, §9) while it drains and unreachable while it loads, for as long as that takes.
+    Attempt ``n`` (0 for the first dial after the connection went away) waits a uniformly random time
+    between 0 and ``min(cap, base * 2**n)`` seconds ("full jitter"): a fleet of clients cut off at the
+    same moment, as a restarting replica cuts off all of its clients, spreads its reconnects over the
+    whole window instead of arriving in one burst at each doubling. When the server announced the
+    loss with a window of its own (``going_away``'s ``reconnect_within_ms``, §10, or the
+    ``retry_after_ms`` of an ``engine_stopped`` answer, §6), the first attempt is spread over that
+    window instead.
+
+    The number of attempts is not bounded here: a server that restarts refuses handshakes (503) while it
+    drains and is unreachable while it loads, for as long as that takes. Calls waiting for a connection
+    give up after the client's ``reconnect_timeout``; the dialling goes on in the background at most
+    every ``cap`` seconds while the client is open.
     """
-    delay = first
-    while True:
-        yield delay
-        delay = min(longest, delay * 2)
+
+    base: float = 0.05
+    cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.base < 0 or self.cap < 0:
+            raise ValueError("ReconnectBackoff delays must not be negative")
+
+    def window(self, attempt: int, first_window: float | None = None) -> float:
+        """The upper bound of the wait before attempt number ``attempt`` (0-based), in seconds."""
+        if attempt == 0 and first_window is not None:
+            return max(0.0, first_window)
+        return min(self.cap, self.base * 2 ** min(attempt, 60))  # 2**60 already exceeds any cap
+
+    def delay(self, attempt: int, first_window: float | None = None,
+              rand: Callable[[], float] = random.random) -> float:
+        """A random wait in ``[0, window(attempt, first_window))``: full jitter."""
+        return self.window(attempt, first_window) * rand()

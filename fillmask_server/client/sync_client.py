@@ -5,7 +5,7 @@
 
 It works where an event loop is already running in the calling thread (Jupyter), because it never uses
 that loop: every call is handed to a private loop in a daemon thread and the caller blocks on the answer.
-The methods may be called from several threads at once; their requests share the one connection.
+The methods may be called from several threads at once; their requests share the client's connection(s).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class SyncFillMaskClient:
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | Sequence[str] = DEFAULT_URL,
         *,
+        connections: int = 1,
         retry: RetryPolicy | bool = False,
         reconnect: bool = False,
         reconnect_timeout: float = 30.0,
@@ -49,6 +50,7 @@ class SyncFillMaskClient:
         self._thread.start()
         self._client = FillMaskClient(
             url,
+            connections=connections,
             retry=retry,
             reconnect=reconnect,
             reconnect_timeout=reconnect_timeout,

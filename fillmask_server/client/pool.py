@@ -1,0 +1,335 @@
+"""The client's connections: which one a call goes on, and replacing those that go away.
+
+A pool has a fixed number of *slots* (``connections`` per URL: several to one URL behind a load
+balancer, or one or more to each of a list of servers). Each slot has at most one connection that takes
+new calls; a connection the server is shutting down (``going_away``, §10; an ``overloaded`` 503
+``shutting_down``/``engine_stopped`` answer, §6; a close with 1001/1012) takes no new calls but keeps
+the calls already sent on it until the server answers them, then is closed. With ``reconnect`` the slot
+dials a replacement in the background, after a random delay (``ReconnectBackoff``: full jitter, first
+spread over the server's ``reconnect_within_ms``), while the other slots carry the calls.
+
+The choice (``least_loaded``) is pure: the usable connection with the fewest requests in flight, ties
+taken in turn, so that idle calls rotate over the slots and a slow server gets fewer new calls.
+
+Invariants:
+
+- ``pick`` only returns a connection that is ``usable`` at that moment; a caller sends on it with no
+  ``await`` in between (``Connection.exchange`` checks again after any wait of its own).
+- A slot has at most one dialer task; it ends when it installs a usable connection, when the refusal is
+  final (HTTP 4xx: a wrong token or path does not change by waiting), or when the pool closes.
+- Every connection the pool ever installed is in exactly one place until it has ended: its slot's
+  ``conn`` or that slot's ``retired`` set; so ``close`` reaches them all, and ``in_flight`` counts them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from websockets.protocol import State
+
+from .connection import RECONNECT_CODES, Connection, redact
+from .errors import ConnectError, ConnectionLostError, OverloadedError
+from .retry import ReconnectBackoff
+
+log = logging.getLogger("fillmask_server.client")
+
+#: ``opener(url, on_change)``: open one connection to ``url`` (``ConnectError`` on any failure).
+Opener = Callable[[str, Callable[[Connection], None]], Awaitable[Connection]]
+
+
+def least_loaded(loads: Sequence[int | None], start: int = 0) -> int | None:
+    """Index of the smallest load (``None``: that slot cannot take a call), or ``None`` if none can.
+
+    Ties go to the first candidate at or after ``start``, going round: a caller that moves ``start``
+    past each choice spreads equal loads over all slots in turn.
+    """
+    best: int | None = None
+    count = len(loads)
+    for offset in range(count):
+        index = (start + offset) % count
+        load = loads[index]
+        if load is not None and (best is None or load < loads[best]):  # type: ignore[operator]
+            best = index
+    return best
+
+
+def _final(error: ConnectError) -> bool:
+    """A refusal that waiting will not change: 4xx (token, Origin, path) (§9)."""
+    return error.http_status is not None and 400 <= error.http_status < 500
+
+
+def _copy(error: ConnectError) -> ConnectError:
+    """A fresh exception with the same meaning, so that several callers never share one traceback."""
+    return ConnectError(error.message, url=error.url, http_status=error.http_status)
+
+
+@dataclass(eq=False)
+class Slot:
+    """One place in the pool: a URL and the connection now serving it, plus those it replaced."""
+
+    url: str
+    conn: Connection | None = None
+    retired: set[Connection] = field(default_factory=set)
+    dialer: asyncio.Task[None] | None = None
+    failure: ConnectError | None = None  # why the latest dial failed; cleared by a success
+    final: bool = False  # the latest failure was a refusal that waiting will not change
+
+
+class Pool:
+    """The slots of one client; see the module docstring. Bound to the event loop it is used on."""
+
+    def __init__(self, urls: Sequence[str], per_url: int, opener: Opener, *, reconnect: bool,
+                 backoff: ReconnectBackoff) -> None:
+        if not urls:
+            raise ValueError("give at least one server URL")
+        if per_url < 1:
+            raise ValueError(f"connections must be at least 1, not {per_url!r}")
+        self.slots = [Slot(url) for url in urls for _ in range(per_url)]
+        self.reconnect = reconnect
+        self.backoff = backoff
+        self.hello: dict[str, object] | None = None  # of the connection installed last
+        self.opened = False
+        self.closed = False
+        self._opener = opener
+        self._turn = 0
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_failure: ConnectError | None = None
+
+    # --- the choice ------------------------------------------------------------------------------
+
+    def pick(self) -> Connection | None:
+        """The usable connection with the fewest requests in flight (ties in turn), or None."""
+        conns = [slot.conn if slot.conn is not None and slot.conn.usable else None for slot in self.slots]
+        index = least_loaded([conn.load if conn is not None else None for conn in conns], self._turn)
+        if index is None:
+            return None
+        self._turn = (index + 1) % len(self.slots)
+        return conns[index]
+
+    @property
+    def usable(self) -> int:
+        """How many connections take new calls now."""
+        return sum(1 for slot in self.slots if slot.conn is not None and slot.conn.usable)
+
+    def may_resend(self, lost: ConnectionLostError | None) -> bool:
+        """Whether a call that ended without an answer (``lost``, or ``None`` for a ``shutting_down`` or
+        ``engine_stopped`` answer) should be sent again: only where another attempt can succeed."""
+        if self.closed:
+            return False
+        if lost is not None and lost.code not in RECONNECT_CODES:
+            return False  # this client broke a rule (1008, 1009...) or the server failed (1011): not elsewhere
+        return self.reconnect or self.pick() is not None
+
+    async def acquire(self, timeout: float) -> Connection:
+        """A connection to send on, waiting (with ``reconnect``) up to ``timeout`` s for one to be usable.
+
+        Raises why none is usable: the server's ``shutting_down``/``engine_stopped`` (as
+        ``OverloadedError``) for a connection that is going away, ``ConnectionLostError`` for one that
+        is lost, the final refusal of a redial, or ``ConnectError`` once ``timeout`` has passed.
+        """
+        loop = asyncio.get_running_loop()
+        give_up: float | None = None
+        while True:
+            if self.closed:
+                url = redact(self.slots[0].url)
+                raise ConnectionLostError(f"the client for {url} was closed", url=url)
+            conn = self.pick()
+            if conn is not None:
+                return conn
+            closing = [slot.conn.reader for slot in self.slots if slot.conn is not None
+                       and slot.conn.lost is None and slot.conn.ws.state is not State.OPEN]
+            if closing:
+                # Closing: let the readers finish (within websockets' close_timeout) so that how each
+                # connection ended is settled before deciding whether to redial or to fail.
+                await asyncio.wait(closing)
+                continue
+            if not self.reconnect:
+                raise self._why_none()
+            self._dial_where_needed()
+            if all(slot.dialer is None for slot in self.slots):
+                raise self._why_none()  # nothing will change: final refusals, or losses not worth a redial
+            if give_up is None:
+                give_up = loop.time() + timeout
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                raise self._timed_out(timeout)
+            changed = self._changed
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    def _why_none(self) -> ConnectionLostError | OverloadedError:
+        """The most telling reason why no connection takes calls, as a fresh exception."""
+        for slot in self.slots:
+            if slot.final and slot.failure is not None:
+                return _copy(slot.failure)
+        for slot in self.slots:
+            if slot.conn is not None and slot.conn.lost is None:
+                return slot.conn.gone_error()  # going away: what the server said
+        for slot in self.slots:
+            if slot.conn is not None:
+                return slot.conn.lost_error()
+        for slot in self.slots:
+            if slot.failure is not None:
+                return _copy(slot.failure)
+        url = redact(self.slots[0].url)
+        return ConnectionLostError(f"no connection to {url}", url=url)
+
+    def _timed_out(self, timeout: float) -> ConnectError:
+        last = self._last_failure
+        url = redact(self.slots[0].url)
+        if last is None:
+            return ConnectError(f"could not reconnect to {url} within {timeout:g} s", url=url)
+        return ConnectError(f"could not reconnect within {timeout:g} s: {last.message}", url=last.url,
+                            http_status=last.http_status)
+
+    # --- opening, replacing, closing -----------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open every slot's connection at once. Raises the first failure when none opened; otherwise the
+        failed slots are dialled again in the background (with ``reconnect``) or stay empty."""
+        tasks = [asyncio.ensure_future(self._opener(slot.url, functools.partial(self._on_change, slot)))
+                 for slot in self.slots]
+        try:
+            await asyncio.wait(tasks)
+        except BaseException:  # cancelled: close whatever did open
+            for task in tasks:
+                task.cancel()
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(c.close() for c in done if isinstance(c, Connection)))
+            raise
+        failures: list[BaseException] = []
+        for slot, task in zip(self.slots, tasks, strict=True):
+            error = task.exception()
+            if error is None:
+                self._install(slot, task.result())
+            elif isinstance(error, ConnectError):
+                self._failed(slot, error)
+                failures.append(error)
+            else:
+                failures.append(error)
+        unexpected = [e for e in failures if not isinstance(e, ConnectError)]
+        if unexpected or len(failures) == len(self.slots):
+            # Not opened: put the slots back as they were (so that ``open`` may be tried again later).
+            opened = [slot.conn for slot in self.slots if slot.conn is not None]
+            for slot in self.slots:
+                slot.conn, slot.failure, slot.final = None, None, False
+            self.hello = None
+            await asyncio.gather(*(conn.close() for conn in opened))
+            raise (unexpected or failures)[0]
+        self.opened = True
+        if failures:
+            log.warning("%d of %d connections could not be opened: %s", len(failures), len(self.slots),
+                        failures[0])
+        self._dial_where_needed()
+
+    def _install(self, slot: Slot, conn: Connection) -> None:
+        """Make ``conn`` the slot's connection; the one it replaces keeps only the answers it still owes."""
+        old = slot.conn
+        if old is not None and old.lost is None:
+            slot.retired.add(old)
+            if not old.pending:
+                self._spawn(old.close())
+        slot.conn, slot.failure, slot.final = conn, None, False
+        self.hello = conn.hello
+        self._notify()
+
+    def _failed(self, slot: Slot, error: ConnectError) -> None:
+        slot.failure, slot.final = error, _final(error)
+        self._last_failure = error
+        self._notify()
+
+    def _on_change(self, slot: Slot, conn: Connection) -> None:
+        """A connection went away, was refused work, was lost, or answered its last owed request."""
+        if conn in slot.retired:
+            if conn.lost is not None:
+                slot.retired.discard(conn)
+            elif not conn.pending:
+                self._spawn(conn.close())  # answered everything it owed: nothing more will come on it
+        self._dial_where_needed()
+        self._notify()
+
+    def _wants_dial(self, slot: Slot) -> bool:
+        if slot.dialer is not None or slot.final or self.closed or not self.reconnect:
+            return False
+        conn = slot.conn
+        if conn is None:
+            return self.opened  # its first dial failed (once connect() is past)
+        if conn.usable:
+            return False
+        if conn.lost is None:  # going away or refused (dial now), or merely closing (wait for how it ended)
+            return conn.going_away is not None or conn.refused is not None
+        return conn.went_away or conn.lost.code in RECONNECT_CODES
+
+    def _dial_where_needed(self) -> None:
+        for slot in self.slots:
+            if self._wants_dial(slot):
+                window = slot.conn.reconnect_window if slot.conn is not None else None
+                slot.dialer = asyncio.create_task(self._dial(slot, window),
+                                                  name=f"fillmask-client-dial {redact(slot.url)}")
+
+    async def _dial(self, slot: Slot, first_window: float | None) -> None:
+        """Reopen the slot's connection, with backoff and full jitter, until one is usable (see invariants)."""
+        attempt = 0
+        try:
+            while not self.closed:
+                await asyncio.sleep(self.backoff.delay(attempt, first_window))
+                attempt += 1
+                try:
+                    conn = await self._opener(slot.url, functools.partial(self._on_change, slot))
+                except ConnectError as exc:
+                    log.debug("redial of %s failed: %s", redact(slot.url), exc)
+                    self._failed(slot, exc)
+                    if slot.final:
+                        return
+                    continue
+                if self.closed:
+                    await conn.close()
+                    return
+                if not conn.usable:  # gone again before it could be used: not installed, never counted
+                    if conn.lost is None:
+                        self._spawn(conn.close())
+                    continue
+                log.info("reconnected to %s", redact(slot.url))
+                slot.dialer = None  # before installing: a change seen from now on may start a new dial
+                self._install(slot, conn)
+                return
+        finally:
+            if slot.dialer is asyncio.current_task():
+                slot.dialer = None
+            self._notify()
+
+    def connections(self) -> list[Connection]:
+        """Every connection that has not ended: the slots' current ones and those still owing answers."""
+        found: list[Connection] = []
+        for slot in self.slots:
+            if slot.conn is not None:
+                found.append(slot.conn)
+            found.extend(slot.retired)
+        return found
+
+    async def close(self) -> None:
+        """Stop dialling and close every connection; calls still waiting fail promptly."""
+        self.closed = True
+        dialers = [slot.dialer for slot in self.slots if slot.dialer is not None]
+        for dialer in dialers:
+            dialer.cancel()
+        await asyncio.gather(*dialers, return_exceptions=True)
+        await asyncio.gather(*(conn.close() for conn in self.connections()))
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every call waiting in ``acquire``; later waiters wait for the next change."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

