@@ -671,7 +671,7 @@ async def test_pool_opens_n_connections_and_sends_each_call_on_the_least_loaded(
         with srv.engine.paused():
             calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=1)) for _ in range(8)]
             await wait_until(lambda: srv.engine.queued() == 8)
-            assert sorted(len(conn.inflight) for conn in srv.connections) == [2, 2, 2, 2]
+            assert sorted(len(conn.session.inflight) for conn in srv.connections) == [2, 2, 2, 2]
         assert all(len(answer) == 1 for answer in await asyncio.wait_for(asyncio.gather(*calls), 5))
         assert "4 of 4 connections usable" in repr(client)
 
