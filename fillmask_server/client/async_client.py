@@ -34,7 +34,7 @@ from .connection import Connection, NotSentError, redact, request_frame, retriev
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError
 from .frames import FillMaskResult, Predictions, outcome
 from .pool import Pool
-from .retry import ReconnectBackoff, RetryPolicy
+from .retry import RETRYABLE_REASONS, ReconnectBackoff, RetryPolicy
 
 log = logging.getLogger("fillmask_server.client")
 
@@ -64,7 +64,8 @@ class FillMaskClient:
     - ``connections``: connections per URL (default 1). Each call goes on the connection with the fewest
       requests in flight. Behind a load balancer, several connections to its one URL spread the calls
       over several replicas; with a list of URLs, one each is usually right.
-    - ``retry``: ``False`` (the default) raises ``OverloadedError`` at the first 503 ``queue_full``;
+    - ``retry``: ``False`` (the default) raises ``OverloadedError`` at the first 503 ``queue_full`` or
+      429 ``queue_share``;
       ``True`` retries with the default ``RetryPolicy``; or pass a ``RetryPolicy``.
     - ``reconnect``: replace a connection that goes away (the server's ``going_away`` frame, a 503
       ``shutting_down`` or ``engine_stopped`` answer, a close with 1001/1012/1013, or a connection
@@ -290,7 +291,7 @@ class FillMaskClient:
                     continue
                 raise answer
             tries += 1
-            retryable = type(answer) is OverloadedError and answer.reason == "queue_full"
+            retryable = type(answer) is OverloadedError and answer.reason in RETRYABLE_REASONS
             if not (self.retry and tries < self.retry.attempts and retryable):
                 raise answer
             wait = self.retry.delay(tries, answer.retry_after_ms)

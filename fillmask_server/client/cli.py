@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true",
                         help="print each text's raw terminal frame as one line of JSON, in input order")
     parser.add_argument("--retry", action="store_true",
-                        help="resend requests the server answers 503 queue_full, after its retry_after_ms")
+                        help="resend requests the server answers 503 queue_full or 429 queue_share, after its "
+                             "retry_after_ms")
     parser.add_argument("--reconnect", action="store_true",
                         help="when a server shuts down (going_away) or the connection drops, reconnect (to "
                              "the same URL: a load balancer, or a restarted server) and resend what it did not "

@@ -10,7 +10,8 @@
 ``DeadlineExceededError`` is a subclass of ``OverloadedError`` because that is what it is on the wire:
 an ``overloaded`` frame with status 504. ``except OverloadedError`` therefore catches both; catch
 ``DeadlineExceededError`` first when the two need different handling. Automatic retry (see
-``RetryPolicy``) only ever resends 503 ``queue_full`` answers, never 504s: the caller's deadline is spent.
+``RetryPolicy``) only ever resends 503 ``queue_full`` and 429 ``queue_share`` answers, never 504s: the
+caller's deadline is spent.
 The other 503 reasons, ``shutting_down`` and ``engine_stopped``, say that this server did not and will
 not do the work: the client sends such a call again on another connection (another of its pool, or one
 that ``reconnect`` opens), and raises them only when there is none. Without ``reconnect``, a connection
@@ -56,7 +57,8 @@ class RequestError(FillMaskError):
 class OverloadedError(FillMaskError):
     """The server answered ``overloaded`` (§6): it could not take or finish the request in time.
 
-    ``status`` is 503 (``reason`` ``queue_full``, ``shutting_down`` or ``engine_stopped``) or 504 (see the subclass
+    ``status`` is 503 (``reason`` ``queue_full``, ``shutting_down`` or ``engine_stopped``), 429 (``queue_share``:
+    this connection holds its share of a busy queue) or 504 (see the subclass
     ``DeadlineExceededError``). ``retry_after_ms`` is the server's estimate of when trying again makes sense.
     """
 

@@ -10,10 +10,14 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+#: ``overloaded`` reasons that mean "this server, a little later" (§6): the request did not run.
+RETRYABLE_REASONS = frozenset({"queue_full", "queue_share"})
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Resend a request the server answered 503 ``queue_full`` (§6), waiting a little longer each time.
+    """Resend a request the server answered 503 ``queue_full`` or 429 ``queue_share`` (§6), waiting a
+    little longer each time.
 
     - ``attempts``: tries in all, the first included (so 5 means at most 4 resends).
     - The wait before try ``n + 1`` is ``base_delay * 2**(n - 1)`` seconds capped at ``max_delay``, but
@@ -23,7 +27,9 @@ class RetryPolicy:
     - A request with ``deadline_ms`` is not resent once the wait would use up what is left of it; the
       last ``OverloadedError`` is raised instead, and a resend carries only the remaining milliseconds.
 
-    Only 503 ``queue_full`` is retried by this policy. 504 ``deadline_exceeded`` means the caller's time
+    Only ``queue_full`` and ``queue_share`` are retried by this policy (``RETRYABLE_REASONS``); since a
+    resend never comes sooner than ``retry_after_ms``, the server never closes such a client (§12).
+    504 ``deadline_exceeded`` means the caller's time
     is spent; 503 ``shutting_down`` and ``engine_stopped`` mean this server will not do the work at all,
     which is the client's ``reconnect`` option's business.
     """

@@ -1,0 +1,123 @@
+"""Reliability, round two (issue 10), against real servers: bounded answers and answer memory, fair
+admission with back-off, and the close of a client that does not back off (protocol.md §3, §6, §12)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from fillmask_server.decode import SequenceDecoder, predictions_json
+from fillmask_server.intake import Checked, check
+from fillmask_server.model import FillMaskModel, Item, load_model
+from fillmask_server.protocol import FillMaskRequest
+from tests.wire import recv, recv_n, send, session, wait_until
+
+TEXT = "Paris is the [MASK] of France."
+
+
+def fill(frame_id: Any, text: str = TEXT, **fields: Any) -> dict[str, Any]:
+    return {"type": "fill_mask", "id": frame_id, "text": text, **fields}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> FillMaskModel:
+    return load_model(str(tiny_model_dir))
+
+
+def test_the_result_bound_is_never_below_the_real_answer(model: FillMaskModel) -> None:
+    """§3: the bound checked against max_result_bytes before the model runs is an upper bound."""
+    decoder = SequenceDecoder(model.decode_tokenizer)
+    rng = random.Random(7)
+    words = ["the", "a", "[MASK]", "don't", "«quoted»", "naïve", "x" * 30, "!!", "'s", "\\", "\"", "東京", "🙂"]
+    for _ in range(40):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) + " [MASK]"
+        top_k = rng.randint(1, 100)
+        request = FillMaskRequest(1, text, top_k)
+        ids = model.tokenize([text])[0]
+        checked = check(model, request, ids, max_masks=64, max_result_bytes=1 << 40)
+        assert isinstance(checked, Checked)
+        item = Item(ids, top_k)
+        actual = len(predictions_json(decoder, item, model.forward([item]), 0))
+        assert actual <= checked.result_bytes, (text, actual, checked.result_bytes)
+
+
+async def test_a_request_whose_answer_could_be_too_large_is_refused_before_it_runs(make_server: Any) -> None:
+    async with make_server(max_result_bytes=50_000) as srv, session(srv.url) as (ws, hello):
+        assert hello["limits"]["max_result_bytes"] == 50_000
+        big = fill("big", " ".join(["the [MASK] of"] * 8), top_k=100)
+        await send(ws, big)
+        refused = await recv(ws)
+        assert (refused["type"], refused["code"], refused["id"]) == ("error", "result_too_large", "big")
+        assert "50000" in refused["message"] and "top_k" in refused["message"]
+        assert srv.engine.stats.rows == 0  # never reached the model
+        await send(ws, {**big, "id": "smaller", "top_k": 5})
+        assert (await recv(ws))["type"] == "result"
+
+
+async def test_answer_memory_stays_within_its_budget_whatever_clients_do(make_server: Any) -> None:
+    """§12: two clients that read nothing, each with heavy requests in flight: the answers the server holds
+    (unsent plus being computed) never pass --max-answer-bytes (plus one answer when it was empty), and the
+    requests that do not fit wait in the queue until there is room."""
+    budget, one_answer = 300_000, 250_000
+    heavy = {"text": " ".join(["the [MASK] of"] * 8), "top_k": 100}
+    async with make_server(max_answer_bytes=budget, max_result_bytes=one_answer,
+                           max_inflight_per_connection=16, send_timeout=60) as srv:
+        from tests.test_hardening_clients import non_reading_client
+
+        async with non_reading_client(srv) as first, non_reading_client(srv) as second:
+            for i in range(12):
+                await send(first, fill(f"a{i}", **heavy))
+                await send(second, fill(f"b{i}", **heavy))
+            seen = 0
+            for _ in range(60):  # 1.5 s of samples while the engine does what it can
+                held = srv.unsent.total + srv.engine._reserved_total
+                assert held <= max(budget, one_answer) + one_answer, held
+                seen = max(seen, held)
+                await asyncio.sleep(0.025)
+            assert srv.engine.runnable() > 0  # the rest waits for room, queued
+            assert seen > 0
+
+
+async def test_a_flood_gets_429_queue_share_and_a_polite_client_still_gets_in(make_server: Any) -> None:
+    """§6: with the queue under pressure a connection holds at most its share, and the last eighth is
+    kept for connections with nothing waiting; refusals tell the flood to wait longer each time."""
+    async with make_server(max_queue=16) as srv, session(srv.url) as (flood, _), session(srv.url) as (polite, _):
+        with srv.engine.paused():
+            for i in range(20):
+                await send(flood, fill(i))
+            refused = await recv_n(flood, 6, timeout=5)  # answered at once, while the model is held
+            assert {(f["status"], f["reason"]) for f in refused} == {(429, "queue_share")}
+            waits = [f["retry_after_ms"] for f in refused]
+            assert waits == sorted(waits) and waits[-1] >= 2 * waits[0]  # growing
+            await send(polite, fill("polite"))
+            await wait_until(lambda: srv.engine.queued() == 15, timeout=5)
+        answer = await recv(polite, timeout=10)
+        assert (answer["type"], answer["id"]) == ("result", "polite")
+        assert {f["type"] for f in await recv_n(flood, 14, timeout=20)} == {"result"}
+
+
+async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008(make_server: Any) -> None:
+    """§12: refused again and again before the time it was told to wait, past the grace for requests
+    already on their way, the connection is closed with 1008; a polite neighbour is untouched."""
+    async with make_server(max_queue=8) as srv, session(srv.url) as (rude, _), session(srv.url) as (polite, _):
+        with srv.engine.paused():
+            for i in range(8):
+                await send(rude, fill(i))
+            await wait_until(lambda: srv.engine.queued() == 7, timeout=5)
+            with contextlib.suppress(ConnectionClosed):  # it resends at once on every refusal
+                for i in range(400):
+                    await send(rude, fill(f"again-{i}"))
+                    await asyncio.sleep(0.002)
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await recv(rude, timeout=5)
+            assert rude.close_code == 1008 and "retry_after_ms" in rude.close_reason
+            assert srv.metrics.registry.get_sample_value("fillmask_resenders_closed_total") == 1
+            await send(polite, fill("polite"))
+        assert (await recv(polite, timeout=10))["type"] == "result"
