@@ -53,8 +53,9 @@ def engine(model: FillMaskModel, collector: Collector):
     engine.stop()
 
 
-def job(frame_id: object, text: str = "a [MASK] b", deadline: float | None = None, top_k: int = 5) -> Job:
-    return Job(FillMaskRequest(frame_id, text, top_k), owner=None, arrival=time.monotonic(), deadline=deadline)
+def job(frame_id: object, text: str = "a [MASK] b", deadline: float | None = None, top_k: int = 5,
+        owner: object = None) -> Job:
+    return Job(FillMaskRequest(frame_id, text, top_k), owner=owner, arrival=time.monotonic(), deadline=deadline)
 
 
 def wait_runnable(engine: Engine, count: int) -> None:
@@ -76,7 +77,7 @@ def test_expired_requests_are_answered_504_without_running(engine: Engine, colle
 
 def test_submit_counts_requests_still_being_tokenized_against_max_queue(engine: Engine, collector: Collector) -> None:
     with engine.paused():
-        accepted = [engine.submit(job(i)) for i in range(12)]
+        accepted = [engine.submit(job(i, owner=i)) for i in range(12)]  # one connection each: no share limit
         assert accepted == [Admission.ACCEPTED] * 10 + [Admission.QUEUE_FULL] * 2
     assert len(collector.wait_for(10)) == 10
 
@@ -143,3 +144,13 @@ def test_max_wait_holds_a_batch_for_requests_that_arrive_while_others_are_tokeni
     assert len({o.batch_id for o in outcomes.values()}) == 1  # type: ignore[union-attr]
     waited = outcomes["first"].queue_ms  # type: ignore[union-attr]
     assert 200 <= waited <= 1000, waited  # it waited the max-wait, counted from its own arrival
+
+
+def test_one_connection_keeps_an_eighth_of_the_queue_free_for_others(engine: Engine, collector: Collector) -> None:
+    """§6 queue_share: a single connection cannot take the last eighth; a newcomer can."""
+    with engine.paused():
+        answers = [engine.submit(job(i, owner="flood")) for i in range(10)]
+        assert answers == [Admission.ACCEPTED] * 9 + [Admission.QUEUE_SHARE]
+        assert engine.submit(job("polite", owner="polite")) is Admission.ACCEPTED
+        assert engine.submit(job("full", owner="third")) is Admission.QUEUE_FULL
+    assert len(collector.wait_for(10)) == 10
