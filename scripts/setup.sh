@@ -64,7 +64,7 @@ fi
 # Without Node.js (20 or later) the tests that need it skip and say why; in CI a failure stops set-up.
 if [ "$want_test" = 1 ]; then
   if command -v npm >/dev/null; then
-    for dir in protocol; do
+    for dir in protocol examples/js-client; do
       if ! npm install --prefix "$dir" --no-audit --no-fund --loglevel=error >/dev/null; then
         echo "setup: npm install in $dir failed" >&2
         [ -z "${CI:-}" ] || exit 1

@@ -8,6 +8,8 @@
   (via the wire monitor of tests/conftest.py, which checks every frame of the whole suite).
 - protocol.md §14's statements for client writers: frame size bounds, integers as written, characters
   as code points, keepalive timings, no compression, no subprotocol.
+- A JavaScript client written from the AsyncAPI document alone (examples/js-client) completes hello, a
+  request, a cancel and an overload against a real server.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from tests.wire import recv, send, session, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL_DIR = ROOT / "protocol"
+JS_CLIENT = ROOT / "examples" / "js-client"
 TEXT = "Paris is the [MASK] of France."
 ENVELOPE_MAX = 1024  # protocol.md §14: a result frame is at most max_result_bytes plus this
 OTHER_FRAMES_MAX = 16 * 1024  # protocol.md §14: every frame but a result is under this
@@ -458,6 +461,52 @@ async def test_keepalive_compression_and_subprotocol_as_stated(server: FillMaskS
         await wait_until(lambda: len(server.connections) > 0)
         for conn in server.connections:
             assert (conn.ws.ping_interval, conn.ws.ping_timeout, conn.ws.close_timeout) == (20, 20, 10)
+
+
+# --- the JavaScript client, written from the AsyncAPI document alone -----------------------------------
+
+
+async def run_js_check(url: str, *steps: str) -> list[dict[str, Any]]:
+    node = _node_or_skip(JS_CLIENT / "node_modules" / "ws")
+    process = await asyncio.create_subprocess_exec(node, str(JS_CLIENT / "check.mjs"), url, *steps,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 30)
+    lines = [json.loads(line) for line in stdout.decode().splitlines() if line.strip()]
+    assert process.returncode == 0, (lines, stderr.decode()[-2000:])
+    assert [line["step"] for line in lines] == [*steps, "close"] and all(line["ok"] for line in lines), lines
+    return lines
+
+
+Counts = dict[tuple[str, str], float]
+
+
+def _answers(srv: FillMaskServer) -> Counts:
+    return {(s.labels["outcome"], s.labels["code"]): s.value for metric in srv.metrics.requests.collect()
+            for s in metric.samples if s.name.endswith("_total")}
+
+
+def _increase(before: Counts, after: Counts) -> Counts:
+    return {key: value - before.get(key, 0) for key, value in after.items() if value != before.get(key, 0)}
+
+
+async def test_js_client_hello_and_requests(server: FillMaskServer) -> None:
+    """hello, then a one-mask and a two-mask request (predictions told apart by their first element)."""
+    before = _answers(server)
+    lines = await run_js_check(server.url, "hello", "request")
+    assert lines[0]["mask_token"] == "[MASK]" and lines[0]["random_weights"] is True
+    await wait_until(server.settled)
+    assert _increase(before, _answers(server)) == {("result", ""): 3}
+
+
+async def test_js_client_cancel_overload_and_deadline(make_server: Any) -> None:
+    """With the model held and a queue of one: a cancel of a queued request, a 503 queue_full, a 504."""
+    async with make_server(max_queue=1) as srv:
+        before = _answers(srv)
+        with srv.engine.paused():
+            await run_js_check(srv.url, "hello", "cancel", "overload", "deadline")
+        await wait_until(srv.settled)
+        assert _increase(before, _answers(srv)) == {
+            ("cancelled", ""): 2, ("overloaded", "queue_full"): 1, ("overloaded", "deadline_exceeded"): 1}
 
 
 def _nodes(node: Any) -> list[dict[str, Any]]:
