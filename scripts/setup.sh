@@ -61,4 +61,23 @@ if [ "$want_test" = 1 ]; then
   fi
 fi
 # --- end system tools ---
+
+# --- Node.js for the protocol contract (issue 12) ---
+# The AsyncAPI parser that checks protocol/asyncapi.yaml, and the `ws` package of the JavaScript example
+# client (examples/js-client), each from its package-lock.json into its own node_modules (git-ignored).
+# Without Node.js (20 or later) the tests that need it skip and say why; in CI a failure stops set-up.
+if [ "$want_test" = 1 ]; then
+  if command -v npm >/dev/null; then
+    for dir in protocol examples/js-client; do
+      if ! npm install --prefix "$dir" --no-audit --no-fund --loglevel=error >/dev/null; then
+        echo "setup: npm install in $dir failed" >&2
+        [ -z "${CI:-}" ] || exit 1
+      fi
+    done
+  else
+    echo "setup: no npm found; install Node.js 20 or later for the protocol contract tests" >&2
+    [ -z "${CI:-}" ] || exit 1
+  fi
+fi
+# --- end Node.js ---
 echo "setup: ready (.venv, models/tiny)"

@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from websockets.asyncio.client import ClientConnection
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,6 +28,7 @@ from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: 
 from fillmask_server.config import Config  # noqa: E402
 from fillmask_server.model import load_model  # noqa: E402
 from fillmask_server.server import FillMaskServer  # noqa: E402
+from tests.contract import WireMonitor  # noqa: E402
 
 TINY_DIR = ROOT / "models" / "tiny"
 
@@ -99,3 +101,58 @@ def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsy
         assert server.double_answers == 0
 
     return factory
+
+
+# --- every frame against the contract (protocol/schemas; tests/contract.py) ---------------------------
+
+WIRE = WireMonitor()
+#: A full run exchanges far more frames than this; fewer means the monitor has stopped seeing them.
+MIN_FRAMES_IN_FULL_RUN = 5000
+
+
+def _ours(ws: ClientConnection) -> bool:
+    """A connection to this project's server (fake servers in tests send other frames on purpose)."""
+    response = getattr(ws, "response", None)
+    return response is not None and response.headers.get("Server", "").startswith("fillmask-server/")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def wire_contract(request: pytest.FixtureRequest) -> Iterator[WireMonitor]:
+    """For the whole session, every frame a websockets client connection (the tests' raw sockets, the
+    Python client library, the sync client's thread) exchanges with our server passes ``WIRE``: frames
+    received are validated against the server-frame schemas; frames sent, when they are JSON objects of
+    a client type, against the client-frame schemas, and the server's answer must agree (see
+    ``WireMonitor``). Garbage the tests send on purpose is not validated. At the end of a full, passing
+    run, the number of frames validated is checked, so the monitor cannot silently stop seeing them."""
+    send, recv = ClientConnection.send, ClientConnection.recv
+
+    async def checked_send(self: ClientConnection, message: Any, *args: Any, **kwargs: Any) -> None:
+        if _ours(self):
+            WIRE.sent(self, message, kwargs.get("text"))
+        await send(self, message, *args, **kwargs)
+
+    async def checked_recv(self: ClientConnection, *args: Any, **kwargs: Any) -> Any:
+        message = await recv(self, *args, **kwargs)  # __aiter__ reads through recv too
+        if _ours(self):
+            WIRE.received(self, message)
+        return message
+
+    ClientConnection.send, ClientConnection.recv = checked_send, checked_recv  # type: ignore[method-assign]
+    try:
+        yield WIRE
+    finally:
+        ClientConnection.send, ClientConnection.recv = send, recv  # type: ignore[method-assign]
+    session = request.session
+    every_file = {path.name for path in Path(__file__).parent.glob("test_*.py")}
+    if not session.testsfailed and {item.path.name for item in session.items} == every_file:
+        validated = WIRE.counts["received"] + WIRE.counts["sent_valid"]
+        assert validated > MIN_FRAMES_IN_FULL_RUN, f"only {validated} frames checked against the contract"
+
+
+@pytest.fixture(autouse=True)
+def wire_contract_problems(wire_contract: WireMonitor) -> Iterator[None]:
+    """Fail the test during which a frame broke the contract (or the next test, for a frame that a
+    shared fixture exchanged between tests)."""
+    yield
+    problems = wire_contract.take_problems()
+    assert not problems, "frames that break protocol/schemas:\n" + "\n".join(problems[:20])
