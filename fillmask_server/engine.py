@@ -163,9 +163,10 @@ class Engine:
         """Accept ``job`` for the tokenizer stage, or say why not (nothing is kept then).
 
         A fair share of the queue: while more than half of ``max_queue`` waits, a connection may hold
-        at most ``max_queue`` divided by the connections waiting (itself included); and the last
-        eighth of the queue is kept for connections with nothing waiting. So a few connections sending
-        as fast as they can never fill the queue that others need, even the ones that came first.
+        at most ``max_queue`` divided by the connections waiting (itself included); and a connection
+        holding more than half of what waits may not take the last eighth, which stays free for
+        others. So a few connections sending as fast as they can never fill the queue that others
+        need, even one that came first and had the queue to itself.
         """
         with self._lock:
             if not self.alive:
@@ -174,7 +175,7 @@ class Engine:
             if waiting >= self.max_queue:
                 return Admission.QUEUE_FULL
             mine = self._waiting_by.get(job.owner, 0)
-            if mine and waiting >= self.max_queue - self.max_queue // 8:
+            if mine * 2 > waiting and waiting >= self.max_queue - self.max_queue // 8:
                 return Admission.QUEUE_SHARE
             if waiting * 2 >= self.max_queue:
                 owners = len(self._waiting_by) + (0 if mine else 1)

@@ -147,7 +147,7 @@ def test_max_wait_holds_a_batch_for_requests_that_arrive_while_others_are_tokeni
 
 
 def test_one_connection_keeps_an_eighth_of_the_queue_free_for_others(engine: Engine, collector: Collector) -> None:
-    """§6 queue_share: a single connection cannot take the last eighth; a newcomer can."""
+    """§6 queue_share: a connection holding most of the queue cannot take its last eighth; a newcomer can."""
     with engine.paused():
         answers = [engine.submit(job(i, owner="flood")) for i in range(10)]
         assert answers == [Admission.ACCEPTED] * 9 + [Admission.QUEUE_SHARE]

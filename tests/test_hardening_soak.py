@@ -20,7 +20,7 @@ def test_soak_at_five_times_capacity_keeps_every_promise(tiny_model_dir: Path) -
         cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    for figure in ("capacity", "offered", "throughput", "unanswered", "503 queue_full", "result latency",
-                   "server RSS", "/readyz"):
+    for figure in ("capacity", "offered", "throughput", "unanswered", "result latency", "server RSS", "/readyz"):
         assert figure in out, out
+    assert "503 queue_full" in out or "429 queue_share" in out, out
     assert "0 unanswered" in out and "soak: OK" in out
