@@ -33,8 +33,9 @@ connection). The rules:
 - **Anticipation.** Answers just sent bring requests back: a client that keeps a few requests in
   flight sends its next one as soon as an answer arrives, a few milliseconds later. Started at once,
   the next batch would hold only what was already queued, and the clients answered by the batch before
-  would wait a whole batch (batches of 32 closed-loop clients alternate around 16 and 16). So after
-  answers are handed over (``answered``), while fewer requests are queued than a full batch and some
+  would wait a whole batch (batches of 32 closed-loop clients alternate around 16 and 16). So once a
+  batch's forward pass is done (``answered``: its answers leave as soon as they are decoded), while
+  fewer requests are queued than a full batch and some
   of those answers have not yet been followed by an arrival (``arrived``), the next batch waits for
   them, until ``anticipate_share`` of the last batch's time (``batch_ran``) or ``anticipate_s``,
   whichever is shorter, has passed since the hand-over. So the wait never costs more than that share
@@ -119,7 +120,7 @@ class BatchPolicy:
             raise ValueError("batch limits must be positive")
 
     def answered(self, count: int, now: float) -> None:
-        """``count`` answers were handed over at ``now``: their clients may send again soon."""
+        """``count`` answers are on their way out at ``now``: their clients may send again soon."""
         if self.anticipate_s > 0 and count > 0:
             self._returning = min(self.max_batch_size, self._returning + count)
             self._anticipate_until = now + min(self.anticipate_s, self.anticipate_share * self._last_batch_s)

@@ -24,11 +24,11 @@ class Config:
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 8765
-    max_batch_size: int = 32
+    max_batch_size: int = 64
     max_batch_tokens: int = 8192
     max_queue: int = 1024
     max_wait_ms: float = 0.0
-    anticipate_ms: float = 5.0
+    anticipate_ms: float = 0.0
     max_length_ratio: float = 1.5
     max_text_chars: int = 2000
     max_masks: int = 8

@@ -425,6 +425,9 @@ class Engine:
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
             self._running = []
             self.policy.batch_ran(elapsed)
+            # Its answers leave as soon as they are decoded: count their clients as coming back from now,
+            # before the next batch is chosen (at hand-over time it would already be running).
+            self.policy.answered(len(batch), self._clock())
             self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (elapsed / len(batch))
             self._token_s = 0.9 * self._token_s + 0.1 * (elapsed / max(1, padded_tokens))
             self._hand_over_locked(failed)
@@ -523,7 +526,6 @@ class Engine:
                     self._move(outcome.job, Event.DECODED if isinstance(outcome, Result) else Event.FAILED)
                     self._decoding_jobs -= 1
             self._hand_over_locked(outcomes)
-            self.policy.answered(len(outcomes), self._clock())
 
     def _die(self, exc: BaseException) -> None:
         """A stage thread is ending abnormally: refuse new work, stop the other stages, answer everything held."""

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import orjson
-
 from .model import FillMaskModel, TargetError
 from .protocol import FillMaskRequest
 
@@ -61,10 +59,12 @@ def result_bound(model: FillMaskModel, ids: list[int], masks: int, candidates: i
     """An upper bound on the JSON size of a request's predictions, known before the model runs.
 
     Each candidate's ``sequence`` is the text decoded with the candidate in a mask's place: at most the
-    JSON of the whole text decoded with its special tokens, plus one token; its ``token_str`` is one
-    token. So: masks x candidates x (overhead + text + 2 x the longest token), in JSON bytes.
+    sum of its tokens' JSON lengths, each with a joining space (decoding glues pieces, drops special
+    tokens and cleans spaces up, never adds more), plus one token; its ``token_str`` is one token. So:
+    masks x candidates x (overhead + text + 2 x the longest token), in JSON bytes, without decoding.
     """
-    text = len(orjson.dumps(model.tokenizer.decode(ids)))
+    sizes = model.token_json_bytes
+    text = sum(sizes[i] if 0 <= i < len(sizes) else model.longest_token_json for i in ids)
     return masks * candidates * (CANDIDATE_OVERHEAD_BYTES + text + 2 * model.longest_token_json)
 
 

@@ -122,9 +122,14 @@ class FillMaskModel:
         self._encoder = model.base_model if self._head is not None else None
         self._vocab: dict[str, int] | None = None
         self._targets: dict[tuple[str, ...], tuple[int, ...]] = {}
-        # The longest token as JSON (quotes and escapes included), plus the space that may join it: the
-        # most one candidate adds to a decoded text.
-        self.longest_token_json = max(len(orjson.dumps(token)) for token in tokenizer.get_vocab()) + 2
+        # Each token's JSON length without quotes, plus the space that may join it (for result bounds,
+        # intake.result_bound), and the longest: the most one candidate adds to a decoded text.
+        sizes = [0] * len(tokenizer)
+        for token, id_ in tokenizer.get_vocab().items():
+            if 0 <= id_ < len(sizes):
+                sizes[id_] = len(orjson.dumps(token)) - 1
+        self.token_json_bytes = sizes
+        self.longest_token_json = max(sizes) + 2
         self._scores: Any = None  # the traced graph: inputs and mask positions in, softmax at the masks out
         if forward == "traced" and self._head is not None:
             self._scores = self._trace()

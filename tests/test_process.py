@@ -40,7 +40,7 @@ def test_help_lists_every_option_with_its_env_variable_and_default() -> None:
 def test_flags_beat_environment_which_beats_defaults() -> None:
     env = {"FILLMASK_PORT": "9000", "FILLMASK_MAX_QUEUE": "7", "FILLMASK_DTYPE": "bfloat16"}
     config = load_config(["--port", "9100"], env)
-    assert (config.port, config.max_queue, config.dtype, config.max_batch_size) == (9100, 7, "bfloat16", 32)
+    assert (config.port, config.max_queue, config.dtype, config.max_batch_size) == (9100, 7, "bfloat16", 64)
 
 
 @pytest.mark.parametrize("env", [{"FILLMASK_PORT": "eighty"}, {"FILLMASK_DTYPE": "float64"}])
