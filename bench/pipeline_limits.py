@@ -3,7 +3,7 @@
 Run as a child process by ``bench/run.py`` (so that torch's threads and memory go away with it
 before the server is measured)::
 
-    python -m bench.pipeline_limits --model models/tiny --corpus short --texts 512 --repeats 3
+    .venv/bin/python -m bench.pipeline_limits --model models/tiny --corpus short --texts 512 --repeats 3
 
 It prints one JSON object on its last stdout line:
 

@@ -1,7 +1,7 @@
 """The ``/healthz`` prober: a small child process, so that its timings share no GIL or event loop
 with the load generator (whose loop is busy while the server is saturated).
 
-    python -m bench.probe --port 8765 --interval 0.02 --duration 10
+    .venv/bin/python -m bench.probe --port 8765 --interval 0.02 --duration 10
 
 Every ``--interval`` seconds (on a fixed grid; a probe that overruns skips the ticks it missed, so
 probes never pile up) it opens a TCP connection to 127.0.0.1, sends ``GET /healthz HTTP/1.1`` and

@@ -1,7 +1,7 @@
 """The benchmark's outputs: medians over repeats, targets with ratios, Markdown, JSON and the plot.
 
 Every function here is pure (numbers in, text or a file out), so a finished ``results.json`` can be
-re-rendered without re-running anything: ``python -m bench.report bench/results``.
+re-rendered without re-running anything: ``.venv/bin/python -m bench.report bench/results``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Modules, each one idea:
 - ``server``: the thin websockets shell (wiring, watchdog, drain).
 - ``http``: the HTTP routes and the decision on each WebSocket handshake.
 - ``access``: the handshake's Origin rule, shared token and TLS context, pure.
-- ``metrics``: the Prometheus metrics of one server.
+- ``metrics``: the Prometheus metrics of one server; ``stats``: the live figures of ``stats`` frames.
+- ``allocator``: giving freed answer memory back to the system (glibc).
 - ``config``: the one configuration dataclass, from flags and environment.
 - ``checkpoint``: offline random-weight checkpoints for tests and benchmarks.
 - ``client``: the Python client (async and sync) and the ``fillmask-client`` command.

@@ -5,8 +5,8 @@ start use checkpoints made by this command. The tokenizer is the real ``bert-bas
 WordPiece vocabulary (30522 tokens, ``[MASK]`` = 103, shipped in ``data/``), so texts tokenize
 exactly as they would for the real model; only the weights are random.
 
-    python -m fillmask_server.checkpoint tiny models/tiny     # 2 layers, for tests
-    python -m fillmask_server.checkpoint base models/base     # bert-base-uncased shape, for benchmarks
+    .venv/bin/python -m fillmask_server.checkpoint tiny models/tiny     # 2 layers, for tests
+    .venv/bin/python -m fillmask_server.checkpoint base models/base     # bert-base-uncased shape, for benchmarks
 
 Sizes:
 - ``tiny``: 2 layers, hidden 128, 2 heads (about 4.5 M parameters, mostly the embeddings).

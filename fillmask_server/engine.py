@@ -163,10 +163,9 @@ class Engine:
         """Accept ``job`` for the tokenizer stage, or say why not (nothing is kept then).
 
         A fair share of the queue: while more than half of ``max_queue`` waits, a connection may hold
-        at most ``max_queue`` divided by the connections waiting (itself included); and a connection
-        holding more than half of what waits may not take the last eighth, which stays free for
-        others. So a few connections sending as fast as they can never fill the queue that others
-        need, even one that came first and had the queue to itself.
+        at most ``max_queue`` divided by (the connections waiting, itself included, plus one): the share
+        of one more connection always stays free, so connections that send as fast as they can never
+        fill the queue that a newcomer needs, even one that had the queue to itself.
         """
         with self._lock:
             if not self.alive:
@@ -175,11 +174,9 @@ class Engine:
             if waiting >= self.max_queue:
                 return Admission.QUEUE_FULL
             mine = self._waiting_by.get(job.owner, 0)
-            if mine * 2 > waiting and waiting >= self.max_queue - self.max_queue // 8:
-                return Admission.QUEUE_SHARE
             if waiting * 2 >= self.max_queue:
                 owners = len(self._waiting_by) + (0 if mine else 1)
-                if mine >= max(1, self.max_queue // owners):
+                if mine >= max(1, self.max_queue // (owners + 1)):
                     return Admission.QUEUE_SHARE
             self._waiting_by[job.owner] = mine + 1
             self._tokenizing.append(job)

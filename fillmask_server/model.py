@@ -31,6 +31,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shlex
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -387,7 +389,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 _HINT = ("point --model at a local directory holding config.json, the weights and the tokenizer files "
-         "(make an offline test model with: python -m fillmask_server.checkpoint tiny models/tiny)")
+         f"(make an offline test model with: {shlex.quote(sys.executable)} -m fillmask_server.checkpoint tiny "
+         "models/tiny)")
 
 
 def _explain_load_failure(name: str, exc: BaseException) -> str:

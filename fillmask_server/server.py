@@ -30,7 +30,7 @@ from pathlib import Path
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from . import __version__
+from . import __version__, allocator
 from .access import OriginPolicy, tls_context
 from .batching import BatchPolicy
 from .config import Config
@@ -51,6 +51,7 @@ GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
 RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread their reconnects over it (§10)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
+TRIM_AFTER_S = 1.0  # after a connection closes, when its answers' memory is given back to the system
 WATCHDOG_LOOKS = 10  # the watchdog looks at a stalled socket this many times per --send-timeout
 
 
@@ -124,6 +125,7 @@ class FillMaskServer:
         self._in_transit = 0  # batches of outcomes handed over by the engine, not yet routed by the loop
         self._transit_lock = threading.Lock()
         self.double_answers = 0  # second answers a session refused to send: a bug if ever above 0
+        self._trim: asyncio.TimerHandle | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -240,8 +242,19 @@ class FillMaskServer:
             withdrawn = session.close()
             self.metrics.dropped(withdrawn)
             self.engine.forget(session)
+            self._trim_soon()
             if withdrawn:
                 log.debug("connection closed with %d requests not yet started; discarded", withdrawn)
+
+    def _trim_soon(self) -> None:
+        """A connection closed: a moment later (after a burst of closes, once), give the memory its
+        answers held back to the system (``allocator.trim``)."""
+        if self._trim is None and self._loop is not None:
+            self._trim = self._loop.call_later(TRIM_AFTER_S, self._trim_now)
+
+    def _trim_now(self) -> None:
+        self._trim = None
+        allocator.trim()
 
     def _send_answers(self, conn: Connection, answers: list[Answer]) -> None:
         for answer in answers:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,11 +55,16 @@ from .protocol import (
 SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
 ENGINE_STOPPED_RETRY_MS = 1000
 MAX_RETRY_AFTER_MS = 30_000
-# A client that keeps sending while told to wait: requests refused again before the retry_after_ms they
-# were given had passed ("early"), counting only those sent after the first refusal could have reached
-# the client (the grace), close the connection once there are this many in a row.
-EARLY_RESENDS_LIMIT = 100
+# Back-off (§6, §12). A refusal that arrives before the retry_after_ms this connection was last told is
+# "early", unless it comes within EARLY_GRACE_S of the first refusal of a burst (a burst: refusals with
+# less than QUIET_S between them), since those requests were on their way before the client could know.
+# Each early refusal doubles the retry_after_ms told (a refusal after waiting as told starts over);
+# EARLY_RESENDS_LIMIT early refusals within EARLY_WINDOW_S close the connection with 1008.
 EARLY_GRACE_S = 0.2
+QUIET_S = 1.0
+EARLY_RESENDS_LIMIT = 200
+EARLY_WINDOW_S = 10.0
+MAX_BACK_OFF_DOUBLINGS = 12
 POLICY_VIOLATION = 1008
 
 
@@ -102,10 +108,10 @@ class Session:
         self.closed = False
         self.stats_interval_ms: int | None = None  # set while the client subscribes to stats frames (§13)
         self.close_request: tuple[int, str] | None = None  # set when the session wants the connection closed
-        self._refusals = 0  # overload refusals since the last accepted request
-        self._first_refusal = 0.0
-        self._wait_until = float("-inf")  # the latest retry_after this client was told
-        self._early = 0
+        self._doublings = 0  # how far this connection's retry_after_ms has been doubled (early resends)
+        self._burst_start = self._last_refusal = float("-inf")
+        self._wait_until = float("-inf")  # the latest time this client was told to wait until
+        self._early: deque[float] = deque()  # times of early refusals within EARLY_WINDOW_S
         self._deadlines: list[tuple[float, int, Job]] = []
         self._order = itertools.count()
         self._orphans: set[int] = set()  # id() of jobs still on the model when the connection closed
@@ -144,25 +150,29 @@ class Session:
         if admission is not Admission.ACCEPTED:
             status = 503 if admission is Admission.QUEUE_FULL else 429
             return [_overloaded(request.id, status, admission.value, self._back_off(now))]
-        self._refusals = self._early = 0
         self.inflight[request.id] = job
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, next(self._order), job))
         return []
 
     def _back_off(self, now: float) -> int:
-        """The retry_after_ms of an overload refusal (§6): the engine's estimate, doubled for every
-        refusal since this connection's last accepted request, up to 30 s. A client that keeps
-        resending before the time it was given is closed with 1008 (§12) after ``EARLY_RESENDS_LIMIT``."""
-        if self._refusals == 0:
-            self._first_refusal = now
-        elif now < self._wait_until and now - self._first_refusal > EARLY_GRACE_S:
-            self._early += 1
-            if self._early >= EARLY_RESENDS_LIMIT and self.close_request is None:
+        """The retry_after_ms of an overload refusal (§6): the engine's estimate, doubled once for every
+        early resend in a row (see ``EARLY_GRACE_S``), up to 30 s, back to the estimate once the client
+        waits as told; and the 1008 close (§12) of a client that keeps resending early."""
+        if now - self._last_refusal > QUIET_S:
+            self._burst_start = now
+        self._last_refusal = now
+        if now < self._wait_until and now - self._burst_start > EARLY_GRACE_S:
+            self._doublings = min(MAX_BACK_OFF_DOUBLINGS, self._doublings + 1)
+            self._early.append(now)
+            while self._early and self._early[0] < now - EARLY_WINDOW_S:
+                self._early.popleft()
+            if len(self._early) >= EARLY_RESENDS_LIMIT and self.close_request is None:
                 self.close_request = (POLICY_VIOLATION, "too many requests sent before their retry_after_ms; "
                                       "wait as overloaded answers say before sending again")
-        retry = min(MAX_RETRY_AFTER_MS, self.scheduler.retry_after_ms() * 2 ** min(self._refusals, 12))
-        self._refusals += 1
+        elif now >= self._wait_until:
+            self._doublings = 0
+        retry = min(MAX_RETRY_AFTER_MS, self.scheduler.retry_after_ms() * 2 ** self._doublings)
         self._wait_until = max(self._wait_until, now + retry / 1000)
         return retry
 

@@ -1,7 +1,7 @@
 """Soak test: offered load at several times the server's capacity, then check that nothing broke.
 
-    python scripts/soak.py --duration 60            # a server of its own (models/tiny), 5x its capacity
-    python scripts/soak.py --duration 600 --model models/base --rss-bound-mb 800
+    .venv/bin/python scripts/soak.py --duration 60            # a server of its own (models/tiny), 5x its capacity
+    .venv/bin/python scripts/soak.py --duration 600 --model models/base --rss-bound-mb 800
 
 It starts ``ws_server.py`` in a subprocess, measures its capacity (requests per second with full
 batches), then offers ``--overload`` times that rate, open loop, over several connections, for
@@ -123,8 +123,8 @@ async def reader(ws: ClientConnection, tally: Tally) -> None:
 
 async def measure_capacity(url: str, batch: int, max_queue: int, seconds: float = 2.0) -> float:
     """Results per second with the queue never empty (closed loop, after a warm-up batch). One connection
-    keeps at most three quarters of the queue busy: more, and it would be told its fair share (§6)."""
-    window = min(4 * batch, max_queue * 3 // 4)
+    keeps at most half of the queue busy: more, and it would be told its fair share (§6)."""
+    window = min(4 * batch, max_queue // 2)
     async with connect(url, max_size=None) as ws:
         await ws.recv()
         sent = 0

@@ -231,3 +231,19 @@ def test_a_checkpoint_without_the_random_weights_mark_is_reported_as_trained(tmp
     (trained / "config.json").write_text(json.dumps(config))
     assert load_model(str(tiny_model_dir)).random_weights is True
     assert load_model(str(trained)).random_weights is False
+
+
+def test_the_readme_configuration_table_lists_every_flag_with_its_default() -> None:
+    """The README's table and --help come from the same Config: a new flag must be in both."""
+    from dataclasses import fields
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Configuration"):readme.index("## Layout")]
+    for field in fields(Config):
+        flag = "--" + field.name.replace("_", "-")
+        row = next((line for line in table.splitlines() if line.startswith(f"| `{flag}` |")), None)
+        assert row is not None, f"{flag} is missing from the README's configuration table"
+        assert f"`FILLMASK_{field.name.upper()}`" in row, row
+        shown = "none" if field.default == "" else f"`{field.default:g}`" if isinstance(field.default, float) \
+            else f"`{field.default}`"
+        assert f"| {shown} |" in row, (row, shown)

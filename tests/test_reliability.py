@@ -85,21 +85,20 @@ async def test_answer_memory_stays_within_its_budget_whatever_clients_do(make_se
 
 
 async def test_a_flood_gets_429_queue_share_and_a_polite_client_still_gets_in(make_server: Any) -> None:
-    """§6: with the queue under pressure a connection holds at most its share, and the last eighth is
-    kept for connections with nothing waiting; refusals tell the flood to wait longer each time."""
+    """§6: with the queue under pressure a connection holds at most its share, which keeps a newcomer's
+    free; a burst of refusals already on its way is not punished."""
     async with make_server(max_queue=16) as srv, session(srv.url) as (flood, _), session(srv.url) as (polite, _):
         with srv.engine.paused():
             for i in range(20):
                 await send(flood, fill(i))
-            refused = await recv_n(flood, 6, timeout=5)  # answered at once, while the model is held
+            refused = await recv_n(flood, 12, timeout=5)  # answered at once, while the model is held
             assert {(f["status"], f["reason"]) for f in refused} == {(429, "queue_share")}
-            waits = [f["retry_after_ms"] for f in refused]
-            assert waits == sorted(waits) and waits[-1] >= 2 * waits[0]  # growing
+            assert len({f["retry_after_ms"] for f in refused}) == 1  # sent at once: no early resend among them
             await send(polite, fill("polite"))
-            await wait_until(lambda: srv.engine.queued() == 15, timeout=5)
+            await wait_until(lambda: srv.engine.queued() == 9, timeout=5)  # the flood holds half: 8
         answer = await recv(polite, timeout=10)
         assert (answer["type"], answer["id"]) == ("result", "polite")
-        assert {f["type"] for f in await recv_n(flood, 14, timeout=20)} == {"result"}
+        assert {f["type"] for f in await recv_n(flood, 8, timeout=20)} == {"result"}
 
 
 async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008(make_server: Any) -> None:
@@ -109,7 +108,7 @@ async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_10
         with srv.engine.paused():
             for i in range(8):
                 await send(rude, fill(i))
-            await wait_until(lambda: srv.engine.queued() == 7, timeout=5)
+            await wait_until(lambda: srv.engine.queued() == 4, timeout=5)  # its share: half the queue
             with contextlib.suppress(ConnectionClosed):  # it resends at once on every refusal
                 for i in range(400):
                     await send(rude, fill(f"again-{i}"))
