@@ -7,7 +7,10 @@ It starts ``ws_server.py`` in a subprocess, measures its capacity (requests per 
 batches), then offers ``--overload`` times that rate, open loop, over several connections, for
 ``--duration`` seconds. Afterwards it checks, and prints, that:
 
-- every request got exactly one terminal frame (result, error, overloaded or cancelled; protocol.md §8);
+- every request got exactly one terminal frame (result, error, overloaded or cancelled; protocol.md §8),
+  but for those in flight on a connection the server closed with 1008 because its client kept sending
+  before its retry_after_ms (§12: this load ignores back-off on purpose); those are discarded with the
+  close (§8), counted apart, and the connection is opened again;
 - the server's RSS grew by at most ``--rss-bound-mb`` over its level after warm-up;
 - admitted requests (those with a result) waited no longer than a full queue takes to clear at the
   rate the server kept up under the overload: ``(max_queue + 2 x max_batch_size) / throughput``,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -60,6 +64,8 @@ class Tally:
 
     sent_at: dict[str, float] = field(default_factory=dict)
     answers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    discarded: set[str] = field(default_factory=set)  # in flight on a connection closed with 1008
+    closes: int = 0
     latency_s: dict[str, float] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
@@ -121,6 +127,52 @@ async def reader(ws: ClientConnection, tally: Tally) -> None:
         pass
 
 
+class Sender:
+    """One of the load's connections: it remembers the ids in flight on it, and when the server closes it
+    with 1008 (the load does not back off), counts them as discarded and opens a new one."""
+
+    def __init__(self, url: str, tally: Tally) -> None:
+        self.url, self.tally = url, tally
+        self.ws: ClientConnection | None = None
+        self.reader: asyncio.Task[None] | None = None
+        self.in_flight: set[str] = set()
+
+    async def open(self) -> None:
+        self.ws = await connect(self.url, max_size=None)
+        await self.ws.recv()  # hello
+        self.reader = asyncio.create_task(reader(self.ws, self.tally))
+
+    async def send(self, request_id: str, frame: dict[str, Any]) -> None:
+        assert self.ws is not None
+        if self.ws.close_code == 1008 or (self.reader is not None and self.reader.done()):
+            await self.reopen()
+        self.in_flight = {i for i in self.in_flight if i not in self.tally.answers}
+        self.in_flight.add(request_id)
+        self.tally.sent_at[request_id] = time.monotonic()
+        try:
+            await self.ws.send(orjson.dumps(frame).decode())
+        except ConnectionClosed:
+            await self.reopen()
+
+    async def reopen(self) -> None:
+        assert self.ws is not None and self.reader is not None
+        with contextlib.suppress(ConnectionClosed):
+            await self.ws.close()
+        await self.reader
+        if self.ws.close_code != 1008:
+            raise SystemExit(f"soak: the server closed a connection with {self.ws.close_code}")
+        self.tally.closes += 1
+        self.tally.discarded |= {i for i in self.in_flight if i not in self.tally.answers}
+        self.in_flight = set()
+        await self.open()
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+        if self.reader is not None:
+            await self.reader
+
+
 async def measure_capacity(url: str, batch: int, max_queue: int, seconds: float = 2.0) -> float:
     """Results per second with the queue never empty (closed loop, after a warm-up batch). One connection
     keeps at most half of the queue busy: more, and it would be told its fair share (§6)."""
@@ -159,10 +211,9 @@ async def measure_capacity(url: str, batch: int, max_queue: int, seconds: float 
 
 async def offer_load(url: str, rate: float, duration: float, connections: int, tally: Tally) -> float:
     """Open loop: send ``rate`` requests/s spread over ``connections`` for ``duration`` s; return the rate sent."""
-    sockets = [await connect(url, max_size=None) for _ in range(connections)]
-    for ws in sockets:
-        await ws.recv()  # hello
-    readers = [asyncio.create_task(reader(ws, tally)) for ws in sockets]
+    senders = [Sender(url, tally) for _ in range(connections)]
+    for sender in senders:
+        await sender.open()
     started = time.monotonic()
     sent = 0
     while (now := time.monotonic()) - started < duration:
@@ -172,17 +223,15 @@ async def offer_load(url: str, rate: float, duration: float, connections: int, t
             frame: dict[str, Any] = {"type": "fill_mask", "id": request_id, "text": SENTENCES[sent % len(SENTENCES)]}
             if sent % 5 == 0:
                 frame["deadline_ms"] = 250  # some requests have deadlines, so that 504s occur too
-            tally.sent_at[request_id] = time.monotonic()
-            await sockets[sent % connections].send(orjson.dumps(frame).decode())
+            await senders[sent % connections].send(request_id, frame)
             sent += 1
         await asyncio.sleep(0.005)
     sent_rate = sent / (time.monotonic() - started)
     give_up = time.monotonic() + 30
-    while len(tally.answers) < len(tally.sent_at) and time.monotonic() < give_up:
+    while len(tally.answers) + len(tally.discarded) < len(tally.sent_at) and time.monotonic() < give_up:
         await asyncio.sleep(0.05)
-    for ws in sockets:
-        await ws.close()
-    await asyncio.gather(*readers)
+    for sender in senders:
+        await sender.close()
     return sent_rate
 
 
@@ -209,7 +258,7 @@ async def soak(args: argparse.Namespace) -> int:
         rss_peak = max(rss_peak, rss_mb(process.pid))
 
         outcomes = Counter(tally.outcome(frame) for frame in tally.answers.values())
-        missing = [i for i in tally.sent_at if i not in tally.answers]
+        missing = [i for i in tally.sent_at if i not in tally.answers and i not in tally.discarded]
         admitted = sorted(tally.latency_s[i] for i, f in tally.answers.items() if f["type"] == "result")
         throughput = len(admitted) / args.duration
         latency_bound = args.latency_slack * (args.max_queue + 2 * args.max_batch_size) / max(throughput, 1) + 1.0
@@ -220,7 +269,8 @@ async def soak(args: argparse.Namespace) -> int:
               f"{args.duration:g} s over {args.connections} connections")
         print(f"throughput        {throughput:9.1f} results/s under the overload")
         print(f"requests          {len(tally.sent_at):9d} sent, {len(tally.answers)} answered, "
-              f"{len(missing)} unanswered")
+              f"{len(missing)} unanswered, {len(tally.discarded)} discarded with {tally.closes} 1008 closes "
+              "(the load does not back off)")
         for name, count in sorted(outcomes.items(), key=lambda item: -item[1]):
             print(f"  {name:<24}{count:9d}")
         if admitted:
