@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MASK = "[MASK]"
@@ -66,28 +67,17 @@ def make_corpus(n: int = 200, seed: int = 0, two_mask_share: float = 0.3) -> lis
     from templates. Deterministic for a given ``seed``.
     """
     rng = random.Random(seed)
-    texts: list[str] = []
-    seen: set[str] = set()
     kinds = ["short"] * 35 + ["medium"] * 40 + ["long"] * 25
-    for fact in _FACTS[: max(0, min(len(_FACTS), n // 20))]:
-        texts.append(fact)
-        seen.add(fact)
-    attempts = 0
-    while len(texts) < n and attempts < 100 * n:
-        attempts += 1
+    facts = _FACTS[: max(0, min(len(_FACTS), n // 20))]
+
+    def one() -> str:
         words = _sentence(rng, rng.choice(kinds)).split(" ")
         first = _mask_one(words, rng, set())
         if rng.random() < two_mask_share:
             _mask_one(words, rng, {first - 1, first, first + 1})
-        text = " ".join(words)
-        text = text[0].upper() + text[1:] if text[0].isalpha() else text
-        if text not in seen:
-            seen.add(text)
-            texts.append(text)
-    if len(texts) < n:
-        raise RuntimeError(f"could only make {len(texts)} distinct texts out of {n}")
-    rng.shuffle(texts)
-    return texts
+        return " ".join(words)
+
+    return _distinct(n, rng, one, facts)
 
 
 def make_short_corpus(n: int = 200, seed: int = 0) -> list[str]:
@@ -97,11 +87,8 @@ def make_short_corpus(n: int = 200, seed: int = 0) -> list[str]:
     than on the mixed corpus (issue 9 measures both). Sentences of 4-13 words; deterministic for ``seed``.
     """
     rng = random.Random(seed)
-    texts: list[str] = []
-    seen: set[str] = set()
-    attempts = 0
-    while len(texts) < n and attempts < 100 * n:
-        attempts += 1
+
+    def one() -> str:
         words = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}".split(" ")
         if rng.random() < 0.5:
             words += rng.choice(_PLACES).split(" ")
@@ -109,7 +96,19 @@ def make_short_corpus(n: int = 200, seed: int = 0) -> list[str]:
             words += rng.choice(["today", "again", "quickly", "and then left", "with great care"]).split(" ")
         words = words[:13]  # with the period and the two special tokens: at most 16
         _mask_one(words, rng, set())
-        text = " ".join(words) + "."
+        return " ".join(words) + "."
+
+    return _distinct(n, rng, one)
+
+
+def _distinct(n: int, rng: random.Random, make: Callable[[], str], first: Sequence[str] = ()) -> list[str]:
+    """``first``, then texts from ``make`` (capitalised) until ``n`` distinct ones, shuffled by ``rng``."""
+    texts = list(first)
+    seen = set(texts)
+    attempts = 0
+    while len(texts) < n and attempts < 100 * n:
+        attempts += 1
+        text = make()
         text = text[0].upper() + text[1:] if text[0].isalpha() else text
         if text not in seen:
             seen.add(text)
