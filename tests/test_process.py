@@ -247,3 +247,16 @@ def test_the_readme_configuration_table_lists_every_flag_with_its_default() -> N
         shown = "none" if field.default == "" else f"`{field.default:g}`" if isinstance(field.default, float) \
             else f"`{field.default}`"
         assert f"| {shown} |" in row, (row, shown)
+
+
+def test_readme_commands_use_the_projects_python() -> None:
+    """Issue 12: a newcomer copies commands from the README; bare `python`, `pytest`, `pip` or the console
+    scripts would run another Python without the packages (ModuleNotFoundError). Every command in its
+    shell blocks and inline code uses .venv/bin/ (or runs a script that sets it up)."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:sh|bash)\n(.*?)```", readme, re.S)
+    inline = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", readme, flags=re.S))
+    bare = re.compile(r"(?:^|[\s;&|(])(?<!-m )(python3?|pytest|pip|fillmask-client|fillmask-server)(?=\s)")
+    offenders = [line for text in [*blocks, *inline] for line in text.splitlines()
+                 if bare.search(line) and not line.lstrip().startswith("#")]
+    assert offenders == [], offenders
