@@ -14,7 +14,7 @@
 - **Decode stage** (``fillmask-decode``): turns top-k tensors into the pipeline's predictions and
   serializes them (``decode.py``), while the model thread already runs the next batch.
 
-The event loop only calls the cheap methods ``submit``, ``withdraw``, ``discard``, ``withdraw_all``
+The event loop only calls the cheap methods ``submit``, ``withdraw``, ``withdraw_all``, ``release``
 and the counters; finished work reaches it as typed ``Outcome``\\ s through ``deliver``, called on a
 stage thread under the engine's lock (the server makes it thread-safe and non-blocking with
 ``call_soon_threadsafe``).
@@ -211,11 +211,6 @@ class Engine:
         answers it: cancelled, 504, ...)."""
         with self._lock:
             return self._withdraw_locked(job)
-
-    def discard(self, jobs: list[Job]) -> int:
-        """Withdraw every job of ``jobs`` the model does not have yet (their connection closed); how many."""
-        with self._lock:
-            return sum(self._withdraw_locked(job) for job in jobs)
 
     def withdraw_all(self, reason: str, retry_after_ms: int) -> list[Stopped]:
         """Withdraw every job not yet on the model (the drain ran out of time): their ``Stopped`` answers."""

@@ -41,14 +41,13 @@ from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
 from .protocol import Limits, encode_going_away, encode_hello, encode_stats
-from .session import SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
+from .session import POLICY_VIOLATION, SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
 from .stats import BatchRecord, LiveStats
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = 1001
-POLICY_VIOLATION = 1008
 RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread their reconnects over it (§10)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
 TRIM_AFTER_S = 1.0  # after a connection closes, when its answers' memory is given back to the system

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .engine import Admission
+from .engine import ENGINE_STOPPED_RETRY_MS, Admission
 from .jobs import Expired, Failed, Job, Outcome, Rejected, Result, Stopped
 from .protocol import (
     CancelRequest,
@@ -53,7 +53,6 @@ from .protocol import (
 )
 
 SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
-ENGINE_STOPPED_RETRY_MS = 1000
 MAX_RETRY_AFTER_MS = 30_000
 # Back-off (§6, §12). A refusal that arrives before the retry_after_ms this connection was last told is
 # "early", unless it comes within EARLY_GRACE_S of the first refusal of a burst (a burst: refusals with
@@ -65,7 +64,7 @@ QUIET_S = 1.0
 EARLY_RESENDS_LIMIT = 200
 EARLY_WINDOW_S = 10.0
 MAX_BACK_OFF_DOUBLINGS = 12
-POLICY_VIOLATION = 1008
+POLICY_VIOLATION = 1008  # the close code of §12's policy violations
 
 
 class Scheduler(Protocol):
