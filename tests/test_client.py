@@ -700,8 +700,9 @@ async def test_a_connection_going_away_gets_no_new_calls_but_answers_those_it_ac
 ) -> None:
     async with make_server() as a, make_server() as b, FillMaskClient([a.url, b.url]) as client:
         with a.engine.paused():
-            held = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in (1, 2, 3, 4)]
-            await wait_until(lambda: a.engine.queued() == 2 and client.in_flight == 4)
+            with b.engine.paused():  # b holds its two as well until both queues are counted: no race
+                held = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in (1, 2, 3, 4)]
+                await wait_until(lambda: a.engine.queued() == 2 and b.engine.queued() == 2)
             drain = asyncio.create_task(a.drain(timeout=10))  # going_away (§10), then waits for its two
             await wait_until(lambda: client.usable_connections == 1)  # the client read going_away
             later = [asyncio.create_task(client.fill_mask(TEXT, top_k=5)) for _ in range(10)]
@@ -720,8 +721,9 @@ async def test_calls_a_draining_server_did_not_run_are_resent_elsewhere_exactly_
 ) -> None:
     async with make_server() as a, make_server() as b, FillMaskClient([a.url, b.url]) as client:
         with a.engine.paused():
-            calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in range(1, 9)]
-            await wait_until(lambda: a.engine.queued() == 4 and client.in_flight == 8)
+            with b.engine.paused():  # until both queues are counted, or b's quick answers would race the count
+                calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in range(1, 9)]
+                await wait_until(lambda: a.engine.queued() == 4 and b.engine.queued() == 4)
             # The drain gives up on a's queued four after 0.1 s: answered 503 shutting_down, never run (§10.4).
             await asyncio.wait_for(a.drain(timeout=0.1), 5)
         answers = await asyncio.wait_for(asyncio.gather(*calls), 5)
@@ -735,8 +737,9 @@ async def test_calls_on_a_dropped_connection_are_resent_on_another(
 ) -> None:
     async with make_server() as a, make_server() as b, FillMaskClient([a.url, b.url]) as client:
         with a.engine.paused():
-            calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in range(1, 7)]
-            await wait_until(lambda: a.engine.queued() == 3 and client.in_flight == 6)
+            with b.engine.paused():  # until both queues are counted, or b's quick answers would race the count
+                calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=k)) for k in range(1, 7)]
+                await wait_until(lambda: a.engine.queued() == 3 and b.engine.queued() == 3)
             for conn in list(a.connections):
                 conn.ws.transport.abort()  # a crashed replica: the TCP connection drops, no close frame (1006)
             answers = await asyncio.wait_for(asyncio.gather(*calls), 5)
