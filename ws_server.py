@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 
-from fillmask_server import allocator
 from fillmask_server.config import Config, load_config
 from fillmask_server.model import ModelLoadError, load_model
 from fillmask_server.server import FillMaskServer, check_can_listen
@@ -57,7 +56,6 @@ SWITCH_INTERVAL_S = 0.0005
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    allocator.configure()  # large answers get their own mappings, returned when freed
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
