@@ -315,7 +315,7 @@ async def test_retry_gives_up_within_the_callers_deadline(make_server: Any) -> N
                 await asyncio.wait_for(client.fill_mask(TEXT, deadline_ms=300), 2)
             # Tried at 0 and after 0.2 s; the next wait (0.4 s) would pass the deadline, so it gives up
             # at once rather than sleeping into it (that would end near 0.6 s).
-            assert 0.2 <= time.monotonic() - started < 0.45 and busy.value.reason == "queue_full"
+            assert 0.2 <= time.monotonic() - started < 0.55 and busy.value.reason == "queue_full"
         await held
 
 
@@ -346,7 +346,7 @@ async def test_unreachable_server_raises_connect_error() -> None:
 async def test_reconnects_after_the_server_restarts_with_1001(make_server: Any) -> None:
     async with make_server() as first_server:
         port = first_server.port
-        steady = FillMaskClient(first_server.url, reconnect=True, reconnect_timeout=5)
+        steady = FillMaskClient(first_server.url, reconnect=True, reconnect_timeout=15)
         plain = FillMaskClient(first_server.url)
         await steady.connect()
         await plain.connect()
@@ -359,7 +359,7 @@ async def test_reconnects_after_the_server_restarts_with_1001(make_server: Any) 
     await asyncio.sleep(0.1)
     assert not call.done()
     async with make_server(port=port):
-        after = await asyncio.wait_for(call, 5)
+        after = await asyncio.wait_for(call, 10)
         assert_same_predictions(after, before)
         await steady.aclose()
     await plain.aclose()
@@ -386,7 +386,7 @@ async def test_reconnect_follows_a_shutting_down_answer_to_the_next_server(make_
     async with make_server() as srv:
         port = srv.port
         async with FillMaskClient(srv.url) as holder, FillMaskClient(srv.url) as plain, \
-                FillMaskClient(srv.url, reconnect=True, reconnect_timeout=5) as steady:
+                FillMaskClient(srv.url, reconnect=True, reconnect_timeout=15) as steady:
             with srv.engine.paused():
                 held = asyncio.create_task(holder.fill_mask(TEXT))
                 await wait_until(lambda: srv.engine.queued() == 1)
@@ -402,7 +402,7 @@ async def test_reconnect_follows_a_shutting_down_answer_to_the_next_server(make_
             await asyncio.wait_for(drain, 5)
             assert not call.done()
             async with make_server(port=port):
-                assert len(await asyncio.wait_for(call, 5)) == 2
+                assert len(await asyncio.wait_for(call, 10)) == 2
 
 
 async def test_calls_waiting_to_redial_survive_a_server_that_drains_during_the_dial(make_server: Any) -> None:

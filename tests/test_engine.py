@@ -130,7 +130,7 @@ def test_max_wait_holds_a_batch_for_requests_that_arrive_while_others_are_tokeni
     """Issue 9: with --max-wait-ms, a request arriving while another is tokenized used to skip the wait and
     run alone, and the next one then waited the whole max-wait. Now every request is tokenized before the
     queue, and the wait is one deadline from the oldest queued request."""
-    engine = Engine(model, BatchPolicy(8, 4096, max_wait_s=0.25), max_queue=10, max_masks=4, deliver=collector)
+    engine = Engine(model, BatchPolicy(8, 4096, max_wait_s=1.0), max_queue=10, max_masks=4, deliver=collector)
     engine.start()
     try:
         first = job("first")
@@ -143,7 +143,7 @@ def test_max_wait_holds_a_batch_for_requests_that_arrive_while_others_are_tokeni
     assert {o.batch_size for o in outcomes.values()} == {2}  # type: ignore[union-attr]
     assert len({o.batch_id for o in outcomes.values()}) == 1  # type: ignore[union-attr]
     waited = outcomes["first"].queue_ms  # type: ignore[union-attr]
-    assert 200 <= waited <= 1000, waited  # it waited the max-wait, counted from its own arrival
+    assert 900 <= waited <= 3000, waited  # it waited the max-wait, counted from its own arrival
 
 
 def test_a_busy_queue_keeps_a_newcomers_share_free(engine: Engine, collector: Collector) -> None:

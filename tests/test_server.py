@@ -391,7 +391,7 @@ async def test_drain_delay_keeps_serving_with_readyz_503_then_says_going_away(ma
     """§10.1-2: during the delay a load balancer sees 503 on /readyz, yet connections and requests still
     work; only then does every connection get going_away (once) and new handshakes get 503."""
     async with make_server() as srv, session(srv.url) as (ws, _):
-        drain = asyncio.create_task(srv.drain(delay=1.0))
+        drain = asyncio.create_task(srv.drain(delay=3.0))  # room for a handshake and two requests on a slow machine
         await wait_until(lambda: srv.ready.unready)
         assert await http_get(srv.http_url + "/readyz") == (503, {"status": "draining"})
         async with session(srv.url) as (newcomer, _):  # still accepted during the delay

@@ -547,7 +547,7 @@ async def test_burst_is_batched(server: Any, open_page: Any) -> None:
     n = 6
     with server.engine.paused():
         await page.send_burst(n)
-        await wait_until(lambda: server.engine.queued() == n)
+        await wait_until(lambda: server.engine.runnable() == n)  # tokenized too: the model takes all n at once
         await expect(page.by("inflight")).to_have_attribute("data-count", str(n))
     summary = page.burst(1).get_by_test_id("burst-summary")
     await expect(summary).to_have_attribute("data-done", str(n))
@@ -721,11 +721,13 @@ async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, in
     from playwright.async_api import expect
 
     page = await open_page(server.http_url + "/", viewport=viewport)
+    await wait_until(lambda: any('"type":"stats"' in text for text in page.raw_in))  # the live view's first
+    await silence_stats(server)  # and last: the comparisons below need a fixed set of frames
     await page.ask("Log this [MASK].")
     await expect(page.card(1)).to_have_attribute("data-state", "done")
     await page.ask("And this [MASK].")
     await expect(page.card(2)).to_have_attribute("data-state", "done")
-    await wait_until(lambda: len(page.raw_in) >= 4)  # hello, the stats answer, two results
+    assert len(page.raw_in) >= 4  # hello, the stats frame, two results (any stats frame came before them)
 
     log = page.by("frame-log")
     await log.locator("summary").click()
@@ -758,6 +760,15 @@ async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, in
 # ---------------------------------------------------------------------------- live view
 
 
+async def silence_stats(server: Any) -> None:
+    """Stop the server's own stats frames to the page, which subscribed on connecting (§13): a test that
+    compares frames or feeds its own stats frames must not race the next real one, a second away."""
+    await wait_until(lambda: any(conn.stats_task is not None for conn in server.connections))
+    for conn in list(server.connections):
+        conn.session.stats_interval_ms = None
+        server._follow_stats(conn)
+
+
 def stats_frame(batches: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
     frame = {"type": "stats", "window_s": 1.0, "queue_depth": 3, "in_flight": 12, "connections": 4,
              "requests_per_s": 812.5, "latency_ms": {"p50": 12.1, "p99": 40.2},
@@ -778,9 +789,11 @@ async def test_live_panel_renders_stats_frames(server: Any, open_page: Any, view
     from playwright.async_api import expect
 
     page = await open_page(server.http_url + "/", viewport=viewport)
+    await silence_stats(server)  # only the frames fed below reach the panel
     await page.ask("Mine [MASK].")
-    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")  # a real stats frame came before it
     ours = (await page.frame_for(1))["batch_id"]
+    real_stats = sum('"type":"stats"' in text for text in page.raw_in)
 
     def batch(batch_id: int, size: int) -> dict[str, Any]:
         return {"batch_id": batch_id, "size": size, "tokens": size * 16, "inference_ms": 6.1}
@@ -822,7 +835,7 @@ async def test_live_panel_renders_stats_frames(server: Any, open_page: Any, view
     log = page.by("frame-log")
     await log.locator("summary").click()
     stats_entries = log.locator('[data-testid="log-entry"][data-type="stats"]')
-    await expect(stats_entries).to_have_count(2)
+    await expect(stats_entries).to_have_count(real_stats + 2)
     await expect(stats_entries.first).to_be_visible()
     await page.by("log-hide-stats").check()
     await expect(stats_entries.first).to_be_hidden()
