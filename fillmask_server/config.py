@@ -29,7 +29,7 @@ class Config:
     max_queue: int = 1024
     max_wait_ms: float = 0.0
     anticipate_ms: float = 0.0
-    max_length_ratio: float = 1.5
+    max_length_ratio: float = 1.15
     max_text_chars: int = 2000
     max_masks: int = 8
     max_top_k: int = 100
