@@ -50,7 +50,9 @@ def _stop_now() -> None:
 # The process's GIL hand-over interval. The model thread needs the GIL only briefly, a few times per batch
 # (its forward pass is one traced call), but each time another thread (the event loop, the decode stage)
 # may hold it for up to this long; Python's default of 5 ms would add up to 5 ms to every hand-over.
-SWITCH_INTERVAL_S = 0.0005
+# Measured (tiny, short corpus, 32 x 4 in flight): 0.1 ms ~2,970 req/s, 0.2 ms ~3,050, 0.5 ms ~2,800,
+# 2 ms ~2,840; the mixed corpus the same within noise.
+SWITCH_INTERVAL_S = 0.0002
 
 
 def main(argv: list[str] | None = None) -> int:
