@@ -68,3 +68,33 @@ def test_a_model_the_tracer_cannot_follow_runs_eager(traced: FillMaskModel) -> N
     assert torch.equal(model.forward(few).indices, traced.forward(few).indices)
     # Eager follows the branch a traced graph would have missed: other tokens win at 12 masks.
     assert not torch.equal(model.forward(many).indices, traced.forward(many).indices)
+
+
+# Run in a fresh process: loading leaves no thread behind (see load_model's docstring). Had the forward
+# passes of the load run on the caller's thread, its OpenMP pool would outlive the load, and the model
+# thread's own pool would then run in GNU OpenMP's throttled mode.
+LEAVES_NO_THREAD = """
+import os, sys, time
+import torch
+from fillmask_server.model import load_model
+before = len(os.listdir("/proc/self/task"))
+model = load_model(sys.argv[1])
+for _ in range(100):  # the loader's OpenMP workers end a moment after the loader thread
+    after = len(os.listdir("/proc/self/task"))
+    if after <= before:
+        break
+    time.sleep(0.05)
+print(before, after)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_loading_leaves_no_thread_behind(tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LEAVES_NO_THREAD, str(tiny_model_dir)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    before, after = map(int, done.stdout.split())
+    assert after <= before, (before, after)
