@@ -10,11 +10,14 @@ server discards what is still queued) and ``settle`` waits for the batch still r
   sent as soon as one is answered, until the window ends. Throughput is the rate of answers read in
   the window (see ``_throughput``); latencies are those of the requests answered in the window.
 - Open loop: Poisson arrivals at ``rate`` req/s for the whole phase, spread round-robin over the
-  connections, whatever the server's progress; after the window a bounded grace period collects
-  the answers still due. Throughput is the rate of ``result`` answers read in the window; latencies
-  are those of the requests *scheduled* in the window, where a request still unanswered at the end
-  of the grace period counts as infinitely late (so percentiles never hide it), and ``overloaded``
-  answers are counted apart, not as latencies.
+  connections, whatever the server's progress, except that, like any client that follows protocol.md
+  §6, a connection sends nothing before an ``overloaded`` answer's ``retry_after_ms`` has passed (a
+  server closes a connection that keeps sending early with 1008): a request due meanwhile goes on
+  another connection, or waits, its latency counting from when it was due. After the window a
+  bounded grace period collects the answers still due. Throughput is the rate of ``result`` answers
+  read in the window; latencies are those of the requests *scheduled* in the window, where a request
+  still unanswered at the end of the grace period counts as infinitely late (so percentiles never
+  hide it), and ``overloaded`` answers are counted apart, not as latencies.
 - Idle: one connection, one request at a time.
 """
 
@@ -101,6 +104,7 @@ class Client:
         self.recorder = recorder
         self.pending: dict[int, int] = {}
         self.next_id = 0
+        self.hold_until = 0.0  # after an overloaded answer: send nothing before its retry_after_ms (§6)
 
     async def send(self, scheduled: float | None = None) -> None:
         """Send the next text; its latency counts from ``scheduled`` (default: now)."""
@@ -120,7 +124,16 @@ class Client:
         index = self.pending.pop(frame.get("id"), None)  # type: ignore[arg-type]
         if index is not None:
             self.recorder.answer(index, now, frame)
+        retry_after_ms = frame.get("retry_after_ms") if frame.get("type") == OVERLOADED else None
+        if isinstance(retry_after_ms, int | float):
+            self.hold_until = max(self.hold_until, now + retry_after_ms / 1000)
         return frame
+
+    async def wait_until_allowed(self) -> None:
+        """Return once this connection may send again (it waits as an overloaded answer said)."""
+        delay = self.hold_until - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
 
 
 async def _connect(url: str, n: int, texts: list[str], recorder: Recorder,
@@ -266,6 +279,7 @@ async def _read_forever(client: Client, refill: float | None) -> None:
         while True:
             await client.read_one()
             if refill is not None and time.perf_counter() < refill:
+                await client.wait_until_allowed()
                 await client.send()
 
 
@@ -344,7 +358,12 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
                 await asyncio.sleep(delay)
             else:
                 max_lag = max(max_lag, -delay)
-            await conns[i % clients].send(scheduled=due)
+            # Round-robin over the connections that may send; when every one waits out a retry_after_ms,
+            # the request waits too, and its latency counts from when it was due.
+            allowed = [c for c in conns if c.hold_until <= time.perf_counter()]
+            conn = allowed[i % len(allowed)] if allowed else min(conns, key=lambda c: c.hold_until)
+            await conn.wait_until_allowed()
+            await conn.send(scheduled=due)
             i += 1
         await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
         await _drain(conns, readers, grace_s)
