@@ -105,6 +105,7 @@ class Client:
         self.pending: dict[int, int] = {}
         self.next_id = 0
         self.hold_until = 0.0  # after an overloaded answer: send nothing before its retry_after_ms (§6)
+        self.closed_by_server: int | None = None  # the close code, once the server closed the connection
 
     async def send(self, scheduled: float | None = None) -> None:
         """Send the next text; its latency counts from ``scheduled`` (default: now)."""
@@ -360,10 +361,19 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
                 max_lag = max(max_lag, -delay)
             # Round-robin over the connections that may send; when every one waits out a retry_after_ms,
             # the request waits too, and its latency counts from when it was due.
-            allowed = [c for c in conns if c.hold_until <= time.perf_counter()]
-            conn = allowed[i % len(allowed)] if allowed else min(conns, key=lambda c: c.hold_until)
+            live = [c for c in conns if c.closed_by_server is None]
+            if not live:
+                break
+            allowed = [c for c in live if c.hold_until <= time.perf_counter()]
+            conn = allowed[i % len(allowed)] if allowed else min(live, key=lambda c: c.hold_until)
             await conn.wait_until_allowed()
-            await conn.send(scheduled=due)
+            try:
+                await conn.send(scheduled=due)
+            except ConnectionClosed as closed:
+                # A client that falls behind reading its overloaded answers sends early without knowing
+                # it, and the server closes it with 1008 (§6): the rest of the load goes on the others,
+                # and the requests it had in flight count as unanswered.
+                conn.closed_by_server = closed.rcvd.code if closed.rcvd is not None else 1006
             i += 1
         await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
         await _drain(conns, readers, grace_s)
@@ -371,7 +381,9 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
     finally:
         await _stop_tasks(readers)
         await _close_all(conns)
-    summary.update({"mode": "open", "clients": clients, "rate_rps": rate, "send_lag_max_ms": max_lag * 1000})
+    closes = Counter(str(c.closed_by_server) for c in conns if c.closed_by_server is not None)
+    summary.update({"mode": "open", "clients": clients, "rate_rps": rate, "send_lag_max_ms": max_lag * 1000,
+                    "closed_by_server": dict(closes)})
     return summary
 
 
