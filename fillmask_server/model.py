@@ -214,8 +214,9 @@ class FillMaskModel:
         spans = _spans(counts)
         out = TopK(spans=spans, columns=columns)
         with torch.inference_mode():
-            probs = self._probabilities(torch.tensor(ids), torch.tensor(attention), torch.tensor(rows),
-                                        torch.tensor(columns))
+            long = torch.long
+            probs = self._probabilities(torch.tensor(ids, dtype=long), torch.tensor(attention, dtype=long),
+                                        torch.tensor(rows, dtype=long), torch.tensor(columns, dtype=long))
             if self.device.type != "cpu":
                 probs = probs.cpu()  # the top-k on the CPU, as the pipeline does it (the same order of ties)
             plain = [i for i, item in enumerate(items) if item.target_ids is None]
@@ -224,7 +225,7 @@ class FillMaskModel:
                 if len(plain) == len(items):  # the usual case: no copy of the rows
                     out.values, out.indices = probs.topk(k)
                 else:
-                    picked = torch.tensor([row for i in plain for row in range(*spans[i])])
+                    picked = torch.tensor([row for i in plain for row in range(*spans[i])], dtype=torch.long)
                     out.values, out.indices = probs[picked].topk(k)
                 out.plain_rows = {}
                 offset = 0
