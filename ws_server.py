@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; is another server "
               "running there? choose another --port (0 picks a free one)", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the server was ready (once serving, signals drain it)
+        print("error: interrupted before the server was ready", file=sys.stderr, flush=True)
+        os._exit(130)  # the model may still be loading on its own thread, inside native code: do not wait
     return 0
 
 

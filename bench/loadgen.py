@@ -276,18 +276,20 @@ async def settle(url: str, timeout: float = 120.0) -> float:
 async def _read_forever(client: Client, refill: float | None) -> None:
     """Read answers until cancelled or the connection closes; with ``refill`` (a time), send one new
     request per answer while ``time.perf_counter() < refill`` (the closed loop)."""
-    with contextlib.suppress(ConnectionClosed):
+    try:
         while True:
             await client.read_one()
             if refill is not None and time.perf_counter() < refill:
                 await client.wait_until_allowed()
                 await client.send()
+    except ConnectionClosed as closed:
+        client.closed_by_server = closed.rcvd.code if closed.rcvd is not None else 1006
 
 
 async def _drain(conns: list[Client], readers: list[asyncio.Task[None]], grace_s: float) -> None:
     """Wait (at most ``grace_s``) until no request is pending, then stop the readers."""
     give_up = time.perf_counter() + grace_s
-    while any(c.pending for c in conns) and time.perf_counter() < give_up:
+    while any(c.pending and c.closed_by_server is None for c in conns) and time.perf_counter() < give_up:
         await asyncio.sleep(0.01)
     await _stop_tasks(readers)
 

@@ -13,7 +13,7 @@ to target ids, top-k), with two differences in *how*:
   every position of every text.
 - Softmax and top-k run once over all mask rows of the batch that have no targets.
 
-It returns tensors (``TopK``); turning them into Python lists and strings is the decode stage's work
+It returns the top-k as tensors (``TopK``); turning them into Python lists and strings is the decode stage's work
 (``decode.py``), so that the model thread can start the next batch at once.
 
 **Traced forward.** In eager PyTorch every operator releases the GIL and takes it back, hundreds of
@@ -36,7 +36,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ class TopK:
     indices: Any = None
     plain_rows: dict[int, int] | None = None
     targeted: dict[int, tuple[Any, Any]] | None = None
-    lists: tuple[list[list[float]], list[list[int]]] | None = None
+    lists: tuple[list[list[float]], list[list[int]]] | None = field(default=None, repr=False, compare=False)
 
     def candidates(self, i: int, item: Item) -> tuple[list[int], list[list[float]], list[list[int]]]:
         """Item ``i``'s mask positions, and per mask its scores and token ids, best first (Python lists)."""

@@ -79,6 +79,9 @@ import torch
 from fillmask_server.model import load_model
 before = len(os.listdir("/proc/self/task"))
 model = load_model(sys.argv[1])
+if torch.get_num_threads() < 2:  # one torch thread: no worker pool to leave behind, nothing to test
+    print("skip")
+    sys.exit(0)
 for _ in range(100):  # the loader's OpenMP workers end a moment after the loader thread
     after = len(os.listdir("/proc/self/task"))
     if after <= before:
@@ -96,5 +99,7 @@ def test_loading_leaves_no_thread_behind(tiny_model_dir: Path) -> None:
     done = subprocess.run([sys.executable, "-c", LEAVES_NO_THREAD, str(tiny_model_dir)], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "skip":
+        pytest.skip("torch runs one thread here: no OpenMP worker pool to leave behind")
     before, after = map(int, done.stdout.split())
     assert after <= before, (before, after)

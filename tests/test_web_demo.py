@@ -539,8 +539,25 @@ async def test_random_weights_badge(server: Any, make_server: Any, open_page: An
 # ---------------------------------------------------------------------------- controls
 
 
+def test_the_burst_sentences_fit_one_batch_under_the_default_length_ratio(tiny_model_dir: Path) -> None:
+    """The page's burst sentences (app.js) are all within --max-length-ratio of each other in tokens, so
+    that a burst can run as one batch (test_burst_is_batched, below, shows it through the page)."""
+    from transformers import AutoTokenizer
+
+    from fillmask_server.config import Config
+
+    source = (ROOT / "web_demo" / "app.js").read_text()
+    block = source[source.index("const BURST_SENTENCES = ["):]
+    sentences = re.findall(r"'([^']*MASK[^']*)'", block[: block.index("];")])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # BERT's uncased vocabulary, as bert-base's
+    lengths = [len(tokenizer(s.replace("MASK", tokenizer.mask_token))["input_ids"]) for s in sentences]
+    assert len(sentences) >= 16
+    assert max(lengths) <= min(lengths) * Config().max_length_ratio, sorted(zip(lengths, sentences, strict=True))
+
+
 async def test_burst_is_batched(server: Any, open_page: Any) -> None:
-    """A burst sent while the engine is held runs as one batch: every card shows a batch size above 1."""
+    """A burst sent while the engine is held runs as one batch: every card shows a batch size above 1
+    (the page's burst sentences are all within the default --max-length-ratio of each other)."""
     from playwright.async_api import expect
 
     page = await open_page(server.http_url + "/")
@@ -727,7 +744,7 @@ async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, in
     await expect(page.card(1)).to_have_attribute("data-state", "done")
     await page.ask("And this [MASK].")
     await expect(page.card(2)).to_have_attribute("data-state", "done")
-    assert len(page.raw_in) >= 4  # hello, the stats frame, two results (any stats frame came before them)
+    await wait_until(lambda: len(page.raw_in) >= 4)  # hello, the stats frame, two results (in this order)
 
     log = page.by("frame-log")
     await log.locator("summary").click()
@@ -791,7 +808,7 @@ async def test_live_panel_renders_stats_frames(server: Any, open_page: Any, view
     page = await open_page(server.http_url + "/", viewport=viewport)
     await silence_stats(server)  # only the frames fed below reach the panel
     await page.ask("Mine [MASK].")
-    await expect(page.card(1)).to_have_attribute("data-state", "done")  # a real stats frame came before it
+    await expect(page.card(1)).to_have_attribute("data-state", "done")  # after any real stats frame
     ours = (await page.frame_for(1))["batch_id"]
     real_stats = sum('"type":"stats"' in text for text in page.raw_in)
 

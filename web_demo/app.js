@@ -33,27 +33,28 @@
   const WIDE = window.matchMedia('(min-width: 900px)');
   const REDUCED_MOTION = window.matchMedia('(prefers-reduced-motion: reduce)');
 
-  // Sentences for the burst control; MASK is replaced by the server's mask token. They are of similar
-  // length (10 to 13 tokens) so that the server, which batches texts of similar length, runs a burst together.
+  // Sentences for the burst control; MASK is replaced by the server's mask token. They are 11 or 12 tokens
+  // long (BERT's uncased vocabulary) so that the server, which batches only texts within --max-length-ratio
+  // (1.15 by default) of each other, runs a burst together.
   const BURST_SENTENCES = [
     'I forgot my MASK at home this morning.',
-    'The MASK is the largest planet in our solar system.',
+    'The MASK is the largest planet we know.',
     'He plays the MASK in a small jazz band.',
     'Water boils at one hundred degrees MASK.',
     'Please turn off the MASK when you leave.',
     'The train to the MASK leaves at noon.',
-    'Our team won the MASK last night.',
-    'A good MASK makes every journey shorter.',
+    'Our team won the MASK again last night.',
+    'A good MASK makes every long journey shorter.',
     'They built a house next to the MASK.',
     'My favourite season of the year is MASK.',
     'The doctor told him to get more MASK.',
     'We read an old MASK about dragons and kings.',
     'The museum opens at nine in the MASK.',
-    'She speaks three languages, including MASK.',
+    'She speaks three languages, one of them MASK.',
     'The MASK barked at the postman all afternoon.',
     'Bread is made from flour, water and MASK.',
     'The children played in the MASK after school.',
-    'He looked up at the MASK and counted the stars.',
+    'He looked up at the MASK and counted stars.',
     'This MASK tastes better with a little salt.',
     'The MASK of the story is a young engineer.',
   ];
