@@ -130,6 +130,10 @@ class Client:
             self.hold_until = max(self.hold_until, now + retry_after_ms / 1000)
         return frame
 
+    def closed_by(self, closed: ConnectionClosed) -> None:
+        """Record that the server closed this connection (1006 when no close frame came)."""
+        self.closed_by_server = closed.rcvd.code if closed.rcvd is not None else 1006
+
     async def wait_until_allowed(self) -> None:
         """Return once this connection may send again (it waits as an overloaded answer said)."""
         delay = self.hold_until - time.perf_counter()
@@ -283,7 +287,7 @@ async def _read_forever(client: Client, refill: float | None) -> None:
                 await client.wait_until_allowed()
                 await client.send()
     except ConnectionClosed as closed:
-        client.closed_by_server = closed.rcvd.code if closed.rcvd is not None else 1006
+        client.closed_by(closed)
 
 
 async def _drain(conns: list[Client], readers: list[asyncio.Task[None]], grace_s: float) -> None:
@@ -375,7 +379,7 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
                 # A client that falls behind reading its overloaded answers sends early without knowing
                 # it, and the server closes it with 1008 (§6): the rest of the load goes on the others,
                 # and the requests it had in flight count as unanswered.
-                conn.closed_by_server = closed.rcvd.code if closed.rcvd is not None else 1006
+                conn.closed_by(closed)
             i += 1
         await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
         await _drain(conns, readers, grace_s)
