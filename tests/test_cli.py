@@ -103,7 +103,7 @@ async def test_stops_at_the_first_going_away_with_one_line_and_exit_3(make_serve
     async with make_server() as srv:
         with srv.engine.paused():
             proc = await start_cli("--url", srv.url, "-k", "1", "-c", "4", stdin="\n".join(texts))
-            await wait_until(lambda: srv.engine.queued() == 4, timeout=20)
+            await wait_until(lambda: srv.engine.queued() == 4)
             drain = asyncio.create_task(srv.drain(timeout=10))  # going_away first, then it answers the four
             await wait_until(lambda: srv.ready.draining)
         code, out, err = await finish(proc)
@@ -124,7 +124,7 @@ async def test_reconnect_follows_the_server_through_a_restart(make_server: Any) 
         with first.engine.paused():
             proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "20",
                                    stdin="\n".join(texts))
-            await wait_until(lambda: first.engine.queued() == 2, timeout=20)
+            await wait_until(lambda: first.engine.queued() == 2)
             drain = asyncio.create_task(first.drain(timeout=10))
             await wait_until(lambda: first.ready.draining)
         await drain

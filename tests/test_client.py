@@ -430,7 +430,7 @@ async def test_calls_waiting_to_redial_survive_a_server_that_drains_during_the_d
     try:
         async with make_server(port=port) as second:
             drain_during_dial.append(second)
-            await wait_until(lambda: not drain_during_dial, timeout=10)
+            await wait_until(lambda: not drain_during_dial)
         async with make_server(port=port):
             answers = await asyncio.wait_for(asyncio.gather(*calls), 10)
             assert [len(answer) for answer in answers] == [1, 2, 3, 4, 5]
@@ -812,12 +812,12 @@ async def test_pool_keeps_every_call_answered_through_a_rolling_restart(
         workers = [asyncio.create_task(worker(client, n)) for n in range(16)]
         for port in ports:
             before = len(done)
-            await wait_until(lambda before=before: len(done) >= before + 50, timeout=20)
+            await wait_until(lambda before=before: len(done) >= before + 50)
             await servers[port].__aexit__(None, None, None)  # drain, close with 1001
             servers[port] = make_server(port=port)
             running[port] = await servers[port].__aenter__()
-            await wait_until(lambda srv=running[port]: len(srv.connections) == 1, timeout=20)  # redialled
-        await wait_until(lambda: len(done) >= 300, timeout=20)
+            await wait_until(lambda srv=running[port]: len(srv.connections) == 1)  # redialled
+        await wait_until(lambda: len(done) >= 300)
         stop.set()
         await asyncio.wait_for(asyncio.gather(*workers), 10)
     finally:
