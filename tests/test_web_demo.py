@@ -5,7 +5,8 @@ with the keyboard and mouse through Playwright, and checks what is rendered agai
 sent: the frames the page sent and received (captured from the browser's own WebSocket) and,
 independently, a reference request made over a separate connection. Controls are exercised at
 desktop (1280x900) and phone (375x812) sizes. The pure helpers of ``web_demo/lib.js`` and
-``web_demo/live.js`` are also called directly in the page (``page.evaluate``).
+``web_demo/live.js`` are also called directly in the page (``page.evaluate``); ``web_demo/client.js``
+(the connection, without DOM) has unit tests of its own under Node (``tests/web_demo_client.test.cjs``).
 
 Needs Debian's ``chromium`` and the ``playwright`` Python package (``bash scripts/setup.sh --test``).
 Without them the tests skip and say how to install them, except in CI (``CI`` set), where they fail.
@@ -20,6 +21,7 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,6 +34,9 @@ from websockets.asyncio.client import connect
 from tests.wire import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+CLIENT_JS_TESTS = ROOT / "tests" / "web_demo_client.test.cjs"
+# Where a Node.js without a built-in WebSocket (18, 20) finds the ws package (npm ci there).
+WS_PACKAGE_DIR = ROOT / "examples" / "js-client" / "node_modules"
 ARTIFACTS = ROOT / "test-artifacts"
 README_SCREENSHOT = ROOT / "web_demo" / "screenshot.png"
 README_PHONE_SCREENSHOT = ROOT / "web_demo" / "screenshot-phone.png"
@@ -52,6 +57,14 @@ def _unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason}; CI must run the demo-page test: {INSTALL_HINT}", pytrace=False)
     pytest.skip(f"{reason}; {INSTALL_HINT}")
+
+
+def _node_or_skip() -> str:
+    node = shutil.which("node")
+    if node is None:
+        _unavailable("Node.js is not installed")
+    assert node is not None
+    return node
 
 
 def _find_chromium() -> str | None:
@@ -289,6 +302,24 @@ async def assert_in_view(locator: Any, below_header: bool = True) -> None:
     assert box["left"] >= 0 and box["right"] <= box["width"] + 1, box
 
 
+def pretty_json(value: Any, indent: str = "") -> str:
+    """What the frame log shows for a frame (lib.js prettyJson), written again from its rule: containers
+    that hold containers get one member per line, indented by two; those that hold only scalars stay on one line."""
+    if not isinstance(value, dict | list):
+        return orjson.dumps(value).decode()
+    members = list(value.values()) if isinstance(value, dict) else value
+    brackets = "{}" if isinstance(value, dict) else "[]"
+    if not members:
+        return brackets
+    flat = not any(isinstance(m, dict | list) for m in members)
+    inner = "" if flat else indent + "  "
+    keys = [orjson.dumps(k).decode() + ": " for k in value] if isinstance(value, dict) else [""] * len(members)
+    parts = [inner + k + pretty_json(m, inner) for k, m in zip(keys, members, strict=True)]
+    if flat:
+        return brackets[0] + ", ".join(parts) + brackets[1]
+    return brackets[0] + "\n" + ",\n".join(parts) + "\n" + indent + brackets[1]
+
+
 def tokens_of(predictions: list[Any]) -> list[Any]:
     groups = predictions if predictions and isinstance(predictions[0], list) else [predictions]
     return [[p["token"] for p in g] for g in groups]
@@ -428,6 +459,10 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                 .map(t => L.readableToken(t, never)),
             tally: L.tally(['done', 'cancelled', 'cancelled', 'overloaded', 'error', 'lost', 'pending']),
             tallyText: L.tallyText(L.tally(['done', 'done', 'cancelled', 'pending'])),
+            clip: [L.clipText('short [MASK]', 300, '[MASK]'), L.clipText('ab[MASK]cd', 4, '[MASK]'),
+                   L.clipText('😀😀😀', 2, '[MASK]'), L.clipText('x'.repeat(12345), 300, '[MASK]').more],
+            pretty: [L.prettyJson({type: 'x', a: [1, 'b'], o: {p: [{q: null}]}, e: [], f: {}}),
+                     L.logText('not json {'), L.formatCount(50012)],
             diagnosis: [
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: true},
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: false},
@@ -454,6 +489,15 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert got["tally"] == {"sent": 7, "waiting": 1, "answered": 1, "cancelled": 2, "overloaded": 1,
                             "errors": 1, "lost": 1}
     assert got["tallyText"] == "4 sent: 2 answered, 1 cancelled, 1 waiting"
+    short, straddle, emoji, more = got["clip"]
+    assert short == {"text": "short [MASK]", "more": 0, "total": 12}
+    assert straddle == {"text": "ab[MASK]", "more": 2, "total": 10}  # a mask token is never cut in two
+    assert emoji == {"text": "😀😀", "more": 1, "total": 3}  # by code points, never half a surrogate pair
+    assert more == 12345 - 300
+    pretty, not_json, count = got["pretty"]
+    assert pretty == '{\n  "type": "x",\n  "a": [1, "b"],\n  "o": {\n    "p": [\n      {"q": null}\n    ]\n  },' \
+                     '\n  "e": [],\n  "f": {}\n}'
+    assert not_json == "not json {" and count == "50,012"
     from_disk, down, token, draining, restarting = got["diagnosis"]
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
@@ -468,8 +512,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                  "deadline_ms": 50}
         url = "ws://127.0.0.1:1/?token=a b"
         cli = await page.page.evaluate("([u, f]) => FillMask.lib.snippet('cli', u, f)", [url, frame])
-        argv = shlex.split(cli)
-        assert argv[0] == "fillmask-client" and text in argv
+        argv = shlex.split(cli, comments=True)
+        assert argv[0] == ".venv/bin/fillmask-client" and text in argv
         assert argv[argv.index("--targets") + 1] == "it's,b" and argv[argv.index("--url") + 1] == url
         if text.startswith("-"):
             assert argv[-2:] == ["--", text]
@@ -631,8 +675,10 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
     await assert_in_view(card.get_by_test_id("prediction").last)
     await assert_in_view(page.by("conn-status"), below_header=False)
     if viewport is PHONE:
+        # Between them: the help line, the folded live view's summary (shown from the hello on) and
+        # the requests' heading; a third of the window at most.
         gap = (await position(card))["top"] - (await position(page.by("submit")))["bottom"]
-        assert gap < 200, gap
+        assert gap < PHONE["height"] / 3, gap
 
     snippets = {}
     for language in ("python", "js", "cli"):
@@ -649,12 +695,31 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
     rc, out, err = await run(sys.executable, "-c", snippets["python"])
     assert rc == 0, err
     assert tokens_of(ast.literal_eval(out.strip())) == expected
-    argv = shlex.split(snippets["cli"])
-    assert argv[0] == "fillmask-client"
+    # The CLI by its path in the checkout (works without an activated venv), and a comment saying so.
+    assert snippets["cli"].startswith("# ") and "venv activated" in snippets["cli"].splitlines()[0]
+    argv = shlex.split(snippets["cli"], comments=True)
+    assert argv[0] == ".venv/bin/fillmask-client"
     rc, out, err = await run(str(Path(sys.executable).parent / "fillmask-client"), *argv[1:])
     assert rc == 0, err
     for p in result["predictions"]:
         assert p["token_str"] in out
+    # JavaScript under Node.js without a built-in WebSocket (20 here): the snippet says it needs the ws
+    # package, and with it runs as saved to a file.
+    assert "Node.js 18 or 20 with the ws package" in snippets["js"]
+    if viewport is DESKTOP:
+        node = _node_or_skip()
+        if not (WS_PACKAGE_DIR / "ws").is_dir():
+            _unavailable(f"the ws package is not installed in {WS_PACKAGE_DIR} (npm ci there)")
+        script = Path(os.environ.get("TMPDIR", "/tmp")) / f"fillmask-ask-{os.getpid()}.js"
+        script.write_text(snippets["js"].replace("console.log(", "console.log(JSON.stringify(", 1)
+                          .replace(": frame);", ": frame));", 1))
+        try:
+            node_run = await asyncio.to_thread(subprocess.run, [node, str(script)], capture_output=True, text=True,
+                                               timeout=30, env={**os.environ, "NODE_PATH": str(WS_PACKAGE_DIR)})
+        finally:
+            script.unlink()
+        assert node_run.returncode == 0, node_run.stderr
+        assert tokens_of(orjson.loads(node_run.stdout)) == expected
     # JavaScript: run as pasted into a browser console, on a page of the server's own origin.
     scratch = await page.page.context.new_page()
     await scratch.goto(server.http_url + "/healthz")
@@ -732,9 +797,16 @@ async def test_cancel_all_and_burst_accounting(server: Any, open_page: Any, view
     await expect(burst.get_by_test_id("burst-cancel")).to_be_hidden()
 
 
+def indents(text: str) -> list[int]:
+    """The indentation of each line: the shape of indented JSON, whatever the digits of its numbers."""
+    return [len(line) - len(line.lstrip(" ")) for line in text.split("\n")]
+
+
 @SIZES
 async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
-    """The log holds every frame sent and received, newest last, and keeps only the newest ones."""
+    """The log holds every frame sent and received, newest last, as indented JSON in a block as wide as
+    the layout that scrolls sideways (never wrapped mid-word), and keeps only the newest ones. A card
+    shows the first 300 characters of a long text, and all of it on request."""
     from playwright.async_api import expect
 
     page = await open_page(server.http_url + "/", viewport=viewport)
@@ -753,14 +825,32 @@ async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, in
     shown = await entries.evaluate_all("items => items.map(i => [i.dataset.dir, i.querySelector('code').textContent, "
                                        "Number(i.dataset.seq)])")
     # Each direction complete and in order; entries oldest first (a server with stats adds its frames).
-    assert [text for d, text, _ in shown if d == "out"] == page.raw_out
-    assert [text for d, text, _ in shown if d == "in"] == page.raw_in
+    for direction, raw in (("out", page.raw_out), ("in", page.raw_in)):
+        texts = [text for d, text, _ in shown if d == direction]
+        assert [orjson.loads(t) for t in texts] == [orjson.loads(r) for r in raw]
+        assert [indents(t) for t in texts] == [indents(pretty_json(orjson.loads(r))) for r in raw]
+    result_text = next(text for d, text, _ in shown if d == "in" and '"type": "result"' in text)
+    predictions = orjson.loads(result_text)["predictions"]
+    assert sum('"token_str": ' in line for line in result_text.split("\n")) == len(predictions) > 1  # one a line
     assert shown[0][:2] == ["event", f"connecting to {server.url}"]
     seqs = [seq for _, _, seq in shown]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    results = [orjson.loads(text)["id"] for d, text, _ in shown if d == "in" and '"type":"result"' in text]
+    results = [orjson.loads(text)["id"] for d, text, _ in shown if d == "in" and '"type": "result"' in text]
     assert results == [1, 2]
     await expect(page.by("log-count")).to_have_text(f"({len(shown)})")
+    # Lines are never wrapped: the block scrolls sideways; on a desktop it spans both columns.
+    block = await page.by("log-list").evaluate("""list => {
+        const code = list.querySelector('[data-dir=in] code');
+        return {white: getComputedStyle(code).whiteSpace, overflow: getComputedStyle(list).overflowX,
+                width: list.getBoundingClientRect().width,
+                cards: document.querySelector('#cards').getBoundingClientRect(),
+                scrolls: list.scrollWidth > list.clientWidth}; }""")
+    assert block["white"] == "pre" and block["overflow"] == "auto", block
+    if viewport is DESKTOP:
+        assert block["width"] > block["cards"]["width"] + 300, block  # wider than the requests column
+    else:  # the whole window's width, and a prediction's line, longer than that, scrolls
+        assert block["width"] >= PHONE["width"] - 60 and block["scrolls"], block
+    assert await page.page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
 
     # Bounded: with room for 3, the list keeps the 3 newest frames, the last request's among them.
     await page.page.evaluate("FillMaskDemo.frameLog.max = 3")
@@ -772,6 +862,29 @@ async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, in
     await expect(page.by("log-dropped")).to_contain_text("older frames dropped")
     await page.by("log-clear").click()
     await expect(entries).to_have_count(0)
+
+    # A 50,000-character text (refused: too long): its card shows the first 300 characters, not all.
+    long_text = "[MASK] " + "word " * 9_999 + "end."
+    assert len(long_text) > 50_000
+    await page.ask(long_text)
+    card = page.card(4)
+    await expect(card).to_have_attribute("data-state", "error")
+    assert (await page.frame_for(4))["code"] == "text_too_long"
+    box = card.get_by_test_id("card-text")
+    toggle = card.get_by_test_id("text-toggle")
+    shown_text = await box.text_content()
+    assert shown_text == long_text[:300] + "…", shown_text
+    await expect(box.locator("mark.mask")).to_have_count(1)
+    await expect(toggle).to_have_text(f"Show all {len(long_text):,} characters")
+    assert (await position(card))["bottom"] - (await position(card))["top"] < 600
+    await toggle.click()
+    await expect(box).to_have_text(long_text)
+    await expect(toggle).to_have_attribute("aria-expanded", "true")
+    await toggle.click()
+    await expect(box).to_have_text(long_text[:300] + "…")
+    await expect(page.by("log-count")).to_have_text("(2)")  # the 50 KB frame cut to 2,000 characters in the log
+    assert "more characters)" in await page.by("frame-log").get_by_test_id("log-entry").first.text_content()
+    await expect(page.card(1).get_by_test_id("text-toggle")).to_be_hidden()  # a short text has no toggle
 
 
 # ---------------------------------------------------------------------------- live view
