@@ -325,6 +325,19 @@ def tokens_of(predictions: list[Any]) -> list[Any]:
     return [[p["token"] for p in g] for g in groups]
 
 
+# ---------------------------------------------------------------------------- client.js
+
+
+def test_client_js_unit_tests() -> None:
+    """web_demo/client.js under Node (no browser): the state table and its one transition function,
+    backoff, drains, ids, and the overloaded reasons and error codes checked against protocol/schemas."""
+    node = _node_or_skip()
+    done = subprocess.run([node, "--test", str(CLIENT_JS_TESTS)], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"^# pass [1-9]", done.stdout, re.M) and re.search(r"^# fail 0$", done.stdout, re.M), done.stdout
+
+
 # ---------------------------------------------------------------------------- predictions
 
 
@@ -437,6 +450,13 @@ async def test_tokens_are_shown_readably(server: Any, open_page: Any) -> None:
         if b["raw_missing"]:  # on this device: shown by code point, with a note saying why
             row = rows[b["raw"]]
             assert "U+" in row["shown_token"] and "no font" in row["note"], row
+    # result.targets (§4), when the server sends it, is one note per target scored as another token.
+    await expect(card.get_by_test_id("targets-note")).to_have_text(
+        [f'Note: target "{t["given"]}" was scored as "{t["scored"]}" (it is not one token of the vocabulary).'
+         for t in result.get("targets", [])])
+
+    if not result.get("targets"):
+        await expect(card.get_by_test_id("card-notes")).to_be_hidden()
 
 
 async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
@@ -454,6 +474,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                 join(L.filledSegments('A big [MASK] here', '[MASK]', ['##gest'])),
                 join(L.filledSegments('Hello <mask> world', '<mask>', [' there'])),
                 L.filledSegments('[MASK] and [MASK]', '[MASK]', ['x', 'y']).map(s => s.mask),
+                join(L.excerptSegments(L.filledSegments('abcdef [MASK] ghijkl [MASK] mn', '[MASK]', ['X', 'Y']), 2)),
+                join(L.excerptSegments(L.filledSegments('ab [MASK] c', '[MASK]', ['X']), 2)),
             ],
             tokens: ['\\u0085', '\\uE000', '\\u200d', ' ', '##\\u0BC1', '[unused12]', 'capital', '']
                 .map(t => L.readableToken(t, never)),
@@ -477,6 +499,7 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert got["targets"] == [None, [], ["capital", "city"]]
     assert got["filled"][:3] == ["The cat sat on the mat.", "A biggest here", "Hello there world"]
     assert got["filled"][3] == [0, -1, 1]
+    assert got["filled"][4:] == ["…f X g…l Y mn", "ab X c"]  # a long text: only the words around each mask
     control, private, joiner, space, mark, unused, word, empty = got["tokens"]
     assert control["text"] == "⟨U+0085⟩" and "control" in control["note"]
     assert private["text"] == "⟨U+E000⟩" and "private" in private["note"]
@@ -741,6 +764,30 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
     assert page.sent_for(2)["deadline_ms"] == 1 and "targets" not in page.sent_for(2)
     await expect(page.card(2).get_by_test_id("card-message")).to_contain_text("deadline passed")
 
+    # A result with targets that were not one token each (fed to the page while the real answer waits):
+    # a note for each, in order, next to the predictions.
+    await page.by("targets").fill("new york, capital, zzzzqqq")
+    await page.by("deadline-ms").fill("")
+    with server.engine.paused():
+        await page.ask("I live in [MASK].")
+        await wait_until(lambda: server.engine.queued() == 1)
+        frame = {"type": "result", "id": 3, "predictions": [
+                     {"score": 0.5, "token": 2047, "token_str": "new", "sequence": "i live in new."},
+                     {"score": 0.25, "token": 3007, "token_str": "capital", "sequence": "i live in capital."},
+                     {"score": 0.125, "token": 1062, "token_str": "z", "sequence": "i live in z."}],
+                 "targets": [{"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"}],
+                 "queue_ms": 1.0, "inference_ms": 2.0, "batch_size": 1, "batch_tokens": 8, "batch_id": 10**6}
+        await page.page.evaluate("f => FillMaskDemo.receive(JSON.stringify(f))", frame)
+        noted = page.card(3)
+        await expect(noted).to_have_attribute("data-state", "done")
+        await expect(noted.get_by_test_id("targets-note")).to_have_text([
+            'Note: target "new york" was scored as "new" (it is not one token of the vocabulary).',
+            'Note: target "zzzzqqq" was scored as "z" (it is not one token of the vocabulary).'])
+        await expect(noted.get_by_test_id("prediction")).to_have_count(3)
+        await assert_in_view(noted.get_by_test_id("targets-note").last)
+    await page.frame_for(3)  # the real answer comes and changes nothing: the card is settled
+    await expect(noted.get_by_test_id("targets-note")).to_have_count(2)
+
 
 @SIZES
 async def test_cancel_all_and_burst_accounting(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
@@ -1000,14 +1047,29 @@ async def test_live_panel_hidden_quietly_when_server_lacks_stats(server: Any, op
 @SIZES
 async def test_live_panel_follows_the_servers_stats(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
     """Against the real server's stats frames: the interval control, queue depth while the engine is
-    held, and the batches that answered this page marked on the timeline."""
+    held, and the batches that answered this page marked on the timeline. On a desktop the live view is
+    beside the requests (folding or unfolding it never moves them); on a phone, above them."""
     from playwright.async_api import expect
 
     page = await open_page(server.http_url + "/", viewport=viewport)
     panel = page.by("live-panel")
     await expect(panel).to_be_visible()
     assert page.sent[0] == {"type": "subscribe_stats", "interval_ms": 1000}
-    if viewport is PHONE:
+    await page.ask("Where is the [MASK] shown?")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    await expect(page.by("stat-queue")).to_have_attribute("data-value", "0")  # a real stats frame came
+    requests = page.page.locator("section.results")
+    if viewport is DESKTOP:
+        before = await position(requests)
+        assert (await position(panel))["right"] <= before["left"], "the live view is beside the requests"
+        await panel.locator("summary").click()  # fold it
+        await expect(page.by("live-tiles")).to_be_hidden()
+        assert (await position(requests))["top"] == before["top"]
+        await panel.locator("summary").click()  # and unfold it again
+        await expect(page.by("live-tiles")).to_be_visible()
+        assert (await position(requests))["top"] == before["top"]
+    else:
+        assert (await position(panel))["bottom"] <= (await position(requests))["top"]
         await panel.locator("summary").click()
     await page.by("live-interval").select_option("250")
     await wait_until(lambda: {"type": "subscribe_stats", "interval_ms": 250} in page.sent)
@@ -1026,6 +1088,19 @@ async def test_live_panel_follows_the_servers_stats(server: Any, open_page: Any,
 
 
 # ---------------------------------------------------------------------------- connection
+
+
+async def assert_live_not_connected(page: Page) -> None:
+    """The live view says "not connected" in its summary line (seen folded or open) and is greyed out."""
+    from playwright.async_api import expect
+
+    panel = page.by("live-panel")
+    await expect(panel).to_have_attribute("data-connected", "false")
+    await expect(page.by("live-stale")).to_be_visible()
+    await expect(page.by("live-stale")).to_have_text("not connected")
+    look = await panel.evaluate("""p => ({body: getComputedStyle(p.querySelector('.live-body')).opacity,
+        brief: getComputedStyle(p.querySelector('.live-brief')).filter})""")
+    assert float(look["body"]) < 0.6 and "grayscale" in look["brief"], look
 
 
 async def test_overloaded_and_reconnect(server: Any, make_server: Any, open_page: Any) -> None:
@@ -1054,21 +1129,27 @@ async def test_overloaded_and_reconnect(server: Any, make_server: Any, open_page
     status = page.by("conn-status")
     await expect(status).to_have_attribute("data-state", "reconnecting")
     await expect(status).to_contain_text("restarting")
+    # ... the live view's last figures stay, greyed out, under "not connected" ...
+    await assert_live_not_connected(page)
     # ... and finds a new server on the same address by itself.
     async with make_server(max_queue=1, port=port):
         await expect(status).to_have_attribute("data-state", "connected", timeout=20_000)
+        await expect(page.by("live-panel")).to_have_attribute("data-connected", "true")
+        await expect(page.by("live-stale")).to_be_hidden()
         await page.ask("Back [MASK] again.")
         await expect(page.card(3)).to_have_attribute("data-state", "done")
 
 
 async def test_going_away_keeps_the_cards_and_reconnects(server: Any, make_server: Any, open_page: Any) -> None:
     """§10: on going_away the page says the server is restarting and sends nothing more there; the
-    answers still owed arrive on the old connection (cards not lost), then a new server is found."""
+    answers still owed arrive on the old connection (cards not lost), then a new server is found.
+    At phone size, where the live view is folded: its summary line says "not connected" meanwhile."""
     from playwright.async_api import expect
 
     async with make_server(shutdown_timeout=10) as old:
         port = old.port
-        page = await open_page(f"{server.http_url}/?ws={old.url}")
+        page = await open_page(f"{server.http_url}/?ws={old.url}", viewport=PHONE)
+        await expect(page.by("live-stale")).to_be_hidden()
         status = page.by("conn-status")
         with old.engine.paused():
             await page.ask("Still [MASK] after the restart.")
@@ -1077,6 +1158,8 @@ async def test_going_away_keeps_the_cards_and_reconnects(server: Any, make_serve
             drain = asyncio.create_task(old.drain())
             await expect(status).to_contain_text("Server is restarting; reconnecting")
             await expect(page.by("submit")).to_be_disabled()
+            await assert_live_not_connected(page)
+            await expect(page.by("live-tiles")).to_be_hidden()  # folded: the summary line says it
             await expect(page.card(1)).to_have_attribute("data-state", "pending")
             await expect(page.card(2)).to_have_attribute("data-state", "pending")
         await expect(page.card(1)).to_have_attribute("data-state", "done")

@@ -28,6 +28,7 @@
   const LOG_MAX_ENTRIES = 500;
   const LOG_MAX_CHARS = 2000;
   const CARD_TEXT_CHARS = 300;    // a card shows this much of its text until "Show all" is pressed
+  const FILLED_CONTEXT_CHARS = 60; // and, of a text that long, this much on each side of a filled mask
   const PROBE_TIMEOUT_MS = 3000;
   const DEFAULT_WS_FROM_DISK = 'ws://127.0.0.1:8765/';
   const WIDE = window.matchMedia('(min-width: 900px)');
@@ -551,7 +552,10 @@
     const toggle = card.querySelector('.text-toggle');
     const clip = lib.clipText(rec.text, CARD_TEXT_CHARS, rec.maskToken);
     toggle.hidden = !clip.more;
+    rec.textClipped = clip.more > 0;
     const draw = (all) => {
+      rec.showAll = all;
+      if (rec.redrawFilled) rec.redrawFilled();
       box.replaceChildren();
       appendWithMasks(box, all ? rec.text : clip.text, rec.maskToken);
       if (!all && clip.more) box.append('…');
@@ -710,6 +714,7 @@
     filled.className = 'filled';
     filled.dataset.testid = 'filled-sentence';
     const redraw = () => renderFilled(filled, rec, groups, chosen);
+    rec.redrawFilled = redraw;
     const lists = groups.map((group, i) => renderGroup(group, i, groups.length, (row) => {
       chosen[i] = row;
       redraw();
@@ -724,7 +729,10 @@
     label.className = 'filled-label';
     label.textContent = 'Filled in: ';
     target.replaceChildren(label);
-    for (const seg of lib.filledSegments(rec.text, rec.maskToken, fills)) {
+    let segments = lib.filledSegments(rec.text, rec.maskToken, fills);
+    // A long text, not shown in full: only the words around each mask (the card's text is above).
+    if (rec.textClipped && !rec.showAll) segments = lib.excerptSegments(segments, FILLED_CONTEXT_CHARS);
+    for (const seg of segments) {
       if (seg.mask === -1) {
         target.append(document.createTextNode(seg.text));
         continue;

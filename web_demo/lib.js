@@ -114,6 +114,25 @@
     return out;
   }
 
+  /**
+   * filledSegments cut down to the words around each mask, for a long text: every text segment keeps
+   * at most `context` code points next to each mask it touches, with "…" where words were left out.
+   * The masks' segments are kept whole.
+   */
+  function excerptSegments(segments, context) {
+    return segments.map((seg, i) => {
+      if (seg.mask !== -1) return seg;
+      const chars = Array.from(seg.text);
+      const before = i > 0;                      // a mask comes before this text
+      const after = i < segments.length - 1;     // and one after it
+      const keep = (before ? context : 0) + (after ? context : 0);
+      if (chars.length <= keep + 1) return seg;
+      const head = before ? chars.slice(0, context).join('') : '';
+      const tail = after ? chars.slice(chars.length - context).join('') : '';
+      return { text: head + '…' + tail, mask: -1 };
+    });
+  }
+
   // ---------------------------------------------------------------- tokens a person can read
 
   const SPECIAL_TOKEN = /^(\[[A-Za-z_]+\d*\]|<[^<>\s]+>)$/;  // [unused12], [UNK], <mask>, </s>
@@ -464,7 +483,7 @@
 
   FillMask.lib = {
     formatScore, formatMs, plural, codePoints, countOccurrences, parseTargets, clipText, formatCount,
-    filledSegments, readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, diagnose,
+    filledSegments, excerptSegments, readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, diagnose,
     prettyJson, logText, FrameLog,
   };
 })();
