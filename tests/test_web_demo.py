@@ -414,6 +414,7 @@ async def test_error_frame_is_shown_on_its_card(server: Any, open_page: Any) -> 
     assert expected["code"] == "no_mask"
     await expect(card.get_by_test_id("card-message")).to_have_text(expected["message"])
     await expect(card.get_by_test_id("card-status")).to_contain_text("no_mask")
+    await expect(card.get_by_test_id("card-status")).to_have_attribute("title", "no_mask: the text has no mask token")
     await expect(card.get_by_test_id("predictions")).to_be_empty()
     await expect(page.by("inflight")).to_have_attribute("data-count", "0")
 

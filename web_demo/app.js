@@ -1,18 +1,16 @@
 /* Fill-mask demo page: one WebSocket, many requests in flight, every reply shown on its own card.
  *
- * Wire format: protocol.md at the repository root (section numbers below refer to it). Pure helpers
- * live in lib.js (text, tokens, snippets, accounting, diagnosis) and live.js (the stats panel).
+ * Wire format: protocol.md at the repository root (section numbers below refer to it). The
+ * connection (its states, reconnection, drains, request ids, which request a frame answers) is
+ * client.js, which has no DOM; pure helpers live in lib.js (text, tokens, snippets, accounting,
+ * diagnosis) and live.js (the stats panel). This file is the page: it draws what client.js reports.
  * Plain scripts, no build step and no modules, so the page also works opened from disk.
  *
  * Invariants the code keeps:
  * - Every server string reaches the page through textContent, never as HTML.
- * - A request id is never reused on this page (ids only grow), so a late frame about an old request
- *   can never land on a newer card, even one sent on a later connection.
- * - A request belongs to the connection it was sent on. Its card leaves `inflight` exactly when its
- *   terminal frame arrives on that connection (§8) or that connection closes (the server drops the
- *   requests of a closed connection, so nothing more will come for them).
- * - After `going_away` (§10) the old connection only receives (the answers still owed on it) while
- *   a new one is opened; nothing more is sent on it.
+ * - Every request's card is settled exactly once, when client.js settles the request (its terminal
+ *   frame, or its connection closed): client.js's invariants (ids never reused, a request belongs to
+ *   the connection it was sent on, nothing sent on a draining connection) hold for the cards too.
  */
 'use strict';
 
@@ -20,7 +18,7 @@
   const FillMask = window.FillMask;
   const lib = FillMask.lib;
   const live = FillMask.live;
-  const { State, Client, overloadText } = FillMask.client;
+  const { State, Client, overloadText, ERROR_CODES } = FillMask.client;
   const { formatScore, formatMs, plural } = lib;
 
   const MAX_ITEMS = 100;           // top-level cards kept (a burst is one); unanswered ones always stay
@@ -838,6 +836,9 @@
   function onError(rec, msg) {
     const code = msg.code ? ' (' + msg.code + ')' : '';
     settle(rec, 'error', 'Error' + code, msg.message || 'The server rejected this request.');
+    // What the code means, from client.js's table of §7 (a code it does not know gets no tooltip).
+    rec.card.querySelector('.badge').title = Object.prototype.hasOwnProperty.call(ERROR_CODES, msg.code)
+      ? msg.code + ': ' + ERROR_CODES[msg.code] : '';
   }
 
   function onOverloaded(rec, msg) {
