@@ -654,6 +654,8 @@
     box.replaceChildren(...replaced.map((t) => {
       const li = document.createElement('li');
       li.dataset.testid = 'targets-note';
+      li.dataset.given = String(t.given);
+      li.dataset.scored = String(t.scored);
       li.textContent = 'Note: target "' + String(t.given) + '" was scored as "' + readable(String(t.scored)).text +
         '" (it is not one token of the vocabulary).';
       return li;
