@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from fillmask_server.client.cli import Tally, format_table, limits_problem
-from fillmask_server.client.frames import FillMaskResult, outcome
+from fillmask_client.cli import Tally, format_table, limits_problem
+from fillmask_client.frames import FillMaskResult, outcome
 from tests.wire import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 async def start_cli(*args: str, stdin: str = "") -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fillmask_server.client", *args, cwd=ROOT,
+        sys.executable, "-m", "fillmask_client", *args, cwd=ROOT,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     assert proc.stdin is not None

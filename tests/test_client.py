@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fillmask_server.client import (
+from fillmask_client import (
     ConnectError,
     ConnectionLostError,
     DeadlineExceededError,
@@ -35,9 +35,9 @@ from fillmask_server.client import (
     RetryPolicy,
     SyncFillMaskClient,
 )
-from fillmask_server.client.cli import build_parser, collect_texts, format_table, parse_targets
-from fillmask_server.client.frames import outcome, terminal_id
-from fillmask_server.client.pool import least_loaded
+from fillmask_client.cli import build_parser, collect_texts, format_table, parse_targets
+from fillmask_client.frames import outcome, terminal_id
+from fillmask_client.pool import least_loaded
 from tests.wire import assert_same_predictions, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,11 +57,11 @@ def free_port() -> int:
 def client_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     """The client's warnings so far: a terminal frame for an id not in flight (answered twice, or routed
     wrongly), or a server error tied to no request. Call it at the end of the test."""
-    caplog.set_level(logging.WARNING, logger="fillmask_server.client")
+    caplog.set_level(logging.WARNING, logger="fillmask_client")
 
     def warnings() -> list[str]:
         return [r.getMessage() for r in caplog.records
-                if r.name.startswith("fillmask_server.client") and r.levelno >= logging.WARNING]
+                if r.name.startswith("fillmask_client") and r.levelno >= logging.WARNING]
 
     return warnings
 
@@ -553,7 +553,7 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
 
 async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fillmask_server.client", *args, cwd=ROOT,
+        sys.executable, "-m", "fillmask_client", *args, cwd=ROOT,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 20)

@@ -36,7 +36,7 @@ from .connection import RECONNECT_CODES, Connection, redact
 from .errors import ConnectError, ConnectionLostError, OverloadedError
 from .retry import ReconnectBackoff
 
-log = logging.getLogger("fillmask_server.client")
+log = logging.getLogger("fillmask_client")
 
 #: ``opener(url, on_change)``: open one connection to ``url`` (``ConnectError`` on any failure).
 Opener = Callable[[str, Callable[[Connection], None]], Awaitable[Connection]]

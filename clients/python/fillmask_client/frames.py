@@ -14,15 +14,7 @@ from typing import Any, TypedDict
 import orjson
 
 from .errors import DeadlineExceededError, FillMaskError, OverloadedError, RequestError
-
-PROTOCOL_VERSION = 1
-#: Frame types that end a request (§8). An ``error`` with code ``duplicate_id`` is the exception: it is
-#: about the rejected frame only, and the request in flight under that id still gets its own (§7).
-#: (``too_many_inflight`` also answers the rejected frame only, but that frame was the request: it was
-#: not accepted, so for its id that error is the one and only answer.)
-TERMINAL_TYPES = frozenset({"result", "error", "overloaded", "cancelled"})
-#: The largest integer id a browser echoes exactly (§3).
-MAX_SAFE_ID = 2**53 - 1
+from .wire import PROTOCOL_VERSION, TERMINAL_TYPES
 
 
 class Prediction(TypedDict):
@@ -120,6 +112,8 @@ def terminal_id(frame: dict[str, Any]) -> int | None:
     """
     if frame["type"] not in TERMINAL_TYPES:
         return None
+    # ``duplicate_id`` is about the rejected frame only (§7). (``too_many_inflight`` also answers the
+    # rejected frame only, but that frame was the request: not accepted, so it is its one answer.)
     if frame["type"] == "error" and frame.get("code") == "duplicate_id":
         return None
     request_id = frame.get("id")

@@ -1,4 +1,4 @@
-"""Command line: ``fillmask-client "Paris is the [MASK] of France."`` (or ``python -m fillmask_server.client``).
+"""Command line: ``fillmask-client "Paris is the [MASK] of France."`` (or ``python -m fillmask_client``).
 
 Prints one table per text (one per mask when a text has several), or with ``--json`` each text's raw
 terminal frame on one line, in input order. Texts come from the arguments, from ``-`` (standard input)
@@ -27,9 +27,10 @@ from typing import Any, TextIO
 
 import orjson
 
-from .async_client import DEFAULT_URL, SERVER_GONE_REASONS, FillMaskClient
+from .async_client import DEFAULT_URL, FillMaskClient
 from .errors import ConnectionLostError, FillMaskError, OverloadedError, RequestError
 from .frames import FillMaskResult
+from .wire import SERVER_GONE_REASONS
 
 #: Exit statuses of the command (documented in the module docstring and in ``--help``).
 EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
@@ -275,7 +276,7 @@ def _dumps(frame: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``fillmask-client`` and ``python -m fillmask_server.client``; returns the exit status."""
+    """Entry point of ``fillmask-client`` and ``python -m fillmask_client``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.concurrency is not None and args.concurrency < 1:

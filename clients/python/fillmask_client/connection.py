@@ -27,19 +27,20 @@ from websockets.protocol import State
 
 from .errors import ConnectError, ConnectionLostError, OverloadedError, RequestError
 from .frames import check_hello, decode_frame, encode_cancel, encode_fill_mask, terminal_id
+from .wire import CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN_LATER
 
-log = logging.getLogger("fillmask_server.client")
+log = logging.getLogger("fillmask_client")
 
 #: Largest server frame accepted. A result can be large (100 candidates x 8 masks x a 2000-character
 #: sequence is about 2 MB); this bound only guards against a peer that is not our server.
 MAX_INCOMING_BYTES = 2**26
 #: Close codes that mean "this server is going away, another will do" (§10): going away, service restart.
-GOING_AWAY_CODES = frozenset({1001, 1012})
+GOING_AWAY_CODES = frozenset({CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART})
 #: Close codes after which the same request may well succeed elsewhere: the server went away, the
 #: connection dropped without a close frame (a crashed replica, a proxy that lost its backend), or the
 #: server asked to try again later. Not among them: 1008/1009/1007/1002 (this client broke a rule; the
 #: same would happen again) and 1011 (a server fault the caller should see).
-RECONNECT_CODES = GOING_AWAY_CODES | {1006, 1013}
+RECONNECT_CODES = GOING_AWAY_CODES | {1006, CLOSE_TRY_AGAIN_LATER}
 
 _CLOSE_NAMES = {
     1000: "normal closure",

@@ -34,18 +34,16 @@ from .connection import Connection, NotSentError, redact, request_frame, retriev
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError
 from .frames import FillMaskResult, Predictions, outcome
 from .pool import Pool
-from .retry import RETRYABLE_REASONS, ReconnectBackoff, RetryPolicy
+from .retry import ReconnectBackoff, RetryPolicy
+from .wire import RETRYABLE_REASONS, SERVER_GONE_REASONS
 
-log = logging.getLogger("fillmask_server.client")
+log = logging.getLogger("fillmask_client")
 
 #: Where ``python ws_server.py`` listens by default.
 DEFAULT_URL = "ws://127.0.0.1:8765/"
 #: How many times one call is sent again after a send ended without an answer. A bound, so that a
 #: request which itself brings servers down (a "poison" request) cannot take a whole fleet with it.
 MAX_RESENDS = 3
-#: 503 reasons meaning "this server will not do it" (§6): the request did not run; not retried on the
-#: same connection, but sent elsewhere (another connection of the pool, or one ``reconnect`` opens).
-SERVER_GONE_REASONS = frozenset({"shutting_down", "engine_stopped"})
 
 
 class FillMaskClient:
