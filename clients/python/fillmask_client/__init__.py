@@ -10,7 +10,9 @@
     asyncio.run(main())
 
 Modules, one idea each: ``frames`` (the wire, without I/O), ``errors`` (what a failed call raises),
-``retry`` (backoff arithmetic), ``connection`` (one WebSocket and the requests in flight on it),
+``retry`` (backoff arithmetic), ``wire`` (the protocol's constants, shared with the server),
+``state`` (a connection's states and their one transition function), ``connection`` (one WebSocket and
+the requests in flight on it),
 ``pool`` (which connection a call goes on; replacing those that go away), ``async_client`` (the calls:
 retries and resends), ``sync_client`` (the same behind a background loop), ``cli`` (the
 ``fillmask-client`` command).
@@ -28,10 +30,12 @@ from .errors import (
 )
 from .frames import FillMaskResult, Prediction, Predictions
 from .retry import ReconnectBackoff, RetryPolicy
+from .state import ConnState
 from .sync_client import SyncFillMaskClient
 
 __all__ = [
     "DEFAULT_URL",
+    "ConnState",
     "ConnectError",
     "ConnectionLostError",
     "DeadlineExceededError",
