@@ -60,6 +60,21 @@ def tables(out: str) -> int:
     return len(re.findall(r"^rank  token", out, flags=re.MULTILINE))
 
 
+WAITING = re.compile(r"^fillmask-client: waiting for the server… \((\d+)s\)(: .+)?$")
+
+
+def split_waiting(err: str) -> tuple[list[int], list[str]]:
+    """The seconds of each ``waiting for the server… (Ns)`` line of ``err``, and its other lines."""
+    seconds, others = [], []
+    for line in err.splitlines():
+        match = WAITING.match(line)
+        if match:
+            seconds.append(int(match.group(1)))
+        else:
+            others.append(line)
+    return seconds, others
+
+
 # --- pure ----------------------------------------------------------------------------------------
 
 
@@ -95,6 +110,21 @@ def test_table_columns_stay_aligned_whatever_the_scores() -> None:
         assert all((cell == "0.0000") == (score == 0.0) for cell, score in zip(shown, scores, strict=True)), shown
 
 
+def test_targets_not_scored_as_given_are_noted_under_the_text() -> None:
+    candidate = {"score": 0.5, "token": 2047, "token_str": "new", "sequence": "paris is the new of france."}
+    frame = {"type": "result", "id": 1, "predictions": [candidate],
+             "targets": [{"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"}]}
+    result = outcome(frame)
+    assert isinstance(result, FillMaskResult)
+    assert result.targets == ({"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"})
+    lines = format_table(TEXT, result).splitlines()
+    assert lines[:3] == [TEXT, 'note: target "new york" was scored as "new"',
+                         'note: target "zzzzqqq" was scored as "z"']
+    plain = outcome({**frame, "targets": None})  # absent or malformed: no notes, and no failure
+    assert isinstance(plain, FillMaskResult) and plain.targets == ()
+    assert format_table(TEXT, plain).splitlines()[1].startswith("rank")
+
+
 # --- against servers ------------------------------------------------------------------------------
 
 
@@ -117,21 +147,26 @@ async def test_stops_at_the_first_going_away_with_one_line_and_exit_3(make_serve
     assert (count(srv, "result"), count(srv, "overloaded", "shutting_down")) == (4, 0)
 
 
-async def test_reconnect_follows_the_server_through_a_restart(make_server: Any) -> None:
+async def test_reconnect_follows_the_server_through_a_restart_longer_than_the_timeout(make_server: Any) -> None:
     texts = [f"Text {n} is the [MASK] one." for n in range(20)]
     async with make_server() as first:
         port = first.port
         with first.engine.paused():
-            proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "20",
+            proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "1",
                                    stdin="\n".join(texts))
             await wait_until(lambda: first.engine.queued() == 2, timeout=20)
             drain = asyncio.create_task(first.drain(timeout=10))
             await wait_until(lambda: first.ready.draining)
         await drain
+    await asyncio.sleep(3)  # nothing listens for three times --timeout, as while a replacement loads its model
+    assert proc.returncode is None
     async with make_server(port=port) as second:
         code, out, err = await finish(proc)
         assert (count(first, "result"), count(second, "result")) == (2, 18)
-    assert (code, err) == (0, "fillmask-client: 20 texts: 20 answered, 0 failed\n"), err
+    seconds, others = split_waiting(err)
+    assert (code, others) == (0, ["fillmask-client: 20 texts: 20 answered, 0 failed"]), err
+    assert seconds and seconds == sorted(set(seconds)), err  # said while it waited, at most once a second
+    assert "connection refused" in err.splitlines()[0], err  # the first of them says why
     assert tables(out) == 20
 
 
@@ -142,11 +177,49 @@ async def test_waits_for_a_server_that_is_starting(make_server: Any) -> None:
     assert proc.returncode is None
     async with make_server(port=port):
         code, out, err = await finish(proc)
-    assert (code, err) == (0, "") and tables(out) == 1
+    assert (code, split_waiting(err)[1]) == (0, []) and tables(out) == 1, err
 
-    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "0.5", TEXT)
-    assert code == 3 and out == ""
-    assert len(err.splitlines()) == 1 and "cannot connect" in err and "after trying for 0.5 s" in err
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "2", TEXT)
+    seconds, others = split_waiting(err)
+    assert code == 3 and out == "" and seconds[:1] == [1], err  # it said it was waiting, then gave up
+    assert len(others) == 1 and "cannot connect" in err and "after trying for 2 s" in err
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "1", "-q", TEXT)
+    assert code == 3 and split_waiting(err)[0] == [], err  # --quiet: no waiting lines
+
+
+async def refusing_proxy(status: str, body: bytes) -> asyncio.Server:
+    """A stand-in for a proxy or load balancer that answers every handshake ``status`` with ``body``."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/html\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(answer, "127.0.0.1", 0)
+
+
+async def test_every_connection_failure_says_why_in_one_line(server: Any, make_server: Any) -> None:
+    cases = [(f"wss://127.0.0.1:{server.port}/", "TLS handshake with 127.0.0.1:"),  # TLS against plain
+             (f"ws://127.0.0.1:{free_port()}/", "connection refused: nothing listens on 127.0.0.1:"),
+             ("ws://no-such-host.invalid:8765/", "cannot resolve the host name 'no-such-host.invalid'")]
+    proxies = [await refusing_proxy("403 Forbidden", b""),
+               await refusing_proxy("503 Service Unavailable", b"<html><body>No server is available</body></html>")]
+    cases += [(f"ws://127.0.0.1:{proxies[0].sockets[0].getsockname()[1]}/", "(HTTP 403): forbidden"),
+              (f"ws://127.0.0.1:{proxies[1].sockets[0].getsockname()[1]}/", "(HTTP 503): no server ready")]
+    try:
+        async with make_server(allowed_hosts="fill.example.com") as strict:
+            # Its own address is always allowed; "localhost" is not, here.
+            cases.append((f"ws://localhost:{strict.port}/", "(HTTP 421): this server does not answer for the host"))
+            for url, expected in cases:
+                code, out, err = await run_cli("--url", url, "--timeout", "0.5", "-q", TEXT)
+                assert (code, out) == (3, ""), err
+                assert len(err.splitlines()) == 1 and expected in err, err
+                assert "  " not in err and ":  " not in err and not err.rstrip().endswith(":"), err
+    finally:
+        for proxy in proxies:
+            proxy.close()
 
 
 async def test_flags_outside_the_servers_limits_are_one_usage_error(make_server: Any) -> None:

@@ -7,6 +7,7 @@ first tests are pure (frames, retry arithmetic, table layout) and need no server
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import random
@@ -38,6 +39,7 @@ from fillmask_client import (
 from fillmask_client.cli import build_parser, collect_texts, format_table, parse_targets
 from fillmask_client.frames import outcome, terminal_id
 from fillmask_client.pool import least_loaded
+from fillmask_client.state import ConnState, Event, transition
 from tests.wire import assert_same_predictions, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -625,6 +627,50 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
 
 
 # --- the pool: several connections, going away, resends (issue 11 item 3) ----------------------
+
+
+def test_connection_states_move_only_as_the_table_says() -> None:
+    moves = {(state, event): transition(state, event) for state in ConnState for event in Event}
+    assert {key: to for key, to in moves.items() if to is not key[0]} == {
+        (ConnState.CONNECTING, Event.HELLO): ConnState.OPEN,
+        (ConnState.CONNECTING, Event.GOING_AWAY): ConnState.DRAINING,
+        (ConnState.CONNECTING, Event.CLOSE): ConnState.CLOSED,
+        (ConnState.OPEN, Event.GOING_AWAY): ConnState.DRAINING,
+        (ConnState.OPEN, Event.CLOSE): ConnState.CLOSED,
+        (ConnState.DRAINING, Event.CLOSE): ConnState.CLOSED,
+    }  # everything else (a second hello, a notice while draining, anything once closed) changes nothing
+    # The same names as the demo page's client (web_demo/client.js), so both read alike.
+    assert [state.value for state in ConnState] == ["connecting", "open", "draining", "closed"]
+
+
+async def test_sync_client_takes_exactly_the_async_clients_options(server: Any) -> None:
+    assert inspect.signature(SyncFillMaskClient) == inspect.signature(FillMaskClient)
+    backoff = ReconnectBackoff(base=0.01, cap=0.5)
+
+    def use() -> None:  # in a thread: the server runs on this test's event loop
+        with SyncFillMaskClient(server.url, backoff=backoff, reconnect=True, open_timeout=5) as client:
+            assert client._client._pool.backoff is backoff and client._client.open_timeout == 5
+            assert client.fill_mask(TEXT, top_k=1)
+        with pytest.raises(TypeError):
+            SyncFillMaskClient(server.url, no_such_option=1)
+
+    await asyncio.to_thread(use)
+
+
+async def test_a_connection_goes_open_draining_closed_as_the_server_drains(make_server: Any) -> None:
+    async with make_server() as srv, FillMaskClient(srv.url) as client:
+        conn = client._pool.slots[0].conn
+        assert conn is not None and conn.state is ConnState.OPEN and conn.usable
+        with srv.engine.paused():
+            call = asyncio.create_task(client.fill_mask(TEXT, top_k=1))
+            await wait_until(lambda: srv.engine.queued() == 1)
+            drain = asyncio.create_task(srv.drain(timeout=10))
+            await wait_until(lambda: conn.state is ConnState.DRAINING)
+            assert not conn.usable and conn.notice is not None and conn.notice.reason == "shutting_down"
+        assert await call  # the answer it owed still came
+        await drain
+        await wait_until(lambda: conn.state is ConnState.CLOSED)
+        assert conn.lost is not None and conn.lost.code == 1001
 
 
 def test_least_loaded_takes_the_fewest_in_flight_and_breaks_ties_in_turn() -> None:

@@ -28,7 +28,7 @@ from .errors import (
     OverloadedError,
     RequestError,
 )
-from .frames import FillMaskResult, Prediction, Predictions
+from .frames import FillMaskResult, Prediction, Predictions, ScoredTarget
 from .retry import ReconnectBackoff, RetryPolicy
 from .state import ConnState
 from .sync_client import SyncFillMaskClient
@@ -48,6 +48,7 @@ __all__ = [
     "ReconnectBackoff",
     "RequestError",
     "RetryPolicy",
+    "ScoredTarget",
     "SyncFillMaskClient",
     "main",
 ]

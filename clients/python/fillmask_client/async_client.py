@@ -172,12 +172,14 @@ class FillMaskClient:
                 return
             except ConnectError as exc:
                 final = exc.http_status is not None and 400 <= exc.http_status < 500
-                pause = backoff.delay(attempt + 1)  # a server that is starting: no burst of attempts
-                if final or loop.time() + pause >= give_up:
+                remaining = give_up - loop.time()
+                if final or remaining <= 0:
                     if attempt == 0:
                         raise
                     raise ConnectError(f"{exc.message} (still, after trying for {wait:g} s)", url=exc.url,
                                        http_status=exc.http_status) from exc
+                # A server that is starting: no burst of attempts; the last one comes as ``wait`` ends.
+                pause = min(backoff.delay(attempt + 1), remaining)
                 log.debug("server not there yet (%s); trying again in %.2f s", exc, pause)
                 await asyncio.sleep(pause)
 
@@ -222,6 +224,17 @@ class FillMaskClient:
     def usable_connections(self) -> int:
         """How many connections take new calls now (at most ``connections`` per URL)."""
         return self._pool.usable
+
+    @property
+    def waiting_for_connection(self) -> int:
+        """How many calls wait for a connection to be reopened (with ``reconnect``; at most
+        ``reconnect_timeout`` seconds each)."""
+        return self._pool.waiting
+
+    @property
+    def last_connect_error(self) -> ConnectError | None:
+        """Why the latest attempt to open (or reopen) a connection failed, if none opened since."""
+        return self._pool.last_failure
 
     async def fill_mask(
         self,

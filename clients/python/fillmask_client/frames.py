@@ -30,11 +30,21 @@ class Prediction(TypedDict):
 Predictions = list[Prediction] | list[list[Prediction]]
 
 
+class ScoredTarget(TypedDict):
+    """A target that is not one vocabulary token, and the token that was scored for it (§4 ``targets``):
+    like the pipeline, the server scores its first sub-token."""
+
+    given: str
+    scored: str
+
+
 @dataclass(frozen=True)
 class FillMaskResult:
     """A ``result`` frame (§4): the predictions plus the server's timings for the request.
 
     ``frame`` is the raw frame as received (what ``--json`` prints); the other fields are read from it.
+    ``targets`` lists the request's targets that were not scored as given (empty when all were, or
+    when the request had none), in request order.
     """
 
     predictions: Predictions
@@ -44,6 +54,7 @@ class FillMaskResult:
     batch_tokens: int | None
     batch_id: int | None
     frame: dict[str, Any]
+    targets: tuple[ScoredTarget, ...] = ()
 
     @property
     def mask_count(self) -> int:
@@ -120,6 +131,15 @@ def terminal_id(frame: dict[str, Any]) -> int | None:
     return request_id if type(request_id) is int else None
 
 
+def scored_targets(value: Any) -> tuple[ScoredTarget, ...]:
+    """The well-formed entries of a result's ``targets`` (§4); anything else is ignored, not fatal."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(ScoredTarget(given=entry["given"], scored=entry["scored"]) for entry in value
+                 if isinstance(entry, dict) and isinstance(entry.get("given"), str)
+                 and isinstance(entry.get("scored"), str))
+
+
 def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
     """Map a terminal frame to what the caller gets: a ``FillMaskResult`` or the exception to raise."""
     kind = frame["type"]
@@ -132,6 +152,7 @@ def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
             batch_tokens=frame.get("batch_tokens"),
             batch_id=frame.get("batch_id"),
             frame=frame,
+            targets=scored_targets(frame.get("targets")),
         )
     if kind == "error":
         return RequestError(str(frame.get("code")), str(frame.get("message", "")), frame=frame)

@@ -98,7 +98,9 @@ class Pool:
         self._turn = 0
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._last_failure: ConnectError | None = None
+        self._last_failure: ConnectError | None = None  # of the latest dial, until a connection is installed
+        #: Calls in ``acquire`` waiting for a connection to be (re)opened.
+        self.waiting = 0
 
     # --- the choice ------------------------------------------------------------------------------
 
@@ -159,8 +161,12 @@ class Pool:
             if remaining <= 0:
                 raise self._timed_out(timeout)
             changed = self._changed
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+            self.waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+            finally:
+                self.waiting -= 1
 
     def _why_none(self) -> ConnectionLostError | OverloadedError:
         """The most telling reason why no connection takes calls, as a fresh exception."""
@@ -168,8 +174,8 @@ class Pool:
             if slot.final and slot.failure is not None:
                 return _copy(slot.failure)
         for slot in self.slots:
-            if slot.conn is not None and slot.conn.state is ConnState.DRAINING:
-                return slot.conn.gone_error()  # going away: what the server said
+            if slot.conn is not None and slot.conn.notice is not None:
+                return slot.conn.gone_error()  # it went away (and may have closed since): what the server said
         for slot in self.slots:
             if slot.conn is not None:
                 return slot.conn.lost_error()
@@ -178,6 +184,11 @@ class Pool:
                 return _copy(slot.failure)
         url = redact(self.slots[0].url)
         return ConnectionLostError(f"no connection to {url}", url=url)
+
+    @property
+    def last_failure(self) -> ConnectError | None:
+        """Why the latest attempt to open a connection failed, if none has been installed since."""
+        return self._last_failure
 
     def _timed_out(self, timeout: float) -> ConnectError:
         last = self._last_failure
@@ -236,6 +247,7 @@ class Pool:
                 self._spawn(old.close())
         slot.conn, slot.failure, slot.final = conn, None, False
         self.hello = conn.hello
+        self._last_failure = None
         self._notify()
 
     def _failed(self, slot: Slot, error: ConnectError) -> None:
