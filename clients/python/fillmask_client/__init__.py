@@ -9,13 +9,14 @@
 
     asyncio.run(main())
 
-Modules, one idea each: ``frames`` (the wire, without I/O), ``errors`` (what a failed call raises),
-``retry`` (backoff arithmetic), ``wire`` (the protocol's constants, shared with the server),
+Modules, one idea each: ``wire`` (the protocol's constants, which the server imports too), ``frames``
+(the wire, without I/O), ``errors`` (what a failed call raises), ``retry`` (backoff arithmetic),
 ``state`` (a connection's states and their one transition function), ``connection`` (one WebSocket and
-the requests in flight on it),
-``pool`` (which connection a call goes on; replacing those that go away), ``async_client`` (the calls:
-retries and resends), ``sync_client`` (the same behind a background loop), ``cli`` (the
-``fillmask-client`` command).
+the requests in flight on it), ``pool`` (which connection a call goes on; replacing those that go
+away), ``async_client`` (the calls: retries and resends), ``sync_client`` (the same behind a background
+loop), ``cli`` (the ``fillmask-client`` command).
+
+This package needs only ``websockets`` and ``orjson``; it installs without the server (clients/python).
 """
 
 from .async_client import DEFAULT_URL, FillMaskClient
