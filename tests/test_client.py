@@ -615,9 +615,9 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
     assert "text 2" in failed and "no_mask" in failed
     assert summary == "fillmask-client: 2 texts: 1 answered, 1 failed (1 no_mask)"
 
-    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", TEXT)
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "1", "-q", TEXT)
     assert code == 3 and out == ""
-    assert len(err.splitlines()) == 1 and "cannot connect" in err
+    assert len(err.splitlines()) == 1 and "cannot connect" in err  # -q: without the waiting lines
 
     code, _, err = await run_cli("--url", server.url, stdin="\n\n")
     assert code == 2 and "no texts" in err

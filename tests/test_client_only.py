@@ -28,9 +28,17 @@ CLIENT = ROOT / "clients" / "python"
 WHEELS = ["websockets", "orjson", "pytest", "pytest-asyncio"]
 
 
-def pip(*args: str, python: str = sys.executable, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([python, "-m", "pip", "--disable-pip-version-check", "-q", *args],
-                          capture_output=True, text=True, timeout=timeout)
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment without anything that would put this checkout (or the project's venv) on the path:
+    conftest.py puts clients/python on PYTHONPATH, where an editable install leaves its metadata, and
+    pip would take that for an installed client."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, "PYTHONNOUSERSITE": "1", **extra}
+
+
+def pip(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+                          capture_output=True, text=True, timeout=timeout, env=clean_env())
 
 
 def wheel_cache(cache: Path) -> Path:
@@ -61,12 +69,6 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtur
                     f"{wheel}[test]")
     assert installed.returncode == 0, installed.stderr  # fails if the client declared anything else
     return venv
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment without anything that would put this checkout (or the project's venv) on the path."""
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return {**env, "PYTHONNOUSERSITE": "1", **extra}
 
 
 async def run(*command: str, cwd: Path, env: dict[str, str], timeout: float = 120) -> tuple[int, str, str]:

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 import orjson
 
 from .async_client import DEFAULT_URL, FillMaskClient
+from .connection import GOING_AWAY_CODES
 from .errors import ConnectionLostError, FillMaskError, OverloadedError, RequestError
 from .frames import FillMaskResult
 from .wire import SERVER_GONE_REASONS
@@ -231,6 +232,9 @@ def stop_line(error: FillMaskError, tally: Tally, reconnect: bool) -> str:
         what = f"the server is shutting down ({error.status} {error.reason})"
         if error.reason == "engine_stopped":
             what = f"the server's model worker stopped ({error.status} {error.reason})"
+    elif isinstance(error, ConnectionLostError) and error.code in GOING_AWAY_CODES:
+        # The close that ends a drain (§10): the same news as the going_away before it.
+        what = f"the server is shutting down ({error.code} {error.reason or 'going away'})"
     else:
         what = error.message
     line = f"stopped: {what}"

@@ -312,11 +312,10 @@ class Connection:
         return ConnectionLostError(f"connection to {url} lost ({detail})", url=url, code=code, reason=reason)
 
     def gone_error(self) -> OverloadedError | ConnectionLostError:
-        """Why this connection takes no new request, as a fresh exception: what the server said when it
-        stopped taking work here (``notice``), also once the connection has then closed (the close that
-        ends a drain says less); otherwise how the connection ended."""
+        """Why this connection takes no new request, as a fresh exception: while ``draining``, what the
+        server said (``notice``); otherwise how the connection ended."""
         notice = self.notice
-        if notice is not None:
+        if self.state is ConnState.DRAINING and notice is not None:
             return OverloadedError(notice.status, notice.reason, notice.retry_after_ms, frame=notice.frame)
         return self.lost_error()
 

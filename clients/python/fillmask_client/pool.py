@@ -174,8 +174,8 @@ class Pool:
             if slot.final and slot.failure is not None:
                 return _copy(slot.failure)
         for slot in self.slots:
-            if slot.conn is not None and slot.conn.notice is not None:
-                return slot.conn.gone_error()  # it went away (and may have closed since): what the server said
+            if slot.conn is not None and slot.conn.state is ConnState.DRAINING:
+                return slot.conn.gone_error()  # going away: what the server said
         for slot in self.slots:
             if slot.conn is not None:
                 return slot.conn.lost_error()
