@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from fillmask_client.cli import Tally, format_table, limits_problem, stop_line
+from fillmask_client.connection import connect_failure
 from fillmask_client.errors import ConnectionLostError, OverloadedError
 from fillmask_client.frames import FillMaskResult, outcome
 from tests.wire import wait_until
@@ -103,6 +104,24 @@ def test_a_drain_stops_the_run_with_the_same_words_before_and_after_the_close() 
     assert stop_line(notice, Tally(1), True) == "stopped: the server is shutting down (503 shutting_down)"
     assert stop_line(closed, Tally(1), True) == "stopped: the server is shutting down (1001 server shutting down)"
     assert stop_line(dropped, Tally(1), True) == "stopped: connection to ws://x/ lost (1006 dropped)"
+
+
+def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
+    def why(exc: OSError, url: str = "ws://fill.example:8765/") -> str:
+        reason = connect_failure(exc, url)
+        assert reason.strip() and "  " not in reason
+        return reason
+
+    assert why(ConnectionResetError(), "wss://fill.example/") == (
+        "the TLS handshake with fill.example:443 failed (connection reset); if that server speaks plain "
+        "WebSocket, use ws:// instead of wss://")
+    assert why(ConnectionResetError()) == (
+        "fill.example:8765 reset the connection during the handshake (connection reset)")
+    assert why(ConnectionRefusedError(111, "Connect call failed")).startswith(
+        "connection refused: nothing listens on fill.example:8765")
+    assert why(socket.gaierror(-2, "Name or service not known")) == (
+        "cannot resolve the host name 'fill.example' (Name or service not known)")
+    assert why(OSError()) == "OSError"
 
 
 def test_table_columns_stay_aligned_whatever_the_scores() -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus, InvalidURI
 from websockets.protocol import State as SocketState
 
 from .errors import ConnectError, ConnectionLostError, OverloadedError, RequestError
@@ -103,12 +103,17 @@ def _refusal(exc: InvalidStatus) -> tuple[int, str]:
     return status, reason
 
 
+#: Words for socket errors that come without a message.
+_BARE_ERRORS: dict[type[OSError], str] = {ConnectionResetError: "connection reset", BrokenPipeError: "broken pipe",
+                                          ConnectionAbortedError: "connection aborted"}
+
+
 def connect_failure(exc: OSError, url: str) -> str:
     """Why a WebSocket could not be opened, in a few words, never empty (``exc`` may have no message at
     all: a TLS handshake that a plain server cuts short is a bare ``ConnectionResetError``)."""
     parts = urllib.parse.urlsplit(url)
     where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'wss' else 80)}"
-    detail = exc.strerror or str(exc) or type(exc).__name__
+    detail = exc.strerror or str(exc) or _BARE_ERRORS.get(type(exc), type(exc).__name__)
     if isinstance(exc, ssl_module.SSLCertVerificationError):
         return f"the server's TLS certificate is not trusted ({exc.verify_message or detail})"
     tls = parts.scheme == "wss"
@@ -252,7 +257,7 @@ class Connection:
                                http_status=status) from exc
         except InvalidHandshake as exc:
             detail = str(exc) or type(exc).__name__
-            if url.startswith("ws://") and exc.__cause__ is not None:
+            if url.startswith("ws://") and isinstance(exc, InvalidMessage):  # e.g. a TLS server said nothing
                 detail += "; if that server speaks TLS, use wss:// instead of ws://"
             raise ConnectError(f"cannot connect to {shown}: {detail}", url=shown) from exc
         except TimeoutError as exc:
