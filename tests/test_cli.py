@@ -185,13 +185,13 @@ async def test_reconnect_follows_the_server_through_a_restart_longer_than_the_ti
     async with make_server() as first:
         port = first.port
         with first.engine.paused():
-            proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "1",
+            proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "0.3",
                                    stdin="\n".join(texts))
             await wait_until(lambda: first.engine.queued() == 2, timeout=20)
             drain = asyncio.create_task(first.drain(timeout=10))
             await wait_until(lambda: first.ready.draining)
         await drain
-    await asyncio.sleep(3)  # nothing listens for three times --timeout, as while a replacement loads its model
+    await asyncio.sleep(1.5)  # nothing listens for five times --timeout, as while a replacement loads its model
     assert proc.returncode is None
     async with make_server(port=port) as second:
         code, out, err = await finish(proc)
