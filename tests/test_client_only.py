@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,20 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "python"
 #: What the client's venv gets: the client's dependencies and its test extra's, at this venv's versions.
 WHEELS = ["websockets", "orjson", "pytest", "pytest-asyncio"]
+
+
+def test_server_depends_on_this_client_and_takes_the_wire_constants_from_it() -> None:
+    server = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    client = tomllib.loads((CLIENT / "pyproject.toml").read_text())["project"]
+    assert f"fillmask-client=={client['version']}" in server["dependencies"]  # released together
+    assert sorted(re.split(r"[<>=!~ ;]", r)[0] for r in client["dependencies"]) == ["orjson", "websockets"]
+    from fillmask_client import wire
+    from fillmask_server import protocol, session
+    from fillmask_server import server as server_module
+
+    assert protocol.OVERLOADED_REASONS is wire.OVERLOADED_REASONS  # one declaration, not two equal ones
+    assert (protocol.PROTOCOL_VERSION, protocol.MAX_SAFE_INTEGER) == (wire.PROTOCOL_VERSION, wire.MAX_SAFE_INTEGER)
+    assert (server_module.GOING_AWAY, session.POLICY_VIOLATION) == (wire.CLOSE_GOING_AWAY, wire.CLOSE_POLICY_VIOLATION)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
