@@ -71,7 +71,9 @@ def wheel_cache(cache: Path) -> Path:
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """A fresh venv holding the client package (a regular install from a wheel), its test extra and nothing else."""
-    cache = wheel_cache(Path(request.config.cache.mkdir("client-only-wheels")))
+    kept = request.config.cache  # None under -p no:cacheprovider: then the wheels are fetched for this run only
+    cache = wheel_cache(Path(kept.mkdir("client-only-wheels")) if kept is not None
+                        else tmp_path_factory.mktemp("client-only-wheels"))
     work = tmp_path_factory.mktemp("client-only")
     source = work / "source"  # a copy: building writes build/ and *.egg-info next to the sources
     shutil.copytree(CLIENT, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "tests"))
