@@ -71,7 +71,8 @@ def wheel_cache(cache: Path) -> Path:
 @pytest.fixture(scope="module")
 def client_venv(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """A fresh venv holding the client package (a regular install from a wheel), its test extra and nothing else."""
-    kept = request.config.cache  # None under -p no:cacheprovider: then the wheels are fetched for this run only
+    # Without pytest's cache plugin (-p no:cacheprovider) the wheels are fetched for this run only.
+    kept = getattr(request.config, "cache", None)
     cache = wheel_cache(Path(kept.mkdir("client-only-wheels")) if kept is not None
                         else tmp_path_factory.mktemp("client-only-wheels"))
     work = tmp_path_factory.mktemp("client-only")
