@@ -26,11 +26,16 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
 fi
 
+# Both packages, editable: the client (clients/python: websockets and orjson only) and the server, which
+# depends on it. Named in one command, pip takes the client from this checkout, never from an index.
 if [ "$want_test" = 1 ]; then
-  "${PIP[@]}" install -e ".[test]"
+  "${PIP[@]}" install -e ./clients/python -e ".[test]"
 else
-  "${PIP[@]}" install -e .
+  "${PIP[@]}" install -e ./clients/python -e .
 fi
+# A venv set up before the client was its own package has a server install that owned the fillmask-client
+# script; replacing that install removes the script the client had just written, so write it again.
+[ -x .venv/bin/fillmask-client ] || "${PIP[@]}" install --no-deps --force-reinstall -e ./clients/python
 
 # The offline random-weight model the quick start and the tests use (hubs may be unreachable).
 .venv/bin/python -m fillmask_server.checkpoint tiny models/tiny

@@ -23,6 +23,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The checkout's client package (clients/python), like the checkout's server package above, comes before
+# any installed copy, here and in the subprocesses tests start (servers, the command line).
+CLIENT_DIR = ROOT / "clients" / "python"
+sys.path.insert(0, str(CLIENT_DIR))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(CLIENT_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 from fillmask_server.config import Config  # noqa: E402

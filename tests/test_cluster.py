@@ -32,7 +32,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from fillmask_server.client import ConnectError, FillMaskClient, FillMaskError
+from fillmask_client import ConnectError, FillMaskClient, FillMaskError
 from tests.wire import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,9 +219,9 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
 @pytest.fixture
 def client_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     """The client's warnings: a terminal frame for an id not in flight would mean a double answer."""
-    caplog.set_level(logging.WARNING, logger="fillmask_server.client")
+    caplog.set_level(logging.WARNING, logger="fillmask_client")
     return lambda: [r.getMessage() for r in caplog.records
-                    if r.name.startswith("fillmask_server.client") and r.levelno >= logging.WARNING]
+                    if r.name.startswith("fillmask_client") and r.levelno >= logging.WARNING]
 
 
 async def test_30_connections_spread_evenly_over_three_replicas(cluster: Cluster) -> None:
