@@ -280,7 +280,7 @@
     return [
       'import asyncio',
       '',
-      'from fillmask_server.client import FillMaskClient',
+      'from fillmask_client import FillMaskClient',
       '',
       '',
       'async def main() -> None:',
