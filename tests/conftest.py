@@ -108,6 +108,20 @@ def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsy
     return factory
 
 
+# --- how pytest-xdist shares the tests out (pyproject.toml: -n 2 --dist loadgroup) ---------------------
+
+#: Files whose tests the workers may take one by one: each test starts processes of its own and shares
+#: no fixture, so the file's long waits (model loads, drains) overlap with the other worker's. Every
+#: other file runs whole on one worker, so that its module fixtures (a cluster, a browser) start once.
+SPREAD_FILES = {"test_process.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 # --- every frame against the contract (protocol/schemas; tests/contract.py) ---------------------------
 
 WIRE = WireMonitor()
