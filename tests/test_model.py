@@ -177,3 +177,25 @@ def test_the_start_up_line_names_the_path(tiny_model_dir: Path, caplog: pytest.L
         load_model(str(tiny_model_dir), "cpu", forward="eager")
     assert any(record.getMessage().endswith("on cpu (float32): forward eager, head at the masks")
                for record in caplog.records), [record.getMessage() for record in caplog.records]
+
+
+def test_deberta_v2_with_its_newer_head_gets_the_head_at_the_masks() -> None:
+    """``legacy=False``: DeBERTa-v2's ``lm_predictions`` takes the word embeddings as a second argument, so
+    no single submodule is the head; running the model's own forward after the encoder finds it all the same."""
+    from transformers import AutoConfig, AutoTokenizer, DebertaV2ForMaskedLM, pipeline
+
+    from fillmask_server.checkpoint import ensure_family
+
+    directory = ensure_family("deberta-v2", Path(__file__).resolve().parent.parent / "models" / "families")
+    config = AutoConfig.from_pretrained(directory)
+    config.legacy = False
+    torch.manual_seed(0)
+    model = DebertaV2ForMaskedLM(config).eval()
+    assert not hasattr(model, "cls") and hasattr(model, "lm_predictions")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    fill = FillMaskModel("deberta-v3-like", tokenizer, model, "cpu", "float32")
+    assert fill.engine_facts()["head"] == "masks" and fill.forward_mode == "traced"
+    text = "The old farmer bought a [MASK] bicycle in the morning."
+    expected = pipeline("fill-mask", model=model, tokenizer=tokenizer, device="cpu")(text, top_k=5)
+    got = fill.forward([Item(fill.tokenize([text])[0], 5)])
+    assert got.indices[0].tolist() == [p["token"] for p in expected]
