@@ -17,6 +17,13 @@ The weights are drawn with a wider spread than BERT's usual initialisation so th
 peaked rather than nearly uniform: rankings then don't hinge on the last bits of a float, and
 comparisons between the server and the pipeline are meaningful. The config records
 ``fillmask_random_weights: true`` so that the server can say so (``hello.random_weights``).
+
+**Other families** (``FAMILIES``: RoBERTa, XLM-R, DistilBERT, ALBERT, ELECTRA, DeBERTa-v2, ModernBERT,
+ESM, and BERT with a vocabulary of its own): ``write_family`` makes a tiny random-weight checkpoint of
+each, with a tokenizer of the family's kind trained offline with ``tokenizers`` (about a second; tests
+and ``bench/run.py --families`` cache them under ``models/families/``)::
+
+    .venv/bin/python -m fillmask_server.checkpoint distilbert models/families/distilbert
 """
 
 from __future__ import annotations
@@ -255,12 +262,20 @@ def _family_config(family: str, tokenizer: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write an offline random-weight BERT fill-mask checkpoint.")
-    parser.add_argument("size", choices=sorted(SIZES), help="model shape")
+    parser = argparse.ArgumentParser(description="Write an offline random-weight fill-mask checkpoint.")
+    parser.add_argument("size", choices=[*sorted(SIZES), *FAMILIES],
+                        help="a BERT shape (tiny, small, base) or a family's tiny model (bert, roberta, ...)")
     parser.add_argument("directory", type=Path, help="where to write config, weights and tokenizer")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true", help="rewrite even if the directory holds a checkpoint")
     args = parser.parse_args(argv)
+    if args.size in FAMILIES:
+        if is_family_checkpoint(args.directory) and not args.force:
+            print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
+            return 0
+        write_family(args.size, args.directory, seed=args.seed)
+        print(f"{args.directory}: wrote random-weight tiny '{args.size}' fill-mask checkpoint")
+        return 0
     if is_checkpoint(args.directory) and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0

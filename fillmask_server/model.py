@@ -425,11 +425,15 @@ def _head_after_encoder(model: Any, encoder: Any) -> Any:
             whole, inner = self._owner
             given = BaseModelOutput(last_hidden_state=hidden.unsqueeze(0))
             placeholder = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            wrapped = inner.__dict__.get("forward")  # a hook library's own wrapper, if any: put back after
             inner.forward = lambda *args, **kwargs: given
             try:
                 output = whole(input_ids=placeholder)
             finally:
-                del inner.forward
+                if wrapped is None:
+                    del inner.forward
+                else:
+                    inner.forward = wrapped
             logits = output.logits if hasattr(output, "logits") else output[0]
             return logits[0]
 
