@@ -72,7 +72,7 @@ FULL: dict[str, Timing] = {
 }
 #: --families: per family one pipeline child and one server, short windows (tiny models are fast).
 FAMILY_TIMING = {
-    "full": Timing(repeats=2, warmup_s=1.0, closed_s=4.0, open_s=0.0, grace_s=0.0, pipeline_texts=256, singles=10,
+    "full": Timing(repeats=3, warmup_s=1.0, closed_s=3.0, open_s=0.0, grace_s=0.0, pipeline_texts=256, singles=10,
                    pipeline_timeout_s=300),
     "quick": Timing(repeats=1, warmup_s=0.5, closed_s=2.0, open_s=0.0, grace_s=0.0, pipeline_texts=128, singles=5,
                     pipeline_timeout_s=180),
@@ -365,33 +365,53 @@ async def run_all(settings: Settings) -> dict[str, Any]:
 
 
 async def run_families(settings: Settings) -> dict[str, Any]:
-    """``--families``: per family its pipeline and limit, then its server; rows for ``families.md``."""
+    """``--families``: rows for ``families.md``. Each repeat measures every family in turn, and each
+    family's pipeline (with its in-process limit) right before its server, so that the two figures of a
+    ratio share the machine's conditions as far as they can; the row gives the medians over the repeats
+    of the three figures and of each ratio."""
     from bench.pipeline_limits import family_texts
     from fillmask_server.checkpoint import ensure_family
 
     timing = settings.timing["family"]
-    rows: list[dict[str, Any]] = []
-    for family in settings.families:
-        model_dir = ensure_family(family, settings.models / "families")
-        log(f"family {family}: pipeline and in-process limit on the {FAMILY_CORPUS} corpus")
-        raw = measure_pipeline(model_dir, "float32", FAMILY_CORPUS, settings, timing, family=family)
-        token_counts = raw.pop("token_counts", None)
-        pipe = report.pipeline_summary(raw)
-        texts = family_texts(FAMILY_CORPUS, family, raw["mask_token"])
-        config = ServerConfig(family, "family", FAMILY_CORPUS, (), settings.in_flight, open_loop=False, idle=False)
-        server = await measure_server(config, model_dir, texts, token_counts, settings, timing)
-        best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
-        row = {"family": family, "engine": server["engine"], "server_rps": best["throughput_rps"],
-               "in_flight": best.get("in_flight"), "pipeline_rps": pipe["best_rps"],
-               "pipeline_batch_size": pipe["best_batch_size"], "limit_rps": pipe["limit_rps"],
-               "vs_pipeline": best["throughput_rps"] / pipe["best_rps"],
-               "vs_limit": best["throughput_rps"] / pipe["limit_rps"],
-               "cpu_other_server": best.get("cpu_other"), "cpu_other_pipeline": pipe["cpu_other"],
-               "tokens": corpus_stats(texts, token_counts), "server": server, "pipeline": raw}
+    once = Timing(**{**asdict(timing), "repeats": 1})
+    pairs: dict[str, list[dict[str, Any]]] = {family: [] for family in settings.families}
+    for r in range(1, timing.repeats + 1):
+        for family in settings.families:
+            model_dir = ensure_family(family, settings.models / "families")
+            log(f"family {family} r{r}: pipeline and in-process limit on the {FAMILY_CORPUS} corpus")
+            raw = measure_pipeline(model_dir, "float32", FAMILY_CORPUS, settings, once, family=family)
+            token_counts = raw.pop("token_counts", None)
+            pipe = report.pipeline_summary(raw)
+            texts = family_texts(FAMILY_CORPUS, family, raw["mask_token"])
+            config = ServerConfig(family, "family", FAMILY_CORPUS, (), settings.in_flight, open_loop=False,
+                                  idle=False)
+            server = await measure_server(config, model_dir, texts, token_counts, settings, once)
+            best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
+            pair = {"engine": server["engine"], "server_rps": best["throughput_rps"],
+                    "in_flight": best.get("in_flight"), "pipeline_rps": pipe["best_rps"],
+                    "pipeline_batch_size": pipe["best_batch_size"],
+                    "limit_rps": pipe["limit_rps"], "vs_pipeline": best["throughput_rps"] / pipe["best_rps"],
+                    "vs_limit": best["throughput_rps"] / pipe["limit_rps"],
+                    "cpu_other_server": best.get("cpu_other"), "cpu_other_pipeline": pipe["cpu_other"],
+                    "tokens": corpus_stats(texts, token_counts), "server": server, "pipeline": raw}
+            pairs[family].append(pair)
+            log(f"family {family} r{r}: {pair['engine']}; server {pair['server_rps']:.0f} req/s "
+                f"(K={pair['in_flight']}), pipeline {pair['pipeline_rps']:.0f} (N={pair['pipeline_batch_size']}), "
+                f"limit {pair['limit_rps']:.0f}: {pair['vs_pipeline']:.2f}x pipeline, {pair['vs_limit']:.2f}x limit")
+    rows = []
+    for family, measured in pairs.items():
+        first = measured[0]
+        row = {key: report.median([m[key] for m in measured]) for key in (
+            "server_rps", "pipeline_rps", "limit_rps", "vs_pipeline", "vs_limit", "cpu_other_server",
+            "cpu_other_pipeline")}
+        row.update({"family": family, "engine": first["engine"], "tokens": first["tokens"],
+                    "in_flight": [m["in_flight"] for m in measured],
+                    "pipeline_batch_size": [m["pipeline_batch_size"] for m in measured],
+                    "vs_pipeline_range": [min(m["vs_pipeline"] for m in measured),
+                                          max(m["vs_pipeline"] for m in measured)],
+                    "vs_limit_range": [min(m["vs_limit"] for m in measured), max(m["vs_limit"] for m in measured)],
+                    "repeats": measured})
         rows.append(row)
-        log(f"family {family}: {row['engine']}; server {row['server_rps']:.0f} req/s (K={row['in_flight']}), "
-            f"pipeline {row['pipeline_rps']:.0f} (N={row['pipeline_batch_size']}), limit {row['limit_rps']:.0f}: "
-            f"{row['vs_pipeline']:.2f}x pipeline, {row['vs_limit']:.2f}x limit")
     return {"families": rows}
 
 
@@ -411,27 +431,31 @@ def families_markdown(summary: dict[str, Any]) -> str:
         f"{summary['settings']['clients']} clients x K in flight (best K of {summary['settings']['in_flight']}). "
         f"Pipeline: `pipeline(list, batch_size=N)`, best N of {summary['settings']['pipeline_batch_sizes']}. "
         "In-process limit: the server's own code without sockets or threads (`bench/pipeline_limits.py`). "
-        "Medians of the repeats; each family's three figures were measured one after the other.",
+        f"{summary['settings']['repeats']} repeats; in each, a family's pipeline and limit were measured right "
+        "before its server; the table gives medians over the repeats (ratios: the median of the per-repeat "
+        "ratios, with their range).",
         "",
         f"Goals (issue 16): server ≥ {FAMILY_GOALS['pipeline']}x its best pipeline and "
         f"≥ {FAMILY_GOALS['limit']}x its in-process limit, with `forward: traced` and `head: masks`.",
         "",
-        "| family | tokens (min–max) | forward | head | server req/s | best pipeline req/s (N) | in-process limit "
-        "req/s | server ÷ pipeline | server ÷ limit | others' CPU cores (server / pipeline) |",
+        "| family | tokens (min–max) | forward | head | server req/s (K) | best pipeline req/s (N) | in-process "
+        "limit req/s | server ÷ pipeline (range) | server ÷ limit (range) | others' CPU cores (server / pipeline) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["families"]:
         engine, tokens = row["engine"], row["tokens"]
 
-        def mark(value: float, goal: float) -> str:
-            return f"**{value:.2f}x** {'PASS' if value >= goal else 'FAIL'}"
+        def mark(value: float, goal: float, spread: list[float]) -> str:
+            return (f"**{value:.2f}x** {'PASS' if value >= goal else 'FAIL'} "
+                    f"({spread[0]:.2f}–{spread[1]:.2f})")
 
         lines.append(
             f"| {row['family']} | {tokens.get('tokens_min', '?')}–{tokens.get('tokens_max', '?')} | "
             f"{engine.get('forward', '?')} | {engine.get('head', '?')} | "
-            f"{row['server_rps']:.0f} (K={row['in_flight']}) | "
-            f"{row['pipeline_rps']:.0f} ({row['pipeline_batch_size']}) | {row['limit_rps']:.0f} | "
-            f"{mark(row['vs_pipeline'], FAMILY_GOALS['pipeline'])} | {mark(row['vs_limit'], FAMILY_GOALS['limit'])} | "
+            f"{row['server_rps']:.0f} ({','.join(map(str, row['in_flight']))}) | "
+            f"{row['pipeline_rps']:.0f} ({','.join(map(str, row['pipeline_batch_size']))}) | {row['limit_rps']:.0f} | "
+            f"{mark(row['vs_pipeline'], FAMILY_GOALS['pipeline'], row['vs_pipeline_range'])} | "
+            f"{mark(row['vs_limit'], FAMILY_GOALS['limit'], row['vs_limit_range'])} | "
             f"{_cores(row['cpu_other_server'])} / {_cores(row['cpu_other_pipeline'])} |")
     lines += ["", "Others' CPU: cores used by other processes on the machine during the measurement (it is "
               "shared); a ratio measured while others used much of the machine is noisy.", ""]
@@ -543,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_size": {size: asdict(t) for size, t in settings.timing.items()},
     }
     if settings.families:
+        summary["settings"]["repeats"] = settings.timing["family"].repeats
         for path in write_families(summary, settings.out):
             log(f"wrote {path}")
         print(families_markdown(summary))
