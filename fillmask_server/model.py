@@ -328,8 +328,9 @@ class FillMaskModel:
         if self.dtype == "int8":  # see the module docstring: no layer is per-position under dynamic quantisation
             return None
         expected = full[rows, cols].float()
-        # A few units in the last place of the largest logit: what the number of rows changes in a product.
-        slack = 64 * torch.finfo(full.dtype).eps * max(1.0, expected.abs().max().item())
+        # Units in the last place of the largest logit: what the number of rows changes in a product (up
+        # to a few in float32 on the families of tests/test_families.py, none in bfloat16); 16 leaves room.
+        slack = 16 * torch.finfo(full.dtype).eps * max(1.0, expected.abs().max().item())
         if (at_masks.float() - expected).abs().max().item() > slack:
             return "the MLM head on the mask positions alone differs from the model's own (it is not per-position)"
         return None
