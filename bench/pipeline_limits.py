@@ -15,6 +15,9 @@ It prints one JSON object on its last stdout line:
   one forward pass (encoder once, MLM head at the masks, one top-k per batch) and decoded to the
   pipeline's predictions as JSON. ``limit_forward_only`` leaves out the decoding (information);
 - ``token_counts``: the token length of each corpus text (special tokens included).
+
+With ``--family NAME`` (a checkpoint of ``fillmask_server.checkpoint.write_family``) the corpus is
+``family_texts``: the same texts with that model's mask token, or protein sequences for ``esm``.
 """
 
 from __future__ import annotations
@@ -27,13 +30,36 @@ from typing import Any
 
 import orjson
 
-from bench.corpus import CORPORA
+from bench.corpus import CORPORA, MASK
 from bench.server_proc import QuietGate
 
 SINGLE_WARMUP = 10  # the idle-server client's warm-up requests (bench.loadgen.idle_single)
 
 
 LIMIT_BATCH = 32
+_RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
+
+
+def family_texts(corpus_name: str, family: str, mask_token: str, seed: int = 0) -> list[str]:
+    """The benchmark corpus for a model family: ``corpus_name``'s texts with ``mask_token`` in place of
+    ``[MASK]``; for ``esm`` (a protein model) as many distinct sequences of 8-14 residues with one mask
+    instead (10-16 tokens with the special tokens, like the short corpus). Deterministic for ``seed``."""
+    import random
+
+    texts = CORPORA[corpus_name](seed=seed)
+    if family != "esm":
+        return [text.replace(MASK, mask_token) for text in texts]
+    rng = random.Random(seed)
+    proteins: list[str] = []
+    seen: set[str] = set()
+    while len(proteins) < len(texts):
+        residues = [rng.choice(_RESIDUES) for _ in range(rng.randint(8, 14))]
+        residues[rng.randrange(len(residues))] = mask_token
+        text = "".join(residues)
+        if text not in seen:
+            seen.add(text)
+            proteins.append(text)
+    return proteins
 
 
 def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate
@@ -70,7 +96,7 @@ def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int,
 
 
 def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, repeats: int, singles: int,
-            seed: int, gate: QuietGate, corpus_name: str = "mixed") -> dict[str, Any]:
+            seed: int, gate: QuietGate, corpus_name: str = "mixed", family: str = "") -> dict[str, Any]:
     """Load the pipeline once, warm it up, then time batched and single calls (see module docstring)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
@@ -83,7 +109,8 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
     started = time.perf_counter()
     pipe = pipeline("fill-mask", model=model_dir, device="cpu", dtype=torch_dtype)
     load_s = time.perf_counter() - started
-    corpus = CORPORA[corpus_name](seed=seed)
+    corpus = (family_texts(corpus_name, family, pipe.tokenizer.mask_token, seed) if family
+              else CORPORA[corpus_name](seed=seed))
     texts = [corpus[i % len(corpus)] for i in range(n_texts)]
     token_counts = [len(ids) for ids in pipe.tokenizer(corpus)["input_ids"]]
 
@@ -112,10 +139,12 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
         pipe(text)
         single_ms.append((time.perf_counter() - t0) * 1000)
 
+    mask_token = pipe.tokenizer.mask_token
     del pipe
     limit, limit_forward_only = in_process_limit(model_dir, dtype, texts, repeats, gate)
     return {
         "model": model_dir,
+        "mask_token": mask_token,
         "dtype": dtype,
         "corpus": corpus_name,
         "limit": limit,
@@ -143,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-quiet", type=float, default=0.0,
                         help="before each timed call, wait up to this many seconds for a quiet machine")
     parser.add_argument("--wait-budget", type=float, default=0.0, help="most seconds of such waiting in all")
+    parser.add_argument("--family", default="", help="the model is this family's checkpoint: use family_texts")
     args = parser.parse_args(argv)
     result = measure(args.model, args.dtype, [int(s) for s in args.batch_sizes.split(",")], args.texts,
-                     args.repeats, args.singles, args.seed, QuietGate(args.wait_quiet, args.wait_budget), args.corpus)
+                     args.repeats, args.singles, args.seed, QuietGate(args.wait_quiet, args.wait_budget), args.corpus,
+                     args.family)
     sys.stdout.write(orjson.dumps(result).decode() + "\n")
     return 0
 

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/run.py --sizes tiny,base --out bench/results     # full run, about 30 min
     .venv/bin/python bench/run.py --quick                                   # smoke run, tiny only, < 2 min
+    .venv/bin/python bench/run.py --families all                            # every family, about 10 min
+    .venv/bin/python bench/run.py --families distilbert,esm --quick         # two families, short windows
 
 For each model size and each corpus (``mixed``: 8-81 tokens, one and two masks; ``short``: 9-16
 tokens, one mask) it makes the offline checkpoint if missing, measures the in-process limits in a
@@ -12,6 +14,13 @@ on the mixed corpus, open loop at fixed fractions of the closed-loop capacity. R
 (r1 of every phase, then r2, ...) and the report uses their medians, because this machine is shared.
 Every phase is time-boxed; servers are stopped in ``finally`` blocks. Outputs: ``results.md``,
 ``results.json``, ``latency_vs_throughput.png``.
+
+``--families`` measures instead each model family's tiny checkpoint (``fillmask_server.checkpoint``,
+``models/families/``) on the short corpus (``bench.pipeline_limits.family_texts``: its mask token;
+protein sequences for ESM): the family's best ``pipeline(list, batch_size=N)`` and in-process limit
+in a child process, then its server, closed loop, 32 clients x K in flight; the path the server took
+(``hello.engine``) and the two ratios per family, with the issue 16 goals (server >= 1.3x its best
+pipeline and >= 0.85x its in-process limit). Outputs: ``families.md``, ``families.json``.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from bench import report
 from bench.corpus import CORPORA, corpus_stats
 from bench.loadgen import closed_loop, idle_single, open_loop, run_probe, settle
 from bench.server_proc import ROOT, CpuMeter, QuietGate, ServerProcess
+from fillmask_server.checkpoint import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,15 @@ FULL: dict[str, Timing] = {
     "base": Timing(repeats=2, warmup_s=2.0, closed_s=10.0, open_s=8.0, grace_s=8.0, pipeline_texts=128,
                    singles=50, pipeline_timeout_s=600),
 }
+#: --families: per family one pipeline child and one server, short windows (tiny models are fast).
+FAMILY_TIMING = {
+    "full": Timing(repeats=3, warmup_s=1.0, closed_s=3.0, open_s=0.0, grace_s=0.0, pipeline_texts=256, singles=10,
+                   pipeline_timeout_s=300),
+    "quick": Timing(repeats=1, warmup_s=0.5, closed_s=2.0, open_s=0.0, grace_s=0.0, pipeline_texts=128, singles=5,
+                    pipeline_timeout_s=180),
+}
+FAMILY_CORPUS = "short"
+FAMILY_GOALS = {"pipeline": 1.3, "limit": 0.85}  # issue 16's targets: server ÷ best pipeline, ÷ in-process limit
 QUICK: dict[str, Timing] = {
     "tiny": Timing(repeats=1, warmup_s=0.5, closed_s=1.5, open_s=1.5, grace_s=3.0, pipeline_texts=96,
                    singles=20, pipeline_timeout_s=120),
@@ -116,6 +135,7 @@ class Settings:
     gate: QuietGate
     server_args: tuple[str, ...] = ()
     timing: dict[str, Timing] = field(default_factory=dict)
+    families: list[str] = field(default_factory=list)
 
 
 def log(message: str) -> None:
@@ -138,10 +158,12 @@ def ensure_checkpoint(size: str, models: Path) -> Path:
     return directory
 
 
-def measure_pipeline(model_dir: Path, dtype: str, corpus: str, settings: Settings, timing: Timing) -> dict[str, Any]:
+def measure_pipeline(model_dir: Path, dtype: str, corpus: str, settings: Settings, timing: Timing,
+                     family: str = "") -> dict[str, Any]:
     """Run ``bench.pipeline_limits`` in a child process and return its raw JSON.
 
     Only the float32 pipeline is a target's denominator; a bfloat16 one (information) gets one repeat.
+    ``family``: the model is that family's checkpoint (its corpus is ``family_texts``).
     """
     repeats = timing.repeats if dtype == "float32" else 1
     command = [sys.executable, "-m", "bench.pipeline_limits", "--model", str(model_dir), "--dtype", dtype,
@@ -150,6 +172,8 @@ def measure_pipeline(model_dir: Path, dtype: str, corpus: str, settings: Setting
                "--texts", str(timing.pipeline_texts), "--repeats", str(repeats),
                "--singles", str(timing.singles), "--wait-quiet", str(settings.gate.per_wait_s),
                "--wait-budget", str(max(0.0, min(60.0, settings.gate.budget_s - settings.gate.waited_s)))]
+    if family:
+        command += ["--family", family]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     meter = CpuMeter(None)  # the worker is a child: its CPU shows as "client" once it is reaped
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -236,7 +260,9 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
     """
     args = [*config.args, *settings.server_args]
     with ServerProcess(model_dir, args) as server:
-        log(f"{config.label}: server ready in {server.start_s:.1f} s at {server.url} (pid {server.pid})")
+        engine = await read_engine(server.url)
+        log(f"{config.label}: server ready in {server.start_s:.1f} s at {server.url} (pid {server.pid}); "
+            f"engine {engine}")
         bench = ServerBench(server, config, texts, token_counts, settings, timing)
         await bench.warm_up()
         for r in range(1, timing.repeats + 1):
@@ -250,7 +276,16 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
                 for factor in settings.open_factors:
                     await bench.open(r, factor, capacity)
     return {"name": config.name, "size": config.size, "corpus": config.corpus, "args": args,
-            "start_s": server.start_s, "phases": bench.medians(), "raw": bench.raw}
+            "start_s": server.start_s, "engine": engine, "phases": bench.medians(), "raw": bench.raw}
+
+
+async def read_engine(url: str) -> dict[str, Any]:
+    """The server's ``hello.engine`` (protocol.md §2): which path its model runs."""
+    from websockets.asyncio.client import connect
+
+    async with connect(url, max_size=None) as ws:
+        hello = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+    return hello.get("engine", {})
 
 
 def machine_info() -> dict[str, Any]:
@@ -329,6 +364,117 @@ async def run_all(settings: Settings) -> dict[str, Any]:
     return summary
 
 
+async def run_families(settings: Settings) -> dict[str, Any]:
+    """``--families``: rows for ``families.md``. Each repeat measures every family in turn, and each
+    family's pipeline (with its in-process limit) right before its server, so that the two figures of a
+    ratio share the machine's conditions as far as they can; the row gives the medians over the repeats
+    of the three figures and of each ratio."""
+    from bench.pipeline_limits import family_texts
+    from fillmask_server.checkpoint import ensure_family
+
+    timing = settings.timing["family"]
+    once = Timing(**{**asdict(timing), "repeats": 1})
+    pairs: dict[str, list[dict[str, Any]]] = {family: [] for family in settings.families}
+    for r in range(1, timing.repeats + 1):
+        for family in settings.families:
+            model_dir = ensure_family(family, settings.models / "families")
+            log(f"family {family} r{r}: pipeline and in-process limit on the {FAMILY_CORPUS} corpus")
+            raw = measure_pipeline(model_dir, "float32", FAMILY_CORPUS, settings, once, family=family)
+            token_counts = raw.pop("token_counts", None)
+            pipe = report.pipeline_summary(raw)
+            texts = family_texts(FAMILY_CORPUS, family, raw["mask_token"])
+            config = ServerConfig(family, "family", FAMILY_CORPUS, (), settings.in_flight, open_loop=False,
+                                  idle=False)
+            server = await measure_server(config, model_dir, texts, token_counts, settings, once)
+            best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
+            pair = {"engine": server["engine"], "server_rps": best["throughput_rps"],
+                    "in_flight": best.get("in_flight"), "pipeline_rps": pipe["best_rps"],
+                    "pipeline_batch_size": pipe["best_batch_size"],
+                    "limit_rps": pipe["limit_rps"], "vs_pipeline": best["throughput_rps"] / pipe["best_rps"],
+                    "vs_limit": best["throughput_rps"] / pipe["limit_rps"],
+                    "cpu_other_server": best.get("cpu_other"), "cpu_other_pipeline": pipe["cpu_other"],
+                    "tokens": corpus_stats(texts, token_counts), "server": server, "pipeline": raw}
+            pairs[family].append(pair)
+            log(f"family {family} r{r}: {pair['engine']}; server {pair['server_rps']:.0f} req/s "
+                f"(K={pair['in_flight']}), pipeline {pair['pipeline_rps']:.0f} (N={pair['pipeline_batch_size']}), "
+                f"limit {pair['limit_rps']:.0f}: {pair['vs_pipeline']:.2f}x pipeline, {pair['vs_limit']:.2f}x limit")
+    rows = []
+    for family, measured in pairs.items():
+        first = measured[0]
+        row = {key: report.median([m[key] for m in measured]) for key in (
+            "server_rps", "pipeline_rps", "limit_rps", "vs_pipeline", "vs_limit", "cpu_other_server",
+            "cpu_other_pipeline")}
+        row.update({"family": family, "engine": first["engine"], "tokens": first["tokens"],
+                    "in_flight": [m["in_flight"] for m in measured],
+                    "pipeline_batch_size": [m["pipeline_batch_size"] for m in measured],
+                    "vs_pipeline_range": [min(m["vs_pipeline"] for m in measured),
+                                          max(m["vs_pipeline"] for m in measured)],
+                    "vs_limit_range": [min(m["vs_limit"] for m in measured), max(m["vs_limit"] for m in measured)],
+                    "repeats": measured})
+        rows.append(row)
+    return {"families": rows}
+
+
+def families_markdown(summary: dict[str, Any]) -> str:
+    """``families.md``: per family its path and the two ratios against the issue 16 goals."""
+    meta = summary["meta"]
+    lines = [
+        "# Every family: server against its own pipeline and its in-process limit",
+        "",
+        f"`{meta['command']}` on {meta['date']} UTC, {meta['duration_s'] / 60:.1f} min; git {meta['git']}; "
+        f"{meta['cpu_model']}, {meta['cores']} cores, torch {meta['torch']} ({meta['torch_threads']} threads), "
+        f"transformers {meta['transformers']}; load average at start {meta['loadavg_start']}.",
+        "",
+        f"Each family's tiny offline checkpoint (`python -m fillmask_server.checkpoint`, `models/families/`: "
+        f"random weights, 2 layers, hidden 32-64, a tokenizer of the family's kind) on the `{FAMILY_CORPUS}` "
+        f"corpus (one mask; ESM: protein sequences of 8-14 residues). Server: `ws_server.py`, closed loop, "
+        f"{summary['settings']['clients']} clients x K in flight (best K of {summary['settings']['in_flight']}). "
+        f"Pipeline: `pipeline(list, batch_size=N)`, best N of {summary['settings']['pipeline_batch_sizes']}. "
+        "In-process limit: the server's own code without sockets or threads (`bench/pipeline_limits.py`). "
+        f"{summary['settings']['repeats']} repeats; in each, a family's pipeline and limit were measured right "
+        "before its server; the table gives medians over the repeats (ratios: the median of the per-repeat "
+        "ratios, with their range).",
+        "",
+        f"Goals (issue 16): server ≥ {FAMILY_GOALS['pipeline']}x its best pipeline and "
+        f"≥ {FAMILY_GOALS['limit']}x its in-process limit, with `forward: traced` and `head: masks`.",
+        "",
+        "| family | tokens (min–max) | forward | head | server req/s (K) | best pipeline req/s (N) | in-process "
+        "limit req/s | server ÷ pipeline (range) | server ÷ limit (range) | others' CPU cores (server / pipeline) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in summary["families"]:
+        engine, tokens = row["engine"], row["tokens"]
+
+        def mark(value: float, goal: float, spread: list[float]) -> str:
+            return (f"**{value:.2f}x** {'PASS' if value >= goal else 'FAIL'} "
+                    f"({spread[0]:.2f}–{spread[1]:.2f})")
+
+        lines.append(
+            f"| {row['family']} | {tokens.get('tokens_min', '?')}–{tokens.get('tokens_max', '?')} | "
+            f"{engine.get('forward', '?')} | {engine.get('head', '?')} | "
+            f"{row['server_rps']:.0f} ({','.join(map(str, row['in_flight']))}) | "
+            f"{row['pipeline_rps']:.0f} ({','.join(map(str, row['pipeline_batch_size']))}) | {row['limit_rps']:.0f} | "
+            f"{mark(row['vs_pipeline'], FAMILY_GOALS['pipeline'], row['vs_pipeline_range'])} | "
+            f"{mark(row['vs_limit'], FAMILY_GOALS['limit'], row['vs_limit_range'])} | "
+            f"{_cores(row['cpu_other_server'])} / {_cores(row['cpu_other_pipeline'])} |")
+    lines += ["", "Others' CPU: cores used by other processes on the machine during the measurement (it is "
+              "shared); a ratio measured while others used much of the machine is noisy.", ""]
+    return "\n".join(lines)
+
+
+def _cores(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, int | float) and value == value else "?"
+
+
+def write_families(summary: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / "families.md", out / "families.json"
+    md.write_text(families_markdown(summary))
+    js.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
+                                default=str))
+    return [md, js]
+
+
 def parse_args(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(description="Benchmark the fill-mask server against the in-process pipeline.")
     parser.add_argument("--sizes", default=None,
@@ -352,6 +498,9 @@ def parse_args(argv: list[str] | None) -> Settings:
                              "to use < 0.3 cores (default 15; with --quick 0)")
     parser.add_argument("--wait-budget", type=float, default=150.0,
                         help="most seconds spent waiting for quiet over the whole run")
+    parser.add_argument("--families", default=None,
+                        help="measure these model families' tiny checkpoints instead of --sizes: 'all' or a "
+                             "comma-separated list of " + ", ".join(FAMILIES))
     parser.add_argument("--server-args", default="",
                         help="extra ws_server.py flags for every server config, e.g. '--torch-threads 1'")
     args = parser.parse_args(argv)
@@ -365,7 +514,19 @@ def parse_args(argv: list[str] | None) -> Settings:
         parser.error(f"--corpora takes {', '.join(sorted(CORPORA))}")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    families: list[str] = []
+    if args.families is not None:
+        families = list(FAMILIES) if args.families.strip() == "all" else [
+            f.strip() for f in args.families.split(",") if f.strip()]
+        unknown = [f for f in families if f not in FAMILIES]
+        if not families or unknown:
+            parser.error(f"unknown famil{'ies' if len(unknown) > 1 else 'y'} {unknown}; choose 'all' or from "
+                         f"{', '.join(FAMILIES)}")
+        sizes = []
     timing = {}
+    if families:
+        base = FAMILY_TIMING["quick" if args.quick else "full"]
+        timing["family"] = base if args.repeats is None else Timing(**{**asdict(base), "repeats": args.repeats})
     for size in sizes:
         base = (QUICK if args.quick else FULL)[size]
         timing[size] = base if args.repeats is None else Timing(**{**asdict(base), "repeats": args.repeats})
@@ -378,7 +539,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         pipeline_batch_sizes=tuple(int(n) for n in (args.pipeline_batch_sizes
                                                      or ("1,8,32" if args.quick else "1,8,16,32,64")).split(",")),
         pipeline_bf16=not args.no_pipeline_bf16, repeats=args.repeats, timing=timing,
-        server_args=tuple(shlex.split(args.server_args)),
+        server_args=tuple(shlex.split(args.server_args)), families=families,
         gate=QuietGate(args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 15.0),
                        args.wait_budget),
     )
@@ -388,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
     started = time.time()
     meta = machine_info()
-    summary = asyncio.run(run_all(settings))
+    summary = asyncio.run(run_families(settings) if settings.families else run_all(settings))
     meta.update({
         "command": " ".join([".venv/bin/python", "bench/run.py", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                        else argv)]),
@@ -405,6 +566,12 @@ def main(argv: list[str] | None = None) -> int:
                         "per_wait_s": settings.gate.per_wait_s, "budget_s": settings.gate.budget_s},
         "per_size": {size: asdict(t) for size, t in settings.timing.items()},
     }
+    if settings.families:
+        summary["settings"]["repeats"] = settings.timing["family"].repeats
+        for path in write_families(summary, settings.out):
+            log(f"wrote {path}")
+        print(families_markdown(summary))
+        return 0
     summary["targets"] = report.targets(summary)
     for path in report.write_all(summary, settings.out):
         log(f"wrote {path}")

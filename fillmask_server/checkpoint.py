@@ -17,6 +17,13 @@ The weights are drawn with a wider spread than BERT's usual initialisation so th
 peaked rather than nearly uniform: rankings then don't hinge on the last bits of a float, and
 comparisons between the server and the pipeline are meaningful. The config records
 ``fillmask_random_weights: true`` so that the server can say so (``hello.random_weights``).
+
+**Other families** (``FAMILIES``: RoBERTa, XLM-R, DistilBERT, ALBERT, ELECTRA, DeBERTa-v2, ModernBERT,
+ESM, and BERT with a vocabulary of its own): ``write_family`` makes a tiny random-weight checkpoint of
+each, with a tokenizer of the family's kind trained offline with ``tokenizers`` (about a second; tests
+and ``bench/run.py --families`` cache them under ``models/families/``)::
+
+    .venv/bin/python -m fillmask_server.checkpoint distilbert models/families/distilbert
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import sys
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "intermediate_size": 512},
@@ -68,13 +76,206 @@ def write_checkpoint(size: str, directory: Path, seed: int = 0, init_range: floa
     return directory
 
 
+# --- one tiny checkpoint per model family (tests and bench/run.py --families) ----------------------------
+
+#: The fill-mask families ``write_family`` builds, each with a tokenizer of the kind its real checkpoints
+#: use: WordPiece (BERT, DistilBERT, ELECTRA), byte-level BPE (RoBERTa, ModernBERT), Unigram with
+#: Metaspace (XLM-R, ALBERT, DeBERTa-v2), and ESM's fixed character vocabulary of amino acids.
+FAMILIES = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta-v2", "modernbert", "esm")
+FAMILY_MAX_TOKENS = 64  # each family checkpoint's ``model_max_length`` (special tokens included)
+FAMILY_VOCAB = 1000  # the size the trained tokenizers aim at (Unigram may stop a little short)
+FAMILY_VERSION = 1  # recorded in config.json: a change to the builders bumps it, so caches are rebuilt
+FAMILY_KEY = "fillmask_family_version"
+#: ESM-2's vocabulary (``facebook/esm2_t6_8M_UR50D``), in its order: 33 tokens, 4 special and ``<mask>``.
+ESM_VOCAB = ("<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q",
+             "N", "F", "Y", "M", "H", "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
+_SMALL = {"num_hidden_layers": 2, "num_attention_heads": 2, "initializer_range": 0.2}
+
+
+def training_text(lines: int = 3000, seed: int = 0) -> list[str]:
+    """Deterministic English-like text for training the family tokenizers offline: sentences of the
+    whole words of the shipped BERT vocabulary, with punctuation and digits."""
+    import random
+
+    with resources.as_file(resources.files("fillmask_server") / "data" / VOCAB_FILE) as vocab:
+        words = [w for w in Path(vocab).read_text(encoding="utf-8").split() if w.isalpha() and w.isascii()]
+    rng = random.Random(seed)
+    common = words[1000:6000]  # the frequent words, so that they become single tokens
+    text = []
+    for n in range(lines):
+        sentence = " ".join(rng.choice(common if rng.random() < 0.8 else words) for _ in range(rng.randint(4, 14)))
+        text.append(sentence.capitalize() + rng.choice([".", ".", "!", "?", f", {n}."]))
+    return text
+
+
+def is_family_checkpoint(directory: Path) -> bool:
+    """True when ``directory`` holds a family checkpoint written by this version of ``write_family``."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (config.get(FAMILY_KEY) == FAMILY_VERSION and (directory / "model.safetensors").is_file()
+            and (directory / "tokenizer_config.json").is_file())
+
+
+def ensure_family(family: str, root: Path) -> Path:
+    """``root/FAMILY``, written by ``write_family`` unless a checkpoint of this version is already there."""
+    directory = root / family
+    if not is_family_checkpoint(directory):
+        write_family(family, directory)
+    return directory
+
+
+def write_family(family: str, directory: Path, seed: int = 0) -> Path:
+    """A random-weight tiny ``*ForMaskedLM`` of ``family`` (2 layers, hidden 32-64) and its tokenizer,
+    trained offline with ``tokenizers`` on ``training_text``; the tokenizer is the family's own class,
+    so it tokenizes, adds special tokens and decodes as that family's real checkpoints do."""
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    tokenizer = _family_tokenizer(family, directory)
+    config = _family_config(family, tokenizer)
+    setattr(config, RANDOM_WEIGHTS_KEY, True)
+    setattr(config, FAMILY_KEY, FAMILY_VERSION)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForMaskedLM.from_config(config).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _family_tokenizer(family: str, directory: Path) -> object:
+    import transformers
+
+    limit = {"model_max_length": FAMILY_MAX_TOKENS}
+    if family == "esm":
+        directory.mkdir(parents=True, exist_ok=True)
+        vocab = directory / "vocab.txt"
+        vocab.write_text("\n".join(ESM_VOCAB) + "\n")
+        return transformers.EsmTokenizer(str(vocab), **limit)
+    if family in ("bert", "distilbert", "electra"):
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        cls = {"bert": transformers.BertTokenizer, "distilbert": transformers.DistilBertTokenizer,
+               "electra": transformers.ElectraTokenizer}[family]
+        return cls(vocab=_train("wordpiece", specials)["vocab"], **limit)
+    if family in ("roberta", "modernbert"):
+        if family == "roberta":
+            model = _train("bpe", ["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+            return transformers.RobertaTokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],
+                                                 **limit)
+        return _modernbert_tokenizer(limit)
+    specials = {"xlm-roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+                "albert": ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"],
+                "deberta-v2": ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]}[family]
+    cls = {"xlm-roberta": transformers.XLMRobertaTokenizer, "albert": transformers.AlbertTokenizer,
+           "deberta-v2": transformers.DebertaV2Tokenizer}[family]
+    vocab = [(piece, score) for piece, score in _train("unigram", specials, lowercase=family == "albert")["vocab"]]
+    return cls(vocab=vocab, **limit)
+
+
+def _train(kind: str, specials: list[str], lowercase: bool = False) -> dict:
+    """Train a ``tokenizers`` model of ``kind`` on ``training_text``; its JSON ``model`` section."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    if kind == "wordpiece":
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=FAMILY_VOCAB, special_tokens=specials)
+    elif kind == "bpe":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=FAMILY_VOCAB, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tokenizer = Tokenizer(models.Unigram())
+        steps = [normalizers.NFKC()] + ([normalizers.Lowercase()] if lowercase else [])
+        tokenizer.normalizer = normalizers.Sequence(steps)
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=FAMILY_VOCAB, special_tokens=specials, unk_token=specials[
+            [s.strip("<>[]").lower() for s in specials].index("unk")])
+    tokenizer.train_from_iterator(training_text(), trainer)
+    return json.loads(tokenizer.to_str())["model"]
+
+
+def _modernbert_tokenizer(limit: dict[str, int]) -> object:
+    """ModernBERT's kind: byte-level BPE with BERT-style special tokens (``[CLS] text [SEP]``)."""
+    from tokenizers import Tokenizer, decoders, models, processors
+    from tokenizers import pre_tokenizers as pre
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    trained = _train("bpe", specials)
+    tokenizer = Tokenizer(models.BPE(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]]))
+    tokenizer.pre_tokenizer = pre.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    ids = {token: tokenizer.token_to_id(token) for token in specials}
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]", **limit)
+
+
+def _family_config(family: str, tokenizer: Any) -> Any:
+    """The family's config for a tiny model whose position table fits ``FAMILY_MAX_TOKENS`` exactly."""
+    import transformers as t
+
+    vocab, pad = len(tokenizer), tokenizer.pad_token_id
+    positions = FAMILY_MAX_TOKENS
+    if family == "bert":
+        return t.BertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=positions,
+                            pad_token_id=pad, **_SMALL)
+    if family in ("roberta", "xlm-roberta"):  # position ids start after the padding index
+        cls = t.RobertaConfig if family == "roberta" else t.XLMRobertaConfig
+        return cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=positions + pad + 1,
+                   pad_token_id=pad, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   type_vocab_size=1, **_SMALL)
+    if family == "distilbert":
+        return t.DistilBertConfig(vocab_size=vocab, dim=32, hidden_dim=64, n_layers=2, n_heads=2,
+                                  max_position_embeddings=positions, pad_token_id=pad, initializer_range=0.2)
+    if family == "albert":
+        return t.AlbertConfig(vocab_size=vocab, embedding_size=16, hidden_size=32, intermediate_size=64,
+                              max_position_embeddings=positions, pad_token_id=pad,
+                              bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id, **_SMALL)
+    if family == "electra":  # a generator: the embeddings are projected up to the encoder's width
+        return t.ElectraConfig(vocab_size=vocab, embedding_size=32, hidden_size=64, intermediate_size=128,
+                               max_position_embeddings=positions, pad_token_id=pad, **_SMALL)
+    if family == "deberta-v2":  # DeBERTa-v3's shape: relative positions in log buckets, no absolute ones
+        return t.DebertaV2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
+                                 relative_attention=True, position_buckets=16, max_relative_positions=-1,
+                                 pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+                                 share_att_key=True, type_vocab_size=0, pad_token_id=pad, **_SMALL)
+    if family == "modernbert":  # layer 0 global attention, layer 1 a sliding window of 16 tokens
+        return t.ModernBertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
+                                  local_attention=16, global_attn_every_n_layers=2, pad_token_id=pad,
+                                  cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
+                                  bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id, **_SMALL)
+    # esm: ESM-2's shape (rotary positions, token dropout: mask embeddings zeroed and the rest rescaled)
+    return t.EsmConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=positions + 2,
+                       position_embedding_type="rotary", token_dropout=True, mask_token_id=tokenizer.mask_token_id,
+                       pad_token_id=pad, emb_layer_norm_before=False, **_SMALL)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write an offline random-weight BERT fill-mask checkpoint.")
-    parser.add_argument("size", choices=sorted(SIZES), help="model shape")
+    parser = argparse.ArgumentParser(description="Write an offline random-weight fill-mask checkpoint.")
+    parser.add_argument("size", choices=[*sorted(SIZES), *FAMILIES],
+                        help="a BERT shape (tiny, small, base) or a family's tiny model (bert, roberta, ...)")
     parser.add_argument("directory", type=Path, help="where to write config, weights and tokenizer")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true", help="rewrite even if the directory holds a checkpoint")
     args = parser.parse_args(argv)
+    if args.size in FAMILIES:
+        if is_family_checkpoint(args.directory) and not args.force:
+            print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
+            return 0
+        write_family(args.size, args.directory, seed=args.seed)
+        print(f"{args.directory}: wrote random-weight tiny '{args.size}' fill-mask checkpoint")
+        return 0
     if is_checkpoint(args.directory) and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0

@@ -14,10 +14,10 @@ Served by ``GET /metrics`` (protocol.md §9, §11) in the Prometheus text format
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -71,9 +71,14 @@ class _LiveCollector:
 class Metrics:
     """The metrics of one server; ``render`` gives the ``/metrics`` body and its content type."""
 
-    def __init__(self, live: LiveValues) -> None:
+    def __init__(self, live: LiveValues, engine: Mapping[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
+        if engine is not None:  # an info-style gauge: always 1, the facts are its labels (hello.engine, §2)
+            labels = ("forward", "head", "device", "dtype")
+            info = Gauge("fillmask_engine_info", "Which path the model runs: forward traced or eager, head at the "
+                         "masks or full (every position), device and dtype.", labels, registry=registry)
+            info.labels(*(str(engine.get(label, "")) for label in labels)).set(1)
         self.requests = Counter(
             "fillmask_requests", "Requests by how they ended: outcome is result, error, overloaded, cancelled or "
             "dropped (connection closed first); code is the error code or the overloaded reason.",

@@ -9,8 +9,7 @@ two threads at once). ``forward`` computes what ``pipeline("fill-mask")`` comput
 to target ids, top-k), with two differences in *how*:
 
 - The encoder runs once per batch on padded inputs, and the MLM head only on the hidden states at
-  mask positions (for architectures whose head is a separate per-position module), instead of on
-  every position of every text.
+  mask positions, instead of on every position of every text (see "The head at the masks").
 - Softmax and top-k run once over all mask rows of the batch that have no targets.
 
 It returns the top-k as tensors (``TopK``); turning them into Python lists and strings is the decode stage's work
@@ -24,6 +23,26 @@ Python. So by default (``forward="traced"``) the encoder, the head at the masks 
 one TorchScript graph: one call, one GIL hand-over per batch (4.6 ms → 4.4 ms in the same test). The
 graph is traced at load time and checked against eager PyTorch on several shapes, padding patterns
 and mask counts; if tracing fails or any output differs by a single bit, the eager path is used.
+
+**The head at the masks.** Nothing here names model types. The encoder is the model's ``base_model``;
+the head is whatever the model's own ``forward`` does after it: ``HeadAfterEncoder`` calls that
+``forward`` with the encoder's output given (BERT's ``cls``, DistilBERT's ``vocab_transform →
+activation → vocab_layer_norm → vocab_projector``, ELECTRA's ``generator_predictions →
+generator_lm_head``, DeBERTa-v2's ``lm_predictions`` with its word embeddings, ModernBERT's ``head →
+decoder``, ESM's ``lm_head``, ... run as each model's code runs them). At load, on check inputs with
+padding and masks, two things are verified, and if either fails the full model runs at every position
+(``head_mode == "full"``, and the log says why):
+
+- bit for bit: the head on the encoder's output at *every* position equals the model's own
+  ``forward(...).logits``, so the head sees nothing but the encoder's last hidden state;
+- the head on the *mask rows alone* equals those logits at the masks within a few units in the last
+  place (a matrix product's last bits depend on how many rows it has), so the head works position
+  by position. Not with ``--dtype int8``: dynamic quantisation scales each Linear layer's input by
+  its own range, so there every layer's answer (the encoder's too) depends on what else is in the
+  batch, and the head at the masks is no different.
+
+**Check inputs** draw their ids from the tokenizer's own non-special ids (a protein model has 25
+tokens) and are never longer than the model accepts (``max_tokens``).
 """
 
 from __future__ import annotations
@@ -44,9 +63,9 @@ import orjson
 
 log = logging.getLogger(__name__)
 
-# Model types whose ``*ForMaskedLM.forward`` is exactly ``head(encoder(...).last_hidden_state)``
-# with a per-position head, so the head may run on the mask positions alone.
-_HEAD_ATTRIBUTE = {"bert": "cls", "roberta": "lm_head", "xlm-roberta": "lm_head", "camembert": "lm_head"}
+#: The check inputs' shapes: (rows, width, padded rows, masks); widths are capped at ``max_tokens``,
+#: and one more check runs at ``max_tokens`` itself.
+_CHECK_SHAPES = ((1, 5, 0, 1), (3, 9, 2, 3), (32, 11, 0, 32), (4, 40, 3, 9))
 
 
 class ModelLoadError(Exception):
@@ -124,11 +143,9 @@ class FillMaskModel:
         self.mask_token_id: int = tokenizer.mask_token_id
         self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.vocab_size: int = model.config.vocab_size
-        self.max_tokens: int = _max_tokens(tokenizer, model.config)
+        self.max_tokens: int = _max_tokens(tokenizer, model)
         self._wants_token_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
-        head_attr = _HEAD_ATTRIBUTE.get(model.config.model_type)
-        self._head = getattr(model, head_attr, None) if head_attr else None
-        self._encoder = model.base_model if self._head is not None else None
+        self._check_ids = _ordinary_ids(tokenizer, self.vocab_size)
         self._vocab: dict[str, int] | None = None
         self._targets: dict[tuple[str, ...], tuple[int, ...]] = {}
         # Each token's JSON length without quotes, plus the space that may join it (for result bounds,
@@ -139,10 +156,32 @@ class FillMaskModel:
                 sizes[id_] = len(orjson.dumps(token)) - 1
         self.token_json_bytes = sizes
         self.longest_token_json = max(sizes) + 2
+        #: Why the head does not run at the masks alone, or why the graph is not traced (None: it is).
+        self.head_note: str | None = None
+        self.forward_note: str | None = None
+        self._encoder: Any = None
+        self._head: Any = None
+        encoder = getattr(model, "base_model", None)
+        if encoder is None or encoder is model:
+            self.head_note = "the model has no separate encoder (base_model)"
+        else:
+            self._encoder, self._head = encoder, _head_after_encoder(model, encoder)
+            self.head_note = self._check_head()
+            if self.head_note is not None:
+                self._encoder = self._head = None
+                log.warning("%s; running the full model (the vocabulary projection at every position)",
+                            self.head_note)
+        self.head_mode = "masks" if self._head is not None else "full"
         self._scores: Any = None  # the traced graph: inputs and mask positions in, softmax at the masks out
-        if forward == "traced" and self._head is not None:
+        if forward == "traced":
             self._scores = self._trace()
+        else:
+            self.forward_note = "--forward eager"
         self.forward_mode = "traced" if self._scores is not None else "eager"
+
+    def engine_facts(self) -> dict[str, str]:
+        """Which path runs, for ``hello.engine``, ``/metrics`` and the start-up line (protocol.md §2)."""
+        return {"forward": self.forward_mode, "head": self.head_mode, "device": str(self.device), "dtype": self.dtype}
 
     # --- tokenizing (the tokenizer stage) --------------------------------------------------------
 
@@ -255,10 +294,13 @@ class FillMaskModel:
             return self._scores(*inputs)
         return self._eager_scores(*inputs)
 
-    def _eager_scores(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
+    def _extra(self, ids: Any) -> dict[str, Any]:
         import torch
 
-        extra: dict[str, Any] = {"token_type_ids": torch.zeros_like(ids)} if self._wants_token_types else {}
+        return {"token_type_ids": torch.zeros_like(ids)} if self._wants_token_types else {}
+
+    def _eager_scores(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
+        extra = self._extra(ids)
         if self._head is not None:
             hidden = self._encoder(input_ids=ids, attention_mask=attention, **extra).last_hidden_state
             logits = self._head(hidden[rows, cols])
@@ -266,9 +308,37 @@ class FillMaskModel:
             logits = self.model(input_ids=ids, attention_mask=attention, **extra).logits[rows, cols]
         return logits.float().softmax(dim=-1)
 
+    def _check_head(self) -> str | None:
+        """None when the head at the masks is the model's own head (see the module docstring), else why not."""
+        import torch
+
+        ids, attention, rows, cols = self._check_inputs(3, 12, padded=2, masks=4)
+        extra = self._extra(ids)
+        try:
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                full = self.model(input_ids=ids, attention_mask=attention, **extra).logits
+                hidden = self._encoder(input_ids=ids, attention_mask=attention, **extra).last_hidden_state
+                every = self._head(hidden.reshape(-1, hidden.shape[-1]))
+                at_masks = self._head(hidden[rows, cols])
+        except Exception as exc:  # an encoder or forward pass this split does not fit
+            return f"the MLM head cannot run on the encoder's output alone ({_first_line(exc)})"
+        if every.shape != (ids.numel(), full.shape[-1]) or not torch.equal(every, full.reshape(every.shape)):
+            return "the MLM head on the encoder's output differs from the model's own forward pass"
+        if self.dtype == "int8":  # see the module docstring: no layer is per-position under dynamic quantisation
+            return None
+        expected = full[rows, cols].float()
+        # Units in the last place of the largest logit: what the number of rows changes in a product (up
+        # to a few in float32 on the families of tests/test_families.py, none in bfloat16); 16 leaves room.
+        slack = 16 * torch.finfo(full.dtype).eps * max(1.0, expected.abs().max().item())
+        if (at_masks.float() - expected).abs().max().item() > slack:
+            return "the MLM head on the mask positions alone differs from the model's own (it is not per-position)"
+        return None
+
     def _trace(self) -> Any:
-        """The encoder, the head at the masks and the softmax as one TorchScript graph, or None when
-        tracing fails or the graph differs from eager PyTorch by one bit on any of the check inputs."""
+        """The encoder, the head at the masks (or the full model) and the softmax as one TorchScript graph,
+        or None when tracing fails or the graph differs from eager PyTorch by one bit on any check input;
+        ``forward_note`` then says why."""
         import torch
 
         owner = self
@@ -276,7 +346,9 @@ class FillMaskModel:
         class MaskedScores(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
-                self.encoder, self.head = owner._encoder, owner._head
+                self.model = owner.model
+                if owner._head is not None:  # the model's own head holds no module; another one may
+                    self.head = owner._head
 
             def forward(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
                 return owner._eager_scores(ids, attention, rows, cols)
@@ -285,26 +357,36 @@ class FillMaskModel:
         frozen = [p for p in module.parameters() if p.requires_grad]
         for parameter in frozen:
             parameter.requires_grad_(False)
+        shapes = [*_CHECK_SHAPES, (2, self.max_tokens, 1, 3)]
         try:
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the tracer warns about every Python-level branch
                 traced = torch.jit.trace(module, self._check_inputs(2, 8, padded=1, masks=2), check_trace=False)
-                for shape in ((1, 5, 0, 1), (3, 9, 2, 3), (32, 11, 0, 32), (4, 40, 3, 9)):
+                for shape in shapes:
                     inputs = self._check_inputs(*shape)
                     if not torch.equal(traced(*inputs), module(*inputs)):
-                        log.info("the traced forward pass differs from eager PyTorch; running eager")
+                        self.forward_note = ("the traced forward pass differs from eager PyTorch on inputs of "
+                                             f"{inputs[0].shape[0]} x {inputs[0].shape[1]} tokens")
+                        log.warning("%s; running eager", self.forward_note)
                         return None
         except Exception as exc:  # an architecture the tracer cannot follow: eager still works
-            log.info("cannot trace the forward pass (%s); running eager", _first_line(exc))
+            self.forward_note = f"cannot trace the forward pass ({_first_line(exc)})"
+            log.warning("%s; running eager", self.forward_note)
             return None
         return traced
 
     def _check_inputs(self, rows: int, width: int, padded: int, masks: int) -> tuple[Any, ...]:
-        """Deterministic inputs for tracing and checking: ``padded`` rows half padding, ``masks`` masks."""
+        """Deterministic inputs for tracing and checking: ``padded`` rows half padding, ``masks`` masks.
+
+        Ids are drawn from the tokenizer's own non-special ids, and ``width`` is capped at ``max_tokens``,
+        so the inputs are valid for any vocabulary and any position table.
+        """
         import torch
 
+        width = max(4, min(width, self.max_tokens))
         generator = torch.Generator().manual_seed(rows * 1000 + width)
-        ids = torch.randint(1000, min(2000, self.vocab_size), (rows, width), generator=generator)
+        pool = torch.tensor(self._check_ids, dtype=torch.long)
+        ids = pool[torch.randint(0, len(pool), (rows, width), generator=generator)]
         attention = torch.ones(rows, width, dtype=torch.long)
         attention[:padded, width // 2:] = 0
         ids[:padded, width // 2:] = self.pad_token_id
@@ -313,6 +395,50 @@ class FillMaskModel:
         rows_, cols = (ids == self.mask_token_id).nonzero(as_tuple=True)
         device = self.device
         return ids.to(device), attention.to(device), rows_.to(device), cols.to(device)
+
+
+def _ordinary_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+    """The tokenizer's ids below ``vocab_size`` that are not special tokens (all ids if none are left)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    ids = [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
+    return ids or list(range(vocab_size))
+
+
+def _head_after_encoder(model: Any, encoder: Any) -> Any:
+    """The part of ``model.forward`` after ``encoder``, as a module: hidden states of some positions
+    (rows × hidden) in, their logits (rows × vocabulary) out.
+
+    It calls the model's own ``forward`` with the encoder's output given: the encoder's ``forward`` is
+    replaced, for the duration of the call, by one that returns those hidden states as one sequence.
+    So the head runs as the model's code runs it, whatever its modules are called; ``_check_head``
+    verifies that the result is the model's. It registers no submodule (the model's parameters stay
+    the model's: nothing is counted twice when traced).
+    """
+    import torch
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class HeadAfterEncoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._owner = (model, encoder)  # a tuple: not registered as submodules
+
+        def forward(self, hidden: Any) -> Any:
+            whole, inner = self._owner
+            given = BaseModelOutput(last_hidden_state=hidden.unsqueeze(0))
+            placeholder = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
+            wrapped = inner.__dict__.get("forward")  # a hook library's own wrapper, if any: put back after
+            inner.forward = lambda *args, **kwargs: given
+            try:
+                output = whole(input_ids=placeholder)
+            finally:
+                if wrapped is None:
+                    del inner.forward
+                else:
+                    inner.forward = wrapped
+            logits = output.logits if hasattr(output, "logits") else output[0]
+            return logits[0]
+
+    return HeadAfterEncoder()
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:
@@ -325,14 +451,19 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def _max_tokens(tokenizer: Any, config: Any) -> int:
-    """Longest input the model accepts, special tokens included."""
+def _max_tokens(tokenizer: Any, model: Any) -> int:
+    """Longest input the model accepts, special tokens included: the tokenizer's ``model_max_length``
+    when it has one, else the position table's size (less the offset of position ids that start after
+    the padding index, as RoBERTa's do)."""
     limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(limit, int) and 0 < limit < 1_000_000:
         return limit
-    positions = getattr(config, "max_position_embeddings", 512)
-    if config.model_type in ("roberta", "xlm-roberta", "camembert"):
-        positions -= config.pad_token_id + 1  # position ids start after the padding index
+    positions = getattr(model.config, "max_position_embeddings", 512)
+    embeddings = getattr(getattr(model, "base_model", None), "embeddings", None)
+    table = getattr(embeddings, "position_embeddings", None)
+    padding_idx = getattr(table, "padding_idx", None)
+    if isinstance(padding_idx, int) and padding_idx >= 0:
+        positions -= padding_idx + 1
     return positions
 
 
@@ -422,7 +553,9 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) 
     if dtype == "int8":
         model = _quantize_dynamic(model)
     loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward)
-    log.info("loaded %s on %s (%s, %s forward pass)", name, device, dtype, loaded.forward_mode)
+    facts = loaded.engine_facts()
+    log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
+             "at the masks" if facts["head"] == "masks" else "at every position (full model)")
     return loaded
 
 

@@ -236,8 +236,9 @@ def _parse_targets(value: Any, limits: Limits) -> tuple[str, ...] | str:
 
 
 def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
-                 extra_limits: dict[str, Any]) -> bytes:
-    """The first frame on every connection (§2)."""
+                 extra_limits: dict[str, Any], engine: dict[str, Any]) -> bytes:
+    """The first frame on every connection (§2); ``engine`` says which path the model runs
+    (``FillMaskModel.engine_facts``)."""
     announced = {
         **extra_limits,
         "max_text_chars": limits.max_text_chars,
@@ -250,7 +251,8 @@ def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
     }
     return orjson.dumps({"type": "hello", "protocol": PROTOCOL_VERSION, "server": server, "model": model,
                          "random_weights": random_weights, "mask_token": limits.mask_token, "limits": announced,
-                         "stats": {f"{key}_interval_ms": value for key, value in STATS_INTERVAL_MS.items()}})
+                         "stats": {f"{key}_interval_ms": value for key, value in STATS_INTERVAL_MS.items()},
+                         "engine": engine})
 
 
 def encode_result(request_id: RequestId, predictions_json: bytes, queue_ms: float, inference_ms: float,

@@ -97,7 +97,7 @@ class FillMaskServer:
             engine_busy_seconds=lambda: self.engine.stats.busy_s,
             engine_uptime_seconds=lambda: time.monotonic() - self.engine.started_at,
             engine_alive=lambda: self.engine.alive,
-        ))
+        ), engine=model.engine_facts())
         self.stats = LiveStats()
         self.unsent = UnsentBytes()
         memory = AnswerMemory(config.max_send_buffer_bytes, config.max_answer_bytes,
@@ -113,7 +113,7 @@ class FillMaskServer:
             "max_frame_bytes": config.max_frame_bytes,
             "max_result_bytes": config.max_result_bytes,
             "max_inflight_per_connection": config.max_inflight_per_connection,
-        })
+        }, model.engine_facts())
         self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
         self.http = HttpFront(config, self.origins, self._tls is not None, self.metrics, FrontState(
             accepting=lambda: self.ready.loaded and not self.ready.draining,

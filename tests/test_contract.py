@@ -91,7 +91,8 @@ def default_hello(**limits: Any) -> dict[str, Any]:
     """The hello a server with default settings (and ``limits``' Limits fields) sends, from its encoder."""
     return orjson.loads(encode_hello("fillmask-server/0.1.0", "tiny", True, Limits("[MASK]", **limits), {
         "max_batch_size": 32, "max_batch_tokens": 8192, "max_queue": 1024, "max_tokens": 512,
-        "max_frame_bytes": 65536, "max_result_bytes": 1_048_576, "max_inflight_per_connection": 256}))
+        "max_frame_bytes": 65536, "max_result_bytes": 1_048_576, "max_inflight_per_connection": 256},
+        {"forward": "traced", "head": "masks", "device": "cpu", "dtype": "float32"}))
 
 
 # --- the documents themselves ----------------------------------------------------------------------
@@ -422,7 +423,8 @@ def test_every_other_frame_is_under_16_kib() -> None:
         encode_hello("fillmask-server/0.1.0", "é" * 127, True, Limits("[MASK]" * 10, *([big] * 9)),
                      {name: big for name in ("max_batch_size", "max_batch_tokens", "max_queue", "max_tokens",
                                              "max_frame_bytes", "max_result_bytes",
-                                             "max_inflight_per_connection")}),
+                                             "max_inflight_per_connection")},
+                     {"forward": "eager", "head": "full", "device": "cuda:0", "dtype": "bfloat16"}),
     ]
     assert max(map(len, frames)) < OTHER_FRAMES_MAX, [len(f) for f in frames]
 

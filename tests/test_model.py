@@ -103,3 +103,99 @@ def test_loading_leaves_no_thread_behind(tiny_model_dir: Path) -> None:
         pytest.skip("torch runs one thread here: no OpenMP worker pool to leave behind")
     before, after = map(int, done.stdout.split())
     assert after <= before, (before, after)
+
+
+# --- any family, any vocabulary: the head at the masks and the traced graph, or the reason why not ---------
+
+RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
+
+
+def residue_model(positions: int = 16) -> tuple[Any, Any]:
+    """An AntiBERTy-like BERT built in memory: 25 tokens (5 special, 20 amino acids), ``positions`` positions."""
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizer
+
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *RESIDUES]
+    tokenizer = BertTokenizer(vocab={token: i for i, token in enumerate(tokens)}, do_lower_case=False,
+                              model_max_length=positions)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokens), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=positions, initializer_range=0.2)
+    return tokenizer, BertForMaskedLM(config).eval()
+
+
+def test_a_vocabulary_of_25_tokens_and_16_positions_gets_the_traced_graph_and_the_head_at_the_masks() -> None:
+    """Check inputs come from the tokenizer's own ordinary ids and fit the position table (a protein
+    model once lost its traced graph: ids were drawn from 1000..2000, and checks were 40 tokens long)."""
+    from transformers import pipeline
+
+    tokenizer, model = residue_model()
+    fill = FillMaskModel("residues", tokenizer, model, "cpu", "float32")
+    assert fill.engine_facts() == {"forward": "traced", "head": "masks", "device": "cpu", "dtype": "float32"}
+    assert (fill.head_note, fill.forward_note, fill.max_tokens) == (None, None, 16)
+    text = "E V Q L [MASK] E S G G"
+    expected = pipeline("fill-mask", model=model, tokenizer=tokenizer, device="cpu")(text, top_k=5)
+    got = fill.forward([Item(fill.tokenize([text])[0], 5)])
+    assert got.indices[0].tolist() == [p["token"] for p in expected]
+    assert got.values[0].tolist() == pytest.approx([p["score"] for p in expected], abs=1e-6)
+
+
+def test_a_head_that_is_not_per_position_runs_the_full_model_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """The load-time check compares the head on the encoder's output with the model's own forward pass:
+    a head that mixes positions fails it, and the server runs the whole model (still traced), correctly."""
+    tokenizer, model = residue_model()
+    own_head = model.cls
+
+    class Mixing(torch.nn.Module):  # each position's logits depend on the mean of its sequence
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = own_head
+
+        def forward(self, hidden: Any) -> Any:
+            return self.inner(hidden + hidden.mean(dim=1, keepdim=True))
+
+    model.cls = Mixing()
+    with caplog.at_level("WARNING", logger="fillmask_server.model"):
+        fill = FillMaskModel("mixing", tokenizer, model, "cpu", "float32")
+    assert fill.engine_facts()["head"] == "full" and fill.forward_mode == "traced"
+    assert fill.head_note is not None and "differs from the model's own forward pass" in fill.head_note
+    assert any("running the full model" in record.getMessage() for record in caplog.records)
+    texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L"]
+    ids = fill.tokenize(texts)
+    got = fill.forward([Item(row, 5) for row in ids])
+    width = max(map(len, ids))  # the model's own forward pass on the same padded batch
+    padded = torch.tensor([row + [0] * (width - len(row)) for row in ids])
+    attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids])
+    with torch.inference_mode():
+        logits = model(input_ids=padded, attention_mask=attention).logits
+    expected = logits[padded == tokenizer.mask_token_id].softmax(-1).topk(5)
+    assert torch.equal(got.indices, expected.indices)
+    assert torch.allclose(got.values, expected.values, atol=1e-6)
+
+
+def test_the_start_up_line_names_the_path(tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="fillmask_server.model"):
+        load_model(str(tiny_model_dir), "cpu", forward="eager")
+    assert any(record.getMessage().endswith("on cpu (float32): forward eager, head at the masks")
+               for record in caplog.records), [record.getMessage() for record in caplog.records]
+
+
+def test_deberta_v2_with_its_newer_head_gets_the_head_at_the_masks() -> None:
+    """``legacy=False``: DeBERTa-v2's ``lm_predictions`` takes the word embeddings as a second argument, so
+    no single submodule is the head; running the model's own forward after the encoder finds it all the same."""
+    from transformers import AutoConfig, AutoTokenizer, DebertaV2ForMaskedLM, pipeline
+
+    from fillmask_server.checkpoint import ensure_family
+
+    directory = ensure_family("deberta-v2", Path(__file__).resolve().parent.parent / "models" / "families")
+    config = AutoConfig.from_pretrained(directory)
+    config.legacy = False
+    torch.manual_seed(0)
+    model = DebertaV2ForMaskedLM(config).eval()
+    assert not hasattr(model, "cls") and hasattr(model, "lm_predictions")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    fill = FillMaskModel("deberta-v3-like", tokenizer, model, "cpu", "float32")
+    assert fill.engine_facts()["head"] == "masks" and fill.forward_mode == "traced"
+    text = "The old farmer bought a [MASK] bicycle in the morning."
+    expected = pipeline("fill-mask", model=model, tokenizer=tokenizer, device="cpu")(text, top_k=5)
+    got = fill.forward([Item(fill.tokenize([text])[0], 5)])
+    assert got.indices[0].tolist() == [p["token"] for p in expected]

@@ -138,7 +138,9 @@ def test_huge_integer_is_an_error_not_an_exception() -> None:
 
 
 def test_encoders_make_one_json_object() -> None:
-    hello = orjson.loads(encode_hello("s/1", "m", True, LIMITS, {"max_queue": 4}))
+    engine = {"forward": "traced", "head": "masks", "device": "cpu", "dtype": "float32"}
+    hello = orjson.loads(encode_hello("s/1", "m", True, LIMITS, {"max_queue": 4}, engine))
+    assert hello["engine"] == engine
     assert hello["type"] == "hello" and hello["protocol"] == 1 and hello["mask_token"] == "[MASK]"
     assert hello["random_weights"] is True
     assert hello["limits"]["max_queue"] == 4 and hello["limits"]["top_k"] == {"min": 1, "max": 10, "default": 5}
