@@ -119,10 +119,30 @@ def is_family_checkpoint(directory: Path) -> bool:
 
 
 def ensure_family(family: str, root: Path) -> Path:
-    """``root/FAMILY``, written by ``write_family`` unless a checkpoint of this version is already there."""
+    """``root/FAMILY``, written by ``write_family`` unless a checkpoint of this version is already there.
+
+    Safe for several processes at once (the test suite's workers): each writes into a directory of its
+    own beside the target and renames it into place, which is atomic, so a reader never sees a half
+    written checkpoint; a process that loses the race throws its copy away."""
+    import shutil
+    import tempfile
+
     directory = root / family
-    if not is_family_checkpoint(directory):
-        write_family(family, directory)
+    if is_family_checkpoint(directory):
+        return directory
+    root.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
+    try:
+        write_family(family, made)
+        if directory.exists() and not is_family_checkpoint(directory):
+            shutil.rmtree(directory, ignore_errors=True)  # an older version's checkpoint
+        try:
+            made.rename(directory)
+        except OSError:  # another process put a checkpoint there first
+            if not is_family_checkpoint(directory):
+                raise
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
     return directory
 
 
