@@ -42,6 +42,8 @@ from typing import Any
 
 import orjson
 
+from .protocol import TargetNote
+
 log = logging.getLogger(__name__)
 
 # Model types whose ``*ForMaskedLM.forward`` is exactly ``head(encoder(...).last_hidden_state)``
@@ -130,7 +132,7 @@ class FillMaskModel:
         self._head = getattr(model, head_attr, None) if head_attr else None
         self._encoder = model.base_model if self._head is not None else None
         self._vocab: dict[str, int] | None = None
-        self._targets: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._targets: dict[tuple[str, ...], tuple[tuple[int, ...], tuple[TargetNote, ...]]] = {}
         # Each token's JSON length without quotes, plus the space that may join it (for result bounds,
         # intake.result_bound), and the longest: the most one candidate adds to a decoded text.
         sizes = [0] * len(tokenizer)
@@ -154,18 +156,28 @@ class FillMaskModel:
 
     def target_ids(self, targets: tuple[str, ...]) -> tuple[int, ...]:
         """The pipeline's ``get_target_ids``: vocab id, else first token; deduplicated. Cached."""
-        ids = self._targets.get(targets)
-        if ids is None:
-            ids = self._resolve_targets(targets)
+        return self._resolved(targets)[0]
+
+    def target_notes(self, targets: tuple[str, ...]) -> tuple[TargetNote, ...]:
+        """The targets not scored as given, in request order, each with the token scored instead as its
+        ``token_str`` reads (None: it is no token at all and was ignored, as in the pipeline). Empty when
+        every target is scored as given. Cached with ``target_ids``."""
+        return self._resolved(targets)[1]
+
+    def _resolved(self, targets: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[TargetNote, ...]]:
+        resolved = self._targets.get(targets)
+        if resolved is None:
+            resolved = self._resolve_targets(targets)
             if len(self._targets) >= 1024:
                 self._targets.clear()
-            self._targets[targets] = ids
-        return ids
+            self._targets[targets] = resolved
+        return resolved
 
-    def _resolve_targets(self, targets: tuple[str, ...]) -> tuple[int, ...]:
+    def _resolve_targets(self, targets: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[TargetNote, ...]]:
         if self._vocab is None:
             self._vocab = self.tokenizer.get_vocab()
         ids: list[int] = []
+        notes: list[TargetNote] = []
         for target in targets:
             id_ = self._vocab.get(target)
             if id_ is None:
@@ -173,6 +185,9 @@ class FillMaskModel:
                 # not switch the shared Rust tokenizer's truncation setting back and forth.
                 pieces = self.tokenizer(target, add_special_tokens=False, return_attention_mask=False,
                                         return_token_type_ids=False)["input_ids"]
+                scored = self.tokenizer.decode(pieces[:1]) if pieces else None
+                if (len(pieces) != 1 or scored != target) and (target, scored) not in notes:
+                    notes.append((target, scored))
                 if not pieces:
                     continue
                 id_ = pieces[0]
@@ -180,7 +195,7 @@ class FillMaskModel:
         unique = list(set(ids))  # the pipeline's order, which decides ties in top-k
         if not unique:
             raise TargetError("none of the targets is a token of this model's vocabulary")
-        return tuple(unique)
+        return tuple(unique), tuple(notes)
 
     # --- the forward pass (the model thread) ---------------------------------------------------------
 
