@@ -35,7 +35,7 @@ import shlex
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,8 +361,14 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(name: str, device: str = "auto", dtype: str = "float32", threads: int = 0,
-               forward: str = "traced") -> FillMaskModel:
+               forward: str = "traced", progress: Callable[[str], None] | None = None) -> FillMaskModel:
     """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line.
+
+    ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
+    ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
+    with one short line: first ``loading NAME on DEVICE (DTYPE)``, at once when ``device`` is named
+    (before torch is imported), or for ``auto`` as soon as torch has said which device it is; then,
+    on the loading thread, the name of each later stage (``fillmask_server.startup`` prints them).
 
     The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
     start-up checks run forward passes, and the first parallel operator on a thread gives that thread
@@ -373,12 +379,16 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     (tiny model, 32 x 4 in flight: 2,700 against 3,190 req/s, idle p50 2.5 against 2.2 ms); the pool
     of a thread that has ended is freed.
     """
+    check_source(name)
+    progress = progress or _quiet
+    if device != "auto":
+        progress(f"loading {name} on {device} ({dtype})")
     loaded: list[FillMaskModel] = []
     failed: list[BaseException] = []
 
     def load() -> None:
         try:
-            loaded.append(_load_model(name, device, dtype, threads, forward))
+            loaded.append(_load_model(name, device, dtype, threads, forward, progress))
         except BaseException as exc:  # raised again on the caller's thread
             failed.append(exc)
 
@@ -390,7 +400,12 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     return loaded[0]
 
 
-def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) -> FillMaskModel:
+def _quiet(stage: str) -> None:
+    """The ``progress`` of a caller that wants no start-up lines."""
+
+
+def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
+                progress: Callable[[str], None]) -> FillMaskModel:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import transformers
@@ -401,21 +416,20 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) 
     transformers.utils.logging.disable_progress_bar()
     if threads:
         torch.set_num_threads(threads)
-    device = resolve_device(device)
+    requested, device = device, resolve_device(device)
+    if requested == "auto":
+        progress(f"loading {name} on {device} ({dtype})")
     if dtype == "int8" and not device.startswith("cpu"):
         raise ModelLoadError("--dtype int8 (dynamic quantisation) runs on the CPU only; use --device cpu")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise ModelLoadError(f"cannot use --dtype {dtype}: choose float32, bfloat16, float16 or int8")
     try:
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                       "int8": torch.float32}[dtype]
         torch.empty(1, device=device)
-    except (KeyError, RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
-        raise ModelLoadError(f"cannot use --device {device} with --dtype {dtype}: {_first_line(exc)}") from None
-    local = Path(name).expanduser().is_dir()
-    if not local and name.startswith(("/", "./", "../", "~")):
-        raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
-    if not local and not _hub_reachable():
-        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
-                             f"cannot be reached from here; {_HINT}")
+    except (RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
+        raise ModelLoadError(f"cannot use --device {device}: {_device_problem(exc)}; choose another --device "
+                             "(cpu always works; auto takes cuda only where torch sees a GPU)") from None
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         model_config = AutoConfig.from_pretrained(name)
@@ -425,6 +439,7 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) 
         raise ModelLoadError(f"model {name!r} ({model_config.model_type}) has no masked-language-model head, so "
                              "it cannot fill masks; point --model at a fill-mask model such as "
                              "google-bert/bert-base-uncased")
+    progress("tokenizer and weights")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype)
@@ -435,7 +450,9 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) 
                              "use a fill-mask model such as google-bert/bert-base-uncased")
     model = model.to(device).eval()
     if dtype == "int8":
+        progress("int8 quantisation")
         model = _quantize_dynamic(model)
+    progress("forward pass traced and checked" if forward == "traced" else "model set-up")
     loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward)
     log.info("loaded %s on %s (%s, %s forward pass)", name, device, dtype, loaded.forward_mode)
     return loaded
@@ -462,6 +479,49 @@ def _first_line(exc: BaseException) -> str:
 _HINT = ("point --model at a local directory holding config.json, the weights and the tokenizer files "
          f"(make an offline test model with: {shlex.quote(sys.executable)} -m fillmask_server.checkpoint tiny "
          "models/tiny)")
+
+
+def check_source(name: str) -> None:
+    """The checks of ``--model`` that need no torch, or raise ``ModelLoadError``: a local directory must
+    hold config.json; a path-like name must be a directory; any other name is a Hub model id, which
+    needs the Hub in reach, or (offline) a copy in the local cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"cannot load model from directory {name!r}: it has no config.json; {_HINT}")
+        return
+    if path.exists():
+        raise ModelLoadError(f"cannot load model {name!r}: it is a file, not a directory; {_HINT}")
+    if name.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
+    if not _hub_reachable():
+        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
+                             f"cannot be reached from here; {_HINT}")
+    if not _in_hub_cache_if_offline(name):
+        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory, and with the Hugging Face "
+                             f"Hub off (HF_HUB_OFFLINE) it is not in the local cache either; {_HINT}")
+
+
+def _in_hub_cache_if_offline(name: str) -> bool:
+    """Online: True (the Hub decides). Offline: whether the local cache holds the model's config."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not a valid repo id: from_pretrained will say so
+        return True
+
+
+def _device_problem(exc: BaseException) -> str:
+    """Why torch cannot put a tensor on a device, in the operator's terms."""
+    if isinstance(exc, NotImplementedError):  # a backend this torch build does not include
+        return "this build of torch does not support it"
+    line = _first_line(exc)
+    if "not compiled with CUDA" in line:
+        return f"this build of torch has no CUDA support ({line})"
+    return line
 
 
 def _explain_load_failure(name: str, exc: BaseException) -> str:
