@@ -31,11 +31,12 @@ async def serve_until_signalled(config: Config) -> None:
     lines.done()
     server = FillMaskServer(config, model)
     await server.start()
-    print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
     received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda s=signum: received.done() or received.set_result(s))
+    # Only now: whoever waits for this line may signal at once, and that signal must drain.
+    print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
     signum = await received
     logging.getLogger("fillmask_server").info("%s received: draining (a second signal stops at once)",
                                               signal.Signals(signum).name)

@@ -366,9 +366,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
 
     ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
     ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
-    with one short line: first ``loading NAME on DEVICE (DTYPE)``, at once when ``device`` is named
-    (before torch is imported), or for ``auto`` as soon as torch has said which device it is; then,
-    on the loading thread, the name of each later stage (``fillmask_server.startup`` prints them).
+    with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
+    yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
 
     The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
     start-up checks run forward passes, and the first parallel operator on a thread gives that thread
@@ -381,8 +380,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     """
     check_source(name)
     progress = progress or _quiet
-    if device != "auto":
-        progress(f"loading {name} on {device} ({dtype})")
+    progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
+    progress("torch import and device check")
     loaded: list[FillMaskModel] = []
     failed: list[BaseException] = []
 
@@ -416,9 +415,7 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     transformers.utils.logging.disable_progress_bar()
     if threads:
         torch.set_num_threads(threads)
-    requested, device = device, resolve_device(device)
-    if requested == "auto":
-        progress(f"loading {name} on {device} ({dtype})")
+    device = resolve_device(device)
     if dtype == "int8" and not device.startswith("cpu"):
         raise ModelLoadError("--dtype int8 (dynamic quantisation) runs on the CPU only; use --device cpu")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

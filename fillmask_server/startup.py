@@ -4,7 +4,7 @@
 those calls into lines on stderr, where the logs go too (stdout carries the one ``ready:`` line that
 scripts wait for):
 
-- the first call, ``loading NAME on DEVICE (DTYPE)``, is written at once, with an ellipsis;
+- the first call, ``loading NAME on DEVICE, DTYPE``, is written at once, with an ellipsis;
 - every later call ends the stage before it, and a stage that took at least ``threshold_s`` gets one
   step line with its duration (``  tokenizer and weights: 2.1 s``); quick stages stay silent;
 - ``done`` ends the last stage the same way.

@@ -78,7 +78,7 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
                         "--port", "0")
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    *said, error = lines  # what start-up said it loads (once torch named the device), then one error line
+    *said, error = lines  # what start-up said it loads, then one error line
     assert all(line.startswith(("loading ", "  ")) for line in said), result.stderr
     assert error.startswith("error: ") and expected in error and "--model" in error
     assert "Traceback" not in result.stderr
@@ -113,7 +113,7 @@ async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_mo
         assert "result" in answers.values()
         assert await asyncio.wait_for(process.wait(), 30) == 0
         said = (await process.stderr.read()).decode().splitlines()  # type: ignore[union-attr]
-        assert re.fullmatch(rf"loading {re.escape(str(tiny_model_dir))} on (cpu|cuda\S*) \(float32\)…", said[0])
+        assert said[0] == f"loading {tiny_model_dir} on cuda or cpu (auto), float32…"  # the first thing it says
     finally:
         if process.returncode is None:
             process.kill()

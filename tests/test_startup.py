@@ -78,7 +78,7 @@ def test_the_torch_refusal_bites_once_the_checks_pass(tiny_model_dir: Path) -> N
     """The control: a good model and a free port get as far as importing torch, which the harness refuses."""
     result = run_without_torch("--model", str(tiny_model_dir), "--port", "0", "--device", "cpu")
     assert result.returncode != 0 and "was imported" in result.stderr
-    assert result.stderr.startswith(f"loading {tiny_model_dir} on cpu (float32)…\n")  # said before torch
+    assert result.stderr.startswith(f"loading {tiny_model_dir} on cpu, float32…\n")  # said before torch
 
 
 def test_device_errors_name_the_device_not_the_dtype(tiny_model_dir: Path) -> None:
@@ -98,12 +98,12 @@ def test_device_errors_name_the_device_not_the_dtype(tiny_model_dir: Path) -> No
 
 
 def test_load_model_reports_its_stages_in_order(tiny_model_dir: Path) -> None:
-    """``progress`` hears the head line first (device resolved, dtype named), then each stage as it starts."""
+    """``progress`` hears the head line first (``auto`` is said as such: resolving it needs torch), then
+    each stage as it starts."""
     heard: list[str] = []
-    model = load_model(str(tiny_model_dir), device="auto", progress=heard.append)
-    device = str(model.device)
-    assert heard == [f"loading {tiny_model_dir} on {device} (float32)", "tokenizer and weights",
-                     "forward pass traced and checked"]
+    load_model(str(tiny_model_dir), device="auto", progress=heard.append)
+    assert heard == [f"loading {tiny_model_dir} on cuda or cpu (auto), float32", "torch import and device check",
+                     "tokenizer and weights", "forward pass traced and checked"]
 
 
 class FakeClock:
@@ -128,8 +128,8 @@ class Captured:
 def test_startup_lines_say_the_head_at_once_and_only_stages_over_the_threshold() -> None:
     clock, out = FakeClock(), Captured()
     lines = StartupLines(out, threshold_s=1.0, clock=clock)  # type: ignore[arg-type]
-    lines("loading m on cpu (float32)")
-    assert out.text == "loading m on cpu (float32)…\n"  # before any stage has run
+    lines("loading m on cpu, float32")
+    assert out.text == "loading m on cpu, float32…\n"  # before any stage has run
     clock.now += 0.3
     lines("tokenizer and weights")
     clock.now += 2.5
@@ -138,14 +138,14 @@ def test_startup_lines_say_the_head_at_once_and_only_stages_over_the_threshold()
     clock.now += 0.4  # quick: silent
     lines.done()
     lines.done()  # nothing left to end
-    assert out.text.splitlines() == ["loading m on cpu (float32)…", "  tokenizer and weights: 2.5 s"]
+    assert out.text.splitlines() == ["loading m on cpu, float32…", "  tokenizer and weights: 2.5 s"]
 
 
 def test_a_slow_last_stage_is_written_when_loading_is_done() -> None:
     clock, out = FakeClock(), Captured()
     lines = StartupLines(out, threshold_s=1.0, clock=clock)  # type: ignore[arg-type]
-    lines("loading m on cuda (bfloat16)")
+    lines("loading m on cuda, bfloat16")
     lines("forward pass traced and checked")
     clock.now += 12.0
     lines.done()
-    assert out.text.splitlines() == ["loading m on cuda (bfloat16)…", "  forward pass traced and checked: 12.0 s"]
+    assert out.text.splitlines() == ["loading m on cuda, bfloat16…", "  forward pass traced and checked: 12.0 s"]
