@@ -19,7 +19,9 @@ the target they answer, then PASS or MISS:
   (reconnecting when closed); one polite connection sends one request at a time, waiting as told.
   Target: ≥ 95 % of the polite client's requests are served.
 
-Exit status 0 when every target holds.
+Every client is bench/loadgen's ``Client`` with a ``Policy`` (the heavy ones resend at once and read at
+their rate, the silent one never reads, the hogs ignore retry_after_ms, the polite one waits it out);
+every server is a ``bench.server_proc.ServerProcess``. Exit status 0 when every target holds.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.loadgen import OVERLOADED, RESULT, Client, Policy, Recorder, close_all, open_client  # noqa: E402
+from bench.loadgen import OVERLOADED, RESULT, Policy, Recorder, close_all, open_client  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
 LIGHT = ["Paris is the [MASK] of France."]
@@ -77,37 +79,27 @@ async def probe(url: str, count: int, deadline_ms: float | None = None) -> tuple
 async def keep_in_flight(url: str, depth: int, stop: asyncio.Event, policy: Policy = KEEPS_DEPTH,
                          texts: list[str] = HEAVY, fields: dict[str, Any] = HEAVY_FIELDS) -> tuple[int, int | None]:
     """Keep ``depth`` requests in flight on one connection until ``stop``, sending one per answer read
-    (``policy`` says how fast it reads, or that it never does). Returns the answers read, and the
-    close code if the server closed the connection first."""
+    (``policy`` says how fast it reads, or that it never does; a read under way when ``stop`` comes is
+    finished). Returns the answers read, and the close code if the server closed the connection first."""
     recorder = Recorder()
     client = await open_client(url, texts, recorder, policy=policy, fields=fields)
-    closed: int | None = None
     try:
         for _ in range(depth):
             await client.send()
-        reading = asyncio.create_task(_resend_per_answer(client))
-        waiting = asyncio.create_task(stop.wait())
-        await asyncio.wait([reading, waiting], return_when=asyncio.FIRST_COMPLETED)
-        for task in (reading, waiting):
-            task.cancel()
-        await asyncio.gather(reading, waiting, return_exceptions=True)
-        closed = client.closed_by_server
-    finally:
-        if policy.reads:
-            await close_all([client])
-        else:  # its answers are still queued on the server: drop the connection, as a stalled client would
-            client.ws.transport.abort()
-    return len(recorder.sent) - len(client.pending), closed
-
-
-async def _resend_per_answer(client: Client) -> None:
-    try:
-        while True:
+        if not policy.reads:
+            await stop.wait()
+        while not stop.is_set():
             await client.read_one()
             await client.wait_until_allowed()
             await client.send()
     except ConnectionClosed as closed:
         client.closed_by(closed)
+    finally:
+        if policy.reads:
+            await close_all([client])
+        else:  # its answers are still queued on the server: drop the connection, as a stalled client would
+            client.ws.transport.abort()
+    return len(recorder.sent) - len(client.pending), client.closed_by_server
 
 
 async def scenario_neighbour(args: argparse.Namespace) -> bool:

@@ -93,6 +93,11 @@ class Sender:
             await self.reopen()
 
     async def reopen(self) -> None:
+        await self.retire()
+        await self.open()
+
+    async def retire(self) -> None:
+        """The server closed the connection: what was pending on it is discarded (it must be a 1008)."""
         assert self.client is not None and self.reader is not None
         await close_all([self.client])
         await self.reader
@@ -101,7 +106,10 @@ class Sender:
             raise SystemExit(f"soak: the server closed a connection with {code}")
         self.closes += 1
         self.discarded |= set(self.client.pending.values())
-        await self.open()
+        self.client.pending.clear()
+
+    def closed_by_server(self) -> bool:
+        return self.reader is not None and self.reader.done()
 
     async def close(self) -> None:
         if self.client is not None:
@@ -147,6 +155,9 @@ async def offer_load(url: str, rate: float, duration: float, connections: int,
     sent_rate = sent / (time.monotonic() - started)
     give_up = time.monotonic() + 30
     while unanswered(recorder, senders) and time.monotonic() < give_up:
+        for sender in senders:  # closed after its last send: nothing will come on it
+            if sender.closed_by_server() and sender.client is not None and sender.client.pending:
+                await sender.retire()
         await asyncio.sleep(0.05)
     for sender in senders:
         await sender.close()
