@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.loadgen import OTHER, RESULT, Client, Policy, Recorder, close_all, closed_loop, open_client  # noqa: E402
+from bench.loadgen import OTHER, OVERLOADED, RESULT, Client, Policy, Recorder, close_all, closed_loop, open_client  # noqa: E402
 from bench.server_proc import ServerProcess, ServerStartError  # noqa: E402
 
 SENTENCES = [
@@ -146,21 +146,22 @@ async def measure_capacity(url: str, batch: int, max_queue: int, windows: int = 
 
 async def offer_load(url: str, rate: float, overload: float, duration: float, connections: int,
                      recorder: Recorder) -> tuple[float, float, list[Sender]]:
-    """Open loop: send ``rate`` requests/s spread over ``connections`` for ``duration`` s. Each second the
-    rate becomes at least ``overload`` times the results of the second before: a capacity measured low
-    (a neighbour's burst on a shared machine during the measurement) would otherwise offer a load the
-    server keeps up with. Returns the mean rate offered, the rate sent, and the senders (with what their
-    closes discarded)."""
+    """Open loop: send ``rate`` requests/s spread over ``connections`` for ``duration`` s. After a second in
+    which the server refused nothing, the rate becomes at least ``overload`` times the results of that
+    second: a capacity measured low (a neighbour's burst on a shared machine during the measurement)
+    would otherwise offer a load the server keeps up with. Returns the mean rate offered, the rate sent,
+    and the senders (with what their closes discarded)."""
     senders = [Sender(url, recorder, (i * len(SENTENCES)) // connections) for i in range(connections)]
     for sender in senders:
         await sender.open()
     started = last = looked = time.monotonic()
-    sent, due, offered, results_before = 0, 0.0, 0.0, 0
+    sent, due, offered, results_before, refused_before = 0, 0.0, 0.0, 0, 0
     while (now := time.monotonic()) - started < duration:
         if now - looked >= 1.0:
-            results = recorder.kind.count(RESULT)
-            rate = max(rate, overload * (results - results_before) / (now - looked))
-            looked, results_before = now, results
+            results, refused = recorder.kind.count(RESULT), recorder.kind.count(OVERLOADED)
+            if refused == refused_before:  # it kept up: not overloaded yet
+                rate = max(rate, overload * (results - results_before) / (now - looked))
+            looked, results_before, refused_before = now, results, refused
         due += (now - last) * rate
         offered += (now - last) * rate
         last = now
