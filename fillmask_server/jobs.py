@@ -73,8 +73,8 @@ class Job:
     """One accepted request on its way through the stages. ``owner`` is its connection, opaque here.
 
     Written by the tokenizer stage before the job is QUEUED (``input_ids``, ``n_tokens``, ``masks``,
-    ``target_ids``, ``target_notes``, ``result_bytes``, ``cost``); read-only afterwards, but for
-    ``reserved`` (the engine, under its lock). ``state`` is written by ``advance`` only.
+    ``target_ids``, ``result_bytes``, ``cost``); read-only afterwards, but for ``reserved`` (the engine,
+    under its lock). ``state`` is written by ``advance`` only.
     """
 
     request: FillMaskRequest
@@ -86,7 +86,7 @@ class Job:
     n_tokens: int = 0
     masks: int = 0
     target_ids: tuple[int, ...] | None = None
-    target_notes: tuple[TargetNote, ...] = ()  # the targets not scored as given, for its result (§4)
+    target_notes: tuple[TargetNote, ...] = ()  # targets not scored as given, for its result (§4); as above
     cost: float = 0.0  # engine work it asks for, in token-equivalents (see batching.py)
     result_bytes: int = 0  # an upper bound on its predictions' and target notes' JSON (intake.check)
     reserved: int = 0  # answer memory reserved for it while its answer is being computed (engine)
