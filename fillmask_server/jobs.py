@@ -86,7 +86,7 @@ class Job:
     n_tokens: int = 0
     masks: int = 0
     target_ids: tuple[int, ...] | None = None
-    target_notes: tuple[TargetNote, ...] = ()  # targets not scored as given, for its result (§4); as above
+    target_notes: tuple[TargetNote, ...] = ()  # targets not scored as given (§4 result.targets), from intake
     cost: float = 0.0  # engine work it asks for, in token-equivalents (see batching.py)
     result_bytes: int = 0  # an upper bound on its predictions' and target notes' JSON (intake.check)
     reserved: int = 0  # answer memory reserved for it while its answer is being computed (engine)
