@@ -2,7 +2,9 @@
 
 The whole life of the server, in order:
 1. read the configuration (flags over environment over defaults; ``--help`` lists them);
-2. load the model once, or exit 1 with one line saying why;
+2. check what needs no torch (the port is free, ``--model`` names a model), then load the model once,
+   saying on stderr what it loads and each stage that takes a second or more; or exit 1 with one line
+   saying why;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
 4. on SIGINT/SIGTERM, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with ``/readyz`` at 503)
    and exit 0; a second signal stops at once (exit 130).
@@ -19,18 +21,22 @@ import sys
 from fillmask_server.config import Config, load_config
 from fillmask_server.model import ModelLoadError, load_model
 from fillmask_server.server import FillMaskServer, check_can_listen
+from fillmask_server.startup import StartupLines
 
 
 async def serve_until_signalled(config: Config) -> None:
     check_can_listen(config.host, config.port)
-    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward)
+    lines = StartupLines()
+    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
+    lines.done()
     server = FillMaskServer(config, model)
     await server.start()
-    print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
     received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, lambda s=signum: received.done() or received.set_result(s))
+    # Only now: whoever waits for this line may signal at once, and that signal must drain.
+    print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
     signum = await received
     logging.getLogger("fillmask_server").info("%s received: draining (a second signal stops at once)",
                                               signal.Signals(signum).name)

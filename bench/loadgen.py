@@ -19,6 +19,11 @@ server discards what is still queued) and ``settle`` waits for the batch still r
   still unanswered at the end of the grace period counts as infinitely late (so percentiles never
   hide it), and ``overloaded`` answers are counted apart, not as latencies.
 - Idle: one connection, one request at a time.
+
+``Client`` is the one client of bench/ and scripts/ (``scripts/soak.py``, ``scripts/reliability.py``):
+a connection that sends the corpus and records every answer in a ``Recorder``. Its ``Policy`` is how
+it treats the server beyond that: back off as told (the default) or ignore it, read at a given rate,
+or never read, so that scripts can play the clients that break the rules on purpose.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class Recorder:
     batch_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # the request text's own token count (0: unknown)
     error_codes: Counter[str] = field(default_factory=Counter)
+    strays: list[str] = field(default_factory=list)  # frames for no pending request: a second answer, no id
 
     def add(self, sent: float, tokens: int = 0) -> int:
         self.sent.append(sent)
@@ -91,43 +97,78 @@ class Recorder:
             self.error_codes[str(kind)] += 1
 
 
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How a ``Client`` treats the server beyond sending (the hooks of the scripts' misbehaving clients).
+
+    - ``backoff``: after an ``overloaded`` answer, send nothing before its ``retry_after_ms`` has passed
+      (protocol.md §6; ``Client.wait_until_allowed``). False: resend at once, as a client that ignores
+      the protocol does (the server closes it with 1008, §12).
+    - ``read_bytes_per_s``: read answers no faster than this (a slow reader: after each answer,
+      ``read_one`` waits its size divided by the rate). None: as fast as they come.
+    - ``reads``: False: never read (``read_one`` waits until cancelled), so the answers pile up on the
+      server.
+    """
+
+    backoff: bool = True
+    read_bytes_per_s: float | None = None
+    reads: bool = True
+
+
+POLITE = Policy()
+
+
 class Client:
     """One WebSocket connection that walks the corpus from its own offset (so that concurrent clients
-    send different texts and no client sends the same text twice in a row)."""
+    send different texts and no client sends the same text twice in a row). ``fields`` go in every
+    request besides its id and text (``top_k``, say); ids are 0, 1, 2, ... per connection."""
 
     def __init__(self, ws: ClientConnection, texts: list[str], offset: int, recorder: Recorder,
-                 token_counts: Sequence[int] | None = None) -> None:
+                 token_counts: Sequence[int] | None = None, policy: Policy = POLITE,
+                 fields: dict[str, Any] | None = None) -> None:
         self.ws = ws
         self.texts = texts
         self.token_counts = token_counts
         self.offset = offset
         self.recorder = recorder
-        self.pending: dict[int, int] = {}
+        self.policy = policy
+        self.fields = fields or {}
+        self.pending: dict[int, int] = {}  # request id -> its index in the recorder
         self.next_id = 0
         self.hold_until = 0.0  # after an overloaded answer: send nothing before its retry_after_ms (§6)
         self.closed_by_server: int | None = None  # the close code, once the server closed the connection
 
-    async def send(self, scheduled: float | None = None) -> None:
-        """Send the next text; its latency counts from ``scheduled`` (default: now)."""
+    async def send(self, scheduled: float | None = None, extra: dict[str, Any] | None = None) -> int:
+        """Send the next text (with ``extra`` fields for this request alone); its latency counts from
+        ``scheduled`` (default: now). Returns its index in the recorder."""
         request_id = self.next_id
         self.next_id += 1
         index = (self.offset + request_id) % len(self.texts)
-        frame = orjson.dumps({"type": "fill_mask", "id": request_id, "text": self.texts[index]})
+        body = {"type": "fill_mask", "id": request_id, "text": self.texts[index], **self.fields}
+        frame = orjson.dumps({**body, **extra} if extra else body)
         tokens = self.token_counts[index] if self.token_counts else 0
-        self.pending[request_id] = self.recorder.add(time.perf_counter() if scheduled is None else scheduled, tokens)
+        entry = self.pending[request_id] = self.recorder.add(
+            time.perf_counter() if scheduled is None else scheduled, tokens)
         await self.ws.send(frame, text=True)
+        return entry
 
     async def read_one(self) -> dict[str, Any]:
         """Read the next answer, record it and return it (raises ConnectionClosed at the end)."""
+        if not self.policy.reads:
+            await asyncio.Future()  # never: a client that does not read
         raw = await self.ws.recv(decode=False)
         now = time.perf_counter()
         frame = orjson.loads(raw)
         index = self.pending.pop(frame.get("id"), None)  # type: ignore[arg-type]
         if index is not None:
             self.recorder.answer(index, now, frame)
+        else:
+            self.recorder.strays.append(raw[:120].decode(errors="replace"))
         retry_after_ms = frame.get("retry_after_ms") if frame.get("type") == OVERLOADED else None
         if isinstance(retry_after_ms, int | float):
             self.hold_until = max(self.hold_until, now + retry_after_ms / 1000)
+        if self.policy.read_bytes_per_s:
+            await asyncio.sleep(len(raw) / self.policy.read_bytes_per_s)
         return frame
 
     def closed_by(self, closed: ConnectionClosed) -> None:
@@ -135,28 +176,35 @@ class Client:
         self.closed_by_server = closed.rcvd.code if closed.rcvd is not None else 1006
 
     async def wait_until_allowed(self) -> None:
-        """Return once this connection may send again (it waits as an overloaded answer said)."""
+        """Return once this connection may send again: it waits as an overloaded answer said, unless
+        its policy ignores back-off."""
         delay = self.hold_until - time.perf_counter()
-        if delay > 0:
+        if delay > 0 and self.policy.backoff:
             await asyncio.sleep(delay)
 
 
-async def _connect(url: str, n: int, texts: list[str], recorder: Recorder,
-                   token_counts: Sequence[int] | None = None) -> list[Client]:
-    """Open ``n`` connections concurrently and read each one's hello."""
-
-    async def one(i: int) -> Client:
-        ws = await connect(url, max_size=None, compression=None, ping_interval=None, close_timeout=2,
-                           open_timeout=30)
-        hello = orjson.loads(await asyncio.wait_for(ws.recv(decode=False), 30))
-        if hello.get("type") != "hello":
-            raise RuntimeError(f"expected hello, got {hello!r}")
-        return Client(ws, texts, (i * len(texts)) // n, recorder, token_counts)
-
-    return list(await asyncio.gather(*(one(i) for i in range(n))))
+async def open_client(url: str, texts: list[str], recorder: Recorder, offset: int = 0,
+                      token_counts: Sequence[int] | None = None, policy: Policy = POLITE,
+                      fields: dict[str, Any] | None = None) -> Client:
+    """Open one connection and read its hello."""
+    ws = await connect(url, max_size=None, compression=None, ping_interval=None, close_timeout=2, open_timeout=30)
+    hello = orjson.loads(await asyncio.wait_for(ws.recv(decode=False), 30))
+    if hello.get("type") != "hello":
+        raise RuntimeError(f"expected hello, got {hello!r}")
+    return Client(ws, texts, offset, recorder, token_counts, policy, fields)
 
 
-async def _close_all(clients: list[Client]) -> None:
+async def open_clients(url: str, n: int, texts: list[str], recorder: Recorder,
+                       token_counts: Sequence[int] | None = None, policy: Policy = POLITE,
+                       fields: dict[str, Any] | None = None) -> list[Client]:
+    """Open ``n`` connections concurrently, each starting at its own offset in ``texts``."""
+    return list(await asyncio.gather(*(open_client(url, texts, recorder, (i * len(texts)) // n, token_counts,
+                                                   policy, fields) for i in range(n))))
+
+
+async def close_all(clients: list[Client]) -> None:
+    """Close every connection (at most 3 s each; then the socket is dropped)."""
+
     async def close(client: Client) -> None:
         try:
             await asyncio.wait_for(client.ws.close(), 3)
@@ -268,12 +316,12 @@ async def settle(url: str, timeout: float = 120.0) -> float:
     finished whatever batch was running (a barrier between phases). Returns the seconds it took."""
     recorder = Recorder()
     t0 = time.perf_counter()
-    (conn,) = await _connect(url, 1, ["Settle the [MASK] now."], recorder)
+    (conn,) = await open_clients(url, 1, ["Settle the [MASK] now."], recorder)
     try:
         await conn.send()
         await asyncio.wait_for(conn.read_one(), timeout)
     finally:
-        await _close_all([conn])
+        await close_all([conn])
     return time.perf_counter() - t0
 
 
@@ -317,7 +365,7 @@ async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, 
     ``/healthz`` prober; its return value lands in the summary under ``"during_window"``.
     """
     recorder = Recorder()
-    conns = await _connect(url, clients, texts, recorder, token_counts)
+    conns = await open_clients(url, clients, texts, recorder, token_counts)
     readers: list[asyncio.Task[None]] = []
     side_task: asyncio.Task[Any] | None = None
     try:
@@ -337,7 +385,7 @@ async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, 
             summary["during_window"] = await asyncio.wait_for(side_task, duration_s + 30)
     finally:
         await _stop_tasks([*readers, side_task])
-        await _close_all(conns)
+        await close_all(conns)
     summary.update({"mode": "closed", "clients": clients, "in_flight": in_flight})
     return summary
 
@@ -346,7 +394,7 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
                     grace_s: float = 10.0, seed: int = 0, token_counts: Sequence[int] | None = None) -> dict[str, Any]:
     """Open loop: Poisson arrivals at ``rate`` req/s over ``clients`` connections for warm-up + window."""
     recorder = Recorder()
-    conns = await _connect(url, clients, texts, recorder, token_counts)
+    conns = await open_clients(url, clients, texts, recorder, token_counts)
     rng = random.Random(seed)
     max_lag = 0.0
     readers: list[asyncio.Task[None]] = []
@@ -386,7 +434,7 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
         summary = summarize(recorder, window, by_schedule=True)
     finally:
         await _stop_tasks(readers)
-        await _close_all(conns)
+        await close_all(conns)
     closes = Counter(str(c.closed_by_server) for c in conns if c.closed_by_server is not None)
     summary.update({"mode": "open", "clients": clients, "rate_rps": rate, "send_lag_max_ms": max_lag * 1000,
                     "closed_by_server": dict(closes)})
@@ -397,7 +445,7 @@ async def idle_single(url: str, texts: list[str], n: int, warmup: int = 10,
                       token_counts: Sequence[int] | None = None) -> dict[str, Any]:
     """One connection, one request at a time: ``warmup`` unmeasured requests, then ``n`` measured."""
     recorder = Recorder()
-    (conn,) = await _connect(url, 1, texts, recorder, token_counts)
+    (conn,) = await open_clients(url, 1, texts, recorder, token_counts)
     try:
         for _ in range(warmup):
             await conn.send()
@@ -409,7 +457,7 @@ async def idle_single(url: str, texts: list[str], n: int, warmup: int = 10,
             await asyncio.wait_for(conn.read_one(), 30)
         end = time.perf_counter()
     finally:
-        await _close_all([conn])
+        await close_all([conn])
     measured = Recorder(recorder.sent[first:], recorder.done[first:], recorder.kind[first:],
                         recorder.batch_size[first:], recorder.queue_ms[first:], recorder.inference_ms[first:],
                         recorder.batch_tokens[first:], recorder.tokens[first:], recorder.error_codes)

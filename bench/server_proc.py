@@ -2,8 +2,9 @@
 
 ``ServerProcess`` starts ``python ws_server.py --model DIR --port 0 ...``, waits for its
 ``ready: ws://127.0.0.1:PORT/ ...`` line and stops it with SIGTERM (then SIGKILL) on exit, whatever
-happens. ``CpuMeter`` reads ``/proc`` to split a phase's CPU time between the server, this process
-(the load generator) and everything else on the machine (other users: the noise).
+happens; bench/ and scripts/ start servers with it alone. ``CpuMeter`` reads ``/proc`` to split a
+phase's CPU time between the server, this process (the load generator) and everything else on the
+machine (other users: the noise); ``rss_mb`` reads a process's resident memory.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class ServerStartError(RuntimeError):
 
 
 class ServerProcess:
-    """``with ServerProcess(model_dir, extra_args) as server:`` gives ``server.url`` and ``server.pid``."""
+    """``with ServerProcess(model_dir, extra_args) as server:`` gives ``server.url``, ``server.port`` and
+    ``server.pid``; after the block, ``server.returncode`` is the server's exit status (0 after a clean
+    drain; negative: the signal that killed it)."""
 
     def __init__(self, model_dir: Path, extra_args: list[str], start_timeout: float = 180.0) -> None:
         self.model_dir = model_dir
@@ -43,6 +46,7 @@ class ServerProcess:
         self.port = 0
         self.pid = 0
         self.start_s = 0.0
+        self.returncode: int | None = None
         self._process: subprocess.Popen[str] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="fillmask-bench-server-", suffix=".log", delete=False)  # noqa: SIM115
 
@@ -118,11 +122,28 @@ class ServerProcess:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait(timeout=5)
+        self.returncode = process.returncode
         self._log.close()
         self._process = None
 
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
+
+    def rss_mb(self) -> float:
+        """The server's resident memory now, in MiB (NaN once it has exited)."""
+        return rss_mb(self.pid)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MiB, from ``/proc/PID/status``; NaN when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return math.nan
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return math.nan  # a zombie has no VmRSS line
 
 
 def process_cpu_s(pid: int) -> float:

@@ -348,6 +348,7 @@ class Engine:
                     continue  # withdrawn while it was being tokenized
                 if isinstance(verdict, intake.Checked):
                     job.input_ids, job.masks, job.target_ids = verdict.input_ids, verdict.masks, verdict.target_ids
+                    job.target_notes = verdict.target_notes
                     job.n_tokens = len(verdict.input_ids)
                     job.result_bytes = verdict.result_bytes
                     job.cost = job.n_tokens + verdict.result_bytes * (self._byte_s / self._token_s)

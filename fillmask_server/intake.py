@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from .model import FillMaskModel, TargetError
-from .protocol import FillMaskRequest
+from .protocol import FillMaskRequest, TargetNote, targets_field
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ class Checked:
     input_ids: list[int]
     masks: int
     target_ids: tuple[int, ...] | None
-    result_bytes: int  # an upper bound on its predictions' JSON (``result_bound``)
+    result_bytes: int  # an upper bound on the JSON of its predictions (``result_bound``) and target_notes
+    target_notes: tuple[TargetNote, ...] = ()  # targets not scored as given (§4 ``result.targets``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,15 +84,17 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
     if masks > max_masks:
         return Refusal("too_many_masks", f"the text has {masks} mask tokens; the limit is {max_masks}")
     target_ids = None
+    notes: tuple[TargetNote, ...] = ()
     if request.targets is not None:
         try:
             target_ids = model.target_ids(request.targets)
         except TargetError as exc:
             return Refusal("invalid_targets", f"{exc}; use words from the vocabulary")
+        notes = model.target_notes(request.targets)
     candidates = min(request.top_k, len(target_ids) if target_ids is not None else model.vocab_size)
-    bound = result_bound(model, ids, masks, candidates)
+    bound = result_bound(model, ids, masks, candidates) + len(targets_field(notes))  # notes count too (§3)
     if bound > max_result_bytes:
         return Refusal("result_too_large", f"the answer could be up to {bound} bytes, more than this server's "
                        f"{max_result_bytes} (limits.max_result_bytes); ask for a smaller top_k, fewer masks or "
                        "a shorter text")
-    return Checked(ids, masks, target_ids, bound)
+    return Checked(ids, masks, target_ids, bound, notes)

@@ -27,7 +27,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import FillMaskRequest
+from .protocol import FillMaskRequest, TargetNote
 
 
 class State(enum.Enum):
@@ -86,8 +86,9 @@ class Job:
     n_tokens: int = 0
     masks: int = 0
     target_ids: tuple[int, ...] | None = None
+    target_notes: tuple[TargetNote, ...] = ()  # targets not scored as given (§4 result.targets), from intake
     cost: float = 0.0  # engine work it asks for, in token-equivalents (see batching.py)
-    result_bytes: int = 0  # an upper bound on its predictions' JSON (intake.result_bound)
+    result_bytes: int = 0  # an upper bound on its predictions' and target notes' JSON (intake.check)
     reserved: int = 0  # answer memory reserved for it while its answer is being computed (engine)
     started: float = 0.0  # when its batch started on the model
 

@@ -54,12 +54,14 @@ import shlex
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from .protocol import TargetNote
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +149,7 @@ class FillMaskModel:
         self._wants_token_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
         self._check_ids = _ordinary_ids(tokenizer, self.vocab_size)
         self._vocab: dict[str, int] | None = None
-        self._targets: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._targets: dict[tuple[str, ...], tuple[tuple[int, ...], tuple[TargetNote, ...]]] = {}
         # Each token's JSON length without quotes, plus the space that may join it (for result bounds,
         # intake.result_bound), and the longest: the most one candidate adds to a decoded text.
         sizes = [0] * len(tokenizer)
@@ -193,18 +195,28 @@ class FillMaskModel:
 
     def target_ids(self, targets: tuple[str, ...]) -> tuple[int, ...]:
         """The pipeline's ``get_target_ids``: vocab id, else first token; deduplicated. Cached."""
-        ids = self._targets.get(targets)
-        if ids is None:
-            ids = self._resolve_targets(targets)
+        return self._resolved(targets)[0]
+
+    def target_notes(self, targets: tuple[str, ...]) -> tuple[TargetNote, ...]:
+        """The targets not scored as given, in request order, each with the token scored instead as its
+        ``token_str`` reads (None: it is no token at all and was ignored, as in the pipeline). Empty when
+        every target is scored as given. Cached with ``target_ids``."""
+        return self._resolved(targets)[1]
+
+    def _resolved(self, targets: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[TargetNote, ...]]:
+        resolved = self._targets.get(targets)
+        if resolved is None:
+            resolved = self._resolve_targets(targets)
             if len(self._targets) >= 1024:
                 self._targets.clear()
-            self._targets[targets] = ids
-        return ids
+            self._targets[targets] = resolved
+        return resolved
 
-    def _resolve_targets(self, targets: tuple[str, ...]) -> tuple[int, ...]:
+    def _resolve_targets(self, targets: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[TargetNote, ...]]:
         if self._vocab is None:
             self._vocab = self.tokenizer.get_vocab()
         ids: list[int] = []
+        notes: list[TargetNote] = []
         for target in targets:
             id_ = self._vocab.get(target)
             if id_ is None:
@@ -212,6 +224,9 @@ class FillMaskModel:
                 # not switch the shared Rust tokenizer's truncation setting back and forth.
                 pieces = self.tokenizer(target, add_special_tokens=False, return_attention_mask=False,
                                         return_token_type_ids=False)["input_ids"]
+                scored = self.tokenizer.decode(pieces[:1]) if pieces else None
+                if (len(pieces) != 1 or scored != target) and (target, scored) not in notes:
+                    notes.append((target, scored))
                 if not pieces:
                     continue
                 id_ = pieces[0]
@@ -219,7 +234,7 @@ class FillMaskModel:
         unique = list(set(ids))  # the pipeline's order, which decides ties in top-k
         if not unique:
             raise TargetError("none of the targets is a token of this model's vocabulary")
-        return tuple(unique)
+        return tuple(unique), tuple(notes)
 
     # --- the forward pass (the model thread) ---------------------------------------------------------
 
@@ -477,8 +492,13 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(name: str, device: str = "auto", dtype: str = "float32", threads: int = 0,
-               forward: str = "traced") -> FillMaskModel:
+               forward: str = "traced", progress: Callable[[str], None] | None = None) -> FillMaskModel:
     """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line.
+
+    ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
+    ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
+    with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
+    yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
 
     The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
     start-up checks run forward passes, and the first parallel operator on a thread gives that thread
@@ -489,12 +509,16 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     (tiny model, 32 x 4 in flight: 2,700 against 3,190 req/s, idle p50 2.5 against 2.2 ms); the pool
     of a thread that has ended is freed.
     """
+    check_source(name)
+    progress = progress or _quiet
+    progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
+    progress("torch import and device check")
     loaded: list[FillMaskModel] = []
     failed: list[BaseException] = []
 
     def load() -> None:
         try:
-            loaded.append(_load_model(name, device, dtype, threads, forward))
+            loaded.append(_load_model(name, device, dtype, threads, forward, progress))
         except BaseException as exc:  # raised again on the caller's thread
             failed.append(exc)
 
@@ -506,7 +530,12 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     return loaded[0]
 
 
-def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) -> FillMaskModel:
+def _quiet(stage: str) -> None:
+    """The ``progress`` of a caller that wants no start-up lines."""
+
+
+def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
+                progress: Callable[[str], None]) -> FillMaskModel:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import transformers
@@ -520,18 +549,15 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) 
     device = resolve_device(device)
     if dtype == "int8" and not device.startswith("cpu"):
         raise ModelLoadError("--dtype int8 (dynamic quantisation) runs on the CPU only; use --device cpu")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise ModelLoadError(f"cannot use --dtype {dtype}: choose float32, bfloat16, float16 or int8")
     try:
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                       "int8": torch.float32}[dtype]
         torch.empty(1, device=device)
-    except (KeyError, RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
-        raise ModelLoadError(f"cannot use --device {device} with --dtype {dtype}: {_first_line(exc)}") from None
-    local = Path(name).expanduser().is_dir()
-    if not local and name.startswith(("/", "./", "../", "~")):
-        raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
-    if not local and not _hub_reachable():
-        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
-                             f"cannot be reached from here; {_HINT}")
+    except (RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
+        raise ModelLoadError(f"cannot use --device {device}: {_device_problem(exc)}; choose another --device "
+                             "(cpu always works; auto takes cuda only where torch sees a GPU)") from None
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         model_config = AutoConfig.from_pretrained(name)
@@ -541,6 +567,7 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) 
         raise ModelLoadError(f"model {name!r} ({model_config.model_type}) has no masked-language-model head, so "
                              "it cannot fill masks; point --model at a fill-mask model such as "
                              "google-bert/bert-base-uncased")
+    progress("tokenizer and weights")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype)
@@ -551,7 +578,9 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str) 
                              "use a fill-mask model such as google-bert/bert-base-uncased")
     model = model.to(device).eval()
     if dtype == "int8":
+        progress("int8 quantisation")
         model = _quantize_dynamic(model)
+    progress("forward pass traced and checked" if forward == "traced" else "model set-up")
     loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward)
     facts = loaded.engine_facts()
     log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
@@ -580,6 +609,49 @@ def _first_line(exc: BaseException) -> str:
 _HINT = ("point --model at a local directory holding config.json, the weights and the tokenizer files "
          f"(make an offline test model with: {shlex.quote(sys.executable)} -m fillmask_server.checkpoint tiny "
          "models/tiny)")
+
+
+def check_source(name: str) -> None:
+    """The checks of ``--model`` that need no torch, or raise ``ModelLoadError``: a local directory must
+    hold config.json; a path-like name must be a directory; any other name is a Hub model id, which
+    needs the Hub in reach, or (offline) a copy in the local cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"cannot load model from directory {name!r}: it has no config.json; {_HINT}")
+        return
+    if path.exists():
+        raise ModelLoadError(f"cannot load model {name!r}: it is a file, not a directory; {_HINT}")
+    if name.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
+    if not _hub_reachable():
+        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
+                             f"cannot be reached from here; {_HINT}")
+    if not _in_hub_cache_if_offline(name):
+        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory, and with the Hugging Face "
+                             f"Hub off (HF_HUB_OFFLINE) it is not in the local cache either; {_HINT}")
+
+
+def _in_hub_cache_if_offline(name: str) -> bool:
+    """Online: True (the Hub decides). Offline: whether the local cache holds the model's config."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not a valid repo id: from_pretrained will say so
+        return True
+
+
+def _device_problem(exc: BaseException) -> str:
+    """Why torch cannot put a tensor on a device, in the operator's terms."""
+    if isinstance(exc, NotImplementedError):  # a backend this torch build does not include
+        return "this build of torch does not support it"
+    line = _first_line(exc)
+    if "not compiled with CUDA" in line:
+        return f"this build of torch has no CUDA support ({line})"
+    return line
 
 
 def _explain_load_failure(name: str, exc: BaseException) -> str:

@@ -11,6 +11,7 @@ and §7 is unit-tested directly (tests/test_protocol.py). Invariants:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ STATS_INTERVAL_MS = {"min": 250, "max": 10_000, "default": 1000}
 CLIENT_FRAME_TYPES = ("fill_mask", "cancel", "subscribe_stats", "unsubscribe_stats")
 
 RequestId = int | str
+#: A target not scored as given (§4 ``result.targets``): what the client sent, and the token the pipeline
+#: scored instead as its ``token_str`` reads, or None when the target is no token at all (ignored).
+TargetNote = tuple[str, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,14 +259,24 @@ def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
                          "engine": engine})
 
 
+def targets_field(notes: Sequence[TargetNote]) -> bytes:
+    """The ``"targets"`` member of a result (§4) as JSON, with its leading comma; empty without notes.
+    Its length counts against ``max_result_bytes`` (intake.check), so the rest of the frame stays
+    within its 1 KiB envelope (§14)."""
+    if not notes:
+        return b""
+    return b',"targets":' + orjson.dumps([{"given": given, "scored": scored} for given, scored in notes])
+
+
 def encode_result(request_id: RequestId, predictions_json: bytes, queue_ms: float, inference_ms: float,
-                  batch_size: int, batch_tokens: int, batch_id: int) -> bytes:
+                  batch_size: int, batch_tokens: int, batch_id: int, targets: Sequence[TargetNote] = ()) -> bytes:
     """A request's result (§4). ``predictions_json`` is the predictions already serialized (by the
-    decode stage, off the event loop); only the small envelope is encoded here."""
+    decode stage, off the event loop); only the small envelope is encoded here, with ``targets`` when
+    some target was not scored as given."""
     tail = orjson.dumps({"queue_ms": round(queue_ms, 3), "inference_ms": round(inference_ms, 3),
                          "batch_size": batch_size, "batch_tokens": batch_tokens, "batch_id": batch_id})
     return b"".join((b'{"type":"result","id":', orjson.dumps(request_id), b',"predictions":', predictions_json,
-                     b",", tail[1:]))
+                     targets_field(targets), b",", tail[1:]))
 
 
 def encode_error(request_id: RequestId | None, code: str, message: str) -> bytes:

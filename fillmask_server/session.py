@@ -251,7 +251,8 @@ def _encode(outcome: Outcome) -> Answer:
     request_id = outcome.job.request.id
     if isinstance(outcome, Result):
         return Answer(encode_result(request_id, outcome.predictions_json, outcome.queue_ms, outcome.inference_ms,
-                                    outcome.batch_size, outcome.batch_tokens, outcome.batch_id), "result")
+                                    outcome.batch_size, outcome.batch_tokens, outcome.batch_id,
+                                    outcome.job.target_notes), "result")
     if isinstance(outcome, Rejected):
         return _error(request_id, outcome.code, outcome.message)
     if isinstance(outcome, Failed):

@@ -19,15 +19,15 @@ the target they answer, then PASS or MISS:
   (reconnecting when closed); one polite connection sends one request at a time, waiting as told.
   Target: ≥ 95 % of the polite client's requests are served.
 
-Exit status 0 when every target holds.
+Every client is bench/loadgen's ``Client`` with a ``Policy`` (the heavy ones resend at once and read at
+their rate, the silent one never reads, the hogs ignore retry_after_ms, the polite one waits it out);
+every server is a ``bench.server_proc.ServerProcess``. Exit status 0 when every target holds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import itertools
 import statistics
 import sys
 import time
@@ -35,83 +35,71 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
-from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.loadgen import OVERLOADED, RESULT, Policy, Recorder, close_all, open_client  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
-LIGHT = "Paris is the [MASK] of France."
+LIGHT = ["Paris is the [MASK] of France."]
 # Eight masks in about 420 characters: a result of roughly 0.4 MB at top_k 100, under the 1 MiB limit.
-HEAVY_TEXT = " ".join(["the [MASK] of the old town by the river"] * 8) + " " + "and so on " * 10
-HEAVY = {"text": HEAVY_TEXT, "top_k": 100}
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+HEAVY = [" ".join(["the [MASK] of the old town by the river"] * 8) + " " + "and so on " * 10]
+HEAVY_FIELDS = {"top_k": 100}
+HOG = Policy(backoff=False)  # resends at once on every refusal
+SILENT = Policy(reads=False)  # never reads a single answer
+# The heavy clients keep their depth whatever the server answers: each answer read, refusals too, is
+# followed at once by the next request (reading at the rate given, if any).
+KEEPS_DEPTH = Policy(backoff=False)
 
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-async def hello(url: str, **options: Any) -> ClientConnection:
-    ws = await connect(url, max_size=None, **options)
-    await ws.recv()
-    return ws
-
-
 async def probe(url: str, count: int, deadline_ms: float | None = None) -> tuple[list[float], int]:
     """One light request at a time: latencies (s) of results, and how many were answered otherwise."""
-    ws = await hello(url)
-    latencies, other = [], 0
+    recorder = Recorder()
+    client = await open_client(url, LIGHT, recorder)
+    extra = {"deadline_ms": deadline_ms} if deadline_ms else None
     try:
-        for i in range(count):
-            frame: dict[str, Any] = {"type": "fill_mask", "id": i, "text": LIGHT}
-            if deadline_ms:
-                frame["deadline_ms"] = deadline_ms
-            started = time.perf_counter()
-            await ws.send(orjson.dumps(frame).decode())
-            answer = orjson.loads(await ws.recv())
-            if answer["type"] == "result":
-                latencies.append(time.perf_counter() - started)
-            else:
-                other += 1
+        for _ in range(count):
+            await client.send(extra=extra)
+            await client.read_one()
             await asyncio.sleep(0.02)
     finally:
-        await ws.close()
-    return latencies, other
+        await close_all([client])
+    latencies = [done - sent for sent, done, kind in zip(recorder.sent, recorder.done, recorder.kind, strict=True)
+                 if kind == RESULT]
+    return latencies, count - len(latencies)
 
 
-async def keep_in_flight(url: str, depth: int, frame: dict[str, Any], stop: asyncio.Event,
-                         read_delay: Callable[[int], float] = lambda n: 0.0) -> tuple[int, int | None]:
-    """Keep ``depth`` requests in flight on one connection until ``stop``; read each answer after
-    ``read_delay(its size)`` seconds (to read at a given rate). Returns the answers read, and the close
-    code if the server closed the connection first."""
-    ws = await hello(url)
-    ids = itertools.count()
-    read = 0
-    closed: int | None = None
+async def keep_in_flight(url: str, depth: int, stop: asyncio.Event, policy: Policy = KEEPS_DEPTH,
+                         texts: list[str] = HEAVY, fields: dict[str, Any] = HEAVY_FIELDS) -> tuple[int, int | None]:
+    """Keep ``depth`` requests in flight on one connection until ``stop``, sending one per answer read
+    (``policy`` says how fast it reads, or that it never does; a read under way when ``stop`` comes is
+    finished). Returns the answers read, and the close code if the server closed the connection first."""
+    recorder = Recorder()
+    client = await open_client(url, texts, recorder, policy=policy, fields=fields)
     try:
         for _ in range(depth):
-            await ws.send(orjson.dumps({**frame, "type": "fill_mask", "id": next(ids)}).decode())
+            await client.send()
+        if not policy.reads:
+            await stop.wait()
         while not stop.is_set():
-            message = await ws.recv(decode=False)
-            read += 1
-            await asyncio.sleep(read_delay(len(message)))
-            await ws.send(orjson.dumps({**frame, "type": "fill_mask", "id": next(ids)}).decode())
-    except ConnectionClosed:
-        closed = ws.close_code
+            await client.read_one()
+            await client.wait_until_allowed()
+            await client.send()
+    except ConnectionClosed as closed:
+        client.closed_by(closed)
     finally:
-        await ws.close()
-    return read, closed
+        if policy.reads:
+            await close_all([client])
+        else:  # its answers are still queued on the server: drop the connection, as a stalled client would
+            client.ws.transport.abort()
+    return len(recorder.sent) - len(client.pending), client.closed_by_server
 
 
 async def scenario_neighbour(args: argparse.Namespace) -> bool:
@@ -119,7 +107,7 @@ async def scenario_neighbour(args: argparse.Namespace) -> bool:
         await probe(server.url, 10)  # warm-up
         alone, _ = await probe(server.url, args.probes)
         stop = asyncio.Event()
-        heavy = asyncio.create_task(keep_in_flight(server.url, 64, HEAVY, stop))
+        heavy = asyncio.create_task(keep_in_flight(server.url, 64, stop))
         await asyncio.sleep(2.0)  # the neighbour's queue fills
         with_neighbour, expired = await probe(server.url, args.probes, deadline_ms=1000)
         stop.set()
@@ -138,23 +126,20 @@ async def scenario_memory(args: argparse.Namespace) -> bool:
     server_args = [*args.server_args, "--max-answer-bytes", str(args.max_answer_bytes)]
     with ServerProcess(Path(args.model), server_args) as server:
         await probe(server.url, 10)
-        baseline = rss_mb(server.pid)
+        baseline = server.rss_mb()
         stop = asyncio.Event()
-        rate = 300 * 1024  # bytes per second each steady reader takes
-        readers = [asyncio.create_task(keep_in_flight(server.url, 256, HEAVY, stop, lambda n: n / rate))
-                   for _ in range(4)]
-        silent = await hello(server.url)
-        for i in range(256):
-            await silent.send(orjson.dumps({"type": "fill_mask", "id": i, **HEAVY}).decode())
+        steady = Policy(backoff=False, read_bytes_per_s=300 * 1024)  # what each steady reader takes
+        readers = [asyncio.create_task(keep_in_flight(server.url, 256, stop, steady)) for _ in range(4)]
+        silent = asyncio.create_task(keep_in_flight(server.url, 256, stop, SILENT))
         peak, started = baseline, time.monotonic()
         while time.monotonic() - started < args.memory_s:
-            peak = max(peak, rss_mb(server.pid))
+            peak = max(peak, server.rss_mb())
             await asyncio.sleep(0.5)
         stop.set()
-        silent.transport.abort()
         answers = sum(read for read, _ in await asyncio.gather(*readers))
+        await silent
         await asyncio.sleep(5)  # closes seen, memory given back
-        after = rss_mb(server.pid)
+        after = server.rss_mb()
     ok = peak <= baseline + budget_mb + 100 and after <= baseline + 100
     print(f"memory     RSS baseline {baseline:.0f} MB, peak {peak:.0f} MB (+{peak - baseline:.0f}; target <= "
           f"+{budget_mb:.0f} budget +100) over {args.memory_s:g} s with 4 steady readers ({answers} heavy "
@@ -166,8 +151,8 @@ async def scenario_memory(args: argparse.Namespace) -> bool:
 async def scenario_slow(args: argparse.Namespace) -> bool:
     with ServerProcess(Path(args.model), list(args.server_args)) as server:
         stop = asyncio.Event()
-        rate = 24 * 1024
-        reader = asyncio.create_task(keep_in_flight(server.url, 8, HEAVY, stop, lambda n: n / rate))
+        slow = Policy(backoff=False, read_bytes_per_s=24 * 1024)
+        reader = asyncio.create_task(keep_in_flight(server.url, 8, stop, slow))
         started = time.monotonic()
         await asyncio.sleep(args.slow_s)
         stop.set()
@@ -198,29 +183,29 @@ def _metrics(port: int) -> dict[str, float]:
 async def hog(url: str, stop: asyncio.Event, counts: dict[str, int]) -> None:
     """256 in flight, resending at once on every refusal; reconnects when closed."""
     while not stop.is_set():
+        recorder = Recorder()
         try:
-            ws = await hello(url)
+            client = await open_client(url, LIGHT, recorder, policy=HOG)
         except (OSError, InvalidStatus):
             await asyncio.sleep(0.05)
             continue
-        ids = itertools.count()
         try:
             for _ in range(256):
-                await ws.send(orjson.dumps({"type": "fill_mask", "id": next(ids), "text": LIGHT}).decode())
+                await client.send()
             while not stop.is_set():
-                answer = orjson.loads(await ws.recv())
+                answer = await client.read_one()
                 counts[answer["type"]] = counts.get(answer["type"], 0) + 1
-                await ws.send(orjson.dumps({"type": "fill_mask", "id": next(ids), "text": LIGHT}).decode())
+                await client.wait_until_allowed()  # at once: a hog ignores retry_after_ms
+                await client.send()
         except ConnectionClosed:
             counts["closed"] = counts.get("closed", 0) + 1
         finally:
-            with contextlib.suppress(Exception):
-                await ws.close()
+            await close_all([client])
 
 
 async def polite(url: str, seconds: float) -> tuple[int, int, int, list[float]]:
     """One request at a time; on a refusal it waits retry_after_ms and sends it again (at most 3 times)."""
-    ws = await hello(url)
+    client = await open_client(url, LIGHT, Recorder())
     sent = served = first_try = 0
     latencies = []
     started = time.monotonic()
@@ -229,19 +214,19 @@ async def polite(url: str, seconds: float) -> tuple[int, int, int, list[float]]:
             sent += 1
             began = time.perf_counter()
             for attempt in range(4):
-                await ws.send(orjson.dumps({"type": "fill_mask", "id": f"{sent}-{attempt}", "text": LIGHT}).decode())
-                answer = orjson.loads(await ws.recv())
-                if answer["type"] == "result":
+                await client.send()
+                answer = await client.read_one()
+                if answer["type"] == RESULT:
                     served += 1
                     first_try += attempt == 0
                     latencies.append(time.perf_counter() - began)
                     break
-                if answer["type"] != "overloaded" or answer["status"] == 504:
+                if answer["type"] != OVERLOADED or answer["status"] == 504:
                     break
-                await asyncio.sleep(answer["retry_after_ms"] / 1000)
+                await client.wait_until_allowed()  # its retry_after_ms
             await asyncio.sleep(0.05)
     finally:
-        await ws.close()
+        await close_all([client])
     return sent, served, first_try, latencies
 
 

@@ -4,7 +4,8 @@
     .venv/bin/python scripts/soak.py --duration 600 --model models/base --rss-bound-mb 800
 
 It starts ``ws_server.py`` in a subprocess, measures its capacity (requests per second with full
-batches), then offers ``--overload`` times that rate, open loop, over several connections, for
+batches), then offers ``--overload`` times that rate (or times the rate of results it sees, when that
+is higher: a busy machine may have made the measurement low), open loop, over several connections, for
 ``--duration`` seconds. Afterwards it checks, and prints, that:
 
 - every request got exactly one terminal frame (result, error, overloaded or cancelled; protocol.md §8),
@@ -17,33 +18,32 @@ batches), then offers ``--overload`` times that rate, open loop, over several co
   times ``--latency-slack``, plus one second (the queue bound, not the load, bounds the latency);
 - the server still answers ``/readyz`` with 200, and exits 0 on SIGTERM.
 
-Exit status 0 when every check passes, 1 otherwise. The client runs no model code (websockets, orjson).
+Exit status 0 when every check passes, 1 otherwise. The client runs no model code: it is bench/loadgen's
+``Client`` (ignoring back-off), against a ``bench.server_proc.ServerProcess``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import re
-import signal
+import math
 import statistics
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import orjson
-from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 ROOT = Path(__file__).resolve().parent.parent
-TERMINAL = ("result", "error", "overloaded", "cancelled")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.loadgen import OTHER, OVERLOADED, RESULT, Client, Policy, Recorder, close_all, closed_loop, open_client  # noqa: E402
+from bench.server_proc import ServerProcess, ServerStartError  # noqa: E402
+
 SENTENCES = [
     "After years of careful research the scientists finally announced that the [MASK] had been found deep "
     "beneath the ice of the southern continent, where nobody had ever thought to look for it.",
@@ -56,44 +56,8 @@ SENTENCES = [
     "Paris is the [MASK] of France.",
     "He plays the [MASK] in a small jazz band that meets in the basement of the old cinema every Friday night.",
 ]
-
-
-@dataclass
-class Tally:
-    """What the client saw: send times, terminal frames per id, and anything that broke the rules."""
-
-    sent_at: dict[str, float] = field(default_factory=dict)
-    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    discarded: set[str] = field(default_factory=set)  # in flight on a connection closed with 1008
-    closes: int = 0
-    latency_s: dict[str, float] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    def record(self, frame: dict[str, Any]) -> None:
-        kind, frame_id = frame.get("type"), frame.get("id")
-        if kind not in TERMINAL:
-            self.problems.append(f"unexpected frame {str(frame)[:120]}")
-            return
-        if frame_id not in self.sent_at:
-            self.problems.append(f"answer for an id never sent: {str(frame)[:120]}")
-        elif frame_id in self.answers:
-            self.problems.append(f"second terminal frame for {frame_id}: {str(frame)[:120]}")
-        else:
-            self.answers[frame_id] = frame
-            self.latency_s[frame_id] = time.monotonic() - self.sent_at[frame_id]
-
-    def outcome(self, frame: dict[str, Any]) -> str:
-        if frame["type"] == "error":
-            return f"error {frame.get('code')}"
-        if frame["type"] == "overloaded":
-            return f"{frame.get('status')} {frame.get('reason')}"
-        return frame["type"]
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        match = re.search(r"VmRSS:\s+(\d+) kB", status.read())
-    return int(match.group(1)) / 1024 if match else 0.0
+#: The load resends at once whatever the server says: it is there to overload it.
+NO_BACKOFF = Policy(backoff=False)
 
 
 def http_status(url: str) -> int:
@@ -104,214 +68,220 @@ def http_status(url: str) -> int:
         return error.code
 
 
-async def start_server(args: argparse.Namespace) -> tuple[asyncio.subprocess.Process, str]:
-    command = [sys.executable, str(ROOT / "ws_server.py"), "--model", args.model, "--port", "0",
-               "--max-queue", str(args.max_queue), "--max-batch-size", str(args.max_batch_size),
-               "--log-level", "warning"]
-    env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "PYTHONUNBUFFERED": "1"}
-    process = await asyncio.create_subprocess_exec(*command, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE)
-    assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), args.start_timeout)).decode()
-    found = re.search(r"ready: (ws://\S+)", line)
-    if not found:
-        process.kill()
-        raise SystemExit(f"soak: the server did not start (its first line: {line.strip()!r})")
-    return process, found.group(1)
-
-
-async def reader(ws: ClientConnection, tally: Tally) -> None:
-    try:
-        async for message in ws:
-            tally.record(orjson.loads(message))
-    except ConnectionClosed:
-        pass
-
-
 class Sender:
-    """One of the load's connections: it remembers the ids in flight on it, and when the server closes it
-    with 1008 (the load does not back off), counts them as discarded and opens a new one."""
+    """One of the load's connections (a ``Client`` that ignores back-off, with its reader). When the server
+    closes it with 1008 (the load does not back off), the requests still pending on it are discarded with
+    the close (§8) and a new connection takes its place."""
 
-    def __init__(self, url: str, tally: Tally) -> None:
-        self.url, self.tally = url, tally
-        self.ws: ClientConnection | None = None
+    def __init__(self, url: str, recorder: Recorder, offset: int) -> None:
+        self.url, self.recorder, self.offset = url, recorder, offset
+        self.client: Client | None = None
         self.reader: asyncio.Task[None] | None = None
-        self.in_flight: set[str] = set()
+        self.discarded: set[int] = set()  # recorder indices
+        self.closes = 0
 
     async def open(self) -> None:
-        self.ws = await connect(self.url, max_size=None)
-        await self.ws.recv()  # hello
-        self.reader = asyncio.create_task(reader(self.ws, self.tally))
+        self.client = await open_client(self.url, SENTENCES, self.recorder, self.offset, policy=NO_BACKOFF)
+        self.reader = asyncio.create_task(read_all(self.client))
 
-    async def send(self, request_id: str, frame: dict[str, Any]) -> None:
-        assert self.ws is not None
-        if self.ws.close_code == 1008 or (self.reader is not None and self.reader.done()):
+    async def send(self, extra: dict[str, float] | None) -> None:
+        assert self.client is not None and self.reader is not None
+        if self.reader.done():
             await self.reopen()
-        self.in_flight = {i for i in self.in_flight if i not in self.tally.answers}
-        self.in_flight.add(request_id)
-        self.tally.sent_at[request_id] = time.monotonic()
         try:
-            await self.ws.send(orjson.dumps(frame).decode())
+            await self.client.send(extra=extra)
         except ConnectionClosed:
             await self.reopen()
 
     async def reopen(self) -> None:
-        assert self.ws is not None and self.reader is not None
-        with contextlib.suppress(ConnectionClosed):
-            await self.ws.close()
-        await self.reader
-        if self.ws.close_code != 1008:
-            raise SystemExit(f"soak: the server closed a connection with {self.ws.close_code}")
-        self.tally.closes += 1
-        self.tally.discarded |= {i for i in self.in_flight if i not in self.tally.answers}
-        self.in_flight = set()
+        await self.retire()
         await self.open()
 
+    async def retire(self) -> None:
+        """The server closed the connection: what was pending on it is discarded (it must be a 1008)."""
+        assert self.client is not None and self.reader is not None
+        await close_all([self.client])
+        await self.reader
+        code = self.client.closed_by_server or self.client.ws.close_code
+        if code != 1008:
+            raise SystemExit(f"soak: the server closed a connection with {code}")
+        self.closes += 1
+        self.discarded |= set(self.client.pending.values())
+        self.client.pending.clear()
+
+    def closed_by_server(self) -> bool:
+        return self.reader is not None and self.reader.done()
+
     async def close(self) -> None:
-        if self.ws is not None:
-            await self.ws.close()
+        if self.client is not None:
+            await close_all([self.client])
         if self.reader is not None:
             await self.reader
 
 
-async def measure_capacity(url: str, batch: int, max_queue: int, seconds: float = 2.0) -> float:
-    """Results per second with the queue never empty (closed loop, after a warm-up batch). One connection
-    keeps at most half of the queue busy: more, and it would be told its fair share (§6)."""
-    window = min(4 * batch, max_queue // 2)
-    async with connect(url, max_size=None) as ws:
-        await ws.recv()
-        sent = 0
-
-        async def send_one() -> None:
-            nonlocal sent
-            await ws.send(orjson.dumps({"type": "fill_mask", "id": f"cap-{sent}",
-                                        "text": SENTENCES[sent % len(SENTENCES)]}).decode())
-            sent += 1
-
-        async def take_one() -> None:
-            frame = orjson.loads(await ws.recv())
-            if frame["type"] != "result":
-                raise SystemExit(f"soak: the capacity run got {frame}")
-
-        for _ in range(batch):  # warm-up
-            await send_one()
-        for _ in range(batch):
-            await take_one()
-        for _ in range(window):
-            await send_one()
-        started, done = time.monotonic(), 0
-        while time.monotonic() - started < seconds:
-            await take_one()
-            done += 1
-            await send_one()
-        elapsed = time.monotonic() - started
-        for _ in range(window):
-            await take_one()
-    return done / elapsed
+async def read_all(client: Client) -> None:
+    try:
+        while True:
+            await client.read_one()
+    except ConnectionClosed as closed:
+        client.closed_by(closed)
 
 
-async def offer_load(url: str, rate: float, duration: float, connections: int, tally: Tally) -> float:
-    """Open loop: send ``rate`` requests/s spread over ``connections`` for ``duration`` s; return the rate sent."""
-    senders = [Sender(url, tally) for _ in range(connections)]
+async def measure_capacity(url: str, batch: int, max_queue: int, windows: int = 3, seconds: float = 1.0) -> float:
+    """Results per second with the queue never empty (closed loop, after a warm-up): the best of ``windows``
+    short runs, since on a shared machine a neighbour's burst only ever makes a run slower, and a capacity
+    measured low would offer too little to overload the server. One connection keeps at most half of the
+    queue busy: more, and it would be told its fair share (§6)."""
+    best = 0.0
+    for _ in range(windows):
+        summary = await closed_loop(url, SENTENCES, clients=1, in_flight=min(4 * batch, max_queue // 2),
+                                    warmup_s=0.3, duration_s=seconds)
+        if summary["overloaded"] or summary["errors"]:
+            raise SystemExit(f"soak: the capacity run got {summary['answer_codes']}")
+        best = max(best, float(summary["throughput_rps"]))
+    if best == 0:
+        raise SystemExit(f"soak: no result came back in {windows} capacity runs of {seconds:g} s")
+    return best
+
+
+async def offer_load(url: str, rate: float, overload: float, duration: float, connections: int,
+                     recorder: Recorder) -> tuple[float, float, list[Sender]]:
+    """Open loop: send ``rate`` requests/s spread over ``connections`` for ``duration`` s. After a second in
+    which the server refused nothing, the rate becomes at least ``overload`` times the results of that
+    second: a capacity measured low (a neighbour's burst on a shared machine during the measurement)
+    would otherwise offer a load the server keeps up with. Returns the mean rate offered, the rate sent,
+    and the senders (with what their closes discarded)."""
+    senders = [Sender(url, recorder, (i * len(SENTENCES)) // connections) for i in range(connections)]
     for sender in senders:
         await sender.open()
-    started = time.monotonic()
-    sent = 0
+    started = last = looked = time.monotonic()
+    sent, due, offered, results_before, refused_before = 0, 0.0, 0.0, 0, 0
     while (now := time.monotonic()) - started < duration:
-        due = int((now - started) * rate) - sent
-        for _ in range(due):
-            request_id = f"s{sent}"
-            frame: dict[str, Any] = {"type": "fill_mask", "id": request_id, "text": SENTENCES[sent % len(SENTENCES)]}
-            if sent % 5 == 0:
-                frame["deadline_ms"] = 250  # some requests have deadlines, so that 504s occur too
-            await senders[sent % connections].send(request_id, frame)
+        if now - looked >= 1.0:
+            results, refused = recorder.kind.count(RESULT), recorder.kind.count(OVERLOADED)
+            if refused == refused_before:  # it kept up: not overloaded yet
+                rate = max(rate, overload * (results - results_before) / (now - looked))
+            looked, results_before, refused_before = now, results, refused
+        due += (now - last) * rate
+        offered += (now - last) * rate
+        last = now
+        while due >= 1:
+            # some requests have deadlines, so that 504s occur too
+            await senders[sent % connections].send({"deadline_ms": 250} if sent % 5 == 0 else None)
             sent += 1
+            due -= 1
         await asyncio.sleep(0.005)
-    sent_rate = sent / (time.monotonic() - started)
+    elapsed = time.monotonic() - started
+    sent_rate = sent / elapsed
     give_up = time.monotonic() + 30
-    while len(tally.answers) + len(tally.discarded) < len(tally.sent_at) and time.monotonic() < give_up:
+    while unanswered(recorder, senders) and time.monotonic() < give_up:
+        for sender in senders:  # closed after its last send: nothing will come on it
+            if sender.closed_by_server() and sender.client is not None and sender.client.pending:
+                await sender.retire()
         await asyncio.sleep(0.05)
     for sender in senders:
         await sender.close()
-    return sent_rate
+    return offered / elapsed, sent_rate, senders
+
+
+def unanswered(recorder: Recorder, senders: list[Sender]) -> list[int]:
+    """Requests with no terminal frame yet, but for those discarded with a 1008 close."""
+    discarded = set().union(*(sender.discarded for sender in senders))
+    return [i for i, kind in enumerate(recorder.kind) if kind == "" and i not in discarded]
+
+
+def outcomes(recorder: Recorder) -> Counter[str]:
+    """Terminal frames by kind: ``result``, ``error CODE``, ``STATUS REASON`` (overloaded)."""
+    counts: Counter[str] = Counter({RESULT: recorder.kind.count(RESULT)} if RESULT in recorder.kind else {})
+    for name, count in recorder.error_codes.items():
+        counts[name if name[:1].isdigit() else f"error {name}"] += count
+    return counts
 
 
 async def soak(args: argparse.Namespace) -> int:
-    process, url = await start_server(args)
-    http = url.replace("ws://", "http://").rstrip("/")
-    failures: list[str] = []
+    server_args = ["--max-queue", str(args.max_queue), "--max-batch-size", str(args.max_batch_size)]
     try:
-        capacity = await measure_capacity(url, args.max_batch_size, args.max_queue)
-        rss_start = rss_mb(process.pid)
-        rss_peak = rss_start
-        tally = Tally()
-
-        async def sample_rss() -> None:
-            nonlocal rss_peak
-            while True:
-                rss_peak = max(rss_peak, rss_mb(process.pid))
-                await asyncio.sleep(0.2)
-
-        sampler = asyncio.create_task(sample_rss())
-        offered = capacity * args.overload
-        sent_rate = await offer_load(url, offered, args.duration, args.connections, tally)
-        sampler.cancel()
-        rss_peak = max(rss_peak, rss_mb(process.pid))
-
-        outcomes = Counter(tally.outcome(frame) for frame in tally.answers.values())
-        missing = [i for i in tally.sent_at if i not in tally.answers and i not in tally.discarded]
-        admitted = sorted(tally.latency_s[i] for i, f in tally.answers.items() if f["type"] == "result")
-        throughput = len(admitted) / args.duration
-        latency_bound = args.latency_slack * (args.max_queue + 2 * args.max_batch_size) / max(throughput, 1) + 1.0
-        ready = await asyncio.to_thread(http_status, http + "/readyz")
-
-        print(f"capacity          {capacity:9.1f} requests/s (full batches of {args.max_batch_size})")
-        print(f"offered           {offered:9.1f} requests/s ({args.overload:g}x), sent {sent_rate:.1f}/s for "
-              f"{args.duration:g} s over {args.connections} connections")
-        print(f"throughput        {throughput:9.1f} results/s under the overload")
-        print(f"requests          {len(tally.sent_at):9d} sent, {len(tally.answers)} answered, "
-              f"{len(missing)} unanswered, {len(tally.discarded)} discarded with {tally.closes} 1008 closes "
-              "(the load does not back off)")
-        for name, count in sorted(outcomes.items(), key=lambda item: -item[1]):
-            print(f"  {name:<24}{count:9d}")
-        if admitted:
-            print(f"result latency    p50 {statistics.median(admitted) * 1000:.0f} ms, "
-                  f"p99 {admitted[int(0.99 * (len(admitted) - 1))] * 1000:.0f} ms, max {admitted[-1] * 1000:.0f} ms "
-                  f"(bound {latency_bound * 1000:.0f} ms)")
-        print(f"server RSS        {rss_start:9.1f} MiB after warm-up, peak {rss_peak:.1f} MiB "
-              f"(+{rss_peak - rss_start:.1f}, bound +{args.rss_bound_mb:g})")
-        print(f"/readyz           {ready:9d}")
-
-        failures += tally.problems[:10]
-        if missing:
-            failures.append(f"{len(missing)} requests got no terminal frame (first: {missing[:5]})")
-        if sent_rate < 0.5 * offered:
-            failures.append(f"the client sent only {sent_rate:.0f} requests/s of the {offered:.0f} offered "
-                            "(it is too slow on this machine; use fewer --connections or a bigger model)")
-        if not (outcomes.get("503 queue_full") or outcomes.get("429 queue_share")):
-            failures.append("no request was refused with 503 queue_full or 429 queue_share: the server was not "
-                            "overloaded")
-        if not admitted:
-            failures.append("no request got a result")
-        elif admitted[-1] > latency_bound:
-            failures.append(f"an admitted request took {admitted[-1]:.2f} s, over the bound {latency_bound:.2f} s")
-        if rss_peak - rss_start > args.rss_bound_mb:
-            failures.append(f"server RSS grew by {rss_peak - rss_start:.1f} MiB, over {args.rss_bound_mb:g}")
-        if ready != 200:
-            failures.append(f"/readyz answered {ready} after the soak")
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                code = await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                code = await process.wait()
-            if code != 0:
-                failures.append(f"the server exited with status {code} after SIGTERM")
+        with ServerProcess(Path(args.model), server_args, start_timeout=args.start_timeout) as server:
+            failures = await overload_and_check(server, args)
+    except ServerStartError as exc:
+        print(f"soak: the server did not start: {str(exc).splitlines()[0]}")
+        return 1
+    if server.returncode != 0:  # it was sent SIGTERM at the end of the block: a clean drain exits 0
+        failures.append(f"the server exited with status {server.returncode} after SIGTERM")
     for failure in failures:
         print(f"FAIL: {failure}")
     print("soak: OK" if not failures else f"soak: {len(failures)} check(s) failed")
     return 1 if failures else 0
+
+
+async def overload_and_check(server: ServerProcess, args: argparse.Namespace) -> list[str]:
+    """The soak itself: capacity, the overload, the figures; returns the checks that failed."""
+    failures: list[str] = []
+    capacity = await measure_capacity(server.url, args.max_batch_size, args.max_queue)
+    rss_start = server.rss_mb()
+    rss_peak = rss_start
+    recorder = Recorder()
+
+    async def sample_rss() -> None:
+        nonlocal rss_peak
+        while True:
+            rss_peak = max(rss_peak, server.rss_mb())
+            await asyncio.sleep(0.2)
+
+    sampler = asyncio.create_task(sample_rss())
+    offered, sent_rate, senders = await offer_load(server.url, capacity * args.overload, args.overload,
+                                                   args.duration, args.connections, recorder)
+    sampler.cancel()
+    rss_peak = max(rss_peak, server.rss_mb())
+
+    counts = outcomes(recorder)
+    missing = unanswered(recorder, senders)
+    discarded = sum(len(sender.discarded) for sender in senders)
+    closes = sum(sender.closes for sender in senders)
+    admitted = sorted(done - sent for sent, done, kind in zip(recorder.sent, recorder.done, recorder.kind,
+                                                              strict=True) if kind == RESULT)
+    throughput = len(admitted) / args.duration
+    latency_bound = args.latency_slack * (args.max_queue + 2 * args.max_batch_size) / max(throughput, 1) + 1.0
+    ready = await asyncio.to_thread(http_status, f"http://127.0.0.1:{server.port}/readyz")
+
+    print(f"capacity          {capacity:9.1f} requests/s (full batches of {args.max_batch_size})")
+    print(f"offered           {offered:9.1f} requests/s (at least {args.overload:g}x), sent {sent_rate:.1f}/s for "
+          f"{args.duration:g} s over {args.connections} connections")
+    print(f"throughput        {throughput:9.1f} results/s under the overload")
+    print(f"requests          {len(recorder.sent):9d} sent, {len(recorder.sent) - len(missing) - discarded} "
+          f"answered, {len(missing)} unanswered, {discarded} discarded with {closes} 1008 closes "
+          "(the load does not back off)")
+    for name, count in sorted(counts.items(), key=lambda item: -item[1]):
+        print(f"  {name:<24}{count:9d}")
+    if admitted:
+        print(f"result latency    p50 {statistics.median(admitted) * 1000:.0f} ms, "
+              f"p99 {admitted[int(0.99 * (len(admitted) - 1))] * 1000:.0f} ms, max {admitted[-1] * 1000:.0f} ms "
+              f"(bound {latency_bound * 1000:.0f} ms)")
+    print(f"server RSS        {rss_start:9.1f} MiB after warm-up, peak {rss_peak:.1f} MiB "
+          f"(+{rss_peak - rss_start:.1f}, bound +{args.rss_bound_mb:g})")
+    print(f"/readyz           {ready:9d}")
+
+    failures += [f"a frame for no pending request: {stray}" for stray in recorder.strays[:10]]
+    others = recorder.kind.count(OTHER)
+    if others:
+        failures.append(f"{others} requests were answered by a frame that is not terminal")
+    if missing:
+        failures.append(f"{len(missing)} requests got no terminal frame (first: {missing[:5]})")
+    if sent_rate < 0.5 * offered:
+        failures.append(f"the client sent only {sent_rate:.0f} requests/s of the {offered:.0f} offered "
+                        "(it is too slow on this machine; use fewer --connections or a bigger model)")
+    if not (counts.get("503 queue_full") or counts.get("429 queue_share")):
+        failures.append("no request was refused with 503 queue_full or 429 queue_share: the server was not "
+                        "overloaded")
+    if not admitted:
+        failures.append("no request got a result")
+    elif admitted[-1] > latency_bound:
+        failures.append(f"an admitted request took {admitted[-1]:.2f} s, over the bound {latency_bound:.2f} s")
+    if not math.isfinite(rss_peak) or rss_peak - rss_start > args.rss_bound_mb:
+        failures.append(f"server RSS grew by {rss_peak - rss_start:.1f} MiB, over {args.rss_bound_mb:g}")
+    if ready != 200:
+        failures.append(f"/readyz answered {ready} after the soak")
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from fillmask_server.protocol import (
     encode_result,
     encode_stats,
     parse_frame,
+    targets_field,
 )
 from fillmask_server.server import FillMaskServer
 from fillmask_server.stats import MAX_BATCHES_PER_FRAME
@@ -407,6 +408,17 @@ def test_a_result_envelope_is_at_most_1024_bytes() -> None:
                           2**64 - 1, 2**64 - 1, 2**64 - 1)
     assert len(frame) - len(predictions) <= ENVELOPE_MAX
     assert len(frame) - len(predictions) > ENVELOPE_MAX - 100  # the bound is tight, not a guess
+    assert Contract(default_hello()).problems(orjson.loads(frame), SERVER_SCHEMAS) == []
+
+
+def test_a_result_with_target_notes_keeps_the_same_envelope() -> None:
+    """§14 with §4 ``targets``: the notes count against max_result_bytes with the predictions (intake.check
+    adds ``len(targets_field(notes))`` to the bound), so the rest of the frame keeps its 1,024 bytes."""
+    predictions = b'[{"score":0.5,"token":1,"token_str":"a","sequence":"a"}]'
+    notes = [("\x01" * 100, "\x01" * 50)] * 100  # the most targets, the longest, each escaped to 6 bytes
+    frame = encode_result("\x01" * 128, predictions, 1.2345678901234567e300, 1.2345678901234567e300,
+                          2**64 - 1, 2**64 - 1, 2**64 - 1, notes)
+    assert len(frame) - len(predictions) - len(targets_field(notes)) <= ENVELOPE_MAX
     assert Contract(default_hello()).problems(orjson.loads(frame), SERVER_SCHEMAS) == []
 
 

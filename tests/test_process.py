@@ -78,8 +78,9 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
                         "--port", "0")
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: ") and expected in lines[0] and "--model" in lines[0]
+    *said, error = lines  # what start-up said it loads, then one error line
+    assert all(line.startswith(("loading ", "  ")) for line in said), result.stderr
+    assert error.startswith("error: ") and expected in error and "--model" in error
     assert "Traceback" not in result.stderr
 
 
@@ -111,6 +112,8 @@ async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_mo
         assert set(answers.values()) <= {"result", "shutting_down"}
         assert "result" in answers.values()
         assert await asyncio.wait_for(process.wait(), 30) == 0
+        said = (await process.stderr.read()).decode().splitlines()  # type: ignore[union-attr]
+        assert said[0] == f"loading {tiny_model_dir} on cuda or cpu (auto), float32…"  # the first thing it says
     finally:
         if process.returncode is None:
             process.kill()

@@ -16,6 +16,7 @@ from fillmask_server.protocol import (
     encode_overloaded,
     encode_result,
     parse_frame,
+    targets_field,
 )
 
 LIMITS = Limits(mask_token="[MASK]", max_text_chars=50, max_masks=2, top_k_max=10, max_targets=3)
@@ -152,3 +153,12 @@ def test_encoders_make_one_json_object() -> None:
                                                                   "message": "m"}
     assert orjson.loads(encode_overloaded(9, 503, "queue_full", 40)) == {
         "type": "overloaded", "id": 9, "status": 503, "reason": "queue_full", "retry_after_ms": 40}
+
+
+def test_a_result_names_the_targets_not_scored_as_given_and_only_those() -> None:
+    """§4 ``targets``: written only with notes, one object per note in order, ``null`` for an ignored one."""
+    notes = [("new york", "new"), ("\u0301", None)]
+    frame = orjson.loads(encode_result(1, b"[]", 0.0, 0.0, 1, 1, 1, notes))
+    assert frame["targets"] == [{"given": "new york", "scored": "new"}, {"given": "\u0301", "scored": None}]
+    assert "targets" not in orjson.loads(encode_result(1, b"[]", 0.0, 0.0, 1, 1, 1))
+    assert targets_field(()) == b""

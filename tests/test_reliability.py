@@ -13,9 +13,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from fillmask_server.decode import SequenceDecoder, predictions_json
-from fillmask_server.intake import Checked, check
+from fillmask_server.intake import Checked, Refusal, check
 from fillmask_server.model import FillMaskModel, Item, load_model
-from fillmask_server.protocol import FillMaskRequest
+from fillmask_server.protocol import FillMaskRequest, targets_field
 from tests.wire import recv, recv_n, send, session, wait_until
 
 TEXT = "Paris is the [MASK] of France."
@@ -45,6 +45,20 @@ def test_the_result_bound_is_never_below_the_real_answer(model: FillMaskModel) -
         item = Item(ids, top_k)
         actual = len(predictions_json(decoder, item, model.forward([item]), 0))
         assert actual <= checked.result_bytes, (text, actual, checked.result_bytes)
+
+
+def test_target_notes_count_against_the_result_bound(model: FillMaskModel) -> None:
+    """§3/§4: a result's ``targets`` notes are part of what max_result_bytes bounds, byte for byte, so a
+    request whose notes would take the frame over the limit is refused like any other."""
+    text = "Paris is the [MASK] of France."
+    ids = model.tokenize([text])[0]
+    as_given = check(model, FillMaskRequest(1, text, 5, ("new",)), ids, 8, 1 << 40)
+    replaced = check(model, FillMaskRequest(1, text, 5, ("new york",)), ids, 8, 1 << 40)
+    assert isinstance(as_given, Checked) and isinstance(replaced, Checked)
+    assert (as_given.target_notes, replaced.target_notes) == ((), (("new york", "new"),))
+    assert replaced.result_bytes == as_given.result_bytes + len(targets_field(replaced.target_notes))
+    tight = check(model, FillMaskRequest(1, text, 5, ("new york",)), ids, 8, as_given.result_bytes)
+    assert isinstance(tight, Refusal) and tight.code == "result_too_large"
 
 
 async def test_a_request_whose_answer_could_be_too_large_is_refused_before_it_runs(make_server: Any) -> None:

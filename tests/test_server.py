@@ -146,6 +146,26 @@ async def test_top_k_and_targets(server: FillMaskServer, reference_pipeline: Any
     assert_same_predictions(targeted["predictions"], reference_pipeline(text, targets=["capital", "city", "heart"],
                                                                         top_k=10))
     assert [p["token_str"] for p in single["predictions"]] == ["capital"]
+    assert "targets" not in targeted and "targets" not in single and "targets" not in many  # all scored as given
+
+
+async def test_a_target_that_is_not_one_token_is_named_in_the_result(server: FillMaskServer,
+                                                                     reference_pipeline: Any) -> None:
+    """§4 ``targets``: each target replaced by its first token says what was scored, in request order;
+    a one-token target gets no entry, an ignored one (no token at all) says null; predictions stay the
+    pipeline's."""
+    text = TEXTS[0]
+    alone = {t: reference_pipeline(text, targets=[t])[0]["token_str"] for t in ("new york", "zzzzqqq")}
+    assert alone["new york"] == "new" and len(alone["zzzzqqq"]) < len("zzzzqqq")  # its first sub-token
+    targets = ["zzzzqqq", "capital", "new york", "\u0301", "zzzzqqq"]
+    async with session(server.url) as (ws, _):
+        frame = await request(ws, 1, text, targets=targets, top_k=10)
+        plain = await request(ws, 2, text, targets=["capital", "city"])
+    assert frame["targets"] == [{"given": "zzzzqqq", "scored": alone["zzzzqqq"]},
+                                {"given": "new york", "scored": "new"}, {"given": "\u0301", "scored": None}]
+    assert {p["token_str"] for p in frame["predictions"]} == {alone["zzzzqqq"], "capital", "new"}
+    assert_same_predictions(frame["predictions"], reference_pipeline(text, targets=targets, top_k=10))
+    assert "targets" not in plain
 
 
 # --- §3 ids --------------------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""What the server says while it starts: the lines an operator reads before ``ready:``.
+
+``load_model`` reports each stage as it starts (its ``progress`` argument); ``StartupLines`` turns
+those calls into lines on stderr, where the logs go too (stdout carries the one ``ready:`` line that
+scripts wait for):
+
+- the first call, ``loading NAME on DEVICE, DTYPE``, is written at once, with an ellipsis;
+- every later call ends the stage before it, and a stage that took at least ``threshold_s`` gets one
+  step line with its duration (``  tokenizer and weights: 2.1 s``); quick stages stay silent;
+- ``done`` ends the last stage the same way.
+
+Invariant: each stage is written at most once, and only after it ended, so a line never claims a
+duration that was not measured. No torch, no threads: calls come from one thread at a time (the
+loading thread, then the caller of ``done`` after it has joined it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+#: A stage that takes less than this says nothing: most stages of a small model are quick.
+STEP_THRESHOLD_S = 1.0
+
+
+class StartupLines:
+    """The ``progress`` callback of ``load_model`` that writes the start-up's lines (see above)."""
+
+    def __init__(self, out: TextIO | None = None, threshold_s: float = STEP_THRESHOLD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._out = out
+        self._threshold_s = threshold_s
+        self._clock = clock
+        self._headed = False
+        self._stage: str | None = None
+        self._since = 0.0
+
+    def __call__(self, message: str) -> None:
+        """A stage starts: the first is the head line (written now); each later one ends the one before."""
+        if not self._headed:
+            self._headed = True
+            self._write(f"{message}…")
+            self._since = self._clock()
+            return
+        self._end_stage()
+        self._stage = message
+
+    def done(self) -> None:
+        """Loading has finished: end the last stage."""
+        self._end_stage()
+        self._stage = None
+
+    def _end_stage(self) -> None:
+        now = self._clock()
+        if self._stage is not None and now - self._since >= self._threshold_s:
+            self._write(f"  {self._stage}: {now - self._since:.1f} s")
+        self._since = now
+
+    def _write(self, line: str) -> None:
+        out = self._out if self._out is not None else sys.stderr  # looked up late: tests swap sys.stderr
+        print(line, file=out, flush=True)

@@ -1,0 +1,93 @@
+"""One load generator for bench/ and scripts/ (issue 18 item 7): ``bench.loadgen.Client`` and its policy
+hooks against a real server, and the scripts built on it rather than on copies of it."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.loadgen import POLITE, Client, Policy, Recorder, close_all, open_client
+from fillmask_server.server import FillMaskServer
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = ["Paris is the [MASK] of France."]
+
+
+def client_without_socket(policy: Policy) -> Client:
+    return Client(None, TEXTS, 0, Recorder(), policy=policy)  # type: ignore[arg-type]
+
+
+async def test_back_off_is_a_policy() -> None:
+    """A polite client waits out retry_after_ms (§6); one with ``backoff=False`` may send at once."""
+    polite, hog = client_without_socket(POLITE), client_without_socket(Policy(backoff=False))
+    for client in (polite, hog):
+        client.hold_until = time.perf_counter() + 60  # as after "retry_after_ms": 60000
+    await asyncio.wait_for(hog.wait_until_allowed(), 5)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(polite.wait_until_allowed(), 0.1)
+
+
+async def test_a_client_that_never_reads_leaves_its_answer_unread(server: FillMaskServer) -> None:
+    recorder = Recorder()
+    client = await open_client(server.url, TEXTS, recorder, policy=Policy(reads=False), fields={"top_k": 2})
+    try:
+        await client.send()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(client.read_one(), 0.5)
+        assert recorder.kind == [""]
+        client.policy = POLITE  # the answer was there all along
+        frame = await asyncio.wait_for(client.read_one(), 30)
+        assert frame["type"] == "result" and len(frame["predictions"]) == 2 and recorder.kind == ["result"]
+    finally:
+        await close_all([client])
+
+
+async def test_a_slow_reader_takes_each_answer_at_its_rate(server: FillMaskServer) -> None:
+    """``read_bytes_per_s``: reading an answer of n bytes takes at least n / rate seconds. (And an answer
+    for no pending request, as a second answer would be, is filed as a stray.)"""
+    recorder = Recorder()
+    client = await open_client(server.url, TEXTS, recorder)
+    try:
+        await client.send()
+        client.pending.clear()  # as if it had been answered already
+        assert (await asyncio.wait_for(client.read_one(), 30))["type"] == "result"
+        assert len(recorder.strays) == 1 and recorder.kind == [""]
+        client.policy = Policy(read_bytes_per_s=1000)
+        await client.send()
+        started = time.perf_counter()
+        frame = await asyncio.wait_for(client.read_one(), 30)
+        assert time.perf_counter() - started >= len(orjson.dumps(frame)) / 1000  # a few hundred bytes: ~0.3 s
+        assert recorder.kind == ["", "result"]
+    finally:
+        await close_all([client])
+
+
+def _defined_and_imported(path: Path) -> tuple[set[str], set[str]]:
+    tree = ast.parse(path.read_text())
+    defined = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef
+                                                                    | ast.ClassDef)}
+    imported = {f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names}
+    return defined, imported
+
+
+def test_the_scripts_use_the_one_load_generator_and_server_process() -> None:
+    """scripts/soak.py and scripts/reliability.py open connections with bench.loadgen and start servers with
+    bench.server_proc; nothing of either is written twice (``rss_mb`` exists once)."""
+    files = [*sorted((ROOT / "bench").glob("*.py")), ROOT / "scripts" / "soak.py", ROOT / "scripts" / "reliability.py"]
+    definitions: dict[str, list[str]] = {}
+    for path in files:
+        defined, imported = _defined_and_imported(path)
+        for name in defined:
+            definitions.setdefault(name, []).append(path.name)
+        if path.parent.name == "scripts":
+            assert "bench.loadgen.open_client" in imported and "bench.server_proc.ServerProcess" in imported, path
+            assert "websockets.asyncio.client.connect" not in imported, path
+            assert "create_subprocess_exec" not in path.read_text() and "Popen" not in path.read_text(), path
+    assert set(definitions["rss_mb"]) == {"server_proc.py"}  # the function, and ServerProcess's method on it
+    assert definitions["Client"] == ["loadgen.py"] and definitions["ServerProcess"] == ["server_proc.py"]

@@ -1,0 +1,151 @@
+"""Start-up that talks (issue 18 item 3): the lines before ``ready:``, torch-free checks first, device errors.
+
+A wrong ``--model`` must fail before torch is imported. That is checked without a clock: the server
+runs in a subprocess whose import system refuses torch and transformers, so any import of them turns
+the one-line error into an ImportError traceback; a control run shows the refusal bites.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fillmask_server.model import ModelLoadError, load_model
+from fillmask_server.startup import StartupLines
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+# Runs ws_server.py as ``python ws_server.py ARGS`` would, with torch and transformers unimportable.
+WITHOUT_TORCH = """
+import runpy, sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"{name} was imported")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+sys.argv = ["ws_server.py", *sys.argv[1:]]
+runpy.run_path("ws_server.py", run_name="__main__")
+"""
+
+
+def run_without_torch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("/nonexistent", "no such directory"),
+        ("{empty}", "has no config.json"),
+        ("{file}", "is a file, not a directory"),
+        ("google-bert/bert-base-uncased", "not in the local cache"),  # HF_HUB_OFFLINE=1, nothing cached
+    ],
+)
+def test_a_wrong_model_fails_with_one_line_before_torch_is_imported(tmp_path: Path, model: str,
+                                                                     expected: str) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("not a model")
+    env_cache = {"HF_HOME": str(tmp_path / "hf")}  # an empty cache, whatever this machine has cached
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "--model",
+                             model.format(empty=tmp_path / "empty", file=tmp_path / "file"), "--port", "0"],
+                            cwd=ROOT, env={**ENV, **env_cache}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot load model") and expected in lines[0], lines
+    assert "--model" in lines[0] and result.stdout == ""
+
+
+def test_a_port_in_use_fails_before_torch_is_imported(tiny_model_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = run_without_torch("--model", str(tiny_model_dir), "--port", str(taken.getsockname()[1]))
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: cannot listen on 127.0.0.1:") and len(result.stderr.splitlines()) == 1
+
+
+def test_the_torch_refusal_bites_once_the_checks_pass(tiny_model_dir: Path) -> None:
+    """The control: a good model and a free port get as far as importing torch, which the harness refuses."""
+    result = run_without_torch("--model", str(tiny_model_dir), "--port", "0", "--device", "cpu")
+    assert result.returncode != 0 and "was imported" in result.stderr
+    assert result.stderr.startswith(f"loading {tiny_model_dir} on cpu, float32…\n")  # said before torch
+
+
+def test_device_errors_name_the_device_not_the_dtype(tiny_model_dir: Path) -> None:
+    with pytest.raises(ModelLoadError) as bad_name:
+        load_model(str(tiny_model_dir), device="gpu")
+    message = str(bad_name.value)
+    assert message.startswith("cannot use --device gpu: ") and "dtype" not in message and "\n" not in message
+    assert "cpu always works" in message
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError) as no_cuda:
+            load_model(str(tiny_model_dir), device="cuda", dtype="bfloat16")
+        message = str(no_cuda.value)
+        assert message.startswith("cannot use --device cuda: ") and "dtype" not in message
+        assert "CUDA" in message or "NVIDIA" in message or "GPU" in message
+
+
+def test_load_model_reports_its_stages_in_order(tiny_model_dir: Path) -> None:
+    """``progress`` hears the head line first (``auto`` is said as such: resolving it needs torch), then
+    each stage as it starts."""
+    heard: list[str] = []
+    load_model(str(tiny_model_dir), device="auto", progress=heard.append)
+    assert heard == [f"loading {tiny_model_dir} on cuda or cpu (auto), float32", "torch import and device check",
+                     "tokenizer and weights", "forward pass traced and checked"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Captured:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_startup_lines_say_the_head_at_once_and_only_stages_over_the_threshold() -> None:
+    clock, out = FakeClock(), Captured()
+    lines = StartupLines(out, threshold_s=1.0, clock=clock)  # type: ignore[arg-type]
+    lines("loading m on cpu, float32")
+    assert out.text == "loading m on cpu, float32…\n"  # before any stage has run
+    clock.now += 0.3
+    lines("tokenizer and weights")
+    clock.now += 2.5
+    lines("forward pass traced and checked")
+    assert out.text.endswith("\n  tokenizer and weights: 2.5 s\n")  # written once it ended
+    clock.now += 0.4  # quick: silent
+    lines.done()
+    lines.done()  # nothing left to end
+    assert out.text.splitlines() == ["loading m on cpu, float32…", "  tokenizer and weights: 2.5 s"]
+
+
+def test_a_slow_last_stage_is_written_when_loading_is_done() -> None:
+    clock, out = FakeClock(), Captured()
+    lines = StartupLines(out, threshold_s=1.0, clock=clock)  # type: ignore[arg-type]
+    lines("loading m on cuda, bfloat16")
+    lines("forward pass traced and checked")
+    clock.now += 12.0
+    lines.done()
+    assert out.text.splitlines() == ["loading m on cuda, bfloat16…", "  forward pass traced and checked: 12.0 s"]
