@@ -142,13 +142,16 @@ def test_table_columns_stay_aligned_whatever_the_scores() -> None:
 def test_targets_not_scored_as_given_are_noted_under_the_text() -> None:
     candidate = {"score": 0.5, "token": 2047, "token_str": "new", "sequence": "paris is the new of france."}
     frame = {"type": "result", "id": 1, "predictions": [candidate],
-             "targets": [{"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"}]}
+             "targets": [{"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"},
+                         {"given": "\u0301", "scored": None}]}
     result = outcome(frame)
     assert isinstance(result, FillMaskResult)
-    assert result.targets == ({"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"})
+    assert result.targets == ({"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"},
+                              {"given": "\u0301", "scored": None})
     lines = format_table(TEXT, result).splitlines()
-    assert lines[:3] == [TEXT, 'note: target "new york" was scored as "new"',
-                         'note: target "zzzzqqq" was scored as "z"']
+    assert lines[:4] == [TEXT, 'note: target "new york" was scored as "new"',
+                         'note: target "zzzzqqq" was scored as "z"',
+                         'note: target "\u0301" was ignored: it has no vocabulary token']
     plain = outcome({**frame, "targets": None})  # absent or malformed: no notes, and no failure
     assert isinstance(plain, FillMaskResult) and plain.targets == ()
     assert format_table(TEXT, plain).splitlines()[1].startswith("rank")

@@ -656,8 +656,10 @@
       li.dataset.testid = 'targets-note';
       li.dataset.given = String(t.given);
       li.dataset.scored = String(t.scored);
-      li.textContent = 'Note: target "' + String(t.given) + '" was scored as "' + readable(String(t.scored)).text +
-        '" (it is not one token of the vocabulary).';
+      li.textContent = t.scored === null
+        ? 'Note: target "' + String(t.given) + '" was ignored: it has no token in the vocabulary.'
+        : 'Note: target "' + String(t.given) + '" was scored as "' + readable(String(t.scored)).text +
+          '" (it is not one token of the vocabulary).';
       return li;
     }));
     box.hidden = replaced.length === 0;

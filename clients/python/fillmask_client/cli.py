@@ -170,8 +170,11 @@ def format_table(text: str, result: FillMaskResult) -> str:
 
 def target_notes(result: FillMaskResult) -> list[str]:
     """One line per target that was not scored as given (§4 ``targets``): ``note: target "new york" was
-    scored as "new"`` (like the pipeline, the server scores a multi-token target's first sub-token)."""
+    scored as "new"`` (like the pipeline, the server scores a multi-token target's first sub-token), or
+    ``note: target "…" was ignored: it has no vocabulary token``."""
     return [f"note: target {_quoted(entry['given'])} was scored as {_quoted(entry['scored'])}"
+            if entry["scored"] is not None else
+            f"note: target {_quoted(entry['given'])} was ignored: it has no vocabulary token"
             for entry in result.targets]
 
 

@@ -32,10 +32,11 @@ Predictions = list[Prediction] | list[list[Prediction]]
 
 class ScoredTarget(TypedDict):
     """A target that is not one vocabulary token, and the token that was scored for it (§4 ``targets``):
-    like the pipeline, the server scores its first sub-token."""
+    like the pipeline, the server scores its first sub-token; ``None`` when the target has no token at
+    all, and so was ignored (as the pipeline ignores it)."""
 
     given: str
-    scored: str
+    scored: str | None
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def scored_targets(value: Any) -> tuple[ScoredTarget, ...]:
         return ()
     return tuple(ScoredTarget(given=entry["given"], scored=entry["scored"]) for entry in value
                  if isinstance(entry, dict) and isinstance(entry.get("given"), str)
-                 and isinstance(entry.get("scored"), str))
+                 and (entry.get("scored") is None or isinstance(entry.get("scored"), str)))
 
 
 def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
