@@ -15,6 +15,7 @@ import base64
 import contextlib
 import os
 import re
+import select
 import socket
 import statistics
 import time
@@ -130,10 +131,26 @@ async def non_reading_client(srv: FillMaskServer, sock: socket.socket | None = N
 
 def stuck(conn: Connection) -> bool:
     """Nothing more can leave ``conn``'s outbox while its client reads nothing: the outbox is over the
-    bound, and the socket's own buffer is over websockets' high-water mark (the kernel's buffers are
-    full), so the writer waits for a drain that only the client's reading can give."""
+    bound, the transport holds bytes it could not write, and the kernel says the socket takes no more
+    (not writable: a client that reads nothing has closed its TCP window). asyncio writes only when the
+    socket is writable, so nothing moves until the client reads."""
     transport = conn.ws.transport
-    return conn.congested and transport is not None and transport.get_write_buffer_size() > conn.ws.write_limit_high
+    if not conn.congested or transport is None or transport.get_write_buffer_size() == 0:
+        return False
+    _, writable, _ = select.select([], [transport.get_extra_info("socket").fileno()], [], 0)
+    return not writable
+
+
+async def wait_stuck(srv: FillMaskServer, conn: Connection) -> None:
+    """Wait until ``stuck(conn)`` holds twice in a row a tenth of a second apart with no answer counted
+    in between (an acknowledgement still on its way could make the socket writable once more)."""
+    async with asyncio.timeout(30):
+        while True:
+            await wait_until(lambda: stuck(conn))
+            answered = answered_count(srv)
+            await asyncio.sleep(0.1)
+            if stuck(conn) and answered_count(srv) == answered:
+                return
 
 
 def connection_of(srv: FillMaskServer, exclude: set[Connection]) -> Connection:
@@ -166,7 +183,8 @@ async def test_a_client_that_never_reads_is_not_read_from_and_others_are_not_slo
             # Its answer memory is full (issue 10): its requests in flight wait in the queue, not computed;
             # and nothing more can leave its outbox, so the pause is for good (until then, small frames
             # still move from the outbox into the socket's buffers, and reading resumes between them).
-            await wait_until(lambda: stuck(hog_conn) and 0 < len(hog_conn.session.inflight) == srv.engine.runnable())
+            await wait_until(lambda: 0 < len(hog_conn.session.inflight) == srv.engine.runnable())
+            await wait_stuck(srv, hog_conn)
             answered = answered_count(srv)
             during = await latencies(light, "during")
             # Nothing more was read from the hog while the light client was served...
