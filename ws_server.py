@@ -2,7 +2,8 @@
 
 The whole life of the server, in order:
 1. read the configuration (flags over environment over defaults; ``--help`` lists them);
-2. load the model once, or exit 1 with one line saying why;
+2. load the model once, or exit 1 with one line saying why; calibrate the engine to this machine
+   (``calibration.py``: torch threads, the cost model, a reduced dtype's speed), one line on stdout;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
 4. on SIGINT/SIGTERM, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with ``/readyz`` at 503)
    and exit 0; a second signal stops at once (exit 130).
@@ -16,15 +17,22 @@ import os
 import signal
 import sys
 
+from fillmask_server.calibration import calibrate
 from fillmask_server.config import Config, load_config
-from fillmask_server.model import ModelLoadError, load_model
+from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen
 
 
 async def serve_until_signalled(config: Config) -> None:
     check_can_listen(config.host, config.port)
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward)
-    server = FillMaskServer(config, model)
+    calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model,
+                            resolve_device(config.device), config.forward)
+    if config.calibration_s > 0:
+        logging.getLogger("fillmask_server").info("%s", calibration.line())
+    if calibration.warning:
+        print(calibration.warning, file=sys.stderr, flush=True)
+    server = FillMaskServer(config, model, calibration)
     await server.start()
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
     received: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -238,8 +238,8 @@ def _parse_targets(value: Any, limits: Limits) -> tuple[str, ...] | str:
 
 
 def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
-                 extra_limits: dict[str, Any]) -> bytes:
-    """The first frame on every connection (§2)."""
+                 extra_limits: dict[str, Any], engine: dict[str, Any] | None = None) -> bytes:
+    """The first frame on every connection (§2); ``engine``: facts about the engine (``hello.engine``)."""
     announced = {
         **extra_limits,
         "max_text_chars": limits.max_text_chars,
@@ -250,9 +250,12 @@ def encode_hello(server: str, model: str, random_weights: bool, limits: Limits,
         "max_id_chars": limits.max_id_chars,
         "max_deadline_ms": limits.max_deadline_ms,
     }
-    return orjson.dumps({"type": "hello", "protocol": PROTOCOL_VERSION, "server": server, "model": model,
-                         "random_weights": random_weights, "mask_token": limits.mask_token, "limits": announced,
-                         "stats": {f"{key}_interval_ms": value for key, value in STATS_INTERVAL_MS.items()}})
+    hello = {"type": "hello", "protocol": PROTOCOL_VERSION, "server": server, "model": model,
+             "random_weights": random_weights, "mask_token": limits.mask_token, "limits": announced,
+             "stats": {f"{key}_interval_ms": value for key, value in STATS_INTERVAL_MS.items()}}
+    if engine is not None:
+        hello["engine"] = engine
+    return orjson.dumps(hello)
 
 
 def encode_result(request_id: RequestId, predictions_json: bytes, queue_ms: float, inference_ms: float,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -155,3 +156,71 @@ def test_a_busy_queue_keeps_a_newcomers_share_free(engine: Engine, collector: Co
         assert engine.submit(job("polite", owner="polite")) is Admission.ACCEPTED
         assert engine.submit(job("third", owner="third")) is Admission.ACCEPTED
     assert len(collector.wait_for(7)) == 7
+
+
+# --- start-up calibration and honest speed modes (issue 17 items 4 and 5) ---------------------------------
+
+
+async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(tiny_model_dir: Path) -> None:
+    """The real server process measures at load: its torch threads and cost model appear in
+    ``hello.engine``, on /metrics and in the log; a reduced dtype that measures slower than float32
+    gets one warning line with the ratio (the test makes bfloat16 look slow through the test hook,
+    on top of the real measurement, so that the outcome does not depend on this CPU)."""
+    import asyncio
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from fillmask_server.calibration import SLOWDOWN_ENV
+    from tests.wire import session
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", SLOWDOWN_ENV: "1000"}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--dtype", "bfloat16",
+        "--calibration-s", "1", cwd=root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
+        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+        async with session(url) as (_, hello):
+            engine = hello["engine"]
+        calibration = engine["calibration"]
+        assert engine["torch_threads"] >= 1 and calibration["threads_from"] in ("calibration", "default")
+        if calibration["threads_from"] == "calibration":  # more than one CPU: each candidate was timed
+            assert engine["torch_threads"] in [entry["threads"] for entry in calibration["threads_ms"]]
+        cost = calibration["cost_model"]
+        assert cost["overhead_ms"] + cost["per_token_us"] + cost["per_row_us"] > 0
+        assert 0 < calibration["dtype_speed_vs_float32"] < 1
+        metrics_url = url.replace("ws://", "http://").rstrip("/") + "/metrics"
+        with await asyncio.to_thread(urllib.request.urlopen, metrics_url, timeout=5) as response:
+            metrics = response.read().decode()
+        assert f"fillmask_torch_threads {float(engine['torch_threads'])}" in metrics
+        assert re.search(r'fillmask_cost_model_seconds\{term="overhead"\} [0-9.e-]+', metrics)
+    finally:
+        process.send_signal(subprocess.signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    lines = stderr.decode().splitlines()
+    assert any("calibrated in" in text and f"torch threads {engine['torch_threads']}" in text for text in lines)
+    warnings = [text for text in lines if text.startswith("warning: --dtype bfloat16 runs at")]
+    assert len(warnings) == 1 and f"{calibration['dtype_speed_vs_float32']:.2f}x" in warnings[0], lines
+
+
+def test_a_thread_count_the_user_sets_wins_and_zero_budget_skips_calibration(model: FillMaskModel) -> None:
+    import torch
+
+    from fillmask_server.calibration import calibrate
+
+    before = torch.get_num_threads()
+    try:
+        chosen = calibrate(model, 0.5, torch_threads=1)
+        assert chosen.torch_threads == 1 and chosen.threads_from == "flag" and not chosen.threads_ms
+        seen: list[int] = []  # torch applies the count to threads that start after it (the model thread)
+        reader = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        reader.start()
+        reader.join()
+        assert seen == [1] and chosen.coefficients is not None
+        skipped = calibrate(model, 0.0)
+        assert skipped.coefficients is None and skipped.hello()["calibration"]["seconds"] == 0
+    finally:
+        torch.set_num_threads(before)
