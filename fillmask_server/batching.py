@@ -385,32 +385,41 @@ class BatchPolicy:
         return batch, passed
 
     def _fill(self, base: list[J], rest: list[J], width: int, limit: float, cost: Coefficients) -> _Candidate[J]:
-        """The batch of band ``width``: ``base``, then each request of ``rest`` (in fair order) that fits."""
+        """The batch of band ``width``: ``base``, then each request of ``rest`` (in fair order) that fits.
+
+        Plain arithmetic on locals: this runs for every candidate band under the engine's lock."""
         low = width / AUTO_GROWTH
-        candidate = _Candidate(list(base), max(job.n_tokens for job in base),
-                               sum(cost.own_s(job.n_tokens, job.result_bytes) for job in base),
-                               float(sum(job.result_bytes for job in base)),
-                               sum(max(0.0, job.cost - job.n_tokens) for job in base))
+        overhead, token_s, row_s, byte_s = cost.overhead_s, cost.token_s, cost.row_s, cost.byte_s
+        rows = list(base)
+        passed: list[J] = []
+        longest = max(job.n_tokens for job in base)
+        own = sum(cost.own_s(job.n_tokens, job.result_bytes) for job in base)
+        out_bytes = float(sum(job.result_bytes for job in base))
+        output = sum(max(0.0, job.cost - job.n_tokens) for job in base)
+        count = len(rows)
+        efficiency = own / (overhead + (token_s * longest + row_s) * count + byte_s * out_bytes)
+        size, budget = self.max_batch_size, self.max_batch_tokens
         for job in rest:
-            if len(candidate.rows) >= self.max_batch_size:
+            if count >= size:
                 break
             n = job.n_tokens
             if n > width or n < low:
-                candidate.passed.append(job)
+                passed.append(job)
                 continue
-            rows = len(candidate.rows) + 1
-            longest = max(candidate.longest, n)
-            output = candidate.output + max(0.0, job.cost - n)
-            if rows * longest + output > self.max_batch_tokens:
+            wide = n if n > longest else longest
+            extra = job.cost - n
+            more_output = output + (extra if extra > 0 else 0.0)
+            if (count + 1) * wide + more_output > budget:
                 continue
-            own = candidate.own + cost.own_s(n, job.result_bytes)
-            out_bytes = candidate.out_bytes + job.result_bytes
-            predicted = cost.batch_s(rows, rows * longest, out_bytes)
+            more_bytes = out_bytes + job.result_bytes
+            predicted = overhead + (token_s * wide + row_s) * (count + 1) + byte_s * more_bytes
             if predicted > limit:
                 continue
-            if own / predicted < candidate.efficiency(cost):
-                candidate.passed.append(job)
+            more_own = own + token_s * n + row_s + byte_s * job.result_bytes
+            if more_own < efficiency * predicted:
+                passed.append(job)
                 continue
-            candidate.rows.append(job)
-            candidate.longest, candidate.own, candidate.out_bytes, candidate.output = longest, own, out_bytes, output
-        return candidate
+            rows.append(job)
+            count += 1
+            longest, own, out_bytes, output, efficiency = wide, more_own, more_bytes, more_output, more_own / predicted
+        return _Candidate(rows, longest, own, out_bytes, output, passed)
