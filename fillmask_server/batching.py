@@ -34,9 +34,10 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
 - **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` token-equivalents (padded
   tokens plus output); and a **predicted time** of at most ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
-  batches there costs at most that share of throughput), and at most ``deadline_share`` of the time
-  left to the tightest deadline waiting. So a light request that arrives while a heavy batch runs
-  waits for at most one such bounded batch, never for one long batch of heavy output.
+  batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``), and at
+  most ``deadline_share`` of the time left to the tightest deadline waiting. So a light request that
+  arrives while a heavy batch runs waits for at most one such bounded batch, never for one long batch
+  of heavy output.
 - **Tail bound.** A request *misses* a batch when the fair order offered it to that batch and it
   would have fitted the limits, but the band (its length) or the efficiency rule left it out. A
   request that has missed ``max_missed`` batches widens the band: it is in the next batch, whatever
@@ -71,6 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 WIDTHS = 8  # candidate bands tried per batch (the distinct lengths in reach, evenly spread)
+MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit may put the overhead near 0)
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
 REACH = 2  # the fair order is followed this many full batches deep
 
@@ -211,7 +213,7 @@ class BatchPolicy:
     def time_limit(self, queue: deque[J] | list[J], now: float, cost: Coefficients | None = None) -> float:
         """The most predicted seconds a batch may take now (its first request is taken regardless)."""
         cost = cost or self.cost
-        limit = self.max_batch_s or cost.overhead_s / self.slack
+        limit = self.max_batch_s or max(MIN_AUTO_BATCH_S, cost.overhead_s / self.slack)
         deadlines = [job.deadline for job in queue if job.deadline is not None]
         if deadlines:
             limit = min(limit, self.deadline_share * max(0.0, min(deadlines) - now))

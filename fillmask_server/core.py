@@ -364,12 +364,14 @@ class EngineCore:
     def decoded(self, outcomes: list[Outcome], result_bytes: int = 0, seconds: float = 0.0) -> list[Outcome]:
         """The decode stage's outcomes (``Result`` or ``Failed``) for DECODING jobs: move them to DONE.
         ``result_bytes`` (their answers' bounds) took ``seconds`` to decode: the price of output."""
+        final: list[Outcome] = []
         for outcome in outcomes:
-            if can(outcome.job, Event.DECODED):
+            if can(outcome.job, Event.DECODED):  # not when a dying engine answered it meanwhile
                 self._move(outcome.job, Event.FAILED if isinstance(outcome, Failed) else Event.DECODED)
+                final.append(outcome)
         if result_bytes:
             self.cost.observe_decode(result_bytes, seconds)
-        return outcomes
+        return final
 
     def withdraw(self, job: Job) -> bool:
         """Take ``job`` out if the model does not have it yet; True when this call did it."""

@@ -11,7 +11,8 @@
   no JSON. Faults are isolated here: a batch the model fails on is retried in halves while the failure
   is out of memory and item by item otherwise, so only requests that fail alone get ``internal_error``.
 - **Decode stage** (``fillmask-decode``): turns top-k tensors into the pipeline's predictions and
-  serializes them (``decode.py``), while the model thread already runs the next batch.
+  serializes them (``decode.py``), cheapest first across the batches handed over, while the model
+  thread already runs the next batch (at most ``DECODE_BACKLOG`` batches ahead).
 
 Every decision (admission, fair share, answer memory, prices, the cost model, the batch choice, which
 job is where) is the thread-free ``core.EngineCore``'s; this module keeps only the three loops, the
@@ -29,6 +30,7 @@ outcome has been delivered. If a stage thread ends abnormally, ``_die`` marks th
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
 import logging
 import threading
@@ -102,6 +104,7 @@ class Engine:
         self._model_wake = threading.Condition(self._lock)
         self._decode_wake = threading.Condition(self._lock)
         self._decoding: deque[_Forwarded] = deque()  # the hand-over from the model thread to the decode stage
+        self._undecoded = 0  # batches handed over whose jobs are not all decoded yet (DECODE_BACKLOG)
         self._batch_ids = itertools.count(1)
         self._paused = False
         self._stopping = False
@@ -254,7 +257,7 @@ class Engine:
         while True:
             with self._lock:
                 while not self._stopping and (self._paused or not self.core.runnable()
-                                              or len(self._decoding) >= DECODE_BACKLOG):
+                                              or self._undecoded >= DECODE_BACKLOG):
                     self._model_wake.wait()
                 if self._stopping:
                     return
@@ -283,6 +286,7 @@ class Engine:
                                                   passes=len(groups) + len(failed_items))
             batch_id = next(self._batch_ids)
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
+            self._undecoded += 1
             self._hand_over_locked(failed)
             self._decode_wake.notify()
         stats = self.stats
@@ -331,48 +335,61 @@ class Engine:
         return groups, failed
 
     def _decode_loop(self) -> None:
+        """Decode the jobs of every batch handed over, cheapest first across batches, in chunks of about
+        ``HAND_OVER_S`` of work: a light request never waits for a heavy neighbour's strings, whether
+        they share its batch or came in the batch before. The heap is this thread's alone."""
+        heap: list[tuple[int, int, Job, int, TopK, _Forwarded]] = []
+        left: dict[int, int] = {}  # batch id -> its jobs still in the heap
+        order = itertools.count()
         while True:
             with self._lock:
-                while not self._stopping and not self._decoding:
+                while not self._stopping and not self._decoding and not heap:
                     self._decode_wake.wait()
                 if self._stopping:
                     return
-                work = self._decoding[0]
-            self._decode(work)
-            with self._lock:
-                self._decoding.popleft()
-                self._model_wake.notify()
+                done = 0
+                while self._decoding:
+                    work = self._decoding.popleft()
+                    entries = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
+                    for job, n, topk in entries:
+                        heapq.heappush(heap, (job.result_bytes, next(order), job, n, topk, work))
+                    if entries:
+                        left[work.batch_id] = len(entries)
+                    else:
+                        done += 1  # every job of it failed on the model
+                if done:
+                    self._undecoded -= done
+                    self._model_wake.notify()
+            self._decode_chunk(heap, left)
 
-    def _decode(self, work: _Forwarded) -> None:
-        """Each job's predictions as JSON, cheapest first, handed over in chunks of about ``HAND_OVER_S``
-        of work: a light request that shares a batch with heavy ones does not wait for their strings.
-        A job whose decoding fails gets ``Failed``; the others go on."""
-        jobs = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
-        jobs.sort(key=lambda entry: entry[0].result_bytes)
-        size = len(work.jobs)
+    def _decode_chunk(self, heap: list[tuple[int, int, Job, int, TopK, _Forwarded]], left: dict[int, int]) -> None:
+        """Predictions as JSON for the cheapest jobs of ``heap``, about ``HAND_OVER_S`` of work, handed
+        over together. A job whose decoding fails gets ``Failed``; the others go on."""
         chunk: list[Outcome] = []
-        chunk_started = time.perf_counter()
-        chunk_bytes = 0
-        for job, n, topk in jobs:
+        started = time.perf_counter()
+        decoded_bytes = 0
+        finished = 0
+        while heap and (not chunk or time.perf_counter() - started < HAND_OVER_S):
+            _, _, job, n, topk, work = heapq.heappop(heap)
             try:
                 item = Item(job.input_ids, job.request.top_k, job.target_ids)
                 data = predictions_json(self.decoder, item, topk, n)
-                chunk_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
-                chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, size,
+                decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
+                chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, len(work.jobs),
                                     work.padded_tokens, work.batch_id))
             except Exception:
                 log.exception("decoding a result failed; answering it internal_error")
                 chunk.append(Failed(job, SERVER_FAILED))
-            if time.perf_counter() - chunk_started >= HAND_OVER_S:
-                self._finish_decoded(chunk, chunk_bytes, time.perf_counter() - chunk_started)
-                chunk, chunk_started, chunk_bytes = [], time.perf_counter(), 0
-        self._finish_decoded(chunk, chunk_bytes, time.perf_counter() - chunk_started)
-
-    def _finish_decoded(self, outcomes: list[Outcome], result_bytes: int, seconds: float) -> None:
-        if not outcomes:
-            return
+            left[work.batch_id] -= 1
+            if not left[work.batch_id]:
+                del left[work.batch_id]
+                finished += 1
+        seconds = time.perf_counter() - started
         with self._lock:
-            self._hand_over_locked(self.core.decoded(outcomes, result_bytes, seconds))
+            self._hand_over_locked(self.core.decoded(chunk, decoded_bytes, seconds))
+            if finished:
+                self._undecoded -= finished
+                self._model_wake.notify()
 
     def _die(self, exc: BaseException) -> None:
         """A stage thread is ending abnormally: refuse new work, stop the other stages, answer everything held."""
@@ -384,6 +401,7 @@ class Engine:
             for wake in (self._intake_wake, self._model_wake, self._decode_wake):
                 wake.notify_all()
             self._decoding.clear()
+            self._undecoded = 0
             outcomes = self.core.stop_all()
             try:
                 self._hand_over_locked(outcomes)
