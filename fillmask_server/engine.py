@@ -347,20 +347,25 @@ class Engine:
                     self._decode_wake.wait()
                 if self._stopping:
                     return
-                done = 0
-                while self._decoding:
-                    work = self._decoding.popleft()
-                    entries = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
-                    for job, n, topk in entries:
-                        heapq.heappush(heap, (job.result_bytes, next(order), job, n, topk, work))
-                    if entries:
-                        left[work.batch_id] = len(entries)
-                    else:
-                        done += 1  # every job of it failed on the model
-                if done:
-                    self._undecoded -= done
-                    self._model_wake.notify()
+                self._take_handed_over_locked(heap, left, order)
             self._decode_chunk(heap, left)
+
+    def _take_handed_over_locked(self, heap: list[tuple[int, int, Job, int, TopK, _Forwarded]], left: dict[int, int],
+                                 order: Iterator[int]) -> None:
+        """Move the batches the model thread handed over into the decode stage's heap."""
+        done = 0
+        while self._decoding:
+            work = self._decoding.popleft()
+            entries = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
+            for job, n, topk in entries:
+                heapq.heappush(heap, (job.result_bytes, next(order), job, n, topk, work))
+            if entries:
+                left[work.batch_id] = len(entries)
+            else:
+                done += 1  # every job of it failed on the model
+        if done:
+            self._undecoded -= done
+            self._model_wake.notify()
 
     def _decode_chunk(self, heap: list[tuple[int, int, Job, int, TopK, _Forwarded]], left: dict[int, int]) -> None:
         """Predictions as JSON for the cheapest jobs of ``heap``, about ``HAND_OVER_S`` of work, handed

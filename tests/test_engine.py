@@ -224,3 +224,36 @@ def test_a_thread_count_the_user_sets_wins_and_zero_budget_skips_calibration(mod
         assert skipped.coefficients is None and skipped.hello()["calibration"]["seconds"] == 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_decode_stage_serves_a_light_result_before_an_earlier_batchs_heavy_ones(
+        model: FillMaskModel, collector: Collector) -> None:
+    """Issue 17: a light request in the batch after a heavy one is decoded and handed over first (the
+    decode stage takes its jobs cheapest first across the batches handed over, not batch by batch)."""
+    import itertools
+
+    from fillmask_server.engine import _Forwarded
+    from fillmask_server.model import Item
+
+    engine = Engine(model, BatchPolicy(1, 4096), max_queue=10, max_masks=8, deliver=collector)  # not started
+    core = engine.core
+    heavy = [job(f"heavy{i}", "[MASK] and [MASK] " * 4, top_k=100) for i in range(3)]
+    light = job("light", top_k=1)
+    for j in (*heavy, light):
+        core.submit(j)
+    core.checked([(j, engine._check_all([j])[0]) for j in core.take_intake()])
+    batches = []
+    scheduled = [core.schedule(0.0).batch[0] for _ in range(4)]  # one job a batch, in arrival order
+    for batch_id, batch in ((1, scheduled[:3]), (2, scheduled[3:])):  # the heavy ones as one batch, then light
+        topk = [model.forward([Item(j.input_ids, j.request.top_k, j.target_ids)]) for j in batch]
+        core.update_from_output(batch, 1, list(range(len(batch))), [], 0.01, 0.01)
+        batches.append(_Forwarded(batch, [([i], t) for i, t in enumerate(topk)], batch_id, 1, 1.0))
+    assert [j.request.id for j in batches[1].jobs] == ["light"]
+    engine._decoding.extend(batches)  # the heavy batch first, as the model thread ran them
+    heap: list[Any] = []
+    left: dict[int, int] = {}
+    engine._take_handed_over_locked(heap, left, itertools.count())
+    while heap:
+        engine._decode_chunk(heap, left)
+    assert collector.outcomes[0].job.request.id == "light"
+    assert {o.job.request.id for o in collector.outcomes} == {"light", "heavy0", "heavy1", "heavy2"}
