@@ -324,17 +324,23 @@ class BatchPolicy:
         """The next batch's requests, and the requests it passed over (the tail bound's misses)."""
         if not ready:
             return [], []
-        order = self._fair_order(ready, room, REACH * self.max_batch_size)
-        if not order:
+        # The tail bound first: requests that have missed enough batches, oldest first, as room allows.
+        trial = room.copy() if room is not None else None
+        forced: list[J] = []
+        for job in ready:
+            if job.missed >= self.max_missed and len(forced) < self.max_batch_size:
+                if trial is not None:
+                    if not trial.fits(job.owner, job.result_bytes):
+                        continue
+                    trial.take(job.owner, job.result_bytes)
+                forced.append(job)
+        in_base = {id(job) for job in forced}
+        order = self._fair_order([job for job in ready if id(job) not in in_base], trial,
+                                 REACH * self.max_batch_size)
+        if not order and not forced:
             return [], []
-        forced = [job for job in ready if job.missed >= self.max_missed]
-        if room is not None and forced:
-            fits = {id(job) for job in order}
-            forced = [job for job in forced if id(job) in fits]
-        base = [order[0], *(job for job in forced[:self.max_batch_size] if job is not order[0])]
-        base = base[:self.max_batch_size]
-        in_base = {id(job) for job in base}
-        rest = [job for job in order if id(job) not in in_base]
+        base = ([order[0]] if order and len(forced) < self.max_batch_size else []) + forced  # the fair head leads
+        rest = order[1:] if base and order and base[0] is order[0] else order
         limit = self.time_limit(ready, now, cost)
         fill = self._fill_band if self.growth else self._best_band
         return fill(base, rest, limit, cost)
