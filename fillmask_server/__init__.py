@@ -16,7 +16,8 @@ Modules, each one idea:
 - ``allocator``: giving freed answer memory back to the system (glibc).
 - ``config``: the one configuration dataclass, from flags and environment.
 - ``checkpoint``: offline random-weight checkpoints for tests and benchmarks.
-- ``client``: the Python client (async and sync) and the ``fillmask-client`` command.
+- ``client``: the old import path of the Python client, which is the ``fillmask_client`` package
+  (clients/python; it also holds the wire constants both sides share, ``fillmask_client.wire``).
 """
 
 __version__ = "0.1.0"

@@ -16,8 +16,7 @@ from typing import Any
 
 import orjson
 
-PROTOCOL_VERSION = 1
-MAX_SAFE_INTEGER = 2**53 - 1
+from fillmask_client.wire import MAX_SAFE_INTEGER, OVERLOADED_REASONS, PROTOCOL_VERSION
 
 #: Every ``error`` code the server sends (§7's table); ``encode_error`` refuses any other.
 ERROR_CODES = frozenset({
@@ -25,9 +24,8 @@ ERROR_CODES = frozenset({
     "invalid_field", "text_too_long", "no_mask", "too_many_masks", "invalid_top_k", "invalid_targets",
     "invalid_deadline", "too_many_inflight", "result_too_large", "internal_error",
 })
-#: Every ``overloaded`` reason with its status (§6); ``encode_overloaded`` refuses any other pair.
-OVERLOADED_REASONS = {"queue_full": 503, "queue_share": 429, "shutting_down": 503, "engine_stopped": 503,
-                      "deadline_exceeded": 504}
+# ``OVERLOADED_REASONS`` (every reason with its status, §6; ``encode_overloaded`` refuses any other pair),
+# ``PROTOCOL_VERSION`` and ``MAX_SAFE_INTEGER`` are the client's too: declared once, in fillmask_client.wire.
 #: ``subscribe_stats`` intervals (§13), announced in ``hello.stats``.
 STATS_INTERVAL_MS = {"min": 250, "max": 10_000, "default": 1000}
 CLIENT_FRAME_TYPES = ("fill_mask", "cancel", "subscribe_stats", "unsubscribe_stats")

@@ -30,6 +30,8 @@ from pathlib import Path
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from fillmask_client.wire import CLOSE_GOING_AWAY
+
 from . import __version__, allocator
 from .access import OriginPolicy, tls_context
 from .batching import BatchPolicy
@@ -49,7 +51,7 @@ from .stats import BatchRecord, LiveStats
 log = logging.getLogger(__name__)
 
 SERVER_NAME = f"fillmask-server/{__version__}"
-GOING_AWAY = 1001
+GOING_AWAY = CLOSE_GOING_AWAY
 RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread their reconnects over it (§10)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
 TRIM_AFTER_S = 1.0  # after a connection closes, when its answers' memory is given back to the system

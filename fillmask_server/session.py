@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from fillmask_client.wire import CLOSE_POLICY_VIOLATION
+
 from .engine import ENGINE_STOPPED_RETRY_MS, Admission
 from .jobs import Expired, Failed, Job, Outcome, Rejected, Result, Stopped
 from .protocol import (
@@ -64,7 +66,7 @@ QUIET_S = 1.0
 EARLY_RESENDS_LIMIT = 200
 EARLY_WINDOW_S = 10.0
 MAX_BACK_OFF_DOUBLINGS = 12
-POLICY_VIOLATION = 1008  # the close code of §12's policy violations
+POLICY_VIOLATION = CLOSE_POLICY_VIOLATION  # the close code of §12's policy violations
 
 
 class Scheduler(Protocol):

@@ -26,11 +26,16 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "${TORCH_SPEC:-torch==2.13.0}"
 fi
 
+# Both packages, editable: the client (clients/python: websockets and orjson only) and the server, which
+# depends on it. Named in one command, pip takes the client from this checkout, never from an index.
 if [ "$want_test" = 1 ]; then
-  "${PIP[@]}" install -e ".[test]"
+  "${PIP[@]}" install -e ./clients/python -e ".[test]"
 else
-  "${PIP[@]}" install -e .
+  "${PIP[@]}" install -e ./clients/python -e .
 fi
+# A venv set up before the client was its own package has a server install that owned the fillmask-client
+# script; replacing that install removes the script the client had just written, so write it again.
+[ -x .venv/bin/fillmask-client ] || "${PIP[@]}" install --no-deps --force-reinstall -e ./clients/python
 
 # The offline random-weight model the quick start and the tests use (hubs may be unreachable).
 .venv/bin/python -m fillmask_server.checkpoint tiny models/tiny
@@ -38,12 +43,14 @@ fi
 # --- system tools for the tests ---
 # Debian's Chromium for the demo-page test (issue 4), driven by Playwright's Python package pointed at
 # /usr/bin/chromium (Playwright's own browser download needs hosts that may be unreachable, so it is
-# never used); Debian's HAProxy for the many-replicas test (issue 11, deploy/haproxy.cfg). Where they
+# never used); Debian's HAProxy for the many-replicas test (issue 11, deploy/haproxy.cfg); stress-ng for
+# scripts/hostile.sh (the suite beside a busy core, issue 15). Where they
 # cannot be installed those tests skip and say why; in CI (CI set) a failed install stops set-up.
 if [ "$want_test" = 1 ]; then
   missing=()
   [ -x /usr/bin/chromium ] || missing+=(chromium)
   command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+  command -v stress-ng >/dev/null || missing+=(stress-ng)  # scripts/hostile.sh: the suite beside a busy core
   if [ "${#missing[@]}" -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" = 0 ] || SUDO="sudo"

@@ -23,6 +23,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The checkout's client package (clients/python), like the checkout's server package above, comes before
+# any installed copy, here and in the subprocesses tests start (servers, the command line).
+CLIENT_DIR = ROOT / "clients" / "python"
+sys.path.insert(0, str(CLIENT_DIR))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(CLIENT_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 from fillmask_server.config import Config  # noqa: E402
@@ -103,6 +108,20 @@ def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsy
     return factory
 
 
+# --- how pytest-xdist shares the tests out (pyproject.toml: -n 2 --dist loadgroup) ---------------------
+
+#: Files whose tests the workers may take one by one: each test starts processes of its own and shares
+#: no fixture, so the file's long waits (model loads, drains) overlap with the other worker's. Every
+#: other file runs whole on one worker, so that its module fixtures (a cluster, a browser) start once.
+SPREAD_FILES = {"test_process.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name not in SPREAD_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 # --- every frame against the contract (protocol/schemas; tests/contract.py) ---------------------------
 
 WIRE = WireMonitor()
@@ -142,11 +161,47 @@ def wire_contract(request: pytest.FixtureRequest) -> Iterator[WireMonitor]:
         yield WIRE
     finally:
         ClientConnection.send, ClientConnection.recv = send, recv  # type: ignore[method-assign]
-    session = request.session
-    every_file = {path.name for path in Path(__file__).parent.glob("test_*.py")}
-    if not session.testsfailed and {item.path.name for item in session.items} == every_file:
-        validated = WIRE.counts["received"] + WIRE.counts["sent_valid"]
+    validated = WIRE.counts["received"] + WIRE.counts["sent_valid"]
+    workeroutput = getattr(request.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller adds up every worker's share
+        workeroutput["wire_frames"] = validated
+        workeroutput["wire_files"] = sorted(RAN_FILES)
+        workeroutput["wire_failed"] = request.session.testsfailed
+        return
+    if not request.session.testsfailed and RAN_FILES == EVERY_FILE:
         assert validated > MIN_FRAMES_IN_FULL_RUN, f"only {validated} frames checked against the contract"
+
+
+#: The test files, and those of which this process ran a test (a full run has run them all).
+EVERY_FILE = {path.name for path in Path(__file__).parent.glob("test_*.py")}
+RAN_FILES: set[str] = set()
+_WORKERS = {"frames": 0, "failed": 0, "files": set()}  # pytest-xdist's controller: every worker's share
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    RAN_FILES.add(Path(location[0]).name)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """pytest-xdist's controller: a worker finished; add its share of the contract's frame count."""
+    output = getattr(node, "workeroutput", {})
+    _WORKERS["frames"] += output.get("wire_frames", 0)
+    _WORKERS["failed"] += output.get("wire_failed", 0) + (1 if error else 0)
+    _WORKERS["files"] |= set(output.get("wire_files", ()))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under pytest-xdist the check of ``wire_contract`` runs here, on every worker's frames together."""
+    if getattr(session.config, "workerinput", None) is not None or not _WORKERS["files"]:
+        return  # a worker, or a run without workers (the fixture checked it)
+    if exitstatus == 0 and not _WORKERS["failed"] and _WORKERS["files"] == EVERY_FILE \
+            and _WORKERS["frames"] <= MIN_FRAMES_IN_FULL_RUN:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"only {_WORKERS['frames']} frames checked against the contract "
+                                "(tests/conftest.py wire_contract)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

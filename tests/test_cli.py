@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
-from fillmask_server.client.cli import Tally, format_table, limits_problem
-from fillmask_server.client.frames import FillMaskResult, outcome
+from fillmask_client.cli import Tally, format_table, limits_problem, stop_line
+from fillmask_client.connection import connect_failure
+from fillmask_client.errors import ConnectionLostError, OverloadedError
+from fillmask_client.frames import FillMaskResult, outcome
 from tests.wire import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +35,7 @@ def free_port() -> int:
 
 async def start_cli(*args: str, stdin: str = "") -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fillmask_server.client", *args, cwd=ROOT,
+        sys.executable, "-m", "fillmask_client", *args, cwd=ROOT,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     assert proc.stdin is not None
@@ -60,6 +62,21 @@ def tables(out: str) -> int:
     return len(re.findall(r"^rank  token", out, flags=re.MULTILINE))
 
 
+WAITING = re.compile(r"^fillmask-client: waiting for the server… \((\d+)s\)(: .+)?$")
+
+
+def split_waiting(err: str) -> tuple[list[int], list[str]]:
+    """The seconds of each ``waiting for the server… (Ns)`` line of ``err``, and its other lines."""
+    seconds, others = [], []
+    for line in err.splitlines():
+        match = WAITING.match(line)
+        if match:
+            seconds.append(int(match.group(1)))
+        else:
+            others.append(line)
+    return seconds, others
+
+
 # --- pure ----------------------------------------------------------------------------------------
 
 
@@ -80,6 +97,33 @@ def test_summary_counts_answers_and_failures_by_reason() -> None:
     assert Tally(2, answered=2).summary() == "2 texts: 2 answered, 0 failed"
 
 
+def test_a_drain_stops_the_run_with_the_same_words_before_and_after_the_close() -> None:
+    notice = OverloadedError(503, "shutting_down", 1000)
+    closed = ConnectionLostError("connection lost", url="ws://x/", code=1001, reason="server shutting down")
+    dropped = ConnectionLostError("connection to ws://x/ lost (1006 dropped)", url="ws://x/", code=1006)
+    assert stop_line(notice, Tally(1), True) == "stopped: the server is shutting down (503 shutting_down)"
+    assert stop_line(closed, Tally(1), True) == "stopped: the server is shutting down (1001 server shutting down)"
+    assert stop_line(dropped, Tally(1), True) == "stopped: connection to ws://x/ lost (1006 dropped)"
+
+
+def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
+    def why(exc: OSError, url: str = "ws://fill.example:8765/") -> str:
+        reason = connect_failure(exc, url)
+        assert reason.strip() and "  " not in reason
+        return reason
+
+    assert why(ConnectionResetError(), "wss://fill.example/") == (
+        "the TLS handshake with fill.example:443 failed (connection reset); if that server speaks plain "
+        "WebSocket, use ws:// instead of wss://")
+    assert why(ConnectionResetError()) == (
+        "fill.example:8765 reset the connection during the handshake (connection reset)")
+    assert why(ConnectionRefusedError(111, "Connect call failed")).startswith(
+        "connection refused: nothing listens on fill.example:8765")
+    assert why(socket.gaierror(-2, "Name or service not known")) == (
+        "cannot resolve the host name 'fill.example' (Name or service not known)")
+    assert why(OSError()) == "OSError"
+
+
 def test_table_columns_stay_aligned_whatever_the_scores() -> None:
     def candidate(word: str, score: float) -> dict[str, Any]:
         return {"score": score, "token": 1, "token_str": word, "sequence": f"the {word} here."}
@@ -95,6 +139,21 @@ def test_table_columns_stay_aligned_whatever_the_scores() -> None:
         assert all((cell == "0.0000") == (score == 0.0) for cell, score in zip(shown, scores, strict=True)), shown
 
 
+def test_targets_not_scored_as_given_are_noted_under_the_text() -> None:
+    candidate = {"score": 0.5, "token": 2047, "token_str": "new", "sequence": "paris is the new of france."}
+    frame = {"type": "result", "id": 1, "predictions": [candidate],
+             "targets": [{"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"}]}
+    result = outcome(frame)
+    assert isinstance(result, FillMaskResult)
+    assert result.targets == ({"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"})
+    lines = format_table(TEXT, result).splitlines()
+    assert lines[:3] == [TEXT, 'note: target "new york" was scored as "new"',
+                         'note: target "zzzzqqq" was scored as "z"']
+    plain = outcome({**frame, "targets": None})  # absent or malformed: no notes, and no failure
+    assert isinstance(plain, FillMaskResult) and plain.targets == ()
+    assert format_table(TEXT, plain).splitlines()[1].startswith("rank")
+
+
 # --- against servers ------------------------------------------------------------------------------
 
 
@@ -103,35 +162,44 @@ async def test_stops_at_the_first_going_away_with_one_line_and_exit_3(make_serve
     async with make_server() as srv:
         with srv.engine.paused():
             proc = await start_cli("--url", srv.url, "-k", "1", "-c", "4", stdin="\n".join(texts))
-            await wait_until(lambda: srv.engine.queued() == 4, timeout=20)
+            await wait_until(lambda: srv.engine.queued() == 4)
             drain = asyncio.create_task(srv.drain(timeout=10))  # going_away first, then it answers the four
             await wait_until(lambda: srv.ready.draining)
         code, out, err = await finish(proc)
         await drain
     assert code == 3
-    assert err.splitlines() == [
-        "fillmask-client: stopped: the server is shutting down (503 shutting_down); 50 texts: 4 answered, "
-        "0 failed, 46 not answered; run again, or pass --reconnect to follow the server to its replacement"]
+    # The fifth text fails on the draining connection (503 shutting_down) or, should the server's close
+    # already have arrived, on the closed one (1001): the same news, told the same way.
+    [line] = err.splitlines()
+    assert re.fullmatch(
+        r"fillmask-client: stopped: the server is shutting down \((503 shutting_down|1001 server shutting down)\); "
+        r"50 texts: 4 answered, 0 failed, 46 not answered; run again, or pass --reconnect to follow the server "
+        r"to its replacement", line), line
     assert tables(out) == 4  # the four it had accepted were still answered, and printed
     # It stopped at the notice: the other 46 were never sent (§10: "send nothing more here").
     assert (count(srv, "result"), count(srv, "overloaded", "shutting_down")) == (4, 0)
 
 
-async def test_reconnect_follows_the_server_through_a_restart(make_server: Any) -> None:
+async def test_reconnect_follows_the_server_through_a_restart_longer_than_the_timeout(make_server: Any) -> None:
     texts = [f"Text {n} is the [MASK] one." for n in range(20)]
     async with make_server() as first:
         port = first.port
         with first.engine.paused():
-            proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "20",
+            proc = await start_cli("--url", first.url, "-k", "2", "-c", "2", "--reconnect", "--timeout", "0.3",
                                    stdin="\n".join(texts))
-            await wait_until(lambda: first.engine.queued() == 2, timeout=20)
+            await wait_until(lambda: first.engine.queued() == 2)
             drain = asyncio.create_task(first.drain(timeout=10))
             await wait_until(lambda: first.ready.draining)
         await drain
+    await asyncio.sleep(1.5)  # nothing listens for five times --timeout, as while a replacement loads its model
+    assert proc.returncode is None
     async with make_server(port=port) as second:
         code, out, err = await finish(proc)
         assert (count(first, "result"), count(second, "result")) == (2, 18)
-    assert (code, err) == (0, "fillmask-client: 20 texts: 20 answered, 0 failed\n"), err
+    seconds, others = split_waiting(err)
+    assert (code, others) == (0, ["fillmask-client: 20 texts: 20 answered, 0 failed"]), err
+    assert seconds and seconds == sorted(set(seconds)), err  # said while it waited, at most once a second
+    assert "connection refused" in err.splitlines()[0], err  # the first of them says why
     assert tables(out) == 20
 
 
@@ -142,11 +210,49 @@ async def test_waits_for_a_server_that_is_starting(make_server: Any) -> None:
     assert proc.returncode is None
     async with make_server(port=port):
         code, out, err = await finish(proc)
-    assert (code, err) == (0, "") and tables(out) == 1
+    assert (code, split_waiting(err)[1]) == (0, []) and tables(out) == 1, err
 
-    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "0.5", TEXT)
-    assert code == 3 and out == ""
-    assert len(err.splitlines()) == 1 and "cannot connect" in err and "after trying for 0.5 s" in err
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "2", TEXT)
+    seconds, others = split_waiting(err)
+    assert code == 3 and out == "" and seconds[:1] == [1], err  # it said it was waiting, then gave up
+    assert len(others) == 1 and "cannot connect" in err and "after trying for 2 s" in err
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "1", "-q", TEXT)
+    assert code == 3 and split_waiting(err)[0] == [], err  # --quiet: no waiting lines
+
+
+async def refusing_proxy(status: str, body: bytes) -> asyncio.Server:
+    """A stand-in for a proxy or load balancer that answers every handshake ``status`` with ``body``."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/html\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(answer, "127.0.0.1", 0)
+
+
+async def test_every_connection_failure_says_why_in_one_line(server: Any, make_server: Any) -> None:
+    cases = [(f"wss://127.0.0.1:{server.port}/", "TLS handshake with 127.0.0.1:"),  # TLS against plain
+             (f"ws://127.0.0.1:{free_port()}/", "connection refused: nothing listens on 127.0.0.1:"),
+             ("ws://no-such-host.invalid:8765/", "cannot resolve the host name 'no-such-host.invalid'")]
+    proxies = [await refusing_proxy("403 Forbidden", b""),
+               await refusing_proxy("503 Service Unavailable", b"<html><body>No server is available</body></html>")]
+    cases += [(f"ws://127.0.0.1:{proxies[0].sockets[0].getsockname()[1]}/", "(HTTP 403): forbidden"),
+              (f"ws://127.0.0.1:{proxies[1].sockets[0].getsockname()[1]}/", "(HTTP 503): no server ready")]
+    try:
+        async with make_server(allowed_hosts="fill.example.com") as strict:
+            # Its own address is always allowed; "localhost" is not, here.
+            cases.append((f"ws://localhost:{strict.port}/", "(HTTP 421): this server does not answer for the host"))
+            for url, expected in cases:
+                code, out, err = await run_cli("--url", url, "--timeout", "0.5", "-q", TEXT)
+                assert (code, out) == (3, ""), err
+                assert len(err.splitlines()) == 1 and expected in err, err
+                assert "  " not in err and ":  " not in err and not err.rstrip().endswith(":"), err
+    finally:
+        for proxy in proxies:
+            proxy.close()
 
 
 async def test_flags_outside_the_servers_limits_are_one_usage_error(make_server: Any) -> None:

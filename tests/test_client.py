@@ -7,6 +7,7 @@ first tests are pure (frames, retry arithmetic, table layout) and need no server
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import random
@@ -22,7 +23,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fillmask_server.client import (
+from fillmask_client import (
     ConnectError,
     ConnectionLostError,
     DeadlineExceededError,
@@ -35,9 +36,10 @@ from fillmask_server.client import (
     RetryPolicy,
     SyncFillMaskClient,
 )
-from fillmask_server.client.cli import build_parser, collect_texts, format_table, parse_targets
-from fillmask_server.client.frames import outcome, terminal_id
-from fillmask_server.client.pool import least_loaded
+from fillmask_client.cli import build_parser, collect_texts, format_table, parse_targets
+from fillmask_client.frames import outcome, terminal_id
+from fillmask_client.pool import least_loaded
+from fillmask_client.state import ConnState, Event, transition
 from tests.wire import assert_same_predictions, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,11 +59,11 @@ def free_port() -> int:
 def client_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     """The client's warnings so far: a terminal frame for an id not in flight (answered twice, or routed
     wrongly), or a server error tied to no request. Call it at the end of the test."""
-    caplog.set_level(logging.WARNING, logger="fillmask_server.client")
+    caplog.set_level(logging.WARNING, logger="fillmask_client")
 
     def warnings() -> list[str]:
         return [r.getMessage() for r in caplog.records
-                if r.name.startswith("fillmask_server.client") and r.levelno >= logging.WARNING]
+                if r.name.startswith("fillmask_client") and r.levelno >= logging.WARNING]
 
     return warnings
 
@@ -430,7 +432,7 @@ async def test_calls_waiting_to_redial_survive_a_server_that_drains_during_the_d
     try:
         async with make_server(port=port) as second:
             drain_during_dial.append(second)
-            await wait_until(lambda: not drain_during_dial, timeout=10)
+            await wait_until(lambda: not drain_during_dial)
         async with make_server(port=port):
             answers = await asyncio.wait_for(asyncio.gather(*calls), 10)
             assert [len(answer) for answer in answers] == [1, 2, 3, 4, 5]
@@ -553,7 +555,7 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
 
 async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fillmask_server.client", *args, cwd=ROOT,
+        sys.executable, "-m", "fillmask_client", *args, cwd=ROOT,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 20)
@@ -613,9 +615,9 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
     assert "text 2" in failed and "no_mask" in failed
     assert summary == "fillmask-client: 2 texts: 1 answered, 1 failed (1 no_mask)"
 
-    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", TEXT)
+    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "1", "-q", TEXT)
     assert code == 3 and out == ""
-    assert len(err.splitlines()) == 1 and "cannot connect" in err
+    assert len(err.splitlines()) == 1 and "cannot connect" in err  # -q: without the waiting lines
 
     code, _, err = await run_cli("--url", server.url, stdin="\n\n")
     assert code == 2 and "no texts" in err
@@ -625,6 +627,50 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
 
 
 # --- the pool: several connections, going away, resends (issue 11 item 3) ----------------------
+
+
+def test_connection_states_move_only_as_the_table_says() -> None:
+    moves = {(state, event): transition(state, event) for state in ConnState for event in Event}
+    assert {key: to for key, to in moves.items() if to is not key[0]} == {
+        (ConnState.CONNECTING, Event.HELLO): ConnState.OPEN,
+        (ConnState.CONNECTING, Event.GOING_AWAY): ConnState.DRAINING,
+        (ConnState.CONNECTING, Event.CLOSE): ConnState.CLOSED,
+        (ConnState.OPEN, Event.GOING_AWAY): ConnState.DRAINING,
+        (ConnState.OPEN, Event.CLOSE): ConnState.CLOSED,
+        (ConnState.DRAINING, Event.CLOSE): ConnState.CLOSED,
+    }  # everything else (a second hello, a notice while draining, anything once closed) changes nothing
+    # The same names as the demo page's client (web_demo/client.js), so both read alike.
+    assert [state.value for state in ConnState] == ["connecting", "open", "draining", "closed"]
+
+
+async def test_sync_client_takes_exactly_the_async_clients_options(server: Any) -> None:
+    assert inspect.signature(SyncFillMaskClient) == inspect.signature(FillMaskClient)
+    backoff = ReconnectBackoff(base=0.01, cap=0.5)
+
+    def use() -> None:  # in a thread: the server runs on this test's event loop
+        with SyncFillMaskClient(server.url, backoff=backoff, reconnect=True, open_timeout=5) as client:
+            assert client._client._pool.backoff is backoff and client._client.open_timeout == 5
+            assert client.fill_mask(TEXT, top_k=1)
+        with pytest.raises(TypeError):
+            SyncFillMaskClient(server.url, no_such_option=1)
+
+    await asyncio.to_thread(use)
+
+
+async def test_a_connection_goes_open_draining_closed_as_the_server_drains(make_server: Any) -> None:
+    async with make_server() as srv, FillMaskClient(srv.url) as client:
+        conn = client._pool.slots[0].conn
+        assert conn is not None and conn.state is ConnState.OPEN and conn.usable
+        with srv.engine.paused():
+            call = asyncio.create_task(client.fill_mask(TEXT, top_k=1))
+            await wait_until(lambda: srv.engine.queued() == 1)
+            drain = asyncio.create_task(srv.drain(timeout=10))
+            await wait_until(lambda: conn.state is ConnState.DRAINING)
+            assert not conn.usable and conn.notice is not None and conn.notice.reason == "shutting_down"
+        assert await call  # the answer it owed still came
+        await drain
+        await wait_until(lambda: conn.state is ConnState.CLOSED)
+        assert conn.lost is not None and conn.lost.code == 1001
 
 
 def test_least_loaded_takes_the_fewest_in_flight_and_breaks_ties_in_turn() -> None:
@@ -812,12 +858,12 @@ async def test_pool_keeps_every_call_answered_through_a_rolling_restart(
         workers = [asyncio.create_task(worker(client, n)) for n in range(16)]
         for port in ports:
             before = len(done)
-            await wait_until(lambda before=before: len(done) >= before + 50, timeout=20)
+            await wait_until(lambda before=before: len(done) >= before + 50)
             await servers[port].__aexit__(None, None, None)  # drain, close with 1001
             servers[port] = make_server(port=port)
             running[port] = await servers[port].__aenter__()
-            await wait_until(lambda srv=running[port]: len(srv.connections) == 1, timeout=20)  # redialled
-        await wait_until(lambda: len(done) >= 300, timeout=20)
+            await wait_until(lambda srv=running[port]: len(srv.connections) == 1)  # redialled
+        await wait_until(lambda: len(done) >= 300)
         stop.set()
         await asyncio.wait_for(asyncio.gather(*workers), 10)
     finally:

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from websockets.asyncio.client import connect
 
-from fillmask_server.client import FillMaskClient, SyncFillMaskClient
+from fillmask_client import FillMaskClient, SyncFillMaskClient
 from fillmask_server.protocol import (
     ERROR_CODES,
     OVERLOADED_REASONS,

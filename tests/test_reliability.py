@@ -95,7 +95,7 @@ async def test_a_flood_gets_429_queue_share_and_a_polite_client_still_gets_in(ma
             assert {(f["status"], f["reason"]) for f in refused} == {(429, "queue_share")}
             assert len({f["retry_after_ms"] for f in refused}) == 1  # sent at once: no early resend among them
             await send(polite, fill("polite"))
-            await wait_until(lambda: srv.engine.queued() == 9, timeout=5)  # the flood holds half: 8
+            await wait_until(lambda: srv.engine.queued() == 9)  # the flood holds half: 8
         answer = await recv(polite, timeout=10)
         assert (answer["type"], answer["id"]) == ("result", "polite")
         assert {f["type"] for f in await recv_n(flood, 8, timeout=20)} == {"result"}
@@ -108,7 +108,7 @@ async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_10
         with srv.engine.paused():
             for i in range(8):
                 await send(rude, fill(i))
-            await wait_until(lambda: srv.engine.queued() == 4, timeout=5)  # its share: half the queue
+            await wait_until(lambda: srv.engine.queued() == 4)  # its share: half the queue
             with contextlib.suppress(ConnectionClosed):  # it resends at once on every refusal
                 for i in range(400):
                     await send(rude, fill(f"again-{i}"))

@@ -278,7 +278,7 @@ async def test_queue_bound_answers_503_at_once(make_server: Any) -> None:
         with srv.engine.paused():
             for n, conn in enumerate((ws, second, third)):
                 await send(conn, fill(n, TEXTS[0]))
-            await wait_until(lambda: srv.engine.queued() == 3, timeout=5)
+            await wait_until(lambda: srv.engine.queued() == 3)
             await send(ws, fill(3, TEXTS[0]))
             await send(ws, fill(4, TEXTS[0]))
             rejected = await recv_n(ws, 2, timeout=2)  # while the engine is held

@@ -5,7 +5,8 @@ with the keyboard and mouse through Playwright, and checks what is rendered agai
 sent: the frames the page sent and received (captured from the browser's own WebSocket) and,
 independently, a reference request made over a separate connection. Controls are exercised at
 desktop (1280x900) and phone (375x812) sizes. The pure helpers of ``web_demo/lib.js`` and
-``web_demo/live.js`` are also called directly in the page (``page.evaluate``).
+``web_demo/live.js`` are also called directly in the page (``page.evaluate``); ``web_demo/client.js``
+(the connection, without DOM) has unit tests of its own under Node (``tests/web_demo_client.test.cjs``).
 
 Needs Debian's ``chromium`` and the ``playwright`` Python package (``bash scripts/setup.sh --test``).
 Without them the tests skip and say how to install them, except in CI (``CI`` set), where they fail.
@@ -20,6 +21,7 @@ import re
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,6 +34,9 @@ from websockets.asyncio.client import connect
 from tests.wire import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
+CLIENT_JS_TESTS = ROOT / "tests" / "web_demo_client.test.cjs"
+# Where a Node.js without a built-in WebSocket (18, 20) finds the ws package (npm ci there).
+WS_PACKAGE_DIR = ROOT / "examples" / "js-client" / "node_modules"
 ARTIFACTS = ROOT / "test-artifacts"
 README_SCREENSHOT = ROOT / "web_demo" / "screenshot.png"
 README_PHONE_SCREENSHOT = ROOT / "web_demo" / "screenshot-phone.png"
@@ -52,6 +57,14 @@ def _unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"{reason}; CI must run the demo-page test: {INSTALL_HINT}", pytrace=False)
     pytest.skip(f"{reason}; {INSTALL_HINT}")
+
+
+def _node_or_skip() -> str:
+    node = shutil.which("node")
+    if node is None:
+        _unavailable("Node.js is not installed")
+    assert node is not None
+    return node
 
 
 def _find_chromium() -> str | None:
@@ -289,9 +302,40 @@ async def assert_in_view(locator: Any, below_header: bool = True) -> None:
     assert box["left"] >= 0 and box["right"] <= box["width"] + 1, box
 
 
+def pretty_json(value: Any, indent: str = "") -> str:
+    """What the frame log shows for a frame (lib.js prettyJson), written again from its rule: containers
+    that hold containers get one member per line, indented by two; those that hold only scalars stay on one line."""
+    if not isinstance(value, dict | list):
+        return orjson.dumps(value).decode()
+    members = list(value.values()) if isinstance(value, dict) else value
+    brackets = "{}" if isinstance(value, dict) else "[]"
+    if not members:
+        return brackets
+    flat = not any(isinstance(m, dict | list) for m in members)
+    inner = "" if flat else indent + "  "
+    keys = [orjson.dumps(k).decode() + ": " for k in value] if isinstance(value, dict) else [""] * len(members)
+    parts = [inner + k + pretty_json(m, inner) for k, m in zip(keys, members, strict=True)]
+    if flat:
+        return brackets[0] + ", ".join(parts) + brackets[1]
+    return brackets[0] + "\n" + ",\n".join(parts) + "\n" + indent + brackets[1]
+
+
 def tokens_of(predictions: list[Any]) -> list[Any]:
     groups = predictions if predictions and isinstance(predictions[0], list) else [predictions]
     return [[p["token"] for p in g] for g in groups]
+
+
+# ---------------------------------------------------------------------------- client.js
+
+
+def test_client_js_unit_tests() -> None:
+    """web_demo/client.js under Node (no browser): the state table and its one transition function,
+    backoff, drains, ids, and the overloaded reasons and error codes checked against protocol/schemas."""
+    node = _node_or_skip()
+    done = subprocess.run([node, "--test", str(CLIENT_JS_TESTS)], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"^# pass [1-9]", done.stdout, re.M) and re.search(r"^# fail 0$", done.stdout, re.M), done.stdout
 
 
 # ---------------------------------------------------------------------------- predictions
@@ -370,6 +414,7 @@ async def test_error_frame_is_shown_on_its_card(server: Any, open_page: Any) -> 
     assert expected["code"] == "no_mask"
     await expect(card.get_by_test_id("card-message")).to_have_text(expected["message"])
     await expect(card.get_by_test_id("card-status")).to_contain_text("no_mask")
+    await expect(card.get_by_test_id("card-status")).to_have_attribute("title", "no_mask: the text has no mask token")
     await expect(card.get_by_test_id("predictions")).to_be_empty()
     await expect(page.by("inflight")).to_have_attribute("data-count", "0")
 
@@ -406,6 +451,17 @@ async def test_tokens_are_shown_readably(server: Any, open_page: Any) -> None:
         if b["raw_missing"]:  # on this device: shown by code point, with a note saying why
             row = rows[b["raw"]]
             assert "U+" in row["shown_token"] and "no font" in row["note"], row
+    # result.targets (§4), when the server sends it, is one note per target scored as another token
+    # (the scored token shown readably, as the predictions are).
+    notes = card.get_by_test_id("targets-note")
+    await expect(notes).to_have_count(len(result.get("targets", [])))
+    assert await notes.evaluate_all("ns => ns.map(n => ({given: n.dataset.given, scored: n.dataset.scored}))") == \
+        result.get("targets", [])
+    for note, target in zip(await notes.all_text_contents(), result.get("targets", []), strict=True):
+        assert note.startswith(f'Note: target "{target["given"]}" was scored as "'), note
+
+    if not result.get("targets"):
+        await expect(card.get_by_test_id("card-notes")).to_be_hidden()
 
 
 async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
@@ -423,11 +479,17 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                 join(L.filledSegments('A big [MASK] here', '[MASK]', ['##gest'])),
                 join(L.filledSegments('Hello <mask> world', '<mask>', [' there'])),
                 L.filledSegments('[MASK] and [MASK]', '[MASK]', ['x', 'y']).map(s => s.mask),
+                join(L.excerptSegments(L.filledSegments('abcdef [MASK] ghijkl [MASK] mn', '[MASK]', ['X', 'Y']), 2)),
+                join(L.excerptSegments(L.filledSegments('ab [MASK] c', '[MASK]', ['X']), 2)),
             ],
             tokens: ['\\u0085', '\\uE000', '\\u200d', ' ', '##\\u0BC1', '[unused12]', 'capital', '']
                 .map(t => L.readableToken(t, never)),
             tally: L.tally(['done', 'cancelled', 'cancelled', 'overloaded', 'error', 'lost', 'pending']),
             tallyText: L.tallyText(L.tally(['done', 'done', 'cancelled', 'pending'])),
+            clip: [L.clipText('short [MASK]', 300, '[MASK]'), L.clipText('ab[MASK]cd', 4, '[MASK]'),
+                   L.clipText('😀😀😀', 2, '[MASK]'), L.clipText('x'.repeat(12345), 300, '[MASK]').more],
+            pretty: [L.prettyJson({type: 'x', a: [1, 'b'], o: {p: [{q: null}]}, e: [], f: {}}),
+                     L.logText('not json {'), L.formatCount(50012)],
             diagnosis: [
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: true},
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: false},
@@ -442,6 +504,7 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert got["targets"] == [None, [], ["capital", "city"]]
     assert got["filled"][:3] == ["The cat sat on the mat.", "A biggest here", "Hello there world"]
     assert got["filled"][3] == [0, -1, 1]
+    assert got["filled"][4:] == ["…f X g…l Y mn", "ab X c"]  # a long text: only the words around each mask
     control, private, joiner, space, mark, unused, word, empty = got["tokens"]
     assert control["text"] == "⟨U+0085⟩" and "control" in control["note"]
     assert private["text"] == "⟨U+E000⟩" and "private" in private["note"]
@@ -454,6 +517,15 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert got["tally"] == {"sent": 7, "waiting": 1, "answered": 1, "cancelled": 2, "overloaded": 1,
                             "errors": 1, "lost": 1}
     assert got["tallyText"] == "4 sent: 2 answered, 1 cancelled, 1 waiting"
+    short, straddle, emoji, more = got["clip"]
+    assert short == {"text": "short [MASK]", "more": 0, "total": 12}
+    assert straddle == {"text": "ab[MASK]", "more": 2, "total": 10}  # a mask token is never cut in two
+    assert emoji == {"text": "😀😀", "more": 1, "total": 3}  # by code points, never half a surrogate pair
+    assert more == 12345 - 300
+    pretty, not_json, count = got["pretty"]
+    assert pretty == '{\n  "type": "x",\n  "a": [1, "b"],\n  "o": {\n    "p": [\n      {"q": null}\n    ]\n  },' \
+                     '\n  "e": [],\n  "f": {}\n}'
+    assert not_json == "not json {" and count == "50,012"
     from_disk, down, token, draining, restarting = got["diagnosis"]
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
@@ -468,8 +540,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                  "deadline_ms": 50}
         url = "ws://127.0.0.1:1/?token=a b"
         cli = await page.page.evaluate("([u, f]) => FillMask.lib.snippet('cli', u, f)", [url, frame])
-        argv = shlex.split(cli)
-        assert argv[0] == "fillmask-client" and text in argv
+        argv = shlex.split(cli, comments=True)
+        assert argv[0] == ".venv/bin/fillmask-client" and text in argv
         assert argv[argv.index("--targets") + 1] == "it's,b" and argv[argv.index("--url") + 1] == url
         if text.startswith("-"):
             assert argv[-2:] == ["--", text]
@@ -633,8 +705,10 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
     await assert_in_view(card.get_by_test_id("prediction").last)
     await assert_in_view(page.by("conn-status"), below_header=False)
     if viewport is PHONE:
+        # Between them: the help line, the folded live view's summary (shown from the hello on) and
+        # the requests' heading; a third of the window at most.
         gap = (await position(card))["top"] - (await position(page.by("submit")))["bottom"]
-        assert gap < 200, gap
+        assert gap < PHONE["height"] / 3, gap
 
     snippets = {}
     for language in ("python", "js", "cli"):
@@ -651,12 +725,31 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
     rc, out, err = await run(sys.executable, "-c", snippets["python"])
     assert rc == 0, err
     assert tokens_of(ast.literal_eval(out.strip())) == expected
-    argv = shlex.split(snippets["cli"])
-    assert argv[0] == "fillmask-client"
+    # The CLI by its path in the checkout (works without an activated venv), and a comment saying so.
+    assert snippets["cli"].startswith("# ") and "venv activated" in snippets["cli"].splitlines()[0]
+    argv = shlex.split(snippets["cli"], comments=True)
+    assert argv[0] == ".venv/bin/fillmask-client"
     rc, out, err = await run(str(Path(sys.executable).parent / "fillmask-client"), *argv[1:])
     assert rc == 0, err
     for p in result["predictions"]:
         assert p["token_str"] in out
+    # JavaScript under Node.js without a built-in WebSocket (20 here): the snippet says it needs the ws
+    # package, and with it runs as saved to a file.
+    assert "Node.js 18 or 20 with the ws package" in snippets["js"]
+    if viewport is DESKTOP:
+        node = _node_or_skip()
+        if not (WS_PACKAGE_DIR / "ws").is_dir():
+            _unavailable(f"the ws package is not installed in {WS_PACKAGE_DIR} (npm ci there)")
+        script = Path(os.environ.get("TMPDIR", "/tmp")) / f"fillmask-ask-{os.getpid()}.js"
+        script.write_text(snippets["js"].replace("console.log(", "console.log(JSON.stringify(", 1)
+                          .replace(": frame);", ": frame));", 1))
+        try:
+            node_run = await asyncio.to_thread(subprocess.run, [node, str(script)], capture_output=True, text=True,
+                                               timeout=30, env={**os.environ, "NODE_PATH": str(WS_PACKAGE_DIR)})
+        finally:
+            script.unlink()
+        assert node_run.returncode == 0, node_run.stderr
+        assert tokens_of(orjson.loads(node_run.stdout)) == expected
     # JavaScript: run as pasted into a browser console, on a page of the server's own origin.
     scratch = await page.page.context.new_page()
     await scratch.goto(server.http_url + "/healthz")
@@ -677,6 +770,30 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
     assert (frame["status"], frame["reason"]) == (504, "deadline_exceeded")
     assert page.sent_for(2)["deadline_ms"] == 1 and "targets" not in page.sent_for(2)
     await expect(page.card(2).get_by_test_id("card-message")).to_contain_text("deadline passed")
+
+    # A result with targets that were not one token each (fed to the page while the real answer waits):
+    # a note for each, in order, next to the predictions.
+    await page.by("targets").fill("new york, capital, zzzzqqq")
+    await page.by("deadline-ms").fill("")
+    with server.engine.paused():
+        await page.ask("I live in [MASK].")
+        await wait_until(lambda: server.engine.queued() == 1)
+        frame = {"type": "result", "id": 3, "predictions": [
+                     {"score": 0.5, "token": 2047, "token_str": "new", "sequence": "i live in new."},
+                     {"score": 0.25, "token": 3007, "token_str": "capital", "sequence": "i live in capital."},
+                     {"score": 0.125, "token": 1062, "token_str": "z", "sequence": "i live in z."}],
+                 "targets": [{"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"}],
+                 "queue_ms": 1.0, "inference_ms": 2.0, "batch_size": 1, "batch_tokens": 8, "batch_id": 10**6}
+        await page.page.evaluate("f => FillMaskDemo.receive(JSON.stringify(f))", frame)
+        noted = page.card(3)
+        await expect(noted).to_have_attribute("data-state", "done")
+        await expect(noted.get_by_test_id("targets-note")).to_have_text([
+            'Note: target "new york" was scored as "new" (it is not one token of the vocabulary).',
+            'Note: target "zzzzqqq" was scored as "z" (it is not one token of the vocabulary).'])
+        await expect(noted.get_by_test_id("prediction")).to_have_count(3)
+        await assert_in_view(noted.get_by_test_id("targets-note").last)
+    await page.frame_for(3)  # the real answer comes and changes nothing: the card is settled
+    await expect(noted.get_by_test_id("targets-note")).to_have_count(2)
 
 
 @SIZES
@@ -734,9 +851,16 @@ async def test_cancel_all_and_burst_accounting(server: Any, open_page: Any, view
     await expect(burst.get_by_test_id("burst-cancel")).to_be_hidden()
 
 
+def indents(text: str) -> list[int]:
+    """The indentation of each line: the shape of indented JSON, whatever the digits of its numbers."""
+    return [len(line) - len(line.lstrip(" ")) for line in text.split("\n")]
+
+
 @SIZES
 async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
-    """The log holds every frame sent and received, newest last, and keeps only the newest ones."""
+    """The log holds every frame sent and received, newest last, as indented JSON in a block as wide as
+    the layout that scrolls sideways (never wrapped mid-word), and keeps only the newest ones. A card
+    shows the first 300 characters of a long text, and all of it on request."""
     from playwright.async_api import expect
 
     page = await open_page(server.http_url + "/", viewport=viewport)
@@ -755,14 +879,32 @@ async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, in
     shown = await entries.evaluate_all("items => items.map(i => [i.dataset.dir, i.querySelector('code').textContent, "
                                        "Number(i.dataset.seq)])")
     # Each direction complete and in order; entries oldest first (a server with stats adds its frames).
-    assert [text for d, text, _ in shown if d == "out"] == page.raw_out
-    assert [text for d, text, _ in shown if d == "in"] == page.raw_in
+    for direction, raw in (("out", page.raw_out), ("in", page.raw_in)):
+        texts = [text for d, text, _ in shown if d == direction]
+        assert [orjson.loads(t) for t in texts] == [orjson.loads(r) for r in raw]
+        assert [indents(t) for t in texts] == [indents(pretty_json(orjson.loads(r))) for r in raw]
+    result_text = next(text for d, text, _ in shown if d == "in" and '"type": "result"' in text)
+    predictions = orjson.loads(result_text)["predictions"]
+    assert sum('"token_str": ' in line for line in result_text.split("\n")) == len(predictions) > 1  # one a line
     assert shown[0][:2] == ["event", f"connecting to {server.url}"]
     seqs = [seq for _, _, seq in shown]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    results = [orjson.loads(text)["id"] for d, text, _ in shown if d == "in" and '"type":"result"' in text]
+    results = [orjson.loads(text)["id"] for d, text, _ in shown if d == "in" and '"type": "result"' in text]
     assert results == [1, 2]
     await expect(page.by("log-count")).to_have_text(f"({len(shown)})")
+    # Lines are never wrapped: the block scrolls sideways; on a desktop it spans both columns.
+    block = await page.by("log-list").evaluate("""list => {
+        const code = list.querySelector('[data-dir=in] code');
+        return {white: getComputedStyle(code).whiteSpace, overflow: getComputedStyle(list).overflowX,
+                width: list.getBoundingClientRect().width,
+                cards: document.querySelector('#cards').getBoundingClientRect(),
+                scrolls: list.scrollWidth > list.clientWidth}; }""")
+    assert block["white"] == "pre" and block["overflow"] == "auto", block
+    if viewport is DESKTOP:
+        assert block["width"] > block["cards"]["width"] + 300, block  # wider than the requests column
+    else:  # the whole window's width, and a prediction's line, longer than that, scrolls
+        assert block["width"] >= PHONE["width"] - 60 and block["scrolls"], block
+    assert await page.page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
 
     # Bounded: with room for 3, the list keeps the 3 newest frames, the last request's among them.
     await page.page.evaluate("FillMaskDemo.frameLog.max = 3")
@@ -774,6 +916,29 @@ async def test_raw_frame_log(server: Any, open_page: Any, viewport: dict[str, in
     await expect(page.by("log-dropped")).to_contain_text("older frames dropped")
     await page.by("log-clear").click()
     await expect(entries).to_have_count(0)
+
+    # A 50,000-character text (refused: too long): its card shows the first 300 characters, not all.
+    long_text = "[MASK] " + "word " * 9_999 + "end."
+    assert len(long_text) > 50_000
+    await page.ask(long_text)
+    card = page.card(4)
+    await expect(card).to_have_attribute("data-state", "error")
+    assert (await page.frame_for(4))["code"] == "text_too_long"
+    box = card.get_by_test_id("card-text")
+    toggle = card.get_by_test_id("text-toggle")
+    shown_text = await box.text_content()
+    assert shown_text == long_text[:300] + "…", shown_text
+    await expect(box.locator("mark.mask")).to_have_count(1)
+    await expect(toggle).to_have_text(f"Show all {len(long_text):,} characters")
+    assert (await position(card))["bottom"] - (await position(card))["top"] < 600
+    await toggle.click()
+    await expect(box).to_have_text(long_text)
+    await expect(toggle).to_have_attribute("aria-expanded", "true")
+    await toggle.click()
+    await expect(box).to_have_text(long_text[:300] + "…")
+    await expect(page.by("log-count")).to_have_text("(2)")  # the 50 KB frame cut to 2,000 characters in the log
+    assert "more characters)" in await page.by("frame-log").get_by_test_id("log-entry").first.text_content()
+    await expect(page.card(1).get_by_test_id("text-toggle")).to_be_hidden()  # a short text has no toggle
 
 
 # ---------------------------------------------------------------------------- live view
@@ -889,14 +1054,29 @@ async def test_live_panel_hidden_quietly_when_server_lacks_stats(server: Any, op
 @SIZES
 async def test_live_panel_follows_the_servers_stats(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
     """Against the real server's stats frames: the interval control, queue depth while the engine is
-    held, and the batches that answered this page marked on the timeline."""
+    held, and the batches that answered this page marked on the timeline. On a desktop the live view is
+    beside the requests (folding or unfolding it never moves them); on a phone, above them."""
     from playwright.async_api import expect
 
     page = await open_page(server.http_url + "/", viewport=viewport)
     panel = page.by("live-panel")
     await expect(panel).to_be_visible()
     assert page.sent[0] == {"type": "subscribe_stats", "interval_ms": 1000}
-    if viewport is PHONE:
+    await page.ask("Where is the [MASK] shown?")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    await expect(page.by("stat-queue")).to_have_attribute("data-value", "0")  # a real stats frame came
+    requests = page.page.locator("section.results")
+    if viewport is DESKTOP:
+        before = await position(requests)
+        assert (await position(panel))["right"] <= before["left"], "the live view is beside the requests"
+        await panel.locator("summary").click()  # fold it
+        await expect(page.by("live-tiles")).to_be_hidden()
+        assert (await position(requests))["top"] == before["top"]
+        await panel.locator("summary").click()  # and unfold it again
+        await expect(page.by("live-tiles")).to_be_visible()
+        assert (await position(requests))["top"] == before["top"]
+    else:
+        assert (await position(panel))["bottom"] <= (await position(requests))["top"]
         await panel.locator("summary").click()
     await page.by("live-interval").select_option("250")
     await wait_until(lambda: {"type": "subscribe_stats", "interval_ms": 250} in page.sent)
@@ -915,6 +1095,19 @@ async def test_live_panel_follows_the_servers_stats(server: Any, open_page: Any,
 
 
 # ---------------------------------------------------------------------------- connection
+
+
+async def assert_live_not_connected(page: Page) -> None:
+    """The live view says "not connected" in its summary line (seen folded or open) and is greyed out."""
+    from playwright.async_api import expect
+
+    panel = page.by("live-panel")
+    await expect(panel).to_have_attribute("data-connected", "false")
+    await expect(page.by("live-stale")).to_be_visible()
+    await expect(page.by("live-stale")).to_have_text("not connected")
+    look = await panel.evaluate("""p => ({body: getComputedStyle(p.querySelector('.live-body')).opacity,
+        brief: getComputedStyle(p.querySelector('.live-brief')).filter})""")
+    assert float(look["body"]) < 0.6 and "grayscale" in look["brief"], look
 
 
 async def test_overloaded_and_reconnect(server: Any, make_server: Any, open_page: Any) -> None:
@@ -943,21 +1136,27 @@ async def test_overloaded_and_reconnect(server: Any, make_server: Any, open_page
     status = page.by("conn-status")
     await expect(status).to_have_attribute("data-state", "reconnecting")
     await expect(status).to_contain_text("restarting")
+    # ... the live view's last figures stay, greyed out, under "not connected" ...
+    await assert_live_not_connected(page)
     # ... and finds a new server on the same address by itself.
     async with make_server(max_queue=1, port=port):
         await expect(status).to_have_attribute("data-state", "connected", timeout=20_000)
+        await expect(page.by("live-panel")).to_have_attribute("data-connected", "true")
+        await expect(page.by("live-stale")).to_be_hidden()
         await page.ask("Back [MASK] again.")
         await expect(page.card(3)).to_have_attribute("data-state", "done")
 
 
 async def test_going_away_keeps_the_cards_and_reconnects(server: Any, make_server: Any, open_page: Any) -> None:
     """§10: on going_away the page says the server is restarting and sends nothing more there; the
-    answers still owed arrive on the old connection (cards not lost), then a new server is found."""
+    answers still owed arrive on the old connection (cards not lost), then a new server is found.
+    At phone size, where the live view is folded: its summary line says "not connected" meanwhile."""
     from playwright.async_api import expect
 
     async with make_server(shutdown_timeout=10) as old:
         port = old.port
-        page = await open_page(f"{server.http_url}/?ws={old.url}")
+        page = await open_page(f"{server.http_url}/?ws={old.url}", viewport=PHONE)
+        await expect(page.by("live-stale")).to_be_hidden()
         status = page.by("conn-status")
         with old.engine.paused():
             await page.ask("Still [MASK] after the restart.")
@@ -966,6 +1165,8 @@ async def test_going_away_keeps_the_cards_and_reconnects(server: Any, make_serve
             drain = asyncio.create_task(old.drain())
             await expect(status).to_contain_text("Server is restarting; reconnecting")
             await expect(page.by("submit")).to_be_disabled()
+            await assert_live_not_connected(page)
+            await expect(page.by("live-tiles")).to_be_hidden()  # folded: the summary line says it
             await expect(page.card(1)).to_have_attribute("data-state", "pending")
             await expect(page.card(2)).to_have_attribute("data-state", "pending")
         await expect(page.card(1)).to_have_attribute("data-state", "done")

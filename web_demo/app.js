@@ -1,18 +1,16 @@
 /* Fill-mask demo page: one WebSocket, many requests in flight, every reply shown on its own card.
  *
- * Wire format: protocol.md at the repository root (section numbers below refer to it). Pure helpers
- * live in lib.js (text, tokens, snippets, accounting, diagnosis) and live.js (the stats panel).
+ * Wire format: protocol.md at the repository root (section numbers below refer to it). The
+ * connection (its states, reconnection, drains, request ids, which request a frame answers) is
+ * client.js, which has no DOM; pure helpers live in lib.js (text, tokens, snippets, accounting,
+ * diagnosis) and live.js (the stats panel). This file is the page: it draws what client.js reports.
  * Plain scripts, no build step and no modules, so the page also works opened from disk.
  *
  * Invariants the code keeps:
  * - Every server string reaches the page through textContent, never as HTML.
- * - A request id is never reused on this page (ids only grow), so a late frame about an old request
- *   can never land on a newer card, even one sent on a later connection.
- * - A request belongs to the connection it was sent on. Its card leaves `inflight` exactly when its
- *   terminal frame arrives on that connection (§8) or that connection closes (the server drops the
- *   requests of a closed connection, so nothing more will come for them).
- * - After `going_away` (§10) the old connection only receives (the answers still owed on it) while
- *   a new one is opened; nothing more is sent on it.
+ * - Every request's card is settled exactly once, when client.js settles the request (its terminal
+ *   frame, or its connection closed): client.js's invariants (ids never reused, a request belongs to
+ *   the connection it was sent on, nothing sent on a draining connection) hold for the cards too.
  */
 'use strict';
 
@@ -20,14 +18,15 @@
   const FillMask = window.FillMask;
   const lib = FillMask.lib;
   const live = FillMask.live;
+  const { State, Client, overloadText, ERROR_CODES } = FillMask.client;
   const { formatScore, formatMs, plural } = lib;
 
-  const BACKOFF_FIRST_MS = 500;
-  const BACKOFF_MAX_MS = 15000;
   const MAX_ITEMS = 100;           // top-level cards kept (a burst is one); unanswered ones always stay
   const MAX_OURS = 1024;          // batch ids of this page's results remembered for the timeline
   const LOG_MAX_ENTRIES = 500;
   const LOG_MAX_CHARS = 2000;
+  const CARD_TEXT_CHARS = 300;    // a card shows this much of its text until "Show all" is pressed
+  const FILLED_CONTEXT_CHARS = 60; // and, of a text that long, this much on each side of a filled mask
   const PROBE_TIMEOUT_MS = 3000;
   const DEFAULT_WS_FROM_DISK = 'ws://127.0.0.1:8765/';
   const WIDE = window.matchMedia('(min-width: 900px)');
@@ -66,7 +65,7 @@
     askForm: $('ask-form'), text: $('text'), textCount: $('text-count'), insertMask: $('insert-mask'),
     options: $('options'), optionsBrief: $('options-brief'), targets: $('targets'), deadline: $('deadline'),
     topK: $('top-k'), submit: $('submit'),
-    live: $('live'), liveInterval: $('live-interval'),
+    live: $('live'), liveInterval: $('live-interval'), liveStale: $('live-stale'),
     inflight: $('inflight'), cancelAll: $('cancel-all'), clear: $('clear'), empty: $('empty'), cards: $('cards'),
     burstForm: $('burst-form'), burstSize: $('burst-size'), burstSend: $('burst-send'), burstStatus: $('burst-status'),
     serverInfo: $('server-info'), limits: $('limits'), serverForm: $('server-form'), wsUrl: $('ws-url'),
@@ -76,21 +75,11 @@
     cardTemplate: $('card-template'), burstTemplate: $('burst-template'),
   };
 
+  // The connection, its state, the requests in flight and their ids: client.js. What is here is the page's.
   const state = {
-    url: '',
-    // The connection new requests go to: {url, ws, opened, hello, retiring}. After going_away it is
-    // marked retiring and replaced; it still delivers the answers owed on it until it closes.
-    conn: null,
     maskToken: '[MASK]',
-    attempt: 0,            // reconnections since the last connection that lasted
-    connectedAt: 0,        // when the current connection's hello arrived (0: none)
-    everConnected: false,
-    restarting: false,     // a going_away came and no hello since
-    label: { kind: 'connecting', text: 'Connecting…' },  // what the status says while a retry counts down
-    retryTimer: 0,
+    diagnosis: null,       // {kind, text} from the last failed handshake's probe, until a hello or a new URL
     countdownTimer: 0,
-    nextId: 1,
-    inflight: new Map(),   // id -> request record
     nextBurst: 1,
     newestOwn: null,       // the latest request the user sent (not a burst's)
     stats: { supported: null, subscribed: false, pending: false, history: [], ours: new Set(), last: null },
@@ -112,9 +101,7 @@
     el.notice.hidden = !message;
   }
 
-  function hello() { return (state.conn && state.conn.hello) || null; }
-
-  function limits() { return (hello() && hello().limits) || {}; }
+  function limits() { return (client.hello && client.hello.limits) || {}; }
 
   function readable(tokenStr) {
     if (!state.glyphMissing) {
@@ -130,8 +117,6 @@
     if (el.frameLog.open) appendLogEntry(entry);
     updateLogCount();
   }
-
-  function logEvent(text) { logFrame('event', text, 'connection'); }
 
   function logEntryNode(entry) {
     const li = document.createElement('li');
@@ -201,85 +186,50 @@
     el.conn.dataset.state = kind;
     if (el.connText.textContent !== text) el.connText.textContent = text;
     el.connDetail.textContent = detail || '';
-    el.conn.title = kind === 'connected' ? 'Connected to ' + state.url : state.url;
+    el.conn.title = kind === 'connected' ? 'Connected to ' + client.url : client.url;
     el.reconnectNow.hidden = kind === 'connected' || kind === 'connecting';
     const usable = kind === 'connected';
     el.submit.disabled = !usable;
     el.burstSend.disabled = !usable;
   }
 
-  function stopTimers() {
-    window.clearTimeout(state.retryTimer);
-    window.clearInterval(state.countdownTimer);
+  const RESTARTING = { kind: 'reconnecting', text: 'Server is restarting; reconnecting' };
+
+  /** What the status pill says for the client's status `s` (client.js): {kind, text}. */
+  function connLabel(s) {
+    if (s.state === State.OPEN) return { kind: 'connected', text: 'Connected' };
+    if (s.restarting) return RESTARTING;
+    // A diagnosis (refused, offline) stands until the next probe, or a hello, says otherwise.
+    if (state.diagnosis) return state.diagnosis;
+    if (s.state === State.CONNECTING && !s.everConnected && s.attempt === 0) return { kind: 'connecting', text: 'Connecting…' };
+    return { kind: 'reconnecting', text: 'Reconnecting' };
   }
 
-  function connect() {
-    stopTimers();
-    if (state.conn) {
-      const old = state.conn;
-      state.conn = null;
-      old.ws.close(1000);
-      dropInflight(old, 'The connection was closed before an answer came.');
-    }
-    el.wsUrl.value = state.url;
-    const conn = { url: state.url, ws: null, opened: false, hello: null, retiring: false };
-    try {
-      conn.ws = new WebSocket(conn.url);
-    } catch (err) {
-      setConn('offline', 'Cannot connect');
-      showNotice('"' + state.url + '" is not a WebSocket URL. Enter one like ws://127.0.0.1:8765 under "Server and limits".');
-      el.serverInfo.open = true;
+  /** Redraw the connection status (and the live view's "not connected"); while a reconnection is
+   *  scheduled, count down to it. */
+  function showStatus() {
+    window.clearInterval(state.countdownTimer);
+    const s = client.status();
+    markLive(s.state === State.OPEN);
+    const label = connLabel(s);
+    if (s.state === State.OPEN) { setConn(label.kind, label.text); return; }
+    if (!s.retryAt) {
+      setConn(label.kind, label.text, s.attempt > 0 || s.everConnected ? 'now' : '');
       return;
     }
-    state.conn = conn;
-    logEvent('connecting to ' + conn.url);
-    if (state.restarting) setConn('reconnecting', 'Server is restarting; reconnecting', 'now');
-    else if (state.everConnected || state.attempt > 0) setConn(state.label.kind, state.label.text, 'now');
-    else setConn('connecting', 'Connecting…');
-    conn.ws.onopen = () => { conn.opened = true; };
-    conn.ws.onmessage = (event) => onFrame(conn, event.data);
-    conn.ws.onclose = (event) => onClose(conn, event);
-    conn.ws.onerror = () => { /* a close event always follows; it is handled there */ };
+    const code = s.lastClose && s.lastClose.code !== 1006 ? ' (closed with ' + s.lastClose.code + ')' : '';
+    const tick = () => {
+      const left = Math.max(0, s.retryAt - Date.now());
+      setConn(label.kind, label.text, 'in ' + Math.ceil(left / 1000) + ' s' + code);
+    };
+    tick();
+    state.countdownTimer = window.setInterval(tick, 250);
   }
 
   function closeReason(code) {
     if (code === 1009) return 'The server closed the connection: a message was too big (1009).';
     if (code === 1001) return 'The server went away (1001) before answering.';
     return 'The connection closed before an answer came; the server drops requests of closed connections.';
-  }
-
-  function onClose(conn, event) {
-    logEvent('closed' + (event.code ? ' with ' + event.code : '') + (event.reason ? ': ' + event.reason : '') +
-      (conn.opened ? '' : ' (the handshake failed)'));
-    dropInflight(conn, closeReason(event.code));
-    if (conn.retiring) return;  // the answers it owed have come (or are lost, said above)
-    if (conn !== state.conn) return;  // replaced by connect(): already dealt with
-    state.conn = null;
-    // Back off from scratch only after a connection that lasted: a server that accepts and then
-    // drops every connection must not be hammered twice a second.
-    if (state.connectedAt && Date.now() - state.connectedAt > 5000) state.attempt = 0;
-    state.connectedAt = 0;
-    const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_FIRST_MS * 2 ** state.attempt) * (0.8 + 0.4 * Math.random());
-    state.attempt += 1;
-    // A restart that takes this long is no longer a restart: say what the probes find instead.
-    if (state.restarting && state.attempt > 4) state.restarting = false;
-    if (state.restarting) state.label = { kind: 'reconnecting', text: 'Server is restarting; reconnecting' };
-    // A diagnosis (refused, offline) stands until the next probe says otherwise.
-    else if (state.label.kind !== 'refused' && state.label.kind !== 'offline') state.label = { kind: 'reconnecting', text: 'Reconnecting' };
-    retryIn(delay, event.code && event.code !== 1006 ? ' (closed with ' + event.code + ')' : '');
-    if (!conn.opened) diagnoseFailure(conn.url, state.attempt);
-  }
-
-  function retryIn(delay, suffix) {
-    stopTimers();
-    const retryAt = Date.now() + delay;
-    const tick = () => {
-      const left = Math.max(0, retryAt - Date.now());
-      setConn(state.label.kind, state.label.text, 'in ' + Math.ceil(left / 1000) + ' s' + suffix);
-    };
-    tick();
-    state.countdownTimer = window.setInterval(tick, 250);
-    state.retryTimer = window.setTimeout(connect, delay);
   }
 
   /**
@@ -289,14 +239,14 @@
    */
   async function diagnoseFailure(url, attempt) {
     const probe = await probeServer(url);
-    if (attempt !== state.attempt || hello()) return;  // a newer attempt, or connected meanwhile
+    if (attempt !== client.attempt || url !== client.url || client.hello) return;  // a newer attempt, or connected
+    const s = client.status();
     const verdict = lib.diagnose(Object.assign({
       url, pageProtocol: window.location.protocol, pageOrigin: window.location.origin,
-      restarting: state.restarting, everConnected: state.everConnected,
+      restarting: s.restarting, everConnected: s.everConnected,
     }, probe));
-    state.label = { kind: verdict.kind, text: verdict.label };
-    el.conn.dataset.state = verdict.kind;
-    el.connText.textContent = verdict.label;
+    state.diagnosis = { kind: verdict.kind, text: verdict.label };
+    showStatus();
     if (verdict.notice) {
       showNotice(verdict.notice);
       el.serverInfo.open = true;
@@ -328,57 +278,29 @@
     }
   }
 
-  /**
-   * §10: the server is draining. Requests already accepted are still answered on this connection,
-   * so it stays open (receiving only) while a new one is opened after a random delay within
-   * reconnect_within_ms (full jitter: many pages must not all come back at the same moment).
-   */
-  function onGoingAway(conn, msg) {
-    if (conn !== state.conn) return;
-    conn.retiring = true;
-    state.conn = null;
-    state.restarting = true;
-    state.attempt = 0;
-    const within = Number(msg.reconnect_within_ms);
-    const delay = Math.random() * (Number.isFinite(within) && within >= 0 ? within : 1000);
-    state.label = { kind: 'reconnecting', text: 'Server is restarting; reconnecting' };
-    retryIn(delay, '');
+  function onGoingAway(msg, owed) {
     updateInflight();
-    const owed = Array.from(state.inflight.values()).filter((r) => r.conn === conn).length;
     announce('The server is restarting; the page reconnects by itself.' +
       (owed ? ' ' + plural(owed, 'request', 'requests') + ' already sent still get their answers.' : ''));
   }
 
+  function onBadUrl(url) {
+    setConn('offline', 'Cannot connect');
+    showNotice('"' + url + '" is not a WebSocket URL. Enter one like ws://127.0.0.1:8765 under "Server and limits".');
+    el.serverInfo.open = true;
+  }
+
   // ---------------------------------------------------------------- frames in
 
-  function onFrame(conn, data) {
-    if (conn !== state.conn && !conn.retiring) return;
-    let msg;
-    try {
-      msg = JSON.parse(data);
-    } catch (err) {
-      logFrame('in', data, 'not JSON');
-      showNotice('The server sent a frame that is not JSON; it was ignored.');
-      return;
-    }
-    const type = msg && typeof msg === 'object' && typeof msg.type === 'string' ? msg.type : '';
-    logFrame('in', data, type);
-    if (!type) return;
-    if (type === 'hello') { if (conn === state.conn) onHello(conn, msg); return; }
-    if (type === 'going_away') { onGoingAway(conn, msg); return; }
-    if (type === 'stats') { if (conn === state.conn) onStats(msg); return; }
-    const rec = msg.id === null || msg.id === undefined ? undefined : state.inflight.get(msg.id);
-    if (!rec || rec.conn !== conn) {
-      // An error about no request of ours (id null), or a frame for a request already settled.
-      if (type === 'error' && conn === state.conn) onStrayError(msg);
-      return;
-    }
-    switch (type) {
+  /** A request's terminal frame came, or its connection closed (outcome 'lost'): client.js settles each once. */
+  function onSettle(rec, outcome, msg) {
+    switch (outcome) {
       case 'result': onResult(rec, msg); break;
       case 'error': onError(rec, msg); break;
       case 'overloaded': onOverloaded(rec, msg); break;
       case 'cancelled': settle(rec, 'cancelled', 'Cancelled', 'Cancelled while it waited in the queue; the model never saw it.'); break;
-      default: break; // §1: unknown frame types are ignored
+      default: settle(rec, 'lost', 'Not answered', msg.code === 1000
+        ? 'The connection was closed before an answer came.' : closeReason(msg.code), true);
     }
   }
 
@@ -398,13 +320,8 @@
     showNotice('Server error (' + msg.code + '): ' + msg.message);
   }
 
-  function onHello(conn, msg) {
-    conn.hello = msg;
-    state.connectedAt = Date.now();
-    state.everConnected = true;
-    state.restarting = false;
-    state.label = { kind: 'connected', text: 'Connected' };
-    stopTimers();
+  function onHello(msg) {
+    state.diagnosis = null;
     if (typeof msg.mask_token === 'string' && msg.mask_token) setMaskToken(msg.mask_token);
     el.modelName.textContent = msg.model || 'unknown model';
     document.title = 'Fill-mask · ' + (msg.model || 'demo');
@@ -417,9 +334,8 @@
     updateCounter();
     updateOptionsBrief();
     showNotice(msg.protocol === 1 ? '' : 'This server speaks protocol ' + msg.protocol + '; the page was written for 1.');
-    setConn('connected', 'Connected');
     updateInflight();
-    startStats();
+    startStats(msg);
   }
 
   function applyLimits(l) {
@@ -468,38 +384,40 @@
 
   // ---------------------------------------------------------------- live view (stats frames)
 
-  function sendFrame(conn, frame) {
-    const text = JSON.stringify(frame);
-    conn.ws.send(text);
-    logFrame('out', text, frame.type);
-  }
-
-  /** On every hello: forget the old server's batches and ask this one for stats if its hello offers
-   *  them (protocol §2, §13). A server without hello.stats has no live view, which is not a fault: the
-   *  panel stays hidden and nothing is asked. */
-  function startStats() {
+  /** On every hello: forget the old server's figures and ask this one for stats if its hello offers
+   *  them (protocol §2, §13). The panel shows at once (empty figures until the first stats frame), so
+   *  it does not appear under the user's eyes later. A server without hello.stats has no live view,
+   *  which is not a fault: the panel stays hidden and nothing is asked. */
+  function startStats(msg) {
     Object.assign(state.stats, { subscribed: false, pending: false, history: [], ours: new Set(), last: null });
-    const offered = Boolean(state.conn && state.conn.hello && state.conn.hello.stats);
+    const offered = Boolean(msg.stats);
     state.stats.supported = offered ? null : false;
-    if (!offered) { el.live.hidden = true; return; }
+    el.live.hidden = !offered;
+    if (!offered) return;
+    live.render(el.live, live.view({}, [], { maxBatchSize: limits().max_batch_size }));
     subscribeStats();
   }
 
   function subscribeStats() {
-    const conn = state.conn;
-    if (!conn || !conn.hello || document.hidden || state.stats.supported === false) return;
-    sendFrame(conn, { type: 'subscribe_stats', interval_ms: Number(el.liveInterval.value) });
+    if (!client.hello || document.hidden || state.stats.supported === false) return;
+    if (!client.send({ type: 'subscribe_stats', interval_ms: Number(el.liveInterval.value) })) return;
     state.stats.subscribed = true;
     state.stats.pending = true;
   }
 
   function unsubscribeStats() {
-    const conn = state.conn;
     // Only to a server known to have stats: another would answer an error for nothing.
-    if (!conn || !conn.hello || !state.stats.subscribed || state.stats.supported !== true) return;
-    sendFrame(conn, { type: 'unsubscribe_stats' });
+    if (!client.hello || !state.stats.subscribed || state.stats.supported !== true) return;
+    if (!client.send({ type: 'unsubscribe_stats' })) return;
     state.stats.subscribed = false;
     state.stats.pending = false;
+  }
+
+  /** Grey the live view out, saying "not connected", while there is no open connection: its last
+   *  figures are not current. The next stats frame (after a hello) brings it back. */
+  function markLive(connected) {
+    el.live.dataset.connected = String(connected);
+    el.liveStale.hidden = connected;
   }
 
   function onStats(frame) {
@@ -560,20 +478,16 @@
 
   /** Send one fill_mask request and give it a card. Returns the record, or null when offline. */
   function sendRequest(fields, burst) {
-    const conn = state.conn;
-    if (!conn || !conn.hello || conn.ws.readyState !== WebSocket.OPEN) {
+    const sentAt = performance.now();
+    const rec = client.request(fields);
+    if (!rec) {
       showNotice('Not connected yet; the request was not sent.');
       return null;
     }
-    const id = state.nextId++;
-    const frame = Object.assign({ type: 'fill_mask', id: id }, fields);
-    const rec = {
-      id, frame, text: fields.text, maskToken: state.maskToken, burst, conn, kind: 'pending',
-      sentAt: performance.now(), doneAt: 0, result: null, card: null, cancelAsked: false,
-    };
+    // The page's own fields next to client.js's (id, frame, conn, url, cancelAsked).
+    Object.assign(rec, { text: fields.text, maskToken: state.maskToken, burst, kind: 'pending', sentAt,
+      doneAt: 0, result: null, card: null, hello: client.hello });
     rec.card = makeCard(rec);
-    state.inflight.set(id, rec);
-    sendFrame(conn, frame);
     updateInflight();
     return rec;
   }
@@ -595,7 +509,7 @@
     const tag = describeOptions(rec.frame);
     if (rec.burst) tag.push('burst ' + rec.burst.n);
     card.querySelector('.card-tag').textContent = tag.join(' · ');
-    appendWithMasks(card.querySelector('.card-text'), rec.text, rec.maskToken);
+    renderCardText(card, rec);
     setBadge(card, 'pending', 'Waiting');
     const cancel = card.querySelector('.cancel');
     cancel.setAttribute('aria-label', 'Cancel request ' + rec.id);
@@ -627,6 +541,30 @@
     card.scrollIntoView({ block: 'nearest', behavior: REDUCED_MOTION.matches ? 'auto' : 'smooth' });
   }
 
+  /**
+   * The card's copy of its text: the first CARD_TEXT_CHARS characters, and a button that shows the
+   * rest (a 50,000-character text must not make a card thousands of pixels tall).
+   */
+  function renderCardText(card, rec) {
+    const box = card.querySelector('.card-text');
+    const toggle = card.querySelector('.text-toggle');
+    const clip = lib.clipText(rec.text, CARD_TEXT_CHARS, rec.maskToken);
+    toggle.hidden = !clip.more;
+    rec.textClipped = clip.more > 0;
+    const draw = (all) => {
+      rec.showAll = all;
+      if (rec.redrawFilled) rec.redrawFilled();
+      box.replaceChildren();
+      appendWithMasks(box, all ? rec.text : clip.text, rec.maskToken);
+      if (!all && clip.more) box.append('…');
+      box.dataset.shown = all ? 'all' : 'start';
+      toggle.textContent = all ? 'Show less' : 'Show all ' + lib.formatCount(clip.total) + ' characters';
+      toggle.setAttribute('aria-expanded', String(all));
+    };
+    draw(false);
+    toggle.addEventListener('click', () => draw(box.dataset.shown !== 'all'));
+  }
+
   /** Append `text` to `parent`, wrapping each mask token in <mark class="mask">. */
   function appendWithMasks(parent, text, token) {
     const parts = token ? text.split(token) : [text];
@@ -654,15 +592,8 @@
     p.hidden = !text;
   }
 
-  /** Requests that a cancel can still reach: in flight on the connection that takes new frames. */
-  function cancellable() {
-    return Array.from(state.inflight.values()).filter((r) => r.conn === state.conn && !r.cancelAsked);
-  }
-
   function cancelRequest(rec) {
-    if (!state.inflight.has(rec.id) || rec.cancelAsked || rec.conn !== state.conn) return;
-    sendFrame(rec.conn, { type: 'cancel', id: rec.id });
-    rec.cancelAsked = true;
+    if (!client.cancel(rec)) return;
     const button = rec.card.querySelector('.cancel');
     button.disabled = true;
     button.textContent = 'Cancelling…';
@@ -672,7 +603,6 @@
 
   /** Close a request's story: badge, message, buttons, counters. */
   function settle(rec, kind, label, message, canRetry) {
-    state.inflight.delete(rec.id);
     rec.kind = kind;
     if (!rec.doneAt) rec.doneAt = performance.now();
     const card = rec.card;
@@ -700,6 +630,7 @@
     const groups = Array.isArray(msg.predictions) && Array.isArray(msg.predictions[0])
       ? msg.predictions : [msg.predictions || []];
     renderMetrics(rec, msg);
+    renderNotes(rec, msg);
     renderPredictions(rec, groups);
     const late = rec.cancelAsked ? 'It was already running, so the cancel came too late. ' : '';
     // Is the card being looked at? Then it stays in view as it grows (phones: it is below the form).
@@ -711,6 +642,25 @@
       const top = groups.map((g) => (g[0] ? readable(g[0].token_str).text + ' ' + formatScore(g[0].score) : 'nothing'));
       announce('Request ' + rec.id + ': ' + late + 'top prediction ' + top.join('; then ') + '.');
     }
+  }
+
+  /**
+   * result.targets (§4): each target that is not one vocabulary token, and the token scored in its
+   * place (its first piece, as the pipeline does), so nobody thinks "new york" itself was scored.
+   */
+  function renderNotes(rec, msg) {
+    const box = rec.card.querySelector('.card-notes');
+    const replaced = Array.isArray(msg.targets) ? msg.targets.filter((t) => t && typeof t === 'object') : [];
+    box.replaceChildren(...replaced.map((t) => {
+      const li = document.createElement('li');
+      li.dataset.testid = 'targets-note';
+      li.dataset.given = String(t.given);
+      li.dataset.scored = String(t.scored);
+      li.textContent = 'Note: target "' + String(t.given) + '" was scored as "' + readable(String(t.scored)).text +
+        '" (it is not one token of the vocabulary).';
+      return li;
+    }));
+    box.hidden = replaced.length === 0;
   }
 
   function renderMetrics(rec, msg) {
@@ -728,7 +678,7 @@
       box.append(metric(key, name, shown, raw));
     }
     if (msg.batch_size > 1) box.querySelector('[data-testid="metric-batch-size"]').classList.add('batched');
-    if (rec.conn.hello && rec.conn.hello.random_weights === true) {
+    if (rec.hello && rec.hello.random_weights === true) {
       const chip = metric('random', '', 'random weights: arbitrary words', null);
       chip.classList.add('warn');
       box.append(chip);
@@ -764,6 +714,7 @@
     filled.className = 'filled';
     filled.dataset.testid = 'filled-sentence';
     const redraw = () => renderFilled(filled, rec, groups, chosen);
+    rec.redrawFilled = redraw;
     const lists = groups.map((group, i) => renderGroup(group, i, groups.length, (row) => {
       chosen[i] = row;
       redraw();
@@ -778,7 +729,10 @@
     label.className = 'filled-label';
     label.textContent = 'Filled in: ';
     target.replaceChildren(label);
-    for (const seg of lib.filledSegments(rec.text, rec.maskToken, fills)) {
+    let segments = lib.filledSegments(rec.text, rec.maskToken, fills);
+    // A long text, not shown in full: only the words around each mask (the card's text is above).
+    if (rec.textClipped && !rec.showAll) segments = lib.excerptSegments(segments, FILLED_CONTEXT_CHARS);
+    for (const seg of segments) {
       if (seg.mask === -1) {
         target.append(document.createTextNode(seg.text));
         continue;
@@ -884,17 +838,14 @@
   function onError(rec, msg) {
     const code = msg.code ? ' (' + msg.code + ')' : '';
     settle(rec, 'error', 'Error' + code, msg.message || 'The server rejected this request.');
+    // What the code means, from client.js's table of §7 (a code it does not know gets no tooltip).
+    rec.card.querySelector('.badge').title = Object.prototype.hasOwnProperty.call(ERROR_CODES, msg.code)
+      ? msg.code + ': ' + ERROR_CODES[msg.code] : '';
   }
 
   function onOverloaded(rec, msg) {
     const wait = Number(msg.retry_after_ms) || 0;
-    const reasons = {
-      queue_full: 'The server queue is full',
-      shutting_down: 'The server is shutting down',
-      engine_stopped: "The server's model worker stopped",
-      deadline_exceeded: 'The deadline passed while the request waited',
-    };
-    const reason = reasons[msg.reason] || 'The server is overloaded';
+    const reason = overloadText(msg.reason);
     const status = msg.status ? ' (' + msg.status + ')' : '';
     settle(rec, 'overloaded', 'Overloaded' + status, reason + '; retry after ' + formatMs(wait) + '.', true);
     const retry = rec.card.querySelector('.retry');
@@ -903,18 +854,11 @@
     window.setTimeout(() => { retry.disabled = false; }, wait);
   }
 
-  /** A connection is gone: its requests will never be answered (§8), so say so on each card. */
-  function dropInflight(conn, message) {
-    for (const rec of Array.from(state.inflight.values())) {
-      if (rec.conn === conn) settle(rec, 'lost', 'Not answered', message, true);
-    }
-  }
-
   function updateInflight() {
-    const n = state.inflight.size;
+    const n = client.inflight.size;
     el.inflight.textContent = n ? plural(n, 'request', 'requests') + ' in flight' : 'none in flight';
     el.inflight.dataset.count = String(n);
-    el.cancelAll.disabled = cancellable().length === 0;
+    el.cancelAll.disabled = client.cancellable().length === 0;
   }
 
   /** Keep at most MAX_ITEMS top-level cards, dropping the oldest finished ones. */
@@ -930,7 +874,7 @@
     const ids = item.classList.contains('burst-card')
       ? Array.from(item.querySelectorAll('[data-testid="request-card"]'), (c) => Number(c.dataset.id))
       : [Number(item.dataset.id)];
-    return ids.some((id) => state.inflight.has(id));
+    return ids.some((id) => client.inflight.has(id));
   }
 
   // ---------------------------------------------------------------- copy as code
@@ -950,7 +894,7 @@
           status.textContent = '';
           return;
         }
-        const code = lib.snippet(language, rec.conn.url, rec.frame);
+        const code = lib.snippet(language, rec.url, rec.frame);
         pre.textContent = code;
         pre.dataset.lang = language;
         pre.hidden = false;
@@ -1057,6 +1001,24 @@
     }
   }
 
+  // ---------------------------------------------------------------- the connection (client.js)
+
+  const client = new Client({
+    WebSocket: window.WebSocket,
+    on: {
+      status: showStatus,
+      log: logFrame,
+      hello: onHello,
+      stats: onStats,
+      settle: onSettle,
+      strayError: onStrayError,
+      goingAway: onGoingAway,
+      handshakeFailed: diagnoseFailure,
+      badUrl: onBadUrl,
+      notJson: () => showNotice('The server sent a frame that is not JSON; it was ignored.'),
+    },
+  });
+
   // ---------------------------------------------------------------- form wiring
 
   function updateCounter() {
@@ -1149,7 +1111,7 @@
   });
 
   el.cancelAll.addEventListener('click', () => {
-    const recs = cancellable();
+    const recs = client.cancellable();
     recs.forEach(cancelRequest);
     announce('Asked the server to cancel ' + plural(recs.length, 'request', 'requests') + '; those already running finish.');
   });
@@ -1158,22 +1120,19 @@
     event.preventDefault();
     const raw = el.wsUrl.value.trim();
     if (!raw) return;
-    state.url = normaliseUrl(raw);
+    const url = normaliseUrl(raw);
     const params = new URLSearchParams(window.location.search);
-    params.set('ws', state.url);
+    params.set('ws', url);
     try {
       window.history.replaceState(null, '', '?' + params.toString() + window.location.hash);
     } catch (err) {
       // Some browsers refuse history changes on file:// pages; the connection works regardless.
     }
-    state.attempt = 0;
-    state.everConnected = false;
-    state.label = { kind: 'connecting', text: 'Connecting…' };
     showNotice('');
-    connect();
+    connectTo(url);
   });
 
-  el.reconnectNow.addEventListener('click', () => { state.attempt = 0; connect(); });
+  el.reconnectNow.addEventListener('click', () => client.retryNow());
 
   el.clear.addEventListener('click', () => {
     for (const item of Array.from(el.cards.children)) {
@@ -1208,15 +1167,22 @@
   // For the browser test and the console: feed the page a frame as if the server had sent it, and
   // reach the frame log (its bound can be lowered to watch it drop old frames).
   window.FillMaskDemo = {
-    receive(text) { if (state.conn) onFrame(state.conn, text); },
+    receive(text) { if (client.current) client.onMessage(client.current, text); },
     frameLog: state.log,
+    client,
   };
 
+  /** Connect to `url` afresh: no diagnosis, no backoff carried over from another address. */
+  function connectTo(url) {
+    state.diagnosis = null;
+    el.wsUrl.value = url;
+    client.connect(url);
+  }
+
   el.live.open = WIDE.matches;  // on a phone the live view starts folded (its summary line still updates)
-  state.url = resolveUrl();
   updateCounter();
   updateOptionsBrief();
   updateInflight();
   updateLogCount();
-  connect();
+  connectTo(resolveUrl());
 })();

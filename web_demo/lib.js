@@ -57,6 +57,31 @@
     return raw.split(',').map((t) => t.trim()).filter((t) => t !== '');
   }
 
+  /**
+   * The start of `text` to show on a card: at most `max` code points, never cutting a `token` (the
+   * mask) in two. Returns {text, more (code points left out), total}.
+   */
+  function clipText(text, max, token) {
+    const total = codePoints(text);
+    if (total <= max) return { text, more: 0, total };
+    let units = 0;
+    let n = 0;
+    for (const ch of text) {
+      if (n === max) break;
+      units += ch.length;
+      n++;
+    }
+    if (token) {
+      const start = text.lastIndexOf(token, units - 1);
+      if (start !== -1 && start + token.length > units) units = start + token.length;
+    }
+    const head = text.slice(0, units);
+    return { text: head, more: total - codePoints(head), total };
+  }
+
+  /** "12,345": a count with thousands separators whatever the browser's locale. */
+  function formatCount(n) { return String(n).replace(/\B(?=(\d{3})+(?!\d))/g, ','); }
+
   // ---------------------------------------------------------------- filled-in sentence
 
   /**
@@ -87,6 +112,25 @@
       if (part) out.push({ text: part, mask: -1 });
     });
     return out;
+  }
+
+  /**
+   * filledSegments cut down to the words around each mask, for a long text: every text segment keeps
+   * at most `context` code points next to each mask it touches, with "…" where words were left out.
+   * The masks' segments are kept whole.
+   */
+  function excerptSegments(segments, context) {
+    return segments.map((seg, i) => {
+      if (seg.mask !== -1) return seg;
+      const chars = Array.from(seg.text);
+      const before = i > 0;                      // a mask comes before this text
+      const after = i < segments.length - 1;     // and one after it
+      const keep = (before ? context : 0) + (after ? context : 0);
+      if (chars.length <= keep + 1) return seg;
+      const head = before ? chars.slice(0, context).join('') : '';
+      const tail = after ? chars.slice(chars.length - context).join('') : '';
+      return { text: head + '…' + tail, mask: -1 };
+    });
   }
 
   // ---------------------------------------------------------------- tokens a person can read
@@ -236,7 +280,7 @@
     return [
       'import asyncio',
       '',
-      'from fillmask_server.client import FillMaskClient',
+      'from fillmask_client import FillMaskClient',
       '',
       '',
       'async def main() -> None:',
@@ -252,6 +296,9 @@
     ].join('\n');
   }
 
+  /** The CLI as `bash scripts/setup.sh` installs it, so the line works without activating the venv. */
+  const CLI = '.venv/bin/fillmask-client';
+
   function cliSnippet(url, frame) {
     const options = [];
     if (frame.top_k !== undefined) options.push('--top-k', String(frame.top_k));
@@ -260,17 +307,19 @@
     options.push('--url', shellQuote(url));
     // A text starting with '-' would read as an option (and '-' alone as stdin): put it after '--'.
     const words = frame.text.startsWith('-')
-      ? ['fillmask-client', ...options, '--', shellQuote(frame.text)]
-      : ['fillmask-client', shellQuote(frame.text), ...options];
-    return words.join(' ') + '\n';
+      ? [CLI, ...options, '--', shellQuote(frame.text)]
+      : [CLI, shellQuote(frame.text), ...options];
+    return '# In the fillmask-server folder. With its venv activated, plain fillmask-client does the same.\n' +
+      words.join(' ') + '\n';
   }
 
   function jsSnippet(url, frame) {
     const request = Object.assign({}, frame, { id: 1 });
     return [
-      '// Plain WebSocket: a browser console (on a page the server allows, see --allowed-origins)',
-      '// or Node.js 22+.',
-      'const ws = new WebSocket(' + literal(url) + ');',
+      '// Plain WebSocket. Runs in a browser console (on a page the server allows, see --allowed-origins),',
+      '// in Node.js 22+, or in Node.js 18 or 20 with the ws package (npm install ws): node ask.js',
+      "const WebSocketClass = globalThis.WebSocket ?? require('ws');",
+      'const ws = new WebSocketClass(' + literal(url) + ');',
       'ws.onmessage = (event) => {',
       '  const frame = JSON.parse(event.data);',
       "  if (frame.type === 'hello') {",
@@ -365,8 +414,36 @@
   // ---------------------------------------------------------------- the raw-frame log
 
   /**
-   * The last `max` frames sent and received, oldest first; each entry's text is cut to `maxChars`
-   * characters so that one 150 KB result cannot make the log heavy. `dropped` counts entries that
+   * JSON for people: objects and arrays that hold other objects or arrays get one member per line,
+   * indented by two spaces; those that hold only numbers, strings, booleans and nulls stay on one
+   * line (a prediction, a latency pair). JSON.parse of the result gives `value` back.
+   */
+  function prettyJson(value, indent) {
+    indent = indent || '';
+    if (value === null || typeof value !== 'object') return JSON.stringify(value);
+    const isArray = Array.isArray(value);
+    const keys = isArray ? null : Object.keys(value);
+    const members = isArray ? value : keys.map((k) => value[k]);
+    const [open, close] = isArray ? ['[', ']'] : ['{', '}'];
+    if (!members.length) return open + close;
+    const flat = members.every((v) => v === null || typeof v !== 'object');
+    const inner = flat ? '' : indent + '  ';
+    const parts = members.map((v, i) => inner + (isArray ? '' : JSON.stringify(keys[i]) + ': ') + prettyJson(v, inner));
+    return flat ? open + parts.join(', ') + close : open + '\n' + parts.join(',\n') + '\n' + indent + close;
+  }
+
+  /** A frame's text as the log shows it: indented JSON (prettyJson), or as it came when not JSON. */
+  function logText(text) {
+    try {
+      return prettyJson(JSON.parse(text));
+    } catch (err) {
+      return String(text);
+    }
+  }
+
+  /**
+   * The last `max` frames sent and received, oldest first, each as indented JSON (logText) cut to
+   * `maxChars` characters, so that one 150 KB result cannot make the log heavy. `dropped` counts entries that
    * fell off the front.
    */
   class FrameLog {
@@ -380,7 +457,7 @@
 
     /** dir: 'out' (sent), 'in' (received) or 'event' (the connection opened or closed). */
     add(dir, text, type, at) {
-      let shown = String(text);
+      let shown = dir === 'event' ? String(text) : logText(text);
       if (shown.length > this.maxChars) {
         shown = shown.slice(0, this.maxChars) + ' … (' + (shown.length - this.maxChars) + ' more characters)';
       }
@@ -405,7 +482,8 @@
   }
 
   FillMask.lib = {
-    formatScore, formatMs, plural, codePoints, countOccurrences, parseTargets, filledSegments,
-    readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, diagnose, FrameLog,
+    formatScore, formatMs, plural, codePoints, countOccurrences, parseTargets, clipText, formatCount,
+    filledSegments, excerptSegments, readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, diagnose,
+    prettyJson, logText, FrameLog,
   };
 })();

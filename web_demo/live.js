@@ -77,8 +77,9 @@
     return {
       tiles,
       bars,
-      brief: 'queue ' + formatCount(num(frame.queue_depth)) + ' · ' + formatRate(rps) + ' req/s · p99 ' +
-        formatMs(p99) + ' · busy ' + busyText,
+      // Each figure keeps its words on one line (no-break spaces); lines break only between figures.
+      brief: ['queue ' + formatCount(num(frame.queue_depth)), formatRate(rps) + ' req/s', 'p99 ' + formatMs(p99),
+        'busy ' + busyText].map((part) => part.replace(/ /g, '\u00a0')).join(' · '),
       last: newest ? 'Last ' + describeBatch(newest) : 'No batch has run since the view opened.',
       window: seconds === null ? '' : 'over the last ' + seconds.toFixed(seconds < 10 ? 1 : 0) + ' s',
     };

@@ -1,49 +1,9 @@
-"""Python client for the fill-mask WebSocket server (``protocol.md``), async and blocking.
+"""The Python client's old home, kept so that ``from fillmask_server.client import FillMaskClient`` and
+``python -m fillmask_server.client`` go on working; the client is the ``fillmask_client`` package
+(``clients/python``), which installs without the server's dependencies. New code imports that.
 
-    import asyncio
-    from fillmask_server.client import FillMaskClient
-
-    async def main() -> None:
-        async with FillMaskClient("ws://127.0.0.1:8765/") as client:
-            print(await client.fill_mask("Paris is the [MASK] of France.", top_k=3))
-
-    asyncio.run(main())
-
-Modules, one idea each: ``frames`` (the wire, without I/O), ``errors`` (what a failed call raises),
-``retry`` (backoff arithmetic), ``connection`` (one WebSocket and the requests in flight on it),
-``pool`` (which connection a call goes on; replacing those that go away), ``async_client`` (the calls:
-retries and resends), ``sync_client`` (the same behind a background loop), ``cli`` (the
-``fillmask-client`` command).
+Only the public names are re-exported (the same objects, so ``except fillmask_server.client.FillMaskError``
+catches what ``fillmask_client`` raises); the submodules live in ``fillmask_client`` only.
 """
 
-from .async_client import DEFAULT_URL, FillMaskClient
-from .cli import main
-from .errors import (
-    ConnectError,
-    ConnectionLostError,
-    DeadlineExceededError,
-    FillMaskError,
-    OverloadedError,
-    RequestError,
-)
-from .frames import FillMaskResult, Prediction, Predictions
-from .retry import ReconnectBackoff, RetryPolicy
-from .sync_client import SyncFillMaskClient
-
-__all__ = [
-    "DEFAULT_URL",
-    "ConnectError",
-    "ConnectionLostError",
-    "DeadlineExceededError",
-    "FillMaskClient",
-    "FillMaskError",
-    "FillMaskResult",
-    "OverloadedError",
-    "Prediction",
-    "Predictions",
-    "ReconnectBackoff",
-    "RequestError",
-    "RetryPolicy",
-    "SyncFillMaskClient",
-    "main",
-]
+from fillmask_client import *  # noqa: F403

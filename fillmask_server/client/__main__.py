@@ -1,5 +1,5 @@
-"""``python -m fillmask_server.client``: the ``fillmask-client`` command line."""
+"""``python -m fillmask_server.client``: the ``fillmask-client`` command line (``fillmask_client.cli``)."""
 
-from .cli import main
+from fillmask_client.cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Command line: ``fillmask-client "Paris is the [MASK] of France."`` (or ``python -m fillmask_server.client``).
+"""Command line: ``fillmask-client "Paris is the [MASK] of France."`` (or ``python -m fillmask_client``).
 
 Prints one table per text (one per mask when a text has several), or with ``--json`` each text's raw
 terminal frame on one line, in input order. Texts come from the arguments, from ``-`` (standard input)
@@ -9,7 +9,9 @@ text, the others still print); 2 for a usage error, including ``--top-k``, ``--t
 ``--deadline-ms`` outside the server's limits (checked once against its ``hello``, §2); 3 when the
 server cannot be reached within ``--timeout``, the connection is lost, or the server is shutting down
 (``going_away``, §10): the run stops there with one line saying how far it got, unless ``--reconnect``
-follows the server to its replacement. Runs of several texts end with a summary line on stderr.
+follows the server to its replacement (for up to ``--reconnect-timeout``, whatever ``--timeout`` is).
+Runs of several texts end with a summary line on stderr. While the command waits for a server, it says
+``waiting for the server… (Ns)`` on stderr once a second (with why, when that changes).
 """
 
 from __future__ import annotations
@@ -21,20 +23,26 @@ import os
 import ssl
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import orjson
 
-from .async_client import DEFAULT_URL, SERVER_GONE_REASONS, FillMaskClient
+from .async_client import DEFAULT_URL, FillMaskClient
+from .connection import GOING_AWAY_CODES
 from .errors import ConnectionLostError, FillMaskError, OverloadedError, RequestError
 from .frames import FillMaskResult
+from .wire import SERVER_GONE_REASONS
 
 #: Exit statuses of the command (documented in the module docstring and in ``--help``).
 EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
 #: The environment variable the server reads its ``--token`` from; the command reads it too.
 TOKEN_ENV = "FILLMASK_TOKEN"
+#: ``--reconnect-timeout``'s default: long enough for a server to drain, exit and load its model again.
+RECONNECT_TIMEOUT_S = 120.0
+#: How often the command looks whether it is waiting for a server (it says so once a second).
+WAIT_POLL_S = 0.1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,10 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="when a server shuts down (going_away) or the connection drops, reconnect (to "
                              "the same URL: a load balancer, or a restarted server) and resend what it did not "
                              "answer, instead of stopping with exit status 3")
+    parser.add_argument("--reconnect-timeout", type=float, default=RECONNECT_TIMEOUT_S, metavar="S",
+                        help="with --reconnect: seconds to wait for a server that went away to be back "
+                             "(a restart: drain, exit, load), whatever --timeout is (default: %(default)g)")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                        help="seconds to wait for a server that is starting or restarting (connection "
-                             "refused, or 503) and for its hello (default: %(default)s)")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no summary line at the end of the run")
+                        help="seconds to wait for a server that is starting (connection refused, or 503) "
+                             "at the start of the run, and for each handshake and hello (default: %(default)s)")
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="no summary line at the end of the run, and no 'waiting for the server' lines")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
                         help=f"the server's --token, sent as 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     parser.add_argument("--cafile", metavar="PATH",
@@ -141,7 +153,7 @@ def format_table(text: str, result: FillMaskResult) -> str:
 
     Columns are aligned whatever the scores look like (``0.5000`` beside ``2.03e-05``).
     """
-    lines = [text]
+    lines = [text, *target_notes(result)]
     tables = result.per_mask()
     for number, predictions in enumerate(tables, start=1):
         if len(tables) > 1:
@@ -154,6 +166,17 @@ def format_table(text: str, result: FillMaskResult) -> str:
         for rank, (prediction, token, score) in enumerate(zip(predictions, tokens, scores, strict=True), start=1):
             lines.append(f"{rank:>4}  {token:<{token_width}}  {score:>{score_width}}  {prediction.get('sequence', '')}")
     return "\n".join(lines)
+
+
+def target_notes(result: FillMaskResult) -> list[str]:
+    """One line per target that was not scored as given (§4 ``targets``): ``note: target "new york" was
+    scored as "new"`` (like the pipeline, the server scores a multi-token target's first sub-token)."""
+    return [f"note: target {_quoted(entry['given'])} was scored as {_quoted(entry['scored'])}"
+            for entry in result.targets]
+
+
+def _quoted(text: str) -> str:
+    return orjson.dumps(text).decode()
 
 
 def _score(score: float) -> str:
@@ -209,6 +232,9 @@ def stop_line(error: FillMaskError, tally: Tally, reconnect: bool) -> str:
         what = f"the server is shutting down ({error.status} {error.reason})"
         if error.reason == "engine_stopped":
             what = f"the server's model worker stopped ({error.status} {error.reason})"
+    elif isinstance(error, ConnectionLostError) and error.code in GOING_AWAY_CODES:
+        # The close that ends a drain (§10): the same news as the going_away before it.
+        what = f"the server is shutting down ({error.code} {error.reason or 'going away'})"
     else:
         what = error.message
     line = f"stopped: {what}"
@@ -217,6 +243,32 @@ def stop_line(error: FillMaskError, tally: Tally, reconnect: bool) -> str:
     if not reconnect:
         line += "; run again, or pass --reconnect to follow the server to its replacement"
     return line
+
+
+async def report_waiting(waiting: Callable[[], bool], reason: Callable[[], str | None],
+                         say: Callable[[str], None]) -> None:
+    """Say ``waiting for the server… (Ns)`` once a second for as long as ``waiting()`` holds, with
+    ``reason()`` appended whenever it differs from the one last shown. Runs until cancelled."""
+    loop = asyncio.get_running_loop()
+    began: float | None = None
+    said = 0
+    said_reason: str | None = None
+    while True:
+        await asyncio.sleep(WAIT_POLL_S)
+        if not waiting():
+            began, said = None, 0
+            continue
+        now = loop.time()
+        if began is None:
+            began = now
+        seconds = int(now - began)
+        if seconds > said:
+            said = seconds
+            why = reason()
+            line = f"waiting for the server… ({seconds}s)"
+            if why and why != said_reason:
+                line, said_reason = f"{line}: {why}", why
+            say(line)
 
 
 async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: TextIO) -> int:
@@ -228,11 +280,20 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
     targets = parse_targets(args.targets)
     context = ssl.create_default_context(cafile=args.cafile) if args.cafile else None
     client = FillMaskClient(args.url or [DEFAULT_URL], connections=args.connections, retry=args.retry,
-                            reconnect=args.reconnect, reconnect_timeout=args.timeout, open_timeout=args.timeout,
-                            token=args.token, ssl=context)
+                            reconnect=args.reconnect, reconnect_timeout=args.reconnect_timeout,
+                            open_timeout=args.timeout, token=args.token, ssl=context)
     tally = Tally(len(texts))
+    connecting = True
+
+    def last_reason() -> str | None:
+        error = client.last_connect_error
+        return error.message if error is not None else None
+
+    ticker = asyncio.create_task(report_waiting(
+        lambda: not args.quiet and (connecting or client.waiting_for_connection > 0), last_reason, say))
     try:
         await client.connect(wait=args.timeout)
+        connecting = False
         problem = limits_problem(args.top_k, targets, args.deadline_ms, client.limits)
         if problem is not None:
             say(problem)
@@ -264,6 +325,7 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
         say(str(exc))
         return EXIT_CONNECTION
     finally:
+        ticker.cancel()
         await client.aclose()
     if len(texts) > 1 and not args.quiet:
         say(tally.summary())
@@ -275,7 +337,7 @@ def _dumps(frame: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``fillmask-client`` and ``python -m fillmask_server.client``; returns the exit status."""
+    """Entry point of ``fillmask-client`` and ``python -m fillmask_client``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.concurrency is not None and args.concurrency < 1:
@@ -284,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--connections must be at least 1")
     if args.timeout <= 0:
         parser.error("--timeout must be greater than 0")
+    if args.reconnect_timeout <= 0:
+        parser.error("--reconnect-timeout must be greater than 0")
     for url in args.url or []:
         if not url.startswith(("ws://", "wss://")):
             parser.error(f"--url {url}: expected ws://HOST:PORT/ or wss://HOST:PORT/")

@@ -5,41 +5,47 @@ resolves the future of the request each terminal frame names (§8); callers only
 own future. Ids are consecutive integers per connection, so they are unique among the requests in
 flight without any bookkeeping beyond a counter (2**53 of them last centuries at a million a second).
 
-Whether to use a connection, and what to do when it goes away, is the pool's business (``pool.py``);
-this module only reports, through ``on_change``, the moments that decide it.
+A connection's life is its ``state`` (``state.py``: connecting, open, draining, closed), changed only
+through ``state.transition``. Whether to use a connection, and what to do when it goes away, is the
+pool's business (``pool.py``); this module only reports, through ``on_change``, the moments that decide it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
 import itertools
 import logging
 import re
+import socket
 import ssl as ssl_module
+import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
-from websockets.protocol import State
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus, InvalidURI
+from websockets.protocol import State as SocketState
 
 from .errors import ConnectError, ConnectionLostError, OverloadedError, RequestError
 from .frames import check_hello, decode_frame, encode_cancel, encode_fill_mask, terminal_id
+from .state import ConnState, Event, transition
+from .wire import CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN_LATER
 
-log = logging.getLogger("fillmask_server.client")
+log = logging.getLogger("fillmask_client")
 
 #: Largest server frame accepted. A result can be large (100 candidates x 8 masks x a 2000-character
 #: sequence is about 2 MB); this bound only guards against a peer that is not our server.
 MAX_INCOMING_BYTES = 2**26
 #: Close codes that mean "this server is going away, another will do" (§10): going away, service restart.
-GOING_AWAY_CODES = frozenset({1001, 1012})
+GOING_AWAY_CODES = frozenset({CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART})
 #: Close codes after which the same request may well succeed elsewhere: the server went away, the
 #: connection dropped without a close frame (a crashed replica, a proxy that lost its backend), or the
 #: server asked to try again later. Not among them: 1008/1009/1007/1002 (this client broke a rule; the
 #: same would happen again) and 1011 (a server fault the caller should see).
-RECONNECT_CODES = GOING_AWAY_CODES | {1006, 1013}
+RECONNECT_CODES = GOING_AWAY_CODES | {1006, CLOSE_TRY_AGAIN_LATER}
 
 _CLOSE_NAMES = {
     1000: "normal closure",
@@ -64,14 +70,63 @@ def redact(url: str) -> str:
     return re.sub(r"(?i)([?&]token=)[^&#]*", r"\1***", url)
 
 
+#: What a refusal means when the answer does not say (a proxy's or a load balancer's empty or HTML body).
+_STATUS_HINTS = {
+    400: "the server did not accept the WebSocket handshake",
+    401: "the server wants a token (sent as 'Authorization: Bearer TOKEN')",
+    403: "forbidden: the server, or a proxy in front of it, does not let this client in",
+    404: "no WebSocket endpoint at this path",
+    421: "the server does not answer for this host name; use a name it serves",
+    426: "the server wants another WebSocket version",
+    429: "too many connections or requests from here; try again later",
+    502: "the proxy could not reach a server behind it; try again later",
+    503: "no server ready behind this address (starting, draining or full); try again later",
+    504: "the proxy timed out waiting for a server behind it; try again later",
+}
+
+
 def _refusal(exc: InvalidStatus) -> tuple[int, str]:
-    """The HTTP status of a refused handshake and the server's one-line reason (§9: ``{"error": ...}``)."""
+    """The HTTP status of a refused handshake and a one-line reason, never empty: the server's own (§9:
+    ``{"error": ...}``), or else what the status means."""
     status = exc.response.status_code
     try:
-        reason = str(orjson.loads(exc.response.body or b"{}").get("error", ""))
-    except (ValueError, AttributeError):
+        body = orjson.loads(exc.response.body or b"{}")
+        reason = str(body.get("error") or body.get("status") or "") if isinstance(body, dict) else ""
+    except ValueError:
         reason = ""
+    if not reason:
+        try:
+            phrase = http.HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "refused"
+        reason = _STATUS_HINTS.get(status, phrase)
     return status, reason
+
+
+#: Words for socket errors that come without a message.
+_BARE_ERRORS: dict[type[OSError], str] = {ConnectionResetError: "connection reset", BrokenPipeError: "broken pipe",
+                                          ConnectionAbortedError: "connection aborted"}
+
+
+def connect_failure(exc: OSError, url: str) -> str:
+    """Why a WebSocket could not be opened, in a few words, never empty (``exc`` may have no message at
+    all: a TLS handshake that a plain server cuts short is a bare ``ConnectionResetError``)."""
+    parts = urllib.parse.urlsplit(url)
+    where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'wss' else 80)}"
+    detail = exc.strerror or str(exc) or _BARE_ERRORS.get(type(exc), type(exc).__name__)
+    if isinstance(exc, ssl_module.SSLCertVerificationError):
+        return f"the server's TLS certificate is not trusted ({exc.verify_message or detail})"
+    tls = parts.scheme == "wss"
+    if tls and isinstance(exc, (ssl_module.SSLError, ConnectionResetError, BrokenPipeError)):
+        return (f"the TLS handshake with {where} failed ({detail}); if that server speaks plain WebSocket, "
+                f"use ws:// instead of wss://")
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve the host name {parts.hostname!r} ({detail})"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"connection refused: nothing listens on {where} (is the server running, on that port?)"
+    if isinstance(exc, ConnectionResetError):
+        return f"{where} reset the connection during the handshake ({detail})"
+    return detail
 
 
 def retrieve(future: asyncio.Future[Any]) -> None:
@@ -113,47 +168,66 @@ class Connection:
 
     Invariants:
 
+    - ``state`` changes only in ``_move`` (``state.transition``). ``lost`` is set in the same step as
+      the move to ``closed`` and ``notice`` in the same step as the move to ``draining``; neither
+      changes afterwards (the first notice is the one kept).
+
     - ``pending`` holds every id sent on this socket whose terminal frame has not arrived, mapped to the
       future its caller awaits. A caller that gives up cancels its future but leaves the entry: the
       terminal frame that still comes is then recognised and dropped, and the id stays reserved while the
       server may still answer to it.
-    - Once the reader has failed the table (``lost`` is set), nothing is added to it: ``exchange`` checks
-      ``usable`` and registers with no ``await`` in between, and the reader sets ``lost`` and empties the
-      table with no ``await`` in between. So no call can wait on a connection that will never answer.
-    - The same holds for ``going_away`` and ``refused``: once either is set, no new request is sent here
-      (§10: "send nothing more here"), while the requests already sent keep waiting for the answers the
-      server still owes them. Both flags, and ``lost``, only ever go from unset to set.
-    - ``on_change`` is called after each of those moments, and when an unusable connection's last
-      request ends; never while ``pending`` is half updated.
+    - Once the reader has failed the table (``closed``), nothing is added to it: ``exchange`` checks
+      ``usable`` and registers with no ``await`` in between, and the reader moves to ``closed`` and
+      empties the table with no ``await`` in between. So no call can wait on a connection that will
+      never answer.
+    - Once ``draining``, no new request is sent here (§10: "send nothing more here"), while the requests
+      already sent keep waiting for the answers the server still owes them.
+    - ``on_change`` is called after each move, and when an unusable connection's last request ends;
+      never while ``pending`` is half updated.
     - When the server announces ``max_inflight_per_connection`` (§12), ``slots`` holds that many permits
       and a request holds one from just before it is registered until its entry leaves ``pending``
       (permits taken == ``len(pending)``). Calls beyond the limit wait here instead of being refused
       with ``too_many_inflight``; abandoned requests keep their permit, as the server still counts them.
     """
 
-    def __init__(self, ws: ClientConnection, hello: dict[str, Any], url: str,
-                 on_change: Callable[[Connection], None] | None = None) -> None:
+    def __init__(self, ws: ClientConnection, url: str, on_change: Callable[[Connection], None] | None = None) -> None:
         self.ws = ws
-        self.hello = hello
         self.url = url
-        limits = hello.get("limits")
-        self.limits: dict[str, Any] = limits if isinstance(limits, dict) else {}
+        self.state = ConnState.CONNECTING
+        #: The server's ``hello`` (§2), once ``open``.
+        self.hello: dict[str, Any] = {}
+        self.limits: dict[str, Any] = {}
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        #: How the connection ended, once ``closed``.
         self.lost: ConnectionLostError | None = None
-        #: The server's ``going_away`` frame (§10), once received: no new requests go here.
-        self.going_away: dict[str, Any] | None = None
-        #: The server answered a request here ``shutting_down`` or ``engine_stopped`` (§6): it does no
-        #: more work on this connection; kept to tell later callers exactly what it said.
-        self.refused: OverloadedError | None = None
+        #: Why it takes no more work, once ``draining``: the server's ``going_away`` (§10), as the 503
+        #: ``shutting_down`` it stands for, or its ``shutting_down``/``engine_stopped`` answer (§6); kept
+        #: to tell later callers exactly what the server said (``frame`` is that frame).
+        self.notice: OverloadedError | None = None
         self.on_change = on_change
         #: Calls that chose this connection and wait for a permit (they count in ``load``).
         self.waiting = 0
         self._closed_by_client = False
-        limit = self.limits.get("max_inflight_per_connection")
-        self.slots = asyncio.Semaphore(limit) if isinstance(limit, int) and limit > 0 else None
+        self.slots: asyncio.Semaphore | None = None
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
-        self.reader = asyncio.create_task(self._read(), name=f"fillmask-client-reader {redact(url)}")
+        self.reader: asyncio.Task[None] | None = None  # started with the move to ``open``
+
+    def _move(self, event: Event) -> bool:
+        """Apply ``event`` to ``state`` (the only place it changes); whether the state changed."""
+        before = self.state
+        self.state = transition(before, event)
+        return self.state is not before
+
+    def _greeted(self, hello: dict[str, Any]) -> None:
+        """The ``hello`` was acceptable: ``open``, with the server's limits, and its reader running."""
+        self.hello = hello
+        limits = hello.get("limits")
+        self.limits = limits if isinstance(limits, dict) else {}
+        limit = self.limits.get("max_inflight_per_connection")
+        self.slots = asyncio.Semaphore(limit) if isinstance(limit, int) and limit > 0 else None
+        if self._move(Event.HELLO):
+            self.reader = asyncio.create_task(self._read(), name=f"fillmask-client-reader {redact(self.url)}")
 
     @classmethod
     async def open(
@@ -179,30 +253,40 @@ class Connection:
                                url=shown) from exc
         except InvalidStatus as exc:
             status, reason = _refusal(exc)
-            detail = f": {reason}" if reason else ""
-            raise ConnectError(f"{shown} refused the connection (HTTP {status}){detail}", url=shown,
+            raise ConnectError(f"{shown} refused the connection (HTTP {status}): {reason}", url=shown,
                                http_status=status) from exc
         except InvalidHandshake as exc:
-            raise ConnectError(f"cannot connect to {shown}: {exc}", url=shown) from exc
+            detail = str(exc) or type(exc).__name__
+            if url.startswith("ws://") and isinstance(exc, InvalidMessage):  # e.g. a TLS server said nothing
+                detail += "; if that server speaks TLS, use wss:// instead of ws://"
+            raise ConnectError(f"cannot connect to {shown}: {detail}", url=shown) from exc
         except TimeoutError as exc:
             raise ConnectError(f"cannot connect to {shown}: timed out after {open_timeout:g} s", url=shown) from exc
         except OSError as exc:
-            raise ConnectError(f"cannot connect to {shown}: {exc.strerror or exc}", url=shown) from exc
+            raise ConnectError(f"cannot connect to {shown}: {connect_failure(exc, url)}", url=shown) from exc
+        conn = cls(ws, url, on_change)
         try:
             hello = decode_frame(await asyncio.wait_for(ws.recv(decode=False), open_timeout))
             problem = check_hello(hello)
         except (TimeoutError, ConnectionClosed, ValueError) as exc:
             problem = f"no valid hello frame ({type(exc).__name__}: {exc})"
         if problem is not None:
+            conn._move(Event.CLOSE)
             await ws.close()
             raise ConnectError(f"cannot use {shown}: {problem}", url=shown)
-        return cls(ws, hello, url, on_change)
+        conn._greeted(hello)
+        return conn
 
     @property
     def usable(self) -> bool:
-        """Open, and the server has not said it takes no more work here: new requests may be sent."""
-        return (self.lost is None and self.going_away is None and self.refused is None
-                and self.ws.state is State.OPEN)
+        """``open``, and the socket too (not already closing): new requests may be sent."""
+        return self.state is ConnState.OPEN and self.ws.state is SocketState.OPEN
+
+    @property
+    def closing(self) -> bool:
+        """The socket is closing, and the reader has not yet moved to ``closed`` (it will, within
+        websockets' close timeout): how the connection ended is not known yet."""
+        return self.state is not ConnState.CLOSED and self.ws.state is not SocketState.OPEN
 
     @property
     def load(self) -> int:
@@ -212,16 +296,12 @@ class Connection:
     @property
     def went_away(self) -> bool:
         """The server is shutting this connection down on purpose (§10); another connection may work."""
-        return self.going_away is not None or self.refused is not None or self.ws.close_code in GOING_AWAY_CODES
+        return self.notice is not None or self.ws.close_code in GOING_AWAY_CODES
 
     @property
     def reconnect_window(self) -> float | None:
         """Seconds over which the server asked its clients to spread their reconnects, if it said (§10, §6)."""
-        hint = None
-        if self.going_away is not None:
-            hint = self.going_away.get("reconnect_within_ms")
-        elif self.refused is not None:
-            hint = self.refused.retry_after_ms
+        hint = self.notice.retry_after_ms if self.notice is not None else None
         return hint / 1000.0 if isinstance(hint, (int, float)) and not isinstance(hint, bool) and hint >= 0 else None
 
     def lost_error(self) -> ConnectionLostError:
@@ -237,21 +317,21 @@ class Connection:
         return ConnectionLostError(f"connection to {url} lost ({detail})", url=url, code=code, reason=reason)
 
     def gone_error(self) -> OverloadedError | ConnectionLostError:
-        """Why this connection takes no new request: what the server said (``going_away`` as the
-        ``overloaded`` 503 ``shutting_down`` it stands for, §10), or how the connection ended."""
-        if self.refused is not None:
-            return OverloadedError(self.refused.status, self.refused.reason, self.refused.retry_after_ms,
-                                   frame=self.refused.frame)
-        if self.going_away is not None and self.lost is None:
-            hint = self.going_away.get("reconnect_within_ms")
-            return OverloadedError(503, str(self.going_away.get("reason") or "shutting_down"),
-                                   hint if isinstance(hint, (int, float)) else None, frame=self.going_away)
+        """Why this connection takes no new request, as a fresh exception: while ``draining``, what the
+        server said (``notice``); otherwise how the connection ended."""
+        notice = self.notice
+        if self.state is ConnState.DRAINING and notice is not None:
+            return OverloadedError(notice.status, notice.reason, notice.retry_after_ms, frame=notice.frame)
         return self.lost_error()
 
     def refuse(self, answer: OverloadedError) -> None:
-        """Record that the server answered ``shutting_down``/``engine_stopped`` here: no new requests."""
-        if self.refused is None:
-            self.refused = answer
+        """The server answered ``shutting_down``/``engine_stopped`` here (§6): it takes no more work."""
+        self._drain(answer)
+
+    def _drain(self, notice: OverloadedError) -> None:
+        if self._move(Event.GOING_AWAY):
+            self.notice = notice
+            log.info("%s takes no more work (%s)", redact(self.url), notice.reason)
             self._changed()
 
     async def exchange(self, build: Callable[[int], bytes]) -> dict[str, Any]:
@@ -308,7 +388,7 @@ class Connection:
         with contextlib.suppress(ConnectionClosed):
             if after is not None:
                 await after
-            if request_id in self.pending and self.lost is None:
+            if request_id in self.pending and self.state is not ConnState.CLOSED:
                 await self.ws.send(encode_cancel(request_id), text=True)
 
     def _forget(self, request_id: int) -> asyncio.Future[dict[str, Any]] | None:
@@ -339,6 +419,7 @@ class Connection:
             self._spawn(self.ws.close(1011))
         finally:
             self.lost = self.lost_error()
+            self._move(Event.CLOSE)
             for request_id in list(self.pending):
                 future = self._forget(request_id)  # the permit wakes a call waiting for one; it sees `lost`
                 if future is not None and not future.done():
@@ -354,10 +435,9 @@ class Connection:
         request_id = terminal_id(frame)
         if request_id is None:
             if frame["type"] == "going_away":
-                if self.going_away is None:
-                    log.info("%s is going away (%s)", redact(self.url), frame.get("reason"))
-                    self.going_away = frame
-                    self._changed()
+                hint = frame.get("reconnect_within_ms")
+                window = hint if isinstance(hint, (int, float)) and not isinstance(hint, bool) else None
+                self._drain(OverloadedError(503, str(frame.get("reason") or "shutting_down"), window, frame=frame))
             elif frame["type"] == "error":
                 log.warning("server error not tied to a request of ours: %s", frame)
             return
@@ -374,5 +454,6 @@ class Connection:
         """Close the WebSocket; calls still waiting fail with ``ConnectionLostError``."""
         self._closed_by_client = True
         await self.ws.close()
-        await self.reader
+        if self.reader is not None:
+            await self.reader
         await asyncio.gather(*self._tasks, return_exceptions=True)

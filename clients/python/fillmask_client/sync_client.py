@@ -12,17 +12,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ssl as ssl_module
+import inspect
 import threading
-from collections.abc import Coroutine, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
-from .async_client import DEFAULT_URL, FillMaskClient
+from .async_client import FillMaskClient
 from .errors import FillMaskError
 from .frames import FillMaskResult, Predictions
-from .retry import RetryPolicy
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+def same_options_as(source: Callable[_P, None]) -> Callable[[Callable[..., None]], Callable[_P, None]]:
+    """Give the decorated ``__init__`` the signature of ``source`` (for ``help``, ``inspect`` and type
+    checkers): it takes ``*args, **options`` and hands them to ``source``'s class unchanged, so the two
+    constructors cannot drift apart (tests/test_client.py compares them)."""
+
+    def apply(target: Callable[..., None]) -> Callable[_P, None]:
+        target.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]
+        return target
+
+    return apply
 
 
 class SyncFillMaskClient:
@@ -33,31 +45,14 @@ class SyncFillMaskClient:
     Ctrl-C while waiting cancels the request the same way before ``KeyboardInterrupt`` propagates.
     """
 
-    def __init__(
-        self,
-        url: str | Sequence[str] = DEFAULT_URL,
-        *,
-        connections: int = 1,
-        retry: RetryPolicy | bool = False,
-        reconnect: bool = False,
-        reconnect_timeout: float = 30.0,
-        open_timeout: float = 10.0,
-        token: str | None = None,
-        ssl: ssl_module.SSLContext | None = None,
-    ) -> None:
+    @same_options_as(FillMaskClient.__init__)
+    def __init__(self, *args: Any, **options: Any) -> None:
+        # The async client checks the options (before any thread starts, so a bad one leaks nothing).
+        client = FillMaskClient(*args, **options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fillmask-client", daemon=True)
         self._thread.start()
-        self._client = FillMaskClient(
-            url,
-            connections=connections,
-            retry=retry,
-            reconnect=reconnect,
-            reconnect_timeout=reconnect_timeout,
-            open_timeout=open_timeout,
-            token=token,
-            ssl=ssl,
-        )
+        self._client = client
         try:
             self._call(self._client.connect(), None)
         except BaseException:

@@ -10,9 +10,6 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: ``overloaded`` reasons that mean "this server, a little later" (§6): the request did not run.
-RETRYABLE_REASONS = frozenset({"queue_full", "queue_share"})
-
 
 @dataclass(frozen=True)
 class RetryPolicy:

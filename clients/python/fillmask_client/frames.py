@@ -14,15 +14,7 @@ from typing import Any, TypedDict
 import orjson
 
 from .errors import DeadlineExceededError, FillMaskError, OverloadedError, RequestError
-
-PROTOCOL_VERSION = 1
-#: Frame types that end a request (§8). An ``error`` with code ``duplicate_id`` is the exception: it is
-#: about the rejected frame only, and the request in flight under that id still gets its own (§7).
-#: (``too_many_inflight`` also answers the rejected frame only, but that frame was the request: it was
-#: not accepted, so for its id that error is the one and only answer.)
-TERMINAL_TYPES = frozenset({"result", "error", "overloaded", "cancelled"})
-#: The largest integer id a browser echoes exactly (§3).
-MAX_SAFE_ID = 2**53 - 1
+from .wire import PROTOCOL_VERSION, TERMINAL_TYPES
 
 
 class Prediction(TypedDict):
@@ -38,11 +30,21 @@ class Prediction(TypedDict):
 Predictions = list[Prediction] | list[list[Prediction]]
 
 
+class ScoredTarget(TypedDict):
+    """A target that is not one vocabulary token, and the token that was scored for it (§4 ``targets``):
+    like the pipeline, the server scores its first sub-token."""
+
+    given: str
+    scored: str
+
+
 @dataclass(frozen=True)
 class FillMaskResult:
     """A ``result`` frame (§4): the predictions plus the server's timings for the request.
 
     ``frame`` is the raw frame as received (what ``--json`` prints); the other fields are read from it.
+    ``targets`` lists the request's targets that were not scored as given (empty when all were, or
+    when the request had none), in request order.
     """
 
     predictions: Predictions
@@ -52,6 +54,7 @@ class FillMaskResult:
     batch_tokens: int | None
     batch_id: int | None
     frame: dict[str, Any]
+    targets: tuple[ScoredTarget, ...] = ()
 
     @property
     def mask_count(self) -> int:
@@ -120,10 +123,21 @@ def terminal_id(frame: dict[str, Any]) -> int | None:
     """
     if frame["type"] not in TERMINAL_TYPES:
         return None
+    # ``duplicate_id`` is about the rejected frame only (§7). (``too_many_inflight`` also answers the
+    # rejected frame only, but that frame was the request: not accepted, so it is its one answer.)
     if frame["type"] == "error" and frame.get("code") == "duplicate_id":
         return None
     request_id = frame.get("id")
     return request_id if type(request_id) is int else None
+
+
+def scored_targets(value: Any) -> tuple[ScoredTarget, ...]:
+    """The well-formed entries of a result's ``targets`` (§4); anything else is ignored, not fatal."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(ScoredTarget(given=entry["given"], scored=entry["scored"]) for entry in value
+                 if isinstance(entry, dict) and isinstance(entry.get("given"), str)
+                 and isinstance(entry.get("scored"), str))
 
 
 def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
@@ -138,6 +152,7 @@ def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
             batch_tokens=frame.get("batch_tokens"),
             batch_id=frame.get("batch_id"),
             frame=frame,
+            targets=scored_targets(frame.get("targets")),
         )
     if kind == "error":
         return RequestError(str(frame.get("code")), str(frame.get("message", "")), frame=frame)

@@ -34,18 +34,16 @@ from .connection import Connection, NotSentError, redact, request_frame, retriev
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError
 from .frames import FillMaskResult, Predictions, outcome
 from .pool import Pool
-from .retry import RETRYABLE_REASONS, ReconnectBackoff, RetryPolicy
+from .retry import ReconnectBackoff, RetryPolicy
+from .wire import RETRYABLE_REASONS, SERVER_GONE_REASONS
 
-log = logging.getLogger("fillmask_server.client")
+log = logging.getLogger("fillmask_client")
 
 #: Where ``python ws_server.py`` listens by default.
 DEFAULT_URL = "ws://127.0.0.1:8765/"
 #: How many times one call is sent again after a send ended without an answer. A bound, so that a
 #: request which itself brings servers down (a "poison" request) cannot take a whole fleet with it.
 MAX_RESENDS = 3
-#: 503 reasons meaning "this server will not do it" (§6): the request did not run; not retried on the
-#: same connection, but sent elsewhere (another connection of the pool, or one ``reconnect`` opens).
-SERVER_GONE_REASONS = frozenset({"shutting_down", "engine_stopped"})
 
 
 class FillMaskClient:
@@ -174,12 +172,14 @@ class FillMaskClient:
                 return
             except ConnectError as exc:
                 final = exc.http_status is not None and 400 <= exc.http_status < 500
-                pause = backoff.delay(attempt + 1)  # a server that is starting: no burst of attempts
-                if final or loop.time() + pause >= give_up:
+                remaining = give_up - loop.time()
+                if final or remaining <= 0:
                     if attempt == 0:
                         raise
                     raise ConnectError(f"{exc.message} (still, after trying for {wait:g} s)", url=exc.url,
                                        http_status=exc.http_status) from exc
+                # A server that is starting: no burst of attempts; the last one comes as ``wait`` ends.
+                pause = min(backoff.delay(attempt + 1), remaining)
                 log.debug("server not there yet (%s); trying again in %.2f s", exc, pause)
                 await asyncio.sleep(pause)
 
@@ -224,6 +224,17 @@ class FillMaskClient:
     def usable_connections(self) -> int:
         """How many connections take new calls now (at most ``connections`` per URL)."""
         return self._pool.usable
+
+    @property
+    def waiting_for_connection(self) -> int:
+        """How many calls wait for a connection to be reopened (with ``reconnect``; at most
+        ``reconnect_timeout`` seconds each)."""
+        return self._pool.waiting
+
+    @property
+    def last_connect_error(self) -> ConnectError | None:
+        """Why the latest attempt to open (or reopen) a connection failed, if none opened since."""
+        return self._pool.last_failure
 
     async def fill_mask(
         self,

@@ -30,13 +30,12 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from websockets.protocol import State
-
 from .connection import RECONNECT_CODES, Connection, redact
 from .errors import ConnectError, ConnectionLostError, OverloadedError
 from .retry import ReconnectBackoff
+from .state import ConnState
 
-log = logging.getLogger("fillmask_server.client")
+log = logging.getLogger("fillmask_client")
 
 #: ``opener(url, on_change)``: open one connection to ``url`` (``ConnectError`` on any failure).
 Opener = Callable[[str, Callable[[Connection], None]], Awaitable[Connection]]
@@ -99,7 +98,9 @@ class Pool:
         self._turn = 0
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._last_failure: ConnectError | None = None
+        self._last_failure: ConnectError | None = None  # of the latest dial, until a connection is installed
+        #: Calls in ``acquire`` waiting for a connection to be (re)opened.
+        self.waiting = 0
 
     # --- the choice ------------------------------------------------------------------------------
 
@@ -142,8 +143,8 @@ class Pool:
             conn = self.pick()
             if conn is not None:
                 return conn
-            closing = [slot.conn.reader for slot in self.slots if slot.conn is not None
-                       and slot.conn.lost is None and slot.conn.ws.state is not State.OPEN]
+            closing = [slot.conn.reader for slot in self.slots
+                       if slot.conn is not None and slot.conn.closing and slot.conn.reader is not None]
             if closing:
                 # Closing: let the readers finish (within websockets' close_timeout) so that how each
                 # connection ended is settled before deciding whether to redial or to fail.
@@ -160,8 +161,12 @@ class Pool:
             if remaining <= 0:
                 raise self._timed_out(timeout)
             changed = self._changed
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+            self.waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+            finally:
+                self.waiting -= 1
 
     def _why_none(self) -> ConnectionLostError | OverloadedError:
         """The most telling reason why no connection takes calls, as a fresh exception."""
@@ -169,7 +174,7 @@ class Pool:
             if slot.final and slot.failure is not None:
                 return _copy(slot.failure)
         for slot in self.slots:
-            if slot.conn is not None and slot.conn.lost is None:
+            if slot.conn is not None and slot.conn.state is ConnState.DRAINING:
                 return slot.conn.gone_error()  # going away: what the server said
         for slot in self.slots:
             if slot.conn is not None:
@@ -179,6 +184,11 @@ class Pool:
                 return _copy(slot.failure)
         url = redact(self.slots[0].url)
         return ConnectionLostError(f"no connection to {url}", url=url)
+
+    @property
+    def last_failure(self) -> ConnectError | None:
+        """Why the latest attempt to open a connection failed, if none has been installed since."""
+        return self._last_failure
 
     def _timed_out(self, timeout: float) -> ConnectError:
         last = self._last_failure
@@ -231,12 +241,13 @@ class Pool:
     def _install(self, slot: Slot, conn: Connection) -> None:
         """Make ``conn`` the slot's connection; the one it replaces keeps only the answers it still owes."""
         old = slot.conn
-        if old is not None and old.lost is None:
+        if old is not None and old.state is not ConnState.CLOSED:
             slot.retired.add(old)
             if not old.pending:
                 self._spawn(old.close())
         slot.conn, slot.failure, slot.final = conn, None, False
         self.hello = conn.hello
+        self._last_failure = None
         self._notify()
 
     def _failed(self, slot: Slot, error: ConnectError) -> None:
@@ -247,7 +258,7 @@ class Pool:
     def _on_change(self, slot: Slot, conn: Connection) -> None:
         """A connection went away, was refused work, was lost, or answered its last owed request."""
         if conn in slot.retired:
-            if conn.lost is not None:
+            if conn.state is ConnState.CLOSED:
                 slot.retired.discard(conn)
             elif not conn.pending:
                 self._spawn(conn.close())  # answered everything it owed: nothing more will come on it
@@ -260,11 +271,13 @@ class Pool:
         conn = slot.conn
         if conn is None:
             return self.opened  # its first dial failed (once connect() is past)
-        if conn.usable:
-            return False
-        if conn.lost is None:  # going away or refused (dial now), or merely closing (wait for how it ended)
-            return conn.going_away is not None or conn.refused is not None
-        return conn.went_away or conn.lost.code in RECONNECT_CODES
+        match conn.state:
+            case ConnState.DRAINING:  # the server takes no more work there: dial now
+                return True
+            case ConnState.CLOSED:  # worth a redial if the server went away or the loss is one that passes
+                return conn.went_away or (conn.lost is not None and conn.lost.code in RECONNECT_CODES)
+            case _:  # open (usable, or its socket closing: wait for how it ended); connecting is never installed
+                return False
 
     def _dial_where_needed(self) -> None:
         for slot in self.slots:
@@ -292,7 +305,7 @@ class Pool:
                     await conn.close()
                     return
                 if not conn.usable:  # gone again before it could be used: not installed, never counted
-                    if conn.lost is None:
+                    if conn.state is not ConnState.CLOSED:
                         self._spawn(conn.close())
                     continue
                 log.info("reconnected to %s", redact(slot.url))

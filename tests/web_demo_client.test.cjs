@@ -1,0 +1,201 @@
+// Unit tests of web_demo/client.js (the demo page's DOM-free WebSocket client), run with `node --test`
+// by tests/test_web_demo.py. A fake WebSocket and fake timers drive it; no network, no browser.
+'use strict';
+
+const assert = require('node:assert/strict');
+const fs = require('node:fs');
+const path = require('node:path');
+const test = require('node:test');
+
+const ROOT = path.resolve(__dirname, '..');
+const { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText } =
+  require(path.join(ROOT, 'web_demo', 'client.js'));
+
+function schema(name) {
+  return JSON.parse(fs.readFileSync(path.join(ROOT, 'protocol', 'schemas', name), 'utf8'));
+}
+
+class FakeSocket {
+  constructor(url) {
+    this.url = url;
+    this.readyState = 0;
+    this.sent = [];
+    this.closedWith = null;
+    FakeSocket.all.push(this);
+  }
+  send(text) { this.sent.push(JSON.parse(text)); }
+  close(code) { this.closedWith = code; }
+  // what the server does
+  open() { this.readyState = 1; this.onopen(); }
+  frame(obj) { this.onmessage({ data: JSON.stringify(obj) }); }
+  hello() { this.open(); this.frame({ type: 'hello', protocol: 1, model: 'm', mask_token: '[MASK]' }); }
+  drop(code, reason) { this.readyState = 3; this.onclose({ code: code || 1006, reason: reason || '' }); }
+}
+FakeSocket.all = [];
+
+/** A client on fake sockets and a fake clock; `events` records every callback. */
+function harness(url) {
+  FakeSocket.all = [];
+  const timers = [];
+  const clock = { t: 1000 };
+  const events = [];
+  const on = {};
+  for (const name of ['status', 'log', 'hello', 'stats', 'settle', 'strayError', 'goingAway', 'handshakeFailed',
+    'badUrl', 'notJson']) {
+    on[name] = (...args) => events.push([name, ...args]);
+  }
+  const client = new Client({
+    url: url || 'ws://x/', WebSocket: FakeSocket, on,
+    setTimeout: (f, ms) => { const t = { f, at: clock.t + ms, ms }; timers.push(t); return t; },
+    clearTimeout: (t) => { const i = timers.indexOf(t); if (i >= 0) timers.splice(i, 1); },
+    random: () => 0.5, now: () => clock.t,
+  });
+  const runTimers = () => {
+    while (timers.length) {
+      const t = timers.shift();
+      clock.t = Math.max(clock.t, t.at);
+      t.f();
+    }
+  };
+  const socket = () => FakeSocket.all[FakeSocket.all.length - 1];
+  return { client, timers, clock, events, runTimers, socket };
+}
+
+const settled = (events) => events.filter((e) => e[0] === 'settle').map((e) => [e[1].id, e[2]]);
+
+test('the reasons and codes table matches protocol/schemas', () => {
+  const overloaded = schema('overloaded.json');
+  assert.deepEqual(Object.keys(OVERLOAD_REASONS).sort(), [...overloaded.properties.reason.enum].sort());
+  // Each reason's status, as the schema's oneOf pairs them.
+  const statusOf = {};
+  for (const branch of overloaded.oneOf) {
+    const reasons = branch.properties.reason.enum || [branch.properties.reason.const];
+    for (const reason of reasons) statusOf[reason] = branch.properties.status.const;
+  }
+  for (const [reason, entry] of Object.entries(OVERLOAD_REASONS)) assert.equal(entry.status, statusOf[reason], reason);
+  assert.deepEqual(Object.keys(ERROR_CODES).sort(), [...schema('defs.json').$defs.error_code.enum].sort());
+  assert.match(overloadText('queue_share'), /share/);
+  assert.equal(overloadText('something_new'), 'The server is overloaded');
+  assert.equal(overloadText('constructor'), 'The server is overloaded');
+});
+
+test('transition: one table, final close, events that mean nothing leave the state', () => {
+  assert.equal(transition(State.CONNECTING, 'hello'), State.OPEN);
+  assert.equal(transition(State.OPEN, 'going_away'), State.DRAINING);
+  assert.equal(transition(State.CONNECTING, 'going_away'), State.DRAINING);
+  for (const s of Object.values(State)) assert.equal(transition(s, 'close'), State.CLOSED);
+  assert.equal(transition(State.OPEN, 'hello'), State.OPEN);
+  assert.equal(transition(State.DRAINING, 'hello'), State.DRAINING);
+  assert.equal(transition(State.CLOSED, 'hello'), State.CLOSED);
+  assert.equal(transition(State.CLOSED, 'going_away'), State.CLOSED);
+  assert.throws(() => transition('half-open', 'close'));
+});
+
+test('backoff doubles from 500 ms to a 15 s cap, with +-20% jitter', () => {
+  assert.deepEqual([0, 1, 2, 5, 10].map((a) => backoffMs(a, 500, 15000, () => 0.5)), [500, 1000, 2000, 15000, 15000]);
+  assert.equal(backoffMs(0, 500, 15000, () => 0), 400);
+  assert.ok(Math.abs(backoffMs(0, 500, 15000, () => 1) - 600) < 1e-9);
+});
+
+test('nothing is sent before hello; requests get growing ids and settle once', () => {
+  const { client, events, socket } = harness();
+  client.connect();
+  assert.equal(client.state, State.CONNECTING);
+  assert.equal(client.request({ text: 'a [MASK]' }), null);
+  assert.equal(client.send({ type: 'subscribe_stats' }), false);
+  socket().hello();
+  assert.equal(client.state, State.OPEN);
+  assert.ok(client.isOpen);
+  const a = client.request({ text: 'a [MASK]' });
+  const b = client.request({ text: 'b [MASK]' });
+  assert.deepEqual([a.id, b.id], [1, 2]);
+  assert.deepEqual(socket().sent, [{ type: 'fill_mask', id: 1, text: 'a [MASK]' }, { type: 'fill_mask', id: 2, text: 'b [MASK]' }]);
+  socket().frame({ type: 'result', id: 2, predictions: [] });
+  socket().frame({ type: 'result', id: 2, predictions: [] });  // a second terminal frame: ignored
+  assert.ok(client.cancel(a));
+  assert.ok(!client.cancel(a));  // asked already
+  socket().frame({ type: 'cancelled', id: 1 });
+  assert.deepEqual(settled(events), [[2, 'result'], [1, 'cancelled']]);
+  assert.equal(client.inflight.size, 0);
+  socket().frame({ type: 'error', id: null, code: 'invalid_json', message: 'x' });
+  assert.equal(events.filter((e) => e[0] === 'strayError').length, 1);
+});
+
+test('a dropped connection loses its requests, backs off, and ids are never reused', () => {
+  const { client, events, socket, timers, runTimers } = harness();
+  client.connect();
+  socket().hello();
+  client.request({ text: 'a' });
+  socket().drop(1006);
+  assert.equal(client.state, State.CLOSED);
+  assert.deepEqual(settled(events), [[1, 'lost']]);
+  assert.equal(events.find((e) => e[0] === 'settle')[3].code, 1006);
+  assert.equal(timers.length, 1);
+  assert.equal(timers[0].ms, 500);  // the first retry
+  assert.equal(client.status().retryAt, 1500);
+  runTimers();
+  assert.equal(FakeSocket.all.length, 2);
+  socket().drop(1006);  // refused before hello: the handshake failed
+  assert.equal(timers[0].ms, 1000);  // the second retry waits twice as long
+  const failed = events.filter((e) => e[0] === 'handshakeFailed');
+  assert.deepEqual(failed[failed.length - 1].slice(1), ['ws://x/', 2]);
+  runTimers();
+  socket().hello();
+  assert.equal(client.status().attempt, 2);  // reset only by a connection that lasted
+  assert.equal(client.request({ text: 'b' }).id, 2);
+});
+
+test('going_away: the old connection drains (receives only), a new one opens', () => {
+  const { client, events, socket, timers, runTimers } = harness();
+  client.connect();
+  const old = socket();
+  old.hello();
+  client.request({ text: 'owed' });
+  old.frame({ type: 'going_away', reconnect_within_ms: 2000 });
+  assert.equal(client.state, State.DRAINING);
+  assert.ok(client.status().restarting);
+  assert.equal(client.request({ text: 'not sent' }), null);
+  assert.equal(old.sent.length, 1);
+  assert.deepEqual(events.filter((e) => e[0] === 'goingAway').map((e) => e[2]), [1]);
+  assert.equal(timers[0].ms, 1000);  // random() * reconnect_within_ms
+  runTimers();
+  const fresh = socket();
+  assert.notEqual(fresh, old);
+  assert.equal(client.state, State.CONNECTING);
+  old.frame({ type: 'result', id: 1, predictions: [] });  // the answer still owed arrives on the old one
+  assert.deepEqual(settled(events), [[1, 'result']]);
+  old.frame({ type: 'stats', queue_depth: 1 });  // not the current connection: not shown
+  assert.equal(events.filter((e) => e[0] === 'stats').length, 0);
+  old.drop(1001);
+  assert.equal(timers.length, 0);  // a drained connection closing schedules nothing
+  fresh.hello();
+  assert.equal(client.state, State.OPEN);
+  assert.ok(!client.status().restarting);
+  assert.equal(client.request({ text: 'again' }).id, 2);
+});
+
+test('connect() to a new address closes the old connection and starts afresh', () => {
+  const { client, events, socket } = harness();
+  client.connect();
+  const old = socket();
+  old.hello();
+  client.request({ text: 'a' });
+  client.connect('ws://y/');
+  assert.equal(old.closedWith, 1000);
+  assert.deepEqual(settled(events), [[1, 'lost']]);
+  old.drop(1000);  // its close event comes later: nothing more happens
+  old.frame({ type: 'result', id: 1, predictions: [] });
+  assert.deepEqual(settled(events), [[1, 'lost']]);
+  assert.equal(socket().url, 'ws://y/');
+  assert.deepEqual(client.status(), { state: State.CONNECTING, url: 'ws://y/', attempt: 0, retryAt: 0,
+    restarting: false, everConnected: false, lastClose: null });
+});
+
+test('a URL the WebSocket constructor refuses is reported, and nothing is scheduled', () => {
+  const { client, events, timers } = harness();
+  client.WebSocket = function () { throw new SyntaxError('bad'); };
+  client.connect('nonsense');
+  assert.deepEqual(events.filter((e) => e[0] === 'badUrl').map((e) => e[1]), ['nonsense']);
+  assert.equal(timers.length, 0);
+  assert.equal(client.state, State.CLOSED);
+});
