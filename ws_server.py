@@ -4,7 +4,8 @@ The whole life of the server, in order:
 1. read the configuration (flags over environment over defaults; ``--help`` lists them);
 2. check what needs no torch (the port is free, ``--model`` names a model), then load the model once,
    saying on stderr what it loads and each stage that takes a second or more; or exit 1 with one line
-   saying why;
+   saying why; calibrate the engine to this machine (``calibration.py``: torch threads, the cost model,
+   a reduced dtype's speed), with one log line, and a warning when a reduced dtype is slower;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
 4. on SIGINT/SIGTERM, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with ``/readyz`` at 503)
    and exit 0; a second signal stops at once (exit 130).
@@ -18,8 +19,9 @@ import os
 import signal
 import sys
 
+from fillmask_server.calibration import calibrate
 from fillmask_server.config import Config, load_config
-from fillmask_server.model import ModelLoadError, load_model
+from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen
 from fillmask_server.startup import StartupLines
 
@@ -28,8 +30,16 @@ async def serve_until_signalled(config: Config) -> None:
     check_can_listen(config.host, config.port)
     lines = StartupLines()
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
+    if config.calibration_s > 0:
+        lines("calibration of threads and the cost model")
+    calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model,
+                            resolve_device(config.device), config.forward)
     lines.done()
-    server = FillMaskServer(config, model)
+    if config.calibration_s > 0:
+        logging.getLogger("fillmask_server").info("%s", calibration.line())
+    if calibration.warning:
+        print(calibration.warning, file=sys.stderr, flush=True)
+    server = FillMaskServer(config, model, calibration)
     await server.start()
     received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()

@@ -7,7 +7,9 @@ Modules, each one idea:
 - ``jobs``: an accepted request's states, the one table of legal moves, and its typed outcomes.
 - ``model``: loading, tokenizing, and the batched forward pass (top-k tensors).
 - ``intake``: the tokenizer stage's checks; ``decode``: top-k into the pipeline's predictions (JSON).
-- ``engine``: the stages' threads (tokenizer, model, decode) and the queues between them.
+- ``core``: the engine's decisions, thread-free (admission, job containers, ledgers, the cost model).
+- ``engine``: the stages' threads (tokenizer, model, decode) around the core, and the hand-over.
+- ``calibration``: what the engine measures at start-up (torch threads, cost model, a dtype's speed).
 - ``connection``: one socket's ordered, byte-counted outbox.
 - ``server``: the thin websockets shell (wiring, watchdog, drain).
 - ``http``: the HTTP routes and the decision on each WebSocket handshake.

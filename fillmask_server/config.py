@@ -29,7 +29,9 @@ class Config:
     max_queue: int = 1024
     max_wait_ms: float = 0.0
     anticipate_ms: float = 0.0
-    max_length_ratio: float = 1.15
+    max_length_ratio: float = 0.0
+    max_batch_ms: float = 0.0
+    max_missed_batches: int = 2
     max_text_chars: int = 2000
     max_masks: int = 8
     max_top_k: int = 100
@@ -40,6 +42,7 @@ class Config:
     device: str = "auto"
     dtype: str = "float32"
     torch_threads: int = 0
+    calibration_s: float = 2.0
     forward: str = "traced"
     shutdown_timeout: float = 30.0
     drain_delay: float = 0.0
@@ -66,8 +69,16 @@ _HELP: dict[str, str] = {
     "anticipate_ms": "after sending answers, wait at most this long (and at most 30%% of the last batch's time) for "
                      "the requests those clients are likely to send back, before starting a batch that is not full; "
                      "an idle server never waits; 0 = off",
-    "max_length_ratio": "in one batch, the longest text at most this many times the shortest (in tokens): less "
-                        "padding, which pays on CPUs; raise it (e.g. 100) to favour big batches on a GPU",
+    "max_length_ratio": "a fixed band: in one batch, the longest text at most this many times the shortest (in "
+                        "tokens); 0 = automatic: the measured cost model picks the band that wastes least (padding "
+                        "against per-batch overhead), up to 3x. Either way a request that has missed "
+                        "--max-missed-batches widens it",
+    "max_batch_ms": "most predicted time of one batch (forward pass and decoding, from the measured cost model), so "
+                    "that a light request never waits behind one long batch; 0 = automatic: 20 times the measured "
+                    "per-batch overhead (at most 5%% of throughput lost to overhead); also at most half the time "
+                    "left to the tightest deadline waiting",
+    "max_missed_batches": "tail bound: a request the cost model has left out of this many batches (for its length, "
+                          "its output or the time bound) is in the next one",
     "max_text_chars": "longest text accepted, in characters",
     "max_masks": "most mask tokens in one text",
     "max_top_k": "largest top_k a request may ask for",
@@ -80,7 +91,11 @@ _HELP: dict[str, str] = {
     "device": "auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps",
     "dtype": "float32 (exact, default), bfloat16 or float16 (faster where the hardware has them), int8 (dynamic "
              "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",
-    "torch_threads": "torch intra-op threads; 0 = torch's default (one per core)",
+    "torch_threads": "torch intra-op threads; 0 = measured at start-up (a few forward passes at each candidate "
+                     "count), or torch's default (one per core) when --calibration-s is 0",
+    "calibration_s": "time budget for the start-up calibration: the torch thread count, the cost model's first "
+                     "coefficients, and for --dtype bfloat16/float16/int8 its speed against float32 (a warning "
+                     "when slower); 0 = skip it (the cost model then starts from CPU defaults and learns online)",
     "forward": "traced: run encoder, head and softmax as one TorchScript graph, which holds the GIL once per "
                "batch instead of once per operator, so other threads' Python work cannot stall the model (checked "
                "bit for bit against eager at start-up, which it falls back to); eager: plain PyTorch modules",
@@ -131,10 +146,10 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 # --help lists the options in these groups, in this order (every Config field is in exactly one).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("model", ("model", "device", "dtype", "torch_threads", "forward")),
+    ("model", ("model", "device", "dtype", "torch_threads", "forward", "calibration_s")),
     ("listening", ("host", "port", "certfile", "keyfile")),
-    ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_wait_ms", "anticipate_ms",
-                            "max_queue")),
+    ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_batch_ms",
+                            "max_missed_batches", "max_wait_ms", "anticipate_ms", "max_queue")),
     ("request limits", ("max_text_chars", "max_masks", "max_top_k", "max_targets", "max_frame_bytes",
                         "max_result_bytes")),
     ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
@@ -144,7 +159,8 @@ _GROUPS: list[tuple[str, tuple[str, ...]]] = [
 ]
 _METAVAR: dict[str, str] = {
     "model": "ID_OR_DIR", "device": "DEVICE", "host": "HOST", "certfile": "PATH", "keyfile": "PATH",
-    "max_wait_ms": "MS", "anticipate_ms": "MS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS",
+    "max_wait_ms": "MS", "anticipate_ms": "MS", "max_batch_ms": "MS",
+    "calibration_s": "SECONDS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS",
     "shutdown_timeout": "SECONDS", "drain_delay": "SECONDS",
     "allowed_origins": "ORIGINS", "allowed_hosts": "HOSTS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES",
     "max_frame_bytes": "BYTES", "max_result_bytes": "BYTES", "max_answer_bytes": "BYTES",
@@ -219,8 +235,8 @@ def validate(config: Config) -> str | None:
     for name in positive:
         if getattr(config, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
-    if config.max_length_ratio < 1:
-        return "--max-length-ratio must be at least 1"
+    if config.max_length_ratio != 0 and config.max_length_ratio < 1:
+        return "--max-length-ratio must be 0 (automatic) or at least 1"
     if config.max_wait_ms < 0:
         return "--max-wait-ms must not be negative"
     if config.anticipate_ms < 0:
@@ -229,6 +245,12 @@ def validate(config: Config) -> str | None:
         return "--shutdown-timeout must not be negative"
     if config.drain_delay < 0:
         return "--drain-delay must not be negative"
+    if config.max_batch_ms < 0:
+        return "--max-batch-ms must not be negative"
+    if config.max_missed_batches < 0:
+        return "--max-missed-batches must not be negative"
+    if config.calibration_s < 0:
+        return "--calibration-s must not be negative"
     if config.torch_threads < 0:
         return "--torch-threads must not be negative"
     if not 0 <= config.port <= 65535:

@@ -6,30 +6,31 @@
   call (the fast tokenizer releases the GIL) and makes the §3 checks that need tokens; a request that
   fails one is answered (``Rejected``), the others join the model's queue. The queue therefore holds
   only requests that can run.
-- **Model thread** (``fillmask-model``): asks the batching policy for the next batch and runs the
-  forward pass (``FillMaskModel.forward``): tensors in, top-k tensors out. Nothing else: no
-  tokenizing, no strings, no JSON. Faults are isolated here: a batch the model fails on is retried in
-  halves while the failure is out of memory and item by item otherwise, so only requests that fail
-  alone get ``internal_error``.
+- **Model thread** (``fillmask-model``): asks the core for the next batch and runs the forward pass
+  (``FillMaskModel.forward``): tensors in, top-k tensors out. Nothing else: no tokenizing, no strings,
+  no JSON. Faults are isolated here: a batch the model fails on is retried in halves while the failure
+  is out of memory and item by item otherwise, so only requests that fail alone get ``internal_error``.
 - **Decode stage** (``fillmask-decode``): turns top-k tensors into the pipeline's predictions and
-  serializes them (``decode.py``), while the model thread already runs the next batch.
+  serializes them (``decode.py``), cheapest first across the batches handed over, while the model
+  thread already runs the next batch (at most ``DECODE_BACKLOG`` batches ahead).
 
-The event loop only calls the cheap methods ``submit``, ``withdraw``, ``withdraw_all``, ``release``
-and the counters; finished work reaches it as typed ``Outcome``\\ s through ``deliver``, called on a
-stage thread under the engine's lock (the server makes it thread-safe and non-blocking with
-``call_soon_threadsafe``).
+Every decision (admission, fair share, answer memory, prices, the cost model, the batch choice, which
+job is where) is the thread-free ``core.EngineCore``'s; this module keeps only the three loops, the
+out-of-memory split and the hand-over of outcomes. The event loop only calls the cheap methods
+``submit``, ``withdraw``, ``withdraw_all``, ``release`` and the counters; finished work reaches it as
+typed ``Outcome``\\ s through ``deliver``, called on a stage thread under the engine's lock (the server
+makes it thread-safe and non-blocking with ``call_soon_threadsafe``).
 
-Invariants: every job state change is ``jobs.advance`` under ``self._lock``, guarded by ``jobs.can``
-where another thread may have moved the job first; whoever moves a job to DONE creates its outcome,
-so each accepted request gets exactly one (protocol.md §8). If a stage thread ends abnormally, ``_die``
-marks the engine not ``alive`` (``/readyz`` answers 503, ``submit`` refuses) and answers every request
-it held: those not yet on the model ``Stopped`` (503 ``engine_stopped``), the others ``Failed``.
+Invariants: every call into the core is made under ``self._lock``, and the outcomes it returns are
+handed over before that lock is released (``_hand_over_locked``), so once ``busy()`` is False every
+outcome has been delivered. If a stage thread ends abnormally, ``_die`` marks the engine not ``alive``
+(``/readyz`` answers 503, ``submit`` refuses) and answers every request it held (``EngineCore.stop_all``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
+import heapq
 import itertools
 import logging
 import threading
@@ -39,10 +40,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from . import intake
-from .batching import BatchPolicy, Room
+from .batching import BatchPolicy
+from .core import ENGINE_STOPPED_RETRY_MS, INTAKE_BATCH, SERVER_FAILED, Admission, AnswerMemory, CostModel, EngineCore
 from .decode import SequenceDecoder, predictions_json
-from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, Result, State, Stopped, advance, can
+from .jobs import Failed, Job, Outcome, Result, Stopped
 from .model import FillMaskModel, Item, TopK
+
+__all__ = ["ENGINE_STOPPED_RETRY_MS", "Admission", "AnswerMemory", "Engine", "EngineStats"]
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +54,9 @@ Deliver = Callable[[list[Outcome]], None]
 # (batch id, batch size, padded tokens, each request's queue wait in s, the batch's time on the model in s)
 BatchObserver = Callable[[int, int, int, list[float], float], None]
 
-WAITING = (State.TOKENIZING, State.QUEUED)  # a request in these states counts against the queue
-ENGINE_STOPPED_RETRY_MS = 1000
 HAND_OVER_S = 0.002  # the decode stage hands results over at least this often while it works on a batch
 ROOM_RECHECK_S = 0.02  # how often the model thread looks again when every queued request waits for answer room
-INTAKE_BATCH = 256  # most requests the tokenizer stage takes in one call
 DECODE_BACKLOG = 2  # the model thread runs at most this many batches ahead of the decode stage
-_SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
-_MODEL_FAILED = "the model failed on this request, also when run alone; other requests are unaffected"
 
 
 @dataclass
@@ -72,28 +71,6 @@ class EngineStats:
     busy_s: float = 0.0
 
 
-class Admission(enum.Enum):
-    """What ``submit`` made of a request (protocol.md §3 order of the checks, §6)."""
-
-    ACCEPTED = "accepted"
-    QUEUE_FULL = "queue_full"  # max_queue requests wait for the model
-    QUEUE_SHARE = "queue_share"  # the queue is under pressure and this connection holds its share of it
-    STOPPED = "engine_stopped"
-
-
-@dataclass(frozen=True)
-class AnswerMemory:
-    """The answer budgets (protocol.md §12): bytes of answers per connection and in all, counting the
-    answers the shell holds unsent (``unsent``, ``unsent_total``, read from the model thread: each a
-    single integer the event loop writes) and those the engine computes (reserved when a request
-    starts, for its ``result_bytes``, until ``release``)."""
-
-    per_connection: int = 1 << 62
-    total: int = 1 << 62
-    unsent: Callable[[object], int] = lambda owner: 0
-    unsent_total: Callable[[], int] = lambda: 0
-
-
 @dataclass
 class _Forwarded:
     """One batch between the model thread and the decode stage."""
@@ -106,18 +83,17 @@ class _Forwarded:
 
 
 class Engine:
-    """The three stages and the queues between them (see the module docstring)."""
+    """The three stage threads around one ``EngineCore`` (see the module docstring)."""
 
     def __init__(self, model: FillMaskModel, policy: BatchPolicy, max_queue: int, max_masks: int,
                  deliver: Deliver, clock: Callable[[], float] = time.monotonic,
                  on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
-                 memory: AnswerMemory | None = None) -> None:
+                 memory: AnswerMemory | None = None, cost: CostModel | None = None) -> None:
         self.model = model
+        self.core = EngineCore(policy, max_queue, memory, cost)
         self.policy = policy
-        self.max_queue = max_queue
         self.max_masks = max_masks
         self.max_result_bytes = max_result_bytes
-        self.memory = memory or AnswerMemory()
         self.stats = EngineStats()
         self.decoder = SequenceDecoder(model.decode_tokenizer)
         self._deliver = deliver
@@ -127,23 +103,11 @@ class Engine:
         self._intake_wake = threading.Condition(self._lock)
         self._model_wake = threading.Condition(self._lock)
         self._decode_wake = threading.Condition(self._lock)
-        self._tokenizing: deque[Job] = deque()  # accepted, not yet taken by the tokenizer stage
-        self._intake: list[Job] = []  # taken by the tokenizer stage, being tokenized
-        self._queue: deque[Job] = deque()  # runnable, waiting for a batch
-        self._running: list[Job] = []  # the batch on the model
-        self._decoding: deque[_Forwarded] = deque()
-        self._decoding_jobs = 0
+        self._decoding: deque[_Forwarded] = deque()  # the hand-over from the model thread to the decode stage
+        self._undecoded = 0  # batches handed over whose jobs are not all decoded yet (DECODE_BACKLOG)
         self._batch_ids = itertools.count(1)
         self._paused = False
         self._stopping = False
-        self._seconds_per_row = 0.01  # moving estimate, for retry_after_ms
-        self._waiting_by: dict[object, int] = {}  # owner -> its requests tokenizing or queued
-        self._reserved: dict[object, int] = {}  # owner -> answer bytes reserved by its started requests
-        self._reserved_total = 0
-        # Moving estimates of the engine's prices: seconds per padded token of a forward pass, seconds per
-        # byte of predictions decoded. Their ratio turns a request's output into token-equivalents.
-        self._token_s = 2e-5
-        self._byte_s = 2e-8
         self._threads = [threading.Thread(target=self._guarded, args=(body,), name=name, daemon=True)
                          for name, body in (("fillmask-intake", self._intake_loop),
                                             ("fillmask-model", self._model_loop),
@@ -160,92 +124,68 @@ class Engine:
             thread.start()
 
     def submit(self, job: Job) -> Admission:
-        """Accept ``job`` for the tokenizer stage, or say why not (nothing is kept then).
-
-        A fair share of the queue: while more than half of ``max_queue`` waits, a connection may hold
-        at most ``max_queue`` divided by (the connections waiting, itself included, plus one): the share
-        of one more connection always stays free, so connections that send as fast as they can never
-        fill the queue that a newcomer needs, even one that had the queue to itself.
-        """
+        """Accept ``job`` for the tokenizer stage, or say why not (``EngineCore.submit``)."""
         with self._lock:
             if not self.alive:
                 return Admission.STOPPED
-            waiting = self._waiting_locked()
-            if waiting >= self.max_queue:
-                return Admission.QUEUE_FULL
-            mine = self._waiting_by.get(job.owner, 0)
-            if waiting * 2 >= self.max_queue:
-                owners = len(self._waiting_by) + (0 if mine else 1)
-                if mine >= max(1, self.max_queue // (owners + 1)):
-                    return Admission.QUEUE_SHARE
-            self._waiting_by[job.owner] = mine + 1
-            self._tokenizing.append(job)
-            self._intake_wake.notify()
-        return Admission.ACCEPTED
+            admission = self.core.submit(job)
+            if admission is Admission.ACCEPTED:
+                self._intake_wake.notify()
+        return admission
 
     def release(self, jobs: list[Job]) -> None:
         """The answers of ``jobs`` have left the engine (queued for their socket, or dropped): give back
         the answer memory they reserved when they started."""
         with self._lock:
-            freed = 0
-            for job in jobs:
-                if job.reserved:
-                    left = self._reserved.get(job.owner, 0) - job.reserved
-                    if left > 0:
-                        self._reserved[job.owner] = left
-                    else:
-                        self._reserved.pop(job.owner, None)
-                    freed += job.reserved
-                    job.reserved = 0
-            self._reserved_total -= freed
-            if freed:
+            if self.core.release(jobs):
                 self._model_wake.notify()
 
     def forget(self, owner: object) -> None:
         """``owner``'s connection closed: the batching policy drops what it remembers of it."""
         with self._lock:
-            self.policy.forget(owner)
+            self.core.forget(owner)
 
     def withdraw(self, job: Job) -> bool:
         """Take ``job`` out if the model does not have it yet; True when this call did it (the caller
         answers it: cancelled, 504, ...)."""
         with self._lock:
-            return self._withdraw_locked(job)
+            return self.core.withdraw(job)
 
     def withdraw_all(self, reason: str, retry_after_ms: int) -> list[Stopped]:
         """Withdraw every job not yet on the model (the drain ran out of time): their ``Stopped`` answers."""
         with self._lock:
-            jobs = [job for job in (*self._tokenizing, *self._intake, *self._queue) if self._withdraw_locked(job)]
+            jobs = self.core.withdraw_waiting()
         return [Stopped(job, reason, retry_after_ms) for job in jobs]
 
     def queued(self) -> int:
         """Requests waiting for the model: being tokenized or in its queue."""
         with self._lock:
-            return self._waiting_locked()
+            return self.core.waiting()
 
     def runnable(self) -> int:
         """Requests tokenized and checked, in the model's queue."""
         with self._lock:
-            return len(self._queue)
+            return self.core.runnable()
 
     def started(self) -> int:
         """Requests on the model or being decoded."""
         with self._lock:
-            return len(self._running) + self._decoding_jobs
+            return self.core.started()
 
     def busy(self) -> bool:
         """True while any accepted request has no outcome yet."""
         with self._lock:
-            return bool(self._waiting_locked() or self._running or self._decoding_jobs)
+            return self.core.busy()
 
     def retry_after_ms(self) -> int:
         """Estimate of how long the current queue takes to clear, for 503/504 answers."""
         with self._lock:
-            return self._retry_after_ms_locked()
+            return self.core.retry_after_ms()
 
-    def _retry_after_ms_locked(self) -> int:
-        waiting = self._waiting_locked() + len(self._running)
-        return int(min(30_000, max(10, waiting * self._seconds_per_row * 1000)))
+    @property
+    def _reserved_total(self) -> int:
+        """Answer bytes reserved by started requests (read by tests, without the lock: one integer)."""
+        return self.core.reserved_total()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -271,41 +211,11 @@ class Engine:
                 thread.join(timeout)
         self.alive = False
 
-    def _move(self, job: Job, event: Event) -> None:
-        """``jobs.advance``, keeping each connection's count of waiting requests (the queue's fair share)."""
-        was_waiting = job.state in WAITING
-        advance(job, event)
-        if was_waiting and job.state not in WAITING:
-            left = self._waiting_by.get(job.owner, 0) - 1
-            if left > 0:
-                self._waiting_by[job.owner] = left
-            else:
-                self._waiting_by.pop(job.owner, None)
-
-    def _room_locked(self) -> Room:
-        """The answer memory left, for the owners with queued requests."""
-        memory = self.memory
-        owners = {job.owner for job in self._queue}
-        used = {owner: self._reserved.get(owner, 0) + memory.unsent(owner) for owner in owners}
-        return Room(memory.per_connection, memory.total, used, self._reserved_total + memory.unsent_total())
-
     def _hand_over_locked(self, outcomes: list[Outcome]) -> None:
         """Give outcomes to ``deliver`` before the lock that made them final is released, so that once
         ``busy()`` is False every outcome has been handed over (``deliver`` must not block)."""
         if outcomes:
             self._deliver(outcomes)
-
-    def _waiting_locked(self) -> int:
-        return len(self._tokenizing) + len(self._intake) + len(self._queue)
-
-    def _withdraw_locked(self, job: Job) -> bool:
-        if not can(job, Event.WITHDRAWN):
-            return False
-        waiting_in = self._tokenizing if job.state is State.TOKENIZING else self._queue
-        self._move(job, Event.WITHDRAWN)
-        with contextlib.suppress(ValueError):  # a job the tokenizer stage holds is in neither deque
-            waiting_in.remove(job)
-        return True
 
     # --- the stage threads --------------------------------------------------------------------------
 
@@ -318,21 +228,21 @@ class Engine:
     def _intake_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and not self._tokenizing:
+                while not self._stopping and not self.core.has_intake():
                     self._intake_wake.wait()
                 if self._stopping:
                     return
-                count = min(len(self._tokenizing), INTAKE_BATCH)
-                self._intake = [self._tokenizing.popleft() for _ in range(count)]
-                fresh = list(self._intake)
+                fresh = self.core.take_intake(INTAKE_BATCH)
+            verdicts: list[intake.Checked | intake.Refusal | None] = [None] * len(fresh)
             try:
-                self._check_all(fresh)
+                verdicts = self._check_all(fresh)
             finally:
                 with self._lock:
-                    self._intake = []
+                    self._hand_over_locked(self.core.checked(list(zip(fresh, verdicts, strict=True))))
+                    self._model_wake.notify()
 
-    def _check_all(self, fresh: list[Job]) -> None:
-        """Tokenize and check ``fresh``; queue the runnable ones, answer the others."""
+    def _check_all(self, fresh: list[Job]) -> list[intake.Checked | intake.Refusal | None]:
+        """Tokenize and check ``fresh``: each one's verdict, None where its checks failed."""
         token_ids = intake.tokenize_all(self.model, [job.request.text for job in fresh])
         verdicts: list[intake.Checked | intake.Refusal | None] = []
         for job, ids in zip(fresh, token_ids, strict=True):
@@ -341,60 +251,26 @@ class Engine:
             except Exception:  # a fault in one request's checks fails that request only
                 log.exception("checking a new request failed; answering it internal_error")
                 verdicts.append(None)
-        answers: list[Outcome] = []
-        with self._lock:
-            for job, verdict in zip(fresh, verdicts, strict=True):
-                if job.state is not State.TOKENIZING:
-                    continue  # withdrawn while it was being tokenized
-                if isinstance(verdict, intake.Checked):
-                    job.input_ids, job.masks, job.target_ids = verdict.input_ids, verdict.masks, verdict.target_ids
-                    job.target_notes = verdict.target_notes
-                    job.n_tokens = len(verdict.input_ids)
-                    job.result_bytes = verdict.result_bytes
-                    job.cost = job.n_tokens + verdict.result_bytes * (self._byte_s / self._token_s)
-                    self._move(job, Event.CHECKED)
-                    self._queue.append(job)
-                elif isinstance(verdict, intake.Refusal):
-                    self._move(job, Event.REJECTED)
-                    answers.append(Rejected(job, verdict.code, verdict.message))
-                else:
-                    self._move(job, Event.FAILED)
-                    answers.append(Failed(job, _SERVER_FAILED))
-            self.policy.arrived(len(fresh) - len(answers))
-            self._hand_over_locked(answers)
-            self._model_wake.notify()
+        return verdicts
 
     def _model_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and (self._paused or not self._queue
-                                              or len(self._decoding) >= DECODE_BACKLOG):
+                while not self._stopping and (self._paused or not self.core.runnable()
+                                              or self._undecoded >= DECODE_BACKLOG):
                     self._model_wake.wait()
                 if self._stopping:
                     return
                 now = self._clock()
-                wait = self.policy.wait_s(self._queue, now)
-                if wait > 0:
-                    self._model_wake.wait(wait)
+                scheduled = self.core.schedule(now)
+                if scheduled.wait_s > 0:
+                    self._model_wake.wait(scheduled.wait_s)
                     continue
-                decision = self.policy.take(self._queue, now, self._room_locked())
-                for job in decision.expired:
-                    self._move(job, Event.EXPIRED)
-                for job in decision.batch:
-                    self._move(job, Event.BATCHED)
-                    job.started = now
-                    job.reserved = job.result_bytes
-                    self._reserved[job.owner] = self._reserved.get(job.owner, 0) + job.reserved
-                    self._reserved_total += job.reserved
-                self._running = decision.batch
-                if decision.expired:
-                    retry = self._retry_after_ms_locked()
-                    self.stats.expired += len(decision.expired)
-                    self._hand_over_locked([Expired(job, (now - job.arrival) * 1000, retry)
-                                            for job in decision.expired])
-            if decision.batch:
-                self._run_batch(decision.batch, decision.padded_tokens, now)
-            elif not decision.expired:
+                self.stats.expired += len(scheduled.outcomes)
+                self._hand_over_locked(scheduled.outcomes)
+            if scheduled.batch:
+                self._run_batch(scheduled.batch, scheduled.padded_tokens, now)
+            elif not scheduled.outcomes:
                 with self._lock:  # every queued request waits for answer room: look again soon
                     self._model_wake.wait(ROOM_RECHECK_S)
 
@@ -402,27 +278,15 @@ class Engine:
         """One forward pass (split on failure); hand what succeeded to the decode stage."""
         items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
         groups, failed_items = self._forward_all(items, list(range(len(items))))
-        elapsed = self._clock() - started
-        failed: list[Outcome] = []
+        finished = self._clock()
+        elapsed = finished - started
+        forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
-            for i in failed_items:
-                if can(batch[i], Event.FAILED):
-                    self._move(batch[i], Event.FAILED)
-                    failed.append(Failed(batch[i], _MODEL_FAILED))
-            for indices, _ in groups:
-                for i in indices:
-                    if can(batch[i], Event.FORWARDED):
-                        self._move(batch[i], Event.FORWARDED)
-                        self._decoding_jobs += 1
+            failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
+                                                  passes=len(groups) + len(failed_items))
             batch_id = next(self._batch_ids)
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
-            self._running = []
-            self.policy.batch_ran(elapsed)
-            # Its answers leave as soon as they are decoded: count their clients as coming back from now,
-            # before the next batch is chosen (at hand-over time it would already be running).
-            self.policy.answered(len(batch), self._clock())
-            self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (elapsed / len(batch))
-            self._token_s = 0.9 * self._token_s + 0.1 * (elapsed / max(1, padded_tokens))
+            self._undecoded += 1
             self._hand_over_locked(failed)
             self._decode_wake.notify()
         stats = self.stats
@@ -471,54 +335,66 @@ class Engine:
         return groups, failed
 
     def _decode_loop(self) -> None:
+        """Decode the jobs of every batch handed over, cheapest first across batches, in chunks of about
+        ``HAND_OVER_S`` of work: a light request never waits for a heavy neighbour's strings, whether
+        they share its batch or came in the batch before. The heap is this thread's alone."""
+        heap: list[tuple[int, int, Job, int, TopK, _Forwarded]] = []
+        left: dict[int, int] = {}  # batch id -> its jobs still in the heap
+        order = itertools.count()
         while True:
             with self._lock:
-                while not self._stopping and not self._decoding:
+                while not self._stopping and not self._decoding and not heap:
                     self._decode_wake.wait()
                 if self._stopping:
                     return
-                work = self._decoding[0]
-            self._decode(work)
-            with self._lock:
-                self._decoding.popleft()
-                self._model_wake.notify()
+                self._take_handed_over_locked(heap, left, order)
+            self._decode_chunk(heap, left)
 
-    def _decode(self, work: _Forwarded) -> None:
-        """Each job's predictions as JSON, cheapest first, handed over in chunks of about ``HAND_OVER_S``
-        of work: a light request that shares a batch with heavy ones does not wait for their strings.
-        A job whose decoding fails gets ``Failed``; the others go on."""
-        jobs = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
-        jobs.sort(key=lambda entry: entry[0].result_bytes)
-        size = len(work.jobs)
+    def _take_handed_over_locked(self, heap: list[tuple[int, int, Job, int, TopK, _Forwarded]], left: dict[int, int],
+                                 order: Iterator[int]) -> None:
+        """Move the batches the model thread handed over into the decode stage's heap."""
+        done = 0
+        while self._decoding:
+            work = self._decoding.popleft()
+            entries = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
+            for job, n, topk in entries:
+                heapq.heappush(heap, (job.result_bytes, next(order), job, n, topk, work))
+            if entries:
+                left[work.batch_id] = len(entries)
+            else:
+                done += 1  # every job of it failed on the model
+        if done:
+            self._undecoded -= done
+            self._model_wake.notify()
+
+    def _decode_chunk(self, heap: list[tuple[int, int, Job, int, TopK, _Forwarded]], left: dict[int, int]) -> None:
+        """Predictions as JSON for the cheapest jobs of ``heap``, about ``HAND_OVER_S`` of work, handed
+        over together. A job whose decoding fails gets ``Failed``; the others go on."""
         chunk: list[Outcome] = []
-        started = chunk_started = time.perf_counter()
+        started = time.perf_counter()
         decoded_bytes = 0
-        for job, n, topk in jobs:
+        finished = 0
+        while heap and (not chunk or time.perf_counter() - started < HAND_OVER_S):
+            _, _, job, n, topk, work = heapq.heappop(heap)
             try:
                 item = Item(job.input_ids, job.request.top_k, job.target_ids)
                 data = predictions_json(self.decoder, item, topk, n)
                 decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
-                chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, size,
+                chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, len(work.jobs),
                                     work.padded_tokens, work.batch_id))
             except Exception:
                 log.exception("decoding a result failed; answering it internal_error")
-                chunk.append(Failed(job, _SERVER_FAILED))
-            if time.perf_counter() - chunk_started >= HAND_OVER_S:
-                self._finish_decoded(chunk)
-                chunk, chunk_started = [], time.perf_counter()
-        self._finish_decoded(chunk)
-        if decoded_bytes:
-            self._byte_s = 0.9 * self._byte_s + 0.1 * ((time.perf_counter() - started) / decoded_bytes)
-
-    def _finish_decoded(self, outcomes: list[Outcome]) -> None:
-        if not outcomes:
-            return
+                chunk.append(Failed(job, SERVER_FAILED))
+            left[work.batch_id] -= 1
+            if not left[work.batch_id]:
+                del left[work.batch_id]
+                finished += 1
+        seconds = time.perf_counter() - started
         with self._lock:
-            for outcome in outcomes:
-                if can(outcome.job, Event.DECODED):
-                    self._move(outcome.job, Event.DECODED if isinstance(outcome, Result) else Event.FAILED)
-                    self._decoding_jobs -= 1
-            self._hand_over_locked(outcomes)
+            self._hand_over_locked(self.core.decoded(chunk, decoded_bytes, seconds))
+            if finished:
+                self._undecoded -= finished
+                self._model_wake.notify()
 
     def _die(self, exc: BaseException) -> None:
         """A stage thread is ending abnormally: refuse new work, stop the other stages, answer everything held."""
@@ -529,17 +405,9 @@ class Engine:
             self._stopping = True
             for wake in (self._intake_wake, self._model_wake, self._decode_wake):
                 wake.notify_all()
-            waiting = [job for job in (*self._tokenizing, *self._intake, *self._queue)
-                       if self._withdraw_locked(job)]
-            started = [job for job in (*self._running, *(j for w in self._decoding for j in w.jobs))
-                       if can(job, Event.FAILED)]
-            for job in started:
-                self._move(job, Event.FAILED)
-            self._running = []
             self._decoding.clear()
-            self._decoding_jobs = 0
-            outcomes: list[Outcome] = [Failed(job, _SERVER_FAILED) for job in started]
-            outcomes += [Stopped(job, "engine_stopped", ENGINE_STOPPED_RETRY_MS) for job in waiting]
+            self._undecoded = 0
+            outcomes = self.core.stop_all()
             try:
                 self._hand_over_locked(outcomes)
             except Exception:

@@ -73,8 +73,8 @@ class Job:
     """One accepted request on its way through the stages. ``owner`` is its connection, opaque here.
 
     Written by the tokenizer stage before the job is QUEUED (``input_ids``, ``n_tokens``, ``masks``,
-    ``target_ids``, ``result_bytes``, ``cost``); read-only afterwards, but for ``reserved`` (the engine,
-    under its lock). ``state`` is written by ``advance`` only.
+    ``target_ids``, ``result_bytes``, ``cost``); read-only afterwards, but for ``reserved`` and ``missed``
+    (the engine core, under the engine's lock). ``state`` is written by ``advance`` only.
     """
 
     request: FillMaskRequest
@@ -91,6 +91,7 @@ class Job:
     result_bytes: int = 0  # an upper bound on its predictions' and target notes' JSON (intake.check)
     reserved: int = 0  # answer memory reserved for it while its answer is being computed (engine)
     started: float = 0.0  # when its batch started on the model
+    missed: int = 0  # batches the cost model left it out of while it was queued (batching.py's tail bound)
 
 
 def can(job: Job, event: Event) -> bool:

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .batching import Coefficients
+
 OUTCOMES = ("result", "error", "overloaded", "cancelled", "dropped")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -68,6 +70,35 @@ class _LiveCollector:
         ]
 
 
+class _CostModelCollector:
+    """``fillmask_torch_threads`` and ``fillmask_cost_model_seconds{term}``: the start-up calibration's
+    thread count and the engine's fitted cost model (batching.Coefficients), as they are now."""
+
+    def __init__(self, torch_threads: int, coefficients: Callable[[], Coefficients] | None) -> None:
+        self._threads = torch_threads
+        self._coefficients = coefficients
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._coefficients)
+
+    def _families(self, coefficients: Callable[[], Coefficients] | None) -> list[Metric]:
+        threads = GaugeMetricFamily("fillmask_torch_threads", "Torch intra-op threads (--torch-threads, or "
+                                    "measured by the start-up calibration).",
+                                    value=self._threads if coefficients else None)
+        terms = GaugeMetricFamily("fillmask_cost_model_seconds", "The engine's fitted cost model: seconds per "
+                                  "batch (overhead), per padded token, per row and per byte of answer bound.",
+                                  labels=["term"])
+        if coefficients is not None:
+            c = coefficients()
+            for term, value in (("overhead", c.overhead_s), ("padded_token", c.token_s), ("row", c.row_s),
+                                ("output_byte", c.byte_s)):
+                terms.add_metric([term], value)
+        return [threads, terms]
+
+
 class Metrics:
     """The metrics of one server; ``render`` gives the ``/metrics`` body and its content type."""
 
@@ -102,6 +133,10 @@ class Metrics:
         self.slow_clients_closed = Counter("fillmask_slow_clients_closed", "Connections closed with 1008 because "
                                            "their client did not read for --send-timeout.", registry=registry)
         registry.register(_LiveCollector(live))
+
+    def engine_calibration(self, torch_threads: int, coefficients: Callable[[], Coefficients]) -> None:
+        """Export the torch thread count and the cost model's current coefficients (read at scrape time)."""
+        self.registry.register(_CostModelCollector(torch_threads, coefficients))
 
     def answered(self, outcome: str, code: str) -> None:
         """Count one answer handed to a client's socket, labelled by what it was (never by parsing it)."""

@@ -35,8 +35,10 @@ from fillmask_client.wire import CLOSE_GOING_AWAY
 from . import __version__, allocator
 from .access import OriginPolicy, tls_context
 from .batching import BatchPolicy
+from .calibration import Calibration, uncalibrated
 from .config import Config
 from .connection import Connection, UnsentBytes
+from .core import CostModel
 from .engine import AnswerMemory, Engine
 from .http import FrontState, HttpFront
 from .jobs import Outcome, Result
@@ -73,9 +75,10 @@ class Readiness:
 class FillMaskServer:
     """Wires the protocol, the engine and websockets together. Create, ``await start()``, ``await drain()``."""
 
-    def __init__(self, config: Config, model: FillMaskModel) -> None:
+    def __init__(self, config: Config, model: FillMaskModel, calibration: Calibration | None = None) -> None:
         self.config = config
         self.model = model
+        self.calibration = calibration or uncalibrated(config.torch_threads)
         self.limits = Limits(
             mask_token=model.mask_token,
             max_text_chars=config.max_text_chars,
@@ -90,7 +93,9 @@ class FillMaskServer:
         self._tls: ssl.SSLContext | None = (
             tls_context(config.certfile, config.keyfile) if config.certfile else None)
         policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000,
-                             config.max_length_ratio, anticipate_s=config.anticipate_ms / 1000)
+                             config.max_length_ratio, anticipate_s=config.anticipate_ms / 1000,
+                             max_batch_s=config.max_batch_ms / 1000, max_missed=config.max_missed_batches)
+        cost = CostModel(self.calibration.coefficients)
         self.metrics = Metrics(LiveValues(
             queue_depth=lambda: self.engine.queued(),
             open_connections=lambda: len(self.connections),
@@ -104,7 +109,9 @@ class FillMaskServer:
                               unsent=lambda session: session.peer.pending_bytes,
                               unsent_total=lambda: self.unsent.total)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
-                             on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory)
+                             on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
+                             cost=cost)
+        self.metrics.engine_calibration(self.calibration.torch_threads, lambda: cost.coefficients)
         self._hello = encode_hello(SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": config.max_batch_size,
             "max_batch_tokens": config.max_batch_tokens,
@@ -113,7 +120,7 @@ class FillMaskServer:
             "max_frame_bytes": config.max_frame_bytes,
             "max_result_bytes": config.max_result_bytes,
             "max_inflight_per_connection": config.max_inflight_per_connection,
-        }, model.engine_facts())
+        }, {**model.engine_facts(), **self.calibration.hello()})
         self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
         self.http = HttpFront(config, self.origins, self._tls is not None, self.metrics, FrontState(
             accepting=lambda: self.ready.loaded and not self.ready.draining,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
-from fillmask_server.batching import BatchPolicy, Room
+from fillmask_server.batching import BatchPolicy, Coefficients, Room
 
 
 @dataclass(eq=False)
@@ -19,6 +20,7 @@ class FakeJob:
     owner: str = "conn"
     output: float = 0.0  # token-equivalents of output on top of its tokens
     result_bytes: int = 100
+    missed: int = 0
 
     @property
     def cost(self) -> float:
@@ -33,8 +35,8 @@ def names(jobs: list[FakeJob] | deque[FakeJob]) -> list[str]:
     return [job.name for job in jobs]
 
 
-def policy(size: int = 32, tokens: int = 10_000, wait: float = 0.0) -> BatchPolicy:
-    return BatchPolicy(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=wait)
+def policy(size: int = 32, tokens: int = 10_000, wait: float = 0.0, **more: Any) -> BatchPolicy:
+    return BatchPolicy(max_batch_size=size, max_batch_tokens=tokens, max_wait_s=wait, **more)
 
 
 def test_takes_in_arrival_order_up_to_max_batch_size() -> None:
@@ -59,15 +61,16 @@ def test_one_request_over_the_budget_still_runs_alone() -> None:
     assert names(decision.batch) == ["big"]
 
 
-def test_a_batch_keeps_its_lengths_within_a_band() -> None:
+def test_a_batch_keeps_its_lengths_within_the_users_band() -> None:
     lengths = {"a": 20, "long": 200, "short": 8, "b": 25, "c": 30, "d": 14, "e": 31}
     q = queue(*(FakeJob(name, n_tokens=n) for name, n in lengths.items()))
-    decision = policy().take(q, now=0)
+    p = policy(growth=1.5)  # --max-length-ratio 1.5
+    decision = p.take(q, now=0)
     # led by the oldest (a, 20 tokens); the others join while longest <= 1.5 x shortest
     assert names(decision.batch) == ["a", "b", "c"]
     assert decision.padded_tokens == 3 * 30
     assert names(q) == ["long", "short", "d", "e"]
-    assert names(policy().take(q, now=0).batch) == ["long"]
+    assert names(p.take(q, now=0).batch) == ["long"]
 
 
 def test_similar_lengths_need_less_padding_than_arrival_order() -> None:
@@ -277,3 +280,111 @@ def test_a_connection_with_nothing_waiting_may_start_one_request_of_any_size() -
     assert names(policy().take(q, now=0, room=room).batch) == []  # the total is full: nothing starts
     room = Room(per_owner=1000, total=100_000)
     assert names(policy().take(q, now=0, room=room).batch) == ["huge"]  # alone, over its own budget
+
+
+# --- the cost model's choice, the time bound and the tail bound (issue 17) ---------------------------------
+
+CPU = Coefficients(overhead_s=0.001, token_s=2e-5, row_s=1e-4, byte_s=2e-8)  # padding is dear, a batch cheap
+GPU = Coefficients(overhead_s=0.010, token_s=1e-7, row_s=1e-5, byte_s=2e-8)  # a batch is dear, padding cheap
+
+
+def test_equal_requests_all_ride_in_one_batch_the_most_requests_per_second() -> None:
+    q = queue(*(FakeJob(str(i), n_tokens=12) for i in range(40)))
+    decision = policy(size=64, cost=CPU).take(q, now=0)
+    assert len(decision.batch) == 40 and not q
+
+
+def test_on_a_cpu_short_texts_are_not_padded_to_a_long_ones_length() -> None:
+    jobs = [FakeJob(f"s{i}", arrival=i, n_tokens=10, owner=f"c{i}") for i in range(16)]
+    jobs.insert(1, FakeJob("long", arrival=0.5, n_tokens=28, owner="long"))
+    q = queue(*jobs)
+    p = policy(size=64, cost=CPU)
+    first = p.take(q, now=0)
+    assert "long" not in names(first.batch) and len(first.batch) == 16
+    assert first.padded_tokens == 16 * 10
+    assert names(p.take(q, now=0).batch) == ["long"]
+
+
+def test_where_a_batch_is_dear_and_padding_cheap_the_lengths_mix() -> None:
+    jobs = [FakeJob(f"s{i}", arrival=i, n_tokens=10, owner=f"c{i}") for i in range(16)]
+    jobs.insert(1, FakeJob("long", arrival=0.5, n_tokens=28, owner="long"))
+    decision = policy(size=64, cost=GPU).take(queue(*jobs), now=0)
+    assert len(decision.batch) == 17 and decision.padded_tokens == 17 * 28
+
+
+def test_a_user_set_length_ratio_is_a_fixed_band_the_cost_model_does_not_narrow() -> None:
+    jobs = [FakeJob(f"s{i}", arrival=i, n_tokens=10, owner=f"c{i}") for i in range(16)]
+    jobs.insert(1, FakeJob("long", arrival=0.5, n_tokens=28, owner="long"))
+    decision = policy(size=64, cost=CPU, growth=3.0).take(queue(*jobs), now=0)
+    assert len(decision.batch) == 17
+
+
+def test_a_batchs_predicted_time_stays_within_the_overhead_over_the_slack() -> None:
+    """Heavy output (4 ms of decoding each): batches of them are cut at 20 x the 1 ms overhead."""
+    heavy = Coefficients(overhead_s=0.001, token_s=2e-5, row_s=1e-4, byte_s=4e-8)
+    q = queue(*(FakeJob(f"h{i}", n_tokens=12, result_bytes=100_000) for i in range(64)))
+    p = policy(size=64, cost=heavy)
+    assert p.time_limit(q, now=0) == pytest.approx(0.020)
+    sizes = []
+    while q:
+        decision = p.take(q, now=0)
+        assert decision.predicted_s <= 0.020 or len(decision.batch) == 1
+        sizes.append(len(decision.batch))
+    assert max(sizes) == 4 and sum(sizes) == 64  # 1 ms + 4 x (0.34 ms + 4 ms) <= 20 ms < 5 of them
+    unbounded = policy(size=64, cost=heavy, max_batch_s=10.0)
+    assert len(unbounded.take(queue(*(FakeJob(str(i), result_bytes=100_000) for i in range(64))), 0).batch) == 64
+
+
+def test_a_stated_limit_and_a_tight_deadline_bound_the_batch_and_one_request_always_runs() -> None:
+    q = queue(*(FakeJob(str(i), n_tokens=10) for i in range(32)))  # 0.302 ms each over a 1 ms overhead
+    assert len(policy(size=64, cost=CPU, max_batch_s=0.0041).take(q, now=0).batch) == 10
+    q.append(FakeJob("urgent", deadline=1.004, n_tokens=10))  # 4 ms left: batches of at most 2 ms
+    decision = policy(size=64, cost=CPU).take(q, now=1.0)
+    assert len(decision.batch) == 3 and decision.predicted_s <= 0.002
+    alone = queue(FakeJob("big", n_tokens=500, result_bytes=10**7))
+    assert names(policy(cost=CPU, max_batch_s=0.001).take(alone, now=0).batch) == ["big"]
+
+
+def test_a_light_request_waits_for_one_bounded_batch_behind_a_heavy_backlog() -> None:
+    """Issue 17's scenario as the policy sees it: a connection keeps 64 heavy-output requests queued;
+    a light request arriving at any moment rides in the next batch, and the batch it waits for is
+    bounded by the time limit."""
+    heavy = Coefficients(overhead_s=0.001, token_s=2e-5, row_s=1e-4, byte_s=4e-8)
+    p = policy(size=64, cost=heavy)
+    q = queue(*(FakeJob(f"h{i}", arrival=i, n_tokens=12, result_bytes=100_000, owner="heavy") for i in range(64)))
+    for n in range(10):
+        running = p.take(q, now=n)
+        assert running.predicted_s <= p.time_limit(q, now=n)
+        q.append(FakeJob(f"light{n}", arrival=100 + n, n_tokens=12, owner="light"))
+        q.extend(FakeJob(f"h{n}-{i}", arrival=100 + n, n_tokens=12, result_bytes=100_000, owner="heavy")
+                 for i in range(len(running.batch)))
+        assert f"light{n}" in names(p.take(q, now=n).batch)
+
+
+def batches_until_served(p: BatchPolicy, limit: int = 50) -> int:
+    """A long text among a stream of short ones from newcomers (four a batch): how many batches until
+    the long one runs. Its connection was served once before, so a newcomer always ranks first."""
+    q = queue(FakeJob("first", arrival=0, n_tokens=28, owner="long"))
+    p.take(q, now=0)
+    q.append(FakeJob("long", arrival=1, n_tokens=28, owner="long"))
+    for batch in range(1, limit + 1):
+        q.extend(FakeJob(f"s{batch}-{i}", arrival=1 + batch, n_tokens=10, owner=f"new{batch}-{i}") for i in range(4))
+        if "long" in names(p.take(q, now=0).batch):
+            return batch
+    return limit + 1
+
+
+def test_tail_bound_no_request_misses_more_than_the_stated_number_of_batches() -> None:
+    """The cost model keeps leaving the long text out (padding four short rows to its length costs more
+    than its own batch) while newcomers keep arriving, until it has missed ``max_missed`` batches."""
+    assert batches_until_served(policy(size=8, cost=CPU, max_missed=10**6)) > 50  # without the bound: never
+    for max_missed in (0, 2, 5):
+        assert batches_until_served(policy(size=8, cost=CPU, max_missed=max_missed)) == max_missed + 1
+
+
+def test_a_request_that_waits_for_its_fair_share_does_not_count_as_missed() -> None:
+    """Only the cost model's choices count: a backlog served by fair sharing keeps its order."""
+    q = queue(*(FakeJob(f"b{i}", arrival=i, owner="backlog") for i in range(40)))
+    p = policy(size=4, cost=CPU)
+    p.take(q, now=0)
+    assert all(job.missed == 0 for job in q)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -155,3 +156,106 @@ def test_a_busy_queue_keeps_a_newcomers_share_free(engine: Engine, collector: Co
         assert engine.submit(job("polite", owner="polite")) is Admission.ACCEPTED
         assert engine.submit(job("third", owner="third")) is Admission.ACCEPTED
     assert len(collector.wait_for(7)) == 7
+
+
+# --- start-up calibration and honest speed modes (issue 17 items 4 and 5) ---------------------------------
+
+
+async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(tiny_model_dir: Path) -> None:
+    """The real server process measures at load: its torch threads and cost model appear in
+    ``hello.engine``, on /metrics and in the log; a reduced dtype that measures slower than float32
+    gets one warning line with the ratio (the test makes bfloat16 look slow through the test hook,
+    on top of the real measurement, so that the outcome does not depend on this CPU)."""
+    import asyncio
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    from fillmask_server.calibration import SLOWDOWN_ENV
+    from tests.wire import session
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", SLOWDOWN_ENV: "1000"}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--dtype", "bfloat16",
+        "--calibration-s", "1", cwd=root, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
+        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+        async with session(url) as (_, hello):
+            engine = hello["engine"]
+        calibration = engine["calibration"]
+        assert engine["torch_threads"] >= 1 and calibration["threads_from"] in ("calibration", "default")
+        if calibration["threads_from"] == "calibration":  # more than one CPU: each candidate was timed
+            assert engine["torch_threads"] in [entry["threads"] for entry in calibration["threads_ms"]]
+        cost = calibration["cost_model"]
+        assert cost["overhead_ms"] + cost["per_token_us"] + cost["per_row_us"] > 0
+        assert 0 < calibration["dtype_speed_vs_float32"] < 1
+        metrics_url = url.replace("ws://", "http://").rstrip("/") + "/metrics"
+        with await asyncio.to_thread(urllib.request.urlopen, metrics_url, timeout=5) as response:
+            metrics = response.read().decode()
+        assert f"fillmask_torch_threads {float(engine['torch_threads'])}" in metrics
+        assert re.search(r'fillmask_cost_model_seconds\{term="overhead"\} [0-9.e-]+', metrics)
+    finally:
+        process.send_signal(subprocess.signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    lines = stderr.decode().splitlines()
+    assert any("calibrated in" in text and f"torch threads {engine['torch_threads']}" in text for text in lines)
+    warnings = [text for text in lines if text.startswith("warning: --dtype bfloat16 runs at")]
+    assert len(warnings) == 1, lines
+    said = float(re.search(r"runs at ([0-9.]+)x the speed of float32", warnings[0]).group(1))  # type: ignore[union-attr]
+    assert said == pytest.approx(calibration["dtype_speed_vs_float32"], abs=0.006)
+
+
+def test_a_thread_count_the_user_sets_wins_and_zero_budget_skips_calibration(model: FillMaskModel) -> None:
+    import torch
+
+    from fillmask_server.calibration import calibrate
+
+    before = torch.get_num_threads()
+    try:
+        chosen = calibrate(model, 0.5, torch_threads=1)
+        assert chosen.torch_threads == 1 and chosen.threads_from == "flag" and not chosen.threads_ms
+        seen: list[int] = []  # torch applies the count to threads that start after it (the model thread)
+        reader = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        reader.start()
+        reader.join()
+        assert seen == [1] and chosen.coefficients is not None
+        skipped = calibrate(model, 0.0)
+        assert skipped.coefficients is None and skipped.hello()["calibration"]["seconds"] == 0
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_decode_stage_serves_a_light_result_before_an_earlier_batchs_heavy_ones(
+        model: FillMaskModel, collector: Collector) -> None:
+    """Issue 17: a light request in the batch after a heavy one is decoded and handed over first (the
+    decode stage takes its jobs cheapest first across the batches handed over, not batch by batch)."""
+    import itertools
+
+    from fillmask_server.engine import _Forwarded
+    from fillmask_server.model import Item
+
+    engine = Engine(model, BatchPolicy(1, 4096), max_queue=10, max_masks=8, deliver=collector)  # not started
+    core = engine.core
+    heavy = [job(f"heavy{i}", "[MASK] and [MASK] " * 4, top_k=100) for i in range(3)]
+    light = job("light", top_k=1)
+    for j in (*heavy, light):
+        core.submit(j)
+    core.checked([(j, engine._check_all([j])[0]) for j in core.take_intake()])
+    batches = []
+    scheduled = [core.schedule(0.0).batch[0] for _ in range(4)]  # one job a batch, in arrival order
+    for batch_id, batch in ((1, scheduled[:3]), (2, scheduled[3:])):  # the heavy ones as one batch, then light
+        topk = [model.forward([Item(j.input_ids, j.request.top_k, j.target_ids)]) for j in batch]
+        core.update_from_output(batch, 1, list(range(len(batch))), [], 0.01, 0.01)
+        batches.append(_Forwarded(batch, [([i], t) for i, t in enumerate(topk)], batch_id, 1, 1.0))
+    assert [j.request.id for j in batches[1].jobs] == ["light"]
+    engine._decoding.extend(batches)  # the heavy batch first, as the model thread ran them
+    heap: list[Any] = []
+    left: dict[int, int] = {}
+    engine._take_handed_over_locked(heap, left, itertools.count())
+    while heap:
+        engine._decode_chunk(heap, left)
+    assert collector.outcomes[0].job.request.id == "light"
+    assert {o.job.request.id for o in collector.outcomes} == {"light", "heavy0", "heavy1", "heavy2"}

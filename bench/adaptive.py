@@ -1,0 +1,162 @@
+"""Issue 17's side-by-side figures: the cost-model batching against hand-set flags, and the forward
+pass in the server against the same batches in-process.
+
+    .venv/bin/python bench/adaptive.py --sizes tiny --corpora short,mixed --duration 8
+
+For each size and corpus, one real server per flag set (defaults first, then a sweep of hand-set
+flags), interleaved over ``--repeats``, 32 closed-loop clients x 4 in flight; it prints req/s,
+p50/p99, rows per batch and each configuration's ratio to the best of the sweep. Then, for the
+default server's batches (their shapes, rows x padded width, from the results' ``batch_size`` and
+``batch_tokens``), it times the same shapes in a child process with the same torch thread count
+(``model.forward`` alone, nothing else running) and prints the server's per-batch forward time
+(``inference_ms``) against it. Figures on a shared machine are noisy: compare the ratios of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import loadgen  # noqa: E402
+from bench.corpus import make_corpus, make_short_corpus  # noqa: E402
+from bench.server_proc import ServerProcess  # noqa: E402
+
+SWEEP = {
+    "defaults": [],
+    "--max-length-ratio 1.15": ["--max-length-ratio", "1.15"],
+    "--max-length-ratio 3": ["--max-length-ratio", "3"],
+    "--max-batch-size 32": ["--max-batch-size", "32"],
+    "--anticipate-ms 30": ["--anticipate-ms", "30"],
+    "--torch-threads 1": ["--torch-threads", "1"],
+}
+
+INPROCESS = r"""
+import json, sys, time
+import torch
+from fillmask_server.model import load_model
+from fillmask_server.calibration import batch_items
+model_dir, threads, shapes = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+torch.set_num_threads(threads)
+model = load_model(model_dir, threads=threads)
+out = {}
+for rows, width in shapes:
+    items = batch_items(model, rows, width)
+    for _ in range(3):
+        model.forward(items)
+    times = []
+    for _ in range(7):
+        t = time.perf_counter(); model.forward(items); times.append((time.perf_counter() - t) * 1000)
+    out[f"{rows}x{width}"] = sorted(times)[len(times) // 2]
+print(json.dumps(out))
+"""
+
+
+async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: float, duration: float,
+                  keep_batches: bool) -> dict[str, Any]:
+    with ServerProcess(model_dir, args) as server:
+        await loadgen.settle(server.url)
+        recorder_box: list[Any] = []
+        original = loadgen.Recorder
+
+        class Keeping(original):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                super().__init__()
+                recorder_box.append(self)
+
+        loadgen.Recorder = Keeping  # type: ignore[misc]
+        try:
+            summary = await loadgen.closed_loop(server.url, texts, 32, 4, warmup, duration)
+        finally:
+            loadgen.Recorder = original  # type: ignore[misc]
+        hello_threads = await _hello_threads(server.url)
+    summary["torch_threads"] = hello_threads
+    if keep_batches and recorder_box:
+        recorder = recorder_box[0]
+        per_batch: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for size, tokens, inference in zip(recorder.batch_size, recorder.batch_tokens, recorder.inference_ms,
+                                           strict=False):
+            if size and tokens:
+                per_batch[(size, tokens // size)].append(inference)
+        summary["shapes"] = {f"{r}x{w}": statistics.median(v) for (r, w), v in per_batch.items() if len(v) >= 3 * r}
+    return summary
+
+
+async def _hello_threads(url: str) -> int:
+    from websockets.asyncio.client import connect
+
+    async with connect(url) as ws:
+        hello = json.loads(await ws.recv())
+    return int(hello.get("engine", {}).get("torch_threads", 0))
+
+
+def in_process(model_dir: Path, threads: int, shapes: list[tuple[int, int]]) -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", INPROCESS, str(model_dir), str(threads), json.dumps(shapes)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    for size in args.sizes.split(","):
+        model_dir = ROOT / "models" / size
+        for corpus in args.corpora.split(","):
+            texts = make_short_corpus() if corpus == "short" else make_corpus()
+            names = [name for name in SWEEP if name in args.configs.split(",")] if args.configs else list(SWEEP)
+            runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for repeat in range(args.repeats):
+                for name in names:
+                    runs[name].append(await measure(model_dir, SWEEP[name], texts, args.warmup, args.duration,
+                                                    keep_batches=name == "defaults" and repeat == 0))
+            print(f"\n## {size}, {corpus} corpus, 32 clients x 4 in flight, {args.repeats} repeat(s), median")
+            print("| flags | req/s | p50 ms | p99 ms | p99/p50 | rows/batch | threads |")
+            print("|---|---|---|---|---|---|---|")
+            rows = {}
+            for name in names:
+                rps = statistics.median(r["throughput_rps"] for r in runs[name])
+                p50 = statistics.median(r["latency_ms"]["p50"] for r in runs[name])
+                p99 = statistics.median(r["latency_ms"]["p99"] for r in runs[name])
+                batch = statistics.median(r["batch"]["mean_rows_per_batch"] for r in runs[name])
+                rows[name] = (rps, p50, p99)
+                print(f"| {name} | {rps:.1f} | {p50:.1f} | {p99:.1f} | {p99 / p50:.2f} | {batch:.1f} | "
+                      f"{runs[name][0]['torch_threads']} |")
+            best_rps = max(v[0] for v in rows.values())
+            best_p99 = min(v[2] for v in rows.values())
+            d = rows.get("defaults")
+            if d:
+                print(f"defaults: throughput {d[0] / best_rps:.2f}x the sweep's best, p99 {d[2] / best_p99:.2f}x "
+                      "the sweep's best (lower is better)")
+            shapes = runs["defaults"][0].get("shapes") if "defaults" in runs else None
+            if shapes:
+                top = sorted(shapes, key=lambda k: -int(k.split("x")[0]))[:6]
+                threads = runs["defaults"][0]["torch_threads"] or 2
+                alone = in_process(model_dir, threads, [tuple(map(int, k.split("x"))) for k in top])  # type: ignore[misc]
+                print(f"\nforward pass per batch, server (inference_ms, median) vs in-process ({threads} threads):")
+                print("| rows x width | server ms | in-process ms | ratio |")
+                print("|---|---|---|---|")
+                for key in top:
+                    print(f"| {key} | {shapes[key]:.2f} | {alone[key]:.2f} | {shapes[key] / alone[key]:.2f} |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="tiny")
+    parser.add_argument("--corpora", default="short,mixed")
+    parser.add_argument("--configs", default="", help="comma-separated names of SWEEP (default: all)")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--duration", type=float, default=8.0)
+    return asyncio.run(main_async(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

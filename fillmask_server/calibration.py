@@ -1,0 +1,234 @@
+"""Start-up calibration: what the engine measures about this machine before it serves.
+
+Three measurements, each a few forward passes of the loaded model on synthetic batches (the model's
+own tokens around its mask token), all within ``--calibration-s``:
+
+1. **Torch threads** (only when ``--torch-threads`` is 0: a flag the user sets wins): one batch timed
+   at each candidate count (1, half the CPUs this process may use, all of them); the fastest wins,
+   the smaller count on a tie within ``THREAD_TIE``. The count is set for the whole process.
+2. **The cost model's first coefficients**: batches of a few shapes (rows x width), the fit of
+   ``overhead + token·padded + row·rows`` (``core.fit``), and the decode price per byte of answer
+   bound from decoding their top-k; the engine's ``CostModel`` starts from it and goes on fitting
+   online.
+3. **Reduced precision** (``--dtype bfloat16``, ``float16`` or ``int8`` only): the same batch on a
+   float32 copy of the model; when the chosen dtype is slower, ``Calibration.warning`` is one line
+   saying so with the measured ratio (a CPU without native bf16 emulates it).
+
+It all runs on a thread of its own that ends when it is done, like the model's loading: the OpenMP
+worker pool each thread's first parallel operator creates goes with that thread (see
+``model.load_model``). Test hook: ``FILLMASK_TEST_DTYPE_SLOWDOWN=F`` multiplies the reduced dtype's
+measured time by ``F`` (the measurement still runs), so a test can see the warning on any CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import intake
+from .batching import Coefficients
+from .core import fit
+from .decode import SequenceDecoder, predictions_json
+from .model import FillMaskModel, Item
+
+log = logging.getLogger(__name__)
+
+THREAD_TIE = 0.05  # a larger thread count must be this much faster to win
+THREAD_SHAPE = (16, 16)  # rows x tokens of the batch the thread counts are timed on
+FIT_SHAPES = ((1, 8), (4, 16), (16, 16), (8, 40), (32, 24))  # cheapest first
+TOP_K = 5
+SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
+
+
+@dataclass
+class Calibration:
+    """What the start-up calibration found; ``hello()`` is its part of ``hello.engine``."""
+
+    torch_threads: int
+    threads_from: str  # "flag", "calibration" or "default"
+    threads_ms: dict[int, float] = field(default_factory=dict)  # per candidate: ms for THREAD_SHAPE
+    coefficients: Coefficients | None = None
+    samples: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded tokens, seconds)
+    dtype: str = "float32"
+    dtype_speed: float | None = None  # float32's time ÷ the chosen dtype's (below 1: slower than float32)
+    seconds: float = 0.0
+
+    @property
+    def warning(self) -> str | None:
+        """One line when the chosen reduced precision runs slower than float32 here."""
+        if self.dtype_speed is None or self.dtype_speed >= 1:
+            return None
+        return (f"warning: --dtype {self.dtype} runs at {self.dtype_speed:.2f}x the speed of float32 on this "
+                f"machine (measured at start-up); this hardware has no fast {self.dtype} path, so "
+                "--dtype float32 is faster and exact")
+
+    def hello(self) -> dict[str, Any]:
+        """``torch_threads`` and ``calibration`` for ``hello.engine`` (protocol.md §2)."""
+        calibration: dict[str, Any] = {"threads_from": self.threads_from, "seconds": round(self.seconds, 3)}
+        if self.threads_ms:
+            calibration["threads_ms"] = [{"threads": n, "ms": round(ms, 3)}
+                                         for n, ms in sorted(self.threads_ms.items())]
+        if self.coefficients is not None:
+            c = self.coefficients
+            calibration["cost_model"] = {"overhead_ms": round(c.overhead_s * 1e3, 4),
+                                         "per_token_us": round(c.token_s * 1e6, 4),
+                                         "per_row_us": round(c.row_s * 1e6, 4),
+                                         "per_output_kb_us": round(c.byte_s * 1e9, 4)}
+        if self.dtype_speed is not None:
+            calibration["dtype_speed_vs_float32"] = round(self.dtype_speed, 3)
+        return {"torch_threads": self.torch_threads, "calibration": calibration}
+
+    def line(self) -> str:
+        """The start-up line."""
+        parts = [f"torch threads {self.torch_threads} ({self.threads_from}"]
+        if self.threads_ms:
+            parts[0] += ": " + ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.threads_ms.items()))
+        parts[0] += ")"
+        if self.coefficients is not None:
+            c = self.coefficients
+            parts.append(f"cost model {c.overhead_s * 1e3:.3f} ms per batch + {c.token_s * 1e6:.2f} us per padded "
+                         f"token + {c.row_s * 1e6:.1f} us per row + {c.byte_s * 1e9:.1f} us per KB of output")
+        if self.dtype_speed is not None:
+            parts.append(f"{self.dtype} at {self.dtype_speed:.2f}x float32's speed")
+        return f"calibrated in {self.seconds:.2f} s: " + "; ".join(parts)
+
+
+def uncalibrated(torch_threads: int = 0) -> Calibration:
+    """What the engine knows without calibrating: the thread count torch runs with."""
+    import torch
+
+    return Calibration(torch_threads or torch.get_num_threads(), "flag" if torch_threads else "default")
+
+
+def calibrate(model: FillMaskModel, budget_s: float, torch_threads: int = 0, model_name: str | None = None,
+              device: str = "cpu", forward: str = "traced") -> Calibration:
+    """Measure this machine (see the module doc) within about ``budget_s`` seconds; 0 skips it.
+
+    ``model_name`` (with ``device`` and ``forward``) is where a float32 copy is loaded from when
+    ``model.dtype`` is a reduced precision.
+    """
+    if budget_s <= 0:
+        return uncalibrated(torch_threads)
+    done: list[Calibration] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(_calibrate(model, budget_s, torch_threads, model_name, device, forward))
+        except BaseException as exc:  # raised again on the caller's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name="fillmask-calibrate", daemon=True)
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return done[0]
+
+
+def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_name: str | None, device: str,
+               forward: str) -> Calibration:
+    import torch
+
+    started = time.perf_counter()
+    until = started + budget_s
+    result = Calibration(torch_threads or torch.get_num_threads(), "flag" if torch_threads else "default",
+                         dtype=model.dtype)
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    else:
+        candidates = _thread_candidates()
+        if len(candidates) > 1:
+            items = batch_items(model, *THREAD_SHAPE)
+            for count in candidates:
+                torch.set_num_threads(count)
+                _warm(model, items)  # the first passes at a count start its workers
+                result.threads_ms[count] = _time(model, items, 3) * 1000
+            best = min(candidates, key=lambda n: result.threads_ms[n])
+            tie = result.threads_ms[best] * (1 + THREAD_TIE)
+            smaller = [n for n in candidates if n < best and result.threads_ms[n] <= tie]
+            result.torch_threads = min(smaller) if smaller else best
+            result.threads_from = "calibration"
+        torch.set_num_threads(result.torch_threads)
+    decoder = SequenceDecoder(model.decode_tokenizer)
+    decode_s = 0.0
+    decode_bytes = 0
+    for rows, width in FIT_SHAPES:
+        if result.samples and time.perf_counter() > until and len(result.samples) >= 3:
+            break
+        items = batch_items(model, rows, width)
+        _warm(model, items)
+        seconds = _time(model, items, 2)
+        result.samples.append((rows, rows * width, seconds))
+        topk = model.forward(items)
+        clock = time.perf_counter()
+        for n, item in enumerate(items):
+            predictions_json(decoder, item, topk, n)
+        decode_s += time.perf_counter() - clock
+        decode_bytes += sum(intake.result_bound(model, list(item.input_ids), 1, TOP_K) for item in items)
+    byte_s = decode_s / decode_bytes if decode_bytes else Coefficients.byte_s
+    result.coefficients = fit(result.samples, byte_s)
+    if model.dtype != "float32" and model_name is not None:
+        result.dtype_speed = _dtype_speed(model, model_name, device, forward)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _dtype_speed(model: FillMaskModel, model_name: str, device: str, forward: str) -> float:
+    """float32's time for one batch divided by ``model``'s (its reduced precision's)."""
+    from .model import load_model
+
+    items = batch_items(model, *THREAD_SHAPE)
+    reference = load_model(model_name, device, "float32", forward=forward)
+    _warm(model, items)
+    _warm(reference, items)
+    reduced = full = float("inf")
+    for _ in range(5):  # alternated, so that a neighbour's load weighs on both alike
+        reduced = min(reduced, _time(model, items, 1))
+        full = min(full, _time(reference, items, 1))
+    del reference
+    slowdown = float(os.environ.get(SLOWDOWN_ENV, "") or 1.0)
+    return full / (reduced * slowdown)
+
+
+def _warm(model: FillMaskModel, items: list[Item]) -> None:
+    """Two passes: TorchScript's profiling executor specialises a graph to a shape on its first runs."""
+    model.forward(items)
+    model.forward(items)
+
+
+def _time(model: FillMaskModel, items: list[Item], repeats: int) -> float:
+    """The fastest of ``repeats`` forward passes, seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        clock = time.perf_counter()
+        model.forward(items)
+        best = min(best, time.perf_counter() - clock)
+    return best
+
+
+def _thread_candidates() -> list[int]:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return sorted({1, max(1, cpus // 2), cpus})
+
+
+def batch_items(model: FillMaskModel, rows: int, width: int) -> list[Item]:
+    """``rows`` items of ``width`` tokens each (special tokens, ordinary vocabulary, one mask), varied
+    per row, deterministic."""
+    ids = model.tokenize([f"the {model.mask_token} ."])[0]
+    first, last = ids[0], ids[-1]
+    low = min(1000, model.vocab_size // 2)
+    span = max(1, min(model.vocab_size, 2000) - low)
+    items = []
+    for row in range(rows):
+        body = [low + (row * 7 + i * 13) % span for i in range(max(1, width - 2))]
+        body[len(body) // 2] = model.mask_token_id
+        items.append(Item([first, *body, last], TOP_K))
+    return items

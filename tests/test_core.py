@@ -1,0 +1,222 @@
+"""Unit tests of the thread-free engine core with a fake clock: no threads, no torch, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from fillmask_server import intake
+from fillmask_server.batching import BatchPolicy, Coefficients
+from fillmask_server.core import Admission, AnswerMemory, CostModel, EngineCore, fit
+from fillmask_server.jobs import Expired, Failed, Job, Rejected, Result, State, Stopped
+from fillmask_server.protocol import FillMaskRequest
+
+
+def job(name: object, owner: object = "conn", arrival: float = 0.0, deadline: float | None = None) -> Job:
+    return Job(FillMaskRequest(name, "a [MASK] b", 5), owner=owner, arrival=arrival, deadline=deadline)
+
+
+def checked(n_tokens: int = 10, result_bytes: int = 1000) -> intake.Checked:
+    return intake.Checked(list(range(n_tokens)), 1, None, result_bytes)
+
+
+def core(max_queue: int = 100, memory: AnswerMemory | None = None, size: int = 8,
+         cost: CostModel | None = None, **policy: object) -> EngineCore:
+    return EngineCore(BatchPolicy(size, 100_000, **policy), max_queue, memory, cost)  # type: ignore[arg-type]
+
+
+def queue_up(c: EngineCore, jobs: list[Job], n_tokens: int = 10, result_bytes: int = 1000) -> None:
+    for j in jobs:
+        assert c.submit(j) is Admission.ACCEPTED
+    taken = c.take_intake()
+    assert c.checked([(j, checked(n_tokens, result_bytes)) for j in taken]) == []
+
+
+def result(j: Job) -> Result:
+    return Result(j, b"[]", 0.0, 1.0, 1, 10, 1)
+
+
+# --- the job containers are the jobs' states ---------------------------------------------------------
+
+
+def test_every_count_follows_the_jobs_state_through_a_whole_life() -> None:
+    c = core()
+    jobs = [job(i) for i in range(3)]
+    for j in jobs:
+        c.submit(j)
+    assert (c.waiting(), c.runnable(), c.started(), c.has_intake()) == (3, 0, 0, True)
+    taken = c.take_intake()
+    assert taken == jobs and not c.has_intake()  # held by the tokenizer stage
+    c.submit(late := job("late"))
+    assert not c.has_intake()  # the stage takes it after it hands its batch back
+    c.checked([(j, checked()) for j in taken])
+    assert (c.waiting(), c.runnable(), c.has_intake()) == (4, 3, True)
+    assert all(j.state is State.QUEUED for j in jobs) and late.state is State.TOKENIZING
+
+    scheduled = c.schedule(now=1.0)
+    assert scheduled.batch == jobs and scheduled.padded_tokens == 30 and scheduled.predicted_s > 0
+    assert (c.waiting(), c.started(), c.reserved_total()) == (1, 3, 3000)
+    assert all(j.state is State.RUNNING and j.started == 1.0 for j in jobs)
+
+    assert c.update_from_output(jobs, 30, [0, 2], [1], 0.01, now=1.01) == [Failed(jobs[1], c_failed())]
+    assert jobs[1].state is State.DONE and c.started() == 2
+    c.decoded([result(jobs[0]), result(jobs[2])], 2000, 0.001)
+    assert all(j.state is State.DONE for j in jobs) and c.started() == 0
+    assert c.reserved_total() == 3000  # until the answers have left the engine
+    assert c.release(jobs) and c.reserved_total() == 0 and not c.release(jobs)
+    assert c.busy()  # "late" still waits
+    assert c.withdraw(late) and not c.busy()
+
+
+def c_failed() -> str:
+    from fillmask_server.core import MODEL_FAILED
+
+    return MODEL_FAILED
+
+
+def test_refusals_and_check_faults_are_answered_and_withdrawn_jobs_skipped() -> None:
+    c = core()
+    a, b, gone, ok = job("a"), job("b"), job("gone"), job("ok")
+    for j in (a, b, gone, ok):
+        c.submit(j)
+    taken = c.take_intake()
+    assert c.withdraw(gone)  # cancelled while it was being tokenized
+    answers = c.checked([(a, intake.Refusal("no_mask", "no mask")), (b, None), (gone, checked()), (ok, checked())])
+    assert [type(x) for x in answers] == [Rejected, Failed] and taken == [a, b, gone, ok]
+    assert gone.state is State.DONE and ok.state is State.QUEUED and c.waiting() == 1
+
+
+def test_withdraw_wins_only_before_the_batch_is_scheduled() -> None:
+    c = core()
+    first, second = job("first"), job("second")
+    queue_up(c, [first, second])
+    assert c.withdraw(second)
+    assert c.schedule(0.0).batch == [first]
+    assert not c.withdraw(first) and not c.withdraw(second)
+
+
+def test_admission_refuses_a_full_queue_and_keeps_a_newcomers_share() -> None:
+    c = core(max_queue=4)
+    assert [c.submit(job(i, owner="busy")) for i in range(3)] == [Admission.ACCEPTED] * 2 + [Admission.QUEUE_SHARE]
+    assert c.submit(job("new", owner="new")) is Admission.ACCEPTED
+    assert c.submit(job("x", owner="other")) is Admission.ACCEPTED
+    assert c.submit(job("y", owner="third")) is Admission.QUEUE_FULL
+    c.accepting = False
+    assert c.submit(job("z", owner="z")) is Admission.STOPPED
+
+
+def test_expired_requests_are_answered_at_schedule_time() -> None:
+    c = core()
+    old, fresh = job("old", arrival=0.0, deadline=0.5), job("fresh", arrival=0.0)
+    queue_up(c, [old, fresh])
+    scheduled = c.schedule(now=1.0)
+    assert scheduled.batch == [fresh]
+    assert len(scheduled.outcomes) == 1 and isinstance(scheduled.outcomes[0], Expired)
+    assert scheduled.outcomes[0].queue_ms == pytest.approx(1000)
+
+
+def test_answer_memory_reserved_at_start_holds_a_connections_next_request_until_release() -> None:
+    c = core(memory=AnswerMemory(per_connection=1500), size=1)
+    a, b = job("a", owner="x"), job("b", owner="x")
+    queue_up(c, [a, b])
+    assert c.schedule(0.0).batch == [a]
+    c.update_from_output([a], 10, [0], [], 0.01, now=0.01)
+    c.decoded([result(a)])
+    assert c.schedule(0.02).batch == []  # a's 1000 bytes are still reserved: b's would pass 1500
+    c.release([a])
+    assert c.schedule(0.03).batch == [b]
+
+
+def test_stop_all_answers_waiting_jobs_stopped_and_started_ones_failed() -> None:
+    c = core(size=1)
+    running, queued, new = job("running"), job("queued"), job("new")
+    queue_up(c, [running, queued])
+    c.schedule(0.0)
+    c.submit(new)
+    outcomes = c.stop_all()
+    assert {o.job.request.id: type(o) for o in outcomes} == {"running": Failed, "queued": Stopped, "new": Stopped}
+    assert not c.busy() and c.submit(job("later")) is Admission.STOPPED
+
+
+def test_a_request_is_priced_by_the_cost_model_in_token_equivalents() -> None:
+    c = core(cost=CostModel(Coefficients(token_s=1e-5, byte_s=1e-8)))
+    j = job("j")
+    queue_up(c, [j], n_tokens=12, result_bytes=5000)
+    assert j.cost == pytest.approx(12 + 5000 * 1e-3)
+
+
+# --- the cost model ------------------------------------------------------------------------------------
+
+
+def truth(rows: int, padded: int) -> float:
+    return 0.004 + 3e-6 * padded + 2e-4 * rows
+
+
+def test_the_online_fit_finds_the_forward_pass_coefficients() -> None:
+    model = CostModel()  # the CPU prior is far off: overhead 1 ms, 20 us per token, 100 us per row
+    for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16), (4, 60), (64, 9)] * 10:
+        model.observe_forward(rows, rows * width, truth(rows, rows * width))
+    c = model.coefficients
+    assert c.overhead_s == pytest.approx(0.004, rel=0.05)
+    assert c.token_s == pytest.approx(3e-6, rel=0.05)
+    assert c.row_s == pytest.approx(2e-4, rel=0.05)
+    assert model.forward_s(10, 200) == pytest.approx(truth(10, 200), rel=0.02)
+
+
+def test_the_fit_follows_a_machine_that_changes_and_stays_defined_on_one_shape() -> None:
+    model = CostModel(Coefficients(0.004, 3e-6, 2e-4))
+    for _ in range(200):  # the machine became twice as slow; the server ran one shape only
+        model.observe_forward(16, 256, 2 * truth(16, 256))
+    assert model.forward_s(16, 256) == pytest.approx(2 * truth(16, 256), rel=0.02)
+    c = model.coefficients
+    assert min(c.overhead_s, c.token_s, c.row_s) >= 0 and model.forward_s(1, 10) > 0
+
+
+def test_the_decode_price_is_a_moving_average_per_byte() -> None:
+    model = CostModel(Coefficients(byte_s=1e-8))
+    for _ in range(100):
+        model.observe_decode(1000, 5e-5)
+    assert model.coefficients.byte_s == pytest.approx(5e-8, rel=0.01)
+
+
+def test_a_split_or_failed_batch_does_not_teach_the_fit() -> None:
+    c = core(cost=CostModel(Coefficients(0.001, 2e-5, 1e-4)))
+    jobs = [job(i) for i in range(4)]
+    queue_up(c, jobs)
+    c.schedule(0.0)
+    before = c.cost.coefficients
+    c.update_from_output(jobs, 40, [0, 1], [2, 3], 9.0, now=9.0, passes=3)
+    assert c.cost.coefficients == before and c.cost.batches == 0
+
+
+def test_fit_recovers_calibration_samples_exactly_and_needs_three() -> None:
+    samples = [(r, r * w, truth(r, r * w)) for r, w in ((1, 8), (4, 16), (16, 16), (8, 40))]
+    c = fit(samples, byte_s=3e-8)
+    assert c is not None and c.byte_s == 3e-8
+    assert (c.overhead_s, c.token_s, c.row_s) == pytest.approx((0.004, 3e-6, 2e-4), rel=1e-6)
+    assert fit(samples[:2]) is None
+
+
+def test_no_coefficient_is_fitted_below_zero() -> None:
+    # Times that fall with rows would give a negative row price in plain least squares.
+    c = fit([(1, 10, 0.010), (10, 100, 0.009), (20, 200, 0.008), (40, 400, 0.0075)])
+    assert c is not None and min(c.overhead_s, c.token_s, c.row_s) >= 0
+
+
+# --- the core schedules from the fitted model ---------------------------------------------------------------
+
+
+def test_a_batch_stays_within_the_time_bound_the_fitted_model_predicts() -> None:
+    """Heavy answers: once the core has learnt that output costs, it cuts their batches to the bound
+    (the overhead divided by the slack), so a request that comes next waits for a short batch."""
+    cost = CostModel(Coefficients(0.002, 1e-5, 1e-4, 1e-9))
+    c = core(max_queue=1000, size=64, cost=cost)
+    heavy = [job(i, owner="heavy") for i in range(64)]
+    queue_up(c, heavy, n_tokens=12, result_bytes=200_000)
+    assert len(c.schedule(0.0).batch) == 64  # output looked free
+    for _ in range(50):
+        cost.observe_decode(200_000, 0.004)  # it is not: 4 ms per answer
+    more = [job(f"m{i}", owner="heavy") for i in range(64)]
+    queue_up(c, more, n_tokens=12, result_bytes=200_000)
+    scheduled = c.schedule(1.0)
+    limit = cost.coefficients.overhead_s / c.policy.slack
+    assert 1 <= len(scheduled.batch) < 64 and scheduled.predicted_s <= limit
