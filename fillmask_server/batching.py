@@ -34,7 +34,10 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
 - **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` token-equivalents (padded
   tokens plus output); and a **predicted time** of at most ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
-  batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``), and at
+  batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``, nor below
+  the predicted time of a full batch of plain requests (output within ``slack`` of it) as long as the
+  longest waiting:
+  the bound cuts output-heavy batches, never a batch of ordinary ones), and at
   most ``deadline_share`` of the time left to the tightest deadline waiting. So a light request that
   arrives while a heavy batch runs waits for at most one such bounded batch, never for one long batch
   of heavy output.
@@ -72,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 WIDTHS = 8  # candidate bands tried per batch (the distinct lengths in reach, evenly spread)
+TIE = 1e-9  # efficiencies this close are equal (floating-point rounding must not split equal requests)
 MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit may put the overhead near 0)
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
 REACH = 2  # the fair order is followed this many full batches deep
@@ -213,7 +217,14 @@ class BatchPolicy:
     def time_limit(self, queue: deque[J] | list[J], now: float, cost: Coefficients | None = None) -> float:
         """The most predicted seconds a batch may take now (its first request is taken regardless)."""
         cost = cost or self.cost
-        limit = self.max_batch_s or max(MIN_AUTO_BATCH_S, cost.overhead_s / self.slack)
+        limit = self.max_batch_s
+        if not limit:
+            # A full batch of plain requests as long as the longest waiting is never cut: the bound is
+            # for output-heavy batches (so a fit that puts the overhead near 0, on a slow or busy
+            # machine, cannot shrink every batch to one row).
+            longest = max((job.n_tokens for job in queue), default=0)
+            plain = cost.batch_s(self.max_batch_size, self.max_batch_size * longest, 0.0) * (1 + self.slack)
+            limit = max(MIN_AUTO_BATCH_S, cost.overhead_s / self.slack, plain)
         deadlines = [job.deadline for job in queue if job.deadline is not None]
         if deadlines:
             limit = min(limit, self.deadline_share * max(0.0, min(deadlines) - now))
@@ -424,7 +435,7 @@ class BatchPolicy:
             if predicted > limit:
                 continue
             more_own = own + token_s * n + row_s + byte_s * job.result_bytes
-            if more_own < efficiency * predicted:
+            if more_own < efficiency * predicted * (1 - TIE):  # a tie (equal requests, no overhead) joins
                 passed.append(job)
                 continue
             rows.append(job)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fillmask_server.batching import BatchPolicy, Coefficients, Room
+from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Coefficients, Room
 
 
 @dataclass(eq=False)
@@ -320,19 +320,31 @@ def test_a_user_set_length_ratio_is_a_fixed_band_the_cost_model_does_not_narrow(
 
 
 def test_a_batchs_predicted_time_stays_within_the_overhead_over_the_slack() -> None:
-    """Heavy output (4 ms of decoding each): batches of them are cut at 20 x the 1 ms overhead."""
+    """Heavy output (4 ms of decoding each): batches of them are cut at 20 x the 1 ms overhead, or at
+    what a full batch of plain requests of their length takes (and 5%), whichever is longer (23.9 ms)."""
     heavy = Coefficients(overhead_s=0.001, token_s=2e-5, row_s=1e-4, byte_s=4e-8)
     q = queue(*(FakeJob(f"h{i}", n_tokens=12, result_bytes=100_000) for i in range(64)))
     p = policy(size=64, cost=heavy)
-    assert p.time_limit(q, now=0) == pytest.approx(0.020)
+    plain = heavy.batch_s(64, 64 * 12, 0.0) * 1.05
+    assert plain > 0.020 and p.time_limit(q, now=0) == pytest.approx(plain)
     sizes = []
     while q:
         decision = p.take(q, now=0)
-        assert decision.predicted_s <= 0.020 or len(decision.batch) == 1
+        assert decision.predicted_s <= plain or len(decision.batch) == 1
         sizes.append(len(decision.batch))
-    assert max(sizes) == 4 and sum(sizes) == 64  # 1 ms + 4 x (0.34 ms + 4 ms) <= 20 ms < 5 of them
+    assert max(sizes) == 5 and sum(sizes) == 64  # 1 ms + 5 x (0.34 ms + 4 ms) <= 23.9 ms < 6 of them
     unbounded = policy(size=64, cost=heavy, max_batch_s=10.0)
     assert len(unbounded.take(queue(*(FakeJob(str(i), result_bytes=100_000) for i in range(64))), 0).batch) == 64
+
+
+def test_a_fit_with_no_overhead_still_runs_a_full_batch_of_plain_requests() -> None:
+    """On a slow or busy machine the online fit may put the per-batch overhead at 0, which made the
+    automatic time bound its 5 ms floor and cut slow batches to one row: plain requests (no heavy
+    output) always fill a batch, whatever the fit."""
+    slow = Coefficients(overhead_s=0.0, token_s=5e-4, row_s=1e-3, byte_s=1e-9)
+    q = queue(*(FakeJob(str(i), n_tokens=12) for i in range(32)))
+    decision = policy(size=32, cost=slow).take(q, now=0)
+    assert len(decision.batch) == 32 and decision.predicted_s > MIN_AUTO_BATCH_S
 
 
 def test_a_stated_limit_and_a_tight_deadline_bound_the_batch_and_one_request_always_runs() -> None:
