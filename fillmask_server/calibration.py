@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,7 @@ from . import intake
 from .batching import Coefficients
 from .core import fit
 from .decode import SequenceDecoder, predictions_json
-from .model import FillMaskModel, Item
+from .model import FillMaskModel, Item, on_a_thread_that_ends
 
 log = logging.getLogger(__name__)
 
@@ -113,21 +112,8 @@ def calibrate(model: FillMaskModel, budget_s: float, torch_threads: int = 0, mod
     """
     if budget_s <= 0:
         return uncalibrated(torch_threads)
-    done: list[Calibration] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            done.append(_calibrate(model, budget_s, torch_threads, model_name, device, forward))
-        except BaseException as exc:  # raised again on the caller's thread
-            failed.append(exc)
-
-    worker = threading.Thread(target=run, name="fillmask-calibrate", daemon=True)
-    worker.start()
-    worker.join()
-    if failed:
-        raise failed[0]
-    return done[0]
+    return on_a_thread_that_ends(lambda: _calibrate(model, budget_s, torch_threads, model_name, device, forward),
+                                 "fillmask-calibrate")
 
 
 def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_name: str | None, device: str,

@@ -57,13 +57,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
 from .protocol import TargetNote
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The check inputs' shapes: (rows, width, padded rows, masks); widths are capped at ``max_tokens``,
 #: and one more check runs at ``max_tokens`` itself.
@@ -513,21 +514,30 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
     progress("torch import and device check")
-    loaded: list[FillMaskModel] = []
+    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress),
+                                 "fillmask-load")
+
+
+def on_a_thread_that_ends(work: Callable[[], T], name: str) -> T:
+    """``work()`` on a new thread that ends when it returns; its result, or its exception raised here.
+
+    For work that runs forward passes before the model thread starts (loading, calibration): the
+    OpenMP worker pool such a thread gets goes with it (see ``load_model``)."""
+    done: list[T] = []
     failed: list[BaseException] = []
 
-    def load() -> None:
+    def run() -> None:
         try:
-            loaded.append(_load_model(name, device, dtype, threads, forward, progress))
+            done.append(work())
         except BaseException as exc:  # raised again on the caller's thread
             failed.append(exc)
 
-    loader = threading.Thread(target=load, name="fillmask-load", daemon=True)
-    loader.start()
-    loader.join()
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join()
     if failed:
         raise failed[0]
-    return loaded[0]
+    return done[0]
 
 
 def _quiet(stage: str) -> None:
