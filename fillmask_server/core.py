@@ -75,7 +75,8 @@ class AnswerMemory:
 class CostModel:
     """The forward pass's time fitted online as ``overhead + token·padded + row·rows`` (weighted least
     squares on relative error, older batches forgotten by ``forget`` per batch, no coefficient below
-    zero), and the decode stage's time per byte of answer bound as a moving average.
+    zero, the overhead not below ``OVERHEAD_FLOOR`` of the prior's), and the decode stage's time per
+    byte of answer bound as a moving average.
 
     ``prior`` (the start-up calibration's fit, or the CPU defaults) is kept as a few pseudo-batches of
     small weight that are never forgotten: the fit stays defined when the server runs one shape only,
@@ -84,6 +85,10 @@ class CostModel:
 
     PRIOR_SHAPES = ((1, 16), (8, 128), (32, 1024))
     PRIOR_WEIGHT = 0.001  # each prior pseudo-batch weighs this many real batches
+    # The fitted per-batch overhead never goes below this share of the prior's. Timings of a slow or busy
+    # machine are noisy, and a fit of no overhead at all would make every batch of mixed lengths look
+    # less efficient than its rows run alone, so that the server ran batches of one row.
+    OVERHEAD_FLOOR = 0.5
 
     def __init__(self, prior: Coefficients | None = None, forget: float = 0.98) -> None:
         self.prior = prior or Coefficients()
@@ -117,7 +122,8 @@ class CostModel:
         r = [a + b for a, b in zip(self._r, self._prior_r, strict=True)]
         theta = _nonnegative_least_squares(s, r, self._yy + self._prior_yy)
         if theta is not None:
-            self.coefficients = Coefficients(theta[0], theta[1], theta[2], self.coefficients.byte_s)
+            overhead = max(theta[0], self.OVERHEAD_FLOOR * self.prior.overhead_s)
+            self.coefficients = Coefficients(overhead, theta[1], theta[2], self.coefficients.byte_s)
 
     def observe_decode(self, result_bytes: int, seconds: float) -> None:
         """The decode stage turned answers bounded by ``result_bytes`` into JSON in ``seconds``."""

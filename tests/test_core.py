@@ -171,6 +171,17 @@ def test_the_fit_follows_a_machine_that_changes_and_stays_defined_on_one_shape()
     assert min(c.overhead_s, c.token_s, c.row_s) >= 0 and model.forward_s(1, 10) > 0
 
 
+def test_the_fitted_overhead_stays_above_half_the_priors_whatever_the_timings() -> None:
+    """Timings with no per-batch overhead at all (as a busy machine's noise can give) leave the overhead
+    at half the prior's, so that batching still pays in the model: the server never falls back to
+    batches of one row because of a fit."""
+    model = CostModel(Coefficients(0.002, 1e-5, 1e-4))
+    for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16)] * 20:
+        model.observe_forward(rows, rows * width, 5e-5 * rows * width)  # perfectly linear, no overhead
+    assert model.coefficients.overhead_s == pytest.approx(0.001)
+    assert model.coefficients.token_s == pytest.approx(5e-5, rel=0.05)
+
+
 def test_the_decode_price_is_a_moving_average_per_byte() -> None:
     model = CostModel(Coefficients(byte_s=1e-8))
     for _ in range(100):
