@@ -75,7 +75,7 @@ class AnswerMemory:
 class CostModel:
     """The forward pass's time fitted online as ``overhead + token·padded + row·rows`` (weighted least
     squares on relative error, older batches forgotten by ``forget`` per batch, no coefficient below
-    zero, the overhead not below ``OVERHEAD_FLOOR`` of the prior's), and the decode stage's time per
+    zero, the overhead and the token price not below a share of the prior's), and the decode stage's time per
     byte of answer bound as a moving average.
 
     ``prior`` (the start-up calibration's fit, or the CPU defaults) is kept as a few pseudo-batches of
@@ -85,10 +85,14 @@ class CostModel:
 
     PRIOR_SHAPES = ((1, 16), (8, 128), (32, 1024))
     PRIOR_WEIGHT = 0.001  # each prior pseudo-batch weighs this many real batches
-    # The fitted per-batch overhead never goes below this share of the prior's. Timings of a slow or busy
-    # machine are noisy, and a fit of no overhead at all would make every batch of mixed lengths look
-    # less efficient than its rows run alone, so that the server ran batches of one row.
+    # The fitted per-batch overhead and per-token price never go below these shares of the prior's.
+    # Timings of a slow or busy machine are noisy, and a fit of no overhead made every batch of mixed
+    # lengths look less efficient than its rows run alone; a fit of no token price made every request's
+    # output (priced in tokens: byte / token) too large for any batch but its own. Either way the
+    # server ran batches of one row. (The token price's floor is low: a small model's real price is far
+    # below the CPU prior's.)
     OVERHEAD_FLOOR = 0.5
+    TOKEN_FLOOR = 0.01
 
     def __init__(self, prior: Coefficients | None = None, forget: float = 0.98) -> None:
         self.prior = prior or Coefficients()
@@ -123,7 +127,8 @@ class CostModel:
         theta = _nonnegative_least_squares(s, r, self._yy + self._prior_yy)
         if theta is not None:
             overhead = max(theta[0], self.OVERHEAD_FLOOR * self.prior.overhead_s)
-            self.coefficients = Coefficients(overhead, theta[1], theta[2], self.coefficients.byte_s)
+            token = max(theta[1], self.TOKEN_FLOOR * self.prior.token_s)
+            self.coefficients = Coefficients(overhead, token, theta[2], self.coefficients.byte_s)
 
     def observe_decode(self, result_bytes: int, seconds: float) -> None:
         """The decode stage turned answers bounded by ``result_bytes`` into JSON in ``seconds``."""

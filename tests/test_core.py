@@ -182,6 +182,16 @@ def test_the_fitted_overhead_stays_above_half_the_priors_whatever_the_timings() 
     assert model.coefficients.token_s == pytest.approx(5e-5, rel=0.05)
 
 
+def test_the_fitted_token_price_stays_above_a_share_of_the_priors_whatever_the_timings() -> None:
+    """Timings that do not grow with tokens (noise) leave the token price at a hundredth of the prior's:
+    a price of 0 made every request's output, priced in tokens, too large for any batch but its own."""
+    model = CostModel(Coefficients(0.002, 2e-5, 1e-4))
+    for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16)] * 20:
+        model.observe_forward(rows, rows * width, 0.003 + 1e-4 * rows)  # no cost per token at all
+    assert model.coefficients.token_s == pytest.approx(2e-7)
+    assert model.coefficients.byte_s / model.coefficients.token_s < 1  # a byte of output costs < 1 token
+
+
 def test_the_decode_price_is_a_moving_average_per_byte() -> None:
     model = CostModel(Coefficients(byte_s=1e-8))
     for _ in range(100):
