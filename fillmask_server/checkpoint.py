@@ -289,18 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true", help="rewrite even if the directory holds a checkpoint")
     args = parser.parse_args(argv)
-    if args.size in FAMILIES:
-        if is_family_checkpoint(args.directory) and not args.force:
-            print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
-            return 0
-        write_family(args.size, args.directory, seed=args.seed)
-        print(f"{args.directory}: wrote random-weight tiny '{args.size}' fill-mask checkpoint")
-        return 0
-    if is_checkpoint(args.directory) and not args.force:
+    family = args.size in FAMILIES
+    if (is_family_checkpoint if family else is_checkpoint)(args.directory) and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0
-    write_checkpoint(args.size, args.directory, seed=args.seed)
-    print(f"{args.directory}: wrote random-weight '{args.size}' BERT fill-mask checkpoint")
+    (write_family if family else write_checkpoint)(args.size, args.directory, seed=args.seed)
+    kind = f"tiny '{args.size}' fill-mask" if family else f"'{args.size}' BERT fill-mask"
+    print(f"{args.directory}: wrote random-weight {kind} checkpoint")
     return 0
 
 

@@ -237,22 +237,10 @@ def validate(config: Config) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1"
     if config.max_length_ratio != 0 and config.max_length_ratio < 1:
         return "--max-length-ratio must be 0 (automatic) or at least 1"
-    if config.max_wait_ms < 0:
-        return "--max-wait-ms must not be negative"
-    if config.anticipate_ms < 0:
-        return "--anticipate-ms must not be negative"
-    if config.shutdown_timeout < 0:
-        return "--shutdown-timeout must not be negative"
-    if config.drain_delay < 0:
-        return "--drain-delay must not be negative"
-    if config.max_batch_ms < 0:
-        return "--max-batch-ms must not be negative"
-    if config.max_missed_batches < 0:
-        return "--max-missed-batches must not be negative"
-    if config.calibration_s < 0:
-        return "--calibration-s must not be negative"
-    if config.torch_threads < 0:
-        return "--torch-threads must not be negative"
+    for name in ("max_wait_ms", "anticipate_ms", "shutdown_timeout", "drain_delay", "max_batch_ms",
+                 "max_missed_batches", "calibration_s", "torch_threads"):
+        if getattr(config, name) < 0:
+            return f"--{name.replace('_', '-')} must not be negative"
     if not 0 <= config.port <= 65535:
         return "--port must be between 0 and 65535"
     if config.send_timeout <= 0:
