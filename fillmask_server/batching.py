@@ -8,9 +8,8 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
 - **The cost model** (``Coefficients``, fitted by the engine core from the batches it ran): a batch of
   ``rows`` requests padded to ``padded`` tokens whose answers take ``out`` bytes costs
   ``overhead + token·padded + row·rows + byte·out`` seconds of engine time (forward pass and decode).
-  A request's *own* work is what it adds to a batch without padding: ``token·n_tokens + row + byte·out``.
-  A batch's **efficiency** is its requests' own work divided by its predicted time: what is not its
-  requests' work is per-batch overhead and padding.
+  A request's *own* work is what it adds to a batch without padding: ``token·n_tokens + row + byte·out``;
+  what a batch takes beyond its requests' own work is per-batch overhead and padding.
 - **Cost for fairness.** A request costs its owner what it asks of the engine, in token-equivalents
   (``cost``): its tokens plus its output priced in tokens (``byte / token``).
 - **Fair by cost** (start-time fair queuing). Each connection has a virtual time: the cost it has
@@ -20,14 +19,18 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   waiting starts at the later of its own virtual time and the system's (the lowest among those waiting
   after the last batch): no credit for having been away, no escaping its debt by leaving for a moment.
   The first request in fair order (the *head*) is always in the batch.
-- **The batch with the best efficiency** (``growth == 0``, the default). For each candidate band
-  (longest row ``W``, from the head's length up to ``AUTO_GROWTH`` x the shortest row), the batch
-  takes, in fair order, each request of length at most ``W`` (and at least ``W / AUTO_GROWTH``) that
-  does not lower the batch's efficiency and keeps it within the limits below. Of these candidate
-  batches the one with the best efficiency runs (ties: more rows, then the narrower band). For equal
-  requests that is the batch that serves the most requests per second of engine time; for mixed
-  lengths it pads only where the padding costs less than another batch's overhead. Requests left out
-  keep their places.
+- **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
+  the fair order's first ``max_batch_size`` requests, as long as their tokens (plus output) fit
+  ``max_batch_tokens`` and their own work (plus one overhead) the time limit below. It cuts the window,
+  sorted by length, into batches of neighbouring lengths, where each cut saves more padding than the
+  extra batch's overhead costs: the partition with the least predicted time in all (an exact dynamic
+  program over the window's distinct lengths; no batch's longest row above ``AUTO_GROWTH`` x its
+  shortest, none over the token budget). These batches are a *round*: they run back to back, the one
+  holding the window's first request (the head) first, then by their oldest request, before anything
+  else is taken. For equal requests a round is one full batch; on a machine where padding is dear
+  and a batch cheap (a CPU) the lengths run apart, where a batch is dear (a GPU, a tiny model) they
+  mix. Between a round's batches, requests that have left the queue (expired, withdrawn) drop out of
+  it, and those whose connection has no answer room now go back to the fair order.
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
@@ -40,14 +43,16 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   the bound cuts output-heavy batches, never a batch of ordinary ones), and at
   most ``deadline_share`` of the time left to the tightest deadline waiting. So a light request that
   arrives while a heavy batch runs waits for at most one such bounded batch, never for one long batch
-  of heavy output.
-- **Tail bound.** A request *misses* a batch when the fair order offered it to that batch and it
-  would have fitted the limits, but the band (its length) or the efficiency rule left it out. A
-  request that has missed ``max_missed`` batches widens the band: it is in the next batch, whatever
-  its length (at most ``max_batch_size`` of them, oldest first). So no request misses more than
-  ``max_missed`` batches because of the cost model's choice; what can hold it longer are only the
-  limits (a full batch, the time bound: capacity, shared fairly) and answer room (a connection that
-  is not reading).
+  of heavy output. (With the cost model the limit bounds a round's own work: a request that arrives
+  while a round runs waits for that round's end.)
+- **Tail bound.** With the cost model, a request is served in the round its window takes it into:
+  nothing that joins the queue after the window was taken runs before it, and at most the window's
+  other requests do; the cost model reorders requests only within a round. With a fixed band, a
+  request *misses* a batch when the fair order offered it to that batch and it would have fitted the
+  limits, but the band left it out. A request that has missed ``max_missed`` batches widens the
+  band: it is in the next batch, whatever its length (at most ``max_batch_size`` of them, oldest
+  first). Either way, what can hold a request longer are only the limits (a full batch, the time
+  bound: capacity, shared fairly) and answer room (a connection that is not reading).
 - **Room.** A request whose connection has no room left for answers (``Room``: answers unsent or
   being computed, per connection and in all) is not started; it keeps its place. A connection with
   nothing waiting always has room for one request, so nobody waits for room forever.
@@ -62,8 +67,9 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   shorter, has passed since the hand-over. An idle engine (nothing answered lately) never waits.
 
 State: per connection with queued requests, its virtual time and the number of the batch that last
-served it (``take`` updates them); each queued request's ``missed`` count (``take`` updates it); the
-anticipation counters above. ``wait_s`` only reads.
+served it (``take`` updates them); the current round's later batches; each queued request's
+``missed`` count (``take`` updates it, with a fixed band); the anticipation counters above.
+``wait_s`` only reads; it never waits while a round has batches left.
 """
 
 from __future__ import annotations
@@ -74,11 +80,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-WIDTHS = 8  # candidate bands tried per batch (the distinct lengths in reach, evenly spread)
 TIE = 1e-9  # efficiencies this close are equal (floating-point rounding must not split equal requests)
 MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit may put the overhead near 0)
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
-REACH = 2  # the fair order is followed this many full batches deep
+REACH = 2  # with a fixed band, the fair order is followed this many full batches deep
 
 
 class Queued(Protocol):
@@ -149,22 +154,6 @@ class Room:
 
 
 @dataclass
-class _Candidate(Generic[J]):
-    rows: list[J]
-    longest: int
-    own: float  # the rows' own work, seconds
-    out_bytes: float
-    output: float  # token-equivalents of output, for the token budget
-    passed: list[J] = field(default_factory=list)  # left out by the band or the efficiency rule
-
-    def predicted(self, cost: Coefficients) -> float:
-        return cost.batch_s(len(self.rows), len(self.rows) * self.longest, self.out_bytes)
-
-    def efficiency(self, cost: Coefficients) -> float:
-        return self.own / self.predicted(cost)
-
-
-@dataclass
 class BatchPolicy:
     """Limits of one batch, the cost model's use, and the fairness memory; see the module docstring."""
 
@@ -187,6 +176,7 @@ class BatchPolicy:
     _returning: int = field(default=0, init=False, repr=False)  # answers sent, not yet followed by an arrival
     _anticipate_until: float = field(default=float("-inf"), init=False, repr=False)
     _last_batch_s: float = field(default=0.0, init=False, repr=False)
+    _plan: list[list[Any]] = field(default_factory=list, init=False, repr=False)  # the round's later batches
 
     def __post_init__(self) -> None:
         if (self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_s < 0
@@ -254,8 +244,12 @@ class BatchPolicy:
         if not queue or (self.max_wait_s == 0 and not anticipating):
             return 0.0
         ready = list(queue)
-        if len(ready) >= self.max_batch_size or len(self._pick(ready, now, None, cost or self.cost)[0]) < len(ready):
-            return 0.0  # a full batch is already there
+        if len(ready) >= self.max_batch_size or self._planned(ready, None):
+            return 0.0  # a full batch is already there, or the rest of a round
+        cost = cost or self.cost
+        formed = self._pick(ready, now, None, cost)[0] if self.growth else self._window(ready, now, None, cost)
+        if len(formed) < len(ready):
+            return 0.0
         wait_until = queue[0].arrival + self.max_wait_s if self.max_wait_s else now
         if anticipating:
             wait_until = max(wait_until, self._anticipate_until)
@@ -273,7 +267,7 @@ class BatchPolicy:
         """
         cost = cost or self.cost
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
-        chosen, passed = self._pick(list(queue), now, room, cost)
+        chosen, passed, self._plan = self._pick(list(queue), now, room, cost)
         if not chosen:
             return decision
         self._batches += 1
@@ -331,10 +325,17 @@ class BatchPolicy:
         return order
 
     def _pick(self, ready: list[J], now: float, room: Room | None,
-              cost: Coefficients) -> tuple[list[J], list[J]]:
-        """The next batch's requests, and the requests it passed over (the tail bound's misses)."""
+              cost: Coefficients) -> tuple[list[J], list[J], list[list[J]]]:
+        """The next batch's requests, the requests it passed over (the tail bound's misses) and, with
+        the cost model, the rest of its round (the batches planned after it)."""
         if not ready:
-            return [], []
+            return [], [], []
+        if not self.growth:
+            planned = self._planned(ready, room)
+            if planned:
+                return planned[0], [], planned[1:]
+            groups = self._round(ready, now, room, cost)
+            return (groups[0], [], groups[1:]) if groups else ([], [], [])
         # The tail bound first: requests that have missed enough batches, oldest first, as room allows.
         trial = room.copy() if room is not None else None
         forced: list[J] = []
@@ -349,32 +350,86 @@ class BatchPolicy:
         order = self._fair_order([job for job in ready if id(job) not in in_base], trial,
                                  REACH * self.max_batch_size)
         if not order and not forced:
-            return [], []
+            return [], [], []
         base = ([order[0]] if order and len(forced) < self.max_batch_size else []) + forced  # the fair head leads
         rest = order[1:] if base and order and base[0] is order[0] else order
-        limit = self.time_limit(ready, now, cost)
-        fill = self._fill_band if self.growth else self._best_band
-        return fill(base, rest, limit, cost)
+        batch, passed = self._fill_band(base, rest, self.time_limit(ready, now, cost), cost)
+        return batch, passed, []
 
-    def _best_band(self, base: list[J], rest: list[J], limit: float,
-                   cost: Coefficients) -> tuple[list[J], list[J]]:
-        """The candidate band whose batch has the best efficiency (see the module doc)."""
-        shortest = min(job.n_tokens for job in base)
-        longest = max(job.n_tokens for job in base)
-        reach = max(longest, int(AUTO_GROWTH * shortest))
-        widths = sorted({longest, *(job.n_tokens for job in rest if longest < job.n_tokens <= reach)})
-        if len(widths) > WIDTHS:
-            step = (len(widths) - 1) / (WIDTHS - 1)
-            widths = [widths[round(i * step)] for i in range(WIDTHS)]
-        best: _Candidate[J] | None = None
-        best_key: tuple[float, int, int] = (-1.0, 0, 0)
-        for width in widths:
-            candidate = self._fill(base, rest, width, limit, cost)
-            key = (round(candidate.efficiency(cost), 9), len(candidate.rows), -width)
-            if best is None or key > best_key:
-                best, best_key = candidate, key
-        assert best is not None
-        return best.rows, best.passed
+    def _planned(self, ready: list[J], room: Room | None) -> list[list[J]]:
+        """What is left of the current round: its batches, less the requests no longer queued (expired,
+        withdrawn) and those whose connection has no room now (they go back to the fair order)."""
+        if not self._plan:
+            return []
+        queued = {id(job) for job in ready}
+        trial = room.copy() if room is not None else None
+        groups: list[list[J]] = []
+        for group in self._plan:
+            kept: list[J] = []
+            for job in group:
+                if id(job) not in queued:
+                    continue
+                if trial is not None:
+                    if not trial.fits(job.owner, job.result_bytes):
+                        continue
+                    trial.take(job.owner, job.result_bytes)
+                kept.append(job)
+            if kept:
+                groups.append(kept)
+        return groups
+
+    def _window(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[J]:
+        """The next round's requests: the fair order's first ``max_batch_size``, as long as their tokens
+        and output fit ``max_batch_tokens`` and their own work (plus one overhead) the time limit. The
+        first is always in."""
+        limit = self.time_limit(ready, now, cost)
+        window: list[J] = []
+        tokens, seconds = 0.0, cost.overhead_s
+        for job in self._fair_order(ready, room.copy() if room is not None else None, self.max_batch_size):
+            more_tokens = tokens + max(job.cost, job.n_tokens)
+            more_seconds = seconds + cost.own_s(job.n_tokens, job.result_bytes)
+            if window and (more_tokens > self.max_batch_tokens or more_seconds > limit):
+                break
+            window.append(job)
+            tokens, seconds = more_tokens, more_seconds
+        return window
+
+    def _round(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[list[J]]:
+        """The window cut into batches of neighbouring lengths at the least predicted time in all (see
+        the module doc), the batch of the window's first request first, then by their oldest request."""
+        window = self._window(ready, now, room, cost)
+        if not window:
+            return []
+        place = {id(job): n for n, job in enumerate(window)}
+        classes: dict[int, list[J]] = {}
+        for job in window:
+            classes.setdefault(job.n_tokens, []).append(job)
+        lengths = sorted(classes)
+        # Per length class: rows, bytes of output, token-equivalents of output.
+        rows = [len(classes[n]) for n in lengths]
+        out = [float(sum(job.result_bytes for job in classes[n])) for n in lengths]
+        extra = [sum(max(0.0, job.cost - job.n_tokens) for job in classes[n]) for n in lengths]
+        m = len(lengths)
+        best = [0.0] + [float("inf")] * m  # best[j]: least time for the classes before j
+        cut = [0] * (m + 1)
+        for j in range(1, m + 1):
+            count, out_bytes, output = 0, 0.0, 0.0
+            for i in range(j - 1, -1, -1):  # the batch of classes i .. j-1, longest lengths[j - 1]
+                count, out_bytes, output = count + rows[i], out_bytes + out[i], output + extra[i]
+                if i < j - 1 and (lengths[j - 1] > AUTO_GROWTH * lengths[i]
+                                  or count * lengths[j - 1] + output > self.max_batch_tokens):
+                    break
+                total = best[i] + cost.batch_s(count, count * lengths[j - 1], out_bytes)
+                if total < best[j] * (1 - TIE):
+                    best[j], cut[j] = total, i
+        groups: list[list[J]] = []
+        j = m
+        while j > 0:
+            i = cut[j]
+            groups.append(sorted((job for n in lengths[i:j] for job in classes[n]), key=lambda job: place[id(job)]))
+            j = i
+        groups.sort(key=lambda group: place[id(group[0])])
+        return groups
 
     def _fill_band(self, base: list[J], rest: list[J], limit: float,
                    cost: Coefficients) -> tuple[list[J], list[J]]:
@@ -402,43 +457,3 @@ class BatchPolicy:
             batch.append(job)
             shortest, longest, output, out_bytes = low, high, output + extra, out_bytes + job.result_bytes
         return batch, passed
-
-    def _fill(self, base: list[J], rest: list[J], width: int, limit: float, cost: Coefficients) -> _Candidate[J]:
-        """The batch of band ``width``: ``base``, then each request of ``rest`` (in fair order) that fits.
-
-        Plain arithmetic on locals: this runs for every candidate band under the engine's lock."""
-        low = width / AUTO_GROWTH
-        overhead, token_s, row_s, byte_s = cost.overhead_s, cost.token_s, cost.row_s, cost.byte_s
-        rows = list(base)
-        passed: list[J] = []
-        longest = max(job.n_tokens for job in base)
-        own = sum(cost.own_s(job.n_tokens, job.result_bytes) for job in base)
-        out_bytes = float(sum(job.result_bytes for job in base))
-        output = sum(max(0.0, job.cost - job.n_tokens) for job in base)
-        count = len(rows)
-        efficiency = own / (overhead + (token_s * longest + row_s) * count + byte_s * out_bytes)
-        size, budget = self.max_batch_size, self.max_batch_tokens
-        for job in rest:
-            if count >= size:
-                break
-            n = job.n_tokens
-            if n > width or n < low:
-                passed.append(job)
-                continue
-            wide = n if n > longest else longest
-            extra = job.cost - n
-            more_output = output + (extra if extra > 0 else 0.0)
-            if (count + 1) * wide + more_output > budget:
-                continue
-            more_bytes = out_bytes + job.result_bytes
-            predicted = overhead + (token_s * wide + row_s) * (count + 1) + byte_s * more_bytes
-            if predicted > limit:
-                continue
-            more_own = own + token_s * n + row_s + byte_s * job.result_bytes
-            if more_own < efficiency * predicted * (1 - TIE):  # a tie (equal requests, no overhead) joins
-                passed.append(job)
-                continue
-            rows.append(job)
-            count += 1
-            longest, own, out_bytes, output, efficiency = wide, more_own, more_bytes, more_output, more_own / predicted
-        return _Candidate(rows, longest, own, out_bytes, output, passed)

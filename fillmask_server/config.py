@@ -70,15 +70,16 @@ _HELP: dict[str, str] = {
                      "the requests those clients are likely to send back, before starting a batch that is not full; "
                      "an idle server never waits; 0 = off",
     "max_length_ratio": "a fixed band: in one batch, the longest text at most this many times the shortest (in "
-                        "tokens); 0 = automatic: the measured cost model picks the band that wastes least (padding "
-                        "against per-batch overhead), up to 3x. Either way a request that has missed "
-                        "--max-missed-batches widens it",
+                        "tokens); a request that has missed --max-missed-batches widens it; 0 = automatic: the "
+                        "measured cost model cuts each round of requests into the batches of neighbouring lengths "
+                        "that take the least time in all (padding against per-batch overhead), each at most 3x wide",
     "max_batch_ms": "most predicted time of one batch (forward pass and decoding, from the measured cost model), so "
                     "that a light request never waits behind one long batch; 0 = automatic: 20 times the measured "
                     "per-batch overhead (at most 5%% of throughput lost to overhead); also at most half the time "
                     "left to the tightest deadline waiting",
-    "max_missed_batches": "tail bound: a request the cost model has left out of this many batches (for its length, "
-                          "its output or the time bound) is in the next one",
+    "max_missed_batches": "tail bound with --max-length-ratio: a request the band has left out of this many "
+                          "batches is in the next one (the cost model's rounds need none: a request runs in the "
+                          "round that takes it in)",
     "max_text_chars": "longest text accepted, in characters",
     "max_masks": "most mask tokens in one text",
     "max_top_k": "largest top_k a request may ask for",

@@ -90,8 +90,10 @@ def test_the_least_recently_served_connection_leads_the_next_batch() -> None:
     q = queue(*heavy[:50], light, *heavy[50:])
     p = policy(size=8, tokens=100_000)
     first = p.take(q, now=0)
-    assert names(first.batch) == [f"h{i}" for i in range(8)]  # heavy's oldest leads; light is too long
-    assert names(p.take(q, now=0).batch) == ["light"]  # then light, the connection not yet served
+    # heavy's oldest leads; light, the connection not yet served, has the window's second place, but is
+    # far too long to share a batch with heavy's: it runs next, in the same round
+    assert names(first.batch) == [f"h{i}" for i in range(7)]
+    assert names(p.take(q, now=0).batch) == ["light"]
 
 
 def test_a_trickle_of_new_connections_cannot_starve_a_backlog() -> None:
@@ -387,11 +389,19 @@ def batches_until_served(p: BatchPolicy, limit: int = 50) -> int:
 
 
 def test_tail_bound_no_request_misses_more_than_the_stated_number_of_batches() -> None:
-    """The cost model keeps leaving the long text out (padding four short rows to its length costs more
-    than its own batch) while newcomers keep arriving, until it has missed ``max_missed`` batches."""
-    assert batches_until_served(policy(size=8, cost=CPU, max_missed=10**6)) > 50  # without the bound: never
+    """A fixed band (``--max-length-ratio``) keeps leaving the long text out while newcomers keep
+    arriving, until it has missed ``max_missed`` batches."""
+    assert batches_until_served(policy(size=8, growth=1.5, max_missed=10**6)) > 50  # without the bound: never
     for max_missed in (0, 2, 5):
-        assert batches_until_served(policy(size=8, cost=CPU, max_missed=max_missed)) == max_missed + 1
+        assert batches_until_served(policy(size=8, growth=1.5, max_missed=max_missed)) == max_missed + 1
+
+
+def test_with_the_cost_model_a_request_is_served_in_the_round_it_joins() -> None:
+    """The cost model leaves the long text out of the short texts' batch (padding four rows to its
+    length costs more than a batch of its own), but it is in the same round: it runs right after,
+    before any of the newcomers that keep arriving, whatever ``max_missed``."""
+    for max_missed in (0, 2, 10**6):
+        assert batches_until_served(policy(size=8, cost=CPU, max_missed=max_missed)) == 2
 
 
 def test_a_request_that_waits_for_its_fair_share_does_not_count_as_missed() -> None:
@@ -400,3 +410,100 @@ def test_a_request_that_waits_for_its_fair_share_does_not_count_as_missed() -> N
     p = policy(size=4, cost=CPU)
     p.take(q, now=0)
     assert all(job.missed == 0 for job in q)
+
+
+def run_round(p: BatchPolicy, q: deque[FakeJob]) -> list[list[str]]:
+    """Take batches until the round ends (no batches left planned); their names."""
+    batches = [names(p.take(q, now=0).batch)]
+    while p._planned(list(q), None):
+        batches.append(names(p.take(q, now=0).batch))
+    return batches
+
+
+def test_a_round_runs_lengths_apart_where_padding_is_dear_and_together_where_a_batch_is() -> None:
+    lengths = [10, 20, 40] * 8
+    jobs = [FakeJob(f"{n}-{i}", arrival=i, n_tokens=n, owner=f"c{i}") for i, n in enumerate(lengths)]
+    cpu = run_round(policy(size=64, cost=CPU), queue(*jobs))
+    assert [sorted({name.split("-")[0] for name in batch}) for batch in cpu] == [["10"], ["20"], ["40"]]
+    assert [len(batch) for batch in cpu] == [8, 8, 8]
+    lengths = [10, 14, 28] * 8  # within AUTO_GROWTH: one batch may hold them all
+    jobs = [FakeJob(f"{n}-{i}", arrival=i, n_tokens=n, owner=f"c{i}") for i, n in enumerate(lengths)]
+    assert [len(batch) for batch in run_round(policy(size=64, cost=GPU), queue(*jobs))] == [24]
+
+
+def test_nothing_that_arrives_during_a_round_runs_before_the_rest_of_it() -> None:
+    """The tail bound with the cost model: the round's later batches run first, even when a newcomer
+    (whose connection would lead the fair order) or a request of the running batch's length arrives."""
+    q = queue(*(FakeJob(f"s{i}", arrival=i, n_tokens=10, owner="a") for i in range(4)),
+              FakeJob("long", arrival=5, n_tokens=28, owner="a"))
+    p = policy(size=8, cost=CPU)
+    assert names(p.take(q, now=0).batch) == ["s0", "s1", "s2", "s3"]
+    q.extend([FakeJob("new", arrival=6, n_tokens=10, owner="newcomer"),
+              FakeJob("s4", arrival=6, n_tokens=10, owner="a")])
+    assert names(p.take(q, now=0).batch) == ["long"]
+    assert names(p.take(q, now=0).batch) == ["new", "s4"]
+
+
+def test_requests_that_leave_the_queue_drop_out_of_their_round() -> None:
+    jobs = [FakeJob(f"s{i}", arrival=i, n_tokens=10, owner=f"c{i}") for i in range(4)]
+    longs = [FakeJob("gone", arrival=5, n_tokens=28, owner="x"), FakeJob("late", arrival=5, n_tokens=28,
+                                                                         owner="y", deadline=1.0),
+             FakeJob("kept", arrival=5, n_tokens=28, owner="z")]
+    q = queue(*jobs, *longs)
+    p = policy(size=8, cost=CPU)
+    assert len(p.take(q, now=0).batch) == 4
+    q.remove(longs[0])  # withdrawn by its client while the first batch ran
+    decision = p.take(q, now=2.0)  # "late" expired meanwhile
+    assert names(decision.expired) == ["late"] and names(decision.batch) == ["kept"]
+
+
+def test_no_wait_while_a_round_has_batches_left() -> None:
+    p = BatchPolicy(max_batch_size=32, max_batch_tokens=10_000, anticipate_s=0.005, cost=CPU)
+    p.batch_ran(0.010)
+    q = queue(*(FakeJob(f"s{i}", arrival=0.99, n_tokens=10) for i in range(4)),
+              FakeJob("long", arrival=0.99, n_tokens=28))
+    assert p.wait_s(q, now=1.0) == 0.0  # idle: never waits
+    p.take(q, now=1.0)
+    p.answered(4, now=1.001)  # answers out: the engine would wait for their returns, but "long" is due
+    assert names(q) == ["long"] and p.wait_s(q, now=1.001) == 0.0
+    p.take(q, now=1.001)
+    p.answered(1, now=1.002)
+    q.append(FakeJob("back", arrival=1.002, n_tokens=10))
+    assert p.wait_s(q, now=1.002) > 0  # a new round may wait for company again
+
+
+def test_a_round_is_the_cheapest_way_to_cut_its_window() -> None:
+    """The dynamic program against brute force: every way to cut the sorted lengths into neighbouring
+    groups, on random windows and both cost models."""
+    import itertools
+    import random
+
+    rng = random.Random(7)
+    for case in range(150):
+        cost = (CPU, GPU)[case % 2]
+        lengths = [rng.choice([4, 5, 6, 8, 9, 12, 14, 15, 20, 31, 40]) for _ in range(rng.randint(1, 12))]
+        jobs = [FakeJob(str(i), arrival=i, n_tokens=n, owner=str(i), result_bytes=rng.randint(0, 20_000))
+                for i, n in enumerate(lengths)]
+        p = policy(size=64, cost=cost, max_batch_s=10.0)
+        groups = p._round(list(jobs), 0.0, None, cost)
+        assert sorted(job.name for group in groups for job in group) == sorted(job.name for job in jobs)
+
+        def predicted(group: list[FakeJob], cost: Coefficients = cost) -> float:
+            return cost.batch_s(len(group), len(group) * max(j.n_tokens for j in group),
+                                sum(j.result_bytes for j in group))
+
+        distinct = sorted(set(lengths))
+        best = float("inf")
+        for cuts in itertools.product([False, True], repeat=len(distinct) - 1):
+            parts, current = [], [distinct[0]]
+            for length, cut in zip(distinct[1:], cuts, strict=True):
+                if cut:
+                    parts.append(current)
+                    current = []
+                current.append(length)
+            parts.append(current)
+            if any(part[-1] > 3 * part[0] for part in parts):
+                continue
+            best = min(best, sum(predicted([j for j in jobs if j.n_tokens in part]) for part in parts))
+        assert sum(predicted(group) for group in groups) == pytest.approx(best, rel=1e-6)
+        assert groups[0][0] is jobs[0]  # the head's batch first
