@@ -38,7 +38,9 @@ class ServerProcess:
     ``server.pid``; after the block, ``server.returncode`` is the server's exit status (0 after a clean
     drain; negative: the signal that killed it)."""
 
-    def __init__(self, model_dir: Path, extra_args: list[str], start_timeout: float = 180.0) -> None:
+    def __init__(self, model_dir: Path, extra_args: list[str], start_timeout: float = 180.0,
+                 script: str = "ws_server.py") -> None:
+        self.script = script  # another server with the same flags and ready line, e.g. bench/peers/seed.py
         self.model_dir = model_dir
         self.extra_args = extra_args
         self.start_timeout = start_timeout
@@ -56,7 +58,7 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-        command = [sys.executable, "ws_server.py", "--model", str(self.model_dir), "--host", "127.0.0.1",
+        command = [sys.executable, self.script, "--model", str(self.model_dir), "--host", "127.0.0.1",
                    "--port", "0", "--log-level", "warning", *self.extra_args]
         started = time.perf_counter()
         self._process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
