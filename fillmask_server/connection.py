@@ -1,6 +1,7 @@
 """The socket side of one WebSocket connection: an ordered, byte-counted outbox and its writer task.
 
-Every frame for the client goes through ``send``; one writer task hands them to websockets in order.
+Every frame for the client goes through ``send``; one writer task hands them to websockets in order,
+the frames waiting together (one write to the socket for the answers one batch brings a connection).
 The protocol decisions (what to answer, when) are the connection's ``Session``'s; this class only
 moves bytes and reports how the client keeps up:
 
@@ -30,6 +31,7 @@ from websockets.exceptions import ConnectionClosed
 
 from .metrics import Metrics
 
+WRITE_BATCH_BYTES = 64 * 1024  # most bytes of frames handed to websockets in one write
 CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
 
 Label = tuple[str, str] | None  # (outcome, code) of an answer about a request; None for other frames
@@ -105,20 +107,30 @@ class Connection:
         self._unsent_seen = unsent
 
     async def _write_loop(self) -> None:
-        """Send queued frames in order until the connection closes."""
+        """Send queued frames in order until the connection closes: the frames waiting (up to
+        ``WRITE_BATCH_BYTES``, at least one) in one websockets send context, so in one write, then wait
+        for websockets' flow control; they leave the outbox's count once that wait is over."""
+        ws = self.ws
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
                 while self._outbox:
-                    frame, label = self._outbox[0]
-                    await self.ws.send(frame, text=True)
-                    self._outbox.popleft()
+                    count, size = 0, 0
+                    for frame, _ in self._outbox:
+                        if count and size + len(frame) > WRITE_BATCH_BYTES:
+                            break
+                        count, size = count + 1, size + len(frame)
+                    async with ws.send_context():
+                        for n in range(count):
+                            ws.protocol.send_text(self._outbox[n][0])
                     self.last_progress = time.monotonic()
-                    self.pending_bytes -= len(frame)
-                    self._unsent.total -= len(frame)
-                    if label is not None:
-                        self._metrics.answered(*label)
+                    self.pending_bytes -= size
+                    self._unsent.total -= size
+                    for _ in range(count):
+                        label = self._outbox.popleft()[1]
+                        if label is not None:
+                            self._metrics.answered(*label)
                     if not self.congested:
                         self._uncongested.set()
                 self._idle.set()

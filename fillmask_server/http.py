@@ -221,10 +221,11 @@ class HttpFront:
 
 
 class FrontConnection(ServerConnection):
-    """websockets' server connection, with one change: a request it refuses while parsing, before any
+    """websockets' server connection, with two changes: a request it refuses while parsing, before any
     hook runs (request line or headers too long, not HTTP at all), is answered with the front's JSON
     instead of the library's plain text (``websockets.server.ServerProtocol.parse`` writes that answer
-    and ends the stream; ``send_data`` is where its bytes would reach the socket).
+    and ends the stream; ``send_data`` is where its bytes would reach the socket); and the frames queued
+    in one send context reach the socket in one write.
 
     The rest is websockets' own behaviour: a request that parsed has ``self.request`` set before any
     refusal can be made, and those refusals go through the hooks instead.
@@ -234,16 +235,31 @@ class FrontConnection(ServerConnection):
     _answered_early = False
 
     def send_data(self) -> None:
+        """websockets' ``send_data``, with the frames waiting joined into one write (one system call for
+        the frames a send context queued, instead of one per frame), or the front's early refusal."""
         exc = self.protocol.handshake_exc
         if self.request is not None or exc is None or self._answered_early:
-            super().send_data()
+            waiting: list[bytes] = []
+            for data in self.protocol.data_to_send():
+                if data:
+                    waiting.append(data)
+                    continue
+                if waiting:
+                    self.transport.write(b"".join(waiting))
+                    waiting = []
+                self._end_stream()  # an empty chunk: websockets' end of stream
+            if waiting:
+                self.transport.write(b"".join(waiting))
             return
         self._answered_early = True
         self.protocol.data_to_send()  # websockets' plain-text answer (if any) and its end of stream: replaced
         answer = self.front.early_refusal(self, exc)
         if answer is not None:
             self.transport.write(answer.serialize())
-        # End the stream as websockets does: half-close where the transport can (plain TCP), else close.
+        self._end_stream()
+
+    def _end_stream(self) -> None:
+        """End the stream as websockets does: half-close where the transport can (plain TCP), else close."""
         if self.transport.can_write_eof():
             with contextlib.suppress(OSError, RuntimeError):  # as websockets: write_eof documents no errors
                 self.transport.write_eof()
