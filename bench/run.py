@@ -4,6 +4,7 @@
     .venv/bin/python bench/run.py --quick                                   # smoke run, tiny only, < 2 min
     .venv/bin/python bench/run.py --families all                            # every family, about 10 min
     .venv/bin/python bench/run.py --families distilbert,esm --quick         # two families, short windows
+    .venv/bin/python bench/run.py --families all --family-shape small       # compute-bound: 4 layers, width 384
 
 For each model size and each corpus (``mixed``: 8-81 tokens, one and two masks; ``short``: 9-16
 tokens, one mask) it makes the offline checkpoint if missing, measures the in-process limits in a
@@ -16,11 +17,14 @@ Every phase is time-boxed; servers are stopped in ``finally`` blocks. Outputs: `
 ``results.json``, ``latency_vs_throughput.png``.
 
 ``--families`` measures instead each model family's tiny checkpoint (``fillmask_server.checkpoint``,
-``models/families/``) on the short corpus (``bench.pipeline_limits.family_texts``: its mask token;
+``models/families/``; with ``--family-shape small``, 4 layers of width 384, ``models/families-small/``,
+where the model rather than the Python around it is most of a request's cost) on the short corpus
+(``bench.pipeline_limits.family_texts``: its mask token;
 protein sequences for ESM): the family's best ``pipeline(list, batch_size=N)`` and in-process limit
 in a child process, then its server, closed loop, 32 clients x K in flight; the path the server took
 (``hello.engine``) and the two ratios per family, with the issue 16 goals (server >= 1.3x its best
-pipeline and >= 0.85x its in-process limit). Outputs: ``families.md``, ``families.json``.
+pipeline and >= 0.85x its in-process limit). Outputs: ``families.md``, ``families.json`` (small:
+``families-small.md``, ``families-small.json``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from bench import report
 from bench.corpus import CORPORA, corpus_stats
 from bench.loadgen import closed_loop, idle_single, open_loop, run_probe, settle
 from bench.server_proc import ROOT, CpuMeter, QuietGate, ServerProcess
-from fillmask_server.checkpoint import FAMILIES
+from fillmask_server.checkpoint import FAMILIES, FAMILY_SHAPES
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ class Settings:
     server_args: tuple[str, ...] = ()
     timing: dict[str, Timing] = field(default_factory=dict)
     families: list[str] = field(default_factory=list)
+    family_shape: str = "tiny"
 
 
 def log(message: str) -> None:
@@ -377,7 +382,9 @@ async def run_families(settings: Settings) -> dict[str, Any]:
     pairs: dict[str, list[dict[str, Any]]] = {family: [] for family in settings.families}
     for r in range(1, timing.repeats + 1):
         for family in settings.families:
-            model_dir = ensure_family(family, settings.models / "families")
+            root = settings.models / ("families" if settings.family_shape == "tiny" else
+                                      f"families-{settings.family_shape}")
+            model_dir = ensure_family(family, root, settings.family_shape)
             log(f"family {family} r{r}: pipeline and in-process limit on the {FAMILY_CORPUS} corpus")
             raw = measure_pipeline(model_dir, "float32", FAMILY_CORPUS, settings, once, family=family)
             token_counts = raw.pop("token_counts", None)
@@ -425,8 +432,9 @@ def families_markdown(summary: dict[str, Any]) -> str:
         f"{meta['cpu_model']}, {meta['cores']} cores, torch {meta['torch']} ({meta['torch_threads']} threads), "
         f"transformers {meta['transformers']}; load average at start {meta['loadavg_start']}.",
         "",
-        f"Each family's tiny offline checkpoint (`python -m fillmask_server.checkpoint`, `models/families/`: "
-        f"random weights, 2 layers, hidden 32-64, a tokenizer of the family's kind) on the `{FAMILY_CORPUS}` "
+        f"Each family's {FAMILY_SHAPE_TEXT[summary['settings']['family_shape']]}, made by `python -m "
+        "fillmask_server.checkpoint` (random weights, a tokenizer of the family's kind), on the "
+        f"`{FAMILY_CORPUS}` "
         f"corpus (one mask; ESM: protein sequences of 8-14 residues). Server: `ws_server.py`, closed loop, "
         f"{summary['settings']['clients']} clients x K in flight (best K of {summary['settings']['in_flight']}). "
         f"Pipeline: `pipeline(list, batch_size=N)`, best N of {summary['settings']['pipeline_batch_sizes']}. "
@@ -466,9 +474,19 @@ def _cores(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, int | float) and value == value else "?"
 
 
+FAMILY_SHAPE_TEXT = {
+    "tiny": "tiny offline checkpoint (`models/families/`: 2 layers, hidden 32-64; the Python around the model is "
+            "most of a request's cost)",
+    "small": "small offline checkpoint (`models/families-small/`, `--family-shape small`: 4 layers, hidden 384, "
+             "ELECTRA's generator 768; the model is most of a request's cost)",
+}
+
+
 def write_families(summary: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    md, js = out / "families.md", out / "families.json"
+    shape = summary["settings"]["family_shape"]
+    stem = "families" if shape == "tiny" else f"families-{shape}"
+    md, js = out / f"{stem}.md", out / f"{stem}.json"
     md.write_text(families_markdown(summary))
     js.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
                                 default=str))
@@ -501,6 +519,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--families", default=None,
                         help="measure these model families' tiny checkpoints instead of --sizes: 'all' or a "
                              "comma-separated list of " + ", ".join(FAMILIES))
+    parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
+                        help="with --families: the checkpoints' shape, tiny (2 layers, hidden 32-64) or small "
+                             "(4 layers, hidden 384)")
     parser.add_argument("--server-args", default="",
                         help="extra ws_server.py flags for every server config, e.g. '--torch-threads 1'")
     args = parser.parse_args(argv)
@@ -539,7 +560,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         pipeline_batch_sizes=tuple(int(n) for n in (args.pipeline_batch_sizes
                                                      or ("1,8,32" if args.quick else "1,8,16,32,64")).split(",")),
         pipeline_bf16=not args.no_pipeline_bf16, repeats=args.repeats, timing=timing,
-        server_args=tuple(shlex.split(args.server_args)), families=families,
+        server_args=tuple(shlex.split(args.server_args)), families=families, family_shape=args.family_shape,
         gate=QuietGate(args.wait_quiet if args.wait_quiet is not None else (0.0 if args.quick else 15.0),
                        args.wait_budget),
     )
@@ -568,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if settings.families:
         summary["settings"]["repeats"] = settings.timing["family"].repeats
+        summary["settings"]["family_shape"] = settings.family_shape
         for path in write_families(summary, settings.out):
             log(f"wrote {path}")
         print(families_markdown(summary))

@@ -89,7 +89,13 @@ FAMILY_KEY = "fillmask_family_version"
 #: ESM-2's vocabulary (``facebook/esm2_t6_8M_UR50D``), in its order: 33 tokens, 4 special and ``<mask>``.
 ESM_VOCAB = ("<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q",
              "N", "F", "Y", "M", "H", "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
-_SMALL = {"num_hidden_layers": 2, "num_attention_heads": 2, "initializer_range": 0.2}
+#: Family model shapes: ``tiny`` for tests (the Python around the model is most of the cost), ``small``
+#: for the benchmark's compute-bound run (4 layers of width 384, about MiniLM's: the model is most of it).
+FAMILY_SHAPES = {
+    "tiny": {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2},
+    "small": {"hidden": 384, "intermediate": 1536, "layers": 4, "heads": 6},
+}
+FAMILY_SHAPE_KEY = "fillmask_family_shape"
 
 
 def training_text(lines: int = 3000, seed: int = 0) -> list[str]:
@@ -108,18 +114,21 @@ def training_text(lines: int = 3000, seed: int = 0) -> list[str]:
     return text
 
 
-def is_family_checkpoint(directory: Path) -> bool:
-    """True when ``directory`` holds a family checkpoint written by this version of ``write_family``."""
+def is_family_checkpoint(directory: Path, shape: str = "tiny") -> bool:
+    """True when ``directory`` holds a family checkpoint of ``shape`` written by this version of
+    ``write_family``."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (config.get(FAMILY_KEY) == FAMILY_VERSION and (directory / "model.safetensors").is_file()
+    return (config.get(FAMILY_KEY) == FAMILY_VERSION and config.get(FAMILY_SHAPE_KEY, "tiny") == shape
+            and (directory / "model.safetensors").is_file()
             and (directory / "tokenizer_config.json").is_file())
 
 
-def ensure_family(family: str, root: Path) -> Path:
-    """``root/FAMILY``, written by ``write_family`` unless a checkpoint of this version is already there.
+def ensure_family(family: str, root: Path, shape: str = "tiny") -> Path:
+    """``root/FAMILY``, written by ``write_family`` unless a checkpoint of this version and ``shape`` is
+    already there.
 
     Safe for several processes at once (the test suite's workers): each writes into a directory of its
     own beside the target and renames it into place, which is atomic, so a reader never sees a half
@@ -128,38 +137,43 @@ def ensure_family(family: str, root: Path) -> Path:
     import tempfile
 
     directory = root / family
-    if is_family_checkpoint(directory):
+    if is_family_checkpoint(directory, shape):
         return directory
     root.mkdir(parents=True, exist_ok=True)
     made = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
     try:
-        write_family(family, made)
-        if directory.exists() and not is_family_checkpoint(directory):
-            shutil.rmtree(directory, ignore_errors=True)  # an older version's checkpoint
+        write_family(family, made, shape=shape)
+        if directory.exists() and not is_family_checkpoint(directory, shape):
+            shutil.rmtree(directory, ignore_errors=True)  # an older version's (or another shape's) checkpoint
         try:
             made.rename(directory)
         except OSError:  # another process put a checkpoint there first
-            if not is_family_checkpoint(directory):
+            if not is_family_checkpoint(directory, shape):
                 raise
     finally:
         shutil.rmtree(made, ignore_errors=True)
     return directory
 
 
-def write_family(family: str, directory: Path, seed: int = 0) -> Path:
-    """A random-weight tiny ``*ForMaskedLM`` of ``family`` (2 layers, hidden 32-64) and its tokenizer,
-    trained offline with ``tokenizers`` on ``training_text``; the tokenizer is the family's own class,
-    so it tokenizes, adds special tokens and decodes as that family's real checkpoints do."""
+def write_family(family: str, directory: Path, seed: int = 0, shape: str = "tiny") -> Path:
+    """A random-weight ``*ForMaskedLM`` of ``family`` in ``shape`` (``FAMILY_SHAPES``; tiny: 2 layers,
+    hidden 32-64) and its tokenizer, trained offline with ``tokenizers`` on ``training_text``; the
+    tokenizer is the family's own class, so it tokenizes, adds special tokens and decodes as that
+    family's real checkpoints do."""
     import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if shape not in FAMILY_SHAPES:
+        raise ValueError(f"unknown family shape {shape!r}; choose one of {', '.join(FAMILY_SHAPES)}")
     tokenizer = _family_tokenizer(family, directory)
-    config = _family_config(family, tokenizer)
+    config = _family_config(family, tokenizer, **FAMILY_SHAPES[shape])
     setattr(config, RANDOM_WEIGHTS_KEY, True)
     setattr(config, FAMILY_KEY, FAMILY_VERSION)
+    if shape != "tiny":
+        setattr(config, FAMILY_SHAPE_KEY, shape)
     torch.manual_seed(seed)
     model = transformers.AutoModelForMaskedLM.from_config(config).eval()
     directory.mkdir(parents=True, exist_ok=True)
@@ -241,44 +255,49 @@ def _modernbert_tokenizer(limit: dict[str, int]) -> object:
                                    sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]", **limit)
 
 
-def _family_config(family: str, tokenizer: Any) -> Any:
-    """The family's config for a tiny model whose position table fits ``FAMILY_MAX_TOKENS`` exactly."""
+def _family_config(family: str, tokenizer: Any, hidden: int, intermediate: int, layers: int, heads: int) -> Any:
+    """The family's config for a model of this width and depth whose position table fits
+    ``FAMILY_MAX_TOKENS`` exactly. (ELECTRA's generator is twice as wide, over embeddings of ``hidden``;
+    ALBERT's embeddings are half as wide.)"""
     import transformers as t
 
     vocab, pad = len(tokenizer), tokenizer.pad_token_id
     positions = FAMILY_MAX_TOKENS
+    common = {"num_hidden_layers": layers, "num_attention_heads": heads, "initializer_range": 0.2}
+    width = {"hidden_size": hidden, "intermediate_size": intermediate}
     if family == "bert":
-        return t.BertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=positions,
-                            pad_token_id=pad, **_SMALL)
+        return t.BertConfig(vocab_size=vocab, max_position_embeddings=positions, pad_token_id=pad, **width, **common)
     if family in ("roberta", "xlm-roberta"):  # position ids start after the padding index
         cls = t.RobertaConfig if family == "roberta" else t.XLMRobertaConfig
-        return cls(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=positions + pad + 1,
-                   pad_token_id=pad, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                   type_vocab_size=1, **_SMALL)
+        return cls(vocab_size=vocab, max_position_embeddings=positions + pad + 1, pad_token_id=pad,
+                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, type_vocab_size=1,
+                   **width, **common)
     if family == "distilbert":
-        return t.DistilBertConfig(vocab_size=vocab, dim=32, hidden_dim=64, n_layers=2, n_heads=2,
+        return t.DistilBertConfig(vocab_size=vocab, dim=hidden, hidden_dim=intermediate, n_layers=layers, n_heads=heads,
                                   max_position_embeddings=positions, pad_token_id=pad, initializer_range=0.2)
     if family == "albert":
-        return t.AlbertConfig(vocab_size=vocab, embedding_size=16, hidden_size=32, intermediate_size=64,
-                              max_position_embeddings=positions, pad_token_id=pad,
-                              bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id, **_SMALL)
+        return t.AlbertConfig(vocab_size=vocab, embedding_size=hidden // 2, max_position_embeddings=positions,
+                              pad_token_id=pad, bos_token_id=tokenizer.cls_token_id,
+                              eos_token_id=tokenizer.sep_token_id, **width, **common)
     if family == "electra":  # a generator: the embeddings are projected up to the encoder's width
-        return t.ElectraConfig(vocab_size=vocab, embedding_size=32, hidden_size=64, intermediate_size=128,
-                               max_position_embeddings=positions, pad_token_id=pad, **_SMALL)
+        return t.ElectraConfig(vocab_size=vocab, embedding_size=hidden, hidden_size=2 * hidden,
+                               intermediate_size=2 * intermediate, max_position_embeddings=positions, pad_token_id=pad,
+                               **common)
     if family == "deberta-v2":  # DeBERTa-v3's shape: relative positions in log buckets, no absolute ones
-        return t.DebertaV2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
-                                 relative_attention=True, position_buckets=16, max_relative_positions=-1,
-                                 pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
-                                 share_att_key=True, type_vocab_size=0, pad_token_id=pad, **_SMALL)
-    if family == "modernbert":  # layer 0 global attention, layer 1 a sliding window of 16 tokens
-        return t.ModernBertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=512,
-                                  local_attention=16, global_attn_every_n_layers=2, pad_token_id=pad,
+        return t.DebertaV2Config(vocab_size=vocab, max_position_embeddings=512, relative_attention=True,
+                                 position_buckets=16, max_relative_positions=-1, pos_att_type=["p2c", "c2p"],
+                                 position_biased_input=False, norm_rel_ebd="layer_norm", share_att_key=True,
+                                 type_vocab_size=0, pad_token_id=pad, **width, **common)
+    if family == "modernbert":  # even layers global attention, odd layers a sliding window of 16 tokens
+        return t.ModernBertConfig(vocab_size=vocab, max_position_embeddings=512, local_attention=16,
+                                  global_attn_every_n_layers=2, pad_token_id=pad,
                                   cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
-                                  bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id, **_SMALL)
+                                  bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
+                                  **width, **common)
     # esm: ESM-2's shape (rotary positions, token dropout: mask embeddings zeroed and the rest rescaled)
-    return t.EsmConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, max_position_embeddings=positions + 2,
-                       position_embedding_type="rotary", token_dropout=True, mask_token_id=tokenizer.mask_token_id,
-                       pad_token_id=pad, emb_layer_norm_before=False, **_SMALL)
+    return t.EsmConfig(vocab_size=vocab, max_position_embeddings=positions + 2, position_embedding_type="rotary",
+                       token_dropout=True, mask_token_id=tokenizer.mask_token_id, pad_token_id=pad,
+                       emb_layer_norm_before=False, **width, **common)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,13 +307,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, help="where to write config, weights and tokenizer")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true", help="rewrite even if the directory holds a checkpoint")
+    parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
+                        help="a family model's shape: tiny (2 layers, hidden 32-64) or small (4 layers, hidden 384)")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
-    if (is_family_checkpoint if family else is_checkpoint)(args.directory) and not args.force:
+    there = is_family_checkpoint(args.directory, args.family_shape) if family else is_checkpoint(args.directory)
+    if there and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0
-    (write_family if family else write_checkpoint)(args.size, args.directory, seed=args.seed)
-    kind = f"tiny '{args.size}' fill-mask" if family else f"'{args.size}' BERT fill-mask"
+    if family:
+        write_family(args.size, args.directory, seed=args.seed, shape=args.family_shape)
+    else:
+        write_checkpoint(args.size, args.directory, seed=args.seed)
+    kind = f"{args.family_shape} '{args.size}' fill-mask" if family else f"'{args.size}' BERT fill-mask"
     print(f"{args.directory}: wrote random-weight {kind} checkpoint")
     return 0
 

@@ -199,3 +199,22 @@ def test_deberta_v2_with_its_newer_head_gets_the_head_at_the_masks() -> None:
     expected = pipeline("fill-mask", model=model, tokenizer=tokenizer, device="cpu")(text, top_k=5)
     got = fill.forward([Item(fill.tokenize([text])[0], 5)])
     assert got.indices[0].tolist() == [p["token"] for p in expected]
+
+
+def test_a_family_checkpoint_has_the_shape_asked_for_and_only_that_shape_is_reused(tmp_path: Path) -> None:
+    """``--family-shape small`` (the benchmark's compute-bound family run): the width and depth asked for,
+    the same fast path, and a cache of one shape never passes for the other."""
+    from transformers import AutoConfig
+
+    from fillmask_server.checkpoint import FAMILY_SHAPES, ensure_family, is_family_checkpoint
+
+    small = ensure_family("bert", tmp_path, shape="small")
+    config = AutoConfig.from_pretrained(small)
+    shape = FAMILY_SHAPES["small"]
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+        shape["hidden"], shape["layers"], shape["intermediate"])
+    assert is_family_checkpoint(small, "small") and not is_family_checkpoint(small, "tiny")
+    model = load_model(str(small))
+    assert model.engine_facts()["head"] == "masks" and model.forward_mode == "traced"
+    tiny = ensure_family("bert", tmp_path, shape="tiny")  # replaces the small one in the same place
+    assert AutoConfig.from_pretrained(tiny).hidden_size == FAMILY_SHAPES["tiny"]["hidden"]
