@@ -1,11 +1,12 @@
-"""Issue 17's side-by-side figures: the cost-model batching against hand-set flags, and the forward
-pass in the server against the same batches in-process.
+"""Issue 17's side-by-side figures: the cost-model batching against hand-set flags and against the seed
+design (``bench/peers/seed.py``), and the forward pass in the server against the same batches in-process.
 
     .venv/bin/python bench/adaptive.py --sizes tiny --corpora short,mixed --duration 8
 
 For each size and corpus, one real server per flag set (defaults first, then a sweep of hand-set
-flags), interleaved over ``--repeats``, 32 closed-loop clients x 4 in flight; it prints req/s,
-p50/p99, rows per batch and each configuration's ratio to the best of the sweep. Then, for the
+flags, then the seed design unless ``--no-seed``), interleaved over ``--repeats``, 32 closed-loop
+clients x 4 in flight; it prints req/s, p50/p99, rows per batch, the defaults' ratios to the best of
+the sweep and to the seed design, against issue 17's goals. Then, for the
 default server's batches (their shapes, rows x padded width, from the results' ``batch_size`` and
 ``batch_tokens``), it times the same shapes in a child process with the same torch thread count
 (``model.forward`` alone, nothing else running) and prints the server's per-batch forward time
@@ -38,8 +39,6 @@ SWEEP = {
     "--max-batch-size 32": ["--max-batch-size", "32"],
     "--anticipate-ms 30": ["--anticipate-ms", "30"],
     "--torch-threads 1": ["--torch-threads", "1"],
-    "--max-missed-batches 1": ["--max-missed-batches", "1"],
-    "--max-missed-batches 0": ["--max-missed-batches", "0"],
 }
 
 INPROCESS = r"""
