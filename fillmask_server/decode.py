@@ -5,19 +5,24 @@ put in the mask's place: ``tokenizer.decode(ids, skip_special_tokens=single_mask
 padding ids (``FillMaskPipeline.postprocess``). For 8 masks x 100 candidates that is 800 full decodes.
 
 ``SequenceDecoder`` gives the same strings, byte for byte, from one decode of the text with a slot.
-For a fast tokenizer whose decoder is WordPiece (BERT and its relatives), decoding is, exactly:
+For a fast tokenizer whose decoder works piece by piece (``PIECEWISE``: WordPiece for BERT and its
+relatives, Metaspace for the SentencePiece families such as XLM-R, ALBERT and DeBERTa, ByteLevel for
+RoBERTa and ModernBERT), decoding is, exactly:
 
 1. ids → token strings, dropping ids the tokenizer cannot map and, when skipping, special tokens;
-2. each token → a *piece* that depends only on the token and on whether it comes first (the Rust
-   ``WordPiece`` decoder: ``##`` glued on, others after a space, then its cleanup, per piece);
+2. each token → a *piece* that depends only on the token and on whether it comes first (WordPiece:
+   ``##`` glued on, others after a space, then its cleanup, per piece; Metaspace: ``▁`` is a space,
+   dropped at the start; ByteLevel: the token's bytes, which stand alone only when they are whole
+   UTF-8 characters, so a token whose piece holds U+FFFD, a broken character, is never a piece);
 3. the pieces joined with ``""``;
 4. when the tokenizer's ``clean_up_tokenization_spaces`` is set, transformers' whole-string cleanup.
 
 So with ``left`` and ``right`` the joined pieces around the mask, a candidate's sequence is
 ``cleanup(left + piece(candidate) + right)``. Pieces come from the tokenizer's own decoder (one call per
 vocabulary id, cached), not from a re-implementation. The few candidates that would change what is
-dropped around them (a special token while skipping, the padding id, an unmappable id) take the
-pipeline's own path. On start-up the fast path is checked against ``tokenizer.decode`` on random
+dropped around them (a special token while skipping, the padding id, an unmappable id) or that are
+not whole pieces take the pipeline's own path, and so does a text with such a token around the mask.
+On start-up the fast path is checked against ``tokenizer.decode`` on random
 sequences; any difference (an unknown tokenizer, a new library version) turns it off for good.
 """
 
@@ -35,6 +40,8 @@ from .model import Item, TopK
 log = logging.getLogger(__name__)
 
 _ANCHOR = "a"  # a plain token: decode([ANCHOR, t]) is ANCHOR followed by t's non-first piece
+PIECEWISE = ("WordPiece", "Metaspace", "ByteLevel")  # decoders whose output is one piece per token
+_BROKEN = "\ufffd"  # what a ByteLevel piece holds for bytes that are not a whole UTF-8 character
 
 
 class SequenceDecoder:
@@ -60,7 +67,7 @@ class SequenceDecoder:
     def _can_slot(self) -> bool:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         decoder = getattr(backend, "decoder", None)
-        if backend is None or type(decoder).__name__ != "WordPiece":
+        if backend is None or type(decoder).__name__ not in PIECEWISE:
             return False
         self._backend = backend
         self._decoder = decoder
@@ -89,9 +96,10 @@ class SequenceDecoder:
 
     def sequences(self, ids: Sequence[int], position: int, candidates: Sequence[int], skip_special: bool) -> list[str]:
         """For each candidate, the text ``ids`` decoded with the candidate at ``position``."""
-        if not self.fast:
+        slot = self._slot(ids, position, skip_special) if self.fast else None
+        if slot is None:
             return [self._full(ids, position, c, skip_special) for c in candidates]
-        left, right, first = self._slot(ids, position, skip_special)
+        left, right, first = slot
         out = []
         for candidate in candidates:
             piece = self._piece(candidate, first, skip_special)
@@ -102,13 +110,16 @@ class SequenceDecoder:
             out.append(text if self._cleanup is None else self._cleanup(text))
         return out
 
-    def _slot(self, ids: Sequence[int], position: int, skip_special: bool) -> tuple[str, str, bool]:
-        """The joined pieces left and right of ``position``, and whether the slot comes first."""
+    def _slot(self, ids: Sequence[int], position: int, skip_special: bool) -> tuple[str, str, bool] | None:
+        """The joined pieces left and right of ``position``, and whether the slot comes first; None when
+        a token around it is not a whole piece."""
         kept_left = [t for t in ids[:position] if self._kept(t, skip_special)]
         kept_right = [t for t in ids[position + 1:] if self._kept(t, skip_special)]
-        left = "".join(self._first_piece(t) if n == 0 else self._rest_piece(t) for n, t in enumerate(kept_left))
-        right = "".join(self._rest_piece(t) for t in kept_right)
-        return left, right, not kept_left
+        pieces = [self._first_piece(t) if n == 0 else self._rest_piece(t) for n, t in enumerate(kept_left)]
+        pieces += [self._rest_piece(t) for t in kept_right]
+        if _BROKEN in "".join(pieces):
+            return None
+        return "".join(pieces[:len(kept_left)]), "".join(pieces[len(kept_left):]), not kept_left
 
     def _kept(self, token: int, skip_special: bool) -> bool:
         """Whether ``token`` survives the pipeline's padding filter and the tokenizer's skipping."""
@@ -120,7 +131,8 @@ class SequenceDecoder:
         """The candidate's piece, or None when the candidate itself would be dropped (full decode then)."""
         if not self._kept(token, skip_special):
             return None
-        return self._first_piece(token) if first else self._rest_piece(token)
+        piece = self._first_piece(token) if first else self._rest_piece(token)
+        return None if _BROKEN in piece else piece
 
     def _first_piece(self, token: int) -> str:
         piece = self._first.get(token)
@@ -147,8 +159,8 @@ class SequenceDecoder:
         rng = random.Random(0)
         interesting = sorted(self._special) + [
             id_ for token, id_ in self.tokenizer.get_vocab().items()
-            if token.startswith("##") or (len(token) == 1 and not token.isalnum()) or "'" in token
-            or token in ("do", "not", "n", "t", "s", "m", "ve", "re")]
+            if token.startswith(("##", "\u2581", "\u0120")) or (len(token) == 1 and not token.isalnum())
+            or "'" in token or token in ("do", "not", "n", "t", "s", "m", "ve", "re")]
         pool = rng.sample(range(self._vocab_size), min(2000, self._vocab_size)) + interesting
         for _ in range(cases):
             ids = [rng.choice(pool) for _ in range(rng.randint(1, 12))]

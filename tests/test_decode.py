@@ -78,8 +78,9 @@ def test_a_shortcut_that_disagrees_at_start_up_is_turned_off(tokenizer: Any) -> 
     assert not Disagreeing(tokenizer, self_check=50).fast
 
 
-def test_a_tokenizer_that_is_not_wordpiece_is_decoded_in_full() -> None:
-    """Byte-level BPE (RoBERTa's kind): characters span tokens, so no slot; the pipeline's way is used."""
+def test_byte_level_tokens_that_split_a_character_take_the_pipelines_path() -> None:
+    """Byte-level BPE (RoBERTa's kind): "Ã" and "©" are the two bytes of "é", neither a character alone,
+    so a candidate or a neighbour of the mask like them is decoded in full; whole tokens use the slot."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -87,6 +88,79 @@ def test_a_tokenizer_that_is_not_wordpiece_is_decoded_in_full() -> None:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", mask_token="<mask>")
+    decoder = SequenceDecoder(tokenizer)
+    assert decoder.fast
+    for ids, position in (([2, 1, 5], 1), ([6, 1, 5], 1), ([2, 1, 7], 1), ([1], 0)):
+        candidates = [6, 7, 4, 2, 0, 1]
+        assert decoder.sequences(ids, position, candidates, True) == [
+            pipeline_sequence(tokenizer, ids, position, c, True) for c in candidates]
+    assert decoder.sequences([6, 1], 1, [7], False) == ["é"]
+
+
+UNICODE_TEXT = [line for n in range(300) for line in (
+    f"Café número {n} über straße", "日本語のテキスト と 中文 文本", "emoji 🙂👍🏽 and naïve façade",
+    "Ελληνικά кириллица")]
+
+
+def _trained(kind: str) -> Any:
+    """A tokenizer of ``kind`` trained on Unicode text, so its vocabulary has tokens that are parts of
+    characters (byte-level) and pieces with and without the word marker (Metaspace)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<mask>"]
+    if kind == "bytelevel":
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        backend = Tokenizer(models.Unigram())
+        backend.pre_tokenizer = pre_tokenizers.Metaspace()
+        backend.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=400, special_tokens=specials, unk_token="<unk>")
+    backend.train_from_iterator(UNICODE_TEXT, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", mask_token="<mask>",
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_byte_level_and_metaspace_decoders_give_the_pipelines_strings(kind: str) -> None:
+    """RoBERTa's and ModernBERT's decoder (byte-level) and the SentencePiece families' (Metaspace): the
+    slot path is on, and every string equals the pipeline's on random texts over the whole vocabulary."""
+    import random
+
+    tokenizer = _trained(kind)
+    decoder = SequenceDecoder(tokenizer)
+    assert decoder.fast
+    size = len(tokenizer)
+    broken = [t for t in range(size) if "\ufffd" in tokenizer.decode([t])]
+    assert (kind == "bytelevel") == bool(broken)  # byte-level has parts of characters; their path is tested
+    rng = random.Random(1)
+    for _ in range(400):
+        ids = [rng.randrange(size) for _ in range(rng.randint(1, 12))]
+        position = rng.randrange(len(ids))
+        candidates = [rng.randrange(size) for _ in range(4)] + broken[:2]
+        skip = rng.random() < 0.5
+        assert decoder.sequences(ids, position, candidates, skip) == [
+            pipeline_sequence(tokenizer, ids, position, c, skip) for c in candidates]
+    text = "Café <mask> 日本語 🙂"
+    ids = tokenizer(text)["input_ids"]
+    position = ids.index(tokenizer.mask_token_id)
+    assert decoder.sequences(ids, position, list(range(size)), True) == [
+        pipeline_sequence(tokenizer, ids, position, c, True) for c in range(size)]
+
+
+def test_a_tokenizer_whose_decoder_is_not_piecewise_is_decoded_in_full() -> None:
+    """A decoder that is not one piece per token (here a byte-fallback sequence): no slot."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<mask>": 1, "a": 2, "b": 3, "▁a": 4, "▁b": 5, "<0xC3>": 6, "<0xA9>": 7}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", mask_token="<mask>")
     decoder = SequenceDecoder(tokenizer)
     assert not decoder.fast
