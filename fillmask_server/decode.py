@@ -7,7 +7,8 @@ padding ids (``FillMaskPipeline.postprocess``). For 8 masks x 100 candidates tha
 ``SequenceDecoder`` gives the same strings, byte for byte, from one decode of the text with a slot.
 For a fast tokenizer whose decoder works piece by piece (``PIECEWISE``: WordPiece for BERT and its
 relatives, Metaspace for the SentencePiece families such as XLM-R, ALBERT and DeBERTa, ByteLevel for
-RoBERTa and ModernBERT), decoding is, exactly:
+RoBERTa and ModernBERT), or a tokenizer written in Python whose decoding the self-check below finds
+piecewise (ESM's: its tokens joined with spaces), decoding is, exactly:
 
 1. ids → token strings, dropping ids the tokenizer cannot map and, when skipping, special tokens;
 2. each token → a *piece* that depends only on the token and on whether it comes first (WordPiece:
@@ -66,15 +67,35 @@ class SequenceDecoder:
 
     def _can_slot(self) -> bool:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self._can_slot_python()
         decoder = getattr(backend, "decoder", None)
-        if backend is None or type(decoder).__name__ not in PIECEWISE:
+        if type(decoder).__name__ not in PIECEWISE:
             return False
+        self._python_anchor: int | None = None
         self._backend = backend
         self._decoder = decoder
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._special = {id_ for id_, token in self.tokenizer.added_tokens_decoder.items() if token.special}
         self._anchor_len = len(decoder.decode([_ANCHOR]))
         self._cleanup = self._whole_string_cleanup()
+        return True
+
+    def _can_slot_python(self) -> bool:
+        """A tokenizer written in Python (ESM's, which joins tokens with spaces): pieces from its own
+        ``decode``, next to a plain anchor token; only without the whole-string cleanup, which a piece
+        cannot carry. The start-up self-check decides whether its decoding is piecewise at all."""
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            return False
+        self._special = set(tokenizer.all_special_ids)
+        self._vocab_size = len(tokenizer)
+        plain = [id_ for id_ in range(self._vocab_size) if id_ not in self._special and id_ != self.pad_id]
+        if not plain:
+            return False
+        self._python_anchor = plain[0]
+        self._anchor_len = len(tokenizer.decode([self._python_anchor]))
+        self._cleanup = None
         return True
 
     def _whole_string_cleanup(self) -> Callable[[str], str] | None:
@@ -137,13 +158,20 @@ class SequenceDecoder:
     def _first_piece(self, token: int) -> str:
         piece = self._first.get(token)
         if piece is None:
-            piece = self._first[token] = self._decoder.decode([self._backend.id_to_token(token)])
+            if self._python_anchor is not None:
+                piece = self.tokenizer.decode([token])
+            else:
+                piece = self._decoder.decode([self._backend.id_to_token(token)])
+            self._first[token] = piece
         return piece
 
     def _rest_piece(self, token: int) -> str:
         piece = self._rest.get(token)
         if piece is None:
-            both = self._decoder.decode([_ANCHOR, self._backend.id_to_token(token)])
+            if self._python_anchor is not None:
+                both = self.tokenizer.decode([self._python_anchor, token])
+            else:
+                both = self._decoder.decode([_ANCHOR, self._backend.id_to_token(token)])
             piece = self._rest[token] = both[self._anchor_len:]
         return piece
 

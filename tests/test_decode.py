@@ -167,3 +167,31 @@ def test_a_tokenizer_whose_decoder_is_not_piecewise_is_decoded_in_full() -> None
     ids = [2, 1, 5]
     assert decoder.sequences(ids, 1, [6, 7, 4], True) == [pipeline_sequence(tokenizer, ids, 1, c, True)
                                                            for c in (6, 7, 4)]
+
+
+def test_a_python_tokenizer_that_joins_its_tokens_with_spaces_gets_the_slot_too() -> None:
+    """ESM's tokenizer is written in Python (no fast version): its decode joins the residues with spaces,
+    which the start-up self-check finds piecewise; every string equals the pipeline's. With the
+    whole-string cleanup on, which a piece cannot carry, it is decoded in full."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from fillmask_server.checkpoint import ensure_family
+
+    directory = ensure_family("esm", Path(__file__).resolve().parent.parent / "models" / "families")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert getattr(tokenizer, "backend_tokenizer", None) is None
+    decoder = SequenceDecoder(tokenizer)
+    assert decoder.fast
+    rng = random.Random(2)
+    size = len(tokenizer)
+    for _ in range(300):
+        ids = [rng.randrange(size) for _ in range(rng.randint(1, 14))]
+        position = rng.randrange(len(ids))
+        skip = rng.random() < 0.5
+        assert decoder.sequences(ids, position, list(range(size)), skip) == [
+            pipeline_sequence(tokenizer, ids, position, c, skip) for c in range(size)]
+    cleaned = copy.deepcopy(tokenizer)
+    cleaned.clean_up_tokenization_spaces = True
+    assert not SequenceDecoder(cleaned).fast
