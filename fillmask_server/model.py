@@ -245,8 +245,8 @@ class FillMaskModel:
         The inputs are built in plain Python and handed to torch in four ``torch.tensor`` calls, which
         keep the GIL: each torch operator called from Python gives the GIL up and must win it back,
         and while the event loop or the decode stage runs Python that costs up to a switch interval
-        per operator (measured in the server: 2 ms of a tiny batch's 18 ms went to building the inputs
-        with tensor operators, against 0.07 ms alone). What remains are the graph and one top-k.
+        per operator (README, Performance: what building the inputs with tensor operators cost in the
+        server). What remains are the graph and one top-k.
         """
         import torch
 
