@@ -69,24 +69,12 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
                   keep_batches: bool, script: str = "ws_server.py") -> dict[str, Any]:
     with ServerProcess(model_dir, args, script=script) as server:
         await loadgen.settle(server.url)
-        recorder_box: list[Any] = []
-        original = loadgen.Recorder
-
-        class Keeping(original):  # type: ignore[misc, valid-type]
-            def __init__(self) -> None:
-                super().__init__()
-                recorder_box.append(self)
-
-        loadgen.Recorder = Keeping  # type: ignore[misc]
-        try:
-            summary = await loadgen.closed_loop(server.url, texts, 32, 4, warmup, duration)
-        finally:
-            loadgen.Recorder = original  # type: ignore[misc]
+        recorder = loadgen.Recorder()
+        summary = await loadgen.closed_loop(server.url, texts, 32, 4, warmup, duration, recorder=recorder)
         hello_threads = await _hello_threads(server.url)
     summary["torch_threads"] = hello_threads
     summary.setdefault("batch", {}).setdefault("mean_rows_per_batch", float("nan"))
-    if keep_batches and recorder_box:
-        recorder = recorder_box[0]
+    if keep_batches:
         per_batch: dict[tuple[int, int], list[float]] = defaultdict(list)
         for size, tokens, inference in zip(recorder.batch_size, recorder.batch_tokens, recorder.inference_ms,
                                            strict=False):

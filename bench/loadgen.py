@@ -355,16 +355,18 @@ async def _stop_tasks(tasks: Sequence[asyncio.Task[Any] | None]) -> None:
 
 
 async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, warmup_s: float, duration_s: float,
-                      on_window: Any = None, token_counts: Sequence[int] | None = None) -> dict[str, Any]:
+                      on_window: Any = None, token_counts: Sequence[int] | None = None,
+                      recorder: Recorder | None = None) -> dict[str, Any]:
     """Closed loop: ``clients`` connections each keeping ``in_flight`` requests outstanding.
 
     Only answers read inside the window count, so the requests still in flight when it ends are not
     waited for: the connections close and the server discards what is queued (call ``settle`` next).
 
     ``on_window`` (optional) is an async callable started when the measured window opens, e.g. the
-    ``/healthz`` prober; its return value lands in the summary under ``"during_window"``.
+    ``/healthz`` prober; its return value lands in the summary under ``"during_window"``. ``recorder``
+    (optional) is where every answer is recorded, for a caller that looks at the batches themselves.
     """
-    recorder = Recorder()
+    recorder = recorder if recorder is not None else Recorder()
     conns = await open_clients(url, clients, texts, recorder, token_counts)
     readers: list[asyncio.Task[None]] = []
     side_task: asyncio.Task[Any] | None = None

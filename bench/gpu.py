@@ -1,0 +1,233 @@
+"""Issue 17 item 6: the benchmark on a CUDA device, one command for a session that is lent a GPU machine.
+
+    .venv/bin/python bench/gpu.py --out bench/results                 # cuda: float32, float16, bfloat16
+    .venv/bin/python bench/gpu.py --device cpu --model models/tiny --dtypes float32 --seconds 2 --out /tmp/g
+
+For each dtype, on the ``short`` and ``mixed`` corpora:
+
+1. **Equality.** The real server (``ws_server.py --device D --dtype X``) answers every text of the
+   corpus once; each answer is compared with ``pipeline("fill-mask")`` on the same device and dtype:
+   float32, the same tokens in the same order and scores within ``TOLERANCE``; float16 and bfloat16
+   (the head at the masks and the whole model round differently), the same up to near-ties.
+2. **In-process.** The server's own ``model.forward`` on batches of 32 and 128 short texts (no
+   sockets, no threads): milliseconds per batch and requests per second.
+3. **The server.** Closed loop, 32 clients x 1 and x 4 in flight (32 and 128 requests waiting): req/s,
+   p50, p99, rows per batch; the cost model the server fitted (``/metrics``) and how well it predicts
+   the batches it ran (median and 90th percentile of |predicted - measured| / measured over them).
+   On a GPU a batch's fixed cost dominates, which is where the cost model has to hold.
+
+Writes ``gpu.md`` and ``gpu.json`` to ``--out``. Needs the checkpoint (``models/base`` by default,
+written if missing) and, for cuda, torch with CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import loadgen  # noqa: E402
+from bench.corpus import make_corpus, make_short_corpus  # noqa: E402
+from bench.server_proc import ServerProcess  # noqa: E402
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
+CORPORA = {"short": make_short_corpus, "mixed": make_corpus}
+
+
+def pipeline_answers(model: str, device: str, dtype: str, texts: list[str]) -> list[Any]:
+    import torch
+    from transformers import pipeline
+
+    fill = pipeline("fill-mask", model=model, device=device, dtype=getattr(torch, dtype))
+    return [fill(text, top_k=5) for text in texts]
+
+
+async def server_answers(url: str, texts: list[str]) -> list[Any]:
+    from websockets.asyncio.client import connect
+
+    async with connect(url, max_size=None) as ws:
+        await ws.recv()  # hello
+        for n, text in enumerate(texts):
+            await ws.send(json.dumps({"type": "fill_mask", "id": n, "text": text, "top_k": 5}))
+        answers: dict[int, Any] = {}
+        while len(answers) < len(texts):
+            frame = json.loads(await asyncio.wait_for(ws.recv(), 120))
+            if frame.get("type") in ("result", "error", "overloaded"):
+                answers[frame["id"]] = frame.get("predictions", frame)
+    return [answers[n] for n in range(len(texts))]
+
+
+def mismatches(expected: list[Any], got: list[Any], tolerance: float, exact_order: bool) -> list[str]:
+    """One line per text whose answer differs from the pipeline's. With ``exact_order`` (float32): the
+    same tokens in the same order and every score within ``tolerance``. Otherwise (reduced precision,
+    where the two round differently) up to near-ties: a token's score within ``tolerance`` of the
+    pipeline's, and a token in one list only scored within ``tolerance`` of the other list's last."""
+    bad = []
+    for n, (want, have) in enumerate(zip(expected, got, strict=True)):
+        rows_want = want if want and isinstance(want[0], list) else [want]
+        rows_have = have if have and isinstance(have, list) and isinstance(have[0], list) else [have]
+        if not isinstance(have, list) or len(rows_want) != len(rows_have):
+            bad.append(f"text {n}: {str(have)[:120]}")
+            continue
+        for w, h in zip(rows_want, rows_have, strict=True):
+            if not _same(w, h, tolerance, exact_order):
+                bad.append(f"text {n}: tokens {[c['token'] for c in h]} != {[c['token'] for c in w]}")
+                break
+    return bad
+
+
+def _same(want: list[dict[str, Any]], have: list[dict[str, Any]], tolerance: float, exact_order: bool) -> bool:
+    if exact_order:
+        return [c["token"] for c in want] == [c["token"] for c in have] and all(
+            abs(a["score"] - b["score"]) <= tolerance for a, b in zip(want, have, strict=True))
+    scores_want = {c["token"]: c["score"] for c in want}
+    scores_have = {c["token"]: c["score"] for c in have}
+    for mine, other in ((scores_want, scores_have), (scores_have, scores_want)):
+        floor = min(other.values(), default=0.0)
+        for token, score in mine.items():
+            if token in other:
+                if abs(score - other[token]) > tolerance:
+                    return False
+            elif score > floor + tolerance:
+                return False
+    return True
+
+
+def in_process(model: str, device: str, dtype: str, texts: list[str], sizes: list[int]) -> dict[str, Any]:
+    from fillmask_server.model import Item, load_model
+
+    loaded = load_model(model, device=device, dtype=dtype)
+    ids = loaded.tokenize(texts)
+    out = {}
+    for size in sizes:
+        items = [Item(ids[n % len(ids)], 5) for n in range(size)]
+        for _ in range(3):
+            loaded.forward(items)
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            loaded.forward(items)
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times) * 1000
+        out[str(size)] = {"ms_per_batch": round(ms, 3), "req_per_s": round(size / ms * 1000, 1)}
+    return out
+
+
+def cost_model(url: str) -> dict[str, float]:
+    port = url.rsplit(":", 1)[1].strip("/")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("fillmask_cost_model_seconds{")}
+
+
+def prediction_error(recorder: loadgen.Recorder, coefficients: dict[str, float]) -> dict[str, float]:
+    """|predicted - measured| / measured of the cost model's forward time over the batches that ran."""
+    batches = {(size, tokens, round(ms, 3)) for size, tokens, ms in zip(
+        recorder.batch_size, recorder.batch_tokens, recorder.inference_ms, strict=False) if size and ms == ms}
+    errors = []
+    for size, tokens, ms in batches:
+        predicted = (coefficients.get("overhead", 0) + coefficients.get("padded_token", 0) * tokens
+                     + coefficients.get("row", 0) * size) * 1000
+        errors.append(abs(predicted - ms) / ms)
+    if not errors:
+        return {}
+    errors.sort()
+    return {"batches": len(errors), "median": round(statistics.median(errors), 3),
+            "p90": round(errors[int(0.9 * (len(errors) - 1))], 3)}
+
+
+async def serve_and_load(model: str, device: str, dtype: str, texts: list[str], seconds: float,
+                         expected: list[Any]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    with ServerProcess(Path(model), ["--device", device, "--dtype", dtype]) as server:
+        got = await server_answers(server.url, texts)
+        result["mismatches"] = mismatches(expected, got, TOLERANCE.get(dtype, 1e-5), exact_order=dtype == "float32")
+        for in_flight in (1, 4):
+            await loadgen.settle(server.url)
+            recorder = loadgen.Recorder()
+            summary = await loadgen.closed_loop(server.url, texts, 32, in_flight, 1.0, seconds, recorder=recorder)
+            coefficients = cost_model(server.url)
+            result[f"closed_32x{in_flight}"] = {
+                "req_per_s": round(summary["throughput_rps"], 1),
+                "p50_ms": round(summary["latency_ms"]["p50"], 2), "p99_ms": round(summary["latency_ms"]["p99"], 2),
+                "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1),
+                "cost_model_s": coefficients, "prediction_error": prediction_error(recorder, coefficients)}
+    return result
+
+
+def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"# The benchmark on {meta['device_name']}", "", f"`{meta['command']}` on {meta['date']} UTC; "
+             f"torch {meta['torch']}; model {meta['model']}.", "",
+             "| dtype | corpus | answers differing from the pipeline | in-process req/s (batch 32 / 128) | "
+             "server req/s 32x1 / 32x4 | p50 / p99 ms (32x4) | rows/batch (32x4) | cost model: overhead ms, "
+             "us per padded token | its error on the batches run (median / p90) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        four, one = run["server"]["closed_32x4"], run["server"]["closed_32x1"]
+        c, e = four["cost_model_s"], four["prediction_error"]
+        lines.append(
+            f"| {run['dtype']} | {run['corpus']} | {len(run['server']['mismatches'])} of {run['texts']} | "
+            f"{run['in_process']['32']['req_per_s']} / {run['in_process']['128']['req_per_s']} | "
+            f"{one['req_per_s']} / {four['req_per_s']} | {four['p50_ms']} / {four['p99_ms']} | "
+            f"{four['rows_per_batch']} | {c.get('overhead', 0) * 1e3:.3f}, {c.get('padded_token', 0) * 1e6:.2f} | "
+            f"{e.get('median', '?')} / {e.get('p90', '?')} |")
+    for run in runs:
+        for line in run["server"]["mismatches"][:5]:
+            lines.append(f"- {run['dtype']} {run['corpus']}: {line}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "base"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16")
+    parser.add_argument("--corpora", default="short,mixed")
+    parser.add_argument("--texts", type=int, default=200, help="texts per corpus for the equality check")
+    parser.add_argument("--seconds", type=float, default=8.0, help="closed-loop window")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from fillmask_server.checkpoint import is_checkpoint, write_checkpoint
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: no CUDA device here; run on a GPU machine, or pass --device cpu for a smoke run",
+              file=sys.stderr)
+        return 2
+    if not is_checkpoint(Path(args.model)) and Path(args.model).name in ("tiny", "small", "base"):
+        write_checkpoint(Path(args.model).name, Path(args.model))
+    runs = []
+    for dtype in args.dtypes.split(","):
+        for corpus in args.corpora.split(","):
+            texts = CORPORA[corpus]()[:args.texts]
+            print(f"{dtype} {corpus}: pipeline, in-process, server", file=sys.stderr, flush=True)
+            expected = pipeline_answers(args.model, args.device, dtype, texts)
+            runs.append({"dtype": dtype, "corpus": corpus, "texts": len(texts),
+                         "in_process": in_process(args.model, args.device, dtype, make_short_corpus(), [32, 128]),
+                         "server": asyncio.run(serve_and_load(args.model, args.device, dtype, texts, args.seconds,
+                                                              expected))})
+    meta = {"command": " ".join(["bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "torch": torch.__version__,
+            "model": args.model, "device_name": (torch.cuda.get_device_name(0) if args.device.startswith("cuda")
+                                                 else args.device)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
+    text = markdown(runs, meta)
+    (args.out / "gpu.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
