@@ -30,7 +30,9 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   else is taken. For equal requests a round is one full batch; on a machine where padding is dear
   and a batch cheap (a CPU) the lengths run apart, where a batch is dear (a GPU, a tiny model) they
   mix. Between a round's batches, requests that have left the queue (expired, withdrawn) drop out of
-  it, and those whose connection has no answer room now go back to the fair order.
+  it, and those whose connection has no answer room now go back to the fair order. A request waiting
+  outside the round whose deadline comes before the round's predicted end ends the round: the next
+  window is formed at once, bounded by that deadline (the limits below).
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
@@ -44,15 +46,16 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   most ``deadline_share`` of the time left to the tightest deadline waiting. So a light request that
   arrives while a heavy batch runs waits for at most one such bounded batch, never for one long batch
   of heavy output. (With the cost model the limit bounds a round's own work: a request that arrives
-  while a round runs waits for that round's end.)
+  while a round runs waits for that round's end, unless its deadline would pass first.)
 - **Tail bound.** With the cost model, a request is served in the round its window takes it into:
-  nothing that joins the queue after the window was taken runs before it, and at most the window's
-  other requests do; the cost model reorders requests only within a round. With a fixed band, a
-  request *misses* a batch when the fair order offered it to that batch and it would have fitted the
-  limits, but the band left it out. A request that has missed ``max_missed`` batches widens the
-  band: it is in the next batch, whatever its length (at most ``max_batch_size`` of them, oldest
-  first). Either way, what can hold a request longer are only the limits (a full batch, the time
-  bound: capacity, shared fairly) and answer room (a connection that is not reading).
+  nothing that joins the queue after the window was taken runs before it (except when a deadline
+  ends the round, above), and at most the window's other requests do; the cost model reorders
+  requests only within a round. With a fixed band, a request *misses* a batch when the fair order
+  offered it to that batch and it would have fitted the limits, but the band left it out. A request
+  that has missed ``max_missed`` batches widens the band: it is in the next batch, whatever its
+  length (at most ``max_batch_size`` of them, oldest first). Either way, what can hold a request
+  longer are only the limits (a full batch, the time bound: capacity, shared fairly) and answer room
+  (a connection that is not reading).
 - **Room.** A request whose connection has no room left for answers (``Room``: answers unsent or
   being computed, per connection and in all) is not started; it keeps its place. A connection with
   nothing waiting always has room for one request, so nobody waits for room forever.
@@ -332,7 +335,7 @@ class BatchPolicy:
             return [], [], []
         if not self.growth:
             planned = self._planned(ready, room)
-            if planned:
+            if planned and not self._deadline_before_round_ends(ready, planned, now, cost):
                 return planned[0], [], planned[1:]
             groups = self._round(ready, now, room, cost)
             return (groups[0], [], groups[1:]) if groups else ([], [], [])
@@ -377,6 +380,18 @@ class BatchPolicy:
             if kept:
                 groups.append(kept)
         return groups
+
+    def _deadline_before_round_ends(self, ready: list[J], planned: list[list[J]], now: float,
+                                    cost: Coefficients) -> bool:
+        """Whether a request outside the round has a deadline the round's predicted rest would pass:
+        then the round is given up and a new window formed, bounded by that deadline (the time limit)."""
+        inside = {id(job) for group in planned for job in group}
+        deadlines = [job.deadline for job in ready if job.deadline is not None and id(job) not in inside]
+        if not deadlines:
+            return False
+        rest = sum(cost.batch_s(len(group), len(group) * max(job.n_tokens for job in group),
+                                sum(job.result_bytes for job in group)) for group in planned)
+        return min(deadlines) - now < rest
 
     def _window(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[J]:
         """The next round's requests: the fair order's first ``max_batch_size``, as long as their tokens

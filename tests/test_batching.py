@@ -507,3 +507,25 @@ def test_a_round_is_the_cheapest_way_to_cut_its_window() -> None:
             best = min(best, sum(predicted([j for j in jobs if j.n_tokens in part]) for part in parts))
         assert sum(predicted(group) for group in groups) == pytest.approx(best, rel=1e-6)
         assert groups[0][0] is jobs[0]  # the head's batch first
+
+
+def test_a_deadline_that_would_pass_before_the_round_ends_ends_the_round() -> None:
+    """A backlog's round of three batches (about 5 ms each) is under way; a newcomer (first in the fair
+    order) sends a request that must be served within 8 ms. Waiting for the round's rest (10 ms) would
+    pass its deadline, so the round is given up: the next batch is a new window, bounded by half the
+    time left, led by the newcomer. A deadline the round meets changes nothing."""
+    lengths = [10, 20, 40] * 8
+
+    def backlog() -> deque[FakeJob]:
+        return queue(*(FakeJob(f"{n}-{i}", arrival=i, n_tokens=n, owner="backlog") for i, n in enumerate(lengths)))
+
+    q, p = backlog(), policy(size=64, cost=CPU)
+    assert len(p.take(q, now=0).batch) == 8 and p._planned(list(q), None)
+    q.append(FakeJob("urgent", arrival=30, n_tokens=10, owner="newcomer", deadline=1.008))
+    decision = p.take(q, now=1.0)
+    assert "urgent" in names(decision.batch)
+    assert decision.predicted_s <= 0.004
+    q, calm = backlog(), policy(size=64, cost=CPU)
+    calm.take(q, now=0)
+    q.append(FakeJob("patient", arrival=30, n_tokens=10, owner="newcomer", deadline=2.0))
+    assert "patient" not in names(calm.take(q, now=1.0).batch)
