@@ -62,6 +62,8 @@ async def server_answers(url: str, texts: list[str]) -> list[Any]:
         while len(answers) < len(texts):
             frame = json.loads(await asyncio.wait_for(ws.recv(), 120))
             if frame.get("type") in ("result", "error", "overloaded"):
+                if frame.get("id") is None:
+                    raise RuntimeError(f"the server answered no request: {frame}")
                 answers[frame["id"]] = frame.get("predictions", frame)
     return [answers[n] for n in range(len(texts))]
 
@@ -207,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not is_checkpoint(Path(args.model)) and Path(args.model).name in ("tiny", "small", "base"):
         write_checkpoint(Path(args.model).name, Path(args.model))
-    runs = []
+    meta = {"command": " ".join(["bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "torch": torch.__version__,
+            "model": args.model, "device_name": (torch.cuda.get_device_name(0) if args.device.startswith("cuda")
+                                                 else args.device)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
         for corpus in args.corpora.split(","):
             texts = CORPORA[corpus]()[:args.texts]
@@ -217,15 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                          "in_process": in_process(args.model, args.device, dtype, make_short_corpus(), [32, 128]),
                          "server": asyncio.run(serve_and_load(args.model, args.device, dtype, texts, args.seconds,
                                                               expected))})
-    meta = {"command": " ".join(["bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]),
-            "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "torch": torch.__version__,
-            "model": args.model, "device_name": (torch.cuda.get_device_name(0) if args.device.startswith("cuda")
-                                                 else args.device)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
-    text = markdown(runs, meta)
-    (args.out / "gpu.md").write_text(text)
-    print(text)
+            # Written after every run, so that a run cut short by a time limit still leaves its figures.
+            (args.out / "gpu.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
+            (args.out / "gpu.md").write_text(markdown(runs, meta))
+    print(markdown(runs, meta))
     return 0
 
 

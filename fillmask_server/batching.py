@@ -202,6 +202,7 @@ class BatchPolicy:
         """``owner`` (a connection) is gone: drop what the policy remembers of it."""
         self._virtual.pop(owner, None)
         self._served_in.pop(owner, None)
+        self._plan = [kept for group in self._plan if (kept := [job for job in group if job.owner is not owner])]
 
     def batch_ran(self, seconds: float) -> None:
         """The last batch took ``seconds`` on the model: what a wait for company is measured against."""
@@ -270,9 +271,10 @@ class BatchPolicy:
         """
         cost = cost or self.cost
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
-        chosen, passed, self._plan = self._pick(list(queue), now, room, cost)
+        chosen, passed, plan = self._pick(list(queue), now, room, cost)
         if not chosen:
-            return decision
+            return decision  # (a round whose requests all lack answer room now keeps its plan)
+        self._plan = plan
         self._batches += 1
         taken = {id(job) for job in chosen}
         for job in passed:
@@ -383,15 +385,14 @@ class BatchPolicy:
 
     def _deadline_before_round_ends(self, ready: list[J], planned: list[list[J]], now: float,
                                     cost: Coefficients) -> bool:
-        """Whether a request outside the round has a deadline the round's predicted rest would pass:
-        then the round is given up and a new window formed, bounded by that deadline (the time limit)."""
+        """Whether the round's predicted rest takes more than ``deadline_share`` of the time left to a
+        deadline outside it (the rule a batch keeps): then the round is given up and a new window formed,
+        bounded by that deadline (the time limit)."""
         inside = {id(job) for group in planned for job in group}
         deadlines = [job.deadline for job in ready if job.deadline is not None and id(job) not in inside]
         if not deadlines:
             return False
-        rest = sum(cost.batch_s(len(group), len(group) * max(job.n_tokens for job in group),
-                                sum(job.result_bytes for job in group)) for group in planned)
-        return min(deadlines) - now < rest
+        return self.deadline_share * (min(deadlines) - now) < sum(_predicted(group, cost) for group in planned)
 
     def _window(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[J]:
         """The next round's requests: the fair order's first ``max_batch_size``, as long as their tokens
@@ -415,6 +416,26 @@ class BatchPolicy:
         window = self._window(ready, now, room, cost)
         if not window:
             return []
+        groups = self._cut(window, cost)
+        limit = self.time_limit(ready, now, cost)
+        if len(window) > 1 and sum(_predicted(group, cost) for group in groups) > limit:
+            # The cuts' overheads and padding took the round over the time limit: the longest prefix of
+            # the window (in fair order) whose round keeps within it (a round's time only grows with
+            # its requests), and at least the head.
+            low, high = 1, len(window) - 1
+            best = self._cut(window[:1], cost)
+            while low <= high:
+                middle = (low + high) // 2
+                trial = self._cut(window[:middle], cost)
+                if sum(_predicted(group, cost) for group in trial) <= limit:
+                    best, low = trial, middle + 1
+                else:
+                    high = middle - 1
+            groups = best
+        return groups
+
+    def _cut(self, window: list[J], cost: Coefficients) -> list[list[J]]:
+        """``window`` cut by the dynamic program (see ``_round``), the head's batch first."""
         place = {id(job): n for n, job in enumerate(window)}
         classes: dict[int, list[J]] = {}
         for job in window:
@@ -472,3 +493,9 @@ class BatchPolicy:
             batch.append(job)
             shortest, longest, output, out_bytes = low, high, output + extra, out_bytes + job.result_bytes
         return batch, passed
+
+
+def _predicted(group: list[Any], cost: Coefficients) -> float:
+    """The cost model's time for one batch of ``group`` (padded to its longest)."""
+    return cost.batch_s(len(group), len(group) * max(job.n_tokens for job in group),
+                        sum(job.result_bytes for job in group))

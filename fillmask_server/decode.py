@@ -57,6 +57,7 @@ class SequenceDecoder:
         self._token_str: dict[int, str] = {}
         self._first: dict[int, str] = {}
         self._rest: dict[int, str] = {}
+        self._mapped: dict[int, bool] = {}  # id -> whether the vocabulary has a token for it
         self.fast = self._can_slot()
         if self.fast and self_check:
             mismatch = self._self_check(self_check)
@@ -75,7 +76,8 @@ class SequenceDecoder:
         self._python_anchor: int | None = None
         self._backend = backend
         self._decoder = decoder
-        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # One past the largest id (a vocabulary may have gaps, and then its size is smaller than that).
+        self._vocab_size = max(self.tokenizer.get_vocab().values(), default=-1) + 1
         self._special = {id_ for id_, token in self.tokenizer.added_tokens_decoder.items() if token.special}
         self._anchor_len = len(decoder.decode([_ANCHOR]))
         self._cleanup = self._whole_string_cleanup()
@@ -143,9 +145,16 @@ class SequenceDecoder:
         return "".join(pieces[:len(kept_left)]), "".join(pieces[len(kept_left):]), not kept_left
 
     def _kept(self, token: int, skip_special: bool) -> bool:
-        """Whether ``token`` survives the pipeline's padding filter and the tokenizer's skipping."""
+        """Whether ``token`` survives the pipeline's padding filter and the tokenizer's skipping (an id
+        the vocabulary has no token for, a gap in it, is dropped as the tokenizer drops it)."""
         if token == self.pad_id or not 0 <= token < self._vocab_size:
             return False
+        if self._python_anchor is None:
+            mapped = self._mapped.get(token)
+            if mapped is None:
+                mapped = self._mapped[token] = self._backend.id_to_token(token) is not None
+            if not mapped:
+                return False
         return not (skip_special and token in self._special)
 
     def _piece(self, token: int, first: bool, skip_special: bool) -> str | None:

@@ -529,3 +529,33 @@ def test_a_deadline_that_would_pass_before_the_round_ends_ends_the_round() -> No
     calm.take(q, now=0)
     q.append(FakeJob("patient", arrival=30, n_tokens=10, owner="newcomer", deadline=2.0))
     assert "patient" not in names(calm.take(q, now=1.0).batch)
+
+
+def test_a_rounds_predicted_time_keeps_within_the_time_limit_with_its_cuts() -> None:
+    """The window counts its requests' own work and one overhead; the cuts add an overhead each, which
+    may take the round over the limit: then the round is the longest prefix of the window that keeps
+    within it (found in review: five lengths 3x apart made five batches of 1 ms against a 1.5 ms limit)."""
+    cheap_tokens = Coefficients(overhead_s=0.001, token_s=1e-7, row_s=0.0, byte_s=0.0)
+    jobs = [FakeJob(f"n{n}", arrival=i, n_tokens=n, owner=f"c{i}") for i, n in enumerate((1, 4, 13, 40, 121))]
+    jobs[-1].deadline = 1.003
+    p = policy(size=64, cost=cheap_tokens)
+    limit = p.time_limit(list(jobs), 1.0, cheap_tokens)
+    assert limit == pytest.approx(0.0015)
+    groups = p._round(list(jobs), 1.0, None, cheap_tokens)
+    assert sum(cheap_tokens.batch_s(len(g), len(g) * max(j.n_tokens for j in g), 0) for g in groups) <= limit
+    assert groups[0][0] is jobs[0]
+    jobs[-1].deadline = None  # no tight limit: the whole window, cut into its five lengths
+    assert [len(g) for g in p._round(list(jobs), 1.0, None, cheap_tokens)] == [1, 1, 1, 1, 1]
+
+
+def test_a_round_whose_requests_lack_answer_room_keeps_its_plan_and_forgets_a_closed_connection() -> None:
+    lengths = [10, 20, 40] * 4
+    q = queue(*(FakeJob(f"{n}-{i}", arrival=i, n_tokens=n, owner=f"c{i % 3}") for i, n in enumerate(lengths)))
+    p = policy(size=64, cost=CPU)
+    p.take(q, now=0)
+    planned = [job.name for group in p._planned(list(q), None) for job in group]
+    full = Room(per_owner=100, total=10**6, used={"c1": 100, "c2": 100}, used_total=200)
+    assert p.take(q, now=0, room=full).batch == []  # no room for the round's rest now
+    assert [job.name for group in p._planned(list(q), None) for job in group] == planned  # still planned
+    p.forget("c1")
+    assert all(job.owner != "c1" for group in p._plan for job in group)

@@ -44,10 +44,17 @@ SUBTLE = [PAD, UNK, CLS, SEP, MASK, 1005, 1010, 1012, 1029, 999, 1011, 2079, 202
 token_ids = st.one_of(st.sampled_from(SUBTLE), st.integers(min_value=0, max_value=30521))
 
 
+@pytest.fixture(scope="module")
+def shortcut(tokenizer: Any) -> SequenceDecoder:
+    """One decoder per tokenizer for all examples (its caches only remember what the tokenizer says)."""
+    return SequenceDecoder(tokenizer, self_check=0)
+
+
 @settings(max_examples=300, deadline=None)
 @given(ids=st.lists(token_ids, min_size=1, max_size=14), data=st.data())
-def test_one_slot_decode_equals_the_pipelines_full_decode(tokenizer: Any, ids: list[int], data: Any) -> None:
-    decoder = SequenceDecoder(tokenizer, self_check=0)
+def test_one_slot_decode_equals_the_pipelines_full_decode(tokenizer: Any, shortcut: SequenceDecoder,
+                                                          ids: list[int], data: Any) -> None:
+    decoder = shortcut
     assert decoder.fast
     position = data.draw(st.integers(min_value=0, max_value=len(ids) - 1))
     candidates = data.draw(st.lists(token_ids, min_size=1, max_size=6))
@@ -195,3 +202,22 @@ def test_a_python_tokenizer_that_joins_its_tokens_with_spaces_gets_the_slot_too(
     cleaned = copy.deepcopy(tokenizer)
     cleaned.clean_up_tokenization_spaces = True
     assert not SequenceDecoder(cleaned).fast
+
+
+def test_an_id_the_vocabulary_has_no_token_for_is_dropped_as_the_tokenizer_drops_it() -> None:
+    """A gap in the vocabulary (id 5 below): the tokenizer drops the id when decoding; so does the slot,
+    around the mask and as a candidate, instead of failing at start-up (found in review)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<mask>": 1, "a": 2, "b": 3, "Ġa": 4, "Ġb": 7}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", mask_token="<mask>")
+    decoder = SequenceDecoder(tokenizer)
+    assert decoder.fast
+    for ids in ([2, 1, 7], [5, 1, 4], [2, 1, 5, 7]):
+        for skip in (True, False):
+            assert decoder.sequences(ids, 1, [5, 6, 4, 7, 1], skip) == [
+                pipeline_sequence(tokenizer, ids, 1, c, skip) for c in (5, 6, 4, 7, 1)]

@@ -42,13 +42,22 @@ def app(model: str) -> Starlette:
                     batch.append(await asyncio.wait_for(queue.get(), 0.001))
                 except TimeoutError:
                     break
-            outs = fill([text for text, _ in batch], batch_size=len(batch))
+            try:
+                outs = fill([text for text, _ in batch], batch_size=len(batch))
+            except Exception as exc:  # e.g. a text without a mask: the batch fails, the loop goes on
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
             outs = [outs] if len(batch) == 1 else outs  # the pipeline unwraps a list of one
             for (_, future), out in zip(batch, outs, strict=True):
                 future.set_result(out)
 
     async def answer(ws: WebSocket, request_id: Any, future: asyncio.Future[Any]) -> None:
-        await ws.send_text(orjson.dumps({"type": "result", "id": request_id, "predictions": await future}).decode())
+        try:
+            frame = {"type": "result", "id": request_id, "predictions": await future}
+        except Exception as exc:
+            frame = {"type": "error", "id": request_id, "code": "failed", "message": str(exc)[:200]}
+        await ws.send_text(orjson.dumps(frame).decode())
 
     async def endpoint(ws: WebSocket) -> None:
         await ws.accept()
