@@ -30,9 +30,10 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   else is taken. For equal requests a round is one full batch; on a machine where padding is dear
   and a batch cheap (a CPU) the lengths run apart, where a batch is dear (a GPU, a tiny model) they
   mix. Between a round's batches, requests that have left the queue (expired, withdrawn) drop out of
-  it, and those whose connection has no answer room now go back to the fair order. A request waiting
-  outside the round whose deadline comes before the round's predicted end ends the round: the next
-  window is formed at once, bounded by that deadline (the limits below).
+  it, and those whose connection has no answer room now go back to the fair order. A deadline the
+  round would not keep by the rule a batch keeps (below: done within ``deadline_share`` of the time
+  left; for a request outside the round at the round's predicted end, for one inside it at its own
+  batch's) ends the round: the next window is formed at once, bounded by that deadline.
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
@@ -385,14 +386,20 @@ class BatchPolicy:
 
     def _deadline_before_round_ends(self, ready: list[J], planned: list[list[J]], now: float,
                                     cost: Coefficients) -> bool:
-        """Whether the round's predicted rest takes more than ``deadline_share`` of the time left to a
-        deadline outside it (the rule a batch keeps): then the round is given up and a new window formed,
-        bounded by that deadline (the time limit)."""
+        """Whether the round keeps a deadline from the rule a batch keeps (done within ``deadline_share``
+        of the time left): for a request outside the round, the round's predicted rest; for one inside
+        it, the predicted end of its own batch. When it does not, the round is given up and a new window
+        formed, bounded by the tightest deadline (the time limit)."""
         inside = {id(job) for group in planned for job in group}
-        deadlines = [job.deadline for job in ready if job.deadline is not None and id(job) not in inside]
-        if not deadlines:
+        outside = [job.deadline for job in ready if job.deadline is not None and id(job) not in inside]
+        if not outside and not any(job.deadline is not None for group in planned for job in group):
             return False
-        return self.deadline_share * (min(deadlines) - now) < sum(_predicted(group, cost) for group in planned)
+        end = 0.0
+        for group in planned:
+            end += _predicted(group, cost)
+            if any(job.deadline is not None and self.deadline_share * (job.deadline - now) < end for job in group):
+                return True
+        return bool(outside) and self.deadline_share * (min(outside) - now) < end
 
     def _window(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[J]:
         """The next round's requests: the fair order's first ``max_batch_size``, as long as their tokens

@@ -559,3 +559,20 @@ def test_a_round_whose_requests_lack_answer_room_keeps_its_plan_and_forgets_a_cl
     assert [job.name for group in p._planned(list(q), None) for job in group] == planned  # still planned
     p.forget("c1")
     assert all(job.owner != "c1" for group in p._plan for job in group)
+
+
+def test_a_deadline_inside_the_round_that_its_batch_would_miss_ends_the_round() -> None:
+    """The round's third batch (the 40-token texts) would end about 15 ms from now; one of them must be
+    done within 12 ms (so within 6 ms by the batch rule). The round is re-formed at once, bounded by
+    that deadline: the request is served, by the cost model's clock, within those 6 ms."""
+    lengths = [10, 20, 40] * 8
+    q = queue(*(FakeJob(f"{n}-{i}", arrival=i, n_tokens=n, owner="backlog") for i, n in enumerate(lengths)))
+    p = policy(size=64, cost=CPU)
+    p.take(q, now=0)
+    late = next(job for job in q if job.n_tokens == 40)
+    late.deadline = 1.012
+    clock = 1.0
+    while late in q:
+        decision = p.take(q, now=clock)
+        clock += decision.predicted_s
+    assert clock <= 1.006
