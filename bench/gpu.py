@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench import loadgen  # noqa: E402
 from bench.corpus import make_corpus, make_short_corpus  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
+from fillmask_server.batching import Coefficients  # noqa: E402
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
 CORPORA = {"short": make_short_corpus, "mixed": make_corpus}
@@ -135,11 +136,9 @@ def prediction_error(recorder: loadgen.Recorder, coefficients: dict[str, float])
     """|predicted - measured| / measured of the cost model's forward time over the batches that ran."""
     batches = {(size, tokens, round(ms, 3)) for size, tokens, ms in zip(
         recorder.batch_size, recorder.batch_tokens, recorder.inference_ms, strict=False) if size and ms == ms}
-    errors = []
-    for size, tokens, ms in batches:
-        predicted = (coefficients.get("overhead", 0) + coefficients.get("padded_token", 0) * tokens
-                     + coefficients.get("row", 0) * size) * 1000
-        errors.append(abs(predicted - ms) / ms)
+    forward = Coefficients(coefficients.get("overhead", 0.0), coefficients.get("padded_token", 0.0),
+                           coefficients.get("row", 0.0), 0.0)  # the forward pass alone: no output term
+    errors = [abs(forward.batch_s(size, tokens, 0.0) * 1000 - ms) / ms for size, tokens, ms in batches]
     if not errors:
         return {}
     errors.sort()

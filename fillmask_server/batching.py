@@ -252,7 +252,8 @@ class BatchPolicy:
         if len(ready) >= self.max_batch_size or self._planned(ready, None):
             return 0.0  # a full batch is already there, or the rest of a round
         cost = cost or self.cost
-        formed = self._pick(ready, now, None, cost)[0] if self.growth else self._window(ready, now, None, cost)
+        formed = (self._pick(ready, now, None, cost)[0] if self.growth
+                  else self._window(ready, self.time_limit(ready, now, cost), None, cost))
         if len(formed) < len(ready):
             return 0.0
         wait_until = queue[0].arrival + self.max_wait_s if self.max_wait_s else now
@@ -285,8 +286,7 @@ class BatchPolicy:
         queue.clear()
         queue.extend(kept)
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
-        decision.predicted_s = cost.batch_s(len(chosen), decision.padded_tokens,
-                                            sum(job.result_bytes for job in chosen))
+        decision.predicted_s = _predicted(chosen, cost)
         virtual = {o: max(self._virtual.get(o, self._system), self._system) for o in {j.owner for j in chosen}}
         for job in decision.batch:
             virtual[job.owner] += job.cost
@@ -401,14 +401,13 @@ class BatchPolicy:
                 return True
         return bool(outside) and self.deadline_share * (min(outside) - now) < end
 
-    def _window(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[J]:
+    def _window(self, ready: list[J], limit: float, room: Room | None, cost: Coefficients) -> list[J]:
         """The next round's requests: the fair order's first ``max_batch_size``, as long as their tokens
-        and output fit ``max_batch_tokens`` and their own work (plus one overhead) the time limit. The
-        first is always in."""
-        limit = self.time_limit(ready, now, cost)
+        and output fit ``max_batch_tokens`` and their own work (plus one overhead) ``limit``, the time
+        limit. The first is always in."""
         window: list[J] = []
         tokens, seconds = 0.0, cost.overhead_s
-        for job in self._fair_order(ready, room.copy() if room is not None else None, self.max_batch_size):
+        for job in self._fair_order(ready, room, self.max_batch_size):  # (it works on a copy of the room)
             more_tokens = tokens + max(job.cost, job.n_tokens)
             more_seconds = seconds + cost.own_s(job.n_tokens, job.result_bytes)
             if window and (more_tokens > self.max_batch_tokens or more_seconds > limit):
@@ -420,11 +419,11 @@ class BatchPolicy:
     def _round(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[list[J]]:
         """The window cut into batches of neighbouring lengths at the least predicted time in all (see
         the module doc), the batch of the window's first request first, then by their oldest request."""
-        window = self._window(ready, now, room, cost)
+        limit = self.time_limit(ready, now, cost)
+        window = self._window(ready, limit, room, cost)
         if not window:
             return []
         groups = self._cut(window, cost)
-        limit = self.time_limit(ready, now, cost)
         if len(window) > 1 and sum(_predicted(group, cost) for group in groups) > limit:
             # The cuts' overheads and padding took the round over the time limit: the longest prefix of
             # the window (in fair order) whose round keeps within it (a round's time only grows with

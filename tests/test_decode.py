@@ -85,17 +85,21 @@ def test_a_shortcut_that_disagrees_at_start_up_is_turned_off(tokenizer: Any) -> 
     assert not Disagreeing(tokenizer, self_check=50).fast
 
 
-def test_byte_level_tokens_that_split_a_character_take_the_pipelines_path() -> None:
-    """Byte-level BPE (RoBERTa's kind): "Ã" and "©" are the two bytes of "é", neither a character alone,
-    so a candidate or a neighbour of the mask like them is decoded in full; whole tokens use the slot."""
+def byte_level(vocab: dict[str, int]) -> Any:
+    """A byte-level BPE tokenizer (RoBERTa's kind) over ``vocab``, with no merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<mask>": 1, "a": 2, "b": 3, "Ġa": 4, "Ġb": 5, "Ã": 6, "©": 7}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", mask_token="<mask>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", mask_token="<mask>")
+
+
+def test_byte_level_tokens_that_split_a_character_take_the_pipelines_path() -> None:
+    """Byte-level BPE (RoBERTa's kind): "Ã" and "©" are the two bytes of "é", neither a character alone,
+    so a candidate or a neighbour of the mask like them is decoded in full; whole tokens use the slot."""
+    tokenizer = byte_level({"<pad>": 0, "<mask>": 1, "a": 2, "b": 3, "Ġa": 4, "Ġb": 5, "Ã": 6, "©": 7})
     decoder = SequenceDecoder(tokenizer)
     assert decoder.fast
     for ids, position in (([2, 1, 5], 1), ([6, 1, 5], 1), ([2, 1, 7], 1), ([1], 0)):
@@ -207,14 +211,7 @@ def test_a_python_tokenizer_that_joins_its_tokens_with_spaces_gets_the_slot_too(
 def test_an_id_the_vocabulary_has_no_token_for_is_dropped_as_the_tokenizer_drops_it() -> None:
     """A gap in the vocabulary (id 5 below): the tokenizer drops the id when decoding; so does the slot,
     around the mask and as a candidate, instead of failing at start-up (found in review)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<mask>": 1, "a": 2, "b": 3, "Ġa": 4, "Ġb": 7}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", mask_token="<mask>")
+    tokenizer = byte_level({"<pad>": 0, "<mask>": 1, "a": 2, "b": 3, "Ġa": 4, "Ġb": 7})
     decoder = SequenceDecoder(tokenizer)
     assert decoder.fast
     for ids in ([2, 1, 7], [5, 1, 4], [2, 1, 5, 7]):
