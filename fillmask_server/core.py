@@ -169,7 +169,13 @@ def _accumulate(s: list[list[float]], r: list[float], x: tuple[float, float, flo
 
 
 def _nonnegative_least_squares(s: list[list[float]], r: list[float], yy: float) -> list[float] | None:
-    """argmin over θ ≥ 0 of θᵀSθ − 2θᵀr (+ yy), by trying every subset of free coefficients (three)."""
+    """argmin over θ ≥ 0 of θᵀSθ − 2θᵀr (+ yy), by trying every subset of free coefficients (three).
+
+    The objective is convex, so when the unconstrained minimum is nonnegative it is the answer: that
+    one solve is the usual case, and the subsets are tried only when it is not (it runs per batch)."""
+    whole = _solve(s, r)
+    if whole is not None and all(value >= 0 for value in whole):
+        return whole
     best: tuple[float, list[float]] | None = None
     for mask in range(1, 8):
         free = [i for i in range(3) if mask >> i & 1]

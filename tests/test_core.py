@@ -192,6 +192,28 @@ def test_the_fitted_token_price_stays_above_a_share_of_the_priors_whatever_the_t
     assert model.coefficients.byte_s / model.coefficients.token_s < 1  # a byte of output costs < 1 token
 
 
+def test_the_nonnegative_fit_is_optimal_whether_or_not_the_free_solution_is_nonnegative() -> None:
+    """The KKT conditions of min θᵀSθ − 2θᵀr over θ ≥ 0 hold for the fit's solver on random problems,
+    those whose unconstrained minimum is nonnegative (one solve) and those whose is not (subsets)."""
+    import random
+
+    from fillmask_server.core import _nonnegative_least_squares
+
+    rng = random.Random(7)
+    clipped = 0
+    for _ in range(300):
+        a = [[rng.uniform(-1, 1) for _ in range(3)] for _ in range(6)]
+        s = [[sum(row[i] * row[j] for row in a) for j in range(3)] for i in range(3)]
+        r = [rng.uniform(-1, 1) for _ in range(2)] + [rng.uniform(0.1, 1)]  # some r > 0, as in any fit
+        theta = _nonnegative_least_squares(s, r, 1.0)
+        assert theta is not None and min(theta) >= 0
+        gradient = [sum(s[i][j] * theta[j] for j in range(3)) - r[i] for i in range(3)]
+        for value, slope in zip(theta, gradient, strict=True):
+            assert slope >= -1e-9 and (value == 0 or abs(slope) < 1e-9)
+        clipped += min(theta) == 0
+    assert 30 < clipped < 270  # both kinds of problem were tried
+
+
 def test_the_decode_price_is_a_moving_average_per_byte() -> None:
     model = CostModel(Coefficients(byte_s=1e-8))
     for _ in range(100):
