@@ -5,6 +5,7 @@
     .venv/bin/python bench/run.py --families all                            # every family, about 10 min
     .venv/bin/python bench/run.py --families distilbert,esm --quick         # two families, short windows
     .venv/bin/python bench/run.py --families all --family-shape small       # compute-bound: 4 layers, width 384
+    .venv/bin/python bench/run.py --families all --family-shape base --repeats 1   # BERT-base's size, ~25 min
 
 For each model size and each corpus (``mixed``: 8-81 tokens, one and two masks; ``short``: 9-16
 tokens, one mask) it makes the offline checkpoint if missing, measures the in-process limits in a
@@ -18,13 +19,14 @@ Every phase is time-boxed; servers are stopped in ``finally`` blocks. Outputs: `
 
 ``--families`` measures instead each model family's tiny checkpoint (``fillmask_server.checkpoint``,
 ``models/families/``; with ``--family-shape small``, 4 layers of width 384, ``models/families-small/``,
-where the model rather than the Python around it is most of a request's cost) on the short corpus
+and with ``base``, BERT-base's 12 layers of width 768, ``models/families-base/``, where the model rather
+than the Python around it is most of a request's cost) on the short corpus
 (``bench.pipeline_limits.family_texts``: its mask token;
 protein sequences for ESM): the family's best ``pipeline(list, batch_size=N)`` and in-process limit
 in a child process, then its server, closed loop, 32 clients x K in flight; the path the server took
 (``hello.engine``) and the two ratios per family, with the issue 16 goals (server >= 1.3x its best
 pipeline and >= 0.85x its in-process limit). Outputs: ``families.md``, ``families.json`` (small:
-``families-small.md``, ``families-small.json``).
+``families-small.md``, ``families-small.json``; base: ``families-base.*``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ FAMILY_TIMING = {
                    pipeline_timeout_s=300),
     "quick": Timing(repeats=1, warmup_s=0.5, closed_s=2.0, open_s=0.0, grace_s=0.0, pipeline_texts=128, singles=5,
                     pipeline_timeout_s=180),
+    # --family-shape base: batches take most of a second, so longer windows and fewer pipeline texts.
+    "base": Timing(repeats=1, warmup_s=4.0, closed_s=10.0, open_s=0.0, grace_s=0.0, pipeline_texts=128, singles=5,
+                   pipeline_timeout_s=600),
 }
 FAMILY_CORPUS = "short"
 FAMILY_GOALS = {"pipeline": 1.3, "limit": 0.85}  # issue 16's targets: server ÷ best pipeline, ÷ in-process limit
@@ -479,6 +484,9 @@ FAMILY_SHAPE_TEXT = {
             "most of a request's cost)",
     "small": "small offline checkpoint (`models/families-small/`, `--family-shape small`: 4 layers, hidden 384, "
              "ELECTRA's generator 768; the model is most of a request's cost)",
+    "base": "base-sized offline checkpoint (`models/families-base/`, `--family-shape base`: BERT-base's 12 layers, "
+            "hidden 768, ELECTRA's generator 256 over embeddings of 768, as electra-base-generator; random "
+            "weights, the families' own small vocabularies)",
 }
 
 
@@ -520,8 +528,8 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="measure these model families' tiny checkpoints instead of --sizes: 'all' or a "
                              "comma-separated list of " + ", ".join(FAMILIES))
     parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
-                        help="with --families: the checkpoints' shape, tiny (2 layers, hidden 32-64) or small "
-                             "(4 layers, hidden 384)")
+                        help="with --families: the checkpoints' shape, tiny (2 layers, hidden 32-64), small "
+                             "(4 layers, hidden 384) or base (12 layers, hidden 768)")
     parser.add_argument("--server-args", default="",
                         help="extra ws_server.py flags for every server config, e.g. '--torch-threads 1'")
     args = parser.parse_args(argv)
@@ -546,7 +554,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         sizes = []
     timing = {}
     if families:
-        base = FAMILY_TIMING["quick" if args.quick else "full"]
+        base = FAMILY_TIMING["quick" if args.quick else "base" if args.family_shape == "base" else "full"]
         timing["family"] = base if args.repeats is None else Timing(**{**asdict(base), "repeats": args.repeats})
     for size in sizes:
         base = (QUICK if args.quick else FULL)[size]

@@ -90,10 +90,13 @@ FAMILY_KEY = "fillmask_family_version"
 ESM_VOCAB = ("<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q",
              "N", "F", "Y", "M", "H", "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
 #: Family model shapes: ``tiny`` for tests (the Python around the model is most of the cost), ``small``
-#: for the benchmark's compute-bound run (4 layers of width 384, about MiniLM's: the model is most of it).
-FAMILY_SHAPES = {
+#: (4 layers of width 384, about MiniLM's: the model is most of it) and ``base`` (BERT-base's 12 layers
+#: of width 768, the size of the families' common checkpoints) for the benchmark. ``generator``: ELECTRA's
+#: generator as (embedding width, encoder width); by default twice ``hidden`` over embeddings of ``hidden``.
+FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2},
     "small": {"hidden": 384, "intermediate": 1536, "layers": 4, "heads": 6},
+    "base": {"hidden": 768, "intermediate": 3072, "layers": 12, "heads": 12, "generator": (768, 256)},
 }
 FAMILY_SHAPE_KEY = "fillmask_family_shape"
 
@@ -255,10 +258,12 @@ def _modernbert_tokenizer(limit: dict[str, int]) -> object:
                                    sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]", **limit)
 
 
-def _family_config(family: str, tokenizer: Any, hidden: int, intermediate: int, layers: int, heads: int) -> Any:
+def _family_config(family: str, tokenizer: Any, hidden: int, intermediate: int, layers: int, heads: int,
+                   generator: tuple[int, int] | None = None) -> Any:
     """The family's config for a model of this width and depth whose position table fits
-    ``FAMILY_MAX_TOKENS`` exactly. (ELECTRA's generator is twice as wide, over embeddings of ``hidden``;
-    ALBERT's embeddings are half as wide.)"""
+    ``FAMILY_MAX_TOKENS`` exactly. (ELECTRA's generator is ``generator``'s encoder width over its
+    embedding width, by default twice as wide over embeddings of ``hidden``, as a generator of its
+    own heads of 64; ALBERT's embeddings are half as wide.)"""
     import transformers as t
 
     vocab, pad = len(tokenizer), tokenizer.pad_token_id
@@ -279,10 +284,12 @@ def _family_config(family: str, tokenizer: Any, hidden: int, intermediate: int, 
         return t.AlbertConfig(vocab_size=vocab, embedding_size=hidden // 2, max_position_embeddings=positions,
                               pad_token_id=pad, bos_token_id=tokenizer.cls_token_id,
                               eos_token_id=tokenizer.sep_token_id, **width, **common)
-    if family == "electra":  # a generator: the embeddings are projected up to the encoder's width
-        return t.ElectraConfig(vocab_size=vocab, embedding_size=hidden, hidden_size=2 * hidden,
-                               intermediate_size=2 * intermediate, max_position_embeddings=positions, pad_token_id=pad,
-                               **common)
+    if family == "electra":  # a generator: the embeddings are projected to the encoder's width
+        embedding, width_ = generator or (hidden, 2 * hidden)
+        electra = {**common, "num_attention_heads": max(1, width_ // 64) if generator else heads}
+        return t.ElectraConfig(vocab_size=vocab, embedding_size=embedding, hidden_size=width_,
+                               intermediate_size=4 * width_ if generator else 2 * intermediate,
+                               max_position_embeddings=positions, pad_token_id=pad, **electra)
     if family == "deberta-v2":  # DeBERTa-v3's shape: relative positions in log buckets, no absolute ones
         return t.DebertaV2Config(vocab_size=vocab, max_position_embeddings=512, relative_attention=True,
                                  position_buckets=16, max_relative_positions=-1, pos_att_type=["p2c", "c2p"],
@@ -308,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true", help="rewrite even if the directory holds a checkpoint")
     parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
-                        help="a family model's shape: tiny (2 layers, hidden 32-64) or small (4 layers, hidden 384)")
+                        help="a family model's shape: tiny (2 layers, hidden 32-64), small (4 layers, hidden 384) "
+                             "or base (12 layers, hidden 768)")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
     there = is_family_checkpoint(args.directory, args.family_shape) if family else is_checkpoint(args.directory)

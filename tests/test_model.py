@@ -218,3 +218,19 @@ def test_a_family_checkpoint_has_the_shape_asked_for_and_only_that_shape_is_reus
     assert model.engine_facts()["head"] == "masks" and model.forward_mode == "traced"
     tiny = ensure_family("bert", tmp_path, shape="tiny")  # replaces the small one in the same place
     assert AutoConfig.from_pretrained(tiny).hidden_size == FAMILY_SHAPES["tiny"]["hidden"]
+
+
+def test_the_base_family_shape_gives_electra_a_generator_of_electra_base_generators_proportions() -> None:
+    """``--family-shape base``: BERT-base's width and depth; ELECTRA's generator is narrower than its
+    embeddings (256 over 768, heads of 64), as electra-base-generator is, not twice as wide as the others
+    (the tiny and small shapes keep that)."""
+    from fillmask_server.checkpoint import FAMILY_SHAPES, _family_config
+
+    vocab = type("Vocab", (), {"__len__": lambda self: 1000, "pad_token_id": 0})()  # a tokenizer's two facts used
+    base = _family_config("electra", vocab, **FAMILY_SHAPES["base"])
+    assert (base.embedding_size, base.hidden_size, base.intermediate_size, base.num_attention_heads,
+            base.num_hidden_layers) == (768, 256, 1024, 4, 12)
+    bert = _family_config("bert", vocab, **FAMILY_SHAPES["base"])
+    assert (bert.hidden_size, bert.intermediate_size, bert.num_hidden_layers) == (768, 3072, 12)
+    tiny = _family_config("electra", vocab, **FAMILY_SHAPES["tiny"])
+    assert (tiny.embedding_size, tiny.hidden_size, tiny.intermediate_size) == (32, 64, 128)
