@@ -29,6 +29,7 @@ and ``bench/run.py --families`` cache them under ``models/families/``)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from importlib import resources
@@ -90,14 +91,22 @@ FAMILY_KEY = "fillmask_family_version"
 ESM_VOCAB = ("<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q",
              "N", "F", "Y", "M", "H", "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
 #: Family model shapes: ``tiny`` for tests (the Python around the model is most of the cost), ``small``
-#: (4 layers of width 384, about MiniLM's: the model is most of it) and ``base`` (BERT-base's 12 layers
-#: of width 768, the size of the families' common checkpoints) for the benchmark. ``generator``: ELECTRA's
-#: generator as (embedding width, encoder width); by default twice ``hidden`` over embeddings of ``hidden``.
+#: (4 layers of width 384, about MiniLM's: the model is most of it) and ``base`` (the families' common
+#: checkpoints' size: BERT-base's 12 layers of width 768, and each family's real vocabulary size) for
+#: the benchmark. ``generator``: ELECTRA's generator as (embedding width, encoder width); by default
+#: twice ``hidden`` over embeddings of ``hidden``. ``real_vocab``: the vocabulary is padded to
+#: ``FAMILY_REAL_VOCAB`` (else it is the ``FAMILY_VOCAB`` tokens trained).
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2},
     "small": {"hidden": 384, "intermediate": 1536, "layers": 4, "heads": 6},
-    "base": {"hidden": 768, "intermediate": 3072, "layers": 12, "heads": 12, "generator": (768, 256)},
+    "base": {"hidden": 768, "intermediate": 3072, "layers": 12, "heads": 12, "generator": (768, 256),
+             "real_vocab": True},
 }
+#: The vocabulary sizes of each family's common checkpoint (bert-base-uncased, roberta-base,
+#: xlm-roberta-base, distilbert-base-uncased, albert-base-v2, electra-base-generator, deberta-v3-base,
+#: ModernBERT-base, ESM-2): what the pipeline projects every position onto.
+FAMILY_REAL_VOCAB = {"bert": 30522, "roberta": 50265, "xlm-roberta": 250002, "distilbert": 30522, "albert": 30000,
+                     "electra": 30522, "deberta-v2": 128100, "modernbert": 50368, "esm": len(ESM_VOCAB)}
 FAMILY_SHAPE_KEY = "fillmask_family_shape"
 
 
@@ -118,13 +127,15 @@ def training_text(lines: int = 3000, seed: int = 0) -> list[str]:
 
 
 def is_family_checkpoint(directory: Path, shape: str = "tiny") -> bool:
-    """True when ``directory`` holds a family checkpoint of ``shape`` written by this version of
-    ``write_family``."""
+    """True when ``directory`` (named after its family) holds a family checkpoint of ``shape`` written by
+    this version of ``write_family``, with the real vocabulary size where the shape has one."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    real = FAMILY_SHAPES.get(shape, {}).get("real_vocab", False)
     return (config.get(FAMILY_KEY) == FAMILY_VERSION and config.get(FAMILY_SHAPE_KEY, "tiny") == shape
+            and (not real or config.get("vocab_size") == FAMILY_REAL_VOCAB.get(directory.name))
             and (directory / "model.safetensors").is_file()
             and (directory / "tokenizer_config.json").is_file())
 
@@ -171,8 +182,10 @@ def write_family(family: str, directory: Path, seed: int = 0, shape: str = "tiny
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     if shape not in FAMILY_SHAPES:
         raise ValueError(f"unknown family shape {shape!r}; choose one of {', '.join(FAMILY_SHAPES)}")
-    tokenizer = _family_tokenizer(family, directory)
-    config = _family_config(family, tokenizer, **FAMILY_SHAPES[shape])
+    widths = dict(FAMILY_SHAPES[shape])
+    vocab_size = FAMILY_REAL_VOCAB[family] if widths.pop("real_vocab", False) else None
+    tokenizer = _family_tokenizer(family, directory, vocab_size)
+    config = _family_config(family, tokenizer, **widths)
     setattr(config, RANDOM_WEIGHTS_KEY, True)
     setattr(config, FAMILY_KEY, FAMILY_VERSION)
     if shape != "tiny":
@@ -185,7 +198,8 @@ def write_family(family: str, directory: Path, seed: int = 0, shape: str = "tiny
     return directory
 
 
-def _family_tokenizer(family: str, directory: Path) -> object:
+def _family_tokenizer(family: str, directory: Path, vocab_size: int | None = None) -> object:
+    """The family's tokenizer, trained to ``FAMILY_VOCAB`` tokens (and padded to ``vocab_size``: ``_pad``)."""
     import transformers
 
     limit = {"model_max_length": FAMILY_MAX_TOKENS}
@@ -198,24 +212,26 @@ def _family_tokenizer(family: str, directory: Path) -> object:
         specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
         cls = {"bert": transformers.BertTokenizer, "distilbert": transformers.DistilBertTokenizer,
                "electra": transformers.ElectraTokenizer}[family]
-        return cls(vocab=_train("wordpiece", specials)["vocab"], **limit)
+        return cls(vocab=_train("wordpiece", specials, vocab_size=vocab_size)["vocab"], **limit)
     if family in ("roberta", "modernbert"):
         if family == "roberta":
-            model = _train("bpe", ["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+            model = _train("bpe", ["<s>", "<pad>", "</s>", "<unk>", "<mask>"], vocab_size=vocab_size)
             return transformers.RobertaTokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],
                                                  **limit)
-        return _modernbert_tokenizer(limit)
+        return _modernbert_tokenizer(limit, vocab_size)
     specials = {"xlm-roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
                 "albert": ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"],
                 "deberta-v2": ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]}[family]
     cls = {"xlm-roberta": transformers.XLMRobertaTokenizer, "albert": transformers.AlbertTokenizer,
            "deberta-v2": transformers.DebertaV2Tokenizer}[family]
-    vocab = [(piece, score) for piece, score in _train("unigram", specials, lowercase=family == "albert")["vocab"]]
+    trained = _train("unigram", specials, lowercase=family == "albert", vocab_size=vocab_size)
+    vocab = [(piece, score) for piece, score in trained["vocab"]]
     return cls(vocab=vocab, **limit)
 
 
-def _train(kind: str, specials: list[str], lowercase: bool = False) -> dict:
-    """Train a ``tokenizers`` model of ``kind`` on ``training_text``; its JSON ``model`` section."""
+def _train(kind: str, specials: list[str], lowercase: bool = False, vocab_size: int | None = None) -> dict:
+    """Train a ``tokenizers`` model of ``kind`` on ``training_text``; its JSON ``model`` section (with
+    ``vocab_size``, its vocabulary padded to that size: ``_pad``)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     if kind == "wordpiece":
@@ -236,17 +252,36 @@ def _train(kind: str, specials: list[str], lowercase: bool = False) -> dict:
         trainer = trainers.UnigramTrainer(vocab_size=FAMILY_VOCAB, special_tokens=specials, unk_token=specials[
             [s.strip("<>[]").lower() for s in specials].index("unk")])
     tokenizer.train_from_iterator(training_text(), trainer)
-    return json.loads(tokenizer.to_str())["model"]
+    model = json.loads(tokenizer.to_str())["model"]
+    return model if vocab_size is None else _pad(model, vocab_size)
 
 
-def _modernbert_tokenizer(limit: dict[str, int]) -> object:
+def _pad(model: dict, vocab_size: int) -> dict:
+    """``model`` (a trained model's JSON) with filler tokens after its own up to ``vocab_size``: ``zq``
+    and a number (``▁zq`` and a number, of the lowest score, for Unigram). No text the benchmark or the
+    tests send holds one, and BPE has no merge that makes one, so the tokenizer splits every text as
+    before; the vocabulary, the model's embeddings and its MLM head have the real size."""
+    unigram = model["type"] == "Unigram"
+    vocab = model["vocab"]
+    taken = {piece for piece, _ in vocab} if unigram else set(vocab)
+    floor = min(score for _, score in vocab) - 10.0 if unigram else 0.0
+    fillers = (piece for n in itertools.count() if (piece := f"\u2581zq{n}" if unigram else f"zq{n}") not in taken)
+    for piece in itertools.islice(fillers, max(0, vocab_size - len(vocab))):
+        if unigram:
+            vocab.append([piece, floor])
+        else:
+            vocab[piece] = len(vocab)
+    return model
+
+
+def _modernbert_tokenizer(limit: dict[str, int], vocab_size: int | None = None) -> object:
     """ModernBERT's kind: byte-level BPE with BERT-style special tokens (``[CLS] text [SEP]``)."""
     from tokenizers import Tokenizer, decoders, models, processors
     from tokenizers import pre_tokenizers as pre
     from transformers import PreTrainedTokenizerFast
 
     specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
-    trained = _train("bpe", specials)
+    trained = _train("bpe", specials, vocab_size=vocab_size)
     tokenizer = Tokenizer(models.BPE(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]]))
     tokenizer.pre_tokenizer = pre.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

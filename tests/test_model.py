@@ -227,10 +227,30 @@ def test_the_base_family_shape_gives_electra_a_generator_of_electra_base_generat
     from fillmask_server.checkpoint import FAMILY_SHAPES, _family_config
 
     vocab = type("Vocab", (), {"__len__": lambda self: 1000, "pad_token_id": 0})()  # a tokenizer's two facts used
-    base = _family_config("electra", vocab, **FAMILY_SHAPES["base"])
+    widths = {key: value for key, value in FAMILY_SHAPES["base"].items() if key != "real_vocab"}
+    base = _family_config("electra", vocab, **widths)
     assert (base.embedding_size, base.hidden_size, base.intermediate_size, base.num_attention_heads,
             base.num_hidden_layers) == (768, 256, 1024, 4, 12)
-    bert = _family_config("bert", vocab, **FAMILY_SHAPES["base"])
+    bert = _family_config("bert", vocab, **widths)
     assert (bert.hidden_size, bert.intermediate_size, bert.num_hidden_layers) == (768, 3072, 12)
     tiny = _family_config("electra", vocab, **FAMILY_SHAPES["tiny"])
     assert (tiny.embedding_size, tiny.hidden_size, tiny.intermediate_size) == (32, 64, 128)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert", "xlm-roberta"])
+def test_a_vocabulary_padded_to_a_real_size_splits_every_text_as_before(family: str, tmp_path: Path) -> None:
+    """The base shape's tokenizers (``_pad``: WordPiece, byte-level BPE with and without a template,
+    Unigram) have the size asked for, and split texts without fillers into the same tokens as the
+    trained ones; the fillers decode to themselves."""
+    from fillmask_server.checkpoint import _family_tokenizer
+
+    trained = _family_tokenizer(family, tmp_path / "trained")
+    padded = _family_tokenizer(family, tmp_path / "padded", 5000)
+    assert len(padded) == 5000 and len(trained) < 5000
+    texts = ["The old man lived by the river, 42 times!", "Ünïcode — and ** odd  spacing"]
+    if family in ("roberta", "modernbert"):
+        texts.append("zq12 zq 12")  # BPE has no merge that makes a filler (WordPiece and Unigram match them)
+    for text in texts:
+        tokens = [t.convert_ids_to_tokens(t(f"{text} {t.mask_token}")["input_ids"]) for t in (trained, padded)]
+        assert tokens[0] == tokens[1]
+    assert padded.decode([4999]).strip().endswith(f"zq{4999 - len(trained)}")
