@@ -486,7 +486,7 @@ FAMILY_SHAPE_TEXT = {
              "ELECTRA's generator 768; the model is most of a request's cost)",
     "base": "base-sized offline checkpoint (`models/families-base/`, `--family-shape base`: BERT-base's 12 layers, "
             "hidden 768, ELECTRA's generator 256 over embeddings of 768, as electra-base-generator; each family's "
-            "real vocabulary size, 30,000-250,002 tokens, ESM's 33; random weights)",
+            "real vocabulary size, 30,000-250,002 tokens, ESM's 33)",
 }
 
 
