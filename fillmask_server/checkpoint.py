@@ -24,6 +24,10 @@ each, with a tokenizer of the family's kind trained offline with ``tokenizers`` 
 and ``bench/run.py --families`` cache them under ``models/families/``)::
 
     .venv/bin/python -m fillmask_server.checkpoint distilbert models/families/distilbert
+    .venv/bin/python -m fillmask_server.checkpoint xlm-roberta models/x --family-shape base  # 12 x 768, 250,002 tokens
+
+``--family-shape`` (``FAMILY_SHAPES``) sets the width and depth; ``base`` also gives the vocabulary its
+family's real size (``FAMILY_REAL_VOCAB``) by padding the trained tokenizer with filler tokens.
 """
 
 from __future__ import annotations
