@@ -40,7 +40,7 @@ SINGLE_WARMUP = 10  # the idle-server client's warm-up requests (bench.loadgen.i
 
 LIMIT_BATCH = 32
 #: Each timed measurement runs its texts again until it has lasted this long: through a tiny model
-#: the texts take tens of milliseconds, and one so short swings with a single preemption.
+#: one pass over the texts is short enough to swing with a single preemption.
 MIN_TIMED_S = 1.0
 _RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
 
@@ -83,7 +83,7 @@ def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int,
     def run(decode: bool) -> float:
         started = time.perf_counter()
         done = 0
-        while not done or time.perf_counter() - started < MIN_TIMED_S:  # a tiny model's pass is milliseconds
+        while not done or time.perf_counter() - started < MIN_TIMED_S:
             for batch in batches:
                 items = [Item(ids, 5) for ids in model.tokenize(batch)]
                 topk = model.forward(items)

@@ -5,7 +5,7 @@
     .venv/bin/python bench/run.py --families all                            # every family, about 10 min
     .venv/bin/python bench/run.py --families distilbert,esm --quick         # two families, short windows
     .venv/bin/python bench/run.py --families all --family-shape small       # compute-bound: 4 layers, width 384
-    .venv/bin/python bench/run.py --families all --family-shape base --repeats 1   # BERT-base's size, ~25 min
+    .venv/bin/python bench/run.py --families all --family-shape base --repeats 1   # BERT-base's shape, real vocab
 
 For each model size and each corpus (``mixed``: 8-81 tokens, one and two masks; ``short``: 9-16
 tokens, one mask) it makes the offline checkpoint if missing, measures the in-process limits in a
@@ -82,7 +82,7 @@ FAMILY_TIMING = {
                    pipeline_timeout_s=300),
     "quick": Timing(repeats=1, warmup_s=0.5, closed_s=2.0, open_s=0.0, grace_s=0.0, pipeline_texts=128, singles=5,
                     pipeline_timeout_s=180),
-    # --family-shape base: batches take most of a second, so longer windows and fewer pipeline texts.
+    # --family-shape base: a batch takes far longer, so longer windows and fewer pipeline texts.
     "base": Timing(repeats=1, warmup_s=4.0, closed_s=10.0, open_s=0.0, grace_s=0.0, pipeline_texts=128, singles=5,
                    pipeline_timeout_s=600),
 }

@@ -95,9 +95,9 @@ FAMILY_KEY = "fillmask_family_version"
 ESM_VOCAB = ("<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q",
              "N", "F", "Y", "M", "H", "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
 #: Family model shapes: ``tiny`` for tests (the Python around the model is most of the cost), ``small``
-#: (4 layers of width 384, about MiniLM's: the model is most of it) and ``base`` (the families' common
-#: checkpoints' size: BERT-base's 12 layers of width 768, and each family's real vocabulary size) for
-#: the benchmark. ``generator``: ELECTRA's generator as (embedding width, encoder width); by default
+#: (4 layers of width 384, about MiniLM's: the model is most of it) and ``base`` (BERT-base's shape,
+#: 12 layers of width 768, for every family, with each family's real vocabulary size) for the
+#: benchmark. ``generator``: ELECTRA's generator as (embedding width, encoder width); by default
 #: twice ``hidden`` over embeddings of ``hidden``. ``real_vocab``: the vocabulary is padded to
 #: ``FAMILY_REAL_VOCAB`` (else it is the ``FAMILY_VOCAB`` tokens trained).
 FAMILY_SHAPES: dict[str, dict[str, Any]] = {
@@ -130,16 +130,17 @@ def training_text(lines: int = 3000, seed: int = 0) -> list[str]:
     return text
 
 
-def is_family_checkpoint(directory: Path, shape: str = "tiny") -> bool:
-    """True when ``directory`` (named after its family) holds a family checkpoint of ``shape`` written by
-    this version of ``write_family``, with the real vocabulary size where the shape has one."""
+def is_family_checkpoint(directory: Path, shape: str = "tiny", family: str | None = None) -> bool:
+    """True when ``directory`` holds a family checkpoint of ``shape`` written by this version of
+    ``write_family``, with ``family``'s real vocabulary size where the shape has one (``family``: by
+    default the directory's name, as ``ensure_family`` names them)."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return False
     real = FAMILY_SHAPES.get(shape, {}).get("real_vocab", False)
     return (config.get(FAMILY_KEY) == FAMILY_VERSION and config.get(FAMILY_SHAPE_KEY, "tiny") == shape
-            and (not real or config.get("vocab_size") == FAMILY_REAL_VOCAB.get(directory.name))
+            and (not real or config.get("vocab_size") == FAMILY_REAL_VOCAB.get(family or directory.name))
             and (directory / "model.safetensors").is_file()
             and (directory / "tokenizer_config.json").is_file())
 
@@ -155,18 +156,18 @@ def ensure_family(family: str, root: Path, shape: str = "tiny") -> Path:
     import tempfile
 
     directory = root / family
-    if is_family_checkpoint(directory, shape):
+    if is_family_checkpoint(directory, shape, family):
         return directory
     root.mkdir(parents=True, exist_ok=True)
     made = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
     try:
         write_family(family, made, shape=shape)
-        if directory.exists() and not is_family_checkpoint(directory, shape):
+        if directory.exists() and not is_family_checkpoint(directory, shape, family):
             shutil.rmtree(directory, ignore_errors=True)  # an older version's (or another shape's) checkpoint
         try:
             made.rename(directory)
         except OSError:  # another process put a checkpoint there first
-            if not is_family_checkpoint(directory, shape):
+            if not is_family_checkpoint(directory, shape, family):
                 raise
     finally:
         shutil.rmtree(made, ignore_errors=True)
@@ -267,6 +268,8 @@ def _pad(model: dict, vocab_size: int) -> dict:
     before; the vocabulary, the model's embeddings and its MLM head have the real size."""
     unigram = model["type"] == "Unigram"
     vocab = model["vocab"]
+    if not unigram and sorted(vocab.values()) != list(range(len(vocab))):
+        raise ValueError("a trained vocabulary's ids are not 0 .. n-1: cannot pad it")
     taken = {piece for piece, _ in vocab} if unigram else set(vocab)
     floor = min(score for _, score in vocab) - 10.0 if unigram else 0.0
     fillers = (piece for n in itertools.count() if (piece := f"\u2581zq{n}" if unigram else f"zq{n}") not in taken)
@@ -358,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                              "or base (12 layers, hidden 768)")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
-    there = is_family_checkpoint(args.directory, args.family_shape) if family else is_checkpoint(args.directory)
+    there = (is_family_checkpoint(args.directory, args.family_shape, args.size) if family
+             else is_checkpoint(args.directory))
     if there and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0

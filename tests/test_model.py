@@ -237,10 +237,10 @@ def test_the_base_family_shape_gives_electra_a_generator_of_electra_base_generat
     assert (tiny.embedding_size, tiny.hidden_size, tiny.intermediate_size) == (32, 64, 128)
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert", "xlm-roberta", "albert"])
 def test_a_vocabulary_padded_to_a_real_size_splits_every_text_as_before(family: str, tmp_path: Path) -> None:
     """The base shape's tokenizers (``_pad``: WordPiece, byte-level BPE with and without a template,
-    Unigram) have the size asked for, and split texts without fillers into the same tokens as the
+    Unigram, lower-cased Unigram) have the size asked for, and split texts without fillers into the same tokens as the
     trained ones; the fillers decode to themselves."""
     from fillmask_server.checkpoint import _family_tokenizer
 
@@ -254,3 +254,31 @@ def test_a_vocabulary_padded_to_a_real_size_splits_every_text_as_before(family: 
         tokens = [t.convert_ids_to_tokens(t(f"{text} {t.mask_token}")["input_ids"]) for t in (trained, padded)]
         assert tokens[0] == tokens[1]
     assert padded.decode([4999]).strip().endswith(f"zq{4999 - len(trained)}")
+
+
+def test_a_cached_base_family_checkpoint_of_another_vocabulary_size_is_not_reused(tmp_path: Path) -> None:
+    """The base shape's cache check wants the family's real vocabulary size, taken from the family named
+    or else the directory's name: a checkpoint of the trained size (the shape before real vocabularies)
+    is rebuilt, not reused."""
+    import json
+
+    from fillmask_server.checkpoint import (
+        FAMILY_KEY,
+        FAMILY_REAL_VOCAB,
+        FAMILY_SHAPE_KEY,
+        FAMILY_VERSION,
+        is_family_checkpoint,
+    )
+
+    def fake(directory: Path, vocab_size: int) -> Path:
+        directory.mkdir()
+        config = {FAMILY_KEY: FAMILY_VERSION, FAMILY_SHAPE_KEY: "base", "vocab_size": vocab_size}
+        (directory / "config.json").write_text(json.dumps(config))
+        (directory / "model.safetensors").write_bytes(b"")
+        (directory / "tokenizer_config.json").write_text("{}")
+        return directory
+
+    assert is_family_checkpoint(fake(tmp_path / "roberta", FAMILY_REAL_VOCAB["roberta"]), "base")
+    assert not is_family_checkpoint(fake(tmp_path / "bert", 1000), "base")
+    elsewhere = fake(tmp_path / "x", FAMILY_REAL_VOCAB["xlm-roberta"])
+    assert is_family_checkpoint(elsewhere, "base", "xlm-roberta") and not is_family_checkpoint(elsewhere, "base")
