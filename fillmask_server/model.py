@@ -61,6 +61,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from . import tokenizing
 from .protocol import TargetNote
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,11 @@ class FillMaskModel:
         self.random_weights = getattr(model.config, "fillmask_random_weights", False) is True
         self.tokenizer = tokenizer
         self.decode_tokenizer = copy.deepcopy(tokenizer)
+        # A pure-Python tokenizer holds the GIL for every text: split with its checked fast equivalent.
+        self._fast_tokenizer = tokenizing.fast_equivalent(tokenizer)
+        if self._fast_tokenizer is not None:
+            log.info("%s is pure Python: texts are split by an equivalent fast tokenizer (the same ids on %d "
+                     "check texts)", type(tokenizer).__name__, tokenizing.CHECK_TEXTS)
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
@@ -190,6 +196,8 @@ class FillMaskModel:
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, with special tokens, unpadded and untruncated (one batched call)."""
+        if self._fast_tokenizer is not None:
+            return [encoding.ids for encoding in self._fast_tokenizer.encode_batch(texts, add_special_tokens=True)]
         encoded = self.tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
                                  return_token_type_ids=False, verbose=False)
         return encoded["input_ids"]

@@ -1,0 +1,86 @@
+"""A fast equivalent of a slow (pure Python) tokenizer whose vocabulary is matched whole, checked at load.
+
+Most fill-mask checkpoints come with a Rust ("fast") tokenizer. Some do not: ESM's protein tokenizer is
+pure Python, and it holds the GIL for every text it splits, which the server's other stages then wait
+for. Such a tokenizer splits a text at every vocabulary token it holds (ESM's trie is the whole
+vocabulary: one token per residue), splits what is left on whitespace, and maps each leftover word to
+the unknown token. ``fast_equivalent`` builds that rule with ``tokenizers`` (every vocabulary token an
+added token, a word-level model with the unknown token, whitespace splitting, the tokenizer's own
+special-token template) and keeps it only if it gives the very ids of the slow tokenizer on a few
+hundred check texts: the vocabulary's tokens in random orders, with spaces, tabs, newlines, lower case,
+letters of other scripts and unknown symbols. Any other slow tokenizer (WordPiece, SentencePiece, ...)
+fails that check and keeps its own path. Only ``FillMaskModel.tokenize`` (the hot path) uses the
+result; targets and decoding keep the tokenizer itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHECK_TEXTS = 400
+_SENTINEL = -7  # an id no vocabulary has: where the text goes in the special-token template
+_ODD = [" ", "  ", "\t", "\n", " \u00a0", "x", "q", "é", "中", "🙂", "<", ">", "##", "1", "?", "_"]
+
+
+def fast_equivalent(tokenizer: Any) -> Any | None:
+    """A ``tokenizers.Tokenizer`` giving ``tokenizer``'s ids (special tokens added) on every check
+    text, or None: the tokenizer is fast already, or no such equivalent was found."""
+    if getattr(tokenizer, "is_fast", True):
+        return None
+    try:
+        candidate = _whole_token_tokenizer(tokenizer)
+    except Exception as exc:  # a tokenizer of another kind: no such rule
+        log.debug("no fast equivalent of %s: %s", type(tokenizer).__name__, exc)
+        return None
+    if candidate is None:
+        return None
+    texts = check_texts(tokenizer)
+    want = tokenizer(texts, add_special_tokens=True, return_attention_mask=False, return_token_type_ids=False,
+                     verbose=False)["input_ids"]
+    got = [encoding.ids for encoding in candidate.encode_batch(texts, add_special_tokens=True)]
+    if got != want:
+        log.debug("the fast equivalent of %s differs on %d of %d check texts", type(tokenizer).__name__,
+                  sum(a != b for a, b in zip(got, want, strict=True)), len(texts))
+        return None
+    return candidate
+
+
+def check_texts(tokenizer: Any, n: int = CHECK_TEXTS, seed: int = 0) -> list[str]:
+    """Texts of the tokenizer's own tokens (special ones too) mixed with whitespace, lower case and
+    symbols it may not know; deterministic for ``seed``."""
+    rng = random.Random(seed)
+    tokens = sorted(tokenizer.get_vocab())
+    pieces = tokens + [token.lower() for token in tokens] + _ODD
+    texts = ["", " ", tokenizer.mask_token, f" {tokenizer.mask_token} ", "".join(tokens), " ".join(tokens)]
+    while len(texts) < n:
+        texts.append("".join(rng.choice(pieces if rng.random() < 0.3 else tokens)
+                             for _ in range(rng.randint(1, 40))))
+    return texts
+
+
+def _whole_token_tokenizer(tokenizer: Any) -> Any | None:
+    """The candidate rule (module doc); None when the tokenizer has no unknown token."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    vocab = tokenizer.get_vocab()
+    unk = tokenizer.unk_token
+    if unk is None or unk not in vocab:
+        return None
+    fast = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
+    fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = set(tokenizer.all_special_tokens)
+    by_length = sorted(vocab, key=len, reverse=True)  # (the added vocabulary matches the longest first)
+    fast.add_tokens([AddedToken(token, normalized=False) for token in by_length if token not in specials])
+    fast.add_special_tokens([AddedToken(token, normalized=False) for token in by_length if token in specials])
+    template = tokenizer.build_inputs_with_special_tokens([_SENTINEL])
+    at = template.index(_SENTINEL)
+    names = {id_: token for token, id_ in vocab.items()}
+    before, after = [names[id_] for id_ in template[:at]], [names[id_] for id_ in template[at + 1:]]
+    fast.post_processor = processors.TemplateProcessing(
+        single=" ".join([*before, "$A", *after]),
+        special_tokens=[(token, vocab[token]) for token in dict.fromkeys(before + after)])
+    return fast

@@ -1,0 +1,81 @@
+"""The fast equivalent of a pure-Python tokenizer (``fillmask_server.tokenizing``): ESM's protein
+tokenizer gets one with the very same ids, a tokenizer that is fast already keeps its own, and a
+candidate that splits any check text differently is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fillmask_server import tokenizing
+from fillmask_server.checkpoint import ensure_family
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILY_DIR = ROOT / "models" / "families"
+
+
+def slow_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=True, return_attention_mask=False, return_token_type_ids=False,
+                     verbose=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def esm() -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_family("esm", FAMILY_DIR))
+    assert not tokenizer.is_fast  # the case this module is for
+    return tokenizer
+
+
+def held_out(tokenizer: Any) -> list[str]:
+    """Texts the load-time check did not see: another seed, protein sequences of up to 300 residues
+    with masks, spaces and lower case."""
+    mask = tokenizer.mask_token
+    proteins = ["MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ" * k for k in range(1, 10)]
+    return [*tokenizing.check_texts(tokenizer, n=300, seed=1), *(p[:40] + mask + p[41:] for p in proteins),
+            f"{mask}{mask}AC DE", f"ac{mask}de", f" {mask}\tKR\nQW ", "XBUZO.-", "<cls>A<eos>", "A<null_1>C"]
+
+
+def test_a_pure_python_tokenizer_of_whole_tokens_gets_a_fast_equivalent_with_the_same_ids(esm: Any) -> None:
+    fast = tokenizing.fast_equivalent(esm)
+    assert fast is not None
+    texts = held_out(esm)
+    assert [encoding.ids for encoding in fast.encode_batch(texts, add_special_tokens=True)] == slow_ids(esm, texts)
+
+
+@pytest.mark.parametrize("change", ["splits on punctuation too", "adds no special tokens"])
+def test_a_candidate_that_splits_any_check_text_differently_is_refused(esm: Any, change: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenizers import pre_tokenizers
+
+    build = tokenizing._whole_token_tokenizer
+
+    def changed(tokenizer: Any) -> Any:
+        fast = build(tokenizer)
+        if change == "splits on punctuation too":
+            fast.pre_tokenizer = pre_tokenizers.Whitespace()
+        else:
+            fast.post_processor = None
+        return fast
+
+    monkeypatch.setattr(tokenizing, "_whole_token_tokenizer", changed)
+    assert tokenizing.fast_equivalent(esm) is None
+
+
+def test_a_tokenizer_that_is_fast_already_keeps_its_own() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_family("bert", FAMILY_DIR))
+    assert tokenizer.is_fast and tokenizing.fast_equivalent(tokenizer) is None
+
+
+def test_the_model_splits_with_the_fast_equivalent(esm: Any) -> None:
+    from fillmask_server.model import load_model
+
+    model = load_model(str(ensure_family("esm", FAMILY_DIR)))
+    assert model._fast_tokenizer is not None
+    texts = held_out(esm)
+    assert model.tokenize(texts) == slow_ids(esm, texts)
