@@ -28,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -67,6 +68,17 @@ def family_texts(corpus_name: str, family: str, mask_token: str, seed: int = 0) 
     return proteins
 
 
+def timed_rate(call: Callable[[], None], count: int) -> float:
+    """Items per second of ``call`` (``count`` items a call), called again until ``MIN_TIMED_S`` has
+    passed (at least once)."""
+    started = time.perf_counter()
+    done = 0
+    while not done or time.perf_counter() - started < MIN_TIMED_S:
+        call()
+        done += count
+    return done / (time.perf_counter() - started)
+
+
 def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate
                      ) -> tuple[list[float], list[float]]:
     """req/s of the server's own work without sockets or threads (see the module docstring): with the
@@ -81,17 +93,15 @@ def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int,
     batches = [[texts[i] for i in order[start: start + LIMIT_BATCH]] for start in range(0, len(order), LIMIT_BATCH)]
 
     def run(decode: bool) -> float:
-        started = time.perf_counter()
-        done = 0
-        while not done or time.perf_counter() - started < MIN_TIMED_S:
+        def once() -> None:
             for batch in batches:
                 items = [Item(ids, 5) for ids in model.tokenize(batch)]
                 topk = model.forward(items)
                 if decode:
                     for n, item in enumerate(items):
                         predictions_json(decoder, item, topk, n)
-            done += len(texts)
-        return done / (time.perf_counter() - started)
+
+        return timed_rate(once, len(texts))
 
     run(True)  # warm-up: kernels for these shapes, the decoder's caches
     full: list[float] = []
@@ -130,13 +140,11 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
     for _ in range(repeats):
         for size in batch_sizes:
             gate.wait()
-            t0 = time.perf_counter()
-            done = 0
-            while not done or time.perf_counter() - t0 < MIN_TIMED_S:
-                out = pipe(texts, batch_size=size)
-                assert len(out) == len(texts)
-                done += len(texts)
-            throughput[str(size)].append(done / (time.perf_counter() - t0))
+
+            def once(size: int = size, fill: Any = pipe) -> None:
+                assert len(fill(texts, batch_size=size)) == len(texts)
+
+            throughput[str(size)].append(timed_rate(once, len(texts)))
 
     # Single calls on the texts the idle-server client sends: corpus[0:10] as warm-up, then corpus[10:].
     gate.wait()

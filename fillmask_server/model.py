@@ -196,11 +196,7 @@ class FillMaskModel:
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, with special tokens, unpadded and untruncated (one batched call)."""
-        if self._fast_tokenizer is not None:
-            return [encoding.ids for encoding in self._fast_tokenizer.encode_batch(texts, add_special_tokens=True)]
-        encoded = self.tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
-                                 return_token_type_ids=False, verbose=False)
-        return encoded["input_ids"]
+        return tokenizing.token_ids(self._fast_tokenizer or self.tokenizer, texts)
 
     def target_ids(self, targets: tuple[str, ...]) -> tuple[int, ...]:
         """The pipeline's ``get_target_ids``: vocab id, else first token; deduplicated. Cached."""

@@ -39,14 +39,23 @@ def fast_equivalent(tokenizer: Any) -> Any | None:
     if candidate is None:
         return None
     texts = check_texts(tokenizer)
-    want = tokenizer(texts, add_special_tokens=True, return_attention_mask=False, return_token_type_ids=False,
-                     verbose=False)["input_ids"]
-    got = [encoding.ids for encoding in candidate.encode_batch(texts, add_special_tokens=True)]
+    want, got = token_ids(tokenizer, texts), token_ids(candidate, texts)
     if got != want:
         log.debug("the fast equivalent of %s differs on %d of %d check texts", type(tokenizer).__name__,
                   sum(a != b for a, b in zip(got, want, strict=True)), len(texts))
         return None
     return candidate
+
+
+def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's ids, special tokens added, unpadded and untruncated, in one batched call: through
+    transformers' tokenizer, or a ``tokenizers.Tokenizer`` (``fast_equivalent``'s) directly."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=True)]
+    return tokenizer(texts, add_special_tokens=True, return_attention_mask=False, return_token_type_ids=False,
+                     verbose=False)["input_ids"]
 
 
 def check_texts(tokenizer: Any, n: int = CHECK_TEXTS, seed: int = 0) -> list[str]:
