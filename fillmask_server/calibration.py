@@ -4,8 +4,13 @@ Three measurements, each a few forward passes of the loaded model on synthetic b
 own tokens around its mask token), all within ``--calibration-s``:
 
 1. **Torch threads** (only when ``--torch-threads`` is 0: a flag the user sets wins): one batch timed
-   at each candidate count (1, half the CPUs this process may use, all of them); the fastest wins,
-   the smaller count on a tie within ``THREAD_TIE``. The count is set for the whole process.
+   at each candidate count (1, half the CPUs this process may use, all of them: ``usable_cpus``, its
+   CPU affinity within its container's CPU quota), the counts taken in
+   turn for ``THREAD_ROUNDS`` rounds (1, 2, 1, 2, ...; fewer, but at least ``MIN_THREAD_ROUNDS``, when
+   they would take more than half the budget) and each count's fastest pass kept, so that a
+   neighbour's passing burst of load (another replica starting beside this one) weighs on every count
+   alike instead of deciding for the one it happened to hit; the fastest wins, the smaller count on a
+   tie within ``THREAD_TIE``. The count is set for the whole process.
 2. **The cost model's first coefficients**: batches of a few shapes (rows x width), the fit of
    ``overhead + token·padded + row·rows`` (``core.fit``), and the decode price per byte of answer
    bound from decoding their top-k; the engine's ``CostModel`` starts from it and goes on fitting
@@ -23,8 +28,10 @@ measured time by ``F`` (the measurement still runs), so a test can see the warni
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +44,14 @@ from .model import FillMaskModel, Item, on_a_thread_that_ends
 log = logging.getLogger(__name__)
 
 THREAD_TIE = 0.05  # a larger thread count must be this much faster to win
+THREAD_ROUNDS = 4  # timed passes per candidate thread count, the counts in turn ...
+MIN_THREAD_ROUNDS = 2  # ... and at least this many, whatever the time budget
 THREAD_SHAPE = (16, 16)  # rows x tokens of the batch the thread counts are timed on
 FIT_SHAPES = ((1, 8), (4, 16), (16, 16), (8, 40), (32, 24))  # cheapest first
 TOP_K = 5
 SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
+CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # a container's own cgroup, as it sees it
+CGROUP_V1_CPU_DIRS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")
 
 
 @dataclass
@@ -97,9 +108,12 @@ class Calibration:
 
 
 def uncalibrated(torch_threads: int = 0) -> Calibration:
-    """What the engine knows without calibrating: the thread count torch runs with."""
+    """What the engine knows without calibrating: the thread count torch runs with, which without a
+    flag is torch's default (one per core) capped at the CPUs this process may use (``usable_cpus``)."""
     import torch
 
+    if not torch_threads and torch.get_num_threads() > (cpus := usable_cpus()):
+        torch.set_num_threads(cpus)
     return Calibration(torch_threads or torch.get_num_threads(), "flag" if torch_threads else "default")
 
 
@@ -133,11 +147,16 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             for count in candidates:
                 torch.set_num_threads(count)
                 _warm(model, items)  # the first passes at a count start its workers
-                result.threads_ms[count] = _time(model, items, 3) * 1000
-            best = min(candidates, key=lambda n: result.threads_ms[n])
-            tie = result.threads_ms[best] * (1 + THREAD_TIE)
-            smaller = [n for n in candidates if n < best and result.threads_ms[n] <= tie]
-            result.torch_threads = min(smaller) if smaller else best
+
+            def time_at(count: int) -> float:
+                torch.set_num_threads(count)
+                return _time(model, items, 1)
+
+            thread_until = started + budget_s / 2  # the other half is the cost model's
+            fastest = fastest_per_count(time_at, candidates, THREAD_ROUNDS,
+                                        lambda: time.perf_counter() < thread_until)
+            result.threads_ms = {count: seconds * 1000 for count, seconds in fastest.items()}
+            result.torch_threads = choose_threads(fastest)
             result.threads_from = "calibration"
         torch.set_num_threads(result.torch_threads)
     decoder = SequenceDecoder(model.decode_tokenizer)
@@ -197,12 +216,76 @@ def _time(model: FillMaskModel, items: list[Item], repeats: int) -> float:
     return best
 
 
+def fastest_per_count(time_at: Callable[[int], float], candidates: list[int], rounds: int,
+                      more: Callable[[], bool] = lambda: True) -> dict[int, float]:
+    """Each candidate's fastest of up to ``rounds`` timings (``time_at(count)``, seconds), the candidates
+    taken in turn round by round: a burst of load shorter than the rounds run less one leaves every
+    count at least one pass it did not touch. After ``MIN_THREAD_ROUNDS``, a round starts only while
+    ``more()`` (the time budget) allows."""
+    fastest = {count: float("inf") for count in candidates}
+    for done in range(rounds):
+        if done >= MIN_THREAD_ROUNDS and not more():
+            break
+        for count in candidates:
+            fastest[count] = min(fastest[count], time_at(count))
+    return fastest
+
+
+def choose_threads(fastest: dict[int, float]) -> int:
+    """The fastest count, or the smallest count within ``THREAD_TIE`` of it (fewer threads leave cores
+    to the server's other stages)."""
+    best = min(fastest, key=lambda count: (fastest[count], count))
+    tie = fastest[best] * (1 + THREAD_TIE)
+    return min(count for count in fastest if count <= best and fastest[count] <= tie)
+
+
 def _thread_candidates() -> list[int]:
+    cpus = usable_cpus()
+    return sorted({1, max(1, cpus // 2), cpus})
+
+
+def usable_cpus(read: Callable[[str], str | None] | None = None) -> int:
+    """The CPUs this process may use: those it may run on, and no more than its cgroup's CPU quota
+    (a container's CPU limit, rounded up), which the CPU count does not show: a container limited to
+    2 CPUs on a 64-core node that ran 64 threads would be throttled most of each period."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    return sorted({1, max(1, cpus // 2), cpus})
+    quota = cpu_quota(read or _read_text)
+    return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
+
+
+def cpu_quota(read: Callable[[str], str | None]) -> float | None:
+    """The cgroup CPU quota in CPUs (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``),
+    None when there is none or it cannot be read; ``read(path)`` gives a file's text or None."""
+    text = read(CGROUP_V2_CPU_MAX)
+    if text is not None:
+        fields = text.split()
+        if len(fields) == 2 and fields[0] != "max":
+            return _ratio(fields[0], fields[1])
+        return None
+    for directory in CGROUP_V1_CPU_DIRS:
+        quota, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
+        if quota is not None and period is not None:
+            return _ratio(quota, period)
+    return None
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        value, per = int(quota), int(period)
+    except ValueError:
+        return None
+    return value / per if value > 0 and per > 0 else None  # -1: no quota (v1)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as file:
+            return file.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def batch_items(model: FillMaskModel, rows: int, width: int) -> list[Item]:

@@ -93,7 +93,8 @@ _HELP: dict[str, str] = {
     "dtype": "float32 (exact, default), bfloat16 or float16 (faster where the hardware has them), int8 (dynamic "
              "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",
     "torch_threads": "torch intra-op threads; 0 = measured at start-up (a few forward passes at each candidate "
-                     "count), or torch's default (one per core) when --calibration-s is 0",
+                     "count), or torch's default (one per core, within the container's CPU quota) when "
+                     "--calibration-s is 0",
     "calibration_s": "time budget for the start-up calibration: the torch thread count, the cost model's first "
                      "coefficients, and for --dtype bfloat16/float16/int8 its speed against float32 (a warning "
                      "when slower); 0 = skip it (the cost model then starts from CPU defaults and learns online)",
