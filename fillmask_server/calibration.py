@@ -40,10 +40,10 @@ from .batching import Coefficients
 from .core import fit
 from .decode import SequenceDecoder, predictions_json
 from .model import FillMaskModel, Item, on_a_thread_that_ends
+from .tuning import THREAD_TIE
 
 log = logging.getLogger(__name__)
 
-THREAD_TIE = 0.05  # a larger thread count must be this much faster to win
 THREAD_ROUNDS = 4  # timed passes per candidate thread count, the counts in turn ...
 MIN_THREAD_ROUNDS = 2  # ... and at least this many, whatever the time budget
 THREAD_SHAPE = (16, 16)  # rows x tokens of the batch the thread counts are timed on

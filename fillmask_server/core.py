@@ -12,8 +12,9 @@ call, under their one lock:
     withdraw / release / forget / stop_all               (the event loop; a dying engine)
 
 It holds admission and the queue's fair share, the answer-memory ledger, the prices, the cost model
-(``CostModel``, fitted online from the batches that ran) and, through ``batching.BatchPolicy``, the
-batch choice. Tests drive it with a fake clock (tests/test_core.py).
+(``CostModel``, fitted online from the batches that ran), the torch thread count for each batch
+(``tuning.ThreadTuner``, when it is the engine's to choose) and, through ``batching.BatchPolicy``,
+the batch choice. Tests drive it with a fake clock (tests/test_core.py).
 
 Invariants:
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from . import intake
 from .batching import BatchPolicy, Coefficients, Room
 from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, State, Stopped, advance, can
+from .tuning import ThreadTuner
 
 WAITING = (State.TOKENIZING, State.QUEUED)  # a request in these states counts against the queue
 STARTED = (State.RUNNING, State.DECODING)
@@ -226,17 +228,19 @@ class Scheduled:
     predicted_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     wait_s: float = 0.0  # > 0: nothing was done; schedule again after this long (or on a wake-up)
+    threads: int = 0  # torch threads to run ``batch`` with (``tuning.ThreadTuner``); 0: as they are
 
 
 class EngineCore:
     """Admission, the job containers, the ledgers, the cost model and the batch choice (see the module doc)."""
 
     def __init__(self, policy: BatchPolicy, max_queue: int, memory: AnswerMemory | None = None,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, threads: ThreadTuner | None = None) -> None:
         self.policy = policy
         self.max_queue = max_queue
         self.memory = memory or AnswerMemory()
         self.cost = cost or CostModel()
+        self.threads = threads  # None: the thread count is not the core's to choose
         self.accepting = True
         self._jobs: dict[State, dict[Job, None]] = {state: {} for state in State if state is not State.DONE}
         self._waiting_by: dict[object, int] = {}  # owner -> its requests tokenizing or queued
@@ -356,12 +360,14 @@ class EngineCore:
         for job in decision.batch:
             self._move(job, Event.BATCHED)
             job.started = now
-        return Scheduled(decision.batch, decision.padded_tokens, decision.predicted_s, outcomes)
+        threads = self.threads.count(now) if self.threads is not None and decision.batch else 0
+        return Scheduled(decision.batch, decision.padded_tokens, decision.predicted_s, outcomes, threads=threads)
 
     def update_from_output(self, batch: list[Job], padded_tokens: int, forwarded: list[int], failed: list[int],
-                           seconds: float, now: float, passes: int = 1) -> list[Outcome]:
-        """The model ran ``batch`` in ``seconds`` (``passes`` forward passes: more after a split):
-        ``forwarded`` indices go to the decode stage, ``failed`` ones are answered. Fits the cost model."""
+                           seconds: float, now: float, passes: int = 1, threads: int = 0) -> list[Outcome]:
+        """The model ran ``batch`` in ``seconds`` (``passes`` forward passes: more after a split) at
+        ``threads`` torch threads (``Scheduled.threads``): ``forwarded`` indices go to the decode stage,
+        ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use."""
         outcomes: list[Outcome] = []
         for i in failed:
             if can(batch[i], Event.FAILED):
@@ -370,7 +376,12 @@ class EngineCore:
         for i in forwarded:
             if can(batch[i], Event.FORWARDED):
                 self._move(batch[i], Event.FORWARDED)
-        if passes == 1 and not failed:
+        whole = passes == 1 and not failed
+        fit = whole
+        if self.threads is not None and threads:
+            predicted = self.cost.forward_s(len(batch), padded_tokens)
+            fit = self.threads.ran(threads, seconds if whole else 0.0, predicted, now).fit and whole
+        if fit:
             self.cost.observe_forward(len(batch), padded_tokens, seconds)
         self.policy.batch_ran(seconds)
         # Its answers leave as soon as they are decoded: count their clients as coming back from now,

@@ -7,9 +7,11 @@
   fails one is answered (``Rejected``), the others join the model's queue. The queue therefore holds
   only requests that can run.
 - **Model thread** (``fillmask-model``): asks the core for the next batch and runs the forward pass
-  (``FillMaskModel.forward``): tensors in, top-k tensors out. Nothing else: no tokenizing, no strings,
-  no JSON. Faults are isolated here: a batch the model fails on is retried in halves while the failure
-  is out of memory and item by item otherwise, so only requests that fail alone get ``internal_error``.
+  (``FillMaskModel.forward``): tensors in, top-k tensors out, at the torch thread count the core
+  gives it (``FillMaskModel.set_threads``, on this thread: OpenMP keeps the count per thread).
+  Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
+  fails on is retried in halves while the failure is out of memory and item by item otherwise, so
+  only requests that fail alone get ``internal_error``.
 - **Decode stage** (``fillmask-decode``): turns top-k tensors into the pipeline's predictions and
   serializes them (``decode.py``), cheapest first across the batches handed over, while the model
   thread already runs the next batch (at most ``DECODE_BACKLOG`` batches ahead).
@@ -45,6 +47,7 @@ from .core import ENGINE_STOPPED_RETRY_MS, INTAKE_BATCH, SERVER_FAILED, Admissio
 from .decode import SequenceDecoder, predictions_json
 from .jobs import Failed, Job, Outcome, Result, Stopped
 from .model import FillMaskModel, Item, TopK
+from .tuning import WINS_TO_SWITCH, ThreadTuner
 
 __all__ = ["ENGINE_STOPPED_RETRY_MS", "Admission", "AnswerMemory", "Engine", "EngineStats"]
 
@@ -88,9 +91,11 @@ class Engine:
     def __init__(self, model: FillMaskModel, policy: BatchPolicy, max_queue: int, max_masks: int,
                  deliver: Deliver, clock: Callable[[], float] = time.monotonic,
                  on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
-                 memory: AnswerMemory | None = None, cost: CostModel | None = None) -> None:
+                 memory: AnswerMemory | None = None, cost: CostModel | None = None,
+                 threads: ThreadTuner | None = None) -> None:
         self.model = model
-        self.core = EngineCore(policy, max_queue, memory, cost)
+        self.core = EngineCore(policy, max_queue, memory, cost, threads)
+        self._threads_set = threads.current if threads is not None else 0  # the model thread's count now
         self.policy = policy
         self.max_masks = max_masks
         self.max_result_bytes = max_result_bytes
@@ -269,21 +274,30 @@ class Engine:
                 self.stats.expired += len(scheduled.outcomes)
                 self._hand_over_locked(scheduled.outcomes)
             if scheduled.batch:
-                self._run_batch(scheduled.batch, scheduled.padded_tokens, now)
+                self._run_batch(scheduled.batch, scheduled.padded_tokens, now, scheduled.threads)
             elif not scheduled.outcomes:
                 with self._lock:  # every queued request waits for answer room: look again soon
                     self._model_wake.wait(ROOM_RECHECK_S)
 
-    def _run_batch(self, batch: list[Job], padded_tokens: int, started: float) -> None:
-        """One forward pass (split on failure); hand what succeeded to the decode stage."""
+    def _run_batch(self, batch: list[Job], padded_tokens: int, started: float, threads: int = 0) -> None:
+        """One forward pass (split on failure) at ``threads`` torch threads (0: as they are); hand what
+        succeeded to the decode stage."""
+        if threads and threads != self._threads_set:
+            self.model.set_threads(threads)
+            self._threads_set = threads
         items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
         groups, failed_items = self._forward_all(items, list(range(len(items))))
         finished = self._clock()
         elapsed = finished - started
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
+            in_use = self.core.threads.current if self.core.threads is not None else 0
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
-                                                  passes=len(groups) + len(failed_items))
+                                                  passes=len(groups) + len(failed_items), threads=threads)
+            if self.core.threads is not None and self.core.threads.current != in_use:
+                log.info("torch threads %d -> %d: batches at %d threads ran faster against the cost model in "
+                         "%d probes in a row while serving (tuning.py)", in_use, self.core.threads.current,
+                         self.core.threads.current, WINS_TO_SWITCH)
             batch_id = next(self._batch_ids)
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
             self._undecoded += 1

@@ -71,10 +71,10 @@ class _LiveCollector:
 
 
 class _CostModelCollector:
-    """``fillmask_torch_threads`` and ``fillmask_cost_model_seconds{term}``: the start-up calibration's
-    thread count and the engine's fitted cost model (batching.Coefficients), as they are now."""
+    """``fillmask_torch_threads`` and ``fillmask_cost_model_seconds{term}``: the torch thread count in use
+    and the engine's fitted cost model (batching.Coefficients), as they are now."""
 
-    def __init__(self, torch_threads: int, coefficients: Callable[[], Coefficients] | None) -> None:
+    def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients] | None) -> None:
         self._threads = torch_threads
         self._coefficients = coefficients
 
@@ -85,9 +85,9 @@ class _CostModelCollector:
         return self._families(self._coefficients)
 
     def _families(self, coefficients: Callable[[], Coefficients] | None) -> list[Metric]:
-        threads = GaugeMetricFamily("fillmask_torch_threads", "Torch intra-op threads (--torch-threads, or "
-                                    "measured by the start-up calibration).",
-                                    value=self._threads if coefficients else None)
+        threads = GaugeMetricFamily("fillmask_torch_threads", "Torch intra-op threads in use (--torch-threads, "
+                                    "or measured by the start-up calibration and again while serving).",
+                                    value=self._threads() if coefficients else None)
         terms = GaugeMetricFamily("fillmask_cost_model_seconds", "The engine's fitted cost model: seconds per "
                                   "batch (overhead), per padded token, per row and per byte of answer bound.",
                                   labels=["term"])
@@ -134,7 +134,7 @@ class Metrics:
                                            "their client did not read for --send-timeout.", registry=registry)
         registry.register(_LiveCollector(live))
 
-    def engine_calibration(self, torch_threads: int, coefficients: Callable[[], Coefficients]) -> None:
+    def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients]) -> None:
         """Export the torch thread count and the cost model's current coefficients (read at scrape time)."""
         self.registry.register(_CostModelCollector(torch_threads, coefficients))
 

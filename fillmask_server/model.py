@@ -300,6 +300,13 @@ class FillMaskModel:
                         out.targeted[i] = probs[first:last][..., targets].topk(min(item.top_k, len(targets)))
         return out
 
+    def set_threads(self, count: int) -> None:
+        """Run this thread's later forward passes on ``count`` torch intra-op threads (call it on the
+        model thread: OpenMP keeps a thread count per calling thread)."""
+        import torch
+
+        torch.set_num_threads(count)
+
     def _probabilities(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
         """Softmax over the vocabulary at each mask position, float32, on the model's device.
 

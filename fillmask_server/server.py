@@ -47,6 +47,7 @@ from .model import FillMaskModel
 from .protocol import Limits, encode_going_away, encode_hello, encode_stats
 from .session import POLICY_VIOLATION, SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
 from .stats import BatchRecord, LiveStats
+from .tuning import ThreadTuner
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +109,15 @@ class FillMaskServer:
         memory = AnswerMemory(config.max_send_buffer_bytes, config.max_answer_bytes,
                               unsent=lambda session: session.peer.pending_bytes,
                               unsent_total=lambda: self.unsent.total)
+        calibration = self.calibration
+        tuner = (ThreadTuner(list(calibration.threads_ms), calibration.torch_threads, time.monotonic())
+                 if calibration.threads_from == "calibration" and model.device.type == "cpu" else None)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
-                             cost=cost)
-        self.metrics.engine_calibration(self.calibration.torch_threads, lambda: cost.coefficients)
-        self._hello = encode_hello(SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
+                             cost=cost, threads=tuner)
+        self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients)
+        self._hello_threads = self._torch_threads()
+        self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": config.max_batch_size,
             "max_batch_tokens": config.max_batch_tokens,
             "max_queue": config.max_queue,
@@ -120,7 +125,8 @@ class FillMaskServer:
             "max_frame_bytes": config.max_frame_bytes,
             "max_result_bytes": config.max_result_bytes,
             "max_inflight_per_connection": config.max_inflight_per_connection,
-        }, {**model.engine_facts(), **self.calibration.hello()})
+        })
+        self._hello = self._encode_hello()
         self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
         self.http = HttpFront(config, self.origins, self._tls is not None, self.metrics, FrontState(
             accepting=lambda: self.ready.loaded and not self.ready.draining,
@@ -217,6 +223,23 @@ class FillMaskServer:
 
     # --- WebSocket --------------------------------------------------------------------------------
 
+    def _torch_threads(self) -> int:
+        """The torch thread count in use now: the calibration's, or the count the engine switched to."""
+        tuner = self.engine.core.threads
+        return tuner.current if tuner is not None else self.calibration.torch_threads
+
+    def _encode_hello(self) -> bytes:
+        engine = {**self.model.engine_facts(), **self.calibration.hello(), "torch_threads": self._hello_threads}
+        return encode_hello(*self._hello_args, engine)
+
+    def _current_hello(self) -> bytes:
+        """The hello frame, encoded again only when the thread count changed since the last one."""
+        threads = self._torch_threads()
+        if threads != self._hello_threads:
+            self._hello_threads = threads
+            self._hello = self._encode_hello()
+        return self._hello
+
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested, self.unsent)
         session = Session(self.limits, self.engine, self.config.max_inflight_per_connection, time.monotonic,
@@ -224,7 +247,7 @@ class FillMaskServer:
         conn.session = session
         self.connections.add(conn)
         conn.start()
-        conn.send(self._hello)
+        conn.send(self._current_hello())
         if self.ready.draining:  # the handshake passed just before the drain began
             session.shut_down()
             conn.send(self._going_away)

@@ -9,6 +9,7 @@ from fillmask_server.batching import BatchPolicy, Coefficients
 from fillmask_server.core import Admission, AnswerMemory, CostModel, EngineCore, fit
 from fillmask_server.jobs import Expired, Failed, Job, Rejected, Result, State, Stopped
 from fillmask_server.protocol import FillMaskRequest
+from fillmask_server.tuning import FIRST_INTERVAL_S, ThreadTuner
 
 
 def job(name: object, owner: object = "conn", arrival: float = 0.0, deadline: float | None = None) -> Job:
@@ -20,8 +21,9 @@ def checked(n_tokens: int = 10, result_bytes: int = 1000) -> intake.Checked:
 
 
 def core(max_queue: int = 100, memory: AnswerMemory | None = None, size: int = 8,
-         cost: CostModel | None = None, **policy: object) -> EngineCore:
-    return EngineCore(BatchPolicy(size, 100_000, **policy), max_queue, memory, cost)  # type: ignore[arg-type]
+         cost: CostModel | None = None, threads: ThreadTuner | None = None, **policy: object) -> EngineCore:
+    return EngineCore(BatchPolicy(size, 100_000, **policy), max_queue, memory, cost,  # type: ignore[arg-type]
+                      threads)
 
 
 def queue_up(c: EngineCore, jobs: list[Job], n_tokens: int = 10, result_bytes: int = 1000) -> None:
@@ -229,6 +231,30 @@ def test_a_split_or_failed_batch_does_not_teach_the_fit() -> None:
     before = c.cost.coefficients
     c.update_from_output(jobs, 40, [0, 1], [2, 3], 9.0, now=9.0, passes=3)
     assert c.cost.coefficients == before and c.cost.batches == 0
+
+
+def test_each_batch_gets_the_tuners_thread_count_and_only_the_count_in_use_teaches_the_fit() -> None:
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    c = core(cost=CostModel(Coefficients(0.001, 2e-5, 1e-4)), threads=tuner)
+    now, seen = 0.0, []
+    for n in range(int(3 * FIRST_INTERVAL_S / 0.01)):
+        j = job(n, arrival=now)
+        queue_up(c, [j])
+        scheduled = c.schedule(now)
+        assert scheduled.batch == [j] and scheduled.threads == tuner.count(now)
+        batches = c.cost.batches
+        took = 0.01 if scheduled.threads == 2 else 0.02  # one thread is slower: the tuner stays at two
+        now += took
+        c.update_from_output([j], 10, [0], [], took, now, threads=scheduled.threads)
+        seen.append((scheduled.threads, c.cost.batches - batches))
+        c.decoded([result(j)])
+        c.release([j])
+    assert {threads for threads, _ in seen} == {1, 2} and tuner.current == 2  # probes ran at the other count
+    assert all(not taught for threads, taught in seen if threads == 1)
+    assert sum(taught for threads, taught in seen if threads == 2) >= 0.9 * sum(t == 2 for t, _ in seen)
+    untuned = core()
+    queue_up(untuned, [j := job("x")])
+    assert untuned.schedule(0.0).threads == 0  # not the core's to choose: left as it is
 
 
 def test_fit_recovers_calibration_samples_exactly_and_needs_three() -> None:

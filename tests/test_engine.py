@@ -16,6 +16,7 @@ from fillmask_server.engine import Admission, Engine
 from fillmask_server.jobs import Expired, Job, Outcome, Rejected, Result, State
 from fillmask_server.model import FillMaskModel, load_model
 from fillmask_server.protocol import FillMaskRequest
+from fillmask_server.tuning import ThreadTuner
 
 
 class Collector:
@@ -156,6 +157,37 @@ def test_a_busy_queue_keeps_a_newcomers_share_free(engine: Engine, collector: Co
         assert engine.submit(job("polite", owner="polite")) is Admission.ACCEPTED
         assert engine.submit(job("third", owner="third")) is Admission.ACCEPTED
     assert len(collector.wait_for(7)) == 7
+
+
+def test_the_model_thread_runs_each_batch_at_the_thread_count_the_core_gives_it(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    applied: list[tuple[str, int, int]] = []  # (thread, count asked, torch's count after)
+    set_threads = model.set_threads
+
+    def recording(count: int) -> None:
+        set_threads(count)
+        applied.append((threading.current_thread().name, count, torch.get_num_threads()))
+
+    monkeypatch.setattr(model, "set_threads", recording)
+    before = torch.get_num_threads()
+    tuner = ThreadTuner([1, 2], 2, time.monotonic(), first_interval_s=0.05)
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector, threads=tuner)
+    engine.start()
+    try:
+        n = 0
+        deadline = time.monotonic() + 20
+        while len({count for _, count, _ in applied}) < 2 or len(applied) < 2:
+            assert time.monotonic() < deadline, applied
+            assert engine.submit(job(n)) is Admission.ACCEPTED
+            n += 1
+            collector.wait_for(n)
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert applied[:2] == [("fillmask-model", 1, 1), ("fillmask-model", 2, 2)]  # a probe at 1, then back
+    assert all(isinstance(outcome, Result) for outcome in collector.outcomes)
 
 
 # --- start-up calibration and honest speed modes (issue 17 items 4 and 5) ---------------------------------

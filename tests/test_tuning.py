@@ -1,0 +1,124 @@
+"""Fake-clock unit tests of the thread count measured again while serving (``tuning.ThreadTuner``)."""
+
+from __future__ import annotations
+
+import itertools
+
+from fillmask_server.tuning import (
+    FIRST_INTERVAL_S,
+    MAX_INTERVAL_S,
+    PROBE_BATCHES,
+    PROBE_SHARE,
+    THREAD_TIE,
+    WINS_TO_SWITCH,
+    ThreadTuner,
+)
+
+
+class Machine:
+    """Batches on a fake clock: each count's time per batch against a prediction of 1 s x ``scale``."""
+
+    def __init__(self, tuner: ThreadTuner, speed: dict[int, float], scale: float = 0.01) -> None:
+        self.tuner, self.speed, self.scale = tuner, speed, scale
+        self.now = 0.0
+        self.counts: list[int] = []
+        self.fits: list[bool] = []
+        self.switches: list[tuple[int, int]] = []
+        self.switched_at = 0  # batches run when the last switch was decided
+        self.busy = {count: 0.0 for count in speed}
+
+    def run(self, seconds: float) -> None:
+        until = self.now + seconds
+        while self.now < until:
+            count = self.tuner.count(self.now)
+            took = self.speed[count] * self.scale
+            self.now += took
+            self.busy[count] += took
+            ran = self.tuner.ran(count, took, self.scale, self.now)
+            self.counts.append(count)
+            self.fits.append(ran.fit)
+            if ran.switched:
+                self.switches.append(ran.switched)
+                self.switched_at = len(self.counts)
+
+
+def probes(counts: list[int], current: int) -> int:
+    """How many runs of batches at another count than ``current`` the list holds."""
+    return sum(1 for before, count in zip([current, *counts], counts, strict=False) if count != current == before)
+
+
+def test_nothing_is_probed_before_the_first_interval_nor_ever_when_not_adaptive() -> None:
+    machine = Machine(ThreadTuner([1, 2], 2, 0.0), {1: 1.0, 2: 1.0})
+    machine.run(FIRST_INTERVAL_S * 0.9)
+    assert set(machine.counts) == {2}
+    fixed = Machine(ThreadTuner([1, 2], 2, 0.0, adaptive=False), {1: 0.1, 2: 1.0})
+    fixed.run(100.0)
+    assert set(fixed.counts) == {2} and all(fixed.fits)
+    alone = Machine(ThreadTuner([2], 2, 0.0), {2: 1.0})
+    alone.run(100.0)
+    assert set(alone.counts) == {2}
+
+
+def test_a_probe_is_a_warm_up_batch_and_its_timed_batches_none_of_which_feed_the_cost_model() -> None:
+    machine = Machine(ThreadTuner([1, 2], 2, 0.0), {1: 1.0, 2: 1.0})
+    machine.run(FIRST_INTERVAL_S * 1.5)
+    first = machine.counts.index(1)
+    assert machine.counts[first: first + PROBE_BATCHES + 1] == [1] * (PROBE_BATCHES + 1)
+    assert machine.counts[first + PROBE_BATCHES + 1] == 2
+    assert not any(machine.fits[first: first + PROBE_BATCHES + 2])  # and the warm-up batch back at 2
+    assert machine.fits[first + PROBE_BATCHES + 2]
+
+
+def test_a_faster_count_is_switched_to_after_two_winning_probes_and_then_kept() -> None:
+    tuner = ThreadTuner([1, 2], 1, 0.0)
+    machine = Machine(tuner, {1: 2.0, 2: 1.0})  # the calibration chose 1 thread, but 2 are twice as fast
+    machine.run(60.0)
+    assert machine.switches == [(1, 2)] and tuner.current == 2 and tuner.switches == 1
+    assert probes(machine.counts[: machine.switched_at], 1) == WINS_TO_SWITCH
+    after = machine.counts[len(machine.counts) // 2:]
+    assert after.count(2) > 0.95 * len(after)
+
+
+def test_a_slower_count_never_wins_and_each_lost_probe_doubles_the_wait() -> None:
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    machine = Machine(tuner, {1: 2.0, 2: 1.0})
+    machine.run(2000.0)
+    assert not machine.switches and tuner.current == 2
+    starts = [n for n, (before, count) in enumerate(zip([2, *machine.counts], machine.counts, strict=False))
+              if count == 1 and before == 2]
+    times = [sum(machine.speed[c] * machine.scale for c in machine.counts[:n]) for n in starts]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    assert len(gaps) >= 5
+    for earlier, later in itertools.pairwise(gaps):
+        assert later >= min(MAX_INTERVAL_S, 1.9 * earlier)
+    assert max(gaps) <= MAX_INTERVAL_S * 1.01
+
+
+def test_the_smaller_count_wins_a_tie_and_a_larger_one_must_be_clearly_faster() -> None:
+    small = ThreadTuner([1, 2], 2, 0.0)
+    Machine(small, {1: 1.0 + THREAD_TIE / 2, 2: 1.0}).run(60.0)
+    assert small.current == 1
+    large = ThreadTuner([1, 2], 1, 0.0)
+    Machine(large, {1: 1.0, 2: 1.0 / (1 + THREAD_TIE / 2)}).run(60.0)
+    assert large.current == 1
+
+
+def test_probes_of_a_slow_count_take_at_most_their_share_of_long_batches() -> None:
+    # Two-second batches (a large model on a slow CPU), and one thread twice as slow: the probes' time
+    # stays within PROBE_SHARE of the engine's from the first probe on, however long it serves.
+    for horizon in (900.0, 3600.0):
+        tuner = ThreadTuner([1, 2], 2, 0.0)
+        machine = Machine(tuner, {1: 2.0, 2: 1.0}, scale=2.0)
+        machine.run(horizon)
+        assert 0 < machine.busy[1] <= PROBE_SHARE * machine.now
+        assert tuner.current == 2
+
+
+def test_the_count_follows_the_machine_when_it_changes() -> None:
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    machine = Machine(tuner, {1: 2.0, 2: 1.0})
+    machine.run(300.0)
+    assert tuner.current == 2
+    machine.speed = {1: 1.0, 2: 3.0}  # a neighbour now keeps one core busy: two threads wait for it
+    machine.run(MAX_INTERVAL_S * 3)
+    assert tuner.current == 1
