@@ -1,0 +1,84 @@
+"""The torch thread count measured again while serving (``fillmask_server/tuning.py``), shown end to end.
+
+    .venv/bin/python bench/thread_tuning.py                   # models/families-small/bert, about 2 min
+    .venv/bin/python bench/thread_tuning.py --model models/tiny --windows 6
+
+A neighbour keeps one core busy (a Python process that never sleeps) while the server starts and
+calibrates, and leaves once the server is ready: on two cores the calibration then times two threads
+no faster than one (each pass waits for the worker the neighbour holds up) and picks one. Closed-loop
+windows follow (32 clients x 4 in flight, the short corpus); each prints its throughput and the
+thread count in use (``fillmask_torch_threads`` on /metrics). Last, a reference: the same server with
+``--torch-threads`` pinned to the count the tuned one ended on, started on the quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import loadgen  # noqa: E402
+from bench.corpus import make_short_corpus  # noqa: E402
+from bench.server_proc import ServerProcess  # noqa: E402
+
+SPIN = "import time\nuntil = time.monotonic() + 600\nwhile time.monotonic() < until:\n    pass\n"
+
+
+def threads_in_use(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("fillmask_torch_threads "):
+                return int(float(line.split()[1]))
+    raise RuntimeError("no fillmask_torch_threads on /metrics")
+
+
+def window(server: ServerProcess, texts: list[str], seconds: float) -> float:
+    summary = asyncio.run(loadgen.closed_loop(server.url, texts, 32, 4, 0.5, seconds))
+    asyncio.run(loadgen.settle(server.url))
+    return float(summary["throughput_rps"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "families-small" / "bert"))
+    parser.add_argument("--windows", type=int, default=10, help="closed-loop windows after the start")
+    parser.add_argument("--window-s", type=float, default=8.0)
+    args = parser.parse_args(argv)
+    texts = make_short_corpus()
+    neighbour = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        server = ServerProcess(Path(args.model), ["--log-level", "info"])
+        server.__enter__()
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    try:
+        calibrated = [line for line in Path(server.log_path).read_text().splitlines() if "calibrated in" in line]
+        print(f"started beside a busy core: {calibrated[-1].split('INFO fillmask_server: ')[-1][:110]}")
+        started = time.monotonic()
+        last = 0
+        for n in range(args.windows):
+            rps = window(server, texts, args.window_s)
+            last = threads_in_use(server.port)
+            print(f"window {n + 1:2d} (t = {time.monotonic() - started:5.1f} s): {rps:8.1f} req/s at {last} threads")
+        switches = [line.split("INFO fillmask_server.engine: ")[-1][:60]
+                    for line in Path(server.log_path).read_text().splitlines() if " -> " in line and "engine" in line]
+        print("switches:", "; ".join(switches) or "none")
+    finally:
+        server.__exit__(None, None, None)
+    with ServerProcess(Path(args.model), ["--torch-threads", str(last)]) as reference:
+        rates = [window(reference, texts, args.window_s) for _ in range(2)]
+    print(f"reference, --torch-threads {last} on the quiet machine: {max(rates):.1f} req/s (best of 2 windows)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
