@@ -142,7 +142,9 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
         torch.set_num_threads(torch_threads)
     else:
         candidates = _thread_candidates()
-        if len(candidates) > 1:
+        if len(candidates) == 1:  # one usable CPU (a quota of one or less): one thread, nothing to time
+            result.torch_threads = candidates[0]
+        else:
             items = batch_items(model, *THREAD_SHAPE)
             for count in candidates:
                 torch.set_num_threads(count)

@@ -8,7 +8,7 @@
   only requests that can run.
 - **Model thread** (``fillmask-model``): asks the core for the next batch and runs the forward pass
   (``FillMaskModel.forward``): tensors in, top-k tensors out, at the torch thread count the core
-  gives it (``FillMaskModel.set_threads``, on this thread: OpenMP keeps the count per thread).
+  gives it (``FillMaskModel.set_threads``, called on this thread, which runs every forward pass).
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -295,9 +295,9 @@ class Engine:
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
                                                   passes=len(groups) + len(failed_items), threads=threads)
             if self.core.threads is not None and self.core.threads.current != in_use:
-                log.info("torch threads %d -> %d: batches at %d threads ran faster against the cost model in "
-                         "%d probes in a row while serving (tuning.py)", in_use, self.core.threads.current,
-                         self.core.threads.current, WINS_TO_SWITCH)
+                log.info("torch threads %d -> %d: batches at %d threads won %d probes in a row against the cost "
+                         "model while serving (tuning.py: a larger count must be faster, a smaller one as fast)",
+                         in_use, self.core.threads.current, self.core.threads.current, WINS_TO_SWITCH)
             batch_id = next(self._batch_ids)
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
             self._undecoded += 1

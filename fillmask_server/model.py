@@ -301,8 +301,8 @@ class FillMaskModel:
         return out
 
     def set_threads(self, count: int) -> None:
-        """Run this thread's later forward passes on ``count`` torch intra-op threads (call it on the
-        model thread: OpenMP keeps a thread count per calling thread)."""
+        """Run the later forward passes on ``count`` torch intra-op threads. The model thread calls it,
+        between batches; torch's count is the process's, so threads that start later take it too."""
         import torch
 
         torch.set_num_threads(count)

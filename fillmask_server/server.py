@@ -224,7 +224,9 @@ class FillMaskServer:
     # --- WebSocket --------------------------------------------------------------------------------
 
     def _torch_threads(self) -> int:
-        """The torch thread count in use now: the calibration's, or the count the engine switched to."""
+        """The torch thread count in use now: the calibration's, or the count the engine switched to.
+        Read without the engine's lock (from the event loop and /metrics scrapes): one integer, written
+        only by the model thread under that lock, so a read sees the count before or after a switch."""
         tuner = self.engine.core.threads
         return tuner.current if tuner is not None else self.calibration.torch_threads
 

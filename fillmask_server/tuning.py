@@ -1,6 +1,6 @@
 """The torch thread count, measured again while serving: no threads, no torch, no clock of its own.
 
-The start-up calibration times each candidate count once, before any load, in about a second; what
+The start-up calibration times the candidate counts before any load, within about a second; what
 suits the machine can change after it, or was not what it measured: a neighbour (another replica,
 another tenant) that starts, stops, or was busy during the calibration itself. Two replicas that
 start together on two cores each measure two threads at 100x their real time (each one's OpenMP
@@ -8,7 +8,8 @@ barrier waits for a worker the other has descheduled) and would run on one threa
 
 So the engine core keeps a ``ThreadTuner`` (when the calibration chose the count; a count the user
 set, or torch's default with the calibration off, is left alone). Now and then it runs a **probe**:
-``PROBE_BATCHES`` batches at another candidate count (after one warm-up batch at it, not counted),
+``PROBE_BATCHES`` batches at a neighbouring candidate count (the next smaller or larger one; after
+one warm-up batch at it, not counted),
 each batch's forward time divided by the cost model's prediction for its shape, against the same
 ratio for the last batches at the current count. The rules:
 
@@ -16,11 +17,16 @@ ratio for the last batches at the current count. The rules:
   count), or is not above it by more than ``THREAD_TIE`` (a smaller count: fewer threads leave cores
   to the server's other stages; the calibration's tie rule). Two wins in a row for the same count
   switch to it (one probe of three batches is one noisy sample).
-- **Probes take at most about ``PROBE_SHARE`` of the engine's time**: a probe starts no sooner than
-  the last probe's length (before the first: its batches at the recent batch time) divided by
-  ``PROBE_SHARE`` after the last one ended (or the engine started), and no sooner than
-  ``FIRST_INTERVAL_S``; a probe that loses doubles the wait, up to ``MAX_INTERVAL_S`` (a machine whose best count
-  does not change is probed rarely); a switch starts again from ``FIRST_INTERVAL_S``.
+- **A probe is short and rare.** A probe batch ``ABORT_RATIO`` times slower than the current count's
+  (its warm-up batch: ``ABORT_RATIO_WARM_UP``) ends the probe at once, lost; a probe that has not
+  timed its batches after ``PROBE_MAX_BATCHES`` (they failed or were split) ends without a verdict,
+  as a loss. Probes take at most about ``PROBE_SHARE`` of the time while serving: a probe starts no
+  sooner than the last probe's engine time (before the first: its batches at the recent batch
+  time) divided by ``PROBE_SHARE`` after the last one ended (or the engine started), and no sooner
+  than ``FIRST_INTERVAL_S``; a probe that loses doubles that least wait, up to ``MAX_INTERVAL_S`` (a
+  machine whose best count does not change is probed rarely; only probes whose batches are so long
+  that the share asks for more wait longer); a switch starts again from ``FIRST_INTERVAL_S``. The
+  probe's time is its batches' engine time, so a quiet spell during a probe does not count.
 - The first batch after any change of count (to a probe, back, or a switch) is a warm-up: it counts
   for nothing, and like a probe's batches it does not feed the cost model (``Ran.fit``), which stays
   a model of the count in use.
@@ -39,7 +45,10 @@ THREAD_TIE = 0.05  # a larger thread count must be this much faster to win (a sm
 PROBE_BATCHES = 3  # batches timed per probe, after one warm-up batch
 REFERENCE_BATCHES = 5  # the current count's latest batches a probe is compared with
 WINS_TO_SWITCH = 2  # probes in a row that a count must win before the engine switches to it
-PROBE_SHARE = 0.02  # probes take at most this share of the engine's time
+PROBE_SHARE = 0.02  # probes take at most about this share of the time while serving
+PROBE_MAX_BATCHES = 2 * PROBE_BATCHES + 1  # a probe that has not timed enough batches by then is given up
+ABORT_RATIO = 2.0  # a probe batch this many times slower than the current count's ends the probe, lost
+ABORT_RATIO_WARM_UP = 4.0  # the same for its warm-up batch (which may start the count's workers)
 FIRST_INTERVAL_S = 5.0  # the least time between probes (the first comes this long after start)
 MAX_INTERVAL_S = 600.0  # the most, after probes that kept losing
 
@@ -57,18 +66,20 @@ class ThreadTuner:
     """The thread count for each next batch (see the module docstring)."""
 
     def __init__(self, candidates: list[int], current: int, now: float, adaptive: bool = True,
-                 first_interval_s: float = FIRST_INTERVAL_S) -> None:
+                 first_interval_s: float = FIRST_INTERVAL_S, probe_share: float = PROBE_SHARE) -> None:
         self.candidates = sorted(set(candidates) | {current})
         self.current = current
         self.adaptive = adaptive and len(self.candidates) > 1
         self.switches = 0
         self._reference: deque[float] = deque(maxlen=REFERENCE_BATCHES)
         self._first_interval = first_interval_s
+        self._share = probe_share
         self._interval = first_interval_s
         self._since = now  # when the last probe ended (or the tuner started)
         self._wait = first_interval_s  # the least time from then to the next probe
-        self._probe_started = now
-        self._probe_s = 0.0  # how long the last probe took, warm-up included
+        self._probe_s = 0.0  # engine time of the last probe's batches, warm-up included
+        self._probe_batches = 0  # batches run in the probe under way
+        self._probe_busy = 0.0  # and their engine time
         self._probe: int | None = None  # the count being probed
         self._probe_ratios: list[float] = []
         self._wins: tuple[int, int] = (0, 0)  # (count, probes in a row it won)
@@ -79,13 +90,17 @@ class ThreadTuner:
     def count(self, now: float) -> int:
         """The thread count for the next batch; starts a probe when one is due."""
         if self._probe is None and self.adaptive and len(self._reference) >= PROBE_BATCHES \
-                and now >= self._since + max(self._wait, self._probe_cost() / PROBE_SHARE):
-            others = [n for n in self.candidates if n != self.current]
+                and now >= self._since + max(self._wait, self._probe_cost() / self._share):
+            # Only the neighbouring counts: a probe of 1 thread on a 64-core machine would stall every
+            # queued request behind a batch many times slower.
+            place = self.candidates.index(self.current)
+            others = self.candidates[max(0, place - 1): place] + self.candidates[place + 1: place + 2]
             pending, won = self._wins
             self._probe = pending if won and pending in others else others[self._turn % len(others)]
             self._turn += 1
             self._probe_ratios = []
-            self._probe_started = now
+            self._probe_batches = 0
+            self._probe_busy = 0.0
         return self._probe if self._probe is not None else self.current
 
     def ran(self, count: int, seconds: float, predicted_s: float, now: float) -> Ran:
@@ -96,26 +111,39 @@ class ThreadTuner:
             self._batch_s = seconds if not self._batch_s else 0.9 * self._batch_s + 0.1 * seconds
         ratio = seconds / predicted_s if predicted_s > 0 and seconds > 0 else None
         if count == self._probe:
+            self._probe_batches += 1
+            self._probe_busy += max(0.0, seconds)
+            reference = statistics.median(self._reference)
+            if ratio is not None and ratio > reference * (ABORT_RATIO_WARM_UP if warm_up else ABORT_RATIO):
+                return Ran(False, self._decide(now, lost=True))  # far slower: no more batches of it
             if not warm_up and ratio is not None:
                 self._probe_ratios.append(ratio)
             if len(self._probe_ratios) >= PROBE_BATCHES:
                 return Ran(False, self._decide(now))
+            if self._probe_batches >= PROBE_MAX_BATCHES:  # its batches failed or split: no verdict
+                return Ran(False, self._decide(now, lost=None))
             return Ran(False)
         if count == self.current and not warm_up and ratio is not None:
             self._reference.append(ratio)
         return Ran(count == self.current and not warm_up)
 
     def _probe_cost(self) -> float:
-        """The next probe's expected length: the last one's, or its batches at the recent batch time."""
+        """The next probe's expected engine time: the last one's, or its batches at the recent batch
+        time."""
         return max(self._probe_s, (PROBE_BATCHES + 1) * self._batch_s)
 
-    def _decide(self, now: float) -> tuple[int, int] | None:
-        """The probe is complete: count a win or a loss, switch after enough wins, plan the next probe."""
+    def _decide(self, now: float, lost: bool | None = False) -> tuple[int, int] | None:
+        """The probe is over: count a win or a loss (``lost``: a loss already; None: no verdict, as a
+        loss), switch after enough wins, plan the next probe."""
         probe, self._probe = self._probe, None
         assert probe is not None
-        mine = statistics.median(self._probe_ratios)
-        theirs = statistics.median(self._reference)
-        wins = (mine <= theirs * (1 + THREAD_TIE)) if probe < self.current else (mine * (1 + THREAD_TIE) < theirs)
+        self._probe_s = self._probe_busy
+        if lost is False:
+            mine = statistics.median(self._probe_ratios)
+            theirs = statistics.median(self._reference)
+            wins = (mine <= theirs * (1 + THREAD_TIE)) if probe < self.current else (mine * (1 + THREAD_TIE) < theirs)
+        else:
+            wins = False
         switched = None
         if not wins:
             self._wins = (0, 0)
@@ -131,5 +159,4 @@ class ThreadTuner:
             self._wins = (probe, self._wins[1] + 1 if self._wins[0] == probe else 1)
         self._wait = self._interval if switched or not wins else self._first_interval  # a win is confirmed soon
         self._since = now
-        self._probe_s = now - self._probe_started
         return switched

@@ -172,7 +172,7 @@ def test_the_model_thread_runs_each_batch_at_the_thread_count_the_core_gives_it(
 
     monkeypatch.setattr(model, "set_threads", recording)
     before = torch.get_num_threads()
-    tuner = ThreadTuner([1, 2], 2, time.monotonic(), first_interval_s=0.05)
+    tuner = ThreadTuner([1, 2], 2, time.monotonic(), first_interval_s=0.05, probe_share=1.0)  # at once
     engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector, threads=tuner)
     engine.start()
     try:
@@ -291,3 +291,21 @@ def test_the_decode_stage_serves_a_light_result_before_an_earlier_batchs_heavy_o
         engine._decode_chunk(heap, left)
     assert collector.outcomes[0].job.request.id == "light"
     assert {o.job.request.id for o in collector.outcomes} == {"light", "heavy0", "heavy1", "heavy2"}
+
+
+def test_a_cpu_quota_of_one_cpu_gives_one_thread_with_or_without_calibration(
+        model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from fillmask_server import calibration
+
+    quota = {calibration.CGROUP_V2_CPU_MAX: "100000 100000"}  # a container limited to one CPU
+    monkeypatch.setattr(calibration, "_read_text", quota.get)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # torch's default on a machine of two cores or more
+        assert calibration.calibrate(model, 0.3).torch_threads == 1
+        torch.set_num_threads(2)
+        assert calibration.uncalibrated().torch_threads == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

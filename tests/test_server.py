@@ -460,3 +460,29 @@ async def test_a_light_connection_is_not_starved_by_a_heavy_one(make_server: Any
         assert result["type"] == "result" and first_heavy["type"] == "result"
         assert result["batch_id"] <= first_heavy["batch_id"] + 1  # served within the next two batches
         await recv_n(heavy, 999, timeout=60)
+
+
+async def test_hello_and_metrics_give_the_thread_count_in_use_after_the_engine_switches(tiny_config: Any) -> None:
+    from fillmask_server.calibration import Calibration
+    from fillmask_server.model import load_model
+
+    measured = Calibration(2, "calibration", {1: 1.0, 2: 0.5})  # as if the calibration had chosen 2 threads
+    server = FillMaskServer(tiny_config, load_model(tiny_config.model), measured)
+    await server.start()
+    try:
+        tuner = server.engine.core.threads
+        assert tuner is not None and tuner.adaptive and tuner.candidates == [1, 2]
+
+        async def threads_now() -> tuple[int, float]:
+            async with session(server.url) as (_, hello):
+                with await asyncio.to_thread(urllib.request.urlopen, server.http_url + "/metrics", timeout=5) as answer:
+                    text = answer.read().decode()
+            gauge = next(line for line in text.splitlines() if line.startswith("fillmask_torch_threads "))
+            return hello["engine"]["torch_threads"], float(gauge.split()[1])
+
+        assert await threads_now() == (2, 2.0)
+        with server.engine._lock:
+            tuner.current = 1  # what a switch does (tests/test_tuning.py)
+        assert await threads_now() == (1, 1.0)  # a later hello is encoded again
+    finally:
+        await server.drain(timeout=2.0)

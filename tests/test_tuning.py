@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 
 from fillmask_server.tuning import (
+    ABORT_RATIO_WARM_UP,
     FIRST_INTERVAL_S,
     MAX_INTERVAL_S,
     PROBE_BATCHES,
+    PROBE_MAX_BATCHES,
     PROBE_SHARE,
     THREAD_TIE,
     WINS_TO_SWITCH,
@@ -122,3 +124,43 @@ def test_the_count_follows_the_machine_when_it_changes() -> None:
     machine.speed = {1: 1.0, 2: 3.0}  # a neighbour now keeps one core busy: two threads wait for it
     machine.run(MAX_INTERVAL_S * 3)
     assert tuner.current == 1
+
+
+def test_a_quiet_spell_during_a_probe_does_not_put_off_the_next_one() -> None:
+    # The probe's cost is its batches' engine time, not the wall time it spans: eight idle hours
+    # between two of its batches leave the next probe as near as ever.
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    machine = Machine(tuner, {1: 1.5, 2: 1.0})
+    machine.run(FIRST_INTERVAL_S * 1.2)
+    while tuner.count(machine.now) != 1:
+        machine.run(0.01)
+    machine.run(0.015)  # the warm-up batch and one timed batch of the probe
+    machine.now += 8 * 3600.0
+    machine.run(1.0)  # the probe ends (lost: 1.5x slower), then batches at 2
+    assert tuner.count(machine.now) == 2
+    probes_before = probes(machine.counts, 2)
+    machine.run(4 * FIRST_INTERVAL_S)
+    assert probes(machine.counts, 2) > probes_before
+
+
+def test_a_probe_whose_batches_fail_or_split_ends_without_a_verdict() -> None:
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    machine = Machine(tuner, {1: 1.0, 2: 1.0})
+    machine.run(FIRST_INTERVAL_S * 1.2)
+    while tuner.count(machine.now) != 1:
+        machine.run(0.01)
+    for _ in range(PROBE_MAX_BATCHES):
+        assert tuner.count(machine.now) == 1
+        assert not tuner.ran(1, 0.0, 0.01, machine.now).fit  # no time: the batch was split or failed
+    assert tuner.count(machine.now) == 2 and tuner.current == 2
+
+
+def test_a_far_slower_count_is_left_after_one_batch_and_only_neighbouring_counts_are_tried() -> None:
+    tuner = ThreadTuner([1, 32, 64], 64, 0.0)
+    machine = Machine(tuner, {1: 30.0, 32: 10.0, 64: 1.0})  # 32 threads stall on a neighbour
+    machine.run(600.0)
+    assert tuner.current == 64 and 1 not in machine.counts
+    runs = [n for n, (before, count) in enumerate(zip([64, *machine.counts], machine.counts, strict=False))
+            if count == 32 and before == 64]
+    assert runs and all(machine.counts[n + 1] == 64 for n in runs)  # each probe: the warm-up batch alone
+    assert ABORT_RATIO_WARM_UP < 10.0
