@@ -46,7 +46,7 @@ from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
 from .protocol import Limits, encode_going_away, encode_hello, encode_stats
 from .session import POLICY_VIOLATION, SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
-from .stats import BatchRecord, LiveStats
+from .stats import LiveStats
 from .tuning import ThreadTuner
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ class FillMaskServer:
                        seconds: float) -> None:
         """Called on the model thread after each batch: the metrics and the live figures."""
         self.metrics.observe_batch(batch_id, size, padded_tokens, queue_waits_s, seconds)
-        self.stats.batch_ran(BatchRecord(time.monotonic(), batch_id, size, padded_tokens, seconds))
+        self.stats.batch_ran(time.monotonic, batch_id, size, padded_tokens, seconds)
 
     def _deliver_from_engine(self, outcomes: list[Outcome]) -> None:
         """Called on an engine thread: hand a batch's outcomes to the loop in one wake-up."""

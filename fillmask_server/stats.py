@@ -6,14 +6,19 @@ to connections (their time and server-side latency) and the batches the model ra
 its own window whatever its interval. Pure bookkeeping: the caller passes the clock readings and the
 live values (queue depth, in flight, connections); nothing here touches the event loop or the engine.
 
-Thread use: ``batch_ran`` is called on the model thread and everything else on the event loop; each
-record is a ``deque`` whose appends and whole-deque copies are atomic under the GIL.
+Thread use: ``batch_ran`` is called on the model thread and everything else on the event loop. A
+batch is stamped and recorded under ``_lock``, and ``snapshot`` reads the batches under it: a batch
+stamped before a snapshot's ``now`` is in that snapshot, one stamped after it in the next (stamped,
+then recorded only after a snapshot had passed, it would have fallen between two windows and been in
+none). The results are the event loop's alone.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +45,7 @@ class LiveStats:
     def __init__(self) -> None:
         self._results: deque[tuple[float, float]] = deque(maxlen=KEEP_RESULTS)  # (time, latency ms)
         self._batches: deque[BatchRecord] = deque(maxlen=KEEP_BATCHES)
+        self._lock = threading.Lock()
 
     def result(self, now: float, latency_ms: float) -> None:
         """A result was handed to its connection ``latency_ms`` after its request was read."""
@@ -47,14 +53,17 @@ class LiveStats:
         while self._results and self._results[0][0] < now - KEEP_S:
             self._results.popleft()
 
-    def batch_ran(self, record: BatchRecord) -> None:
-        self._batches.append(record)
+    def batch_ran(self, clock: Callable[[], float], batch_id: int, size: int, tokens: int, seconds: float) -> None:
+        """A batch just ran: recorded as finished at ``clock()``, read under the lock (module doc)."""
+        with self._lock:
+            self._batches.append(BatchRecord(clock(), batch_id, size, tokens, seconds))
 
     def snapshot(self, since: float, now: float, queue_depth: int, in_flight: int, connections: int) -> dict[str, Any]:
         """The fields of one ``stats`` frame for the window (since, now]."""
         window = max(now - since, 1e-9)
         latencies = sorted(latency for t, latency in list(self._results) if since < t <= now)
-        batches = [b for b in list(self._batches) if since < b.finished <= now]
+        with self._lock:
+            batches = [b for b in self._batches if since < b.finished <= now]
         busy = sum(min(b.seconds, b.finished - since) for b in batches)
         return {
             "window_s": round(window, 3),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
 
 from fillmask_server.server import FillMaskServer
-from fillmask_server.stats import BatchRecord, LiveStats
+from fillmask_server.stats import LiveStats
 from tests.wire import recv, send, session
 
 TEXT = "Paris is the [MASK] of France."
@@ -19,9 +20,9 @@ def test_a_snapshot_covers_its_window_only() -> None:
     stats.result(9.0, 1.0)  # before the window
     for i, latency in enumerate([5.0, 1.0, 3.0, 2.0, 4.0]):
         stats.result(10.1 + i / 10, latency)
-    stats.batch_ran(BatchRecord(9.5, 1, 8, 100, 0.2))
-    stats.batch_ran(BatchRecord(10.5, 2, 3, 30, 0.25))
-    stats.batch_ran(BatchRecord(10.9, 3, 2, 20, 0.25))
+    stats.batch_ran(lambda: 9.5, 1, 8, 100, 0.2)
+    stats.batch_ran(lambda: 10.5, 2, 3, 30, 0.25)
+    stats.batch_ran(lambda: 10.9, 3, 2, 20, 0.25)
     frame = stats.snapshot(10.0, 11.0, queue_depth=4, in_flight=6, connections=2)
     assert frame["window_s"] == 1.0 and frame["requests_per_s"] == 5.0
     assert frame["latency_ms"] == {"p50": 3.0, "p99": 5.0}
@@ -90,3 +91,25 @@ async def test_unsubscribing_stops_the_frames(server: FillMaskServer) -> None:
             assert frame["type"] == "stats"
         with pytest.raises(TimeoutError):
             await recv(ws, timeout=0.6)  # more than two intervals: nothing
+
+
+def test_a_batch_stamped_before_a_snapshot_is_in_it_even_when_its_thread_is_slow_to_record_it() -> None:
+    # The model thread reads the clock (10.0), then loses the CPU before it records the batch; the
+    # event loop's snapshot up to 10.5 comes meanwhile. The batch must be in that window or the next,
+    # never between them (the live timeline once missed a batch that way, beside a busy core).
+    stats = LiveStats()
+    stamped, go_on = threading.Event(), threading.Event()
+
+    def slow_clock() -> float:
+        stamped.set()
+        go_on.wait(0.5)  # the model thread, descheduled between its clock reading and its append
+        return 10.0
+
+    model_thread = threading.Thread(target=stats.batch_ran, args=(slow_clock, 7, 4, 40, 0.01))
+    model_thread.start()
+    assert stamped.wait(5)
+    first = stats.snapshot(9.0, 10.5, 0, 0, 1)
+    go_on.set()
+    model_thread.join(5)
+    second = stats.snapshot(10.5, 11.0, 0, 0, 1)
+    assert [b["batch_id"] for b in first["batches"] + second["batches"]] == [7]
