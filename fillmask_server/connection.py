@@ -75,6 +75,7 @@ class Connection:
         self.deadline_timer: asyncio.TimerHandle | None = None  # the session's next deadline (server-owned)
         self.stats_task: asyncio.Task[None] | None = None  # sends stats frames while subscribed (server-owned)
         self.stats_interval_ms: int | None = None
+        self.stats_since: float | None = None  # where the next stats frame's window begins (server-owned)
 
     @property
     def congested(self) -> bool:

@@ -358,26 +358,36 @@ class FillMaskServer:
     # --- live figures (§13) -----------------------------------------------------------------------
 
     def _follow_stats(self, conn: Connection) -> None:
-        """Start, restart with a new interval, or stop ``conn``'s stats frames, as its session asks."""
+        """Start, restart with a new interval, or stop ``conn``'s stats frames, as its session asks.
+
+        The first frame covers the time since the subscription, read here rather than when the task
+        first runs (a batch done in between would be in no frame); after a change of interval, since
+        the previous frame (``conn.stats_since``), so no stretch of time falls between two frames."""
+        restarting = conn.stats_task is not None
         if conn.stats_task is not None:
             conn.stats_task.cancel()
             conn.stats_task = None
         conn.stats_interval_ms = conn.session.stats_interval_ms
         if conn.stats_interval_ms is not None:
+            if not restarting or conn.stats_since is None:
+                conn.stats_since = time.monotonic()
             conn.stats_task = asyncio.create_task(self._send_stats(conn, conn.stats_interval_ms / 1000))
+        else:
+            conn.stats_since = None
 
     async def _send_stats(self, conn: Connection, interval: float) -> None:
-        """Every ``interval`` seconds, the figures since the previous frame; none while the client is
-        behind on reading (a stats frame never adds to a backlog), nor after the connection closed."""
-        since = time.monotonic()
+        """Every ``interval`` seconds, the figures since the previous frame (``conn.stats_since``); none
+        while the client is behind on reading (a stats frame never adds to a backlog), nor after the
+        connection closed."""
         while not conn.closed:
             await asyncio.sleep(interval)
             if conn.closed or conn.congested:
                 continue
             now = time.monotonic()
+            since = conn.stats_since if conn.stats_since is not None else now
             conn.send(encode_stats(self.stats.snapshot(since, now, self.engine.queued(), self.in_flight(),
                                                        len(self.connections))))
-            since = now
+            conn.stats_since = now
 
     # --- clients that do not read ------------------------------------------------------------------
 

@@ -70,6 +70,21 @@ async def test_a_subscriber_gets_the_figures_of_what_the_server_did(server: Fill
         assert figures[-1]["connections"] >= 1 and figures[-1]["in_flight"] == 0
 
 
+async def test_a_batch_done_just_before_a_change_of_interval_is_in_the_next_frame(server: FillMaskServer) -> None:
+    # Subscribed at 10 s, a request runs; the interval then changes to 250 ms before any frame came.
+    # The next frame covers the time since the subscription, not since the change: the batch is in it.
+    async with session(server.url) as (ws, _):
+        await send(ws, {"type": "subscribe_stats", "interval_ms": 10_000})
+        await send(ws, {"type": "fill_mask", "id": "early", "text": TEXT})
+        result = await recv(ws)
+        assert result["type"] == "result"
+        await asyncio.sleep(0.05)
+        await send(ws, {"type": "subscribe_stats", "interval_ms": 250})
+        frame = await recv(ws, timeout=5)
+        assert frame["type"] == "stats" and frame["window_s"] > 0.05
+        assert result["batch_id"] in {b["batch_id"] for b in frame["batches"]}
+
+
 @pytest.mark.parametrize("interval", [0, 249, 10_001, 1.5, "1000", True])
 async def test_a_bad_interval_is_one_error_and_subscribes_nothing(server: FillMaskServer, interval: Any) -> None:
     async with session(server.url) as (ws, _):
