@@ -376,12 +376,12 @@ class EngineCore:
         for i in forwarded:
             if can(batch[i], Event.FORWARDED):
                 self._move(batch[i], Event.FORWARDED)
-        whole = passes == 1 and not failed
-        fit = whole
+        whole = passes == 1 and not failed  # one pass of the whole batch: its time says what a batch costs
+        in_use = True  # ran at the thread count in use (not a probe's, not a warm-up after a change)
         if self.threads is not None and threads:
             predicted = self.cost.forward_s(len(batch), padded_tokens)
-            fit = self.threads.ran(threads, seconds if whole else 0.0, predicted, now).fit and whole
-        if fit:
+            in_use = self.threads.ran(threads, seconds if whole else 0.0, predicted, now).fit
+        if whole and in_use:
             self.cost.observe_forward(len(batch), padded_tokens, seconds)
         self.policy.batch_ran(seconds)
         # Its answers leave as soon as they are decoded: count their clients as coming back from now,

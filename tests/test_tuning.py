@@ -44,6 +44,13 @@ class Machine:
                 self.switched_at = len(self.counts)
 
 
+def run_until_a_probe(machine: Machine, count: int) -> None:
+    """Batches until the tuner's next batch is a probe's at ``count``."""
+    machine.run(FIRST_INTERVAL_S * 1.2)
+    while machine.tuner.count(machine.now) != count:
+        machine.run(0.01)
+
+
 def probes(counts: list[int], current: int) -> int:
     """How many runs of batches at another count than ``current`` the list holds."""
     return sum(1 for before, count in zip([current, *counts], counts, strict=False) if count != current == before)
@@ -131,9 +138,7 @@ def test_a_quiet_spell_during_a_probe_does_not_put_off_the_next_one() -> None:
     # between two of its batches leave the next probe as near as ever.
     tuner = ThreadTuner([1, 2], 2, 0.0)
     machine = Machine(tuner, {1: 1.5, 2: 1.0})
-    machine.run(FIRST_INTERVAL_S * 1.2)
-    while tuner.count(machine.now) != 1:
-        machine.run(0.01)
+    run_until_a_probe(machine, 1)
     machine.run(0.015)  # the warm-up batch and one timed batch of the probe
     machine.now += 8 * 3600.0
     machine.run(1.0)  # the probe ends (lost: 1.5x slower), then batches at 2
@@ -146,9 +151,7 @@ def test_a_quiet_spell_during_a_probe_does_not_put_off_the_next_one() -> None:
 def test_a_probe_whose_batches_fail_or_split_ends_without_a_verdict() -> None:
     tuner = ThreadTuner([1, 2], 2, 0.0)
     machine = Machine(tuner, {1: 1.0, 2: 1.0})
-    machine.run(FIRST_INTERVAL_S * 1.2)
-    while tuner.count(machine.now) != 1:
-        machine.run(0.01)
+    run_until_a_probe(machine, 1)
     for _ in range(PROBE_MAX_BATCHES):
         assert tuner.count(machine.now) == 1
         assert not tuner.ran(1, 0.0, 0.01, machine.now).fit  # no time: the batch was split or failed
