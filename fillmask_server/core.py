@@ -77,8 +77,8 @@ class AnswerMemory:
 class CostModel:
     """The forward pass's time fitted online as ``overhead + token·padded + row·rows`` (weighted least
     squares on relative error, older batches forgotten by ``forget`` per batch, no coefficient below
-    zero, the overhead and the token price not below a share of the prior's), and the decode stage's time per
-    byte of answer bound as a moving average.
+    zero, the overhead and the token price not below a share of the prior's, the overhead not above the
+    fastest recent batch), and the decode stage's time per byte of answer bound as a moving average.
 
     ``prior`` (the start-up calibration's fit, or the CPU defaults) is kept as a few pseudo-batches of
     small weight that are never forgotten: the fit stays defined when the server runs one shape only,
@@ -95,6 +95,11 @@ class CostModel:
     # below the CPU prior's.)
     OVERHEAD_FLOOR = 0.5
     TOKEN_FLOOR = 0.01
+    # ... but the overhead never above the fastest recent batch (every coefficient is nonnegative, so no
+    # batch takes less than the overhead): a prior timed while a neighbour was busy (two replicas
+    # calibrating at once) would otherwise keep a floor far above what any batch takes, for good. The
+    # fastest batch is forgotten slowly (its bound grows by 1 / ``forget`` per batch), so a machine that
+    # became slower is followed too.
 
     def __init__(self, prior: Coefficients | None = None, forget: float = 0.98) -> None:
         self.prior = prior or Coefficients()
@@ -111,6 +116,7 @@ class CostModel:
             self._prior_yy += self.PRIOR_WEIGHT * 1.0  # w·y² with w = weight / y²
         self.batches = 0
         self.coefficients = self.prior
+        self._fastest_s = float("inf")  # the fastest recent batch, slowly forgotten (above)
 
     def observe_forward(self, rows: int, padded_tokens: int, seconds: float) -> None:
         """One forward pass of ``rows`` rows and ``padded_tokens`` padded tokens took ``seconds``."""
@@ -124,11 +130,12 @@ class CostModel:
         _accumulate(self._s, self._r, (1.0, padded_tokens, rows), seconds, 1.0)
         self._yy += 1.0
         self.batches += 1
+        self._fastest_s = min(seconds, self._fastest_s / self.forget)
         s = [[a + b for a, b in zip(x, y, strict=True)] for x, y in zip(self._s, self._prior_s, strict=True)]
         r = [a + b for a, b in zip(self._r, self._prior_r, strict=True)]
         theta = _nonnegative_least_squares(s, r, self._yy + self._prior_yy)
         if theta is not None:
-            overhead = max(theta[0], self.OVERHEAD_FLOOR * self.prior.overhead_s)
+            overhead = min(max(theta[0], self.OVERHEAD_FLOOR * self.prior.overhead_s), self._fastest_s)
             token = max(theta[1], self.TOKEN_FLOOR * self.prior.token_s)
             self.coefficients = Coefficients(overhead, token, theta[2], self.coefficients.byte_s)
 

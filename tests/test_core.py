@@ -179,9 +179,37 @@ def test_the_fitted_overhead_stays_above_half_the_priors_whatever_the_timings() 
     batches of one row because of a fit."""
     model = CostModel(Coefficients(0.002, 1e-5, 1e-4))
     for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16)] * 20:
-        model.observe_forward(rows, rows * width, 5e-5 * rows * width)  # perfectly linear, no overhead
-    assert model.coefficients.overhead_s == pytest.approx(0.001)
-    assert model.coefficients.token_s == pytest.approx(5e-5, rel=0.05)
+        model.observe_forward(rows, rows * width, 2.5e-4 * rows * width)  # perfectly linear, no overhead
+    assert model.coefficients.overhead_s == pytest.approx(0.001)  # every batch took 2 ms or more
+    assert model.coefficients.token_s == pytest.approx(2.5e-4, rel=0.05)
+
+
+def test_a_prior_timed_under_load_gives_way_to_the_batches_that_ran() -> None:
+    """A calibration timed while a neighbour was busy (two replicas calibrating at once) gave a prior of
+    190 ms per batch. Its floor (half of that) would have priced every batch at 95 ms or more for good; the
+    overhead stays at or below the fastest recent batch instead, and the predictions follow the batches."""
+    model = CostModel(Coefficients(0.190, 2e-4, 5e-3))
+    true = Coefficients(0.002, 2e-6, 3e-5)
+    shapes = [(1, 8), (32, 12), (8, 40), (16, 16)]
+    for rows, width in shapes * 20:
+        model.observe_forward(rows, rows * width, true.overhead_s + true.token_s * rows * width + true.row_s * rows)
+    fastest = min(true.overhead_s + true.token_s * rows * width + true.row_s * rows for rows, width in shapes)
+    assert model.coefficients.overhead_s <= fastest / model.forget ** len(shapes)  # the bound, forgotten slowly
+    for rows, width in shapes:
+        predicted = model.forward_s(rows, rows * width)
+        actual = true.overhead_s + true.token_s * rows * width + true.row_s * rows
+        assert predicted == pytest.approx(actual, rel=0.25)
+
+
+def test_the_bound_of_the_fastest_batch_is_forgotten_when_the_machine_becomes_slower() -> None:
+    """A machine twice as slow for good (a neighbour that stays): the overhead follows it up, not held
+    at the fastest batch of the quiet hour."""
+    model = CostModel(Coefficients(0.002, 1e-5, 1e-4))
+    shapes = [(1, 8), (32, 12), (8, 40), (16, 16)]
+    for scale in (1.0, 2.0):
+        for rows, width in shapes * 100:
+            model.observe_forward(rows, rows * width, scale * (0.002 + 1e-5 * rows * width + 1e-4 * rows))
+    assert model.coefficients.overhead_s == pytest.approx(0.004, rel=0.1)
 
 
 def test_the_fitted_token_price_stays_above_a_share_of_the_priors_whatever_the_timings() -> None:
