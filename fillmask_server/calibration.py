@@ -11,10 +11,12 @@ own tokens around its mask token), all within ``--calibration-s``:
    neighbour's passing burst of load (another replica starting beside this one) weighs on every count
    alike instead of deciding for the one it happened to hit; the fastest wins, the smaller count on a
    tie within ``THREAD_TIE``. The count is set for the whole process.
-2. **The cost model's first coefficients**: batches of a few shapes (rows x width), the fit of
+2. **The cost model's first coefficients**: batches of a few shapes (rows x width), timed in turn
+   like the thread counts (``FIT_ROUNDS`` rounds, at least ``MIN_THREAD_ROUNDS``), each shape keeping
+   its fastest pass, so that a neighbour's burst inflates no shape's time alone; the fit of
    ``overhead + token·padded + row·rows`` (``core.fit``), and the decode price per byte of answer
    bound from decoding their top-k; the engine's ``CostModel`` starts from it and goes on fitting
-   online.
+   online (and never prices a batch's overhead above the fastest batch it runs).
 3. **Reduced precision** (``--dtype bfloat16``, ``float16`` or ``int8`` only): the same batch on a
    float32 copy of the model; when the chosen dtype is slower, ``Calibration.warning`` is one line
    saying so with the measured ratio (a CPU without native bf16 emulates it).
@@ -33,7 +35,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from . import intake
 from .batching import Coefficients
@@ -43,15 +45,22 @@ from .model import FillMaskModel, Item, on_a_thread_that_ends
 from .tuning import THREAD_TIE
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
 
 THREAD_ROUNDS = 4  # timed passes per candidate thread count, the counts in turn ...
 MIN_THREAD_ROUNDS = 2  # ... and at least this many, whatever the time budget
 THREAD_SHAPE = (16, 16)  # rows x tokens of the batch the thread counts are timed on
-FIT_SHAPES = ((1, 8), (4, 16), (16, 16), (8, 40), (32, 24))  # cheapest first
+# rows x width, cheapest first. A tight budget times only the first three, so they alone must tell the
+# overhead, the row price and the token price apart: rows and padded tokens vary independently there
+# (with widths that repeat, tokens follow rows and a few percent of noise can fit any token price).
+FIT_SHAPES = ((1, 8), (8, 8), (2, 40), (16, 16), (32, 24))
+FIT_ROUNDS = 4  # timed passes per shape, the shapes in turn like the thread counts (at least MIN_THREAD_ROUNDS)
 TOP_K = 5
 SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
-CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # a container's own cgroup, as it sees it
+CGROUP_ROOT = "/sys/fs/cgroup"  # cgroup v2's mount (a container's own cgroup, as it sees it)
+CGROUP_V2_CPU_MAX = f"{CGROUP_ROOT}/cpu.max"
 CGROUP_V1_CPU_DIRS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")
+PROC_SELF_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
 
 
 @dataclass
@@ -164,19 +173,21 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     decoder = SequenceDecoder(model.decode_tokenizer)
     decode_s = 0.0
     decode_bytes = 0
+    batches: dict[tuple[int, int], list[Item]] = {}
     for rows, width in FIT_SHAPES:
-        if result.samples and time.perf_counter() > until and len(result.samples) >= 3:
+        if len(batches) >= 3 and time.perf_counter() > until:
             break
-        items = batch_items(model, rows, width)
-        _warm(model, items)
-        seconds = _time(model, items, 2)
-        result.samples.append((rows, rows * width, seconds))
+        items = batches[rows, width] = batch_items(model, rows, width)
+        model.forward(items)  # the first passes specialise the graph to the shape (``_warm``)
         topk = model.forward(items)
         clock = time.perf_counter()
         for n, item in enumerate(items):
             predictions_json(decoder, item, topk, n)
         decode_s += time.perf_counter() - clock
         decode_bytes += sum(intake.result_bound(model, list(item.input_ids), 1, TOP_K) for item in items)
+    fastest = fastest_per_count(lambda shape: _time(model, batches[shape], 1), list(batches), FIT_ROUNDS,
+                                lambda: time.perf_counter() < until)
+    result.samples = [(rows, rows * width, seconds) for (rows, width), seconds in fastest.items()]
     byte_s = decode_s / decode_bytes if decode_bytes else Coefficients.byte_s
     result.coefficients = fit(result.samples, byte_s)
     if model.dtype != "float32" and model_name is not None:
@@ -218,12 +229,12 @@ def _time(model: FillMaskModel, items: list[Item], repeats: int) -> float:
     return best
 
 
-def fastest_per_count(time_at: Callable[[int], float], candidates: list[int], rounds: int,
-                      more: Callable[[], bool] = lambda: True) -> dict[int, float]:
-    """Each candidate's fastest of up to ``rounds`` timings (``time_at(count)``, seconds), the candidates
-    taken in turn round by round: a burst of load shorter than the rounds run less one leaves every
-    count at least one pass it did not touch. After ``MIN_THREAD_ROUNDS``, a round starts only while
-    ``more()`` (the time budget) allows."""
+def fastest_per_count(time_at: Callable[[K], float], candidates: list[K], rounds: int,
+                      more: Callable[[], bool] = lambda: True) -> dict[K, float]:
+    """Each candidate's fastest of up to ``rounds`` timings (``time_at(candidate)``, seconds): thread
+    counts, or the cost model's batch shapes. The candidates are taken in turn round by round, so a
+    burst of load shorter than the rounds run less one leaves every candidate at least one pass it did
+    not touch. After ``MIN_THREAD_ROUNDS``, a round starts only while ``more()`` (the time budget) allows."""
     fastest = {count: float("inf") for count in candidates}
     for done in range(rounds):
         if done >= MIN_THREAD_ROUNDS and not more():
@@ -259,19 +270,54 @@ def usable_cpus(read: Callable[[str], str | None] | None = None) -> int:
 
 
 def cpu_quota(read: Callable[[str], str | None]) -> float | None:
-    """The cgroup CPU quota in CPUs (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``),
-    None when there is none or it cannot be read; ``read(path)`` gives a file's text or None."""
-    text = read(CGROUP_V2_CPU_MAX)
-    if text is not None:
+    """The tightest cgroup CPU quota on this process, in CPUs, or None when there is none or none can be read;
+    ``read(path)`` gives a file's text or None.
+
+    A quota binds every process below the cgroup that has it, so each level is read, from the process's own
+    cgroup (``/proc/self/cgroup``) up to the mount's root: a Kubernetes pod's limit or a systemd slice's
+    quota sits on a cgroup above the container's, and a host that mounts every cgroup shows the process's
+    own one deep below the root. A container that sees only its own cgroup has it at the mount's root, which
+    the walk always reads. cgroup v2's ``cpu.max`` where the unified hierarchy has one at any level, else
+    v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` under the ``cpu`` controller's mount."""
+    paths = _cgroup_paths(read(PROC_SELF_CGROUP))
+    quotas: list[float] = []
+    found_v2 = False
+    for directory in _levels(CGROUP_ROOT, paths.get("")):
+        text = read(f"{directory}/cpu.max")
+        if text is None:
+            continue
+        found_v2 = True
         fields = text.split()
-        if len(fields) == 2 and fields[0] != "max":
-            return _ratio(fields[0], fields[1])
-        return None
-    for directory in CGROUP_V1_CPU_DIRS:
-        quota, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
-        if quota is not None and period is not None:
-            return _ratio(quota, period)
-    return None
+        if len(fields) == 2 and fields[0] != "max" and (quota := _ratio(fields[0], fields[1])) is not None:
+            quotas.append(quota)
+    if not found_v2:
+        for mount in CGROUP_V1_CPU_DIRS:
+            for directory in _levels(mount, paths.get("cpu")):
+                quota, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
+                if quota is not None and period is not None and (ratio := _ratio(quota, period)) is not None:
+                    quotas.append(ratio)
+    return min(quotas) if quotas else None
+
+
+def _cgroup_paths(text: str | None) -> dict[str, str]:
+    """``/proc/self/cgroup``'s paths: the unified (v2) hierarchy's under "", the v1 hierarchy that holds
+    the ``cpu`` controller under "cpu"."""
+    paths: dict[str, str] = {}
+    for line in (text or "").splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3 or not fields[2].startswith("/"):
+            continue
+        if fields[1] == "":
+            paths[""] = fields[2]
+        elif "cpu" in fields[1].split(","):
+            paths["cpu"] = fields[2]
+    return paths
+
+
+def _levels(mount: str, path: str | None) -> list[str]:
+    """The directories of the cgroup ``path`` under ``mount`` and of each cgroup above it, the mount last."""
+    parts = [part for part in (path or "").split("/") if part and part not in (".", "..")]
+    return [mount + "".join(f"/{part}" for part in parts[:depth]) for depth in range(len(parts), -1, -1)]
 
 
 def _ratio(quota: str, period: str) -> float | None:

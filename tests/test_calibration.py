@@ -6,16 +6,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from fillmask_server.batching import Coefficients
 from fillmask_server.calibration import (
+    CGROUP_ROOT,
     CGROUP_V1_CPU_DIRS,
     CGROUP_V2_CPU_MAX,
+    FIT_SHAPES,
     MIN_THREAD_ROUNDS,
+    PROC_SELF_CGROUP,
     THREAD_TIE,
     choose_threads,
     cpu_quota,
     fastest_per_count,
     usable_cpus,
 )
+from fillmask_server.core import fit
 
 
 def timings(speeds: dict[int, float], burst: range) -> tuple[list[int], Callable[[int], float]]:
@@ -83,6 +88,40 @@ def test_the_cpu_quota_is_read_from_cgroup_v2_or_v1_and_absent_when_unlimited() 
     assert cpu_quota(files({})) is None
 
 
+def test_a_quota_on_any_cgroup_above_the_process_binds_it_and_the_tightest_wins() -> None:
+    pod = f"{CGROUP_ROOT}/kubepods.slice/pod1"
+    v2 = {PROC_SELF_CGROUP: "0::/kubepods.slice/pod1/ctr\n"}
+    # A pod's limit sits on the pod's cgroup, above the container's own (which has none).
+    assert cpu_quota(files({**v2, f"{pod}/ctr/cpu.max": "max 100000", f"{pod}/cpu.max": "150000 100000"})) == 1.5
+    assert cpu_quota(files({**v2, f"{pod}/ctr/cpu.max": "50000 100000", f"{pod}/cpu.max": "150000 100000"})) == 0.5
+    assert cpu_quota(files({**v2, f"{pod}/ctr/cpu.max": "max 100000", f"{pod}/cpu.max": "max 100000"})) is None
+    # cgroup v1: the hierarchy that holds the cpu controller, whatever else it holds.
+    v1 = CGROUP_V1_CPU_DIRS[-1]
+    v1_self = {PROC_SELF_CGROUP: "4:memory:/elsewhere\n3:cpu,cpuacct:/kubepods/pod1/ctr\n0::/\n"}
+    assert cpu_quota(files({**v1_self, f"{v1}/kubepods/pod1/cpu.cfs_quota_us": "200000",
+                            f"{v1}/kubepods/pod1/cpu.cfs_period_us": "100000",
+                            f"{v1}/kubepods/pod1/ctr/cpu.cfs_quota_us": "-1",
+                            f"{v1}/kubepods/pod1/ctr/cpu.cfs_period_us": "100000"})) == 2.0
+    # A container that sees only its own cgroup, mounted at the root, while /proc names the host's path:
+    # the walk ends at the mount's root, which is that cgroup.
+    assert cpu_quota(files({PROC_SELF_CGROUP: "0::/docker/abc\n", CGROUP_V2_CPU_MAX: "300000 100000"})) == 3.0
+    assert cpu_quota(files({PROC_SELF_CGROUP: "garbage\n1:cpu:relative\n", CGROUP_V2_CPU_MAX: "100000 100000"})) == 1.0
+
+
+def test_this_machines_cgroups_are_read_without_error() -> None:
+    quota = cpu_quota(_read_file)
+    assert quota is None or quota > 0
+    assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
+
+
+def _read_file(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as file:
+            return file.read().strip()
+    except OSError:
+        return None
+
+
 def test_the_usable_cpus_are_capped_by_the_quota_rounded_up_and_never_below_one() -> None:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     assert usable_cpus(files({})) == cpus
@@ -90,3 +129,19 @@ def test_the_usable_cpus_are_capped_by_the_quota_rounded_up_and_never_below_one(
     assert usable_cpus(files({CGROUP_V2_CPU_MAX: f"{(cpus + 8) * 100000} 100000"})) == cpus  # above: the CPUs
     if cpus >= 2:
         assert usable_cpus(files({CGROUP_V2_CPU_MAX: "150000 100000"})) == 2
+
+
+def test_the_first_three_fit_shapes_tell_the_token_price_apart_under_a_few_percent_of_noise() -> None:
+    """A tight budget (a large model on a slow CPU) times only the first three shapes. With 5% noise on
+    each timing, in every combination, their fit keeps the token price within a factor of two of the
+    truth, for a model whose tokens dominate (BERT-base-like) and one whose rows do (a tiny one). Shapes
+    whose padded tokens follow their rows (1x8, 4x16, 16x16) gave a token price of 0 for some noise:
+    the server then priced every request's output as too large for any batch but its own."""
+    import itertools
+
+    for true in (Coefficients(0.03, 1.7e-3, 1e-3), Coefficients(0.0015, 8e-6, 1.5e-4)):
+        for signs in itertools.product((-1, 0, 1), repeat=3):
+            samples = [(rows, rows * width, true.batch_s(rows, rows * width, 0.0) * (1 + 0.05 * sign))
+                       for (rows, width), sign in zip(FIT_SHAPES[:3], signs, strict=True)]
+            fitted = fit(samples)
+            assert fitted is not None and 0.5 < fitted.token_s / true.token_s < 2, (true, signs, fitted)

@@ -14,7 +14,7 @@ import pytest
 from fillmask_server.batching import BatchPolicy
 from fillmask_server.engine import Admission, Engine
 from fillmask_server.jobs import Expired, Job, Outcome, Rejected, Result, State
-from fillmask_server.model import FillMaskModel, load_model
+from fillmask_server.model import FillMaskModel, Item, load_model
 from fillmask_server.protocol import FillMaskRequest
 from fillmask_server.tuning import ThreadTuner
 
@@ -291,6 +291,35 @@ def test_the_decode_stage_serves_a_light_result_before_an_earlier_batchs_heavy_o
         engine._decode_chunk(heap, left)
     assert collector.outcomes[0].job.request.id == "light"
     assert {o.job.request.id for o in collector.outcomes} == {"light", "heavy0", "heavy1", "heavy2"}
+
+
+def test_the_cost_models_shapes_are_timed_in_turn_each_keeping_its_fastest_pass(
+        model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Like the thread counts: a neighbour's burst of load during the calibration (another replica
+    starting beside this one) then weighs on every shape alike, instead of inflating the shapes it hit."""
+    import torch
+
+    from fillmask_server import calibration
+
+    shapes: list[tuple[int, int]] = []
+    forward = model.forward
+
+    def recording(items: list[Item]) -> object:
+        shapes.append((len(items), max(len(item.input_ids) for item in items)))
+        return forward(items)
+
+    monkeypatch.setattr(model, "forward", recording)
+    before = torch.get_num_threads()
+    try:
+        result = calibration.calibrate(model, 2.0, torch_threads=1)  # a flag: no thread timing
+    finally:
+        torch.set_num_threads(before)
+    fitted = list(calibration.FIT_SHAPES[:len(result.samples)])
+    assert len(fitted) >= 3 and [(rows, padded // rows) for rows, padded, _ in result.samples] == fitted
+    warm, timed = shapes[:2 * len(fitted)], shapes[2 * len(fitted):]
+    assert warm == [shape for shape in fitted for _ in range(2)]  # each shape's first passes, not timed
+    rounds = len(timed) // len(fitted)
+    assert rounds >= calibration.MIN_THREAD_ROUNDS and timed == fitted * rounds
 
 
 def test_a_cpu_quota_of_one_cpu_gives_one_thread_with_or_without_calibration(
