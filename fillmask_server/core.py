@@ -92,7 +92,8 @@ class CostModel:
     # lengths look less efficient than its rows run alone; a fit of no token price made every request's
     # output (priced in tokens: byte / token) too large for any batch but its own. Either way the
     # server ran batches of one row. (The token price's floor is low: a small model's real price is far
-    # below the CPU prior's.)
+    # below the CPU prior's. A prior of no token price, a calibration's degenerate fit, floors it at a
+    # share of the CPU defaults' instead.)
     OVERHEAD_FLOOR = 0.5
     TOKEN_FLOOR = 0.01
     # ... but the overhead never above the fastest recent batch (every coefficient is nonnegative, so no
@@ -136,7 +137,7 @@ class CostModel:
         theta = _nonnegative_least_squares(s, r, self._yy + self._prior_yy)
         if theta is not None:
             overhead = min(max(theta[0], self.OVERHEAD_FLOOR * self.prior.overhead_s), self._fastest_s)
-            token = max(theta[1], self.TOKEN_FLOOR * self.prior.token_s)
+            token = max(theta[1], self.TOKEN_FLOOR * (self.prior.token_s or Coefficients.token_s))
             self.coefficients = Coefficients(overhead, token, theta[2], self.coefficients.byte_s)
 
     def observe_decode(self, result_bytes: int, seconds: float) -> None:

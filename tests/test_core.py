@@ -220,6 +220,11 @@ def test_the_fitted_token_price_stays_above_a_share_of_the_priors_whatever_the_t
         model.observe_forward(rows, rows * width, 0.003 + 1e-4 * rows)  # no cost per token at all
     assert model.coefficients.token_s == pytest.approx(2e-7)
     assert model.coefficients.byte_s / model.coefficients.token_s < 1  # a byte of output costs < 1 token
+    # A calibration whose fit gave no token price at all: the floor is a share of the CPU defaults' price.
+    model = CostModel(Coefficients(0.002, 0.0, 1e-4))
+    for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16)] * 20:
+        model.observe_forward(rows, rows * width, 0.003 + 1e-4 * rows)
+    assert model.coefficients.token_s == pytest.approx(CostModel.TOKEN_FLOOR * Coefficients().token_s)
 
 
 def test_the_nonnegative_fit_is_optimal_whether_or_not_the_free_solution_is_nonnegative() -> None:
