@@ -20,7 +20,7 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   after the last batch): no credit for having been away, no escaping its debt by leaving for a moment.
   The first request in fair order (the *head*) is always in the batch.
 - **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
-  the fair order's first ``max_batch_size`` requests, as long as their tokens (plus output) fit
+  the fair order's first ``max_batch_size`` requests, as long as their tokens fit
   ``max_batch_tokens`` and their own work (plus one overhead) the time limit below. It cuts the window,
   sorted by length, into batches of neighbouring lengths, where each cut saves more padding than the
   extra batch's overhead costs: the partition with the least predicted time in all (an exact dynamic
@@ -37,8 +37,9 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
-- **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` token-equivalents (padded
-  tokens plus output); and a **predicted time** of at most ``max_batch_s``, by default the overhead
+- **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` padded tokens (rows x the
+  longest row: what the encoder's activations take); and a **predicted time** of at most
+  ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
   batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``, nor below
   the predicted time of a full batch of plain requests (output within ``slack`` of it) as long as the
@@ -47,7 +48,11 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   most ``deadline_share`` of the time left to the tightest deadline waiting. So a light request that
   arrives while a heavy batch runs waits for at most one such bounded batch, never for one long batch
   of heavy output. (With the cost model the limit bounds a round's own work: a request that arrives
-  while a round runs waits for that round's end, unless its deadline would pass first.)
+  while a round runs waits for that round's end, unless its deadline would pass first.) Output does
+  not count against ``max_batch_tokens``: its time is the time bound's to bound, at the fitted byte
+  price, and its memory the answer memory's. Counted there in token-equivalents, at the fitted ratio
+  of the two prices, a model whose tokens cost almost nothing (ESM's small encoder) priced each
+  request's output at thousands of tokens and ran batches of three.
 - **Tail bound.** With the cost model, a request is served in the round its window takes it into:
   nothing that joins the queue after the window was taken runs before it (except when a deadline
   ends the round, above), and at most the window's other requests do; the cost model reorders
@@ -403,12 +408,12 @@ class BatchPolicy:
 
     def _window(self, ready: list[J], limit: float, room: Room | None, cost: Coefficients) -> list[J]:
         """The next round's requests: the fair order's first ``max_batch_size``, as long as their tokens
-        and output fit ``max_batch_tokens`` and their own work (plus one overhead) ``limit``, the time
+        fit ``max_batch_tokens`` and their own work (plus one overhead) ``limit``, the time
         limit. The first is always in."""
         window: list[J] = []
         tokens, seconds = 0.0, cost.overhead_s
         for job in self._fair_order(ready, room, self.max_batch_size):  # (it works on a copy of the room)
-            more_tokens = tokens + max(job.cost, job.n_tokens)
+            more_tokens = tokens + job.n_tokens
             more_seconds = seconds + cost.own_s(job.n_tokens, job.result_bytes)
             if window and (more_tokens > self.max_batch_tokens or more_seconds > limit):
                 break
@@ -447,19 +452,18 @@ class BatchPolicy:
         for job in window:
             classes.setdefault(job.n_tokens, []).append(job)
         lengths = sorted(classes)
-        # Per length class: rows, bytes of output, token-equivalents of output.
+        # Per length class: rows, bytes of output.
         rows = [len(classes[n]) for n in lengths]
         out = [float(sum(job.result_bytes for job in classes[n])) for n in lengths]
-        extra = [sum(max(0.0, job.cost - job.n_tokens) for job in classes[n]) for n in lengths]
         m = len(lengths)
         best = [0.0] + [float("inf")] * m  # best[j]: least time for the classes before j
         cut = [0] * (m + 1)
         for j in range(1, m + 1):
-            count, out_bytes, output = 0, 0.0, 0.0
+            count, out_bytes = 0, 0.0
             for i in range(j - 1, -1, -1):  # the batch of classes i .. j-1, longest lengths[j - 1]
-                count, out_bytes, output = count + rows[i], out_bytes + out[i], output + extra[i]
+                count, out_bytes = count + rows[i], out_bytes + out[i]
                 if i < j - 1 and (lengths[j - 1] > AUTO_GROWTH * lengths[i]
-                                  or count * lengths[j - 1] + output > self.max_batch_tokens):
+                                  or count * lengths[j - 1] > self.max_batch_tokens):
                     break
                 total = best[i] + cost.batch_s(count, count * lengths[j - 1], out_bytes)
                 if total < best[j] * (1 - TIE):
@@ -482,22 +486,20 @@ class BatchPolicy:
         shortest = base_low = min(job.n_tokens for job in base)
         longest = base_high = max(job.n_tokens for job in base)
         out_bytes = float(sum(job.result_bytes for job in base))
-        output = sum(max(0.0, job.cost - job.n_tokens) for job in base)
         for job in rest:
             if len(batch) >= self.max_batch_size:
                 break
             n = job.n_tokens
             low, high = min(shortest, n), max(longest, n)
-            extra = max(0.0, job.cost - n)
             rows = len(batch) + 1
-            if (rows * high + output + extra > self.max_batch_tokens
+            if (rows * high > self.max_batch_tokens
                     or cost.batch_s(rows, rows * high, out_bytes + job.result_bytes) > limit):
                 continue
             if high > self.growth * low and not (base_low <= low and high <= base_high):
                 passed.append(job)  # outside the band (a forced request may have widened it)
                 continue
             batch.append(job)
-            shortest, longest, output, out_bytes = low, high, output + extra, out_bytes + job.result_bytes
+            shortest, longest, out_bytes = low, high, out_bytes + job.result_bytes
         return batch, passed
 
 

@@ -249,10 +249,19 @@ def test_a_newcomer_is_in_the_very_next_batch() -> None:
     assert "new" in names(p.take(q, now=0).batch)
 
 
-def test_output_counts_against_the_batch_budget() -> None:
-    """Requests with large answers (token-equivalents of output) fill a batch's budget sooner."""
-    q = queue(*(FakeJob(f"big{i}", n_tokens=10, output=1000) for i in range(6)))
-    assert len(policy(size=32, tokens=2500).take(q, now=0).batch) == 2
+def test_output_does_not_count_against_the_token_budget_only_against_the_time_bound() -> None:
+    """The token budget bounds padded tokens. Output priced in tokens at the fitted ratio can be
+    thousands of token-equivalents a request where tokens cost almost nothing (a tiny encoder), which
+    capped every batch at a few rows; its time is bounded by the time bound instead."""
+    tiny = Coefficients(overhead_s=0.002, token_s=3e-8, row_s=5e-5, byte_s=1e-7)  # ESM-like: tokens nearly free
+    jobs = [FakeJob(f"r{i}", n_tokens=12, output=3000, result_bytes=900) for i in range(64)]
+    for growth in (0.0, 3.0):  # the cost model's rounds, and a fixed band
+        batch = policy(size=64, tokens=8192, cost=tiny, growth=growth).take(queue(*jobs), now=0).batch
+        assert len(batch) == 64, growth
+        assert len(policy(size=64, tokens=8 * 12, cost=tiny, growth=growth).take(queue(*jobs), now=0).batch) == 8
+    # Heavy output is bounded by time: 4 ms of decoding each against a limit of 10 ms.
+    heavy = [FakeJob(f"h{i}", n_tokens=12, result_bytes=40_000) for i in range(8)]
+    assert len(policy(size=64, cost=tiny, max_batch_s=0.010).take(queue(*heavy), now=0).batch) == 1
 
 
 def test_heavy_requests_cost_their_connection_a_bigger_share() -> None:
