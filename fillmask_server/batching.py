@@ -42,8 +42,8 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
   batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``, nor below
-  the predicted time of a full batch of plain requests (output within ``slack`` of it) as long as the
-  longest waiting:
+  the predicted time of the fullest batch of plain requests as long as the longest waiting that
+  ``max_batch_tokens`` admits (output within ``slack`` of it):
   the bound cuts output-heavy batches, never a batch of ordinary ones), and at
   most ``deadline_share`` of the time left to the tightest deadline waiting. So a light request that
   arrives while a heavy batch runs waits for at most one such bounded batch, never for one long batch
@@ -219,11 +219,13 @@ class BatchPolicy:
         cost = cost or self.cost
         limit = self.max_batch_s
         if not limit:
-            # A full batch of plain requests as long as the longest waiting is never cut: the bound is
-            # for output-heavy batches (so a fit that puts the overhead near 0, on a slow or busy
-            # machine, cannot shrink every batch to one row).
+            # The fullest batch of plain requests as long as the longest waiting that the token budget
+            # admits is never cut: the bound is for output-heavy batches (so a fit that puts the
+            # overhead near 0, on a slow or busy machine, cannot shrink every batch to one row), and
+            # output, which the token budget does not count, gets no more time than such a batch.
             longest = max((job.n_tokens for job in queue), default=0)
-            plain = cost.batch_s(self.max_batch_size, self.max_batch_size * longest, 0.0) * (1 + self.slack)
+            rows = min(self.max_batch_size, max(1, self.max_batch_tokens // max(1, longest)))
+            plain = cost.batch_s(rows, rows * longest, 0.0) * (1 + self.slack)
             limit = max(MIN_AUTO_BATCH_S, cost.overhead_s / self.slack, plain)
         deadlines = [job.deadline for job in queue if job.deadline is not None]
         if deadlines:

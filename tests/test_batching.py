@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Coefficients, Room
+from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Coefficients, Room, _predicted
 
 
 @dataclass(eq=False)
@@ -262,6 +262,21 @@ def test_output_does_not_count_against_the_token_budget_only_against_the_time_bo
     # Heavy output is bounded by time: 4 ms of decoding each against a limit of 10 ms.
     heavy = [FakeJob(f"h{i}", n_tokens=12, result_bytes=40_000) for i in range(8)]
     assert len(policy(size=64, cost=tiny, max_batch_s=0.010).take(queue(*heavy), now=0).batch) == 1
+
+
+def test_heavy_output_gets_no_more_time_than_the_fullest_plain_batch_the_token_budget_admits() -> None:
+    """Output no longer counts against the token budget, so the time bound is its bound: one long
+    request waiting must not lend the round the time of 64 rows at its length, which the token budget
+    would never admit (found in review: 33 answers of 1 MB in one round, against 8 before)."""
+    cpu = Coefficients()
+    jobs = [FakeJob("long", n_tokens=512), *(FakeJob(f"h{i}", arrival=1 + i, n_tokens=12, result_bytes=1_000_000,
+                                                     owner=f"c{i}") for i in range(63))]
+    p = policy(size=64, tokens=8192, cost=cpu)
+    limit = p.time_limit(jobs, 0.0, cpu)
+    assert limit == pytest.approx(cpu.batch_s(16, 16 * 512, 0.0) * (1 + p.slack))  # 16 x 512 = 8192
+    groups = p._round(list(jobs), 0.0, None, cpu)
+    assert sum(_predicted(group, cpu) for group in groups) <= limit
+    assert sum(len(group) for group in groups) <= 9
 
 
 def test_heavy_requests_cost_their_connection_a_bigger_share() -> None:
