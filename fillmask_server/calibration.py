@@ -174,12 +174,20 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     decode_s = 0.0
     decode_bytes = 0
     batches: dict[tuple[int, int], list[Item]] = {}
+    round_s = 0.0  # one pass over the shapes so far: what each timed round will take
+    last_s, last_tokens = 0.0, 1
     for rows, width in FIT_SHAPES:
-        if len(batches) >= 3 and time.perf_counter() > until:
+        # Past the first three, a shape joins only while the timed rounds still fit the budget with it
+        # (its pass guessed from the last one's, per token): the rounds run at least MIN_THREAD_ROUNDS.
+        guess = last_s * rows * width / last_tokens
+        if len(batches) >= 3 and time.perf_counter() + MIN_THREAD_ROUNDS * (round_s + guess) > until:
             break
         items = batches[rows, width] = batch_items(model, rows, width)
         model.forward(items)  # the first passes specialise the graph to the shape (``_warm``)
+        clock = time.perf_counter()
         topk = model.forward(items)
+        last_s, last_tokens = time.perf_counter() - clock, rows * width
+        round_s += last_s
         clock = time.perf_counter()
         for n, item in enumerate(items):
             predictions_json(decoder, item, topk, n)
@@ -316,7 +324,9 @@ def _cgroup_paths(text: str | None) -> dict[str, str]:
 
 def _levels(mount: str, path: str | None) -> list[str]:
     """The directories of the cgroup ``path`` under ``mount`` and of each cgroup above it, the mount last."""
-    parts = [part for part in (path or "").split("/") if part and part not in (".", "..")]
+    parts = [part for part in (path or "").split("/") if part and part != "."]
+    if ".." in parts:  # a cgroup outside this process's cgroup namespace: only the mount's root is its own
+        return [mount]
     return [mount + "".join(f"/{part}" for part in parts[:depth]) for depth in range(len(parts), -1, -1)]
 
 
@@ -330,9 +340,9 @@ def _ratio(quota: str, period: str) -> float | None:
 
 def _read_text(path: str) -> str | None:
     try:
-        with open(path, encoding="ascii") as file:
+        with open(path, encoding="utf-8", errors="surrogateescape") as file:  # cgroup names may be any bytes
             return file.read().strip()
-    except (OSError, UnicodeDecodeError):
+    except OSError:
         return None
 
 

@@ -109,17 +109,20 @@ def test_a_quota_on_any_cgroup_above_the_process_binds_it_and_the_tightest_wins(
 
 
 def test_this_machines_cgroups_are_read_without_error() -> None:
-    quota = cpu_quota(_read_file)
+    from fillmask_server.calibration import _read_text
+
+    quota = cpu_quota(_read_text)
     assert quota is None or quota > 0
     assert 1 <= usable_cpus() <= (os.cpu_count() or 1)
 
 
-def _read_file(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as file:
-            return file.read().strip()
-    except OSError:
-        return None
+def test_a_cgroup_path_outside_the_namespace_reads_only_the_mount_root() -> None:
+    """``/proc/self/cgroup`` names a cgroup above the namespace's root with ``..``: the directories it
+    would name under the mount belong to other cgroups, so only the mount's root (this one's) is read."""
+    sibling = f"{CGROUP_ROOT}/system.slice/cpu.max"
+    read = files({PROC_SELF_CGROUP: "0::/../../system.slice\n", sibling: "50000 100000",
+                  CGROUP_V2_CPU_MAX: "200000 100000"})
+    assert cpu_quota(read) == 2.0
 
 
 def test_the_usable_cpus_are_capped_by_the_quota_rounded_up_and_never_below_one() -> None:
