@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import intake
 from .batching import BatchPolicy, Coefficients, Room
@@ -93,11 +93,11 @@ class CostModel:
     # output (priced in tokens: byte / token) too large for any batch but its own, when output still
     # counted against the token budget (it still prices a connection's fair share). Either way the
     # server ran batches of one row. (The token price's floor is low: a small model's real price is far
-    # below the CPU prior's. A prior of no token price, a calibration's degenerate fit, floors it at a
-    # share of the CPU defaults' instead.)
+    # below the CPU prior's; a prior of next to no token price is floored itself, in ``__init__``.)
     OVERHEAD_FLOOR = 0.5
     TOKEN_FLOOR = 0.01
-    # ... but the overhead never above the fastest recent batch (every coefficient is nonnegative, so no
+    # ... but the overhead never above the fastest recent batch, which wins over its floor (every
+    # coefficient is nonnegative, so no
     # batch takes less than the overhead): a prior timed while a neighbour was busy (two replicas
     # calibrating at once) would otherwise keep a floor far above what any batch takes, for good. The
     # fastest batch is forgotten slowly (its bound grows by 1 / ``forget`` per batch), so a machine that
@@ -117,7 +117,11 @@ class CostModel:
             _accumulate(self._prior_s, self._prior_r, (1.0, padded, rows), seconds, self.PRIOR_WEIGHT)
             self._prior_yy += self.PRIOR_WEIGHT * 1.0  # w·y² with w = weight / y²
         self.batches = 0
-        self.coefficients = self.prior
+        # A prior of no token price (or next to none: a calibration's degenerate fit) gives way to
+        # TOKEN_FLOOR of TOKEN_FLOOR of the CPU defaults' price, from the start: output priced in tokens
+        # at byte / 0 would charge the first requests' connections without bound.
+        self._token_floor = self.TOKEN_FLOOR * max(self.prior.token_s, self.TOKEN_FLOOR * Coefficients.token_s)
+        self.coefficients = replace(self.prior, token_s=max(self.prior.token_s, self._token_floor))
         self._fastest_s = float("inf")  # the fastest recent batch, slowly forgotten (above)
 
     def observe_forward(self, rows: int, padded_tokens: int, seconds: float) -> None:
@@ -138,7 +142,7 @@ class CostModel:
         theta = _nonnegative_least_squares(s, r, self._yy + self._prior_yy)
         if theta is not None:
             overhead = min(max(theta[0], self.OVERHEAD_FLOOR * self.prior.overhead_s), self._fastest_s)
-            token = max(theta[1], self.TOKEN_FLOOR * (self.prior.token_s or Coefficients.token_s))
+            token = max(theta[1], self._token_floor)
             self.coefficients = Coefficients(overhead, token, theta[2], self.coefficients.byte_s)
 
     def observe_decode(self, result_bytes: int, seconds: float) -> None:

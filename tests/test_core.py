@@ -176,7 +176,7 @@ def test_the_fit_follows_a_machine_that_changes_and_stays_defined_on_one_shape()
 def test_the_fitted_overhead_stays_above_half_the_priors_whatever_the_timings() -> None:
     """Timings with no per-batch overhead at all (as a busy machine's noise can give) leave the overhead
     at half the prior's, so that batching still pays in the model: the server never falls back to
-    batches of one row because of a fit."""
+    batches of one row because of a fit. (Only a batch faster than that floor lowers it: the next test.)"""
     model = CostModel(Coefficients(0.002, 1e-5, 1e-4))
     for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16)] * 20:
         model.observe_forward(rows, rows * width, 2.5e-4 * rows * width)  # perfectly linear, no overhead
@@ -220,11 +220,15 @@ def test_the_fitted_token_price_stays_above_a_share_of_the_priors_whatever_the_t
         model.observe_forward(rows, rows * width, 0.003 + 1e-4 * rows)  # no cost per token at all
     assert model.coefficients.token_s == pytest.approx(2e-7)
     assert model.coefficients.byte_s / model.coefficients.token_s < 1  # a byte of output costs < 1 token
-    # A calibration whose fit gave no token price at all: the floor is a share of the CPU defaults' price.
-    model = CostModel(Coefficients(0.002, 0.0, 1e-4))
-    for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16)] * 20:
-        model.observe_forward(rows, rows * width, 0.003 + 1e-4 * rows)
-    assert model.coefficients.token_s == pytest.approx(CostModel.TOKEN_FLOOR * Coefficients().token_s)
+    # A calibration whose fit gave no token price at all (or next to none): the floor is a share of a
+    # share of the CPU defaults' price, from the start, before any batch has run.
+    floor = CostModel.TOKEN_FLOOR * CostModel.TOKEN_FLOOR * Coefficients().token_s
+    for degenerate in (0.0, 1e-15):
+        model = CostModel(Coefficients(0.002, degenerate, 1e-4))
+        assert model.coefficients.token_s == pytest.approx(floor)
+        for rows, width in [(1, 8), (32, 12), (8, 40), (16, 16)] * 20:
+            model.observe_forward(rows, rows * width, 0.003 + 1e-4 * rows)
+        assert model.coefficients.token_s == pytest.approx(floor)
 
 
 def test_the_nonnegative_fit_is_optimal_whether_or_not_the_free_solution_is_nonnegative() -> None:
