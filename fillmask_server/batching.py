@@ -14,20 +14,13 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   token-equivalents (``cost``, set by the engine core: ``own / token``, its tokens plus its row and
   its output priced in tokens). The row counts: where a row costs as much as dozens of tokens (a
   small encoder), pricing tokens alone made a 60-token request look six times a 10-token one.
-- **Fair by cost** (start-time fair queuing, in bands of one request). Each connection has a virtual
-  time: the cost it has been served. A request's *tag* is its connection's virtual time plus the cost
-  of the places its connection already got in this order; its *band* is how many times the costliest
-  request waiting (the *quantum*) fits between its tag and the system's virtual time (the lowest
-  among those waiting after the last batch). The *fair order* gives each next place to the lowest
-  band, and within a band to a newcomer's first request (a connection not served lately), then to
-  the oldest request: requests whose connections are within one quantum of the least served run in
-  arrival order, and a connection served a quantum more than another waits behind it. (With plain
-  start-time fair queuing, symmetric clients whose requests differ in cost were reordered by every
-  small difference: a closed loop's p99 was twice its p50.) Fairness holds to one more quantum than
-  plain fair queuing's: two connections that both keep requests waiting are served costs that differ
-  by at most a batch plus two quanta. A connection that starts waiting starts at the later of its own
-  virtual time and the system's: no credit for having been away, no escaping its debt by leaving for
-  a moment. The first request in fair order (the *head*) is always in the batch.
+- **Fair by cost** (start-time fair queuing). Each connection has a virtual time: the cost it has
+  been served. The *fair order* gives each next place to the waiting connection with the lowest
+  virtual time, counting the places it already got (ties: the connection served longest ago, a
+  newcomer first; then the oldest request), which offers its oldest request. A connection that starts
+  waiting starts at the later of its own virtual time and the system's (the lowest among those waiting
+  after the last batch): no credit for having been away, no escaping its debt by leaving for a moment.
+  The first request in fair order (the *head*) is always in the batch.
 - **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
   the fair order's first ``max_batch_size`` requests, as long as their tokens fit
   ``max_batch_tokens`` and their own work (plus one overhead) the time limit below. It cuts the window,
@@ -110,7 +103,7 @@ class Queued(Protocol):
     arrival: float
     deadline: float | None
     n_tokens: int
-    cost: float  # token-equivalents: n_tokens plus its output (see the module docstring)
+    cost: float  # token-equivalents: n_tokens plus its row and its output (see the module docstring)
     result_bytes: int  # room its answer may take (an upper bound)
     owner: object
     missed: int  # batches the cost model left it out of (the tail bound)
@@ -329,20 +322,12 @@ class BatchPolicy:
             by_owner.setdefault(job.owner, deque()).append(job)
         room = room.copy() if room is not None else None
         ties = itertools.count()
-        quantum = max((job.cost for job in ready), default=0.0) or 1.0  # the costliest request waiting
-        placed: set[Any] = set()
-
-        def key(virtual: float, owner: Any, head: J) -> tuple[int, int, float, int, float, Any]:
-            band = int((virtual - self._system) // quantum)
-            newcomer = owner not in self._served_in and owner not in placed
-            return band, 0 if newcomer else 1, head.arrival, next(ties), virtual, owner
-
-        heap = [key(max(self._virtual.get(o, self._system), self._system), o, jobs[0])
-                for o, jobs in by_owner.items()]
+        heap = [(max(self._virtual.get(o, self._system), self._system), self._served_in.get(o, -1),
+                 jobs[0].arrival, next(ties), o) for o, jobs in by_owner.items()]
         heapq.heapify(heap)
         order: list[J] = []
         while heap and len(order) < depth:
-            *_, virtual, owner = heapq.heappop(heap)
+            virtual, served, _, _, owner = heapq.heappop(heap)
             jobs = by_owner[owner]
             job = jobs.popleft()
             if room is not None:
@@ -350,9 +335,8 @@ class BatchPolicy:
                     continue  # no room for this connection now: its requests keep their places
                 room.take(owner, job.result_bytes)
             order.append(job)
-            placed.add(owner)
             if jobs:
-                heapq.heappush(heap, key(virtual + job.cost, owner, jobs[0]))
+                heapq.heappush(heap, (virtual + job.cost, served, jobs[0].arrival, next(ties), owner))
         return order
 
     def _pick(self, ready: list[J], now: float, room: Room | None,
