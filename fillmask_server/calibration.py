@@ -59,7 +59,7 @@ TOP_K = 5
 SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
 CGROUP_ROOT = "/sys/fs/cgroup"  # cgroup v2's mount (a container's own cgroup, as it sees it)
 CGROUP_V2_CPU_MAX = f"{CGROUP_ROOT}/cpu.max"
-CGROUP_V1_CPU_DIRS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")
+CGROUP_V1_CPU_DIRS = (f"{CGROUP_ROOT}/cpu", f"{CGROUP_ROOT}/cpu,cpuacct")
 PROC_SELF_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
 
 

@@ -97,11 +97,10 @@ class CostModel:
     OVERHEAD_FLOOR = 0.5
     TOKEN_FLOOR = 0.01
     # ... but the overhead never above the fastest recent batch, which wins over its floor (every
-    # coefficient is nonnegative, so no
-    # batch takes less than the overhead): a prior timed while a neighbour was busy (two replicas
-    # calibrating at once) would otherwise keep a floor far above what any batch takes, for good. The
-    # fastest batch is forgotten slowly (its bound grows by 1 / ``forget`` per batch), so a machine that
-    # became slower is followed too.
+    # coefficient is nonnegative, so no batch takes less than the overhead): a prior timed while a
+    # neighbour was busy (two replicas calibrating at once) would otherwise keep a floor far above what
+    # any batch takes, for good. The fastest batch is forgotten slowly (its bound grows by 1 / ``forget``
+    # per batch), so a machine that became slower is followed too.
 
     def __init__(self, prior: Coefficients | None = None, forget: float = 0.98) -> None:
         self.prior = prior or Coefficients()

@@ -142,7 +142,7 @@ def test_stop_all_answers_waiting_jobs_stopped_and_started_ones_failed() -> None
 def test_a_request_is_priced_by_its_own_work_in_token_equivalents_its_row_included() -> None:
     """Its tokens, its row and its output, at the fitted prices, over the price of a token: a small
     encoder's row costs dozens of tokens, and pricing tokens alone made a long request look many times
-    a short one (the closed loop's p99 twice its p50, tests/test_batching.py)."""
+    a short one (bench/results/issue17-xeon-fairness.md)."""
     c = core(cost=CostModel(Coefficients(token_s=1e-5, row_s=4e-4, byte_s=1e-8)))
     j = job("j")
     queue_up(c, [j], n_tokens=12, result_bytes=5000)
