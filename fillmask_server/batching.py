@@ -14,13 +14,21 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   token-equivalents (``cost``, set by the engine core: ``own / token``, its tokens plus its row and
   its output priced in tokens). The row counts: where a row costs as much as dozens of tokens (a
   small encoder), pricing tokens alone made a 60-token request look six times a 10-token one.
-- **Fair by cost** (start-time fair queuing). Each connection has a virtual time: the cost it has
-  been served. The *fair order* gives each next place to the waiting connection with the lowest
-  virtual time, counting the places it already got (ties: the connection served longest ago, a
-  newcomer first; then the oldest request), which offers its oldest request. A connection that starts
-  waiting starts at the later of its own virtual time and the system's (the lowest among those waiting
-  after the last batch): no credit for having been away, no escaping its debt by leaving for a moment.
-  The first request in fair order (the *head*) is always in the batch.
+- **Fair by cost, within a tolerance.** Each connection's *share* is the cost it has been served
+  lately: every request adds its cost, and what was served fades over about ``fair_horizon`` requests
+  a waiting connection (once a round, before its window is taken, by the requests served since, so
+  the order of a round's batches does not matter). The *fair order* gives each next place to the
+  oldest request among the *eligible* connections: those whose share is at most
+  ``1 + fair_tolerance`` times the least share among the connections waiting (counting the places
+  they already got in this order). So a connection is never offered a place while it has been served
+  more than that over a connection still waiting, past the one request that crossed the line; and
+  connections served alike (within the tolerance) run in arrival order. Strict fair queuing
+  (``fair_tolerance`` 0) reorders alike clients by every small difference in what their requests
+  cost: whoever falls behind misses a round, which doubled the closed loop's p99 on mixed lengths.
+  A connection that used little lately (one that comes and goes, or is new: share 0) runs ahead of
+  a backlog every time; a new one may take up to ``1 + fair_tolerance`` of the least-served
+  connection's share before its first requests fade. The first request in fair order (the *head*)
+  is always in the batch.
 - **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
   the fair order's first ``max_batch_size`` requests, as long as their tokens fit
   ``max_batch_tokens`` and their own work (plus one overhead) the time limit below. It cuts the window,
@@ -77,8 +85,8 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   ``anticipate_share`` of the last batch's time (``batch_ran``) or ``anticipate_s``, whichever is
   shorter, has passed since the hand-over. An idle engine (nothing answered lately) never waits.
 
-State: per connection with queued requests, its virtual time and the number of the batch that last
-served it (``take`` updates them); the current round's later batches; each queued request's
+State: per connection, its share (``take`` adds to it, each new window fades it; a closed
+connection's is forgotten); the current round's later batches; each queued request's
 ``missed`` count (``take`` updates it, with a fixed band); the anticipation counters above.
 ``wait_s`` only reads; it never waits while a round has batches left.
 """
@@ -87,6 +95,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -94,6 +103,9 @@ from typing import Any, Generic, Protocol, TypeVar
 TIE = 1e-9  # efficiencies this close are equal (floating-point rounding must not split equal requests)
 MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit may put the overhead near 0)
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
+FORGOTTEN = 1e-6  # token-equivalents: recent service below this is forgotten (as if new) when rescaling
+RESCALE = 1e100  # the scale at which recent service is renormalised
+FADE_BATCHES = 2
 REACH = 2  # with a fixed band, the fair order is followed this many full batches deep
 
 
@@ -179,11 +191,13 @@ class BatchPolicy:
     slack: float = 0.05
     deadline_share: float = 0.5
     cost: Coefficients = field(default_factory=Coefficients)
+    fair_tolerance: float = 0.5  # a connection is eligible while served at most 1 + this x the least
+    fair_horizon: int = 32  # requests a connection over which what it was served fades (see the docstring)
     # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
-    _virtual: dict[Any, float] = field(default_factory=dict, init=False, repr=False)  # owner -> cost served
-    _served_in: dict[Any, int] = field(default_factory=dict, init=False, repr=False)  # owner -> last batch number
-    _system: float = field(default=0.0, init=False, repr=False)  # the system's virtual time
-    _batches: int = field(default=0, init=False, repr=False)
+    # owner -> cost served lately, times _growth
+    _recent: dict[Any, float] = field(default_factory=dict, init=False, repr=False)
+    _growth: float = field(default=1.0, init=False, repr=False)
+    _unfaded: int = field(default=0, init=False, repr=False)  # requests served since the last fade
     _returning: int = field(default=0, init=False, repr=False)  # answers sent, not yet followed by an arrival
     _anticipate_until: float = field(default=float("-inf"), init=False, repr=False)
     _last_batch_s: float = field(default=0.0, init=False, repr=False)
@@ -193,7 +207,8 @@ class BatchPolicy:
         if (self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_s < 0
                 or not (self.growth == 0 or self.growth >= 1)
                 or self.anticipate_s < 0 or not 0 <= self.anticipate_share <= 1 or self.max_batch_s < 0
-                or self.max_missed < 0 or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1):
+                or self.max_missed < 0 or self.fair_tolerance < 0 or self.fair_horizon < 1
+                or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1):
             raise ValueError("batch limits must be positive")
 
     def answered(self, count: int, now: float) -> None:
@@ -208,8 +223,7 @@ class BatchPolicy:
 
     def forget(self, owner: Any) -> None:
         """``owner`` (a connection) is gone: drop what the policy remembers of it."""
-        self._virtual.pop(owner, None)
-        self._served_in.pop(owner, None)
+        self._recent.pop(owner, None)
         self._plan = [kept for group in self._plan if (kept := [job for job in group if job.owner is not owner])]
 
     def batch_ran(self, seconds: float) -> None:
@@ -286,7 +300,6 @@ class BatchPolicy:
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
         self._plan = plan
-        self._batches += 1
         taken = {id(job) for job in chosen}
         for job in passed:
             job.missed += 1
@@ -296,47 +309,59 @@ class BatchPolicy:
         queue.extend(kept)
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         decision.predicted_s = _predicted(chosen, cost)
-        virtual = {o: max(self._virtual.get(o, self._system), self._system) for o in {j.owner for j in chosen}}
         for job in decision.batch:
-            virtual[job.owner] += job.cost
+            self._recent[job.owner] = self._recent.get(job.owner, 0.0) + job.cost * self._growth
             if room is not None:
                 room.take(job.owner, job.result_bytes)
-        for owner, value in virtual.items():
-            self._virtual[owner] = value
-            self._served_in[owner] = self._batches
-        waiting = {job.owner for job in kept}
-        if waiting:
-            self._system = max(self._system, min(self._virtual.get(o, self._system) for o in waiting))
-        # Virtual times at or below the system's say nothing a newcomer's would not: forget them.
-        for owner in [o for o, value in self._virtual.items() if value <= self._system and o not in waiting]:
-            del self._virtual[owner]
-            self._served_in.pop(owner, None)
+        self._unfaded += len(chosen)
         return decision
 
     # --- the choice -------------------------------------------------------------------------------------
 
     def _fair_order(self, ready: list[J], room: Room | None, depth: int) -> list[J]:
-        """Up to ``depth`` requests in fair order (see the module doc), skipping connections without room."""
+        """Up to ``depth`` requests in fair order (see the module doc), skipping connections without room.
+
+        Invariant: the bar only rises during a pass (shares only grow, and a connection leaves only when
+        it has nothing left), so a connection once eligible stays so until its own share passes the bar.
+        """
         by_owner: dict[Any, deque[J]] = {}
         for job in ready:
             by_owner.setdefault(job.owner, deque()).append(job)
         room = room.copy() if room is not None else None
+        place = {id(job): n for n, job in enumerate(ready)}
+        share = {owner: self._recent.get(owner, 0.0) / self._growth for owner in by_owner}
         ties = itertools.count()
-        heap = [(max(self._virtual.get(o, self._system), self._system), self._served_in.get(o, -1),
-                 jobs[0].arrival, next(ties), o) for o, jobs in by_owner.items()]
-        heapq.heapify(heap)
+        lowest = [(value, next(ties), owner) for owner, value in share.items()]  # lazy: stale entries skipped
+        heapq.heapify(lowest)
+        pending = list(lowest)  # not yet eligible, by share
+        eligible: list[tuple[int, int, Any]] = []  # by the place of the connection's oldest request
         order: list[J] = []
-        while heap and len(order) < depth:
-            virtual, served, _, _, owner = heapq.heappop(heap)
+        while by_owner and len(order) < depth:
+            while lowest[0][2] not in by_owner or lowest[0][0] != share[lowest[0][2]]:
+                heapq.heappop(lowest)
+            bar = (1 + self.fair_tolerance) * lowest[0][0]
+            while pending and pending[0][0] <= bar:
+                _, _, owner = heapq.heappop(pending)
+                if owner in by_owner:
+                    heapq.heappush(eligible, (place[id(by_owner[owner][0])], next(ties), owner))
+            _, _, owner = heapq.heappop(eligible)
             jobs = by_owner[owner]
             job = jobs.popleft()
+            if room is not None and not room.fits(owner, job.result_bytes):
+                del by_owner[owner]  # no room for this connection now: its requests keep their places
+                continue
             if room is not None:
-                if not room.fits(owner, job.result_bytes):
-                    continue  # no room for this connection now: its requests keep their places
                 room.take(owner, job.result_bytes)
             order.append(job)
-            if jobs:
-                heapq.heappush(heap, (virtual + job.cost, served, jobs[0].arrival, next(ties), owner))
+            if not jobs:
+                del by_owner[owner]
+                continue
+            share[owner] += job.cost
+            heapq.heappush(lowest, (share[owner], next(ties), owner))
+            if share[owner] <= bar:
+                heapq.heappush(eligible, (place[id(jobs[0])], next(ties), owner))
+            else:
+                heapq.heappush(pending, (share[owner], next(ties), owner))
         return order
 
     def _pick(self, ready: list[J], now: float, room: Room | None,
@@ -349,8 +374,10 @@ class BatchPolicy:
             planned = self._planned(ready, room)
             if planned and not self._deadline_before_round_ends(ready, planned, now, cost):
                 return planned[0], [], planned[1:]
+            self._fade(ready)
             groups = self._round(ready, now, room, cost)
             return (groups[0], [], groups[1:]) if groups else ([], [], [])
+        self._fade(ready)
         # The tail bound first: requests that have missed enough batches, oldest first, as room allows.
         trial = room.copy() if room is not None else None
         forced: list[J] = []
@@ -370,6 +397,20 @@ class BatchPolicy:
         rest = order[1:] if base and order and base[0] is order[0] else order
         batch, passed = self._fill_band(base, rest, self.time_limit(ready, now, cost), cost)
         return batch, passed, []
+
+    def _fade(self, ready: list[J]) -> None:
+        """Age what every connection was served by the requests served since the last fade, over about
+        ``fair_horizon`` requests a connection waiting. Done once a round, before its window is taken,
+        so the order of a round's batches does not matter. Stored scaled by ``_growth`` (which grows
+        instead of every value fading), so this costs the same however many connections are open."""
+        if not self._unfaded:
+            return
+        active = len({job.owner for job in ready}) or 1
+        self._growth *= math.exp(self._unfaded / (self.fair_horizon * active))
+        self._unfaded = 0
+        if self._growth > RESCALE:
+            self._recent = {o: v / self._growth for o, v in self._recent.items() if v / self._growth >= FORGOTTEN}
+            self._growth = 1.0
 
     def _planned(self, ready: list[J], room: Room | None) -> list[list[J]]:
         """What is left of the current round: its batches, less the requests no longer queued (expired,
