@@ -161,7 +161,7 @@ def _corpus_targets(summary: dict[str, Any], corpus: str) -> list[dict[str, Any]
                          "value": delta, "goal": "≤ +1 ms", "shown": f"{delta:+.2f} ms", "pass": delta <= 1.0,
                          "other_cores": [idle.get("cpu_other"), pipe.get("cpu_other")]})
     for name in ("base fp32", "base bf16"):
-        saturated = _phase(servers.get(name), "closed")
+        saturated = _phase(servers.get(name), "probed") or _phase(servers.get(name), "closed")
         if saturated is not None and "healthz_p99_ms" in saturated:
             p99 = saturated["healthz_p99_ms"]
             rows.append({"target": f"[{corpus}] /healthz p99, {name} saturated ({saturated['clients']} clients × "
@@ -197,8 +197,8 @@ def _other(value: Any) -> str:
 
 
 def _load(phase: dict[str, Any]) -> str:
-    if phase["mode"] == "closed":
-        return f"closed {phase['clients']}×{phase['in_flight']}"
+    if phase["mode"] in ("closed", "probed"):
+        return f"closed {phase['clients']}×{phase['in_flight']}" + (" + /healthz" if phase["mode"] == "probed" else "")
     if phase["mode"] == "open":
         return f"open {phase.get('factor', 0):g}× ({phase.get('rate_rps', math.nan):.0f}/s)"
     return "idle 1×1"
@@ -307,8 +307,10 @@ _NOTES = [
     "apart. *idle 1×1*: one client, one request at a time, compared with one `pipe(text)` call.",
     "- *server queue / infer / other*: medians of the result frames' `queue_ms` and `inference_ms`, and of the "
     "client latency minus both (sockets, JSON, both event loops, and waiting for a CPU).",
-    "- */healthz*: a separate process sends `GET /healthz` every 20 ms during the measured window of the most "
-    "loaded closed-loop phase (idle row: on the idle server); latency is connect to full answer.",
+    "- */healthz*: a separate process sends `GET /healthz` every 20 ms during the measured window of a phase of "
+    "its own, *closed C×K + /healthz*, the most loaded closed loop run again (idle row: on the idle server); "
+    "latency is connect to full answer. That phase's throughput is not the config's capacity: the prober's "
+    "own CPU comes out of the server's.",
     "- *CPU cores*: average cores used during the phase by the server process, by the benchmark process (the "
     "load generator, on the same machine) and by everything else (other users: the noise). ⚠ marks a "
     f"measurement during which others used ≥ {NOISY_CORES} cores: torch with one thread per core slows down "

@@ -11,7 +11,8 @@ For each model size and each corpus (``mixed``: 8-81 tokens, one and two masks; 
 tokens, one mask) it makes the offline checkpoint if missing, measures the in-process limits in a
 child process (the pipeline, and the server's own code without sockets), then starts the real server
 (``ws_server.py``) once per configuration and drives it over WebSockets: idle single requests, closed
-loop (32 clients × K in flight, with the ``/healthz`` prober running during the most loaded one) and,
+loop (32 clients × K in flight; then the deepest K again with the ``/healthz`` prober, a phase of its own so
+that the prober's CPU does not lower the throughput ratios) and,
 on the mixed corpus, open loop at fixed fractions of the closed-loop capacity. Repeats are interleaved
 (r1 of every phase, then r2, ...) and the report uses their medians, because this machine is shared.
 Every phase is time-boxed; servers are stopped in ``finally`` blocks. Outputs: ``results.md``,
@@ -107,6 +108,7 @@ class ServerConfig:
     in_flight: tuple[int, ...] = (1, 4)
     open_loop: bool = True
     idle: bool = True
+    probe: bool = True  # the /healthz prober's phase (see ``ServerBench.closed``)
 
     @property
     def label(self) -> str:
@@ -122,7 +124,7 @@ def server_configs(size: str, in_flight: tuple[int, ...], corpus: str) -> list[S
         configs.append(ServerConfig("base bf16", size, corpus, ("--dtype", "bfloat16"), in_flight, open_loop=mixed))
     if mixed:
         configs.append(ServerConfig(f"{size} fp32 batch=1", size, corpus, ("--max-batch-size", "1"),
-                                    (max(in_flight),), open_loop=False, idle=False))
+                                    (max(in_flight),), open_loop=False, idle=False, probe=False))
     return configs
 
 
@@ -231,17 +233,24 @@ class ServerBench:
         log(f"{self.config.label} r{r}: idle p50 {result['latency_ms']['p50']:.2f} ms "
             f"(server inference {result['server_ms']['inference_p50']:.2f} ms)")
 
-    async def closed(self, r: int, k: int, probe: bool) -> None:
+    async def closed(self, r: int, k: int, probe: bool = False) -> None:
+        """Closed loop, C clients x ``k`` in flight. With ``probe`` the ``/healthz`` prober runs in the
+        window too, and the phase is kept apart (mode ``probed``): the prober's own requests take CPU from
+        the server, so throughput ratios come from the phase without it."""
         timing = self.timing
         # the prober starts as the window opens (plus its own start-up) and must end inside it
         on_window = (lambda: run_probe(self.server.port, max(1.0, timing.closed_s - 0.5))) if probe else None
-        await quiet(self.settings, f"{self.config.label} r{r} closed K={k}")
+        label = f"closed K={k}" + (" + /healthz" if probe else "")
+        await quiet(self.settings, f"{self.config.label} r{r} {label}")
         meter = CpuMeter(self.server.pid)
         result = await closed_loop(self.server.url, self.texts, self.settings.clients, k, timing.warmup_s,
                                    timing.closed_s, on_window=on_window, token_counts=self.token_counts)
-        await self._keep(f"closed K={k}", result, meter)
+        if probe:
+            result["mode"] = "probed"
+        await self._keep(label, result, meter)
         health = result.get("during_window", {})
-        log(f"{self.config.label} r{r}: closed {self.settings.clients}x{k}: {result['throughput_rps']:.1f} req/s, "
+        log(f"{self.config.label} r{r}: {label.replace(f'K={k}', f'{self.settings.clients}x{k}')}: "
+            f"{result['throughput_rps']:.1f} req/s, "
             f"p50 {result['latency_ms']['p50']:.1f} ms, p99 {result['latency_ms']['p99']:.1f} ms, "
             f"{result['batch']['mean_rows_per_batch']:.1f} rows/batch"
             + (f", healthz p99 {health.get('p99_ms', float('nan')):.1f} ms" if health else ""))
@@ -265,7 +274,8 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
                          settings: Settings, timing: Timing) -> dict[str, Any]:
     """Start one server, warm it up, run its phases (repeats interleaved) and return raw results + medians.
 
-    Order per repeat: idle single requests, closed loop for each K (the prober during the deepest K).
+    Order per repeat: idle single requests, closed loop for each K, then the deepest K again with the
+    ``/healthz`` prober (kept apart: its figures are the health check's, not the throughput's).
     The open loop comes after all closed-loop repeats, at fractions of the closed-loop capacity.
     """
     args = [*config.args, *settings.server_args]
@@ -279,7 +289,9 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
             if config.idle:
                 await bench.idle(r)
             for k in config.in_flight:
-                await bench.closed(r, k, probe=k == max(config.in_flight))
+                await bench.closed(r, k)
+            if config.probe:
+                await bench.closed(r, max(config.in_flight), probe=True)
         if config.open_loop:
             capacity = report.capacity({"phases": bench.medians()})
             for r in range(1, timing.repeats + 1):
@@ -396,7 +408,7 @@ async def run_families(settings: Settings) -> dict[str, Any]:
             pipe = report.pipeline_summary(raw)
             texts = family_texts(FAMILY_CORPUS, family, raw["mask_token"])
             config = ServerConfig(family, "family", FAMILY_CORPUS, (), settings.in_flight, open_loop=False,
-                                  idle=False)
+                                  idle=False, probe=False)
             server = await measure_server(config, model_dir, texts, token_counts, settings, once)
             best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
             pair = {"engine": server["engine"], "server_rps": best["throughput_rps"],

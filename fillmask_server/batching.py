@@ -16,19 +16,21 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   small encoder), pricing tokens alone made a 60-token request look six times a 10-token one.
 - **Fair by cost, within a tolerance.** Each connection's *share* is the cost it has been served
   lately: every request adds its cost, and what was served fades over about ``fair_horizon`` requests
-  a waiting connection (once a round, before its window is taken, by the requests served since, so
-  the order of a round's batches does not matter). The *fair order* gives each next place to the
-  oldest request among the *eligible* connections: those whose share is at most
-  ``1 + fair_tolerance`` times the least share among the connections waiting (counting the places
-  they already got in this order). So a connection is never offered a place while it has been served
-  more than that over a connection still waiting, past the one request that crossed the line; and
-  connections served alike (within the tolerance) run in arrival order. Strict fair queuing
-  (``fair_tolerance`` 0) reorders alike clients by every small difference in what their requests
-  cost: whoever falls behind misses a round, which doubled the closed loop's p99 on mixed lengths.
-  A connection that used little lately (one that comes and goes, or is new: share 0) runs ahead of
-  a backlog every time; a new one may take up to ``1 + fair_tolerance`` of the least-served
-  connection's share before its first requests fade. The first request in fair order (the *head*)
-  is always in the batch.
+  a waiting connection (by the requests served since the last fade: once a round, before its window
+  is taken, so the order of a round's batches does not matter; with a fixed band, once a batch). The
+  *fair order* gives each next place to the oldest request among the *eligible* connections: those
+  whose share is at most ``1 + fair_tolerance`` times the least share among the connections waiting
+  (counting the places they already got in this order). So no connection is offered a place while it
+  has been served more than that over a connection still waiting (past the one request that crossed
+  the line), and connections served alike run in arrival order. Strict fair queuing (tolerance 0)
+  reorders alike clients by every small difference in what their requests cost: whoever falls behind
+  misses a round, which doubled the closed loop's p99 on mixed lengths. A connection that has used
+  little lately (one that comes and goes) runs ahead of a backlog every time. A *newcomer* (no share
+  kept: new, or forgotten when it closed) starts level with the least-served connection waiting, and
+  its first request leads; so reconnecting buys no more than the band every connection has. The
+  band is a per-connection allowance: many connections arriving at once each get theirs, bounded in
+  all by the queue's admission limits. The first request in fair order (the *head*) is always in
+  the batch.
 - **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
   the fair order's first ``max_batch_size`` requests, as long as their tokens fit
   ``max_batch_tokens`` and their own work (plus one overhead) the time limit below. It cuts the window,
@@ -85,8 +87,8 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   ``anticipate_share`` of the last batch's time (``batch_ran``) or ``anticipate_s``, whichever is
   shorter, has passed since the hand-over. An idle engine (nothing answered lately) never waits.
 
-State: per connection, its share (``take`` adds to it, each new window fades it; a closed
-connection's is forgotten); the current round's later batches; each queued request's
+State: per connection, its share (``take`` adds to it and fades it; ``forget`` drops a closed
+connection's); the current round's later batches; each queued request's
 ``missed`` count (``take`` updates it, with a fixed band); the anticipation counters above.
 ``wait_s`` only reads; it never waits while a round has batches left.
 """
@@ -97,6 +99,7 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -105,7 +108,7 @@ MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit 
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
 FORGOTTEN = 1e-6  # token-equivalents: recent service below this is forgotten (as if new) when rescaling
 RESCALE = 1e100  # the scale at which recent service is renormalised
-FADE_BATCHES = 2
+MAX_FADE = 50.0  # e-folds: a fade past this forgets all the same (and exp() stays finite)
 REACH = 2  # with a fixed band, the fair order is followed this many full batches deep
 
 
@@ -207,7 +210,7 @@ class BatchPolicy:
         if (self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_s < 0
                 or not (self.growth == 0 or self.growth >= 1)
                 or self.anticipate_s < 0 or not 0 <= self.anticipate_share <= 1 or self.max_batch_s < 0
-                or self.max_missed < 0 or self.fair_tolerance < 0 or self.fair_horizon < 1
+                or self.max_missed < 0 or not 0 <= self.fair_tolerance < math.inf or self.fair_horizon < 1
                 or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1):
             raise ValueError("batch limits must be positive")
 
@@ -296,7 +299,11 @@ class BatchPolicy:
         """
         cost = cost or self.cost
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
-        chosen, passed, plan = self._pick(list(queue), now, room, cost)
+        ready = list(queue)
+        if self.growth or not self._planned(ready, room):
+            self._fade(ready)  # once a round, before its window (with a fixed band, once a batch)
+        shares, _ = self._shares(dict.fromkeys(job.owner for job in ready))
+        chosen, passed, plan = self._pick(ready, now, room, cost)
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
         self._plan = plan
@@ -310,7 +317,9 @@ class BatchPolicy:
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         decision.predicted_s = _predicted(chosen, cost)
         for job in decision.batch:
-            self._recent[job.owner] = self._recent.get(job.owner, 0.0) + job.cost * self._growth
+            if job.owner not in self._recent:  # a newcomer: it starts where _shares put it
+                self._recent[job.owner] = shares[job.owner] * self._growth
+            self._recent[job.owner] += job.cost * self._growth
             if room is not None:
                 room.take(job.owner, job.result_bytes)
         self._unfaded += len(chosen)
@@ -324,18 +333,37 @@ class BatchPolicy:
         Invariant: the bar only rises during a pass (shares only grow, and a connection leaves only when
         it has nothing left), so a connection once eligible stays so until its own share passes the bar.
         """
-        by_owner: dict[Any, deque[J]] = {}
-        for job in ready:
-            by_owner.setdefault(job.owner, deque()).append(job)
+        by_owner: dict[Any, deque[tuple[int, J]]] = {}  # each connection's requests, with their places
+        for place, job in enumerate(ready):
+            by_owner.setdefault(job.owner, deque()).append((place, job))
         room = room.copy() if room is not None else None
-        place = {id(job): n for n, job in enumerate(ready)}
-        share = {owner: self._recent.get(owner, 0.0) / self._growth for owner in by_owner}
+        share, newcomers = self._shares(by_owner)
+        order: list[J] = []
+
+        def offer(owner: Any) -> bool:
+            """Its oldest request takes the next place, room permitting; whether it has more waiting."""
+            jobs = by_owner[owner]
+            _, job = jobs.popleft()
+            if room is not None:
+                if not room.fits(owner, job.result_bytes):
+                    del by_owner[owner]  # no room for this connection now: its requests keep their places
+                    return False
+                room.take(owner, job.result_bytes)
+            order.append(job)
+            share[owner] += job.cost
+            if not jobs:
+                del by_owner[owner]
+            return bool(jobs)
+
+        for owner in newcomers:  # each newcomer's first request leads
+            if len(order) >= depth:
+                return order
+            offer(owner)
         ties = itertools.count()
-        lowest = [(value, next(ties), owner) for owner, value in share.items()]  # lazy: stale entries skipped
+        lowest = [(share[owner], next(ties), owner) for owner in by_owner]  # lazy: stale entries skipped
         heapq.heapify(lowest)
         pending = list(lowest)  # not yet eligible, by share
         eligible: list[tuple[int, int, Any]] = []  # by the place of the connection's oldest request
-        order: list[J] = []
         while by_owner and len(order) < depth:
             while lowest[0][2] not in by_owner or lowest[0][0] != share[lowest[0][2]]:
                 heapq.heappop(lowest)
@@ -343,25 +371,14 @@ class BatchPolicy:
             while pending and pending[0][0] <= bar:
                 _, _, owner = heapq.heappop(pending)
                 if owner in by_owner:
-                    heapq.heappush(eligible, (place[id(by_owner[owner][0])], next(ties), owner))
+                    heapq.heappush(eligible, (by_owner[owner][0][0], next(ties), owner))
             _, _, owner = heapq.heappop(eligible)
-            jobs = by_owner[owner]
-            job = jobs.popleft()
-            if room is not None and not room.fits(owner, job.result_bytes):
-                del by_owner[owner]  # no room for this connection now: its requests keep their places
-                continue
-            if room is not None:
-                room.take(owner, job.result_bytes)
-            order.append(job)
-            if not jobs:
-                del by_owner[owner]
-                continue
-            share[owner] += job.cost
-            heapq.heappush(lowest, (share[owner], next(ties), owner))
-            if share[owner] <= bar:
-                heapq.heappush(eligible, (place[id(jobs[0])], next(ties), owner))
-            else:
-                heapq.heappush(pending, (share[owner], next(ties), owner))
+            if offer(owner):
+                heapq.heappush(lowest, (share[owner], next(ties), owner))
+                if share[owner] <= bar:
+                    heapq.heappush(eligible, (by_owner[owner][0][0], next(ties), owner))
+                else:
+                    heapq.heappush(pending, (share[owner], next(ties), owner))
         return order
 
     def _pick(self, ready: list[J], now: float, room: Room | None,
@@ -374,10 +391,8 @@ class BatchPolicy:
             planned = self._planned(ready, room)
             if planned and not self._deadline_before_round_ends(ready, planned, now, cost):
                 return planned[0], [], planned[1:]
-            self._fade(ready)
             groups = self._round(ready, now, room, cost)
             return (groups[0], [], groups[1:]) if groups else ([], [], [])
-        self._fade(ready)
         # The tail bound first: requests that have missed enough batches, oldest first, as room allows.
         trial = room.copy() if room is not None else None
         forced: list[J] = []
@@ -398,6 +413,25 @@ class BatchPolicy:
         batch, passed = self._fill_band(base, rest, self.time_limit(ready, now, cost), cost)
         return batch, passed, []
 
+    def _shares(self, owners: Iterable[Any]) -> tuple[dict[Any, float], list[Any]]:
+        """Each waiting connection's share (see the module doc), and the newcomers (connections with no
+        share kept), in the order given (their oldest requests'). A newcomer starts level with the
+        least-served of the others waiting (no credit for being new); its first request leads
+        (``_fair_order``)."""
+        shares: dict[Any, float] = {}
+        newcomers: list[Any] = []
+        least = math.inf
+        for owner in owners:
+            kept = self._recent.get(owner)
+            if kept is None:
+                newcomers.append(owner)
+            else:
+                shares[owner] = kept / self._growth
+                least = min(least, shares[owner])
+        for owner in newcomers:
+            shares[owner] = least if least < math.inf else 0.0
+        return shares, newcomers
+
     def _fade(self, ready: list[J]) -> None:
         """Age what every connection was served by the requests served since the last fade, over about
         ``fair_horizon`` requests a connection waiting. Done once a round, before its window is taken,
@@ -406,7 +440,7 @@ class BatchPolicy:
         if not self._unfaded:
             return
         active = len({job.owner for job in ready}) or 1
-        self._growth *= math.exp(self._unfaded / (self.fair_horizon * active))
+        self._growth *= math.exp(min(MAX_FADE, self._unfaded / (self.fair_horizon * active)))
         self._unfaded = 0
         if self._growth > RESCALE:
             self._recent = {o: v / self._growth for o, v in self._recent.items() if v / self._growth >= FORGOTTEN}

@@ -24,7 +24,8 @@ class SimJob:
     arrival: float
     n_tokens: int
     result_bytes: int
-    owner: Client
+    owner: object  # the client's connection at the time
+    client: Client
     cost: float
     deadline: float | None = None
     missed: int = 0
@@ -32,13 +33,18 @@ class SimJob:
 
 @dataclass(eq=False)
 class Client:
-    """Keeps ``depth`` requests in flight, each made by ``make``; records what it was served."""
+    """Keeps ``depth`` requests in flight, each made by ``make``; records what it was served. With
+    ``reconnects``, it sends ``depth`` at once and, when all are answered, closes its connection (the
+    policy forgets it) and sends the next ``depth`` on a new one."""
 
     depth: int
     make: Make
     joins_at: float = 0.0
+    reconnects: bool = False
     latencies: list[float] = field(default_factory=list)  # of requests sent after the warm-up
     engine_s: float = 0.0  # own work served after the warm-up, in engine seconds
+    connection: object = field(default_factory=object)
+    unanswered: int = 0
 
 
 def mixed_lengths(rng: random.Random) -> tuple[int, int]:
@@ -62,7 +68,8 @@ def run(policy: BatchPolicy, clients: list[Client], cost: Coefficients, seconds:
 
     def send(client: Client) -> None:
         n, size = client.make(rng)
-        queue.append(SimJob(now, n, size, client, cost=cost.own_s(n, size) / cost.token_s))
+        client.unanswered += 1
+        queue.append(SimJob(now, n, size, client.connection, client, cost=cost.own_s(n, size) / cost.token_s))
 
     while now < seconds:
         for n, client in enumerate(clients):
@@ -74,10 +81,18 @@ def run(policy: BatchPolicy, clients: list[Client], cost: Coefficients, seconds:
         now += cost.batch_s(len(decision.batch), decision.padded_tokens,
                             sum(job.result_bytes for job in decision.batch)) if decision.batch else 1e-3
         for job in decision.batch:
+            client = job.client
+            client.unanswered -= 1
             if job.arrival >= warmup:
-                job.owner.latencies.append(now - job.arrival)
-                job.owner.engine_s += cost.own_s(job.n_tokens, job.result_bytes)
-            send(job.owner)
+                client.latencies.append(now - job.arrival)
+                client.engine_s += cost.own_s(job.n_tokens, job.result_bytes)
+            if not client.reconnects:
+                send(client)
+            elif not client.unanswered:
+                policy.forget(client.connection)
+                client.connection = object()
+                for _ in range(client.depth):
+                    send(client)
 
 
 def percentile(values: list[float], share: float) -> float:

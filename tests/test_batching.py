@@ -637,7 +637,7 @@ def test_two_backlogs_of_different_cost_share_the_engine_within_the_tolerance() 
         run(policy(size=64, tokens=8192, **more), [long, short], TINY, 6.0, warmup=2.0)
         return long.engine_s / short.engine_s
 
-    assert 1.2 <= shares() <= 1.5 + 0.02
+    assert shares() <= 1.5 + 0.02
     assert shares(fair_tolerance=0) == pytest.approx(1.0, abs=0.05)
     assert shares(fair_tolerance=10**9) > 1.7  # arrival order: what the tolerance holds back
 
@@ -645,8 +645,9 @@ def test_two_backlogs_of_different_cost_share_the_engine_within_the_tolerance() 
 def test_light_clients_that_come_and_go_run_ahead_of_a_backlog_every_time() -> None:
     """Four clients with one request in flight each, beside a connection keeping 256 of the same cost in
     flight: each light request is in the next window, every time (its connection was served little
-    lately, however briefly it left the queue). The reverted fair order in bands let the backlog take a
-    quantum of places ahead of such a client on every return."""
+    lately, however briefly it left the queue). Strict fair queuing passes this too; arrival order does
+    not, nor did the reverted fair order in bands, which let the backlog take a quantum of places ahead
+    of such a client on every return."""
     lights = [Client(1, fixed(12, 650)) for _ in range(4)]
     backlog = Client(256, fixed(12, 650))
     run(policy(size=64, tokens=8192), [*lights, backlog], TINY, 3.0, warmup=1.0)
@@ -656,20 +657,39 @@ def test_light_clients_that_come_and_go_run_ahead_of_a_backlog_every_time() -> N
     assert percentile(backlog.latencies, 0.5) >= 3 * one_full_batch
 
 
-def flood_joins(**more: Any) -> tuple[float, float]:
-    """32 alike clients; at 3 s one keeping 256 in flight joins: the alike clients' p99 / p50 after, and
-    the engine time the flood got over the least-served alike client's."""
+def newcomers_join(count: int, **more: Any) -> tuple[float, float, float]:
+    """32 alike clients; at 3 s ``count`` connections keeping 32 in flight each join (at most 256
+    waiting, as the server's admission allows with its default queue): the alike clients' p99 before
+    and after the join, and the engine time each newcomer got over the least-served alike client's."""
     alike = [Client(4, mixed_lengths) for _ in range(32)]
-    flood = Client(256, fixed(12, 650), joins_at=3.0)
-    run(policy(size=64, tokens=8192, **more), [*alike, flood], TINY, 6.0, warmup=3.0)
-    return tail_ratio(alike), flood.engine_s / min(client.engine_s for client in alike)
+    newcomers = [Client(32, fixed(12, 650), joins_at=3.0) for _ in range(count)]
+    run(policy(size=64, tokens=8192, **more), alike, TINY, 3.0, warmup=1.0)
+    before = percentile([x for client in alike for x in client.latencies], 0.99)
+    alike = [Client(4, mixed_lengths) for _ in range(32)]
+    run(policy(size=64, tokens=8192, **more), [*alike, *newcomers], TINY, 6.0, warmup=3.0)
+    after = percentile([x for client in alike for x in client.latencies], 0.99)
+    least = min(client.engine_s for client in alike)
+    return before, after, max(client.engine_s for client in newcomers) / least
 
 
-def test_a_flood_joining_alike_clients_does_not_lengthen_their_tail_or_take_more_than_its_share() -> None:
-    """A new connection starts as served nothing, so its first requests run soon; it must not take more
-    than its share for long. 32 alike clients, then one keeping 256 in flight joins: over the next 3 s it
-    gets 1 + ``fair_tolerance`` of the least-served client's engine time, and a little more for having
-    started at nothing."""
-    tail, share = flood_joins()
-    assert tail <= 1.6 and 1.0 <= share <= 1.8
-    assert flood_joins(fair_tolerance=10**9)[1] > 10  # arrival order: what the fair order prevents
+@pytest.mark.parametrize("count", [1, 8])
+def test_newcomers_joining_alike_clients_take_their_share_not_more(count: int) -> None:
+    """A new connection starts level with the least-served connection waiting, and its first request
+    leads: it gets no credit for being new. Over the 3 s after the join each newcomer gets at most
+    1 + ``fair_tolerance`` of the least-served alike client's engine time (a little more for the
+    band), and the alike clients' p99 stays within twice what it was with the newcomers' load added."""
+    before, after, share = newcomers_join(count)
+    assert share <= 1.5 + 0.2
+    assert after <= 2 * before * (1 + count / 4)  # capacity now shared with ``count`` more connections
+    assert newcomers_join(count, fair_tolerance=10**9)[2] > 5  # arrival order: what the fair order prevents
+
+
+def test_reconnecting_buys_no_more_than_the_tolerance_band() -> None:
+    """A client that sends 64 at once, waits for every answer, then closes and opens a new connection
+    (the policy forgets the old one): each new connection starts level with the least-served, so
+    reconnecting gets it no more than the band a connection already has. (Starting a newcomer at
+    nothing, as served nothing, gave it 5.4x the least-served client's engine time.)"""
+    alike = [Client(4, mixed_lengths) for _ in range(32)]
+    churner = Client(64, fixed(12, 650), reconnects=True)
+    run(policy(size=64, tokens=8192), [*alike, churner], TINY, 6.0, warmup=2.0)
+    assert churner.engine_s / min(client.engine_s for client in alike) <= 1.5 + 0.7

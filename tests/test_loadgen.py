@@ -91,3 +91,22 @@ def test_the_scripts_use_the_one_load_generator_and_server_process() -> None:
             assert "create_subprocess_exec" not in path.read_text() and "Popen" not in path.read_text(), path
     assert set(definitions["rss_mb"]) == {"server_proc.py"}  # the function, and ServerProcess's method on it
     assert definitions["Client"] == ["loadgen.py"] and definitions["ServerProcess"] == ["server_proc.py"]
+
+
+def test_the_health_probers_phase_is_apart_from_the_capacity_and_gives_the_healthz_figures() -> None:
+    """The ``/healthz`` prober takes CPU from the server during its window, so its phase (mode
+    ``probed``) must not set the capacity the throughput ratios use; the health target reads it."""
+    from bench import report
+
+    closed = {"mode": "closed", "clients": 32, "in_flight": 4, "throughput_rps": 100.0}
+    probed = {"mode": "probed", "clients": 32, "in_flight": 4, "throughput_rps": 80.0,
+              "healthz_p50_ms": 2.0, "healthz_p99_ms": 9.0}
+    server = {"name": "base fp32", "size": "base", "corpus": "short", "phases": [closed, probed]}
+    assert report.capacity(server) == 100.0
+    pipe = {"name": "base fp32", "corpus": "short", "best_rps": 50.0, "limit_rps": 125.0}
+    summary = {"settings": {"corpora": ["short"]}, "servers": [server], "pipelines": [pipe]}
+    rows = {row["target"]: row for row in report.targets(summary)}
+    assert rows["[short] base fp32 server ÷ in-process limit"]["value"] == pytest.approx(0.8)
+    health = next(row for target, row in rows.items() if "/healthz" in target)
+    assert health["value"] == 9.0
+    assert report._load(probed) == "closed 32×4 + /healthz"
