@@ -10,12 +10,15 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   ``overhead + token·padded + row·rows + byte·out`` seconds of engine time (forward pass and decode).
   A request's *own* work is what it adds to a batch without padding: ``token·n_tokens + row + byte·out``;
   what a batch takes beyond its requests' own work is per-batch overhead and padding.
-- **Cost for fairness.** A request costs its owner what it asks of the engine: its own work, in
-  token-equivalents (``cost``, set by the engine core: ``own / token``, its tokens plus its row and
-  its output priced in tokens). The row counts: where a row costs as much as dozens of tokens (a
-  small encoder), pricing tokens alone made a 60-token request look six times a 10-token one.
+- **Cost for fairness.** A request costs its owner what it asks of the engine: its own work at the
+  cost model's current prices (its tokens, its row and its answer's bytes). The row counts: where a
+  row costs as much as dozens of tokens (a small encoder), pricing tokens alone made a 60-token
+  request look six times a 10-token one. What each connection was served is kept as tokens, rows
+  and bytes and priced when compared, so a new fit reprices everyone's history alike (priced once
+  when queued, a server's first requests, priced by a fit still far off, weighed thousands of times
+  later ones, and their connections waited a second).
 - **Fair by cost, within a tolerance.** Each connection's *share* is the cost it has been served
-  lately: every request adds its cost, and what was served fades over about ``fair_horizon`` requests
+  lately: every request adds its own work, and what was served fades over about ``fair_horizon`` requests
   a waiting connection (by the requests served since the last fade: once a round, before its window
   is taken, so the order of a round's batches does not matter; with a fixed band, once a batch). The
   *fair order* gives each next place to the oldest request among the *eligible* connections: those
@@ -106,8 +109,9 @@ from typing import Any, Generic, Protocol, TypeVar
 TIE = 1e-9  # efficiencies this close are equal (floating-point rounding must not split equal requests)
 MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit may put the overhead near 0)
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
-FORGOTTEN = 1e-6  # token-equivalents: recent service below this is forgotten (as if new) when rescaling
+FORGOTTEN = 1e-6  # rows: recent service below this is forgotten (as if new) when rescaling
 RESCALE = 1e100  # the scale at which recent service is renormalised
+ZERO: list[float] = [0.0, 0.0, 0.0]  # served nothing: tokens, rows, answer bytes
 MAX_FADE = 50.0  # e-folds: a fade past this forgets all the same (and exp() stays finite)
 REACH = 2  # with a fixed band, the fair order is followed this many full batches deep
 
@@ -118,7 +122,6 @@ class Queued(Protocol):
     arrival: float
     deadline: float | None
     n_tokens: int
-    cost: float  # token-equivalents: n_tokens plus its row and its output (see the module docstring)
     result_bytes: int  # room its answer may take (an upper bound)
     owner: object
     missed: int  # batches the cost model left it out of (the tail bound)
@@ -197,8 +200,8 @@ class BatchPolicy:
     fair_tolerance: float = 0.5  # a connection is eligible while served at most 1 + this x the least
     fair_horizon: int = 32  # requests a connection over which what it was served fades (see the docstring)
     # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
-    # owner -> cost served lately, times _growth
-    _recent: dict[Any, float] = field(default_factory=dict, init=False, repr=False)
+    # owner -> [tokens, rows, answer bytes] served lately, times _growth (priced when compared: _price)
+    _recent: dict[Any, list[float]] = field(default_factory=dict, init=False, repr=False)
     _growth: float = field(default=1.0, init=False, repr=False)
     _unfaded: int = field(default=0, init=False, repr=False)  # requests served since the last fade
     _returning: int = field(default=0, init=False, repr=False)  # answers sent, not yet followed by an arrival
@@ -302,7 +305,7 @@ class BatchPolicy:
         ready = list(queue)
         if self.growth or not self._planned(ready, room):
             self._fade(ready)  # once a round, before its window (with a fixed band, once a batch)
-        shares, _ = self._shares(dict.fromkeys(job.owner for job in ready))
+        _, newcomers = self._shares(dict.fromkeys(job.owner for job in ready), cost)
         chosen, passed, plan = self._pick(ready, now, room, cost)
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
@@ -317,9 +320,12 @@ class BatchPolicy:
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         decision.predicted_s = _predicted(chosen, cost)
         for job in decision.batch:
-            if job.owner not in self._recent:  # a newcomer: it starts where _shares put it
-                self._recent[job.owner] = shares[job.owner] * self._growth
-            self._recent[job.owner] += job.cost * self._growth
+            if job.owner not in self._recent:  # a newcomer: it starts level (see _shares)
+                self._recent[job.owner] = list(newcomers.get(job.owner, ZERO))
+            served = self._recent[job.owner]
+            served[0] += job.n_tokens * self._growth
+            served[1] += self._growth
+            served[2] += job.result_bytes * self._growth
             if room is not None:
                 room.take(job.owner, job.result_bytes)
         self._unfaded += len(chosen)
@@ -327,7 +333,7 @@ class BatchPolicy:
 
     # --- the choice -------------------------------------------------------------------------------------
 
-    def _fair_order(self, ready: list[J], room: Room | None, depth: int) -> list[J]:
+    def _fair_order(self, ready: list[J], room: Room | None, depth: int, cost: Coefficients) -> list[J]:
         """Up to ``depth`` requests in fair order (see the module doc), skipping connections without room.
 
         Invariant: the bar only rises during a pass (shares only grow, and a connection leaves only when
@@ -337,7 +343,7 @@ class BatchPolicy:
         for place, job in enumerate(ready):
             by_owner.setdefault(job.owner, deque()).append((place, job))
         room = room.copy() if room is not None else None
-        share, newcomers = self._shares(by_owner)
+        share, newcomers = self._shares(by_owner, cost)
         order: list[J] = []
 
         def offer(owner: Any) -> bool:
@@ -350,7 +356,7 @@ class BatchPolicy:
                     return False
                 room.take(owner, job.result_bytes)
             order.append(job)
-            share[owner] += job.cost
+            share[owner] += cost.own_s(job.n_tokens, job.result_bytes)
             if not jobs:
                 del by_owner[owner]
             return bool(jobs)
@@ -405,7 +411,7 @@ class BatchPolicy:
                 forced.append(job)
         in_base = {id(job) for job in forced}
         order = self._fair_order([job for job in ready if id(job) not in in_base], trial,
-                                 REACH * self.max_batch_size)
+                                 REACH * self.max_batch_size, cost)
         if not order and not forced:
             return [], [], []
         base = ([order[0]] if order and len(forced) < self.max_batch_size else []) + forced  # the fair head leads
@@ -413,24 +419,30 @@ class BatchPolicy:
         batch, passed = self._fill_band(base, rest, self.time_limit(ready, now, cost), cost)
         return batch, passed, []
 
-    def _shares(self, owners: Iterable[Any]) -> tuple[dict[Any, float], list[Any]]:
-        """Each waiting connection's share (see the module doc), and the newcomers (connections with no
-        share kept), in the order given (their oldest requests'). A newcomer starts level with the
-        least-served of the others waiting (no credit for being new); its first request leads
-        (``_fair_order``)."""
+    def _shares(self, owners: Iterable[Any], cost: Coefficients) -> tuple[dict[Any, float], dict[Any, list[float]]]:
+        """Each waiting connection's share (see the module doc): what it was served lately, priced now
+        (so a new fit reprices everyone's history alike). And the newcomers (connections with no share
+        kept), in the order given (their oldest requests'), each with what it starts as having been
+        served: as much as the least-served of the others waiting (no credit for being new; its first
+        request leads, ``_fair_order``)."""
         shares: dict[Any, float] = {}
-        newcomers: list[Any] = []
-        least = math.inf
+        fresh: list[Any] = []
+        least: list[float] = ZERO
         for owner in owners:
-            kept = self._recent.get(owner)
-            if kept is None:
-                newcomers.append(owner)
-            else:
-                shares[owner] = kept / self._growth
-                least = min(least, shares[owner])
-        for owner in newcomers:
-            shares[owner] = least if least < math.inf else 0.0
-        return shares, newcomers
+            served = self._recent.get(owner)
+            if served is None:
+                fresh.append(owner)
+                continue
+            shares[owner] = self._price(served, cost)
+            if least is ZERO or shares[owner] < self._price(least, cost):
+                least = served
+        for owner in fresh:
+            shares[owner] = self._price(least, cost)
+        return shares, {owner: list(least) for owner in fresh}
+
+    def _price(self, served: list[float], cost: Coefficients) -> float:
+        """Seconds of engine time for what was served (tokens, rows, answer bytes), faded."""
+        return (cost.token_s * served[0] + cost.row_s * served[1] + cost.byte_s * served[2]) / self._growth
 
     def _fade(self, ready: list[J]) -> None:
         """Age what every connection was served by the requests served since the last fade, over about
@@ -443,7 +455,8 @@ class BatchPolicy:
         self._growth *= math.exp(min(MAX_FADE, self._unfaded / (self.fair_horizon * active)))
         self._unfaded = 0
         if self._growth > RESCALE:
-            self._recent = {o: v / self._growth for o, v in self._recent.items() if v / self._growth >= FORGOTTEN}
+            self._recent = {o: [x / self._growth for x in v] for o, v in self._recent.items()
+                            if v[1] / self._growth >= FORGOTTEN}
             self._growth = 1.0
 
     def _planned(self, ready: list[J], room: Room | None) -> list[list[J]]:
@@ -491,7 +504,7 @@ class BatchPolicy:
         limit. The first is always in."""
         window: list[J] = []
         tokens, seconds = 0.0, cost.overhead_s
-        for job in self._fair_order(ready, room, self.max_batch_size):  # (it works on a copy of the room)
+        for job in self._fair_order(ready, room, self.max_batch_size, cost):  # (it works on a copy of the room)
             more_tokens = tokens + job.n_tokens
             more_seconds = seconds + cost.own_s(job.n_tokens, job.result_bytes)
             if window and (more_tokens > self.max_batch_tokens or more_seconds > limit):

@@ -330,7 +330,6 @@ class EngineCore:
         self._intake_held = False
         answers: list[Outcome] = []
         queued = 0
-        coefficients = self.cost.coefficients
         for job, verdict in verdicts:
             if job.state is not State.TOKENIZING:
                 continue  # withdrawn while it was being tokenized
@@ -339,7 +338,6 @@ class EngineCore:
                 job.target_notes = verdict.target_notes
                 job.n_tokens = len(verdict.input_ids)
                 job.result_bytes = verdict.result_bytes
-                job.cost = coefficients.own_s(job.n_tokens, job.result_bytes) / max(coefficients.token_s, 1e-12)
                 self._move(job, Event.CHECKED)
                 queued += 1
             elif isinstance(verdict, intake.Refusal):

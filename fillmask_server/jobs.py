@@ -73,7 +73,7 @@ class Job:
     """One accepted request on its way through the stages. ``owner`` is its connection, opaque here.
 
     Written by the tokenizer stage before the job is QUEUED (``input_ids``, ``n_tokens``, ``masks``,
-    ``target_ids``, ``result_bytes``, ``cost``); read-only afterwards, but for ``reserved`` and ``missed``
+    ``target_ids``, ``result_bytes``); read-only afterwards, but for ``reserved`` and ``missed``
     (the engine core, under the engine's lock). ``state`` is written by ``advance`` only.
     """
 
@@ -87,7 +87,6 @@ class Job:
     masks: int = 0
     target_ids: tuple[int, ...] | None = None
     target_notes: tuple[TargetNote, ...] = ()  # targets not scored as given (§4 result.targets), from intake
-    cost: float = 0.0  # engine work it asks for, in token-equivalents (see batching.py)
     result_bytes: int = 0  # an upper bound on its predictions' and target notes' JSON (intake.check)
     reserved: int = 0  # answer memory reserved for it while its answer is being computed (engine)
     started: float = 0.0  # when its batch started on the model

@@ -26,7 +26,6 @@ class SimJob:
     result_bytes: int
     owner: object  # the client's connection at the time
     client: Client
-    cost: float
     deadline: float | None = None
     missed: int = 0
 
@@ -69,7 +68,7 @@ def run(policy: BatchPolicy, clients: list[Client], cost: Coefficients, seconds:
     def send(client: Client) -> None:
         n, size = client.make(rng)
         client.unanswered += 1
-        queue.append(SimJob(now, n, size, client.connection, client, cost=cost.own_s(n, size) / cost.token_s))
+        queue.append(SimJob(now, n, size, client.connection, client))
 
     while now < seconds:
         for n, client in enumerate(clients):

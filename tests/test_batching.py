@@ -19,13 +19,8 @@ class FakeJob:
     deadline: float | None = None
     n_tokens: int = 10
     owner: str = "conn"
-    output: float = 0.0  # token-equivalents of output on top of its tokens
     result_bytes: int = 100
     missed: int = 0
-
-    @property
-    def cost(self) -> float:
-        return self.n_tokens + self.output
 
 
 def queue(*jobs: FakeJob) -> deque[FakeJob]:
@@ -151,10 +146,11 @@ def test_backlogged_connections_share_cost_evenly_and_all_are_served() -> None:
         rounds += 1
         assert rounds <= len(lengths)
         for job in p.take(q, now=0).batch:
-            served_cost[job.owner] += job.cost
+            served_cost[job.owner] += p.cost.own_s(job.n_tokens, job.result_bytes)
         backlogged = [served_cost[o] for o in {job.owner for job in q}]
         if len(backlogged) > 1:
-            assert max(backlogged) - min(backlogged) <= 1200 + max(lengths)
+            one_batch = p.cost.token_s * 1200 + 8 * (p.cost.row_s + 100 * p.cost.byte_s)
+            assert max(backlogged) - min(backlogged) <= one_batch + p.cost.own_s(max(lengths), 100)
 
 
 def test_expired_requests_are_removed_not_batched() -> None:
@@ -259,7 +255,7 @@ def test_output_does_not_count_against_the_token_budget_only_against_the_time_bo
     thousands of token-equivalents a request where tokens cost almost nothing (a tiny encoder), which
     capped every batch at a few rows; its time is bounded by the time bound instead."""
     tiny = Coefficients(overhead_s=0.002, token_s=3e-8, row_s=5e-5, byte_s=1e-7)  # ESM-like: tokens nearly free
-    jobs = [FakeJob(f"r{i}", n_tokens=12, output=3000, result_bytes=900) for i in range(64)]
+    jobs = [FakeJob(f"r{i}", n_tokens=12, result_bytes=900) for i in range(64)]
     for growth in (0.0, 3.0):  # the cost model's rounds, and a fixed band
         batch = policy(size=64, tokens=8192, cost=tiny, growth=growth).take(queue(*jobs), now=0).batch
         assert len(batch) == 64, growth
@@ -288,7 +284,8 @@ def test_heavy_requests_cost_their_connection_a_bigger_share() -> None:
     """Two connections, each keeping requests queued: one asks for large answers. By cost, the light
     one gets many more requests served in the same engine time."""
     p = policy(size=4, tokens=100_000)
-    q = queue(*(FakeJob(f"h{i}", arrival=i, output=90, owner="heavy") for i in range(200)),
+    heavy = 9 * Coefficients().own_s(10, 100) / Coefficients().byte_s  # answer bytes: 10x a light request's work
+    q = queue(*(FakeJob(f"h{i}", arrival=i, result_bytes=int(heavy), owner="heavy") for i in range(200)),
               *(FakeJob(f"l{i}", arrival=i, owner="light") for i in range(200)))
     served = {"heavy": 0, "light": 0}
     for _ in range(20):
@@ -693,3 +690,43 @@ def test_reconnecting_buys_no_more_than_the_tolerance_band() -> None:
     churner = Client(64, fixed(12, 650), reconnects=True)
     run(policy(size=64, tokens=8192), [*alike, churner], TINY, 6.0, warmup=2.0)
     assert churner.engine_s / min(client.engine_s for client in alike) <= 1.5 + 0.7
+
+
+def served_then_next(prices: Coefficients, a: list[FakeJob], b: list[FakeJob]) -> str:
+    """``a`` and ``b`` served all their requests, then one more request from each waiting, with
+    tolerance 0: whose goes first (the less-served connection's)."""
+    p = policy(size=len(a) + len(b), tokens=100_000, cost=prices, fair_tolerance=0)
+    q = queue(*a, *b)
+    while q:
+        p.take(q, now=0)
+    return names(policy_next(p, prices))
+
+
+def policy_next(p: BatchPolicy, prices: Coefficients) -> list[FakeJob]:
+    return p._fair_order([FakeJob("a-next", owner="a"), FakeJob("b-next", owner="b")], None, 1, prices)
+
+
+def test_a_request_is_priced_by_its_own_work_its_row_included() -> None:
+    """Six requests of 10 tokens against one of 60: tokens alone make them equal, but where a row costs
+    as much as 60 tokens (a small encoder) the six are 420 token-equivalents against 120."""
+    a = [FakeJob(f"a{i}", arrival=i, owner="a") for i in range(6)]
+    b = [FakeJob("b0", arrival=0.5, n_tokens=60, owner="b")]
+    row_dear = Coefficients(overhead_s=1e-3, token_s=1e-6, row_s=6e-5, byte_s=0.0)
+    assert served_then_next(row_dear, a, b) == ["b-next"]
+
+
+def test_what_was_served_is_repriced_when_the_fit_changes() -> None:
+    """Shares keep what was served (tokens, rows, answer bytes), priced when compared: a connection
+    served long texts and one served large answers swap places when the fit finds tokens cheap and
+    bytes dear. (Priced once when queued, the first requests of a server, priced by a fit still far
+    off, weighed thousands of times what later ones did, and their connections waited a second.)"""
+    a = [FakeJob("a0", n_tokens=1000, result_bytes=0, owner="a")]
+    b = [FakeJob("b0", arrival=1, n_tokens=10, result_bytes=100_000, owner="b")]
+    tokens_dear = Coefficients(overhead_s=1e-3, token_s=1e-5, row_s=0.0, byte_s=1e-9)
+    bytes_dear = Coefficients(overhead_s=1e-3, token_s=1e-7, row_s=0.0, byte_s=1e-7)
+    p = policy(size=2, tokens=100_000, cost=tokens_dear, fair_tolerance=0)
+    q = queue(*a, *b)
+    while q:  # a round of two batches (their lengths are far apart)
+        p.take(q, now=0, cost=tokens_dear)
+    assert names(policy_next(p, tokens_dear)) == ["b-next"]  # a was served 10 ms, b 0.2 ms
+    assert names(policy_next(p, bytes_dear)) == ["a-next"]  # a 0.1 ms, b 10 ms

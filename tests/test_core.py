@@ -139,16 +139,6 @@ def test_stop_all_answers_waiting_jobs_stopped_and_started_ones_failed() -> None
     assert not c.busy() and c.submit(job("later")) is Admission.STOPPED
 
 
-def test_a_request_is_priced_by_its_own_work_in_token_equivalents_its_row_included() -> None:
-    """Its tokens, its row and its output, at the fitted prices, over the price of a token: a small
-    encoder's row costs dozens of tokens, and pricing tokens alone made a long request look many times
-    a short one (bench/results/issue17-xeon-fairness.md)."""
-    c = core(cost=CostModel(Coefficients(token_s=1e-5, row_s=4e-4, byte_s=1e-8)))
-    j = job("j")
-    queue_up(c, [j], n_tokens=12, result_bytes=5000)
-    assert j.cost == pytest.approx(12 + 40 + 5000 * 1e-3)
-
-
 # --- the cost model ------------------------------------------------------------------------------------
 
 
