@@ -29,11 +29,13 @@ fixed coefficients (tests/test_batching.py). The queue holds requests in arrival
   reorders alike clients by every small difference in what their requests cost: whoever falls behind
   misses a round, which doubled the closed loop's p99 on mixed lengths. A connection that has used
   little lately (one that comes and goes) runs ahead of a backlog every time. A *newcomer* (no share
-  kept: new, or forgotten when it closed) starts level with the least-served connection waiting, and
-  its first request leads; so reconnecting buys no more than the band every connection has. The
-  band is a per-connection allowance: many connections arriving at once each get theirs, bounded in
-  all by the queue's admission limits. The first request in fair order (the *head*) is always in
-  the batch.
+  kept: new, or forgotten when it closed) is given one when first seen, as much as the least-served
+  connection waiting had: no credit for being new and no debt, so it runs within their band in
+  arrival order, and a backlog runs ahead of it by at most the backlog's band. Reconnecting starts a
+  connection afresh within the band, so a client that reconnects often can take up to the band's
+  1 + ``fair_tolerance`` of the least-served connection's work and a little more (simulated: 3.3x
+  reconnecting every 16 requests, 1.8x every 64, 1.0x every 256). The first request in fair order
+  (the *head*) is always in the batch.
 - **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
   the fair order's first ``max_batch_size`` requests, as long as their tokens fit
   ``max_batch_tokens`` and their own work (plus one overhead) the time limit below. It cuts the window,
@@ -111,7 +113,7 @@ MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit 
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
 FORGOTTEN = 1e-6  # rows: recent service below this is forgotten (as if new) when rescaling
 RESCALE = 1e100  # the scale at which recent service is renormalised
-ZERO: list[float] = [0.0, 0.0, 0.0]  # served nothing: tokens, rows, answer bytes
+ZERO = (0.0, 0.0, 0.0)  # served nothing: tokens, rows, answer bytes
 MAX_FADE = 50.0  # e-folds: a fade past this forgets all the same (and exp() stays finite)
 REACH = 2  # with a fixed band, the fair order is followed this many full batches deep
 
@@ -305,7 +307,7 @@ class BatchPolicy:
         ready = list(queue)
         if self.growth or not self._planned(ready, room):
             self._fade(ready)  # once a round, before its window (with a fixed band, once a batch)
-        _, newcomers = self._shares(dict.fromkeys(job.owner for job in ready), cost)
+        self._welcome(ready, cost)
         chosen, passed, plan = self._pick(ready, now, room, cost)
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
@@ -320,9 +322,7 @@ class BatchPolicy:
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         decision.predicted_s = _predicted(chosen, cost)
         for job in decision.batch:
-            if job.owner not in self._recent:  # a newcomer: it starts level (see _shares)
-                self._recent[job.owner] = list(newcomers.get(job.owner, ZERO))
-            served = self._recent[job.owner]
+            served = self._recent.setdefault(job.owner, list(ZERO))
             served[0] += job.n_tokens * self._growth
             served[1] += self._growth
             served[2] += job.result_bytes * self._growth
@@ -343,7 +343,7 @@ class BatchPolicy:
         for place, job in enumerate(ready):
             by_owner.setdefault(job.owner, deque()).append((place, job))
         room = room.copy() if room is not None else None
-        share, newcomers = self._shares(by_owner, cost)
+        share = self._shares(by_owner, cost)
         order: list[J] = []
 
         def offer(owner: Any) -> bool:
@@ -361,10 +361,6 @@ class BatchPolicy:
                 del by_owner[owner]
             return bool(jobs)
 
-        for owner in newcomers:  # each newcomer's first request leads
-            if len(order) >= depth:
-                return order
-            offer(owner)
         ties = itertools.count()
         lowest = [(share[owner], next(ties), owner) for owner in by_owner]  # lazy: stale entries skipped
         heapq.heapify(lowest)
@@ -419,28 +415,32 @@ class BatchPolicy:
         batch, passed = self._fill_band(base, rest, self.time_limit(ready, now, cost), cost)
         return batch, passed, []
 
-    def _shares(self, owners: Iterable[Any], cost: Coefficients) -> tuple[dict[Any, float], dict[Any, list[float]]]:
-        """Each waiting connection's share (see the module doc): what it was served lately, priced now
-        (so a new fit reprices everyone's history alike). And the newcomers (connections with no share
-        kept), in the order given (their oldest requests'), each with what it starts as having been
-        served: as much as the least-served of the others waiting (no credit for being new; its first
-        request leads, ``_fair_order``)."""
-        shares: dict[Any, float] = {}
-        fresh: list[Any] = []
-        least: list[float] = ZERO
-        for owner in owners:
-            served = self._recent.get(owner)
-            if served is None:
-                fresh.append(owner)
-                continue
-            shares[owner] = self._price(served, cost)
-            if least is ZERO or shares[owner] < self._price(least, cost):
-                least = served
-        for owner in fresh:
-            shares[owner] = self._price(least, cost)
-        return shares, {owner: list(least) for owner in fresh}
+    def _welcome(self, ready: list[J], cost: Coefficients) -> None:
+        """Keep a share for each waiting connection that has none (a newcomer: new, or forgotten when it
+        closed), fixed when it is first seen: as much as the least-served connection waiting has been
+        served (no credit for being new, and no debt: it runs within their band, in arrival order)."""
+        owners = dict.fromkeys(job.owner for job in ready)
+        fresh = [owner for owner in owners if owner not in self._recent]
+        if fresh:
+            least = self._least(owners, cost)
+            for owner in fresh:
+                self._recent[owner] = list(least)
 
-    def _price(self, served: list[float], cost: Coefficients) -> float:
+    def _least(self, owners: Iterable[Any], cost: Coefficients) -> list[float] | tuple[float, ...]:
+        """What the least-served of ``owners`` that have a share kept was served (nothing if none has)."""
+        kept = [self._recent[owner] for owner in owners if owner in self._recent]
+        return min(kept, key=lambda served: self._price(served, cost), default=ZERO)
+
+    def _shares(self, owners: Iterable[Any], cost: Coefficients) -> dict[Any, float]:
+        """Each waiting connection's share (see the module doc): what it was served lately, priced now
+        (so a new fit reprices everyone's history alike). A newcomer not yet welcomed (``wait_s`` reads
+        before ``take`` welcomes) counts as ``_welcome`` would keep it."""
+        owners = list(owners)
+        least = self._price(self._least(owners, cost), cost)
+        return {owner: self._price(self._recent[owner], cost) if owner in self._recent else least
+                for owner in owners}
+
+    def _price(self, served: list[float] | tuple[float, ...], cost: Coefficients) -> float:
         """Seconds of engine time for what was served (tokens, rows, answer bytes), faded."""
         return (cost.token_s * served[0] + cost.row_s * served[1] + cost.byte_s * served[2]) / self._growth
 

@@ -402,21 +402,22 @@ def test_a_light_request_waits_for_one_bounded_batch_behind_a_heavy_backlog() ->
 
 
 def batches_until_served(p: BatchPolicy, limit: int = 50) -> int:
-    """A long text among a stream of short ones from newcomers (four a batch): how many batches until
-    the long one runs. Its connection was served once before, so a newcomer always ranks first."""
-    q = queue(FakeJob("first", arrival=0, n_tokens=28, owner="long"))
-    p.take(q, now=0)
-    q.append(FakeJob("long", arrival=1, n_tokens=28, owner="long"))
+    """A long text whose connection has been served far more lately than four light connections, among
+    a stream of short texts from those (one each a batch): how many batches until the long one runs.
+    The lights keep ranking first in fair order; the long one is offered after them."""
+    p._recent.update({"long": [28_000.0, 1000.0, 100_000.0],  # a thousand requests lately
+                      **{f"light{i}": [10.0, 1.0, 100.0] for i in range(4)}})  # one each
+    q = queue(FakeJob("long", arrival=1, n_tokens=28, owner="long"))
     for batch in range(1, limit + 1):
-        q.extend(FakeJob(f"s{batch}-{i}", arrival=1 + batch, n_tokens=10, owner=f"new{batch}-{i}") for i in range(4))
+        q.extend(FakeJob(f"s{batch}-{i}", arrival=1 + batch, n_tokens=10, owner=f"light{i}") for i in range(4))
         if "long" in names(p.take(q, now=0).batch):
             return batch
     return limit + 1
 
 
 def test_tail_bound_no_request_misses_more_than_the_stated_number_of_batches() -> None:
-    """A fixed band (``--max-length-ratio``) keeps leaving the long text out while newcomers keep
-    arriving, until it has missed ``max_missed`` batches."""
+    """A fixed band (``--max-length-ratio``) keeps leaving the long text out while the light
+    connections' short ones keep arriving, until it has missed ``max_missed`` batches."""
     assert batches_until_served(policy(size=8, growth=1.5, max_missed=10**6)) > 50  # without the bound: never
     for max_missed in (0, 2, 5):
         assert batches_until_served(policy(size=8, growth=1.5, max_missed=max_missed)) == max_missed + 1
@@ -425,7 +426,7 @@ def test_tail_bound_no_request_misses_more_than_the_stated_number_of_batches() -
 def test_with_the_cost_model_a_request_is_served_in_the_round_it_joins() -> None:
     """The cost model leaves the long text out of the short texts' batch (padding four rows to its
     length costs more than a batch of its own), but it is in the same round: it runs right after,
-    before any of the newcomers that keep arriving, whatever ``max_missed``."""
+    before any of the short texts that keep arriving, whatever ``max_missed``."""
     for max_missed in (0, 2, 10**6):
         assert batches_until_served(policy(size=8, cost=CPU, max_missed=max_missed)) == 2
 
@@ -634,7 +635,7 @@ def test_two_backlogs_of_different_cost_share_the_engine_within_the_tolerance() 
         run(policy(size=64, tokens=8192, **more), [long, short], TINY, 6.0, warmup=2.0)
         return long.engine_s / short.engine_s
 
-    assert shares() <= 1.5 + 0.02
+    assert 1.2 <= shares() <= 1.5 + 0.02  # the band is used (alike clients run in arrival order), not more
     assert shares(fair_tolerance=0) == pytest.approx(1.0, abs=0.05)
     assert shares(fair_tolerance=10**9) > 1.7  # arrival order: what the tolerance holds back
 
@@ -671,8 +672,8 @@ def newcomers_join(count: int, **more: Any) -> tuple[float, float, float]:
 
 @pytest.mark.parametrize("count", [1, 8])
 def test_newcomers_joining_alike_clients_take_their_share_not_more(count: int) -> None:
-    """A new connection starts level with the least-served connection waiting, and its first request
-    leads: it gets no credit for being new. Over the 3 s after the join each newcomer gets at most
+    """A new connection starts level with the least-served connection waiting: it gets no credit for
+    being new. Over the 3 s after the join each newcomer gets at most
     1 + ``fair_tolerance`` of the least-served alike client's engine time (a little more for the
     band), and the alike clients' p99 stays within twice what it was with the newcomers' load added."""
     before, after, share = newcomers_join(count)
@@ -730,3 +731,44 @@ def test_what_was_served_is_repriced_when_the_fit_changes() -> None:
         p.take(q, now=0, cost=tokens_dear)
     assert names(policy_next(p, tokens_dear)) == ["b-next"]  # a was served 10 ms, b 0.2 ms
     assert names(policy_next(p, bytes_dear)) == ["a-next"]  # a 0.1 ms, b 10 ms
+
+
+def test_a_newcomer_behind_a_backlog_with_history_waits_at_most_the_band() -> None:
+    """A newcomer's share is fixed when it is first seen, level with the least-served waiting: the
+    backlog runs ahead of it by at most its band (half its share lately), then the newcomer's request
+    is offered. (Recomputed at every batch, level with a backlog that keeps being served, it waited
+    116 batches of 8.)"""
+    for size, most in ((64, 1), (8, 3)):
+        p = policy(size=size)
+        q = queue(*(FakeJob(f"h{i}", arrival=i, owner="backlog") for i in range(2000)))
+        for _ in range(10):
+            p.take(q, now=0)
+        q.append(FakeJob("new", arrival=5000, owner="newcomer"))
+        batches = next(n for n in range(1, 200) if "new" in names(p.take(q, now=0).batch))
+        assert batches <= most, size
+
+
+def test_connections_that_send_one_request_each_do_not_starve_those_that_stay() -> None:
+    """Sixteen clients each open a connection, send one long request, and close it when answered, beside
+    32 alike clients that stay connected: each new connection starts level with the least-served, so
+    the alike clients keep most of what they get when the sixteen stay connected instead. (A newcomer's
+    first request leading, as strict fair queuing's tie-break did, served the alike clients nothing.)"""
+    def alike_served(reconnects: bool) -> int:
+        alike = [Client(4, mixed_lengths) for _ in range(32)]
+        churners = [Client(1, fixed(500, 650), reconnects=reconnects) for _ in range(16)]
+        run(policy(size=64, tokens=8192), [*alike, *churners], TINY, 3.0, warmup=1.0)
+        return sum(len(client.latencies) for client in alike)
+
+    assert alike_served(reconnects=True) >= 0.5 * alike_served(reconnects=False) > 0
+
+
+@pytest.mark.parametrize("growth", [0.0, 1.5])
+def test_wait_s_only_reads(growth: float) -> None:
+    """Asking how long to wait changes nothing the next batch depends on (what was served, its fading)."""
+    p = policy(size=8, growth=growth, wait=0.05)
+    q = queue(*(FakeJob(f"a{i}", arrival=i, owner="a") for i in range(10)))
+    p.take(q, now=0)
+    q.append(FakeJob("b0", arrival=30, owner="b"))  # three waiting: a batch could still grow
+    before = ({o: list(v) for o, v in p._recent.items()}, p._growth, p._unfaded)
+    assert p.wait_s(q, now=0.001) > 0
+    assert ({o: list(v) for o, v in p._recent.items()}, p._growth, p._unfaded) == before
