@@ -71,7 +71,7 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
         await loadgen.settle(server.url)
         recorder = loadgen.Recorder()
         summary = await loadgen.closed_loop(server.url, texts, 32, 4, warmup, duration, recorder=recorder)
-        hello_threads = await _hello_threads(server.url)
+        hello_threads = await _hello_threads(server.url) if script == "ws_server.py" else 0  # (the seed has none)
     summary["torch_threads"] = hello_threads
     summary.setdefault("batch", {}).setdefault("mean_rows_per_batch", float("nan"))
     if keep_batches:
