@@ -305,9 +305,10 @@ class BatchPolicy:
         cost = cost or self.cost
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
         ready = list(queue)
+        owners = dict.fromkeys(job.owner for job in ready)  # the connections waiting, oldest request first
         if self.growth or not self._planned(ready, room):
-            self._fade(ready)  # once a round, before its window (with a fixed band, once a batch)
-        self._welcome(ready, cost)
+            self._fade(len(owners))  # once a round, before its window (with a fixed band, once a batch)
+        self._welcome(owners, cost)
         chosen, passed, plan = self._pick(ready, now, room, cost)
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
@@ -322,7 +323,7 @@ class BatchPolicy:
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         decision.predicted_s = _predicted(chosen, cost)
         for job in decision.batch:
-            served = self._recent.setdefault(job.owner, list(ZERO))
+            served = self._recent[job.owner]  # (every waiting connection was welcomed)
             served[0] += job.n_tokens * self._growth
             served[1] += self._growth
             served[2] += job.result_bytes * self._growth
@@ -415,11 +416,10 @@ class BatchPolicy:
         batch, passed = self._fill_band(base, rest, self.time_limit(ready, now, cost), cost)
         return batch, passed, []
 
-    def _welcome(self, ready: list[J], cost: Coefficients) -> None:
+    def _welcome(self, owners: dict[Any, None], cost: Coefficients) -> None:
         """Keep a share for each waiting connection that has none (a newcomer: new, or forgotten when it
         closed), fixed when it is first seen: as much as the least-served connection waiting has been
         served (no credit for being new, and no debt: it runs within their band, in arrival order)."""
-        owners = dict.fromkeys(job.owner for job in ready)
         fresh = [owner for owner in owners if owner not in self._recent]
         if fresh:
             least = self._least(owners, cost)
@@ -444,15 +444,14 @@ class BatchPolicy:
         """Seconds of engine time for what was served (tokens, rows, answer bytes), faded."""
         return (cost.token_s * served[0] + cost.row_s * served[1] + cost.byte_s * served[2]) / self._growth
 
-    def _fade(self, ready: list[J]) -> None:
+    def _fade(self, waiting: int) -> None:
         """Age what every connection was served by the requests served since the last fade, over about
-        ``fair_horizon`` requests a connection waiting. Done once a round, before its window is taken,
-        so the order of a round's batches does not matter. Stored scaled by ``_growth`` (which grows
-        instead of every value fading), so this costs the same however many connections are open."""
+        ``fair_horizon`` requests for each of the ``waiting`` connections. Done once a round, before its
+        window is taken, so the order of a round's batches does not matter. Stored scaled by ``_growth``
+        (which grows instead of every value fading), so this costs the same however many are open."""
         if not self._unfaded:
             return
-        active = len({job.owner for job in ready}) or 1
-        self._growth *= math.exp(min(MAX_FADE, self._unfaded / (self.fair_horizon * active)))
+        self._growth *= math.exp(min(MAX_FADE, self._unfaded / (self.fair_horizon * max(1, waiting))))
         self._unfaded = 0
         if self._growth > RESCALE:
             self._recent = {o: [x / self._growth for x in v] for o, v in self._recent.items()

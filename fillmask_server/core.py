@@ -91,9 +91,9 @@ class CostModel:
     # Timings of a slow or busy machine are noisy, and a fit of no overhead made every batch of mixed
     # lengths look less efficient than its rows run alone; a fit of no token price made every request's
     # output (priced in tokens: byte / token) too large for any batch but its own, when output still
-    # counted against the token budget (it still prices a connection's fair share). Either way the
-    # server ran batches of one row. (The token price's floor is low: a small model's real price is far
-    # below the CPU prior's; a prior of next to no token price is floored itself, in ``__init__``.)
+    # counted against the token budget. Either way the server ran batches of one row. (The token
+    # price's floor is low: a small model's real price is far below the CPU prior's; a prior of next to
+    # no token price is floored itself, in ``__init__``.)
     OVERHEAD_FLOOR = 0.5
     TOKEN_FLOOR = 0.01
     # ... but the overhead never above the fastest recent batch, which wins over its floor (every
@@ -117,8 +117,7 @@ class CostModel:
             self._prior_yy += self.PRIOR_WEIGHT * 1.0  # w·y² with w = weight / y²
         self.batches = 0
         # A prior of no token price (or next to none: a calibration's degenerate fit) gives way to
-        # TOKEN_FLOOR of TOKEN_FLOOR of the CPU defaults' price, from the start: output priced in tokens
-        # at byte / 0 would charge the first requests' connections without bound.
+        # TOKEN_FLOOR of TOKEN_FLOOR of the CPU defaults' price, from the start, as a fit would.
         self._token_floor = self.TOKEN_FLOOR * max(self.prior.token_s, self.TOKEN_FLOOR * Coefficients.token_s)
         self.coefficients = replace(self.prior, token_s=max(self.prior.token_s, self._token_floor))
         self._fastest_s = float("inf")  # the fastest recent batch, slowly forgotten (above)
