@@ -187,6 +187,7 @@ class FillMaskModel:
         else:
             self.forward_note = "--forward eager"
         self.forward_mode = "traced" if self._scores is not None else "eager"
+        self._batch = self._batch_graph()  # a batch in one call: lists in, top-k out (graph.py)
 
     def engine_facts(self) -> dict[str, str]:
         """Which path runs, for ``hello.engine``, ``/metrics`` and the start-up line (protocol.md §2)."""
@@ -246,53 +247,42 @@ class FillMaskModel:
     def forward(self, items: Sequence[Item]) -> TopK:
         """The batch's top-k at every mask; every item must hold at least one mask token.
 
-        The inputs are built in plain Python and handed to torch in four ``torch.tensor`` calls, which
-        keep the GIL: each torch operator called from Python gives the GIL up and must win it back,
-        and while the event loop or the decode stage runs Python that costs up to a switch interval
-        per operator (README, Performance: what building the inputs with tensor operators cost in the
-        server). What remains are the graph and one top-k.
+        The inputs are built as flat Python lists and the whole pass (inputs to tensors, graph, top-k)
+        is one call of ``graph.BatchGraph``, which gives the GIL up once: every other hand-over costs
+        the model thread up to a switch interval while the event loop or the decode stage runs
+        Python (see ``graph.py``). The top-k runs over every mask row, at the largest ``top_k`` of the
+        items without targets; items with targets pick their own columns from the probabilities.
         """
         import torch
 
         width = max(len(item.input_ids) for item in items)
         pad, mask = self.pad_token_id, self.mask_token_id
-        ids: list[list[int]] = []
-        attention: list[list[int]] = []
+        ids: list[int] = []
+        lengths: list[int] = []
         rows: list[int] = []
         columns: list[int] = []
         counts: list[int] = []
         for n, item in enumerate(items):
-            tokens = list(item.input_ids)
-            fill = width - len(tokens)
+            tokens = item.input_ids
+            ids += tokens
+            ids += [pad] * (width - len(tokens))
+            lengths.append(len(tokens))
             positions = [c for c, token in enumerate(tokens) if token == mask]
-            ids.append(tokens + [pad] * fill)
-            attention.append([1] * len(tokens) + [0] * fill)
             rows += [n] * len(positions)
             columns += positions
             counts.append(len(positions))
         spans = _spans(counts)
-        out = TopK(spans=spans, columns=columns)
+        plain = [i for i, item in enumerate(items) if item.target_ids is None]
+        k = max((items[i].top_k for i in plain), default=0)
+        keep = len(plain) < len(items)
         with torch.inference_mode():
-            long = torch.long
-            probs = self._probabilities(torch.tensor(ids, dtype=long), torch.tensor(attention, dtype=long),
-                                        torch.tensor(rows, dtype=long), torch.tensor(columns, dtype=long))
-            if self.device.type != "cpu":
-                probs = probs.cpu()  # the top-k on the CPU, as the pipeline does it (the same order of ties)
-            plain = [i for i, item in enumerate(items) if item.target_ids is None]
-            if plain:
-                k = min(max(items[i].top_k for i in plain), probs.shape[-1])
-                if len(plain) == len(items):  # the usual case: no copy of the rows
-                    out.values, out.indices = probs.topk(k)
-                else:
-                    picked = torch.tensor([row for i in plain for row in range(*spans[i])], dtype=torch.long)
-                    out.values, out.indices = probs[picked].topk(k)
-                out.plain_rows = {}
-                offset = 0
-                for i in plain:
-                    out.plain_rows[i] = offset
-                    offset += counts[i]
-            if len(plain) < len(items):
-                out.targeted = {}
+            probs, values, indices = self._batch(ids, lengths, rows, columns, width, k, keep)
+        out = TopK(spans=spans, columns=columns, values=values, indices=indices)
+        if plain:
+            out.plain_rows = {i: spans[i][0] for i in plain}
+        if keep:
+            out.targeted = {}
+            with torch.inference_mode():
                 for i, item in enumerate(items):
                     if item.target_ids is not None:
                         targets = list(item.target_ids)
@@ -306,20 +296,6 @@ class FillMaskModel:
         import torch
 
         torch.set_num_threads(count)
-
-    def _probabilities(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
-        """Softmax over the vocabulary at each mask position, float32, on the model's device.
-
-        float32 whatever the weights' dtype: reduced-precision modes lose digits in the encoder only.
-        For float32 models this is exactly the pipeline's computation.
-        """
-        device = self.device
-        inputs = (ids, attention, rows, cols)
-        if device.type != "cpu":  # on the CPU, ``.to`` would only give the GIL up and take it back
-            inputs = tuple(tensor.to(device) for tensor in inputs)
-        if self._scores is not None:
-            return self._scores(*inputs)
-        return self._eager_scores(*inputs)
 
     def _extra(self, ids: Any) -> dict[str, Any]:
         import torch
@@ -368,19 +344,7 @@ class FillMaskModel:
         ``forward_note`` then says why."""
         import torch
 
-        owner = self
-
-        class MaskedScores(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = owner.model
-                if owner._head is not None:  # the model's own head holds no module; another one may
-                    self.head = owner._head
-
-            def forward(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
-                return owner._eager_scores(ids, attention, rows, cols)
-
-        module = MaskedScores().eval()
+        module = self._masked_scores()
         frozen = [p for p in module.parameters() if p.requires_grad]
         for parameter in frozen:
             parameter.requires_grad_(False)
@@ -401,6 +365,40 @@ class FillMaskModel:
             log.warning("%s; running eager", self.forward_note)
             return None
         return traced
+
+    def _masked_scores(self) -> Any:
+        """``_eager_scores`` as a module (what ``_trace`` traces, and what runs when nothing is traced)."""
+        import torch
+
+        owner = self
+
+        class MaskedScores(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = owner.model
+                if owner._head is not None:  # the model's own head holds no module; another one may
+                    self.head = owner._head
+
+            def forward(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
+                return owner._eager_scores(ids, attention, rows, cols)
+
+        return MaskedScores().eval()
+
+    def _batch_graph(self) -> Any:
+        """``graph.BatchGraph`` around the traced graph, scripted; around the eager modules when nothing
+        is traced, or when scripting fails (then the log says why: the batch is still right, only its
+        GIL hand-overs are more)."""
+        from . import graph
+
+        device = str(self.device)
+        if self._scores is None:
+            return graph.BatchGraph(self._masked_scores(), device)
+        try:
+            return graph.script(self._scores, device)
+        except Exception as exc:
+            log.warning("cannot script the batch around the traced graph (%s); its inputs are built by eager "
+                        "torch calls", _first_line(exc))
+            return graph.BatchGraph(self._scores, device)
 
     def _check_inputs(self, rows: int, width: int, padded: int, masks: int) -> tuple[Any, ...]:
         """Deterministic inputs for tracing and checking: ``padded`` rows half padding, ``masks`` masks.

@@ -63,6 +63,7 @@ def test_a_model_the_tracer_cannot_follow_runs_eager(traced: FillMaskModel) -> N
     model._head = Branchy()
     model._scores = model._trace()
     assert model._scores is None  # fell back to eager
+    model._batch = model._batch_graph()
     few = [Item(ids, 5) for ids in model.tokenize(["[MASK] a b c."])]  # one mask: the head as it was
     many = [Item(ids, 5) for ids in model.tokenize(["[MASK] " * 3 + "x"] * 4)]  # 12 masks: the other branch
     assert torch.equal(model.forward(few).indices, traced.forward(few).indices)
@@ -103,6 +104,27 @@ def test_loading_leaves_no_thread_behind(tiny_model_dir: Path) -> None:
         pytest.skip("torch runs one thread here: no OpenMP worker pool to leave behind")
     before, after = map(int, done.stdout.split())
     assert after <= before, (before, after)
+
+
+def test_a_batch_without_targets_is_one_call_into_torch(traced: FillMaskModel, eager: FillMaskModel,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """No tensor is made, and no operator called, from Python: each such call gives the GIL up and must
+    win it back, and tensors made in Python take it again inside the graph (graph.py). The one call
+    builds its inputs from lists, so ``torch.tensor`` and the tensor methods are never reached."""
+    batch = [Item(ids, 5) for ids in traced.tokenize(TEXTS)]
+    expected = traced.forward(batch)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a torch operator called from Python in the forward pass")
+
+    for name in ("tensor", "as_tensor", "arange", "zeros", "ones", "full", "stack", "cat"):
+        monkeypatch.setattr(torch, name, refuse)
+    for name in ("topk", "to", "cpu", "__getitem__", "view", "long", "softmax", "float"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    got = traced.forward(batch)
+    assert torch.equal(got.values, expected.values) and torch.equal(got.indices, expected.indices)
+    with pytest.raises(AssertionError, match="from Python"):  # the check bites: eager runs operators
+        eager.forward(batch)
 
 
 # --- any family, any vocabulary: the head at the masks and the traced graph, or the reason why not ---------
