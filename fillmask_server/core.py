@@ -190,7 +190,7 @@ def _nonnegative_least_squares(s: list[list[float]], r: list[float], yy: float) 
     if whole is not None and all(value >= 0 for value in whole):
         return whole
     best: tuple[float, list[float]] | None = None
-    for mask in range(1, 8):
+    for mask in range(1, 7):  # the proper subsets (7, all three, is ``whole``)
         free = [i for i in range(3) if mask >> i & 1]
         solved = _solve([[s[i][j] for j in free] for i in free], [r[i] for i in free])
         if solved is None or any(value < 0 for value in solved):

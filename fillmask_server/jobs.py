@@ -31,6 +31,10 @@ from .protocol import FillMaskRequest, TargetNote
 
 
 class State(enum.Enum):
+    # Members are singletons compared by identity: hash them as objects, in C. Enum's own __hash__ is
+    # Python code, and every move (``can``, ``advance``) hashes a state and an event.
+    __hash__ = object.__hash__
+
     TOKENIZING = "tokenizing"  # accepted, waiting for (or in) the tokenizer stage
     QUEUED = "queued"  # tokenized and checked: runnable, waiting for a batch
     RUNNING = "running"  # in a batch on the model
@@ -39,6 +43,8 @@ class State(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__  # as State's
+
     CHECKED = "checked"
     REJECTED = "rejected"
     BATCHED = "batched"
