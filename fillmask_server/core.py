@@ -368,7 +368,6 @@ class EngineCore:
             outcomes = [Expired(job, (now - job.arrival) * 1000, retry) for job in decision.expired]
         for job in decision.batch:
             self._move(job, Event.BATCHED)
-            job.started = now
         threads = self.threads.count(now) if self.threads is not None and decision.batch else 0
         return Scheduled(decision.batch, decision.padded_tokens, decision.predicted_s, outcomes, threads=threads)
 
@@ -378,6 +377,9 @@ class EngineCore:
         ``threads`` torch threads (``Scheduled.threads``): ``forwarded`` indices go to the decode stage,
         ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use."""
         outcomes: list[Outcome] = []
+        started = now - seconds
+        for job in batch:
+            job.started = started
         for i in failed:
             if can(batch[i], Event.FAILED):
                 self._move(batch[i], Event.FAILED)
