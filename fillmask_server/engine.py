@@ -309,11 +309,6 @@ class Engine:
         stats.failed += len(failed)
         stats.busy_s += elapsed
         stats.batch_sizes[len(batch)] = stats.batch_sizes.get(len(batch), 0) + 1
-        if self._on_batch is not None:
-            try:
-                self._on_batch(batch_id, len(batch), padded_tokens, [started - job.arrival for job in batch], elapsed)
-            except Exception:
-                log.exception("recording batch metrics failed")
 
     def _forward_all(self, items: list[Item], indices: list[int]) -> tuple[list[tuple[list[int], TopK]], list[int]]:
         """Top-k for ``indices`` of ``items``: (groups that succeeded, indices that failed alone).
@@ -361,15 +356,30 @@ class Engine:
                     self._decode_wake.wait()
                 if self._stopping:
                     return
-                self._take_handed_over_locked(heap, left, order)
+                taken = self._take_handed_over_locked(heap, left, order)
+            self._observe(taken)
             self._decode_chunk(heap, left)
 
+    def _observe(self, batches: list[_Forwarded]) -> None:
+        """Record the batches the model ran (metrics, live figures) here, before their answers are decoded:
+        the model thread, the busiest, does none of it."""
+        if self._on_batch is None:
+            return
+        for work in batches:
+            try:
+                self._on_batch(work.batch_id, len(work.jobs), work.padded_tokens,
+                               [job.started - job.arrival for job in work.jobs], work.inference_ms / 1000)
+            except Exception:
+                log.exception("recording batch metrics failed")
+
     def _take_handed_over_locked(self, heap: list[tuple[int, int, Job, int, TopK, _Forwarded]], left: dict[int, int],
-                                 order: Iterator[int]) -> None:
-        """Move the batches the model thread handed over into the decode stage's heap."""
+                                 order: Iterator[int]) -> list[_Forwarded]:
+        """Move the batches the model thread handed over into the decode stage's heap; returns them."""
         done = 0
+        taken: list[_Forwarded] = []
         while self._decoding:
             work = self._decoding.popleft()
+            taken.append(work)
             entries = [(work.jobs[i], n, topk) for indices, topk in work.groups for n, i in enumerate(indices)]
             for job, n, topk in entries:
                 heapq.heappush(heap, (job.result_bytes, next(order), job, n, topk, work))
@@ -380,6 +390,7 @@ class Engine:
         if done:
             self._undecoded -= done
             self._model_wake.notify()
+        return taken
 
     def _decode_chunk(self, heap: list[tuple[int, int, Job, int, TopK, _Forwarded]], left: dict[int, int]) -> None:
         """Predictions as JSON for the cheapest jobs of ``heap``, about ``HAND_OVER_S`` of work, handed

@@ -114,6 +114,7 @@ class Metrics:
             "fillmask_requests", "Requests by how they ended: outcome is result, error, overloaded, cancelled or "
             "dropped (connection closed first); code is the error code or the overloaded reason.",
             ["outcome", "code"], registry=registry)
+        self._answers: dict[tuple[str, str], Counter] = {}  # the labelled children of ``requests``, as used
         self.queue_wait = Histogram("fillmask_queue_wait_seconds", "Time from reading a request to the start "
                                     "of its batch.", buckets=_SECONDS, registry=registry)
         self.inference = Histogram("fillmask_inference_seconds", "Time one batch's forward pass took on "
@@ -140,7 +141,10 @@ class Metrics:
 
     def answered(self, outcome: str, code: str) -> None:
         """Count one answer handed to a client's socket, labelled by what it was (never by parsing it)."""
-        self.requests.labels(outcome, code).inc()
+        child = self._answers.get((outcome, code))
+        if child is None:  # ``labels`` checks and looks its arguments up each time: once per label pair
+            child = self._answers[(outcome, code)] = self.requests.labels(outcome, code)
+        child.inc()
 
     def dropped(self, count: int = 1) -> None:
         """Count accepted requests whose connection closed before their answer could be sent."""

@@ -312,7 +312,8 @@ class FillMaskServer:
 
     def _observe_batch(self, batch_id: int, size: int, padded_tokens: int, queue_waits_s: list[float],
                        seconds: float) -> None:
-        """Called on the model thread after each batch: the metrics and the live figures."""
+        """Called on the decode stage's thread for each batch the model ran, before its answers are
+        decoded: the metrics and the live figures."""
         self.metrics.observe_batch(batch_id, size, padded_tokens, queue_waits_s, seconds)
         self.stats.batch_ran(time.monotonic, batch_id, size, padded_tokens, seconds)
 
