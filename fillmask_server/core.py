@@ -377,6 +377,9 @@ class EngineCore:
         ``threads`` torch threads (``Scheduled.threads``): ``forwarded`` indices go to the decode stage,
         ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use."""
         outcomes: list[Outcome] = []
+        # ``seconds`` is the forward pass alone: the time spent choosing the batch (``schedule``) is the
+        # requests' queue time, not the batch's, and the cost model prices forward passes only, as the
+        # start-up calibration times them.
         started = now - seconds
         for job in batch:
             job.started = started

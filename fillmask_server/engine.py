@@ -7,14 +7,15 @@
   fails one is answered (``Rejected``), the others join the model's queue. The queue therefore holds
   only requests that can run.
 - **Model thread** (``fillmask-model``): asks the core for the next batch and runs the forward pass
-  (``FillMaskModel.forward``): tensors in, top-k tensors out, at the torch thread count the core
+  (``FillMaskModel.forward``, one call into torch): token ids in, top-k tensors out, at the torch thread count the core
   gives it (``FillMaskModel.set_threads``, called on this thread, which runs every forward pass).
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
-- **Decode stage** (``fillmask-decode``): turns top-k tensors into the pipeline's predictions and
-  serializes them (``decode.py``), cheapest first across the batches handed over, while the model
-  thread already runs the next batch (at most ``DECODE_BACKLOG`` batches ahead).
+- **Decode stage** (``fillmask-decode``): records each batch handed over (the ``on_batch`` metrics
+  and live figures, which the model thread is spared), then turns top-k tensors into the pipeline's
+  predictions and serializes them (``decode.py``), cheapest first across the batches handed over,
+  while the model thread already runs the next batch (at most ``DECODE_BACKLOG`` batches ahead).
 
 Every decision (admission, fair share, answer memory, prices, the cost model, the batch choice, which
 job is where) is the thread-free ``core.EngineCore``'s; this module keeps only the three loops, the
@@ -354,10 +355,11 @@ class Engine:
             with self._lock:
                 while not self._stopping and not self._decoding and not heap:
                     self._decode_wake.wait()
-                if self._stopping:
-                    return
-                taken = self._take_handed_over_locked(heap, left, order)
-            self._observe(taken)
+                stopping = self._stopping
+                taken = list(self._decoding) if stopping else self._take_handed_over_locked(heap, left, order)
+            self._observe(taken)  # the batches the model ran are counted, even those a stop leaves undecoded
+            if stopping:
+                return
             self._decode_chunk(heap, left)
 
     def _observe(self, batches: list[_Forwarded]) -> None:

@@ -12,13 +12,17 @@ from the lists (the attention mask from each row's length), runs the traced grap
 probabilities to the CPU and takes the top-k there (as the pipeline does: the same order of ties),
 all in one call, which gives the GIL up once.
 
-Invariants: for the same batch the result is bit for bit what the traced graph gives on tensors
-built in Python, since the graph and its inputs are the same (``tests/test_model.py``); ``probs``
-is returned only when asked for (requests with ``targets`` pick their own columns from it).
+Invariants: for the same batch the result is bit for bit what the same module gives unscripted, on
+tensors built in Python (checked at load by ``FillMaskModel._batch_graph``, and by
+``tests/test_model.py``); ``probs`` is returned only when asked for (requests with ``targets`` pick
+their own columns from it).
 
-No ``from __future__ import annotations`` here: TorchScript reads these annotations.
+No ``from __future__ import annotations`` here: TorchScript reads these annotations, and before
+torch 2.2 it reads ``Optional``/``List``/``Tuple`` only (not ``X | None``), hence the typing names.
 """
 
+import warnings
+from typing import List, Optional, Tuple  # noqa: UP035 (TorchScript, above)
 
 import torch
 
@@ -32,8 +36,8 @@ class BatchGraph(torch.nn.Module):
         self.scores = scores
         self.device = device
 
-    def forward(self, ids: list[int], lengths: list[int], rows: list[int], cols: list[int], width: int,
-                k: int, keep: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def forward(self, ids: List[int], lengths: List[int], rows: List[int], cols: List[int], width: int,  # noqa: UP006
+                k: int, keep: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:  # noqa: UP006, UP045
         """``ids``: the batch's token ids, each row padded to ``width``, flat; ``lengths``: each row's
         length before padding; ``rows``, ``cols``: the mask positions. Returns (the probabilities if
         ``keep``, else None; the top ``k`` scores and ids of every mask row), on the CPU."""
@@ -53,4 +57,6 @@ class BatchGraph(torch.nn.Module):
 
 def script(scores: torch.nn.Module, device: str) -> torch.jit.ScriptModule:
     """``BatchGraph`` around ``scores``, compiled (raises what ``torch.jit.script`` raises)."""
-    return torch.jit.script(BatchGraph(scores, device))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation notice, as the tracer's in model._trace
+        return torch.jit.script(BatchGraph(scores, device))

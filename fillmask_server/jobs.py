@@ -79,8 +79,10 @@ class Job:
     """One accepted request on its way through the stages. ``owner`` is its connection, opaque here.
 
     Written by the tokenizer stage before the job is QUEUED (``input_ids``, ``n_tokens``, ``masks``,
-    ``target_ids``, ``result_bytes``); read-only afterwards, but for ``reserved`` and ``missed``
-    (the engine core, under the engine's lock). ``state`` is written by ``advance`` only.
+    ``target_ids``, ``result_bytes``); read-only afterwards, but for ``reserved``, ``missed`` and
+    ``started`` (the engine core, under the engine's lock; ``started`` before the job is handed to
+    the decode stage, which reads it after taking the hand-over under the same lock). ``state`` is
+    written by ``advance`` only.
     """
 
     request: FillMaskRequest

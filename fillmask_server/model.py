@@ -10,7 +10,8 @@ to target ids, top-k), with two differences in *how*:
 
 - The encoder runs once per batch on padded inputs, and the MLM head only on the hidden states at
   mask positions, instead of on every position of every text (see "The head at the masks").
-- Softmax and top-k run once over all mask rows of the batch that have no targets.
+- Softmax and top-k run once over all mask rows of the batch (at the largest ``top_k`` of the
+  requests without targets); a request with targets picks its own columns from the probabilities.
 
 It returns the top-k as tensors (``TopK``); turning them into Python lists and strings is the decode stage's work
 (``decode.py``), so that the model thread can start the next batch at once.
@@ -187,7 +188,9 @@ class FillMaskModel:
         else:
             self.forward_note = "--forward eager"
         self.forward_mode = "traced" if self._scores is not None else "eager"
-        self._batch = self._batch_graph()  # a batch in one call: lists in, top-k out (graph.py)
+        # A batch in one call: lists in, top-k out (graph.py). Built from ``_scores`` and ``_head`` as they
+        # are now: whoever replaces either must build it again.
+        self._batch = self._batch_graph()
 
     def engine_facts(self) -> dict[str, str]:
         """Which path runs, for ``hello.engine``, ``/metrics`` and the start-up line (protocol.md §2)."""
@@ -393,12 +396,35 @@ class FillMaskModel:
         device = str(self.device)
         if self._scores is None:
             return graph.BatchGraph(self._masked_scores(), device)
+        plain = graph.BatchGraph(self._scores, device)
         try:
-            return graph.script(self._scores, device)
+            scripted = graph.script(self._scores, device)
+            problem = self._differs(scripted, plain)
         except Exception as exc:
-            log.warning("cannot script the batch around the traced graph (%s); its inputs are built by eager "
-                        "torch calls", _first_line(exc))
-            return graph.BatchGraph(self._scores, device)
+            problem = f"cannot script it ({_first_line(exc)})"
+        if problem is None:
+            return scripted
+        log.warning("the batch around the traced graph runs its inputs through eager torch calls: the scripted "
+                    "call %s", problem)
+        return plain
+
+    def _differs(self, scripted: Any, plain: Any) -> str | None:
+        """None when ``scripted`` gives ``plain``'s bits on padded check batches (three calls each: the
+        profiling executor optimises a graph on its first runs), else what differed."""
+        import torch
+
+        for shape in _CHECK_SHAPES[:2] + _CHECK_SHAPES[3:]:
+            ids, attention, rows, cols = (tensor.cpu() for tensor in self._check_inputs(*shape))
+            width = ids.shape[1]
+            args = (ids.flatten().tolist(), attention.sum(dim=1).tolist(), rows.tolist(), cols.tolist(), width, 5,
+                    True)
+            with torch.inference_mode():
+                want = plain(*args)
+                for _ in range(3):
+                    got = scripted(*args)
+                    if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                        return f"differs from eager torch on {ids.shape[0]} x {width} tokens"
+        return None
 
     def _check_inputs(self, rows: int, width: int, padded: int, masks: int) -> tuple[Any, ...]:
         """Deterministic inputs for tracing and checking: ``padded`` rows half padding, ``masks`` masks.

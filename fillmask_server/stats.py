@@ -6,7 +6,8 @@ to connections (their time and server-side latency) and the batches the model ra
 its own window whatever its interval. Pure bookkeeping: the caller passes the clock readings and the
 live values (queue depth, in flight, connections); nothing here touches the event loop or the engine.
 
-Thread use: ``batch_ran`` is called on the model thread and everything else on the event loop. A
+Thread use: ``batch_ran`` is called on the engine's decode stage thread (as it takes a batch from the
+model thread, before decoding it) and everything else on the event loop. A
 batch is stamped and recorded under ``_lock``, and ``snapshot`` reads the batches under it: a batch
 stamped before a snapshot's ``now`` is in that snapshot, one stamped after it in the next (stamped,
 then recorded only after a snapshot had passed, it would have fallen between two windows and been in
@@ -30,7 +31,7 @@ MAX_BATCHES_PER_FRAME = 64
 
 @dataclass(frozen=True, slots=True)
 class BatchRecord:
-    """One batch as the model thread saw it."""
+    """One batch as the model ran it, stamped when the decode stage took it over."""
 
     finished: float
     batch_id: int

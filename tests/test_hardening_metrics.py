@@ -55,7 +55,7 @@ async def test_every_outcome_batches_and_live_values(make_server: Any) -> None:
                 assert held[("fillmask_open_connections", ())] == 1
             assert (await recv(ws))["id"] == "q1"
 
-        for _ in range(100):  # the engine records a batch just after handing over its results
+        for _ in range(100):  # the decode stage records a batch before decoding its results, on its thread
             content_type, samples = await scrape(srv)
             if samples[("fillmask_batch_size_count", ())] == srv.engine.stats.batches:
                 break

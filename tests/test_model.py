@@ -127,6 +127,33 @@ def test_a_batch_without_targets_is_one_call_into_torch(traced: FillMaskModel, e
         eager.forward(batch)
 
 
+def test_the_scripted_batch_gives_the_bits_of_the_same_module_unscripted(traced: FillMaskModel) -> None:
+    """Texts of different lengths (padding: the attention mask is built from lengths inside the call),
+    several masks, every call a few times over (the profiling executor optimises after its first runs);
+    and the load-time check that would keep the unscripted module if the bits differed does catch it."""
+    from fillmask_server import graph
+
+    assert isinstance(traced._batch, torch.jit.ScriptModule)
+    plain = graph.BatchGraph(traced._scores, "cpu")
+    batch = items(traced)
+    width = max(len(item.input_ids) for item in batch)
+    ids = [t for item in batch for t in [*item.input_ids, *[traced.pad_token_id] * (width - len(item.input_ids))]]
+    masks = [(n, c) for n, item in enumerate(batch) for c, t in enumerate(item.input_ids) if t == traced.mask_token_id]
+    args = (ids, [len(item.input_ids) for item in batch], [n for n, _ in masks], [c for _, c in masks], width, 7, True)
+    with torch.inference_mode():
+        want = plain(*args)
+        for _ in range(4):
+            got = traced._batch(*args)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert traced._differs(traced._batch, plain) is None
+
+    def off_by_a_bit(*call: Any) -> Any:
+        probs, values, indices = traced._batch(*call)
+        return probs, torch.nextafter(values, values + 1), indices
+
+    assert "differs" in (traced._differs(off_by_a_bit, plain) or "")
+
+
 # --- any family, any vocabulary: the head at the masks and the traced graph, or the reason why not ---------
 
 RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
