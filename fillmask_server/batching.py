@@ -283,7 +283,7 @@ class BatchPolicy:
         if len(ready) >= self.max_batch_size or self._planned(ready, None):
             return 0.0  # a full batch is already there, or the rest of a round
         cost = cost or self.cost
-        formed = (self._pick(ready, now, None, cost)[0] if self.growth
+        formed = (self._pick(ready, now, None, cost, [])[0] if self.growth
                   else self._window(ready, self.time_limit(ready, now, cost), None, cost))
         if len(formed) < len(ready):
             return 0.0
@@ -306,10 +306,11 @@ class BatchPolicy:
         decision: Decision[J] = Decision(expired=self.expire(queue, now))
         ready = list(queue)
         owners = dict.fromkeys(job.owner for job in ready)  # the connections waiting, oldest request first
-        if self.growth or not self._planned(ready, room):
+        planned = [] if self.growth else self._planned(ready, room)
+        if not planned:
             self._fade(len(owners))  # once a round, before its window (with a fixed band, once a batch)
         self._welcome(owners, cost)
-        chosen, passed, plan = self._pick(ready, now, room, cost)
+        chosen, passed, plan = self._pick(ready, now, room, cost, planned)
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
         self._plan = plan
@@ -384,14 +385,14 @@ class BatchPolicy:
                     heapq.heappush(pending, (share[owner], next(ties), owner))
         return order
 
-    def _pick(self, ready: list[J], now: float, room: Room | None,
-              cost: Coefficients) -> tuple[list[J], list[J], list[list[J]]]:
+    def _pick(self, ready: list[J], now: float, room: Room | None, cost: Coefficients,
+              planned: list[list[J]]) -> tuple[list[J], list[J], list[list[J]]]:
         """The next batch's requests, the requests it passed over (the tail bound's misses) and, with
-        the cost model, the rest of its round (the batches planned after it)."""
+        the cost model, the rest of its round (the batches planned after it); ``planned`` is what is
+        left of the current round (``_planned``; nothing with a fixed band)."""
         if not ready:
             return [], [], []
         if not self.growth:
-            planned = self._planned(ready, room)
             if planned and not self._deadline_before_round_ends(ready, planned, now, cost):
                 return planned[0], [], planned[1:]
             groups = self._round(ready, now, room, cost)

@@ -413,7 +413,7 @@ class FillMaskModel:
         profiling executor optimises a graph on its first runs), else what differed."""
         import torch
 
-        for shape in _CHECK_SHAPES[:2] + _CHECK_SHAPES[3:]:
+        for shape in _CHECK_SHAPES[:2] + _CHECK_SHAPES[3:]:  # (32 rows of one mask add no case: padding does)
             ids, attention, rows, cols = (tensor.cpu() for tensor in self._check_inputs(*shape))
             width = ids.shape[1]
             args = (ids.flatten().tolist(), attention.sum(dim=1).tolist(), rows.tolist(), cols.tolist(), width, 5,
