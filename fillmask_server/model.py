@@ -141,11 +141,14 @@ class FillMaskModel:
         self.random_weights = getattr(model.config, "fillmask_random_weights", False) is True
         self.tokenizer = tokenizer
         self.decode_tokenizer = copy.deepcopy(tokenizer)
-        # A pure-Python tokenizer holds the GIL for every text: split with its checked fast equivalent.
+        # A pure-Python tokenizer holds the GIL for every text: split with its checked fast equivalent. A
+        # fast one is called through its checked Rust backend, without transformers' Python per text.
         self._fast_tokenizer = tokenizing.fast_equivalent(tokenizer)
         if self._fast_tokenizer is not None:
             log.info("%s is pure Python: texts are split by an equivalent fast tokenizer (the same ids on %d "
                      "check texts)", type(tokenizer).__name__, tokenizing.CHECK_TEXTS)
+        else:
+            self._fast_tokenizer = tokenizing.direct_backend(tokenizer)
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype

@@ -9,12 +9,21 @@ added token, a word-level model with the unknown token, whitespace splitting, th
 special-token template) and keeps it only if it gives the very ids of the slow tokenizer on a few
 hundred check texts: the vocabulary's tokens in random orders, with spaces, tabs, newlines, lower case,
 letters of other scripts and unknown symbols. Any other slow tokenizer (WordPiece, SentencePiece, ...)
-fails that check and keeps its own path. Only ``FillMaskModel.tokenize`` (the hot path) uses the
-result; targets and decoding keep the tokenizer itself.
+fails that check and keeps its own path.
+
+A fast tokenizer is called through its Rust backend directly (``direct_backend``): transformers' call
+wraps each text's encoding in Python objects (a dict per text, the batch's lists) while holding the
+GIL, several microseconds a text that the tokenizer stage spends on every request. The backend copy
+has truncation and padding off, and is kept only if it gives the tokenizer's own ids on the check
+texts (special tokens, whitespace, unknown symbols).
+
+Only ``FillMaskModel.tokenize`` (the hot path) uses either; targets and decoding keep the tokenizer
+itself.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from typing import Any
@@ -47,13 +56,43 @@ def fast_equivalent(tokenizer: Any) -> Any | None:
     return candidate
 
 
+def direct_backend(tokenizer: Any) -> Any | None:
+    """A copy of a fast tokenizer's ``tokenizers.Tokenizer`` (truncation and padding off) that gives the
+    tokenizer's own ids on every check text, or None: the tokenizer is slow, or its call does more than
+    its backend (the check found a text where they differ)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return None
+    try:
+        direct = _backend_copy(backend)
+        direct.no_truncation()
+        direct.no_padding()
+        texts = check_texts(tokenizer)
+        same = token_ids(direct, texts) == token_ids(tokenizer, texts)
+    except Exception as exc:  # a backend that cannot be copied or called alone: keep transformers' call
+        log.debug("%s is called through transformers: %s", type(tokenizer).__name__, exc)
+        return None
+    if not same:
+        log.info("%s's backend alone splits some check text differently from its own call; texts go through "
+                 "transformers' call", type(tokenizer).__name__)
+        return None
+    return direct
+
+
+def _backend_copy(backend: Any) -> Any:
+    """A copy of ``backend`` that the server may reconfigure (the tokenizer keeps its own)."""
+    return copy.deepcopy(backend)
+
+
 def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Each text's ids, special tokens added, unpadded and untruncated, in one batched call: through
-    transformers' tokenizer, or a ``tokenizers.Tokenizer`` (``fast_equivalent``'s) directly."""
+    transformers' tokenizer, or a ``tokenizers.Tokenizer`` (``fast_equivalent``'s or
+    ``direct_backend``'s) directly, without offsets where the library can leave them out."""
     from tokenizers import Tokenizer
 
     if isinstance(tokenizer, Tokenizer):
-        return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=True)]
+        encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # tokenizers >= 0.21
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=True)]
     return tokenizer(texts, add_special_tokens=True, return_attention_mask=False, return_token_type_ids=False,
                      verbose=False)["input_ids"]
 

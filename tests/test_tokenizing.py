@@ -1,6 +1,7 @@
 """The fast equivalent of a pure-Python tokenizer (``fillmask_server.tokenizing``): ESM's protein
 tokenizer gets one with the very same ids, a tokenizer that is fast already keeps its own, and a
-candidate that splits any check text differently is refused."""
+candidate that splits any check text differently is refused. A fast tokenizer is called through its
+Rust backend, checked the same way."""
 
 from __future__ import annotations
 
@@ -79,3 +80,49 @@ def test_the_model_splits_with_the_fast_equivalent(esm: Any) -> None:
     assert model._fast_tokenizer is not None
     texts = held_out(esm)
     assert model.tokenize(texts) == slow_ids(esm, texts)
+
+
+FAST_FAMILIES = ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta-v2", "modernbert"]
+
+
+@pytest.mark.parametrize("family", FAST_FAMILIES)
+def test_a_fast_tokenizer_is_called_through_its_backend_with_the_same_ids(family: str) -> None:
+    from tokenizers import Tokenizer
+
+    from fillmask_server.model import load_model
+
+    model = load_model(str(ensure_family(family, FAMILY_DIR)))
+    assert isinstance(model._fast_tokenizer, Tokenizer)  # the backend, not transformers' call
+    tokenizer = model.tokenizer
+    mask = tokenizer.mask_token
+    texts = [*tokenizing.check_texts(tokenizer, n=300, seed=1), f"paris is the {mask} of france.",
+             f"{mask}{mask} a\tb\nc  ", "Ünïcödé 中文 🙂 " + mask, "x " * 600 + mask]  # the last: past any length
+    assert model.tokenize(texts) == slow_ids(tokenizer, texts)
+
+
+def test_a_backend_that_splits_any_check_text_differently_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_family("bert", FAMILY_DIR))
+    assert tokenizing.direct_backend(tokenizer) is not None
+    copy_of = tokenizing._backend_copy
+
+    def without_special_tokens(backend: Any) -> Any:
+        direct = copy_of(backend)
+        direct.post_processor = None
+        return direct
+
+    monkeypatch.setattr(tokenizing, "_backend_copy", without_special_tokens)
+    assert tokenizing.direct_backend(tokenizer) is None
+
+
+def test_a_backend_copy_ignores_the_truncation_and_padding_its_tokenizer_json_sets() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_family("roberta", FAMILY_DIR))
+    tokenizer.backend_tokenizer.enable_truncation(max_length=4)
+    tokenizer.backend_tokenizer.enable_padding(length=64)
+    direct = tokenizing.direct_backend(tokenizer)
+    assert direct is not None and direct.truncation is None and direct.padding is None
+    text = "a long text of many words " * 10 + tokenizer.mask_token
+    assert len(tokenizing.token_ids(direct, [text])[0]) > 50
