@@ -21,10 +21,12 @@ from fillmask_server.protocol import (
     ERROR_CODES,
     MAX_SAFE_INTEGER,
     OVERLOADED_REASONS,
+    STATS_INTERVAL_MS,
     CancelRequest,
     FillMaskRequest,
     Limits,
     ProtocolError,
+    StatsSubscription,
     encode_error,
     encode_overloaded,
     parse_frame,
@@ -84,8 +86,10 @@ def valid_id(value: Any) -> bool:
 
 
 def check_parsed(parsed: Any, sent: Any) -> None:
-    """The invariants of §3/§5/§7 for one parse result of the object ``sent`` (None when not an object)."""
-    assert isinstance(parsed, (FillMaskRequest, CancelRequest, ProtocolError))
+    """The invariants of §3/§5/§7/§13 for one parse result of the object ``sent`` (None when not an object).
+
+    Hypothesis also draws the string constants of the code it tests, so a stats frame type comes up too."""
+    assert isinstance(parsed, (FillMaskRequest, CancelRequest, StatsSubscription, ProtocolError))
     if isinstance(parsed, ProtocolError):
         assert parsed.code in SPEC_ERROR_CODES, parsed
         assert parsed.message and "\n" not in parsed.message and "Traceback" not in parsed.message
@@ -93,6 +97,15 @@ def check_parsed(parsed: Any, sent: Any) -> None:
             assert valid_id(parsed.id) and isinstance(sent, dict) and sent.get("id") == parsed.id
         frame = orjson.loads(encode_error(parsed.id, parsed.code, parsed.message))
         assert frame["type"] == "error" and frame["id"] == parsed.id
+        return
+    if isinstance(parsed, StatsSubscription):
+        assert isinstance(sent, dict)
+        if sent.get("type") == "unsubscribe_stats":
+            assert parsed.interval_ms is None
+        else:
+            assert sent.get("type") == "subscribe_stats"
+            assert parsed.interval_ms == sent.get("interval_ms", STATS_INTERVAL_MS["default"])
+            assert STATS_INTERVAL_MS["min"] <= parsed.interval_ms <= STATS_INTERVAL_MS["max"]
         return
     assert isinstance(sent, dict) and valid_id(parsed.id) and sent["id"] == parsed.id
     assert type(sent["id"]) is type(parsed.id)  # echoed with its JSON type (§3)
