@@ -226,6 +226,7 @@ class Engine:
     # --- the stage threads --------------------------------------------------------------------------
 
     def _guarded(self, body: Callable[[], None]) -> None:
+        name_os_thread(threading.current_thread().name)
         try:
             body()
         except BaseException as exc:
@@ -439,6 +440,15 @@ class Engine:
                 self._hand_over_locked(outcomes)
             except Exception:
                 log.exception("answering the requests of the stopped engine failed")
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` (at most 15 bytes kept) in the kernel too, where ``top -H``,
+    ``ps -L`` and per-thread CPU figures (/proc/PID/task/TID/comm) see it; threads it starts later
+    inherit it (the model thread's torch workers show as ``fillmask-model``). Linux only; elsewhere,
+    or if /proc is not writable, nothing happens."""
+    with contextlib.suppress(OSError), open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+        comm.write(name[:15])
 
 
 def _out_of_memory(exc: BaseException) -> bool:

@@ -340,3 +340,16 @@ def test_a_cpu_quota_of_one_cpu_gives_one_thread_with_or_without_calibration(
         assert calibration.uncalibrated().torch_threads == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread names are read from Linux's /proc")
+def test_each_stage_thread_has_its_name_in_the_kernel_for_top_and_cpu_figures(engine: Engine) -> None:
+    engine.submit(job("named"))  # the stages are running (they name themselves when they start)
+    deadline = time.monotonic() + 10
+    wanted = {"fillmask-intake", "fillmask-model", "fillmask-decode"}
+    while True:
+        names = {(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
+        if wanted <= names or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert wanted <= names
