@@ -17,6 +17,8 @@ import orjson
 from bench.loadgen import percentile
 
 # The phase metrics that get a median over repeats: (path in a phase summary, name in the median dict).
+# the server's thread groups (bench/server_proc.thread_cpu_s) and the load generator, in table order
+CPU_GROUPS = ("model", "loop", "intake", "decode", "other", "client")
 _MEDIAN_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("throughput_rps",), "throughput_rps"),
     (("latency_ms", "p50"), "p50_ms"),
@@ -38,6 +40,7 @@ _MEDIAN_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("cpu", "server"), "cpu_server"),
     (("cpu", "client"), "cpu_client"),
     (("cpu", "other"), "cpu_other"),
+    *((("cpu", "per_request_us", group), f"cpu_us_{group}") for group in CPU_GROUPS),
     (("send_lag_max_ms",), "send_lag_max_ms"),
     (("rate_rps",), "rate_rps"),
 ]
@@ -292,8 +295,38 @@ def markdown(summary: dict[str, Any]) -> str:
                 cells += [_fmt(phase.get("rows_per_batch"), 1), _fmt(phase.get("useful_token_share"), 2)]
                 lines.append(f"| {server['name']} | {server.get('corpus', 'mixed')} | {_load(phase)} | "
                              + " | ".join(cells) + " |")
+    lines += cpu_lines(summary)
     lines += ["", "## How to read this", "", *_NOTES, ""]
     return "\n".join(lines)
+
+
+def cpu_lines(summary: dict[str, Any]) -> list[str]:
+    """The closed loops' CPU per request by thread (the section's text says how to read it)."""
+    lines = [
+        "",
+        "## CPU per request in the closed loops, µs (median of repeats)",
+        "",
+        "Each thread group's CPU time over the phase divided by the requests served. *model*: the model "
+        "thread and its torch workers; *loop*: the event loop (WebSockets, sessions, writes); *intake*, "
+        "*decode*: the engine's stages; *client*: the load generator, on the same cores. While the model "
+        "thread runs a forward pass on every core, any other thread that runs takes a core from it and "
+        "its OpenMP team waits at the next barrier, so the server's time per request comes to about the "
+        "forward pass's time alone plus everything else's CPU (README, Performance).",
+        "",
+        "| config | corpus | load | req/s | " + " | ".join(CPU_GROUPS) + " | all but model |",
+        "|---|---|---|---|" + "---|" * (len(CPU_GROUPS) + 1),
+    ]
+    for server in summary["servers"]:
+        for phase in server["phases"]:
+            if phase["mode"] != "closed" or not isinstance(phase.get("cpu_us_model"), float):
+                continue
+            values = [phase.get(f"cpu_us_{group}") for group in CPU_GROUPS]
+            rest = sum(v for group, v in zip(CPU_GROUPS, values, strict=True)
+                       if group != "model" and isinstance(v, float) and math.isfinite(v))
+            lines.append(f"| {server['name']} | {server.get('corpus', 'mixed')} | {_load(phase)} | "
+                         f"{_fmt(phase['throughput_rps'], 1)} | " + " | ".join(_fmt(v, 0) for v in values)
+                         + f" | {_fmt(rest, 0)} |")
+    return lines
 
 
 _NOTES = [

@@ -213,7 +213,10 @@ class ServerBench:
 
     async def _keep(self, key: str, result: dict[str, Any], meter: CpuMeter) -> None:
         """Store a phase result with its CPU split, then wait until the server's last batch is done."""
-        result["cpu"] = meter.stop().as_dict()
+        share = meter.stop()
+        result["cpu"] = share.as_dict()
+        if result.get("mode") != "idle":
+            result["cpu"]["per_request_us"] = share.per_request_us(result.get("throughput_rps", 0.0))
         self.raw.setdefault(key, []).append(result)
         result["settle_s"] = await settle(self.server.url)
 
@@ -417,6 +420,7 @@ async def run_families(settings: Settings) -> dict[str, Any]:
                     "limit_rps": pipe["limit_rps"], "vs_pipeline": best["throughput_rps"] / pipe["best_rps"],
                     "vs_limit": best["throughput_rps"] / pipe["limit_rps"],
                     "cpu_other_server": best.get("cpu_other"), "cpu_other_pipeline": pipe["cpu_other"],
+                    **{f"cpu_us_{group}": best.get(f"cpu_us_{group}") for group in report.CPU_GROUPS},
                     "tokens": corpus_stats(texts, token_counts), "server": server, "pipeline": raw}
             pairs[family].append(pair)
             log(f"family {family} r{r}: {pair['engine']}; server {pair['server_rps']:.0f} req/s "
@@ -427,7 +431,7 @@ async def run_families(settings: Settings) -> dict[str, Any]:
         first = measured[0]
         row = {key: report.median([m[key] for m in measured]) for key in (
             "server_rps", "pipeline_rps", "limit_rps", "vs_pipeline", "vs_limit", "cpu_other_server",
-            "cpu_other_pipeline")}
+            "cpu_other_pipeline", *(f"cpu_us_{group}" for group in report.CPU_GROUPS))}
         row.update({"family": family, "engine": first["engine"], "tokens": first["tokens"],
                     "in_flight": [m["in_flight"] for m in measured],
                     "pipeline_batch_size": [m["pipeline_batch_size"] for m in measured],
@@ -464,8 +468,9 @@ def families_markdown(summary: dict[str, Any]) -> str:
         f"≥ {FAMILY_GOALS['limit']}x its in-process limit, with `forward: traced` and `head: masks`.",
         "",
         "| family | tokens (min–max) | forward | head | server req/s (K) | best pipeline req/s (N) | in-process "
-        "limit req/s | server ÷ pipeline (range) | server ÷ limit (range) | others' CPU cores (server / pipeline) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "limit req/s | server ÷ pipeline (range) | server ÷ limit (range) | others' CPU cores (server / pipeline) | "
+        "CPU µs per request: model / rest of the server / load generator |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["families"]:
         engine, tokens = row["engine"], row["tokens"]
@@ -481,10 +486,24 @@ def families_markdown(summary: dict[str, Any]) -> str:
             f"{row['pipeline_rps']:.0f} ({','.join(map(str, row['pipeline_batch_size']))}) | {row['limit_rps']:.0f} | "
             f"{mark(row['vs_pipeline'], FAMILY_GOALS['pipeline'], row['vs_pipeline_range'])} | "
             f"{mark(row['vs_limit'], FAMILY_GOALS['limit'], row['vs_limit_range'])} | "
-            f"{_cores(row['cpu_other_server'])} / {_cores(row['cpu_other_pipeline'])} |")
+            f"{_cores(row['cpu_other_server'])} / {_cores(row['cpu_other_pipeline'])} | {_cpu_split(row)} |")
     lines += ["", "Others' CPU: cores used by other processes on the machine during the measurement (it is "
-              "shared); a ratio measured while others used much of the machine is noisy.", ""]
+              "shared); a ratio measured while others used much of the machine is noisy.",
+              "", "CPU per request: the server's threads and the load generator over the best closed loop "
+              "(results.md, CPU per request, says how to read it): *model* is the model thread and its torch "
+              "workers, *rest of the server* the event loop and the two stages.", ""]
     return "\n".join(lines)
+
+
+def _cpu_split(row: dict[str, Any]) -> str:
+    """``model / rest of the server / load generator`` µs per request, '?' where not measured."""
+    def known(value: Any) -> bool:
+        return isinstance(value, int | float) and value == value
+
+    rest = [row.get(f"cpu_us_{group}") for group in report.CPU_GROUPS if group not in ("model", "client")]
+    cells = [row.get("cpu_us_model"), sum(v for v in rest if known(v)) if any(known(v) for v in rest) else None,
+             row.get("cpu_us_client")]
+    return " / ".join(f"{v:.0f}" if known(v) else "?" for v in cells)
 
 
 def _cores(value: Any) -> str:

@@ -20,9 +20,10 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"^ready: (ws://127\.0\.0\.1:(\d+)/)")
@@ -157,6 +158,32 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
 
 
+THREAD_GROUPS = {"fillmask-model": "model", "fillmask-intake": "intake", "fillmask-decode": "decode"}
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """Per thread of process ``pid``: (its group, user + system CPU seconds), from ``/proc/PID/task``.
+
+    Groups: ``loop`` (the main thread: the event loop), ``model`` (the model thread and the torch workers
+    it started, which inherit its name), ``intake``, ``decode`` (the engine's stages name their threads,
+    ``engine.name_os_thread``), ``other`` (anything else). Threads that end in between are not seen.
+    """
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended meanwhile
+        group = "loop" if int(tid) == pid else THREAD_GROUPS.get(comm, "other")
+        out[int(tid)] = (group, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return out
+
+
 def machine_cpu_s() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine since boot, summed over cores, from ``/proc/stat``."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
@@ -167,16 +194,25 @@ def machine_cpu_s() -> tuple[float, float]:
 
 @dataclass
 class CpuShare:
-    """Average cores used during a phase: by the server, by the load generator, by everyone else."""
+    """Average cores used during a phase: by the server, by the load generator, by everyone else; and
+    the server's by thread group (``thread_cpu_s``)."""
 
     server: float
     client: float
     other: float
     cores: int
+    threads: dict[str, float] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, Any]:
         return {"server": round(self.server, 2), "client": round(self.client, 2), "other": round(self.other, 2),
-                "cores": self.cores}
+                "cores": self.cores, "threads": {name: round(value, 3) for name, value in self.threads.items()}}
+
+    def per_request_us(self, rate: float) -> dict[str, float]:
+        """CPU microseconds per request at ``rate`` req/s: each server thread group's and the load
+        generator's (``client``); empty when nothing was served."""
+        if not rate > 0:
+            return {}
+        return {name: round(cores * 1e6 / rate, 1) for name, cores in {**self.threads, "client": self.client}.items()}
 
 
 class CpuMeter:
@@ -189,6 +225,7 @@ class CpuMeter:
         self.server_pid = server_pid
         self._t0 = time.perf_counter()
         self._server0 = process_cpu_s(server_pid) if server_pid else 0.0
+        self._threads0 = thread_cpu_s(server_pid) if server_pid else {}
         self._client0 = _self_cpu_s()
         self._busy0, _ = machine_cpu_s()
 
@@ -197,7 +234,12 @@ class CpuMeter:
         server = (process_cpu_s(self.server_pid) - self._server0) / wall if self.server_pid else 0.0
         client = (_self_cpu_s() - self._client0) / wall
         busy = (machine_cpu_s()[0] - self._busy0) / wall
-        return CpuShare(server, client, max(0.0, busy - server - client), os.cpu_count() or 1)
+        threads: dict[str, float] = {}
+        if self.server_pid:
+            for tid, (group, seconds) in thread_cpu_s(self.server_pid).items():
+                used = seconds - self._threads0.get(tid, (group, 0.0))[1]
+                threads[group] = threads.get(group, 0.0) + used / wall
+        return CpuShare(server, client, max(0.0, busy - server - client), os.cpu_count() or 1, threads)
 
 
 def _self_cpu_s() -> float:

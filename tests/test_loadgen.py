@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -110,3 +112,44 @@ def test_the_health_probers_phase_is_apart_from_the_capacity_and_gives_the_healt
     health = next(row for target, row in rows.items() if "/healthz" in target)
     assert health["value"] == 9.0
     assert report._load(probed) == "closed 32×4 + /healthz"
+
+
+
+def _burn(seconds: float) -> None:
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread CPU is read from Linux's /proc")
+def test_the_cpu_meter_splits_a_process_by_its_named_threads() -> None:
+    """A thread named as the engine's decode stage names itself is counted as ``decode``, the main
+    thread as ``loop``; per request divides by the rate, and the load generator is ``client``."""
+    from bench.server_proc import CpuMeter
+    from fillmask_server.engine import name_os_thread
+
+    burnt, done = threading.Event(), threading.Event()
+
+    def decode_stage() -> None:
+        name_os_thread("fillmask-decode")
+        _burn(0.2)
+        burnt.set()
+        done.wait(30)  # alive when the meter stops: a thread that ended is not seen
+
+    meter = CpuMeter(os.getpid())  # this process plays the server
+    worker = threading.Thread(target=decode_stage)
+    worker.start()
+    try:
+        _burn(0.05)
+        assert burnt.wait(30)
+        share = meter.stop()
+    finally:
+        done.set()
+        worker.join(timeout=30)
+    assert share.threads["decode"] > 0.0 and share.threads["loop"] > 0.0
+    # CPU seconds over wall seconds: the decode thread's 0.2 s are most of what it used in the window
+    assert share.threads["decode"] > share.threads.get("model", 0.0)
+    per = share.per_request_us(100.0)
+    assert per["decode"] == pytest.approx(share.threads["decode"] * 1e4, rel=0.01)
+    assert {"loop", "decode", "client"} <= set(per)
+    assert share.per_request_us(0.0) == {}
