@@ -20,6 +20,8 @@ It prints one JSON object on its last stdout line:
 
 With ``--family NAME`` (a checkpoint of ``fillmask_server.checkpoint.write_family``) the corpus is
 ``family_texts``: the same texts with that model's mask token, or protein sequences for ``esm``.
+With ``--limit-only`` it measures the limits alone (no pipeline, no single calls): ``bench/run.py``
+measures them again after the servers, so that a ratio's two figures bracket the server's in time.
 """
 
 from __future__ import annotations
@@ -177,6 +179,22 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
     }
 
 
+def measure_limits_only(model_dir: str, dtype: str, n_texts: int, repeats: int, seed: int, gate: QuietGate,
+                        corpus_name: str = "mixed", family: str = "") -> dict[str, Any]:
+    """The in-process limits alone, on the texts ``measure`` would use (``--limit-only``)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    corpus = CORPORA[corpus_name](seed=seed)
+    if family:
+        from transformers import AutoTokenizer
+
+        corpus = family_texts(corpus_name, family, AutoTokenizer.from_pretrained(model_dir).mask_token, seed)
+    texts = [corpus[i % len(corpus)] for i in range(n_texts)]
+    limit, limit_forward_only = in_process_limit(model_dir, dtype, texts, repeats, gate)
+    return {"model": model_dir, "dtype": dtype, "corpus": corpus_name, "limit": limit,
+            "limit_forward_only": limit_forward_only, "n_texts": n_texts,
+            "quiet_waits": {"count": gate.waits, "waited_s": round(gate.waited_s, 1)}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Time the in-process fill-mask pipeline on the bench corpus.")
     parser.add_argument("--model", required=True, help="checkpoint directory")
@@ -191,7 +209,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="before each timed call, wait up to this many seconds for a quiet machine")
     parser.add_argument("--wait-budget", type=float, default=0.0, help="most seconds of such waiting in all")
     parser.add_argument("--family", default="", help="the model is this family's checkpoint: use family_texts")
+    parser.add_argument("--limit-only", action="store_true", help="measure the in-process limits alone")
     args = parser.parse_args(argv)
+    if args.limit_only:
+        result = measure_limits_only(args.model, args.dtype, args.texts, args.repeats, args.seed,
+                                     QuietGate(args.wait_quiet, args.wait_budget), args.corpus, args.family)
+        sys.stdout.write(orjson.dumps(result).decode() + "\n")
+        return 0
     result = measure(args.model, args.dtype, [int(s) for s in args.batch_sizes.split(",")], args.texts,
                      args.repeats, args.singles, args.seed, QuietGate(args.wait_quiet, args.wait_budget), args.corpus,
                      args.family)

@@ -109,6 +109,36 @@ def pipeline_summary(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 
+LIMIT_DRIFT = 0.2  # an in-process limit that moved more than this between before and after the servers is flagged
+
+
+def bracket_limit(pipe: dict[str, Any], after: list[float]) -> None:
+    """Fold the limits measured after the servers into ``pipe``: ``limit_rps`` becomes the mean of the
+    medians before and after (the machine's speed drifts; the servers ran in between), the two are
+    kept, and ``limit_drift`` is after ÷ before − 1."""
+    before, later = pipe.get("limit_rps", math.nan), median(after)
+    if not (math.isfinite(before) and math.isfinite(later)):
+        return
+    pipe.update({"limit_before_rps": before, "limit_after_rps": later, "limit_rps": (before + later) / 2,
+                 "limit_drift": later / before - 1})
+
+
+def limit_note(pipe: dict[str, Any]) -> str:
+    """`` (limit before B, after A)``, with a warning when it moved more than ``LIMIT_DRIFT``; '' if not bracketed."""
+    if "limit_after_rps" not in pipe:
+        return ""
+    drift = pipe["limit_drift"]
+    warning = f"; ⚠ it moved {100 * drift:+.0f}%: read the ratio as noise" if abs(drift) > LIMIT_DRIFT else ""
+    return f" (limit before {pipe['limit_before_rps']:.1f}, after {pipe['limit_after_rps']:.1f}{warning})"
+
+
+def _brackets(pipe: dict[str, Any]) -> str:
+    if "limit_after_rps" not in pipe:
+        return ""
+    warning = " ⚠" if abs(pipe["limit_drift"]) > LIMIT_DRIFT else ""
+    return f" ({pipe['limit_before_rps']:.1f} / {pipe['limit_after_rps']:.1f}{warning})"
+
+
 def capacity(server: dict[str, Any]) -> float:
     """A server config's capacity: the best closed-loop median throughput over its in-flight depths."""
     closed = [p["throughput_rps"] for p in server["phases"] if p["mode"] == "closed"]
@@ -145,7 +175,8 @@ def _corpus_targets(summary: dict[str, Any], corpus: str) -> list[dict[str, Any]
         value = capacity(server) / pipe[against]
         best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
         rows.append({"target": f"[{corpus}] {label}",
-                     "measured": f"{capacity(server):.1f} / {pipe[against]:.1f} req/s",
+                     "measured": f"{capacity(server):.1f} / {pipe[against]:.1f} req/s"
+                                 + (limit_note(pipe) if against == "limit_rps" else ""),
                      "value": value, "goal": f"≥ {goal:g}×", "shown": f"{value:.2f}×", "pass": value >= goal,
                      "other_cores": [best.get("cpu_other"), pipe.get("cpu_other")]})
 
@@ -233,7 +264,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "## In-process: `pipeline(texts, batch_size=N)` and the in-process limit, req/s, median of repeats",
         "",
         "*limit*: the server's own code without sockets or threads (texts sorted by length, batches of 32, one "
-        "tokenizer call, one forward pass with the head at the masks, decoded to the pipeline's JSON); "
+        "tokenizer call, one forward pass with the head at the masks, decoded to the pipeline's JSON), measured "
+        "before the servers and again after them: the mean of the two (before / after; ⚠ where they differ by "
+        f"more than {100 * LIMIT_DRIFT:.0f}%: the machine's speed moved during the run); "
         "*forward only*: the same without the decoding.",
         "",
         "| model | corpus | " + " | ".join(f"N={n}" for n in summary["settings"]["pipeline_batch_sizes"])
@@ -245,7 +278,8 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| {pipe['name']} | {pipe.get('corpus', 'mixed')} | " + " | ".join(cells)
                      + f" | **{pipe['best_rps']:.1f}** (N={pipe['best_batch_size']}) | "
                      f"{pipe['single_p50_ms']:.2f} / {pipe['single_p99_ms']:.2f} | "
-                     f"{_fmt(pipe.get('limit_rps'), 1)} | {_fmt(pipe.get('limit_forward_only_rps'), 1)} | "
+                     f"{_fmt(pipe.get('limit_rps'), 1)}{_brackets(pipe)} | "
+                     f"{_fmt(pipe.get('limit_forward_only_rps'), 1)} | "
                      f"{_other(pipe.get('cpu_other'))} |")
     lines += [
         "",

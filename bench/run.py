@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import math
 import os
 import platform
 import shlex
@@ -171,11 +172,12 @@ def ensure_checkpoint(size: str, models: Path) -> Path:
 
 
 def measure_pipeline(model_dir: Path, dtype: str, corpus: str, settings: Settings, timing: Timing,
-                     family: str = "") -> dict[str, Any]:
+                     family: str = "", limit_only: bool = False) -> dict[str, Any]:
     """Run ``bench.pipeline_limits`` in a child process and return its raw JSON.
 
     Only the float32 pipeline is a target's denominator; a bfloat16 one (information) gets one repeat.
-    ``family``: the model is that family's checkpoint (its corpus is ``family_texts``).
+    ``family``: the model is that family's checkpoint (its corpus is ``family_texts``). ``limit_only``:
+    the in-process limits alone, measured again after the servers (``report.bracket_limit``).
     """
     repeats = timing.repeats if dtype == "float32" else 1
     command = [sys.executable, "-m", "bench.pipeline_limits", "--model", str(model_dir), "--dtype", dtype,
@@ -186,6 +188,8 @@ def measure_pipeline(model_dir: Path, dtype: str, corpus: str, settings: Setting
                "--wait-budget", str(max(0.0, min(60.0, settings.gate.budget_s - settings.gate.waited_s)))]
     if family:
         command += ["--family", family]
+    if limit_only:
+        command.append("--limit-only")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     meter = CpuMeter(None)  # the worker is a child: its CPU shows as "client" once it is reaped
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -385,6 +389,12 @@ async def run_all(settings: Settings) -> dict[str, Any]:
             for config in server_configs(size, settings.in_flight, corpus):
                 summary["servers"].append(await measure_server(config, model_dir, texts, token_counts, settings,
                                                                timing))
+            fp32 = next(p for p in summary["pipelines"] if p["name"] == f"{size} fp32" and p["corpus"] == corpus)
+            after = measure_pipeline(model_dir, "float32", corpus, settings, timing, limit_only=True)
+            summary["raw_pipelines"][f"{size} fp32 {corpus} limit after the servers"] = after
+            report.bracket_limit(fp32, after["limit"])
+            log(f"in-process limit {size} fp32 {corpus} after the servers: {fp32.get('limit_after_rps', math.nan):.1f} "
+                f"req/s (before {fp32.get('limit_before_rps', math.nan):.1f}; the ratios use the mean)")
             summary["corpora"][corpus] = corpus_stats(texts, token_counts)
     return summary
 
@@ -413,11 +423,17 @@ async def run_families(settings: Settings) -> dict[str, Any]:
             config = ServerConfig(family, "family", FAMILY_CORPUS, (), settings.in_flight, open_loop=False,
                                   idle=False, probe=False)
             server = await measure_server(config, model_dir, texts, token_counts, settings, once)
+            after = measure_pipeline(model_dir, "float32", FAMILY_CORPUS, settings, once, family=family,
+                                     limit_only=True)
+            report.bracket_limit(pipe, after["limit"])
+            raw["limit_after_the_server"] = after
             best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
             pair = {"engine": server["engine"], "server_rps": best["throughput_rps"],
                     "in_flight": best.get("in_flight"), "pipeline_rps": pipe["best_rps"],
                     "pipeline_batch_size": pipe["best_batch_size"],
-                    "limit_rps": pipe["limit_rps"], "vs_pipeline": best["throughput_rps"] / pipe["best_rps"],
+                    "limit_rps": pipe["limit_rps"], "limit_before_rps": pipe.get("limit_before_rps", math.nan),
+                    "limit_after_rps": pipe.get("limit_after_rps", math.nan),
+                    "vs_pipeline": best["throughput_rps"] / pipe["best_rps"],
                     "vs_limit": best["throughput_rps"] / pipe["limit_rps"],
                     "cpu_other_server": best.get("cpu_other"), "cpu_other_pipeline": pipe["cpu_other"],
                     **{f"cpu_us_{group}": best.get(f"cpu_us_{group}") for group in report.CPU_GROUPS},
@@ -430,7 +446,8 @@ async def run_families(settings: Settings) -> dict[str, Any]:
     for family, measured in pairs.items():
         first = measured[0]
         row = {key: report.median([m[key] for m in measured]) for key in (
-            "server_rps", "pipeline_rps", "limit_rps", "vs_pipeline", "vs_limit", "cpu_other_server",
+            "server_rps", "pipeline_rps", "limit_rps", "limit_before_rps", "limit_after_rps", "vs_pipeline",
+            "vs_limit", "cpu_other_server",
             "cpu_other_pipeline", *(f"cpu_us_{group}" for group in report.CPU_GROUPS))}
         row.update({"family": family, "engine": first["engine"], "tokens": first["tokens"],
                     "in_flight": [m["in_flight"] for m in measured],
@@ -459,7 +476,9 @@ def families_markdown(summary: dict[str, Any]) -> str:
         f"corpus (one mask; ESM: protein sequences of 8-14 residues). Server: `ws_server.py`, closed loop, "
         f"{summary['settings']['clients']} clients x K in flight (best K of {summary['settings']['in_flight']}). "
         f"Pipeline: `pipeline(list, batch_size=N)`, best N of {summary['settings']['pipeline_batch_sizes']}. "
-        "In-process limit: the server's own code without sockets or threads (`bench/pipeline_limits.py`). "
+        "In-process limit: the server's own code without sockets or threads (`bench/pipeline_limits.py`), "
+        "measured right before the family's server and again right after it; the ratio uses the mean of the two "
+        f"(⚠: they differ by more than {100 * report.LIMIT_DRIFT:.0f}%, the machine's speed moved). "
         f"{summary['settings']['repeats']} repeats; in each, a family's pipeline and limit were measured right "
         "before its server; the table gives medians over the repeats (ratios: the median of the per-repeat "
         "ratios, with their range).",
@@ -468,8 +487,8 @@ def families_markdown(summary: dict[str, Any]) -> str:
         f"≥ {FAMILY_GOALS['limit']}x its in-process limit, with `forward: traced` and `head: masks`.",
         "",
         "| family | tokens (min–max) | forward | head | server req/s (K) | best pipeline req/s (N) | in-process "
-        "limit req/s | server ÷ pipeline (range) | server ÷ limit (range) | others' CPU cores (server / pipeline) | "
-        "CPU µs per request: model / rest of the server / load generator |",
+        "limit req/s (before / after the server) | server ÷ pipeline (range) | server ÷ limit (range) | "
+        "others' CPU cores (server / pipeline) | CPU µs per request: model / rest of the server / load generator |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["families"]:
@@ -483,7 +502,7 @@ def families_markdown(summary: dict[str, Any]) -> str:
             f"| {row['family']} | {tokens.get('tokens_min', '?')}–{tokens.get('tokens_max', '?')} | "
             f"{engine.get('forward', '?')} | {engine.get('head', '?')} | "
             f"{row['server_rps']:.0f} ({','.join(map(str, row['in_flight']))}) | "
-            f"{row['pipeline_rps']:.0f} ({','.join(map(str, row['pipeline_batch_size']))}) | {row['limit_rps']:.0f} | "
+            f"{row['pipeline_rps']:.0f} ({','.join(map(str, row['pipeline_batch_size']))}) | {_limit_cell(row)} | "
             f"{mark(row['vs_pipeline'], FAMILY_GOALS['pipeline'], row['vs_pipeline_range'])} | "
             f"{mark(row['vs_limit'], FAMILY_GOALS['limit'], row['vs_limit_range'])} | "
             f"{_cores(row['cpu_other_server'])} / {_cores(row['cpu_other_pipeline'])} | {_cpu_split(row)} |")
@@ -493,6 +512,15 @@ def families_markdown(summary: dict[str, Any]) -> str:
               "(results.md, CPU per request, says how to read it): *model* is the model thread and its torch "
               "workers, *rest of the server* the event loop and the two stages.", ""]
     return "\n".join(lines)
+
+
+def _limit_cell(row: dict[str, Any]) -> str:
+    """The limit a ratio used (the mean of before and after the server) and the two, where measured."""
+    before, after = row.get("limit_before_rps"), row.get("limit_after_rps")
+    if not (isinstance(before, float) and isinstance(after, float) and math.isfinite(before) and math.isfinite(after)):
+        return f"{row['limit_rps']:.0f}"
+    warning = " ⚠" if abs(after / before - 1) > report.LIMIT_DRIFT else ""
+    return f"{row['limit_rps']:.0f} ({before:.0f} / {after:.0f}{warning})"
 
 
 def _cpu_split(row: dict[str, Any]) -> str:

@@ -153,3 +153,40 @@ def test_the_cpu_meter_splits_a_process_by_its_named_threads() -> None:
     assert per["decode"] == pytest.approx(share.threads["decode"] * 1e4, rel=0.01)
     assert {"loop", "decode", "client"} <= set(per)
     assert share.per_request_us(0.0) == {}
+
+
+def test_the_limit_is_measured_before_and_after_the_servers_and_the_ratio_uses_their_mean() -> None:
+    """A limit that drifts while the servers run (the machine's speed moves) is bracketed: the ratio
+    uses the mean of before and after, the target row shows both, and a drift past LIMIT_DRIFT warns."""
+    from bench import report
+
+    server = {"name": "tiny fp32", "size": "tiny", "corpus": "short",
+              "phases": [{"mode": "closed", "clients": 32, "in_flight": 4, "throughput_rps": 300.0}]}
+    steady = {"name": "tiny fp32", "corpus": "short", "best_rps": 100.0, "limit_rps": 380.0}
+    report.bracket_limit(steady, [420.0, 400.0, 440.0])  # after: median 420
+    assert steady["limit_rps"] == pytest.approx(400.0) and steady["limit_drift"] == pytest.approx(420 / 380 - 1)
+    summary = {"settings": {"corpora": ["short"]}, "servers": [server], "pipelines": [steady]}
+    row = next(r for r in report.targets(summary) if "in-process limit" in r["target"])
+    assert row["value"] == pytest.approx(0.75)
+    assert "before 380.0, after 420.0" in row["measured"] and "⚠" not in row["measured"]
+    moved = {"name": "tiny fp32", "corpus": "short", "best_rps": 100.0, "limit_rps": 300.0}
+    report.bracket_limit(moved, [500.0])
+    summary["pipelines"] = [moved]
+    row = next(r for r in report.targets(summary) if "in-process limit" in r["target"])
+    assert row["value"] == pytest.approx(0.75) and "⚠ it moved +67%" in row["measured"]
+    unbracketed = {"limit_rps": 10.0}
+    report.bracket_limit(unbracketed, [])
+    assert unbracketed == {"limit_rps": 10.0} and report.limit_note(unbracketed) == ""
+
+
+def test_the_limit_only_mode_measures_the_limits_on_the_family_corpus(tiny_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import pipeline_limits
+    from bench.server_proc import QuietGate
+
+    monkeypatch.setattr(pipeline_limits, "MIN_TIMED_S", 0.0)  # one pass each: this checks the shape, not speed
+    result = pipeline_limits.measure_limits_only(str(tiny_model_dir), "float32", 8, 2, 0, QuietGate(0.0, 0.0),
+                                                 "short", family="bert")
+    assert len(result["limit"]) == 2 and len(result["limit_forward_only"]) == 2
+    assert all(rate > 0 for rate in result["limit"] + result["limit_forward_only"])
+    assert result["n_texts"] == 8 and result["corpus"] == "short"
