@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -159,7 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--seed", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the seed design (bench/peers/seed.py) at the same load")
-    return asyncio.run(main_async(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    missing = [name for name in ("starlette", "uvicorn") if args.seed and importlib.util.find_spec(name) is None]
+    if missing:  # found out now, not after minutes of sweep whose output would be lost
+        parser.error(f"the seed design needs {' and '.join(missing)}: run `.venv/bin/pip install -e '.[bench]'`, "
+                     "or pass --no-seed")
+    return asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -190,3 +190,20 @@ def test_the_limit_only_mode_measures_the_limits_on_the_family_corpus(tiny_model
     assert len(result["limit"]) == 2 and len(result["limit_forward_only"]) == 2
     assert all(rate > 0 for rate in result["limit"] + result["limit_forward_only"])
     assert result["n_texts"] == 8 and result["corpus"] == "short"
+
+
+def test_the_sweep_stops_at_once_when_the_seed_peer_cannot_run(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/adaptive.py runs the seed design last: without its packages it must say so before the
+    sweep, not lose minutes of output when it gets there."""
+    import importlib.util
+
+    from bench import adaptive
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    with pytest.raises(SystemExit) as stopped:
+        adaptive.main(["--sizes", "tiny"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs uvicorn" in err and "pip install -e '.[bench]'" in err and "--no-seed" in err
