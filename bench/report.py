@@ -16,9 +16,9 @@ import orjson
 
 from bench.loadgen import percentile
 
-# The phase metrics that get a median over repeats: (path in a phase summary, name in the median dict).
 # the server's thread groups (bench/server_proc.thread_cpu_s) and the load generator, in table order
 CPU_GROUPS = ("model", "loop", "intake", "decode", "other", "client")
+# The phase metrics that get a median over repeats: (path in a phase summary, name in the median dict).
 _MEDIAN_FIELDS: list[tuple[tuple[str, ...], str]] = [
     (("throughput_rps",), "throughput_rps"),
     (("latency_ms", "p50"), "p50_ms"),
@@ -106,7 +106,6 @@ def pipeline_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "limit_rps": median(raw.get("limit", [])),
         "limit_forward_only_rps": median(raw.get("limit_forward_only", [])),
     }
-
 
 
 LIMIT_DRIFT = 0.2  # an in-process limit that moved more than this between before and after the servers is flagged
@@ -267,6 +266,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "tokenizer call, one forward pass with the head at the masks, decoded to the pipeline's JSON), measured "
         "before the servers and again after them: the mean of the two (before / after; ⚠ where they differ by "
         f"more than {100 * LIMIT_DRIFT:.0f}%: the machine's speed moved during the run); "
+        "*forward only* is from before the servers alone; "
         "*forward only*: the same without the decoding.",
         "",
         "| model | corpus | " + " | ".join(f"N={n}" for n in summary["settings"]["pipeline_batch_sizes"])
@@ -347,9 +347,10 @@ def cpu_lines(summary: dict[str, Any]) -> list[str]:
         "its OpenMP team waits at the next barrier, so the server's time per request comes to about the "
         "forward pass's time alone plus everything else's CPU (README, Performance).",
         "",
-        "| config | corpus | load | req/s | " + " | ".join(CPU_GROUPS) + " | all but model |",
+        "| config | corpus | load | req/s | " + " | ".join(CPU_GROUPS) + " | all but model (client too) |",
         "|---|---|---|---|" + "---|" * (len(CPU_GROUPS) + 1),
     ]
+    rows = 0
     for server in summary["servers"]:
         for phase in server["phases"]:
             if phase["mode"] != "closed" or not isinstance(phase.get("cpu_us_model"), float):
@@ -360,7 +361,8 @@ def cpu_lines(summary: dict[str, Any]) -> list[str]:
             lines.append(f"| {server['name']} | {server.get('corpus', 'mixed')} | {_load(phase)} | "
                          f"{_fmt(phase['throughput_rps'], 1)} | " + " | ".join(_fmt(v, 0) for v in values)
                          + f" | {_fmt(rest, 0)} |")
-    return lines
+            rows += 1
+    return lines if rows else []  # results from before the table have no figures for it
 
 
 _NOTES = [

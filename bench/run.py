@@ -53,7 +53,7 @@ import orjson
 
 from bench import report
 from bench.corpus import CORPORA, corpus_stats
-from bench.loadgen import closed_loop, idle_single, open_loop, run_probe, settle
+from bench.loadgen import Recorder, closed_loop, idle_single, open_loop, run_probe, settle
 from bench.server_proc import ROOT, CpuMeter, QuietGate, ServerProcess
 from fillmask_server.checkpoint import FAMILIES, FAMILY_SHAPES
 
@@ -203,6 +203,16 @@ def measure_pipeline(model_dir: Path, dtype: str, corpus: str, settings: Setting
     return raw
 
 
+def limit_after(model_dir: Path, corpus: str, settings: Settings, timing: Timing, family: str = "") -> dict[str, Any]:
+    """The in-process limits again, after the servers; on failure ``{}`` and a log line (the servers'
+    figures are kept, and the ratios use the limit from before alone)."""
+    try:
+        return measure_pipeline(model_dir, "float32", corpus, settings, timing, family=family, limit_only=True)
+    except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+        log(f"the in-process limit after the servers failed ({type(exc).__name__}); the ratios use the one before")
+        return {}
+
+
 class ServerBench:
     """The phases run against one started server; every phase's raw summary is kept under its key."""
 
@@ -219,8 +229,8 @@ class ServerBench:
         """Store a phase result with its CPU split, then wait until the server's last batch is done."""
         share = meter.stop()
         result["cpu"] = share.as_dict()
-        if result.get("mode") != "idle":
-            result["cpu"]["per_request_us"] = share.per_request_us(result.get("throughput_rps", 0.0))
+        if "answered_in_span" in result:  # the closed loops: every answer over the meter's span
+            result["cpu"]["per_request_us"] = share.per_request_us(result["answered_in_span"])
         self.raw.setdefault(key, []).append(result)
         result["settle_s"] = await settle(self.server.url)
 
@@ -250,8 +260,11 @@ class ServerBench:
         label = f"closed K={k}" + (" + /healthz" if probe else "")
         await quiet(self.settings, f"{self.config.label} r{r} {label}")
         meter = CpuMeter(self.server.pid)
+        recorder = Recorder()
         result = await closed_loop(self.server.url, self.texts, self.settings.clients, k, timing.warmup_s,
-                                   timing.closed_s, on_window=on_window, token_counts=self.token_counts)
+                                   timing.closed_s, on_window=on_window, token_counts=self.token_counts,
+                                   recorder=recorder)
+        result["answered_in_span"] = sum(1 for kind in recorder.kind if kind)  # warm-up and window
         if probe:
             result["mode"] = "probed"
         await self._keep(label, result, meter)
@@ -390,9 +403,9 @@ async def run_all(settings: Settings) -> dict[str, Any]:
                 summary["servers"].append(await measure_server(config, model_dir, texts, token_counts, settings,
                                                                timing))
             fp32 = next(p for p in summary["pipelines"] if p["name"] == f"{size} fp32" and p["corpus"] == corpus)
-            after = measure_pipeline(model_dir, "float32", corpus, settings, timing, limit_only=True)
+            after = limit_after(model_dir, corpus, settings, timing)
             summary["raw_pipelines"][f"{size} fp32 {corpus} limit after the servers"] = after
-            report.bracket_limit(fp32, after["limit"])
+            report.bracket_limit(fp32, after.get("limit", []))
             log(f"in-process limit {size} fp32 {corpus} after the servers: {fp32.get('limit_after_rps', math.nan):.1f} "
                 f"req/s (before {fp32.get('limit_before_rps', math.nan):.1f}; the ratios use the mean)")
             summary["corpora"][corpus] = corpus_stats(texts, token_counts)
@@ -423,9 +436,8 @@ async def run_families(settings: Settings) -> dict[str, Any]:
             config = ServerConfig(family, "family", FAMILY_CORPUS, (), settings.in_flight, open_loop=False,
                                   idle=False, probe=False)
             server = await measure_server(config, model_dir, texts, token_counts, settings, once)
-            after = measure_pipeline(model_dir, "float32", FAMILY_CORPUS, settings, once, family=family,
-                                     limit_only=True)
-            report.bracket_limit(pipe, after["limit"])
+            after = limit_after(model_dir, FAMILY_CORPUS, settings, once, family)
+            report.bracket_limit(pipe, after.get("limit", []))
             raw["limit_after_the_server"] = after
             best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
             pair = {"engine": server["engine"], "server_rps": best["throughput_rps"],
@@ -433,6 +445,7 @@ async def run_families(settings: Settings) -> dict[str, Any]:
                     "pipeline_batch_size": pipe["best_batch_size"],
                     "limit_rps": pipe["limit_rps"], "limit_before_rps": pipe.get("limit_before_rps", math.nan),
                     "limit_after_rps": pipe.get("limit_after_rps", math.nan),
+                    "limit_drift": pipe.get("limit_drift", math.nan),
                     "vs_pipeline": best["throughput_rps"] / pipe["best_rps"],
                     "vs_limit": best["throughput_rps"] / pipe["limit_rps"],
                     "cpu_other_server": best.get("cpu_other"), "cpu_other_pipeline": pipe["cpu_other"],
@@ -455,6 +468,8 @@ async def run_families(settings: Settings) -> dict[str, Any]:
                     "vs_pipeline_range": [min(m["vs_pipeline"] for m in measured),
                                           max(m["vs_pipeline"] for m in measured)],
                     "vs_limit_range": [min(m["vs_limit"] for m in measured), max(m["vs_limit"] for m in measured)],
+                    "limit_drift_max": max((abs(m["limit_drift"]) for m in measured
+                                            if math.isfinite(m.get("limit_drift", math.nan))), default=math.nan),
                     "repeats": measured})
         rows.append(row)
     return {"families": rows}
@@ -510,7 +525,8 @@ def families_markdown(summary: dict[str, Any]) -> str:
               "shared); a ratio measured while others used much of the machine is noisy.",
               "", "CPU per request: the server's threads and the load generator over the best closed loop "
               "(results.md, CPU per request, says how to read it): *model* is the model thread and its torch "
-              "workers, *rest of the server* the event loop and the two stages.", ""]
+              "workers, *rest of the server* the event loop, the two stages and any other server thread; the "
+              "load generator is not the server's.", ""]
     return "\n".join(lines)
 
 
@@ -519,7 +535,8 @@ def _limit_cell(row: dict[str, Any]) -> str:
     before, after = row.get("limit_before_rps"), row.get("limit_after_rps")
     if not (isinstance(before, float) and isinstance(after, float) and math.isfinite(before) and math.isfinite(after)):
         return f"{row['limit_rps']:.0f}"
-    warning = " ⚠" if abs(after / before - 1) > report.LIMIT_DRIFT else ""
+    drift = row.get("limit_drift_max", abs(after / before - 1))  # any repeat's drift, not the medians'
+    warning = " ⚠" if drift > report.LIMIT_DRIFT else ""
     return f"{row['limit_rps']:.0f} ({before:.0f} / {after:.0f}{warning})"
 
 

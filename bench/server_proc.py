@@ -202,17 +202,19 @@ class CpuShare:
     other: float
     cores: int
     threads: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"server": round(self.server, 2), "client": round(self.client, 2), "other": round(self.other, 2),
                 "cores": self.cores, "threads": {name: round(value, 3) for name, value in self.threads.items()}}
 
-    def per_request_us(self, rate: float) -> dict[str, float]:
-        """CPU microseconds per request at ``rate`` req/s: each server thread group's and the load
-        generator's (``client``); empty when nothing was served."""
-        if not rate > 0:
+    def per_request_us(self, answers: int) -> dict[str, float]:
+        """CPU microseconds per answer, for ``answers`` answered over the same span as this share: each
+        server thread group's and the load generator's (``client``); empty when nothing was answered."""
+        if answers <= 0 or self.wall_s <= 0:
             return {}
-        return {name: round(cores * 1e6 / rate, 1) for name, cores in {**self.threads, "client": self.client}.items()}
+        return {name: round(cores * self.wall_s * 1e6 / answers, 1)
+                for name, cores in {**self.threads, "client": self.client}.items()}
 
 
 class CpuMeter:
@@ -239,7 +241,7 @@ class CpuMeter:
             for tid, (group, seconds) in thread_cpu_s(self.server_pid).items():
                 used = seconds - self._threads0.get(tid, (group, 0.0))[1]
                 threads[group] = threads.get(group, 0.0) + used / wall
-        return CpuShare(server, client, max(0.0, busy - server - client), os.cpu_count() or 1, threads)
+        return CpuShare(server, client, max(0.0, busy - server - client), os.cpu_count() or 1, threads, wall)
 
 
 def _self_cpu_s() -> float:

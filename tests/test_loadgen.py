@@ -114,7 +114,6 @@ def test_the_health_probers_phase_is_apart_from_the_capacity_and_gives_the_healt
     assert report._load(probed) == "closed 32×4 + /healthz"
 
 
-
 def _burn(seconds: float) -> None:
     until = time.thread_time() + seconds
     while time.thread_time() < until:
@@ -146,13 +145,15 @@ def test_the_cpu_meter_splits_a_process_by_its_named_threads() -> None:
     finally:
         done.set()
         worker.join(timeout=30)
-    assert share.threads["decode"] > 0.0 and share.threads["loop"] > 0.0
-    # CPU seconds over wall seconds: the decode thread's 0.2 s are most of what it used in the window
-    assert share.threads["decode"] > share.threads.get("model", 0.0)
-    per = share.per_request_us(100.0)
-    assert per["decode"] == pytest.approx(share.threads["decode"] * 1e4, rel=0.01)
-    assert {"loop", "decode", "client"} <= set(per)
-    assert share.per_request_us(0.0) == {}
+    assert share.threads["decode"] > 0.0
+    if threading.current_thread() is threading.main_thread():  # (pytest-xdist runs tests on it)
+        assert share.threads["loop"] > 0.0
+    # per answer over the meter's span: cores x span / answers
+    per = share.per_request_us(100)
+    assert per["decode"] == pytest.approx(share.threads["decode"] * share.wall_s * 1e4, rel=0.01)
+    assert per["decode"] >= 0.2e6 / 100 * 0.9  # at least the 0.2 s the thread burnt, over 100 answers
+    assert {"decode", "client"} <= set(per)
+    assert share.per_request_us(0) == {}
 
 
 def test_the_limit_is_measured_before_and_after_the_servers_and_the_ratio_uses_their_mean() -> None:
