@@ -1,7 +1,11 @@
 """The socket side of one WebSocket connection: an ordered, byte-counted outbox and its writer task.
 
-Every frame for the client goes through ``send``; one writer task hands them to websockets in order,
-the frames waiting together (one write to the socket for the answers one batch brings a connection).
+Every frame for the client goes through ``send`` and leaves in order, the frames waiting together in
+one write to the socket. The server routes the answers of one engine hand-over with ``send(...,
+defer=True)`` and then calls ``flush``, which writes them at once when the writer task is idle and the
+socket has taken everything before (the common case: no task switch per connection per batch);
+otherwise, and for every other frame, the connection's writer task hands them to websockets and
+waits for its flow control.
 The protocol decisions (what to answer, when) are the connection's ``Session``'s; this class only
 moves bytes and reports how the client keeps up:
 
@@ -28,6 +32,7 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from .metrics import Metrics
 
@@ -69,6 +74,7 @@ class Connection:
         self._uncongested = asyncio.Event()
         self._uncongested.set()
         self._writer: asyncio.Task[None] | None = None
+        self._writing = False  # the writer task is handing frames to websockets (flush must not)
         self._unsent_seen = 0
         self.closing: asyncio.Task[None] | None = None  # the server's own close, once it decided on one
         self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while congested
@@ -84,8 +90,9 @@ class Connection:
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write_loop())
 
-    def send(self, frame: bytes, label: Label = None) -> None:
-        """Queue one frame for the writer task (never blocks); ``label`` counts an answer in the metrics."""
+    def send(self, frame: bytes, label: Label = None, defer: bool = False) -> None:
+        """Queue one frame for the writer task (never blocks); ``label`` counts an answer in the metrics.
+        With ``defer`` the writer is not woken: the caller calls ``flush`` once it has queued the rest."""
         if self.closed:
             if label is not None:
                 self._metrics.dropped()
@@ -97,7 +104,52 @@ class Connection:
             self._uncongested.clear()
             self._on_congested(self)
         self._idle.clear()
-        self._ready.set()
+        if not defer:
+            self._ready.set()
+
+    def flush(self) -> None:
+        """Hand the queued frames to the socket now, when nothing stands in the way: the writer task is
+        between writes, the connection is open and the socket took everything written before (so
+        websockets' flow control would not wait). Otherwise, and for what is left past
+        ``WRITE_BATCH_BYTES``, wake the writer task. Same order, same counts as the writer's."""
+        if not self._outbox:
+            return
+        ws = self.ws
+        transport = ws.transport
+        if (self._writing or self.closed or ws.protocol.state is not State.OPEN or transport is None
+                or transport.is_closing() or transport.get_write_buffer_size()):
+            self._ready.set()
+            return
+        count, size = self._next_write()
+        for n in range(count):
+            ws.protocol.send_text(self._outbox[n][0])
+        ws.send_data()
+        self._written(count, size)
+        if self._outbox:
+            self._ready.set()
+        else:
+            self._idle.set()
+
+    def _next_write(self) -> tuple[int, int]:
+        """How many of the queued frames go in the next write, and their bytes (at least one frame)."""
+        count, size = 0, 0
+        for frame, _ in self._outbox:
+            if count and size + len(frame) > WRITE_BATCH_BYTES:
+                break
+            count, size = count + 1, size + len(frame)
+        return count, size
+
+    def _written(self, count: int, size: int) -> None:
+        """The first ``count`` frames (``size`` bytes) were handed to the socket: out of the outbox and its counts."""
+        self.last_progress = time.monotonic()
+        self.pending_bytes -= size
+        self._unsent.total -= size
+        for _ in range(count):
+            label = self._outbox.popleft()[1]
+            if label is not None:
+                self._metrics.answered(*label)
+        if not self.congested:
+            self._uncongested.set()
 
     def note_progress(self) -> None:
         """Look at the transport: if its unsent bytes shrank since the last look, the client is reading."""
@@ -116,26 +168,17 @@ class Connection:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
+                self._writing = True
                 while self._outbox:
-                    count, size = 0, 0
-                    for frame, _ in self._outbox:
-                        if count and size + len(frame) > WRITE_BATCH_BYTES:
-                            break
-                        count, size = count + 1, size + len(frame)
+                    count, size = self._next_write()
                     async with ws.send_context():
                         for n in range(count):
                             ws.protocol.send_text(self._outbox[n][0])
-                    self.last_progress = time.monotonic()
-                    self.pending_bytes -= size
-                    self._unsent.total -= size
-                    for _ in range(count):
-                        label = self._outbox.popleft()[1]
-                        if label is not None:
-                            self._metrics.answered(*label)
-                    if not self.congested:
-                        self._uncongested.set()
+                    self._written(count, size)
+                self._writing = False
                 self._idle.set()
         except ConnectionClosed:
+            self._writing = False
             self._drop_outbox()
 
     def _drop_outbox(self) -> None:

@@ -340,6 +340,14 @@ class FillMaskServer:
                 self._in_transit -= 1
 
     def _route(self, outcomes: list[Outcome]) -> None:
+        touched: dict[Connection, None] = {}
+        try:
+            self._route_each(outcomes, touched)
+        finally:
+            for conn in touched:  # each connection's answers of this hand-over in one write, written now
+                conn.flush()
+
+    def _route_each(self, outcomes: list[Outcome], touched: dict[Connection, None]) -> None:
         for outcome in outcomes:
             session: Session = outcome.job.owner
             try:
@@ -351,7 +359,8 @@ class FillMaskServer:
             if answer is None:
                 self.metrics.dropped()  # its connection closed while the model had it
                 continue
-            session.peer.send(answer.frame, (answer.outcome, answer.code))
+            session.peer.send(answer.frame, (answer.outcome, answer.code), defer=True)
+            touched[session.peer] = None
             if isinstance(outcome, Result):
                 now = time.monotonic()
                 self.stats.result(now, (now - outcome.job.arrival) * 1000)

@@ -29,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from fillmask_server.connection import Connection
+from fillmask_server.protocol import encode_error
 from fillmask_server.server import FillMaskServer
 from tests.wire import answers_counted, assert_answered, recv, recv_n, request, send, session, wait_until
 
@@ -298,3 +299,35 @@ async def test_a_slow_but_steady_reader_is_never_closed(make_server: Any) -> Non
         raw.close()
         assert time.monotonic() - started > 4 * srv.config.send_timeout  # long enough to have been closed
         assert sample(srv, "fillmask_slow_clients_closed_total") == 0
+
+
+async def test_answers_routed_together_go_out_at_once_in_order_or_wait_for_the_writer_when_behind(
+        make_server: Any) -> None:
+    """The answers one engine hand-over brings a connection are handed to its socket as they are routed,
+    in one write (``Connection.flush``), without waiting for the writer task. While the socket still
+    holds bytes it could not send (a client behind on reading), they wait for the writer task instead,
+    behind those bytes: either way the client reads every frame once, in order."""
+    async with make_server() as srv:
+        async with connect(srv.url, max_size=None) as ws:
+            await ws.recv()  # hello
+            conn = connection_of(srv, set())
+            for n in range(3):
+                conn.send(encode_error(n, "invalid_field", "a frame of this test"), defer=True)
+            assert conn.pending_bytes > 0
+            conn.flush()
+            assert conn.pending_bytes == 0  # handed over before any other task ran
+            assert [orjson.loads(await ws.recv())["id"] for _ in range(3)] == [0, 1, 2]
+
+        async with connect(srv.url, sock=small_buffer_socket(srv), max_size=None) as slow:
+            await slow.recv()  # hello
+            conn = connection_of(srv, set())
+            big = encode_error(0, "invalid_field", "x" * 256 * 1024)  # far over the socket's buffers
+            conn.send(big, defer=True)
+            conn.flush()
+            assert conn.pending_bytes == 0 and conn.ws.transport.get_write_buffer_size() > 0
+            after = encode_error(1, "invalid_field", "a frame of this test")
+            conn.send(after, defer=True)
+            conn.flush()
+            assert conn.pending_bytes == len(after)  # the socket is behind: left to the writer task
+            assert [orjson.loads(await slow.recv())["id"] for _ in range(2)] == [0, 1]
+            await wait_until(lambda: conn.pending_bytes == 0)
