@@ -210,3 +210,15 @@ def test_the_sweep_stops_at_once_when_the_seed_peer_cannot_run(monkeypatch: pyte
     # (where starlette is missing too, as without the bench extras, the line names both)
     assert "the seed design needs" in err and "uvicorn:" in err
     assert "pip install -e '.[bench]'" in err and "--no-seed" in err
+
+
+def test_a_limit_that_cannot_be_measured_after_the_servers_keeps_the_run(tmp_path: Path) -> None:
+    """The servers' figures were already measured: a failed second limit leaves the ratio on the first."""
+    from bench import report, run
+
+    settings = run.parse_args(["--sizes", "tiny", "--quick"])
+    after = run.limit_after(tmp_path / "no-such-model", "short", settings, settings.timing["tiny"])
+    assert after == {}
+    pipe = {"limit_rps": 100.0}
+    report.bracket_limit(pipe, after.get("limit", []))
+    assert pipe == {"limit_rps": 100.0}
