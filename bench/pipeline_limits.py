@@ -70,6 +70,11 @@ def family_texts(corpus_name: str, family: str, mask_token: str, seed: int = 0) 
     return proteins
 
 
+def bench_corpus(corpus_name: str, family: str, mask_token: str, seed: int) -> list[str]:
+    """The texts the limits and the pipeline run on: a family's (``family_texts``) or the corpus itself."""
+    return family_texts(corpus_name, family, mask_token, seed) if family else CORPORA[corpus_name](seed=seed)
+
+
 def timed_rate(call: Callable[[], None], count: int) -> float:
     """Items per second of ``call`` (``count`` items a call), called again until ``MIN_TIMED_S`` has
     passed (at least once)."""
@@ -129,8 +134,7 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
     started = time.perf_counter()
     pipe = pipeline("fill-mask", model=model_dir, device="cpu", dtype=torch_dtype)
     load_s = time.perf_counter() - started
-    corpus = (family_texts(corpus_name, family, pipe.tokenizer.mask_token, seed) if family
-              else CORPORA[corpus_name](seed=seed))
+    corpus = bench_corpus(corpus_name, family, pipe.tokenizer.mask_token, seed)
     texts = [corpus[i % len(corpus)] for i in range(n_texts)]
     token_counts = [len(ids) for ids in pipe.tokenizer(corpus)["input_ids"]]
 
@@ -183,11 +187,12 @@ def measure_limits_only(model_dir: str, dtype: str, n_texts: int, repeats: int, 
                         corpus_name: str = "mixed", family: str = "") -> dict[str, Any]:
     """The in-process limits alone, on the texts ``measure`` would use (``--limit-only``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    corpus = CORPORA[corpus_name](seed=seed)
+    mask_token = ""
     if family:
         from transformers import AutoTokenizer
 
-        corpus = family_texts(corpus_name, family, AutoTokenizer.from_pretrained(model_dir).mask_token, seed)
+        mask_token = AutoTokenizer.from_pretrained(model_dir).mask_token
+    corpus = bench_corpus(corpus_name, family, mask_token, seed)
     texts = [corpus[i % len(corpus)] for i in range(n_texts)]
     limit, limit_forward_only = in_process_limit(model_dir, dtype, texts, repeats, gate)
     return {"model": model_dir, "dtype": dtype, "corpus": corpus_name, "limit": limit,

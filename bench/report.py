@@ -122,19 +122,24 @@ def bracket_limit(pipe: dict[str, Any], after: list[float]) -> None:
                  "limit_drift": later / before - 1})
 
 
+def drifted(drift: float) -> bool:
+    """Whether a limit moved so much between before and after the servers that its ratio is noise."""
+    return abs(drift) > LIMIT_DRIFT
+
+
 def limit_note(pipe: dict[str, Any]) -> str:
     """`` (limit before B, after A)``, with a warning when it moved more than ``LIMIT_DRIFT``; '' if not bracketed."""
     if "limit_after_rps" not in pipe:
         return ""
     drift = pipe["limit_drift"]
-    warning = f"; ⚠ it moved {100 * drift:+.0f}%: read the ratio as noise" if abs(drift) > LIMIT_DRIFT else ""
+    warning = f"; ⚠ it moved {100 * drift:+.0f}%: read the ratio as noise" if drifted(drift) else ""
     return f" (limit before {pipe['limit_before_rps']:.1f}, after {pipe['limit_after_rps']:.1f}{warning})"
 
 
 def _brackets(pipe: dict[str, Any]) -> str:
     if "limit_after_rps" not in pipe:
         return ""
-    warning = " ⚠" if abs(pipe["limit_drift"]) > LIMIT_DRIFT else ""
+    warning = " ⚠" if drifted(pipe["limit_drift"]) else ""
     return f" ({pipe['limit_before_rps']:.1f} / {pipe['limit_after_rps']:.1f}{warning})"
 
 
@@ -266,8 +271,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "tokenizer call, one forward pass with the head at the masks, decoded to the pipeline's JSON), measured "
         "before the servers and again after them: the mean of the two (before / after; ⚠ where they differ by "
         f"more than {100 * LIMIT_DRIFT:.0f}%: the machine's speed moved during the run); "
-        "*forward only* is from before the servers alone; "
-        "*forward only*: the same without the decoding.",
+        "*forward only*: the same without the decoding (measured before the servers only).",
         "",
         "| model | corpus | " + " | ".join(f"N={n}" for n in summary["settings"]["pipeline_batch_sizes"])
         + " | best | single call p50 / p99 ms | limit | forward only | CPU cores other |",

@@ -535,24 +535,26 @@ def _limit_cell(row: dict[str, Any]) -> str:
     before, after = row.get("limit_before_rps"), row.get("limit_after_rps")
     if not (isinstance(before, float) and isinstance(after, float) and math.isfinite(before) and math.isfinite(after)):
         return f"{row['limit_rps']:.0f}"
-    drift = row.get("limit_drift_max", abs(after / before - 1))  # any repeat's drift, not the medians'
-    warning = " ⚠" if drift > report.LIMIT_DRIFT else ""
+    drift = row.get("limit_drift_max", after / before - 1)  # any repeat's drift, not the medians'
+    warning = " ⚠" if report.drifted(drift) else ""
     return f"{row['limit_rps']:.0f} ({before:.0f} / {after:.0f}{warning})"
 
 
 def _cpu_split(row: dict[str, Any]) -> str:
     """``model / rest of the server / load generator`` µs per request, '?' where not measured."""
-    def known(value: Any) -> bool:
-        return isinstance(value, int | float) and value == value
-
     rest = [row.get(f"cpu_us_{group}") for group in report.CPU_GROUPS if group not in ("model", "client")]
-    cells = [row.get("cpu_us_model"), sum(v for v in rest if known(v)) if any(known(v) for v in rest) else None,
+    cells = [row.get("cpu_us_model"), sum(v for v in rest if _known(v)) if any(_known(v) for v in rest) else None,
              row.get("cpu_us_client")]
-    return " / ".join(f"{v:.0f}" if known(v) else "?" for v in cells)
+    return " / ".join(f"{v:.0f}" if _known(v) else "?" for v in cells)
+
+
+def _known(value: Any) -> bool:
+    """A measured number (not missing, not NaN)."""
+    return isinstance(value, int | float) and value == value
 
 
 def _cores(value: Any) -> str:
-    return f"{value:.2f}" if isinstance(value, int | float) and value == value else "?"
+    return f"{value:.2f}" if _known(value) else "?"
 
 
 FAMILY_SHAPE_TEXT = {

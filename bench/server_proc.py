@@ -152,9 +152,14 @@ def rss_mb(pid: int) -> float:
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc/PID/stat``."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat_cpu_s(f"/proc/{pid}/stat")
     except OSError:
         return 0.0
+
+
+def _stat_cpu_s(path: str) -> float:
+    """User + system CPU seconds from a ``stat`` file of /proc (a process's or one thread's)."""
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15 of stat)
 
 
@@ -176,11 +181,10 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
     for tid in tasks:
         try:
             comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue  # it ended meanwhile
-        group = "loop" if int(tid) == pid else THREAD_GROUPS.get(comm, "other")
-        out[int(tid)] = (group, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        out[int(tid)] = ("loop" if int(tid) == pid else THREAD_GROUPS.get(comm, "other"), seconds)
     return out
 
 
