@@ -9,8 +9,12 @@ own tokens around its mask token), all within ``--calibration-s``:
    turn for ``THREAD_ROUNDS`` rounds (1, 2, 1, 2, ...; fewer, but at least ``MIN_THREAD_ROUNDS``, when
    they would take more than half the budget) and each count's fastest pass kept, so that a
    neighbour's passing burst of load (another replica starting beside this one) weighs on every count
-   alike instead of deciding for the one it happened to hit; the fastest wins, the smaller count on a
-   tie within ``THREAD_TIE``. The count is set for the whole process.
+   alike instead of deciding for the one it happened to hit. The forward pass is not all the CPU a
+   request takes: the same batch's requests are also parsed, tokenized, checked, decoded and encoded
+   (``stages_s``, timed once, CPU seconds per request). The count that wins is the one predicted to
+   serve the most requests a second with both (``serving_rate``), the smaller count on a tie within
+   ``THREAD_TIE``: a model whose forward pass is cheap beside that work gains nothing from a second
+   thread that takes the core the other stages need. The count is set for the whole process.
 2. **The cost model's first coefficients**: batches of a few shapes (rows x width), timed in turn
    like the thread counts (``FIT_ROUNDS`` rounds, at least ``MIN_THREAD_ROUNDS``), each shape keeping
    its fastest pass, so that a neighbour's burst inflates no shape's time alone; the fit of
@@ -32,16 +36,20 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import orjson
 
 from . import intake
 from .batching import Coefficients
 from .core import fit
 from .decode import SequenceDecoder, predictions_json
 from .model import FillMaskModel, Item, on_a_thread_that_ends
+from .protocol import FillMaskRequest, Limits, encode_result, parse_frame
 from .tuning import THREAD_TIE
 
 log = logging.getLogger(__name__)
@@ -70,6 +78,7 @@ class Calibration:
     torch_threads: int
     threads_from: str  # "flag", "calibration" or "default"
     threads_ms: dict[int, float] = field(default_factory=dict)  # per candidate: ms for THREAD_SHAPE
+    stages_us: float | None = None  # CPU microseconds a request takes outside the forward pass (``stages_s``)
     coefficients: Coefficients | None = None
     samples: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded tokens, seconds)
     dtype: str = "float32"
@@ -91,6 +100,8 @@ class Calibration:
         if self.threads_ms:
             calibration["threads_ms"] = [{"threads": n, "ms": round(ms, 3)}
                                          for n, ms in sorted(self.threads_ms.items())]
+        if self.stages_us is not None:
+            calibration["stages_us_per_request"] = round(self.stages_us, 1)
         if self.coefficients is not None:
             c = self.coefficients
             calibration["cost_model"] = {"overhead_ms": round(c.overhead_s * 1e3, 4),
@@ -106,6 +117,8 @@ class Calibration:
         parts = [f"torch threads {self.torch_threads} ({self.threads_from}"]
         if self.threads_ms:
             parts[0] += ": " + ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.threads_ms.items()))
+        if self.stages_us is not None:
+            parts[0] += f"; {self.stages_us:.0f} us of CPU a request beside the forward pass"
         parts[0] += ")"
         if self.coefficients is not None:
             c = self.coefficients
@@ -158,6 +171,8 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             for count in candidates:
                 torch.set_num_threads(count)
                 _warm(model, items)  # the first passes at a count start its workers
+            beside = stages_s(model, items) if device == "cpu" else 0.0  # a GPU's forward leaves the CPUs free
+            result.stages_us = beside * 1e6
 
             def time_at(count: int) -> float:
                 torch.set_num_threads(count)
@@ -167,7 +182,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             fastest = fastest_per_count(time_at, candidates, THREAD_ROUNDS,
                                         lambda: time.perf_counter() < thread_until)
             result.threads_ms = {count: seconds * 1000 for count, seconds in fastest.items()}
-            result.torch_threads = choose_threads(fastest)
+            result.torch_threads = choose_threads(fastest, len(items), beside, max(candidates))
             result.threads_from = "calibration"
         torch.set_num_threads(result.torch_threads)
     decoder = SequenceDecoder(model.decode_tokenizer)
@@ -252,12 +267,62 @@ def fastest_per_count(time_at: Callable[[K], float], candidates: list[K], rounds
     return fastest
 
 
-def choose_threads(fastest: dict[int, float]) -> int:
-    """The fastest count, or the smallest count within ``THREAD_TIE`` of it (fewer threads leave cores
-    to the server's other stages)."""
-    best = min(fastest, key=lambda count: (fastest[count], count))
-    tie = fastest[best] * (1 + THREAD_TIE)
-    return min(count for count in fastest if count <= best and fastest[count] <= tie)
+def choose_threads(fastest: dict[int, float], rows: int = 1, beside_s: float = 0.0, cpus: int | None = None) -> int:
+    """The count predicted to serve the most requests a second (``serving_rate``: ``fastest[count]`` is
+    one batch of ``rows`` rows at that count, ``beside_s`` the CPU seconds a request takes outside the
+    forward pass, ``cpus`` those this process may use, by default the largest count), or the smallest
+    count within ``THREAD_TIE`` of it (fewer threads leave cores to the server's other stages). With
+    nothing beside the forward pass, that is the fastest count."""
+    cpus = cpus or max(fastest)
+    rate = {count: serving_rate(count, seconds, rows, beside_s, cpus) for count, seconds in fastest.items()}
+    best = max(rate.values())
+    return min(count for count in rate if rate[count] * (1 + THREAD_TIE) >= best)
+
+
+def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: int) -> float:
+    """Requests a second the server can serve with ``count`` torch threads, predicted from one batch's
+    forward time alone (``batch_s`` for ``rows`` rows) and the CPU seconds each request takes beside it
+    (``beside_s``), on ``cpus`` CPUs. The least of three bounds:
+
+    - the engine runs one batch at a time: at most ``rows / batch_s`` requests a second;
+    - each request takes ``count x batch_s / rows`` CPU seconds in the forward pass (every thread of the
+      team is busy for all of it) and ``beside_s`` more, out of ``cpus`` CPU seconds a second;
+    - a team as wide as the CPUs has no core to spare: whatever else runs takes a core from one of its
+      threads, and the others wait for it at the next barrier, so the CPU used beside the forward pass
+      adds to the engine's time (README, Performance): at most ``1 / (batch_s / rows + beside_s)``.
+    """
+    per_request = batch_s / rows
+    rate = min(1 / per_request, cpus / (count * per_request + beside_s))
+    return min(rate, 1 / (per_request + beside_s)) if count >= cpus else rate
+
+
+def stages_s(model: FillMaskModel, items: list[Item]) -> float:
+    """CPU seconds a request takes outside the forward pass, timed on ``items`` made into requests (the
+    fastest of ``MIN_THREAD_ROUNDS`` rounds): its frame parsed, its text tokenized and checked, its top
+    k decoded and its result encoded. The WebSocket framing and the socket calls are left out, so
+    this is less than the server spends: it errs towards more torch threads."""
+    tokenizer = model.decode_tokenizer
+    texts = []
+    for item in items:
+        body = list(item.input_ids[1:-1])
+        mask = body.index(model.mask_token_id)
+        texts.append(f"{tokenizer.decode(body[:mask])} {model.mask_token} {tokenizer.decode(body[mask + 1:])}")
+    limits = Limits(model.mask_token)
+    frames = [orjson.dumps({"type": "fill_mask", "id": n, "text": text}) for n, text in enumerate(texts)]
+    topk = model.forward(items)
+    decoder = SequenceDecoder(tokenizer)
+    best = math.inf
+    for _ in range(MIN_THREAD_ROUNDS):
+        clock = time.thread_time()
+        requests = [parse_frame(frame, limits) for frame in frames]
+        ids = intake.tokenize_all(model, [request.text for request in requests if isinstance(request, FillMaskRequest)])
+        for request, token_ids in zip(requests, ids, strict=False):
+            if isinstance(request, FillMaskRequest):
+                intake.check(model, request, token_ids, limits.max_masks, sys.maxsize)
+        for n, item in enumerate(items):
+            encode_result(n, predictions_json(decoder, item, topk, n), 1.0, 1.0, len(items), 0, 0)
+        best = min(best, time.thread_time() - clock)
+    return best / len(items)
 
 
 def _thread_candidates() -> list[int]:

@@ -18,6 +18,7 @@ from fillmask_server.calibration import (
     choose_threads,
     cpu_quota,
     fastest_per_count,
+    serving_rate,
     usable_cpus,
 )
 from fillmask_server.core import fit
@@ -59,6 +60,29 @@ def test_the_smaller_count_wins_a_tie_and_a_clear_winner_wins() -> None:
     assert choose_threads({1: 1.0, 2: 0.8, 4: 0.79}) == 2
     assert choose_threads({1: 3.0, 4: 1.0}) == 4
     assert choose_threads({1: 1.0}) == 1
+
+
+def test_a_second_thread_that_barely_speeds_the_forward_pass_loses_to_the_work_beside_it() -> None:
+    # A small model on 2 CPUs (the families' shape, as timed at start-up): a 16-row batch takes 0.50 ms at
+    # one thread and 0.45 ms at two, and each request takes 20 us of CPU beside the forward pass. Timed
+    # alone, two threads win; serving, the second thread's core is the one the other stages need, and
+    # a team on both cores waits for every other thread that runs (each stage's CPU adds to its time).
+    timed = {1: 0.50e-3, 2: 0.45e-3}
+    assert choose_threads(timed) == 2
+    assert choose_threads(timed, 16, 20e-6, 2) == 1
+    assert serving_rate(1, timed[1], 16, 20e-6, 2) == 16 / timed[1]  # one thread: the engine is the bound
+    assert serving_rate(2, timed[2], 16, 20e-6, 2) == 1 / (timed[2] / 16 + 20e-6)
+    # A model whose forward pass dwarfs that work keeps both threads (the tiny benchmark model's shape).
+    assert choose_threads({1: 6.0e-3, 2: 3.8e-3}, 16, 20e-6, 2) == 2
+
+
+def test_the_serving_rate_is_the_least_of_the_engine_the_cpus_and_a_full_width_team() -> None:
+    # 4 CPUs, a batch of 10 rows: 10 ms at one thread, 4 ms at two, 3 ms at four; 1 ms of CPU beside.
+    assert serving_rate(1, 10e-3, 10, 1e-3, 4) == 1000  # the engine: 1 ms a request
+    assert serving_rate(2, 4e-3, 10, 1e-3, 4) == 4 / (2 * 0.4e-3 + 1e-3)  # the CPUs: 1.8 ms of CPU a request
+    assert serving_rate(4, 3e-3, 10, 1e-3, 4) == 1 / (0.3e-3 + 1e-3)  # the team waits for the stages
+    assert choose_threads({1: 10e-3, 2: 4e-3, 4: 3e-3}, 10, 1e-3, 4) == 2
+    assert choose_threads({1: 10e-3, 2: 4e-3, 4: 3e-3}) == 4  # timed alone, the widest team wins
 
 
 def test_the_rounds_stop_when_the_budget_is_spent_but_never_below_the_minimum() -> None:

@@ -223,6 +223,7 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
         assert engine["torch_threads"] >= 1 and calibration["threads_from"] in ("calibration", "default")
         if calibration["threads_from"] == "calibration":  # more than one CPU: each candidate was timed
             assert engine["torch_threads"] in [entry["threads"] for entry in calibration["threads_ms"]]
+            assert calibration["stages_us_per_request"] > 0  # what the count was chosen with, beside the timings
         cost = calibration["cost_model"]
         assert cost["overhead_ms"] + cost["per_token_us"] + cost["per_row_us"] > 0
         assert 0 < calibration["dtype_speed_vs_float32"] < 1
