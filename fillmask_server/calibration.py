@@ -160,6 +160,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     until = started + budget_s
     result = Calibration(torch_threads or torch.get_num_threads(), "flag" if torch_threads else "default",
                          dtype=model.dtype)
+    decoder = SequenceDecoder(model.decode_tokenizer)
     if torch_threads:
         torch.set_num_threads(torch_threads)
     else:
@@ -171,7 +172,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             for count in candidates:
                 torch.set_num_threads(count)
                 _warm(model, items)  # the first passes at a count start its workers
-            beside = stages_s(model, items) if device == "cpu" else 0.0  # a GPU's forward leaves the CPUs free
+            beside = stages_s(model, items, decoder) if device == "cpu" else 0.0  # a GPU's leaves the CPUs free
             result.stages_us = beside * 1e6
 
             def time_at(count: int) -> float:
@@ -185,7 +186,6 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             result.torch_threads = choose_threads(fastest, len(items), beside, max(candidates))
             result.threads_from = "calibration"
         torch.set_num_threads(result.torch_threads)
-    decoder = SequenceDecoder(model.decode_tokenizer)
     decode_s = 0.0
     decode_bytes = 0
     batches: dict[tuple[int, int], list[Item]] = {}
@@ -296,33 +296,37 @@ def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: i
     return min(rate, 1 / (per_request + beside_s)) if count >= cpus else rate
 
 
-def stages_s(model: FillMaskModel, items: list[Item]) -> float:
+def stages_s(model: FillMaskModel, items: list[Item], decoder: SequenceDecoder) -> float:
     """CPU seconds a request takes outside the forward pass, timed on ``items`` made into requests (the
     fastest of ``MIN_THREAD_ROUNDS`` rounds): its frame parsed, its text tokenized and checked, its top
     k decoded and its result encoded. The WebSocket framing and the socket calls are left out, so
-    this is less than the server spends: it errs towards more torch threads."""
-    tokenizer = model.decode_tokenizer
-    texts = []
-    for item in items:
-        body = list(item.input_ids[1:-1])
-        mask = body.index(model.mask_token_id)
-        texts.append(f"{tokenizer.decode(body[:mask])} {model.mask_token} {tokenizer.decode(body[mask + 1:])}")
-    limits = Limits(model.mask_token)
-    frames = [orjson.dumps({"type": "fill_mask", "id": n, "text": text}) for n, text in enumerate(texts)]
-    topk = model.forward(items)
-    decoder = SequenceDecoder(tokenizer)
-    best = math.inf
-    for _ in range(MIN_THREAD_ROUNDS):
-        clock = time.thread_time()
-        requests = [parse_frame(frame, limits) for frame in frames]
-        ids = intake.tokenize_all(model, [request.text for request in requests if isinstance(request, FillMaskRequest)])
-        for request, token_ids in zip(requests, ids, strict=False):
-            if isinstance(request, FillMaskRequest):
+    this is less than the server spends: it errs towards more torch threads. 0 when the requests
+    cannot be made (a tokenizer that cannot decode its own ids, say): the fastest count wins then."""
+    try:
+        texts = []
+        for item in items:
+            body = list(item.input_ids[1:-1])
+            mask = body.index(model.mask_token_id)
+            texts.append(f"{decoder.tokenizer.decode(body[:mask])} {model.mask_token} "
+                         f"{decoder.tokenizer.decode(body[mask + 1:])}")
+        limits = Limits(model.mask_token)
+        frames = [orjson.dumps({"type": "fill_mask", "id": n, "text": text}) for n, text in enumerate(texts)]
+        topk = model.forward(items)
+        best = math.inf
+        for _ in range(MIN_THREAD_ROUNDS):
+            clock = time.thread_time()
+            requests = [r for r in (parse_frame(frame, limits) for frame in frames) if isinstance(r, FillMaskRequest)]
+            ids = intake.tokenize_all(model, [request.text for request in requests])
+            for request, token_ids in zip(requests, ids, strict=True):
                 intake.check(model, request, token_ids, limits.max_masks, sys.maxsize)
-        for n, item in enumerate(items):
-            encode_result(n, predictions_json(decoder, item, topk, n), 1.0, 1.0, len(items), 0, 0)
-        best = min(best, time.thread_time() - clock)
-    return best / len(items)
+            for n, item in enumerate(items):
+                encode_result(n, predictions_json(decoder, item, topk, n), 1.0, 1.0, len(items), 0, 0)
+            best = min(best, time.thread_time() - clock)
+        return best / len(items)
+    except Exception as exc:  # the thread count must not keep the server from starting
+        log.warning("could not time a request's work beside the forward pass (%s); the fastest thread count "
+                    "wins", exc)
+        return 0.0
 
 
 def _thread_candidates() -> list[int]:

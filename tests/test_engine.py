@@ -243,6 +243,25 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
     assert said == pytest.approx(calibration["dtype_speed_vs_float32"], abs=0.006)
 
 
+def test_the_work_beside_the_forward_pass_is_timed_on_real_requests_or_left_out_when_it_cannot_be(
+        model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the thread count is chosen with (``stages_us_per_request``): the calibration batch's rows
+    as requests through the server's own parse, tokenize, check, decode and encode. A tokenizer that
+    cannot decode its own ids must not keep the server from starting: the fastest count wins then."""
+    from fillmask_server.calibration import THREAD_SHAPE, batch_items, stages_s
+    from fillmask_server.decode import SequenceDecoder
+
+    items = batch_items(model, *THREAD_SHAPE)
+    decoder = SequenceDecoder(model.decode_tokenizer)
+    assert 0 < stages_s(model, items, decoder) < 0.1
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise ValueError("no such id")
+
+    monkeypatch.setattr(decoder.tokenizer, "decode", broken)
+    assert stages_s(model, items, decoder) == 0.0
+
+
 def test_a_thread_count_the_user_sets_wins_and_zero_budget_skips_calibration(model: FillMaskModel) -> None:
     import torch
 
