@@ -291,7 +291,7 @@ def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: i
       threads, and the others wait for it at the next barrier, so the CPU used beside the forward pass
       adds to the engine's time (README, Performance): at most ``1 / (batch_s / rows + beside_s)``.
     """
-    per_request = batch_s / rows
+    per_request = max(batch_s, 1e-9) / max(rows, 1)  # (a clock's tick at least: never a division by 0)
     rate = min(1 / per_request, cpus / (count * per_request + beside_s))
     return min(rate, 1 / (per_request + beside_s)) if count >= cpus else rate
 
