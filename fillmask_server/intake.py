@@ -65,7 +65,10 @@ def result_bound(model: FillMaskModel, ids: list[int], masks: int, candidates: i
     masks x candidates x (overhead + text + 2 x the longest token), in JSON bytes, without decoding.
     """
     sizes = model.token_json_bytes
-    text = sum(sizes[i] if 0 <= i < len(sizes) else model.longest_token_json for i in ids)
+    if ids and min(ids) >= 0 and max(ids) < len(sizes):  # every id in the vocabulary: the usual case, in C
+        text = sum(map(sizes.__getitem__, ids))
+    else:
+        text = sum(sizes[i] if 0 <= i < len(sizes) else model.longest_token_json for i in ids)
     return masks * candidates * (CANDIDATE_OVERHEAD_BYTES + text + 2 * model.longest_token_json)
 
 

@@ -13,7 +13,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from fillmask_server.decode import SequenceDecoder, predictions_json
-from fillmask_server.intake import Checked, Refusal, check
+from fillmask_server.intake import CANDIDATE_OVERHEAD_BYTES, Checked, Refusal, check, result_bound
 from fillmask_server.model import FillMaskModel, Item, load_model
 from fillmask_server.protocol import FillMaskRequest, targets_field
 from tests.wire import recv, recv_n, send, session, wait_until
@@ -45,6 +45,17 @@ def test_the_result_bound_is_never_below_the_real_answer(model: FillMaskModel) -
         item = Item(ids, top_k)
         actual = len(predictions_json(decoder, item, model.forward([item]), 0))
         assert actual <= checked.result_bytes, (text, actual, checked.result_bytes)
+
+
+def test_an_id_outside_the_vocabulary_is_priced_as_its_longest_token(model: FillMaskModel) -> None:
+    """The bound's fast path (every id in the vocabulary) and its careful one agree: an id the sizes
+    table lacks (an added token past it, say) counts as the longest token, never as nothing."""
+    ids = model.tokenize(["the [MASK] and a word."])[0]
+    sizes = model.token_json_bytes
+    plain = result_bound(model, ids, 1, 5)
+    assert plain == 5 * (CANDIDATE_OVERHEAD_BYTES + sum(sizes[i] for i in ids) + 2 * model.longest_token_json)
+    outside = result_bound(model, [*ids, len(sizes)], 1, 5)
+    assert outside == plain + 5 * model.longest_token_json
 
 
 def test_target_notes_count_against_the_result_bound(model: FillMaskModel) -> None:
