@@ -63,17 +63,16 @@ def _stop_now() -> None:
     os._exit(130)
 
 
-# The process's GIL hand-over interval. The model thread needs the GIL only briefly, a few times per batch
-# (its forward pass is one traced call), but each time another thread (the event loop, the decode stage)
-# may hold it for up to this long; Python's default of 5 ms would add up to 5 ms to every hand-over.
-# Measured (tiny, short corpus, 32 x 4 in flight): 0.1 ms ~2,970 req/s, 0.2 ms ~3,050, 0.5 ms ~2,800,
-# 2 ms ~2,840; the mixed corpus the same within noise.
-SWITCH_INTERVAL_S = 0.0002
+# The interpreter's switch interval unless --gil-switch-ms says otherwise (bench/gil.py and
+# bench/contention.py run at it too). The model thread takes the GIL a few times per batch (its forward
+# pass is one scripted call), so a short interval mostly buys forced hand-overs between the event loop
+# and the stage threads; README "The GIL's switch interval" has the sweep that chose it.
+SWITCH_INTERVAL_S = Config.gil_switch_ms / 1000
 
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    sys.setswitchinterval(config.gil_switch_ms / 1000)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:

@@ -47,6 +47,7 @@ class Config:
     shutdown_timeout: float = 30.0
     drain_delay: float = 0.0
     log_level: str = "info"
+    gil_switch_ms: float = 1.0
     max_connections: int = 1000
     max_inflight_per_connection: int = 256
     max_send_buffer_bytes: int = 1_048_576
@@ -106,6 +107,10 @@ _HELP: dict[str, str] = {
                    "that a load balancer's health check takes this server out first (the Kubernetes preStop "
                    "pattern); SIGINT (Ctrl-C) skips it",
     "log_level": "debug, info, warning or error",
+    "gil_switch_ms": "the interpreter's switch interval: how long a thread running Python may keep the GIL while "
+                     "another waits for it. Shorter hands it to the model thread sooner after its forward pass; "
+                     "longer spends less CPU switching between the server's own threads (the model thread takes "
+                     "the GIL a few times a batch, the others all the time)",
     "max_connections": "most open WebSocket connections; beyond it the handshake is refused with HTTP 503",
     "max_inflight_per_connection": "most requests in flight on one connection; beyond it requests get the error "
                                    "too_many_inflight",
@@ -157,11 +162,11 @@ _GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
                                 "max_answer_bytes",
                                 "send_timeout", "allowed_origins", "allowed_hosts", "token")),
-    ("process", ("shutdown_timeout", "drain_delay", "log_level")),
+    ("process", ("shutdown_timeout", "drain_delay", "log_level", "gil_switch_ms")),
 ]
 _METAVAR: dict[str, str] = {
     "model": "ID_OR_DIR", "device": "DEVICE", "host": "HOST", "certfile": "PATH", "keyfile": "PATH",
-    "max_wait_ms": "MS", "anticipate_ms": "MS", "max_batch_ms": "MS",
+    "max_wait_ms": "MS", "anticipate_ms": "MS", "max_batch_ms": "MS", "gil_switch_ms": "MS",
     "calibration_s": "SECONDS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS",
     "shutdown_timeout": "SECONDS", "drain_delay": "SECONDS",
     "allowed_origins": "ORIGINS", "allowed_hosts": "HOSTS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES",
@@ -247,6 +252,8 @@ def validate(config: Config) -> str | None:
         return "--port must be between 0 and 65535"
     if config.send_timeout <= 0:
         return "--send-timeout must be greater than 0"
+    if not 0 < config.gil_switch_ms <= 1000:
+        return "--gil-switch-ms must be greater than 0 and at most 1000"
     try:
         OriginPolicy.parse(config.allowed_origins)
         HostPolicy.parse(config.allowed_hosts)

@@ -51,6 +51,25 @@ def test_bad_environment_values_exit_with_a_usage_line(env: dict[str, str], caps
     assert next(iter(env)) in capsys.readouterr().err
 
 
+def test_the_switch_interval_is_the_flags_and_refused_when_it_means_nothing(
+        capsys: pytest.CaptureFixture) -> None:
+    """--gil-switch-ms is applied to the process before the model loads; 0 or less is a usage error."""
+    import ws_server
+
+    before = sys.getswitchinterval()
+    try:
+        assert ws_server.main(["--gil-switch-ms", "3", "--model", "/nonexistent/model-dir"]) == 1
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+    finally:
+        sys.setswitchinterval(before)
+    assert "no such directory" in capsys.readouterr().err
+    assert load_config([]).gil_switch_ms == 1.0
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            load_config(["--gil-switch-ms", bad])
+        assert "--gil-switch-ms must be greater than 0" in capsys.readouterr().err
+
+
 def test_bad_flag_values_are_refused() -> None:
     result = run_server("--max-batch-size", "0")
     assert result.returncode == 2 and "--max-batch-size must be at least 1" in result.stderr
