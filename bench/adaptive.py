@@ -2,10 +2,12 @@
 design (``bench/peers/seed.py``), and the forward pass in the server against the same batches in-process.
 
     .venv/bin/python bench/adaptive.py --sizes tiny --corpora short,mixed --duration 8
+    .venv/bin/python bench/adaptive.py --sizes families/esm --corpora short --in-flight 8 --no-seed \
+        --configs 'defaults,--gil-switch-ms 0.2' --repeats 3
 
 For each size and corpus, one real server per flag set (defaults first, then a sweep of hand-set
 flags, then the seed design unless ``--no-seed``), interleaved over ``--repeats``, 32 closed-loop
-clients x 4 in flight; it prints req/s, p50/p99, rows per batch, the defaults' ratios to the best of
+clients x ``--in-flight`` (4); it prints req/s, p50/p99, rows per batch, the defaults' ratios to the best of
 the sweep and to the seed design, against issue 17's goals. Then, for the
 default server's batches (their shapes, rows x padded width, from the results' ``batch_size`` and
 ``batch_tokens``), it times the same shapes in a child process with the same torch thread count
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
 from bench.corpus import make_corpus, make_short_corpus  # noqa: E402
+from bench.pipeline_limits import family_texts  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
 SWEEP = {
@@ -40,6 +43,8 @@ SWEEP = {
     "--max-batch-size 32": ["--max-batch-size", "32"],
     "--anticipate-ms 30": ["--anticipate-ms", "30"],
     "--torch-threads 1": ["--torch-threads", "1"],
+    "--gil-switch-ms 0.2": ["--gil-switch-ms", "0.2"],
+    "--gil-switch-ms 5": ["--gil-switch-ms", "5"],
 }
 
 INPROCESS = r"""
@@ -67,11 +72,11 @@ SEED = "seed design (bench/peers/seed.py)"
 
 
 async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: float, duration: float,
-                  keep_batches: bool, script: str = "ws_server.py") -> dict[str, Any]:
+                  keep_batches: bool, script: str = "ws_server.py", in_flight: int = 4) -> dict[str, Any]:
     with ServerProcess(model_dir, args, script=script) as server:
         await loadgen.settle(server.url)
         recorder = loadgen.Recorder()
-        summary = await loadgen.closed_loop(server.url, texts, 32, 4, warmup, duration, recorder=recorder)
+        summary = await loadgen.closed_loop(server.url, texts, 32, in_flight, warmup, duration, recorder=recorder)
         hello_threads = await _hello_threads(server.url) if script == "ws_server.py" else 0  # (the seed has none)
     summary["torch_threads"] = hello_threads
     summary.setdefault("batch", {}).setdefault("mean_rows_per_batch", float("nan"))
@@ -99,21 +104,35 @@ def in_process(model_dir: Path, threads: int, shapes: list[tuple[int, int]]) -> 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def corpus_texts(model_dir: Path, size: str, corpus: str) -> list[str]:
+    """The corpus for ``size``: ``tiny``/``base`` take it as it is; a family's checkpoint
+    (``families/NAME``, from ``bench/run.py --families``) takes it with its own mask token, as
+    ``bench/run.py`` does (protein sequences for ``esm``)."""
+    if size.startswith("families/"):
+        from transformers import AutoTokenizer
+
+        mask = AutoTokenizer.from_pretrained(model_dir).mask_token
+        return family_texts(corpus, size.split("/", 1)[1], mask)
+    return make_short_corpus() if corpus == "short" else make_corpus()
+
+
 async def main_async(args: argparse.Namespace) -> int:
     for size in args.sizes.split(","):
         model_dir = ROOT / "models" / size
         for corpus in args.corpora.split(","):
-            texts = make_short_corpus() if corpus == "short" else make_corpus()
+            texts = corpus_texts(model_dir, size, corpus)
             names = [name for name in SWEEP if name in args.configs.split(",")] if args.configs else list(SWEEP)
             runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for repeat in range(args.repeats):
                 for name in names:
                     runs[name].append(await measure(model_dir, SWEEP[name], texts, args.warmup, args.duration,
-                                                    keep_batches=name == "defaults" and repeat == 0))
+                                                    keep_batches=name == "defaults" and repeat == 0,
+                                                    in_flight=args.in_flight))
                 if args.seed:
                     runs[SEED].append(await measure(model_dir, [], texts, args.warmup, args.duration, False,
-                                                    script="bench/peers/seed.py"))
-            print(f"\n## {size}, {corpus} corpus, 32 clients x 4 in flight, {args.repeats} repeat(s), median")
+                                                    script="bench/peers/seed.py", in_flight=args.in_flight))
+            print(f"\n## {size}, {corpus} corpus, 32 clients x {args.in_flight} in flight, {args.repeats} repeat(s), "
+                  "median")
             print("| flags | req/s | p50 ms | p99 ms | p99/p50 | rows/batch | threads |")
             print("|---|---|---|---|---|---|---|")
             rows = {}
@@ -152,7 +171,9 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny")
+    parser.add_argument("--sizes", default="tiny", help="comma-separated: tiny, base, or families/NAME (a checkpoint "
+                        "that bench/run.py --families wrote)")
+    parser.add_argument("--in-flight", type=int, default=4, help="requests each of the 32 clients keeps in flight")
     parser.add_argument("--corpora", default="short,mixed")
     parser.add_argument("--configs", default="", help="comma-separated names of SWEEP (default: all)")
     parser.add_argument("--repeats", type=int, default=1)

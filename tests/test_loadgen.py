@@ -231,3 +231,17 @@ def test_the_families_closed_loop_also_tries_eight_in_flight_unless_told() -> No
     assert parse_args([]).in_flight == (1, 4)
     assert parse_args(["--families", "bert"]).in_flight == (1, 4, 8)
     assert parse_args(["--families", "bert", "--in-flight", "4"]).in_flight == (4,)
+
+
+def test_the_sweep_takes_a_familys_checkpoint_with_its_own_corpus() -> None:
+    """bench/adaptive.py --sizes families/NAME: the family's texts with its mask token (protein sequences
+    for ESM), as bench/run.py --families sends them; tiny and base keep the corpus as it is."""
+    from bench import adaptive
+    from bench.corpus import make_short_corpus
+    from fillmask_server.checkpoint import ensure_family
+
+    families = Path(__file__).resolve().parent.parent / "models" / "families"
+    esm = adaptive.corpus_texts(ensure_family("esm", families), "families/esm", "short")
+    assert esm and all("<mask>" in text and "[MASK]" not in text for text in esm)
+    assert set("".join(esm).replace("<mask>", "")) <= set("ACDEFGHIKLMNPQRSTVWY")
+    assert adaptive.corpus_texts(Path("models/tiny"), "tiny", "short") == make_short_corpus()
