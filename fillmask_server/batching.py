@@ -550,16 +550,22 @@ class BatchPolicy:
         m = len(lengths)
         best = [0.0] + [float("inf")] * m  # best[j]: least time for the classes before j
         cut = [0] * (m + 1)
+        # cost.batch_s(count, count * longest, out_bytes), its terms taken apart: this loop is the hot one
+        overhead, per_token, per_row, per_byte = cost.overhead_s, cost.token_s, cost.row_s, cost.byte_s
+        budget = self.max_batch_tokens
         for j in range(1, m + 1):
+            longest = lengths[j - 1]
+            per_count = per_token * longest + per_row
+            bar = best[j]
             count, out_bytes = 0, 0.0
             for i in range(j - 1, -1, -1):  # the batch of classes i .. j-1, longest lengths[j - 1]
                 count, out_bytes = count + rows[i], out_bytes + out[i]
-                if i < j - 1 and (lengths[j - 1] > AUTO_GROWTH * lengths[i]
-                                  or count * lengths[j - 1] > self.max_batch_tokens):
+                if i < j - 1 and (longest > AUTO_GROWTH * lengths[i] or count * longest > budget):
                     break
-                total = best[i] + cost.batch_s(count, count * lengths[j - 1], out_bytes)
-                if total < best[j] * (1 - TIE):
-                    best[j], cut[j] = total, i
+                total = best[i] + (overhead + per_count * count + per_byte * out_bytes)
+                if total < bar * (1 - TIE):
+                    bar, cut[j] = total, i
+            best[j] = bar
         groups: list[list[J]] = []
         j = m
         while j > 0:
