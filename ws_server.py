@@ -63,16 +63,10 @@ def _stop_now() -> None:
     os._exit(130)
 
 
-# The interpreter's switch interval unless --gil-switch-ms says otherwise (bench/gil.py and
-# bench/contention.py run at it too). The model thread takes the GIL a few times per batch (its forward
-# pass is one scripted call), so a short interval mostly buys forced hand-overs between the event loop
-# and the stage threads; README "The GIL's switch interval" has the sweep that chose it.
-SWITCH_INTERVAL_S = Config.gil_switch_ms / 1000
-
-
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv)
-    sys.setswitchinterval(config.gil_switch_ms / 1000)
+    if config.gil_switch_ms:  # (0: the server follows its torch thread count, tuning.switch_interval_s)
+        sys.setswitchinterval(config.gil_switch_ms / 1000)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:

@@ -44,6 +44,7 @@ SWEEP = {
     "--anticipate-ms 30": ["--anticipate-ms", "30"],
     "--torch-threads 1": ["--torch-threads", "1"],
     "--gil-switch-ms 0.2": ["--gil-switch-ms", "0.2"],
+    "--gil-switch-ms 0.5": ["--gil-switch-ms", "0.5"],
     "--gil-switch-ms 5": ["--gil-switch-ms", "5"],
 }
 

@@ -5,7 +5,7 @@
 It times ``model.forward`` on one batch (median of ``--passes``) with 2 and 1 torch threads: alone,
 beside a process busy on one core (``stress-ng --cpu 1``), beside one busy 30% of a core, and beside
 a Python thread that never sleeps (it holds the GIL whenever the model thread lets go of it; the
-switch interval is the server's, ``ws_server.SWITCH_INTERVAL_S``). Issue 17 item 3: why a tiny
+switch interval is the server's for the thread count, ``tuning.switch_interval_s``). Issue 17 item 3: why a tiny
 model's batch takes longer in the server than alone, while base's does not.
 """
 
@@ -71,15 +71,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from fillmask_server.calibration import batch_items
     from fillmask_server.model import load_model
-    from ws_server import SWITCH_INTERVAL_S
+    from fillmask_server.tuning import switch_interval_s
 
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     print(f"{args.model}, one batch of {args.rows} x {args.width} tokens, median of {args.passes} passes, ms")
     print("| torch threads | alone | beside a process busy on one core | beside one busy 30% of a core | "
           "beside a Python thread that never sleeps |")
     print("|---|---|---|---|---|")
     for threads in (2, 1):
         torch.set_num_threads(threads)
+        sys.setswitchinterval(switch_interval_s(threads, "cpu"))
         model = load_model(args.model, threads=threads)
         items = batch_items(model, args.rows, args.width)
 

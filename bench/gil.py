@@ -8,7 +8,7 @@ runs Python (the server's event loop, its decode stage), the model thread waits 
 every operator, up to the interpreter's switch interval each time. This measures one batch of 32 short
 texts through ``FillMaskModel.forward``, alone and while a second thread runs pure Python, for the
 eager and the traced forward pass, at Python's default switch interval (5 ms) and at the server's
-(``ws_server.SWITCH_INTERVAL_S``). Each configuration runs in a fresh child process (the thread count
+(``tuning.switch_interval_s`` for the thread count). Each configuration runs in a fresh child process (the thread count
 and the switch interval are process-wide).
 """
 
@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         forward, threads, switch, repeats = args.child
         print(child(args.model, forward, int(threads), float(switch), int(repeats)))
         return 0
-    from ws_server import SWITCH_INTERVAL_S
+    from fillmask_server.tuning import switch_interval_s
 
     print(f"model {args.model}: mean ms per forward pass of 32 texts, alone -> with a busy Python thread")
     print("| torch threads | switch interval | eager | traced |")
     print("|---|---|---|---|")
     for threads in (1, 2):
-        for switch in (0.005, SWITCH_INTERVAL_S):
+        for switch in (0.005, switch_interval_s(threads, "cpu")):
             cells = []
             for forward in ("eager", "traced"):
                 out = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", forward,

@@ -8,7 +8,8 @@
   only requests that can run.
 - **Model thread** (``fillmask-model``): asks the core for the next batch and runs the forward pass
   (``FillMaskModel.forward``, one call into torch): token ids in, top-k tensors out, at the torch thread count the core
-  gives it (``FillMaskModel.set_threads``, called on this thread, which runs every forward pass).
+  gives it (``FillMaskModel.set_threads``, called on this thread, which runs every forward pass; then
+  ``on_threads``, e.g. the server's switch interval for that count).
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -93,8 +94,9 @@ class Engine:
                  deliver: Deliver, clock: Callable[[], float] = time.monotonic,
                  on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
                  memory: AnswerMemory | None = None, cost: CostModel | None = None,
-                 threads: ThreadTuner | None = None) -> None:
+                 threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None) -> None:
         self.model = model
+        self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads)
         self._threads_set = threads.current if threads is not None else 0  # the model thread's count now
         self.policy = policy
@@ -287,6 +289,8 @@ class Engine:
         if threads and threads != self._threads_set:
             self.model.set_threads(threads)
             self._threads_set = threads
+            if self._on_threads is not None:
+                self._on_threads(threads)
         items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
         groups, failed_items = self._forward_all(items, list(range(len(items))))
         finished = self._clock()

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from .model import FillMaskModel
 from .protocol import Limits, encode_going_away, encode_hello, encode_stats
 from .session import POLICY_VIOLATION, SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
 from .stats import LiveStats
-from .tuning import ThreadTuner
+from .tuning import ThreadTuner, switch_interval_s
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class FillMaskServer:
                  if calibration.threads_from == "calibration" and model.device.type == "cpu" else None)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
-                             cost=cost, threads=tuner)
+                             cost=cost, threads=tuner, on_threads=self._threads_in_use)
+        self._threads_in_use(self._torch_threads())
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients)
         self._hello_threads = self._torch_threads()
         self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
@@ -222,6 +224,13 @@ class FillMaskServer:
         log.info("stopped")
 
     # --- WebSocket --------------------------------------------------------------------------------
+
+    def _threads_in_use(self, count: int) -> None:
+        """The model runs on ``count`` torch threads from now on (at start, and on the model thread after
+        each change): unless ``--gil-switch-ms`` is set, the interpreter's switch interval that suits it
+        (``tuning.switch_interval_s``; process-wide, like torch's thread count)."""
+        if self.config.gil_switch_ms == 0:
+            sys.setswitchinterval(switch_interval_s(count, self.model.device.type))
 
     def _torch_threads(self) -> int:
         """The torch thread count in use now: the calibration's, or the count the engine switched to.

@@ -160,3 +160,23 @@ class ThreadTuner:
         self._wait = self._interval if switched or not wins else self._first_interval  # a win is confirmed soon
         self._since = now
         return switched
+
+
+#: The interpreter's switch interval (``sys.setswitchinterval``) for a model on one CPU thread, and for
+#: one whose forward pass keeps a team busy (several CPU threads, or a GPU): see ``switch_interval_s``.
+SWITCH_ONE_THREAD_S = 0.001
+SWITCH_TEAM_S = 0.0002
+
+
+def switch_interval_s(threads: int, device_type: str) -> float:
+    """The GIL switch interval that suits a model on ``threads`` torch threads on ``device_type``.
+
+    The model thread takes the GIL a few times a batch, and each time another thread is running
+    Python it waits up to the interval; every other thread of the server runs Python, and each hand-over
+    that the interval forces between them costs CPU. On one CPU thread such a wait idles one core,
+    which the other threads go on using: the longer interval, with fewer forced hand-overs, serves
+    more. With a team (``threads`` > 1, or 0: torch's default, one per core; or a GPU) the whole team
+    idles while the model thread waits: the shorter one serves more. (README, Performance: "The GIL's
+    switch interval", has the side-by-side figures.)
+    """
+    return SWITCH_ONE_THREAD_S if device_type == "cpu" and threads == 1 else SWITCH_TEAM_S

@@ -173,7 +173,9 @@ def test_the_model_thread_runs_each_batch_at_the_thread_count_the_core_gives_it(
     monkeypatch.setattr(model, "set_threads", recording)
     before = torch.get_num_threads()
     tuner = ThreadTuner([1, 2], 2, time.monotonic(), first_interval_s=0.05, probe_share=1.0)  # at once
-    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector, threads=tuner)
+    told: list[tuple[str, int]] = []  # on_threads: (thread, count), after each change
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector, threads=tuner,
+                    on_threads=lambda count: told.append((threading.current_thread().name, count)))
     engine.start()
     try:
         n = 0
@@ -187,6 +189,7 @@ def test_the_model_thread_runs_each_batch_at_the_thread_count_the_core_gives_it(
         engine.stop()
         torch.set_num_threads(before)
     assert applied[:2] == [("fillmask-model", 1, 1), ("fillmask-model", 2, 2)]  # a probe at 1, then back
+    assert told == [(name, count) for name, count, _ in applied]  # after every change, and only then
     assert all(isinstance(outcome, Result) for outcome in collector.outcomes)
 
 

@@ -462,6 +462,31 @@ async def test_a_light_connection_is_not_starved_by_a_heavy_one(make_server: Any
         await recv_n(heavy, 999, timeout=60)
 
 
+async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_one(tiny_config: Any) -> None:
+    """--gil-switch-ms 0 (the default): the server sets the interval that suits its torch thread count
+    at start and after each change (tuning.switch_interval_s); a value the user set is left alone."""
+    import dataclasses
+    import sys
+
+    from fillmask_server.calibration import Calibration
+    from fillmask_server.model import load_model
+    from fillmask_server.tuning import SWITCH_ONE_THREAD_S, SWITCH_TEAM_S
+
+    model = load_model(tiny_config.model)
+    before = sys.getswitchinterval()
+    try:
+        server = FillMaskServer(tiny_config, model, Calibration(2, "calibration", {1: 1.0, 2: 0.5}))
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_TEAM_S)
+        server._threads_in_use(1)  # what the engine's model thread calls after switching (tests/test_engine.py)
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_ONE_THREAD_S)
+        sys.setswitchinterval(0.003)
+        set_by_user = dataclasses.replace(tiny_config, gil_switch_ms=3.0)
+        FillMaskServer(set_by_user, model, Calibration(1, "calibration", {1: 0.5, 2: 1.0}))._threads_in_use(2)
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+    finally:
+        sys.setswitchinterval(before)
+
+
 async def test_hello_and_metrics_give_the_thread_count_in_use_after_the_engine_switches(tiny_config: Any) -> None:
     from fillmask_server.calibration import Calibration
     from fillmask_server.model import load_model

@@ -11,9 +11,12 @@ from fillmask_server.tuning import (
     PROBE_BATCHES,
     PROBE_MAX_BATCHES,
     PROBE_SHARE,
+    SWITCH_ONE_THREAD_S,
+    SWITCH_TEAM_S,
     THREAD_TIE,
     WINS_TO_SWITCH,
     ThreadTuner,
+    switch_interval_s,
 )
 
 
@@ -167,3 +170,10 @@ def test_a_far_slower_count_is_left_after_one_batch_and_only_neighbouring_counts
             if count == 32 and before == 64]
     assert runs and all(machine.counts[n + 1] == 64 for n in runs)  # each probe: the warm-up batch alone
     assert ABORT_RATIO_WARM_UP < 10.0
+
+
+def test_the_switch_interval_is_long_for_one_cpu_thread_and_short_for_a_team() -> None:
+    """While the model thread waits for the GIL its whole team idles: one CPU thread takes the longer
+    interval (fewer forced hand-overs between the server's other threads), a team or a GPU the shorter."""
+    assert switch_interval_s(1, "cpu") == SWITCH_ONE_THREAD_S > SWITCH_TEAM_S
+    assert switch_interval_s(2, "cpu") == switch_interval_s(0, "cpu") == switch_interval_s(1, "cuda") == SWITCH_TEAM_S
