@@ -555,14 +555,13 @@ class BatchPolicy:
         budget = self.max_batch_tokens
         for j in range(1, m + 1):
             longest = lengths[j - 1]
-            per_count = per_token * longest + per_row
             bar = best[j]
             count, out_bytes = 0, 0.0
             for i in range(j - 1, -1, -1):  # the batch of classes i .. j-1, longest lengths[j - 1]
                 count, out_bytes = count + rows[i], out_bytes + out[i]
                 if i < j - 1 and (longest > AUTO_GROWTH * lengths[i] or count * longest > budget):
                     break
-                total = best[i] + (overhead + per_count * count + per_byte * out_bytes)
+                total = best[i] + (overhead + per_token * (count * longest) + per_row * count + per_byte * out_bytes)
                 if total < bar * (1 - TIE):
                     bar, cut[j] = total, i
             best[j] = bar
