@@ -45,6 +45,7 @@ SWEEP = {
     "--torch-threads 1": ["--torch-threads", "1"],
     "--gil-switch-ms 0.2": ["--gil-switch-ms", "0.2"],
     "--gil-switch-ms 0.5": ["--gil-switch-ms", "0.5"],
+    "--gil-switch-ms 1": ["--gil-switch-ms", "1"],
     "--gil-switch-ms 5": ["--gil-switch-ms", "5"],
 }
 
