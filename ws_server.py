@@ -65,8 +65,6 @@ def _stop_now() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv)
-    if config.gil_switch_ms:  # (0: the server follows its torch thread count, tuning.switch_interval_s)
-        sys.setswitchinterval(config.gil_switch_ms / 1000)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:

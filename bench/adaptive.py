@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the seed design (bench/peers/seed.py) at the same load")
     args = parser.parse_args(argv)
+    if args.in_flight < 1:
+        parser.error("--in-flight must be at least 1")
     missing = [name for name in ("starlette", "uvicorn") if args.seed and importlib.util.find_spec(name) is None]
     if missing:  # found out now, not after minutes of sweep whose output would be lost
         parser.error(f"the seed design needs {' and '.join(missing)}: run `.venv/bin/pip install -e '.[bench]'`, "

@@ -5,7 +5,8 @@
 It times ``model.forward`` on one batch (median of ``--passes``) with 2 and 1 torch threads: alone,
 beside a process busy on one core (``stress-ng --cpu 1``), beside one busy 30% of a core, and beside
 a Python thread that never sleeps (it holds the GIL whenever the model thread lets go of it; the
-switch interval is the server's for the thread count, ``tuning.switch_interval_s``). Issue 17 item 3: why a tiny
+switch interval is the server's for the thread count, ``tuning.switch_interval_s``: 1 ms at one thread
+since it follows the count, 0.2 ms in bench/results/issue17*.md). Issue 17 item 3: why a tiny
 model's batch takes longer in the server than alone, while base's does not.
 """
 

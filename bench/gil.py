@@ -8,8 +8,9 @@ runs Python (the server's event loop, its decode stage), the model thread waits 
 every operator, up to the interpreter's switch interval each time. This measures one batch of 32 short
 texts through ``FillMaskModel.forward``, alone and while a second thread runs pure Python, for the
 eager and the traced forward pass, at Python's default switch interval (5 ms) and at the server's
-(``tuning.switch_interval_s`` for the thread count). Each configuration runs in a fresh child process (the thread count
-and the switch interval are process-wide).
+(``tuning.switch_interval_s`` for the thread count: 1 ms at one thread since the interval follows the
+count, 0.2 ms before, as in bench/results/issue17*.md). Each configuration runs in a fresh child
+process (the thread count and the switch interval are process-wide).
 """
 
 from __future__ import annotations

@@ -253,8 +253,8 @@ def validate(config: Config) -> str | None:
         return "--port must be between 0 and 65535"
     if config.send_timeout <= 0:
         return "--send-timeout must be greater than 0"
-    if not 0 <= config.gil_switch_ms <= 1000:
-        return "--gil-switch-ms must be between 0 (automatic) and 1000"
+    if config.gil_switch_ms != 0 and not 0.01 <= config.gil_switch_ms <= 1000:
+        return "--gil-switch-ms must be 0 (automatic) or between 0.01 and 1000"
     try:
         OriginPolicy.parse(config.allowed_origins)
         HostPolicy.parse(config.allowed_hosts)

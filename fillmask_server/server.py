@@ -115,8 +115,8 @@ class FillMaskServer:
                  if calibration.threads_from == "calibration" and model.device.type == "cpu" else None)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
-                             cost=cost, threads=tuner, on_threads=self._threads_in_use)
-        self._threads_in_use(self._torch_threads())
+                             cost=cost, threads=tuner, on_threads=self._follow_thread_count)
+        self._switch_before: float | None = None  # the process's switch interval before start() set it
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients)
         self._hello_threads = self._torch_threads()
         self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
@@ -148,6 +148,8 @@ class FillMaskServer:
     async def start(self) -> None:
         """Start the engine's threads and listen; ready once this returns."""
         self._loop = asyncio.get_running_loop()
+        self._switch_before = sys.getswitchinterval()
+        self._follow_thread_count(self._torch_threads())
         self.engine.start()
         self._server = await serve(
             self._handle, self.config.host, self.config.port,
@@ -161,6 +163,14 @@ class FillMaskServer:
         )
         self.ready.loaded = True
         log.info("serving %s on %s", self.config.model, self.url)
+
+    def _follow_thread_count(self, count: int) -> None:
+        """Set the interpreter's switch interval for a model on ``count`` torch threads: ``--gil-switch-ms``
+        when set, else the one that suits the count (``tuning.switch_interval_s``). Called by ``start``
+        and, on the model thread, by the engine after each change of the count. Process-wide, like
+        torch's thread count: ``drain`` puts back what ``start`` found."""
+        ms = self.config.gil_switch_ms
+        sys.setswitchinterval(ms / 1000 if ms else switch_interval_s(count, self.model.device.type))
 
     @property
     def port(self) -> int:
@@ -221,16 +231,11 @@ class FillMaskServer:
             self._server.close(close_connections=True, code=GOING_AWAY)
             await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
+        if self._switch_before is not None:  # the process's setting back, as it was before start()
+            sys.setswitchinterval(self._switch_before)
         log.info("stopped")
 
     # --- WebSocket --------------------------------------------------------------------------------
-
-    def _threads_in_use(self, count: int) -> None:
-        """The model runs on ``count`` torch threads from now on (at start, and on the model thread after
-        each change): unless ``--gil-switch-ms`` is set, the interpreter's switch interval that suits it
-        (``tuning.switch_interval_s``; process-wide, like torch's thread count)."""
-        if self.config.gil_switch_ms == 0:
-            sys.setswitchinterval(switch_interval_s(count, self.model.device.type))
 
     def _torch_threads(self) -> int:
         """The torch thread count in use now: the calibration's, or the count the engine switched to.

@@ -463,8 +463,9 @@ async def test_a_light_connection_is_not_starved_by_a_heavy_one(make_server: Any
 
 
 async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_one(tiny_config: Any) -> None:
-    """--gil-switch-ms 0 (the default): the server sets the interval that suits its torch thread count
-    at start and after each change (tuning.switch_interval_s); a value the user set is left alone."""
+    """--gil-switch-ms 0 (the default): a started server sets the interval that suits its torch thread
+    count, and again each time the engine changes the count (``on_threads``); a value the user set is
+    kept whatever the count. Draining puts back what the process had before."""
     import dataclasses
     import sys
 
@@ -475,14 +476,24 @@ async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_
     model = load_model(tiny_config.model)
     before = sys.getswitchinterval()
     try:
+        sys.setswitchinterval(0.005)
         server = FillMaskServer(tiny_config, model, Calibration(2, "calibration", {1: 1.0, 2: 0.5}))
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # building a server changes nothing
+        await server.start()
         assert sys.getswitchinterval() == pytest.approx(SWITCH_TEAM_S)
-        server._threads_in_use(1)  # what the engine's model thread calls after switching (tests/test_engine.py)
+        assert server.engine._on_threads == server._follow_thread_count  # what the model thread calls
+        server._follow_thread_count(1)  # as after a switch to one thread (tests/test_engine.py)
         assert sys.getswitchinterval() == pytest.approx(SWITCH_ONE_THREAD_S)
-        sys.setswitchinterval(0.003)
-        set_by_user = dataclasses.replace(tiny_config, gil_switch_ms=3.0)
-        FillMaskServer(set_by_user, model, Calibration(1, "calibration", {1: 0.5, 2: 1.0}))._threads_in_use(2)
+        await server.drain(timeout=2.0)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+
+        set_by_user = FillMaskServer(dataclasses.replace(tiny_config, gil_switch_ms=3.0), model,
+                                     Calibration(1, "calibration", {1: 0.5, 2: 1.0}))
+        await set_by_user.start()
+        set_by_user._follow_thread_count(2)
         assert sys.getswitchinterval() == pytest.approx(0.003)
+        await set_by_user.drain(timeout=2.0)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(before)
 
