@@ -32,8 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
-from bench.corpus import make_corpus, make_short_corpus  # noqa: E402
-from bench.pipeline_limits import family_texts  # noqa: E402
+from bench.pipeline_limits import bench_corpus  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
 SWEEP = {
@@ -110,12 +109,12 @@ def corpus_texts(model_dir: Path, size: str, corpus: str) -> list[str]:
     """The corpus for ``size``: ``tiny``/``base`` take it as it is; a family's checkpoint
     (``families/NAME``, from ``bench/run.py --families``) takes it with its own mask token, as
     ``bench/run.py`` does (protein sequences for ``esm``)."""
-    if size.startswith("families/"):
-        from transformers import AutoTokenizer
+    if not size.startswith("families/"):
+        return bench_corpus(corpus, "", "", seed=0)
+    from transformers import AutoTokenizer
 
-        mask = AutoTokenizer.from_pretrained(model_dir).mask_token
-        return family_texts(corpus, size.split("/", 1)[1], mask)
-    return make_short_corpus() if corpus == "short" else make_corpus()
+    mask = AutoTokenizer.from_pretrained(model_dir).mask_token
+    return bench_corpus(corpus, size.removeprefix("families/"), mask, seed=0)
 
 
 async def main_async(args: argparse.Namespace) -> int:
