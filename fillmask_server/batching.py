@@ -550,8 +550,6 @@ class BatchPolicy:
         m = len(lengths)
         best = [0.0] + [float("inf")] * m  # best[j]: least time for the classes before j
         cut = [0] * (m + 1)
-        # cost.batch_s(count, count * longest, out_bytes), its terms taken apart: this loop is the hot one
-        overhead, per_token, per_row, per_byte = cost.overhead_s, cost.token_s, cost.row_s, cost.byte_s
         budget = self.max_batch_tokens
         for j in range(1, m + 1):
             longest = lengths[j - 1]
@@ -561,7 +559,7 @@ class BatchPolicy:
                 count, out_bytes = count + rows[i], out_bytes + out[i]
                 if i < j - 1 and (longest > AUTO_GROWTH * lengths[i] or count * longest > budget):
                     break
-                total = best[i] + (overhead + per_token * (count * longest) + per_row * count + per_byte * out_bytes)
+                total = best[i] + cost.batch_s(count, count * longest, out_bytes)
                 if total < bar * (1 - TIE):
                     bar, cut[j] = total, i
             best[j] = bar
