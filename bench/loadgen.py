@@ -8,7 +8,10 @@ server discards what is still queued) and ``settle`` waits for the batch still r
 
 - Closed loop: ``clients`` connections, each keeping ``in_flight`` requests outstanding: a new one is
   sent as soon as one is answered, until the window ends. Throughput is the rate of answers read in
-  the window (see ``_throughput``); latencies are those of the requests answered in the window.
+  the window (see ``_throughput``); latencies are those of the requests answered in the window. Its
+  connections have no task of their own (``_TaskFreeConnection``): the answers of one read are
+  recorded and the requests they free are sent in one write, so the load generator, which shares the
+  machine with the server, takes less of it.
 - Open loop: Poisson arrivals at ``rate`` req/s for the whole phase, spread round-robin over the
   connections, whatever the server's progress, except that, like any client that follows protocol.md
   §6, a connection sends nothing before an ``overloaded`` answer's ``retry_after_ms`` has passed (a
@@ -20,10 +23,11 @@ server discards what is still queued) and ``settle`` waits for the batch still r
   hide it), and ``overloaded`` answers are counted apart, not as latencies.
 - Idle: one connection, one request at a time.
 
-``Client`` is the one client of bench/ and scripts/ (``scripts/soak.py``, ``scripts/reliability.py``):
-a connection that sends the corpus and records every answer in a ``Recorder``. Its ``Policy`` is how
-it treats the server beyond that: back off as told (the default) or ignore it, read at a given rate,
-or never read, so that scripts can play the clients that break the rules on purpose.
+``Client`` is the one client of bench/ and scripts/ (``scripts/soak.py``, ``scripts/reliability.py``)
+besides the closed loop's connections: a connection that sends the corpus and records every answer in a
+``Recorder``, both through ``Requests`` as the closed loop does. Its ``Policy`` is how it treats the
+server beyond that: back off as told (the default) or ignore it, read at a given rate, or never read,
+so that scripts can play the clients that break the rules on purpose.
 """
 
 from __future__ import annotations
@@ -44,7 +48,11 @@ from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import Frame, Opcode
+from websockets.protocol import State
+from websockets.uri import parse_uri
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT, OVERLOADED, ERROR, OTHER = "result", "overloaded", "error", "other"
@@ -118,46 +126,39 @@ class Policy:
 POLITE = Policy()
 
 
-class Client:
-    """One WebSocket connection that walks the corpus from its own offset (so that concurrent clients
-    send different texts and no client sends the same text twice in a row). ``fields`` go in every
-    request besides its id and text (``top_k``, say); ids are 0, 1, 2, ... per connection."""
+class Requests:
+    """What one connection sends and what its answers say, without I/O: the ids, frames and records of its
+    requests. It walks the corpus from its own offset (so that concurrent connections send different
+    texts and none sends the same text twice in a row); ``fields`` go in every request besides its id and
+    text (``top_k``, say); ids are 0, 1, 2, ... per connection. ``Client`` (websockets' asyncio
+    connection, with policies) and the closed loop's ``_TaskFreeConnection`` both send through it, so
+    every load records its answers the same way."""
 
-    def __init__(self, ws: ClientConnection, texts: list[str], offset: int, recorder: Recorder,
-                 token_counts: Sequence[int] | None = None, policy: Policy = POLITE,
-                 fields: dict[str, Any] | None = None) -> None:
-        self.ws = ws
+    def __init__(self, texts: list[str], offset: int, recorder: Recorder,
+                 token_counts: Sequence[int] | None = None, fields: dict[str, Any] | None = None) -> None:
         self.texts = texts
         self.token_counts = token_counts
         self.offset = offset
         self.recorder = recorder
-        self.policy = policy
         self.fields = fields or {}
         self.pending: dict[int, int] = {}  # request id -> its index in the recorder
         self.next_id = 0
         self.hold_until = 0.0  # after an overloaded answer: send nothing before its retry_after_ms (§6)
-        self.closed_by_server: int | None = None  # the close code, once the server closed the connection
 
-    async def send(self, scheduled: float | None = None, extra: dict[str, Any] | None = None) -> int:
-        """Send the next text (with ``extra`` fields for this request alone); its latency counts from
-        ``scheduled`` (default: now). Returns its index in the recorder."""
+    def next_frame(self, sent: float, extra: dict[str, Any] | None = None) -> tuple[bytes, int]:
+        """The next request's frame (with ``extra`` fields for it alone), recorded as sent at ``sent``;
+        and its index in the recorder."""
         request_id = self.next_id
         self.next_id += 1
         index = (self.offset + request_id) % len(self.texts)
         body = {"type": "fill_mask", "id": request_id, "text": self.texts[index], **self.fields}
-        frame = orjson.dumps({**body, **extra} if extra else body)
         tokens = self.token_counts[index] if self.token_counts else 0
-        entry = self.pending[request_id] = self.recorder.add(
-            time.perf_counter() if scheduled is None else scheduled, tokens)
-        await self.ws.send(frame, text=True)
-        return entry
+        entry = self.pending[request_id] = self.recorder.add(sent, tokens)
+        return orjson.dumps({**body, **extra} if extra else body), entry
 
-    async def read_one(self) -> dict[str, Any]:
-        """Read the next answer, record it and return it (raises ConnectionClosed at the end)."""
-        if not self.policy.reads:
-            await asyncio.Future()  # never: a client that does not read
-        raw = await self.ws.recv(decode=False)
-        now = time.perf_counter()
+    def answered(self, raw: bytes, now: float) -> dict[str, Any]:
+        """Record the answer ``raw`` read at ``now`` (a frame for no pending request is a stray) and
+        return it parsed; an ``overloaded`` answer moves ``hold_until``."""
         frame = orjson.loads(raw)
         index = self.pending.pop(frame.get("id"), None)  # type: ignore[arg-type]
         if index is not None:
@@ -167,6 +168,33 @@ class Client:
         retry_after_ms = frame.get("retry_after_ms") if frame.get("type") == OVERLOADED else None
         if isinstance(retry_after_ms, int | float):
             self.hold_until = max(self.hold_until, now + retry_after_ms / 1000)
+        return frame
+
+
+class Client(Requests):
+    """One WebSocket connection (websockets' asyncio client) sending ``Requests``, with a ``Policy``."""
+
+    def __init__(self, ws: ClientConnection, texts: list[str], offset: int, recorder: Recorder,
+                 token_counts: Sequence[int] | None = None, policy: Policy = POLITE,
+                 fields: dict[str, Any] | None = None) -> None:
+        super().__init__(texts, offset, recorder, token_counts, fields)
+        self.ws = ws
+        self.policy = policy
+        self.closed_by_server: int | None = None  # the close code, once the server closed the connection
+
+    async def send(self, scheduled: float | None = None, extra: dict[str, Any] | None = None) -> int:
+        """Send the next text (with ``extra`` fields for this request alone); its latency counts from
+        ``scheduled`` (default: now). Returns its index in the recorder."""
+        frame, entry = self.next_frame(time.perf_counter() if scheduled is None else scheduled, extra)
+        await self.ws.send(frame, text=True)
+        return entry
+
+    async def read_one(self) -> dict[str, Any]:
+        """Read the next answer, record it and return it (raises ConnectionClosed at the end)."""
+        if not self.policy.reads:
+            await asyncio.Future()  # never: a client that does not read
+        raw = await self.ws.recv(decode=False)
+        frame = self.answered(raw, time.perf_counter())
         if self.policy.read_bytes_per_s:
             await asyncio.sleep(len(raw) / self.policy.read_bytes_per_s)
         return frame
@@ -325,15 +353,11 @@ async def settle(url: str, timeout: float = 120.0) -> float:
     return time.perf_counter() - t0
 
 
-async def _read_forever(client: Client, refill: float | None) -> None:
-    """Read answers until cancelled or the connection closes; with ``refill`` (a time), send one new
-    request per answer while ``time.perf_counter() < refill`` (the closed loop)."""
+async def _read_forever(client: Client) -> None:
+    """Read answers until cancelled or the connection closes (the open loop's readers)."""
     try:
         while True:
             await client.read_one()
-            if refill is not None and time.perf_counter() < refill:
-                await client.wait_until_allowed()
-                await client.send()
     except ConnectionClosed as closed:
         client.closed_by(closed)
 
@@ -354,6 +378,146 @@ async def _stop_tasks(tasks: Sequence[asyncio.Task[Any] | None]) -> None:
     await asyncio.gather(*live, return_exceptions=True)
 
 
+class _TaskFreeConnection(asyncio.Protocol):
+    """One connection of the closed loop without a task of its own: websockets' sans-I/O client protocol
+    on an asyncio transport, sending ``Requests``.
+
+    Each read records every answer it holds and, until the window ends (``start``), sends one new request
+    per answer (after an ``overloaded`` answer, once its ``retry_after_ms`` has passed, §6); the requests
+    one read frees leave in one write. A ``Client`` spends a task step and a write on every answer and
+    every request; this spends neither, so less of the machine the server shares with its load goes to
+    the load. The server sees the same frames, masked with a fresh random key each, as from any client.
+    """
+
+    def __init__(self, url: str, requests: Requests) -> None:
+        self.protocol = ClientProtocol(parse_uri(url), max_size=None)
+        self.requests = requests
+        self.transport: asyncio.Transport | None = None
+        loop = asyncio.get_running_loop()
+        self.opened: asyncio.Future[None] = loop.create_future()  # the hello was read
+        self.lost: asyncio.Future[None] = loop.create_future()
+        self.until = -math.inf  # answers read before this time are recorded and each sends the next request
+        self.closed_by_server: int | None = None
+        self._closing = False  # this side started the close
+        self._fragments: list[bytes] = []
+        self._owed = 0  # requests to send once ``hold_until`` has passed
+        self._resume: asyncio.TimerHandle | None = None
+
+    def start(self, in_flight: int, until: float) -> None:
+        """Send ``in_flight`` requests now; record each answer read before ``until`` (perf_counter time)
+        and send one more for it. Later answers are neither recorded nor answered with a request."""
+        self.until = until
+        self._owed += in_flight
+        self._send_owed()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.protocol.send_request(self.protocol.connect())
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        self.protocol.receive_data(data)
+        now = time.perf_counter()
+        for event in self.protocol.events_received():
+            if isinstance(event, Frame) and event.opcode in (Opcode.TEXT, Opcode.CONT):
+                self._fragments.append(event.data)
+                if event.fin:
+                    raw = b"".join(self._fragments)
+                    self._fragments.clear()
+                    self._message(raw, now)
+        if self.protocol.handshake_exc is not None and not self.opened.done():
+            self.opened.set_exception(self.protocol.handshake_exc)
+        self._send_owed()
+
+    def _message(self, raw: bytes, now: float) -> None:
+        if not self.opened.done():
+            hello = orjson.loads(raw)
+            if hello.get("type") == "hello":
+                self.opened.set_result(None)
+            else:
+                self.opened.set_exception(RuntimeError(f"expected hello, got {hello!r}"))
+            return
+        if now < self.until:
+            self.requests.answered(raw, now)
+            self._owed += 1
+
+    def _send_owed(self) -> None:
+        """Send the requests owed, unless an overloaded answer says to wait (then a timer comes back)."""
+        if self._owed and self._resume is None and self.protocol.state is State.OPEN:
+            now = time.perf_counter()
+            if self.requests.hold_until > now:
+                self._resume = asyncio.get_running_loop().call_later(self.requests.hold_until - now, self._resumed)
+            else:
+                for _ in range(self._owed):
+                    self.protocol.send_text(self.requests.next_frame(now)[0])
+                self._owed = 0
+        self._flush()
+
+    def _resumed(self) -> None:
+        self._resume = None
+        self._send_owed()
+
+    def _flush(self) -> None:
+        for data in self.protocol.data_to_send():
+            if data:
+                self.transport.write(data)  # type: ignore[union-attr]
+            elif self.transport.can_write_eof():  # type: ignore[union-attr]
+                self.transport.write_eof()  # type: ignore[union-attr]
+
+    def eof_received(self) -> None:
+        self.protocol.receive_eof()
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.protocol.receive_eof()  # idempotent: the state is CLOSED from here
+        if not self._closing:
+            close = self.protocol.close_rcvd
+            self.closed_by_server = close.code if close is not None else 1006
+        if self._resume is not None:
+            self._resume.cancel()
+        if not self.opened.done():
+            self.opened.set_exception(ConnectionError("the connection closed before the hello"))
+        self.lost.set_result(None)
+
+    async def close(self, timeout_s: float = 3.0) -> None:
+        """Close with 1000 and wait (at most ``timeout_s``) for the server to end the connection."""
+        self._closing = True
+        self.until = -math.inf
+        if self.transport is None or self.lost.done():
+            return
+        if self.protocol.state is State.OPEN:
+            self.protocol.send_close(1000)
+            self._flush()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.lost), timeout_s)
+        except TimeoutError:
+            self.transport.abort()
+
+
+async def _open_task_free(url: str, n: int, texts: list[str], recorder: Recorder,
+                          token_counts: Sequence[int] | None) -> list[_TaskFreeConnection]:
+    """Open ``n`` task-free connections concurrently (each at its own offset in ``texts``) and read their hellos."""
+    uri = parse_uri(url)
+    if uri.secure:
+        raise ValueError("the closed loop speaks ws:// only")
+    loop = asyncio.get_running_loop()
+
+    async def one(i: int) -> _TaskFreeConnection:
+        requests = Requests(texts, (i * len(texts)) // n, recorder, token_counts)
+        _, conn = await asyncio.wait_for(loop.create_connection(lambda: _TaskFreeConnection(url, requests),
+                                                                uri.host, uri.port), 30)
+        await asyncio.wait_for(asyncio.shield(conn.opened), 30)
+        return conn
+
+    results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+    conns = [conn for conn in results if isinstance(conn, _TaskFreeConnection)]
+    failure = next((exc for exc in results if isinstance(exc, BaseException)), None)
+    if failure is not None:
+        await asyncio.gather(*(conn.close() for conn in conns))
+        raise failure
+    return conns
+
+
 async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, warmup_s: float, duration_s: float,
                       on_window: Any = None, token_counts: Sequence[int] | None = None,
                       recorder: Recorder | None = None) -> dict[str, Any]:
@@ -361,34 +525,32 @@ async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, 
 
     Only answers read inside the window count, so the requests still in flight when it ends are not
     waited for: the connections close and the server discards what is queued (call ``settle`` next).
+    The connections are ``_TaskFreeConnection``\\ s: the load takes as little of the machine as it can.
 
     ``on_window`` (optional) is an async callable started when the measured window opens, e.g. the
     ``/healthz`` prober; its return value lands in the summary under ``"during_window"``. ``recorder``
     (optional) is where every answer is recorded, for a caller that looks at the batches themselves.
     """
     recorder = recorder if recorder is not None else Recorder()
-    conns = await open_clients(url, clients, texts, recorder, token_counts)
-    readers: list[asyncio.Task[None]] = []
+    conns = await _open_task_free(url, clients, texts, recorder, token_counts)
     side_task: asyncio.Task[Any] | None = None
     try:
         t0 = time.perf_counter()
         window = (t0 + warmup_s, t0 + warmup_s + duration_s)
         for conn in conns:
-            for _ in range(in_flight):
-                await conn.send()
-        readers = [asyncio.create_task(_read_forever(c, window[1])) for c in conns]
+            conn.start(in_flight, window[1])
         await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
         if on_window is not None:
             side_task = asyncio.create_task(on_window())
         await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
-        await _stop_tasks(readers)
         summary = summarize(recorder, window, by_schedule=False)
         if side_task is not None:
             summary["during_window"] = await asyncio.wait_for(side_task, duration_s + 30)
     finally:
-        await _stop_tasks([*readers, side_task])
-        await close_all(conns)
-    summary.update({"mode": "closed", "clients": clients, "in_flight": in_flight})
+        await _stop_tasks([side_task])
+        await asyncio.gather(*(conn.close() for conn in conns))
+    closes = Counter(str(c.closed_by_server) for c in conns if c.closed_by_server is not None)
+    summary.update({"mode": "closed", "clients": clients, "in_flight": in_flight, "closed_by_server": dict(closes)})
     return summary
 
 
@@ -401,7 +563,7 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
     max_lag = 0.0
     readers: list[asyncio.Task[None]] = []
     try:
-        readers = [asyncio.create_task(_read_forever(c, None)) for c in conns]
+        readers = [asyncio.create_task(_read_forever(c)) for c in conns]
         t0 = time.perf_counter()
         window = (t0 + warmup_s, t0 + warmup_s + duration_s)
         due = t0

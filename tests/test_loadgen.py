@@ -9,11 +9,12 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
-from bench.loadgen import POLITE, Client, Policy, Recorder, close_all, open_client
+from bench.loadgen import POLITE, RESULT, Client, Policy, Recorder, close_all, open_client
 from fillmask_server.server import FillMaskServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -245,3 +246,35 @@ def test_the_sweep_takes_a_familys_checkpoint_with_its_own_corpus() -> None:
     assert esm and all("<mask>" in text and "[MASK]" not in text for text in esm)
     assert set("".join(esm).replace("<mask>", "")) <= set("ACDEFGHIKLMNPQRSTVWY")
     assert adaptive.corpus_texts(Path("models/tiny"), "tiny", "short") == make_short_corpus()
+
+
+async def test_the_closed_loop_sends_one_request_per_answer_read_in_its_window(server: FillMaskServer) -> None:
+    """The closed loop's task-free connections: each starts ``in_flight`` requests and sends one more per
+    answer recorded before the window ends, so (counting) sent = clients x in_flight + answers recorded in
+    time; every answer is its own request's result, and nothing is recorded after the window."""
+    from bench.loadgen import closed_loop, settle
+
+    recorder = Recorder()
+    clients, in_flight = 3, 4
+    summary = await closed_loop(server.url, TEXTS * 5, clients, in_flight, 0.2, 0.8, recorder=recorder)
+    await settle(server.url)
+    answered = [i for i, kind in enumerate(recorder.kind) if kind]
+    assert answered and all(recorder.kind[i] == RESULT for i in answered) and not recorder.strays
+    assert len(recorder.sent) == clients * in_flight + len(answered)
+    assert all(recorder.done[i] >= recorder.sent[i] for i in answered)
+    assert len(recorder.sent) - len(answered) == clients * in_flight  # each connection's last requests, unrecorded
+    assert summary["results"] > 0 and summary["throughput_rps"] > 0 and summary["closed_by_server"] == {}
+
+
+async def test_the_closed_loop_waits_as_an_overloaded_answer_says(make_server: Any) -> None:
+    """A queue of one refuses most of 3 x 8 requests in flight with ``retry_after_ms`` (§6). The closed
+    loop sends nothing on a connection before that time has passed, so the server, which closes a
+    connection that keeps resending early with 1008 (§12), closes none; a loop that resent at once
+    would be closed within the window."""
+    from bench.loadgen import closed_loop, settle
+
+    async with make_server(max_queue=1) as srv:
+        summary = await closed_loop(srv.url, TEXTS, 3, 8, 0.0, 2.0)
+        await settle(srv.url)
+    assert summary["overloaded"] > 0 and summary["results"] > 0
+    assert summary["closed_by_server"] == {}
