@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 _ANCHOR = "a"  # a plain token: decode([ANCHOR, t]) is ANCHOR followed by t's non-first piece
 PIECEWISE = ("WordPiece", "Metaspace", "ByteLevel")  # decoders whose output is one piece per token
 _BROKEN = "\ufffd"  # what a ByteLevel piece holds for bytes that are not a whole UTF-8 character
+_UNSEEN = object()  # not in a piece cache yet
 
 
 class SequenceDecoder:
@@ -58,6 +59,9 @@ class SequenceDecoder:
         self._first: dict[int, str] = {}
         self._rest: dict[int, str] = {}
         self._mapped: dict[int, bool] = {}  # id -> whether the vocabulary has a token for it
+        # (first, skip_special) -> id -> its piece there, or None where the id is dropped (``_piece_or_drop``)
+        self._pieces: dict[tuple[bool, bool], dict[int, str | None]] = {
+            (first, skip): {} for first in (False, True) for skip in (False, True)}
         self.fast = self._can_slot()
         if self.fast and self_check:
             mismatch = self._self_check(self_check)
@@ -123,26 +127,50 @@ class SequenceDecoder:
         if slot is None:
             return [self._full(ids, position, c, skip_special) for c in candidates]
         left, right, first = slot
+        cache = self._pieces[first, skip_special]
+        cleanup = self._cleanup
         out = []
         for candidate in candidates:
-            piece = self._piece(candidate, first, skip_special)
-            if piece is None:
+            piece = cache.get(candidate, _UNSEEN)
+            if piece is _UNSEEN:
+                piece = self._piece_or_drop(candidate, first, skip_special)
+            if piece is None or _BROKEN in piece:  # (type checkers: an _UNSEEN is never left here)
                 out.append(self._full(ids, position, candidate, skip_special))
                 continue
-            text = left + piece + right
-            out.append(text if self._cleanup is None else self._cleanup(text))
+            text = left + piece + right  # type: ignore[operator]
+            out.append(text if cleanup is None else cleanup(text))
         return out
 
     def _slot(self, ids: Sequence[int], position: int, skip_special: bool) -> tuple[str, str, bool] | None:
         """The joined pieces left and right of ``position``, and whether the slot comes first; None when
         a token around it is not a whole piece."""
-        kept_left = [t for t in ids[:position] if self._kept(t, skip_special)]
-        kept_right = [t for t in ids[position + 1:] if self._kept(t, skip_special)]
-        pieces = [self._first_piece(t) if n == 0 else self._rest_piece(t) for n, t in enumerate(kept_left)]
-        pieces += [self._rest_piece(t) for t in kept_right]
-        if _BROKEN in "".join(pieces):
+        rest = self._pieces[False, skip_special]
+        left: list[str] = []
+        for token in ids[:position]:
+            piece = rest.get(token, _UNSEEN) if left else self._piece_or_drop(token, True, skip_special)
+            if piece is _UNSEEN:
+                piece = self._piece_or_drop(token, False, skip_special)
+            if piece is not None:
+                left.append(piece)  # type: ignore[arg-type]
+        right: list[str] = []
+        for token in ids[position + 1:]:
+            piece = rest.get(token, _UNSEEN)
+            if piece is _UNSEEN:
+                piece = self._piece_or_drop(token, False, skip_special)
+            if piece is not None:
+                right.append(piece)  # type: ignore[arg-type]
+        joined_left, joined_right = "".join(left), "".join(right)
+        if _BROKEN in joined_left or _BROKEN in joined_right:
             return None
-        return "".join(pieces[:len(kept_left)]), "".join(pieces[len(kept_left):]), not kept_left
+        return joined_left, joined_right, not left
+
+    def _piece_or_drop(self, token: int, first: bool, skip_special: bool) -> str | None:
+        """``token``'s piece, first in the text or not, or None where decoding drops it (``_kept``);
+        cached per (first, skip_special): both depend on the token alone."""
+        piece = ((self._first_piece(token) if first else self._rest_piece(token))
+                 if self._kept(token, skip_special) else None)
+        self._pieces[first, skip_special][token] = piece
+        return piece
 
     def _kept(self, token: int, skip_special: bool) -> bool:
         """Whether ``token`` survives the pipeline's padding filter and the tokenizer's skipping (an id
@@ -156,13 +184,6 @@ class SequenceDecoder:
             if not mapped:
                 return False
         return not (skip_special and token in self._special)
-
-    def _piece(self, token: int, first: bool, skip_special: bool) -> str | None:
-        """The candidate's piece, or None when the candidate itself would be dropped (full decode then)."""
-        if not self._kept(token, skip_special):
-            return None
-        piece = self._first_piece(token) if first else self._rest_piece(token)
-        return None if _BROKEN in piece else piece
 
     def _first_piece(self, token: int) -> str:
         piece = self._first.get(token)
