@@ -317,17 +317,20 @@ class BatchPolicy:
         taken = {id(job) for job in chosen}
         for job in passed:
             job.missed += 1
-        kept = [job for job in queue if id(job) not in taken]
-        decision.batch = [job for job in queue if id(job) in taken]  # arrival order
+        kept: list[J] = []
+        batch = decision.batch = []  # arrival order
+        for job in queue:
+            (batch if id(job) in taken else kept).append(job)
         queue.clear()
         queue.extend(kept)
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         decision.predicted_s = _predicted(chosen, cost)
+        growth, recent = self._growth, self._recent
         for job in decision.batch:
-            served = self._recent[job.owner]  # (every waiting connection was welcomed)
-            served[0] += job.n_tokens * self._growth
-            served[1] += self._growth
-            served[2] += job.result_bytes * self._growth
+            served = recent[job.owner]  # (every waiting connection was welcomed)
+            served[0] += job.n_tokens * growth
+            served[1] += growth
+            served[2] += job.result_bytes * growth
             if room is not None:
                 room.take(job.owner, job.result_bytes)
         self._unfaded += len(chosen)
@@ -340,49 +343,56 @@ class BatchPolicy:
 
         Invariant: the bar only rises during a pass (shares only grow, and a connection leaves only when
         it has nothing left), so a connection once eligible stays so until its own share passes the bar.
+        (This runs on the model thread before every new round: written for speed, one loop, no calls
+        per place but the heaps'.)
         """
         by_owner: dict[Any, deque[tuple[int, J]]] = {}  # each connection's requests, with their places
         for place, job in enumerate(ready):
-            by_owner.setdefault(job.owner, deque()).append((place, job))
+            waiting = by_owner.get(job.owner)
+            if waiting is None:
+                waiting = by_owner[job.owner] = deque()
+            waiting.append((place, job))
         room = room.copy() if room is not None else None
         share = self._shares(by_owner, cost)
+        token_s, row_s, byte_s = cost.token_s, cost.row_s, cost.byte_s  # (own_s, inlined)
+        tolerance = 1 + self.fair_tolerance
+        push, pop = heapq.heappush, heapq.heappop
         order: list[J] = []
-
-        def offer(owner: Any) -> bool:
-            """Its oldest request takes the next place, room permitting; whether it has more waiting."""
-            jobs = by_owner[owner]
-            _, job = jobs.popleft()
-            if room is not None:
-                if not room.fits(owner, job.result_bytes):
-                    del by_owner[owner]  # no room for this connection now: its requests keep their places
-                    return False
-                room.take(owner, job.result_bytes)
-            order.append(job)
-            share[owner] += cost.own_s(job.n_tokens, job.result_bytes)
-            if not jobs:
-                del by_owner[owner]
-            return bool(jobs)
-
         ties = itertools.count()
         lowest = [(share[owner], next(ties), owner) for owner in by_owner]  # lazy: stale entries skipped
         heapq.heapify(lowest)
         pending = list(lowest)  # not yet eligible, by share
         eligible: list[tuple[int, int, Any]] = []  # by the place of the connection's oldest request
         while by_owner and len(order) < depth:
-            while lowest[0][2] not in by_owner or lowest[0][0] != share[lowest[0][2]]:
-                heapq.heappop(lowest)
-            bar = (1 + self.fair_tolerance) * lowest[0][0]
+            top = lowest[0]
+            while top[2] not in by_owner or top[0] != share[top[2]]:
+                pop(lowest)
+                top = lowest[0]
+            bar = tolerance * top[0]
             while pending and pending[0][0] <= bar:
-                _, _, owner = heapq.heappop(pending)
-                if owner in by_owner:
-                    heapq.heappush(eligible, (by_owner[owner][0][0], next(ties), owner))
-            _, _, owner = heapq.heappop(eligible)
-            if offer(owner):
-                heapq.heappush(lowest, (share[owner], next(ties), owner))
-                if share[owner] <= bar:
-                    heapq.heappush(eligible, (by_owner[owner][0][0], next(ties), owner))
-                else:
-                    heapq.heappush(pending, (share[owner], next(ties), owner))
+                owner = pop(pending)[2]
+                waiting = by_owner.get(owner)
+                if waiting is not None:
+                    push(eligible, (waiting[0][0], next(ties), owner))
+            owner = pop(eligible)[2]
+            # Its oldest request takes the next place, room permitting.
+            waiting = by_owner[owner]
+            job = waiting.popleft()[1]
+            if room is not None:
+                if not room.fits(owner, job.result_bytes):
+                    del by_owner[owner]  # no room for this connection now: its requests keep their places
+                    continue
+                room.take(owner, job.result_bytes)
+            order.append(job)
+            served = share[owner] = share[owner] + (token_s * job.n_tokens + row_s + byte_s * job.result_bytes)
+            if not waiting:
+                del by_owner[owner]
+                continue
+            push(lowest, (served, next(ties), owner))
+            if served <= bar:
+                push(eligible, (waiting[0][0], next(ties), owner))
+            else:
+                push(pending, (served, next(ties), owner))
         return order
 
     def _pick(self, ready: list[J], now: float, room: Room | None, cost: Coefficients,
@@ -504,9 +514,10 @@ class BatchPolicy:
         limit. The first is always in."""
         window: list[J] = []
         tokens, seconds = 0.0, cost.overhead_s
+        token_s, row_s, byte_s = cost.token_s, cost.row_s, cost.byte_s  # (own_s, inlined)
         for job in self._fair_order(ready, room, self.max_batch_size, cost):  # (it works on a copy of the room)
             more_tokens = tokens + job.n_tokens
-            more_seconds = seconds + cost.own_s(job.n_tokens, job.result_bytes)
+            more_seconds = seconds + (token_s * job.n_tokens + row_s + byte_s * job.result_bytes)
             if window and (more_tokens > self.max_batch_tokens or more_seconds > limit):
                 break
             window.append(job)
@@ -538,11 +549,14 @@ class BatchPolicy:
         return groups
 
     def _cut(self, window: list[J], cost: Coefficients) -> list[list[J]]:
-        """``window`` cut by the dynamic program (see ``_round``), the head's batch first."""
-        place = {id(job): n for n, job in enumerate(window)}
+        """``window`` cut by the dynamic program (see ``_round``), the head's batch first; each batch in
+        window order, the batches by their first request's place in it."""
         classes: dict[int, list[J]] = {}
         for job in window:
-            classes.setdefault(job.n_tokens, []).append(job)
+            members = classes.get(job.n_tokens)
+            if members is None:
+                members = classes[job.n_tokens] = []
+            members.append(job)
         lengths = sorted(classes)
         # Per length class: rows, bytes of output.
         rows = [len(classes[n]) for n in lengths]
@@ -563,14 +577,21 @@ class BatchPolicy:
                 if total < bar * (1 - TIE):
                     bar, cut[j] = total, i
             best[j] = bar
-        groups: list[list[J]] = []
-        j = m
+        batch_of: dict[int, int] = {}  # length -> its batch
+        j, batches = m, 0
         while j > 0:
             i = cut[j]
-            groups.append(sorted((job for n in lengths[i:j] for job in classes[n]), key=lambda job: place[id(job)]))
-            j = i
-        groups.sort(key=lambda group: place[id(group[0])])
-        return groups
+            for n in lengths[i:j]:
+                batch_of[n] = batches
+            batches, j = batches + 1, i
+        groups: list[list[J]] = [[] for _ in range(batches)]
+        first = [0] * batches  # each batch's first place in the window
+        for place, job in enumerate(window):  # in window order, so each batch keeps it
+            group = groups[batch_of[job.n_tokens]]
+            if not group:
+                first[batch_of[job.n_tokens]] = place
+            group.append(job)
+        return [groups[b] for b in sorted(range(batches), key=first.__getitem__)]
 
     def _fill_band(self, base: list[J], rest: list[J], limit: float,
                    cost: Coefficients) -> tuple[list[J], list[J]]:
