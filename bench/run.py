@@ -594,7 +594,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--clients", type=int, default=32, help="WebSocket connections")
     parser.add_argument("--in-flight", default=None,
                         help="closed loop: requests in flight per client, each a phase, the best reported (default "
-                             "1,4; with --families 1,4,8: a small model's batch is over before 4 a client come "
+                             "1,4; with --families 1,8,16: a small model's batch is over before 4 a client come "
                              "back, and its engine waits for them)")
     parser.add_argument("--open-factors", default="0.5,1,1.5", help="open-loop rates as fractions of capacity")
     parser.add_argument("--pipeline-batch-sizes", default=None,
@@ -644,7 +644,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         sizes=sizes, corpora=corpora, out=args.out or ROOT / "bench" / ("out/tmp" if args.quick else "results"),
         models=args.models,
         quick=args.quick, clients=args.clients,
-        in_flight=tuple(int(k) for k in (args.in_flight or ("1,4,8" if families else "1,4")).split(",")),
+        in_flight=tuple(int(k) for k in (args.in_flight or ("1,8,16" if families else "1,4")).split(",")),
         open_factors=tuple(float(f) for f in args.open_factors.split(",")),
         pipeline_batch_sizes=tuple(int(n) for n in (args.pipeline_batch_sizes
                                                      or ("1,8,32" if args.quick else "1,8,16,32,64")).split(",")),

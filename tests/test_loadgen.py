@@ -224,13 +224,14 @@ def test_a_limit_that_cannot_be_measured_after_the_servers_keeps_the_run(tmp_pat
     report.bracket_limit(pipe, after.get("limit", []))
     assert pipe == {"limit_rps": 100.0}
 
-def test_the_families_closed_loop_also_tries_eight_in_flight_unless_told() -> None:
+def test_the_families_closed_loop_also_tries_eight_and_sixteen_in_flight_unless_told() -> None:
     """A tiny family's batch is over before its clients' next requests come back at 4 in flight, so its
-    engine waits for them; like the pipeline's best batch size, the server's best depth is reported."""
+    engine waits for them (at 8 too, a little); like the pipeline's best batch size, the server's best
+    depth is reported."""
     from bench.run import parse_args
 
     assert parse_args([]).in_flight == (1, 4)
-    assert parse_args(["--families", "bert"]).in_flight == (1, 4, 8)
+    assert parse_args(["--families", "bert"]).in_flight == (1, 8, 16)
     assert parse_args(["--families", "bert", "--in-flight", "4"]).in_flight == (4,)
 
 
