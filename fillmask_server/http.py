@@ -5,7 +5,9 @@ every incoming HTTP request, before any upgrade, and returns either a complete `
 HTTP, or a refused handshake) or ``None`` (let the WebSocket handshake go on). It reads the server's
 state through ``FrontState`` callables and never blocks. ``process_response`` (websockets' hook after
 its own handshake checks) and ``FrontConnection`` (websockets' connection, for requests too broken to
-reach the hooks) turn the library's plain-text refusals into this server's JSON ones.
+reach the hooks) turn the library's plain-text refusals into this server's JSON ones. ``FrontConnection``
+also hands each whole text message to the server as soon as it is parsed (``on_message``), without
+websockets' queue and a task switch per message, when nothing read before it is still queued.
 
 Invariants:
 
@@ -50,6 +52,7 @@ from websockets.exceptions import (
     RequestLineTooLong,
     TooManyHeaders,
 )
+from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
 
 from .access import HostPolicy, OriginPolicy, parse_host, presented_token, token_matches
@@ -233,6 +236,37 @@ class FrontConnection(ServerConnection):
 
     front: HttpFront
     _answered_early = False
+    # Set by the server once its handler runs: each whole, valid UTF-8 text message goes to it as soon as
+    # it is parsed (``process_event``). None: every message goes through websockets' queue to ``recv``.
+    on_message: Callable[[str], None] | None = None
+    queued = 0  # messages put in websockets' queue and not yet taken by the handler (``taken``)
+    _fragmented = False  # a fragmented message is being put in that queue
+
+    def process_event(self, event: Any) -> None:
+        """websockets' ``process_event``, but a whole, valid UTF-8 text message goes straight to
+        ``on_message`` when no message read before it waits in the queue (so messages keep their order).
+        Everything else takes websockets' way to the handler's ``recv``: the handshake, control frames,
+        binary and fragmented messages, invalid UTF-8 (which websockets closes with 1007), and any
+        message while ``on_message`` is None or messages wait in the queue."""
+        if isinstance(event, Frame) and event.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+            deliver = self.on_message
+            if (deliver is not None and event.opcode is Opcode.TEXT and event.fin and not self.queued
+                    and not self._fragmented):
+                try:
+                    text = event.data.decode()
+                except UnicodeDecodeError:
+                    pass
+                else:
+                    deliver(text)
+                    return
+            self._fragmented = not event.fin
+            if event.fin:
+                self.queued += 1
+        super().process_event(event)
+
+    def taken(self) -> None:
+        """The handler took one message from websockets' queue (``recv``)."""
+        self.queued -= 1
 
     def send_data(self) -> None:
         """websockets' ``send_data``, with the frames waiting joined into one write (one system call for

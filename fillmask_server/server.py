@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import CloseCode
 
 from fillmask_client.wire import CLOSE_GOING_AWAY
 
@@ -41,7 +43,7 @@ from .config import Config
 from .connection import Connection, UnsentBytes
 from .core import CostModel
 from .engine import AnswerMemory, Engine
-from .http import FrontState, HttpFront
+from .http import FrontConnection, FrontState, HttpFront
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
@@ -267,23 +269,27 @@ class FillMaskServer:
         if self.ready.draining:  # the handshake passed just before the drain began
             session.shut_down()
             conn.send(self._going_away)
+        front = ws if isinstance(ws, FrontConnection) else None
+        read_at_once = functools.partial(self._on_message_read, front, conn)
+        if front is not None:
+            front.on_message = read_at_once
         try:
+            # Messages that went through websockets' queue (see FrontConnection.process_event).
             async for message in ws:
-                if conn.closed:
-                    continue  # closing: frames still arriving are read only to reach the client's close frame
-                self._send_answers(conn, session.receive(message))
-                self._arm_deadline(conn)
-                if session.stats_interval_ms != conn.stats_interval_ms:
-                    self._follow_stats(conn)
-                if session.close_request is not None:  # it kept sending before its retry_after_ms (§12)
-                    self.metrics.resenders_closed.inc()
-                    conn.close_soon(*session.close_request)
-                    self.metrics.dropped(session.close())
+                if front is not None:
+                    front.taken()
+                if conn.congested:  # read while congested: it waits until the client takes its answers
+                    await conn.uncongested()
+                self._on_message(conn, message)
                 if conn.congested:  # backpressure: read nothing more until the client takes its answers
                     await conn.uncongested()
+                if front is not None and front.on_message is None and not front.queued and not conn.closed:
+                    front.on_message = read_at_once  # caught up: messages are handled as they are read again
         except ConnectionClosed:
             pass
         finally:
+            if front is not None:
+                front.on_message = None
             conn.stop()
             self.connections.discard(conn)
             withdrawn = session.close()
@@ -292,6 +298,36 @@ class FillMaskServer:
             self._trim_soon()
             if withdrawn:
                 log.debug("connection closed with %d requests not yet started; discarded", withdrawn)
+
+    def _on_message(self, conn: Connection, message: str | bytes) -> None:
+        """One message from ``conn``'s client: its session's answers, then the session's deadline timer,
+        stats subscription and early-resend close followed."""
+        if conn.closed:
+            return  # closing: frames still arriving are read only to reach the client's close frame
+        session: Session = conn.session
+        self._send_answers(conn, session.receive(message))
+        self._arm_deadline(conn)
+        if session.stats_interval_ms != conn.stats_interval_ms:
+            self._follow_stats(conn)
+        if session.close_request is not None:  # it kept sending before its retry_after_ms (§12)
+            self.metrics.resenders_closed.inc()
+            conn.close_soon(*session.close_request)
+            self.metrics.dropped(session.close())
+
+    def _on_message_read(self, front: FrontConnection, conn: Connection, message: str) -> None:
+        """A message handed over as soon as it was parsed (``FrontConnection.on_message``), handled at once.
+        Once the connection is congested, the next messages go through websockets' queue, where the
+        handler waits for the client to take its answers (backpressure). A failure closes the
+        connection with 1011, as websockets does when a handler fails."""
+        try:
+            self._on_message(conn, message)
+        except Exception:
+            log.exception("handling a message failed; closing the connection with 1011")
+            front.on_message = None
+            conn.close_soon(CloseCode.INTERNAL_ERROR, "internal error")
+            return
+        if conn.congested:
+            front.on_message = None
 
     def _trim_soon(self) -> None:
         """A connection closed: a moment later (after a burst of closes, once), give the memory its

@@ -522,3 +522,56 @@ async def test_hello_and_metrics_give_the_thread_count_in_use_after_the_engine_s
         assert await threads_now() == (1, 1.0)  # a later hello is encoded again
     finally:
         await server.drain(timeout=2.0)
+
+
+# --- messages handled as they are read (FrontConnection.process_event) --------------------------------
+
+
+def _refused(frame_id: str) -> str:
+    """A request the session refuses at once (top_k 0), so its answer's place is the order of handling."""
+    return orjson.dumps({"type": "fill_mask", "id": frame_id, "text": "a [MASK]", "top_k": 0}).decode()
+
+
+async def test_messages_are_handled_in_the_order_they_were_read_whichever_way_they_go(make_server: Any) -> None:
+    """A fragmented message goes through websockets' queue to the handler's ``recv``; whole messages read
+    right behind it wait in that queue too, and once the handler has caught up they go straight to the
+    session again. The frames leave in one write with nothing awaited in between (the server runs on
+    this event loop), so the server reads them in one go: without the queue's count, the whole ones
+    would be answered before the fragmented one."""
+    async with make_server() as srv, session(srv.url) as (ws, _):
+        first = _refused("fragmented")
+        ws.protocol.send_text(first[:12].encode(), fin=False)
+        ws.protocol.send_continuation(first[12:].encode(), fin=True)
+        for i in range(5):
+            ws.protocol.send_text(_refused(f"whole-{i}").encode())
+        ws.send_data()
+        answers = await recv_n(ws, 6)
+        assert [a["id"] for a in answers] == ["fragmented"] + [f"whole-{i}" for i in range(5)]
+        assert {a["type"] for a in answers} == {"error"}
+        (conn,) = srv.connections
+        assert conn.ws.queued == 0 and conn.ws.on_message is not None  # caught up: handled as read again
+        await send(ws, {"type": "fill_mask", "id": "after", "text": "Paris is the [MASK] of France."})
+        assert (await recv(ws))["id"] == "after"
+
+
+async def test_a_failure_handling_a_message_closes_that_connection_with_1011_and_no_other(
+        make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug while handling one message (here: the session raises) closes that connection with 1011,
+    as websockets does for a failing handler, whichever way the message came; others are served."""
+    from fillmask_server.session import Session
+
+    receive = Session.receive
+
+    def failing(self: Session, message: str | bytes) -> Any:
+        if "explode" in str(message):
+            raise RuntimeError("a bug")
+        return receive(self, message)
+
+    monkeypatch.setattr(Session, "receive", failing)
+    async with make_server() as srv, session(srv.url) as (other, _):
+        async with session(srv.url) as (ws, _):
+            await send(ws, {"type": "fill_mask", "id": "explode", "text": "a [MASK]"})
+            with pytest.raises(ConnectionClosed):
+                await recv(ws)
+            assert ws.close_code == 1011
+        assert (await request(other, 1, "Paris is the [MASK] of France."))["type"] == "result"
