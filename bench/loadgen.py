@@ -9,9 +9,9 @@ server discards what is still queued) and ``settle`` waits for the batch still r
 - Closed loop: ``clients`` connections, each keeping ``in_flight`` requests outstanding: a new one is
   sent as soon as one is answered, until the window ends. Throughput is the rate of answers read in
   the window (see ``_throughput``); latencies are those of the requests answered in the window. Its
-  connections have no task of their own (``_TaskFreeConnection``): the answers of one read are
-  recorded and the requests they free are sent in one write, so the load generator, which shares the
-  machine with the server, takes less of it.
+  connections have no task of their own (``_TaskFreeConnection``): the answers of one read are kept
+  (parsed and recorded after the window) and the requests they free are sent in one write, so the
+  load generator, which shares the machine with the server, takes less of it.
 - Open loop: Poisson arrivals at ``rate`` req/s for the whole phase, spread round-robin over the
   connections, whatever the server's progress, except that, like any client that follows protocol.md
   §6, a connection sends nothing before an ``overloaded`` answer's ``retry_after_ms`` has passed (a
@@ -222,11 +222,16 @@ async def open_client(url: str, texts: list[str], recorder: Recorder, offset: in
     return Client(ws, texts, offset, recorder, token_counts, policy, fields)
 
 
+def _offset(i: int, n: int, texts: list[str]) -> int:
+    """Where the ``i``-th of ``n`` connections starts in ``texts``: evenly apart."""
+    return (i * len(texts)) // n
+
+
 async def open_clients(url: str, n: int, texts: list[str], recorder: Recorder,
                        token_counts: Sequence[int] | None = None, policy: Policy = POLITE,
                        fields: dict[str, Any] | None = None) -> list[Client]:
     """Open ``n`` connections concurrently, each starting at its own offset in ``texts``."""
-    return list(await asyncio.gather(*(open_client(url, texts, recorder, (i * len(texts)) // n, token_counts,
+    return list(await asyncio.gather(*(open_client(url, texts, recorder, _offset(i, n, texts), token_counts,
                                                    policy, fields) for i in range(n))))
 
 
@@ -403,6 +408,7 @@ class _TaskFreeConnection(asyncio.Protocol):
         self.closed_by_server: int | None = None
         self._closing = False  # this side started the close
         self._fragments: list[bytes] = []
+        self._binary = False  # the message being read is binary
         self._unrecorded: list[tuple[bytes, float]] = []  # answers read and not yet parsed: (bytes, when)
         self._owed = 0  # requests to send once ``hold_until`` has passed
         self._resume: asyncio.TimerHandle | None = None
@@ -423,15 +429,25 @@ class _TaskFreeConnection(asyncio.Protocol):
         self.protocol.receive_data(data)
         now = time.perf_counter()
         for event in self.protocol.events_received():
-            if isinstance(event, Frame) and event.opcode in (Opcode.TEXT, Opcode.CONT):
+            if isinstance(event, Frame) and event.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                if event.opcode is not Opcode.CONT:
+                    self._binary = event.opcode is Opcode.BINARY  # (the server sends text only)
                 self._fragments.append(event.data)
                 if event.fin:
                     raw = b"".join(self._fragments)
                     self._fragments.clear()
-                    self._message(raw, now)
+                    if not self._binary:
+                        self._message(raw, now)
         if self.protocol.handshake_exc is not None and not self.opened.done():
             self.opened.set_exception(self.protocol.handshake_exc)
+        self._note_close()
         self._send_owed()
+
+    def _note_close(self) -> None:
+        """Record the code of a close the server started (its close frame came before ours went)."""
+        close = self.protocol.close_rcvd
+        if close is not None and self.closed_by_server is None and self.protocol.close_rcvd_then_sent:
+            self.closed_by_server = close.code
 
     def _message(self, raw: bytes, now: float) -> None:
         if not self.opened.done():
@@ -471,11 +487,14 @@ class _TaskFreeConnection(asyncio.Protocol):
         self._send_owed()
 
     def _flush(self) -> None:
-        for data in self.protocol.data_to_send():
-            if data:
-                self.transport.write(data)  # type: ignore[union-attr]
-            elif self.transport.can_write_eof():  # type: ignore[union-attr]
-                self.transport.write_eof()  # type: ignore[union-attr]
+        """Everything websockets has to send in one write (it gives one chunk per frame); an empty
+        chunk, last, is its end of stream."""
+        chunks = self.protocol.data_to_send()
+        data = b"".join(chunks)
+        if data:
+            self.transport.write(data)  # type: ignore[union-attr]
+        if chunks and not chunks[-1] and self.transport.can_write_eof():  # type: ignore[union-attr]
+            self.transport.write_eof()  # type: ignore[union-attr]
 
     def eof_received(self) -> None:
         self.protocol.receive_eof()
@@ -483,9 +502,9 @@ class _TaskFreeConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.protocol.receive_eof()  # idempotent: the state is CLOSED from here
-        if not self._closing:
-            close = self.protocol.close_rcvd
-            self.closed_by_server = close.code if close is not None else 1006
+        self._note_close()
+        if self.closed_by_server is None and not self._closing:
+            self.closed_by_server = 1006  # no close frame came
         if self._resume is not None:
             self._resume.cancel()
         if not self.opened.done():
@@ -517,10 +536,16 @@ async def _open_task_free(url: str, n: int, texts: list[str], recorder: Recorder
     loop = asyncio.get_running_loop()
 
     async def one(i: int) -> _TaskFreeConnection:
-        requests = Requests(texts, (i * len(texts)) // n, recorder, token_counts)
+        requests = Requests(texts, _offset(i, n, texts), recorder, token_counts)
         _, conn = await asyncio.wait_for(loop.create_connection(lambda: _TaskFreeConnection(url, requests),
                                                                 uri.host, uri.port), 30)
-        await asyncio.wait_for(asyncio.shield(conn.opened), 30)
+        conn.opened.add_done_callback(lambda opened: opened.cancelled() or opened.exception())  # (read once)
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.opened), 30)
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.abort()
+            raise
         return conn
 
     results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)

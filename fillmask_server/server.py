@@ -270,20 +270,22 @@ class FillMaskServer:
             session.shut_down()
             conn.send(self._going_away)
         front = ws if isinstance(ws, FrontConnection) else None
-        read_at_once = functools.partial(self._on_message_read, front, conn)
+        read_at_once = functools.partial(self._on_message_read, front, conn) if front is not None else None
         if front is not None:
             front.on_message = read_at_once
         try:
-            # Messages that went through websockets' queue (see FrontConnection.process_event).
+            # Messages that went through websockets' queue (see FrontConnection.process_event). While the
+            # handler holds one, later ones queue behind it; it hands the fast path back once caught up.
             async for message in ws:
                 if front is not None:
                     front.taken()
+                    front.on_message = None
                 if conn.congested:  # read while congested: it waits until the client takes its answers
                     await conn.uncongested()
                 self._on_message(conn, message)
                 if conn.congested:  # backpressure: read nothing more until the client takes its answers
                     await conn.uncongested()
-                if front is not None and front.on_message is None and not front.queued and not conn.closed:
+                if front is not None and not front.queued and not conn.closed and not conn.congested:
                     front.on_message = read_at_once  # caught up: messages are handled as they are read again
         except ConnectionClosed:
             pass
@@ -316,7 +318,8 @@ class FillMaskServer:
 
     def _on_message_read(self, front: FrontConnection, conn: Connection, message: str) -> None:
         """A message handed over as soon as it was parsed (``FrontConnection.on_message``), handled at once.
-        Once the connection is congested, the next messages go through websockets' queue, where the
+        From the moment the connection is congested (``_on_congested``) until the handler has taken a
+        message from websockets' queue again and caught up, messages go through that queue, where the
         handler waits for the client to take its answers (backpressure). A failure closes the
         connection with 1011, as websockets does when a handler fails."""
         try:
@@ -325,9 +328,6 @@ class FillMaskServer:
             log.exception("handling a message failed; closing the connection with 1011")
             front.on_message = None
             conn.close_soon(CloseCode.INTERNAL_ERROR, "internal error")
-            return
-        if conn.congested:
-            front.on_message = None
 
     def _trim_soon(self) -> None:
         """A connection closed: a moment later (after a burst of closes, once), give the memory its
@@ -452,6 +452,8 @@ class FillMaskServer:
     # --- clients that do not read ------------------------------------------------------------------
 
     def _on_congested(self, conn: Connection) -> None:
+        if isinstance(conn.ws, FrontConnection):
+            conn.ws.on_message = None  # its next messages queue up for the handler, which waits (backpressure)
         self.metrics.reading_paused.inc()
         conn.watchdog = asyncio.create_task(self._watch_reader(conn))
 

@@ -575,3 +575,36 @@ async def test_a_failure_handling_a_message_closes_that_connection_with_1011_and
                 await recv(ws)
             assert ws.close_code == 1011
         assert (await request(other, 1, "Paris is the [MASK] of France."))["type"] == "result"
+
+
+async def test_a_congested_connections_messages_wait_and_keep_their_order(
+        make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a connection is congested (its client does not take its answers), nothing more it sends is
+    handled, whichever way a message would go (a binary one through websockets' queue, a text one
+    straight to the session); once it is uncongested, they are handled in the order they came."""
+    from fillmask_server.session import Session
+
+    handled: list[str] = []
+    receive = Session.receive
+
+    def recording(self: Session, message: str | bytes) -> Any:
+        handled.append(message.decode(errors="replace") if isinstance(message, bytes) else message)
+        return receive(self, message)
+
+    monkeypatch.setattr(Session, "receive", recording)
+    async with make_server() as srv, session(srv.url) as (ws, _):
+        (conn,) = srv.connections
+        conn.pending_bytes += srv.config.max_send_buffer_bytes + 1  # as if its answers were stuck
+        conn._uncongested.clear()
+        srv._on_congested(conn)
+        await ws.send(_refused("text-1"))
+        await ws.send(b'{"binary": 1}')
+        await ws.send(_refused("text-2"))
+        await asyncio.sleep(0.2)
+        assert handled == []  # nothing handled while congested
+        conn.pending_bytes -= srv.config.max_send_buffer_bytes + 1
+        conn._uncongested.set()
+        answers = await recv_n(ws, 3)
+        assert handled == [_refused("text-1"), '{"binary": 1}', _refused("text-2")]
+        assert [answers[0].get("id"), answers[2].get("id")] == ["text-1", "text-2"]
+        await wait_until(lambda: conn.ws.on_message is not None)  # caught up: handled as read again
