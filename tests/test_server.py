@@ -600,7 +600,8 @@ async def test_a_congested_connections_messages_wait_and_keep_their_order(
         await ws.send(_refused("text-1"))
         await ws.send(b'{"binary": 1}')
         await ws.send(_refused("text-2"))
-        await asyncio.sleep(0.2)
+        # The handler holds the first and waits; the other two wait in websockets' queue behind it.
+        await wait_until(lambda: conn.ws.queued == 2)
         assert handled == []  # nothing handled while congested
         conn.pending_bytes -= srv.config.max_send_buffer_bytes + 1
         conn._uncongested.set()
