@@ -279,3 +279,29 @@ async def test_the_closed_loop_waits_as_an_overloaded_answer_says(make_server: A
         await settle(srv.url)
     assert summary["overloaded"] > 0 and summary["results"] > 0
     assert summary["closed_by_server"] == {}
+
+
+async def test_a_closed_loop_whose_handshakes_are_refused_fails_at_once_with_the_reason(
+        server: FillMaskServer) -> None:
+    """A handshake the server refuses (here a path it does not serve: 404) fails the closed loop at
+    once with websockets' own error, not after its 30-second wait for a hello, and leaves no
+    exception unread for asyncio to log."""
+    from websockets.exceptions import InvalidStatus
+
+    from bench.loadgen import closed_loop
+
+    loop = asyncio.get_running_loop()
+    unread: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: unread.append(context))
+    try:
+        started = time.perf_counter()
+        with pytest.raises(InvalidStatus):
+            await asyncio.wait_for(closed_loop(server.url + "nowhere", TEXTS, 3, 2, 0.0, 0.5), 60)
+        assert time.perf_counter() - started < 25
+        await asyncio.sleep(0)
+        import gc
+
+        gc.collect()  # a future dropped with its exception unread reports it when collected
+    finally:
+        loop.set_exception_handler(None)
+    assert not unread, unread
