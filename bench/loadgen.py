@@ -557,6 +557,11 @@ async def _open_task_free(url: str, n: int, texts: list[str], recorder: Recorder
     return conns
 
 
+def _closes(conns: Sequence[Client | _TaskFreeConnection]) -> dict[str, int]:
+    """How many connections the server closed, by close code (1006: with no close frame)."""
+    return dict(Counter(str(c.closed_by_server) for c in conns if c.closed_by_server is not None))
+
+
 async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, warmup_s: float, duration_s: float,
                       on_window: Any = None, token_counts: Sequence[int] | None = None,
                       recorder: Recorder | None = None) -> dict[str, Any]:
@@ -590,8 +595,8 @@ async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, 
     finally:
         await _stop_tasks([side_task])
         await asyncio.gather(*(conn.close() for conn in conns))
-    closes = Counter(str(c.closed_by_server) for c in conns if c.closed_by_server is not None)
-    summary.update({"mode": "closed", "clients": clients, "in_flight": in_flight, "closed_by_server": dict(closes)})
+    summary.update({"mode": "closed", "clients": clients, "in_flight": in_flight,
+                    "closed_by_server": _closes(conns)})
     return summary
 
 
@@ -640,9 +645,8 @@ async def open_loop(url: str, texts: list[str], clients: int, rate: float, warmu
     finally:
         await _stop_tasks(readers)
         await close_all(conns)
-    closes = Counter(str(c.closed_by_server) for c in conns if c.closed_by_server is not None)
     summary.update({"mode": "open", "clients": clients, "rate_rps": rate, "send_lag_max_ms": max_lag * 1000,
-                    "closed_by_server": dict(closes)})
+                    "closed_by_server": _closes(conns)})
     return summary
 
 

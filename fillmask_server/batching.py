@@ -587,10 +587,10 @@ class BatchPolicy:
         groups: list[list[J]] = [[] for _ in range(batches)]
         first = [0] * batches  # each batch's first place in the window
         for place, job in enumerate(window):  # in window order, so each batch keeps it
-            group = groups[batch_of[job.n_tokens]]
-            if not group:
-                first[batch_of[job.n_tokens]] = place
-            group.append(job)
+            batch = batch_of[job.n_tokens]
+            if not groups[batch]:
+                first[batch] = place
+            groups[batch].append(job)
         return [groups[b] for b in sorted(range(batches), key=first.__getitem__)]
 
     def _fill_band(self, base: list[J], rest: list[J], limit: float,

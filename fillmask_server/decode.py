@@ -144,12 +144,12 @@ class SequenceDecoder:
     def _slot(self, ids: Sequence[int], position: int, skip_special: bool) -> tuple[str, str, bool] | None:
         """The joined pieces left and right of ``position``, and whether the slot comes first; None when
         a token around it is not a whole piece."""
-        rest = self._pieces[False, skip_special]
+        first, rest = self._pieces[True, skip_special], self._pieces[False, skip_special]
         left: list[str] = []
         for token in ids[:position]:
-            piece = rest.get(token, _UNSEEN) if left else self._piece_or_drop(token, True, skip_special)
+            piece = (rest if left else first).get(token, _UNSEEN)
             if piece is _UNSEEN:
-                piece = self._piece_or_drop(token, False, skip_special)
+                piece = self._piece_or_drop(token, not left, skip_special)
             if piece is not None:
                 left.append(piece)  # type: ignore[arg-type]
         right: list[str] = []
