@@ -2,7 +2,9 @@
 
 No threads, no torch, no real clock: the engine core calls it and tests call it with fake times and
 fixed coefficients (tests/test_batching.py). The queue holds requests in arrival order; each has an
-``owner`` (its connection). The rules:
+``owner`` (its connection). The engine core keeps it as a ``Waiting`` (each connection's requests,
+updated as requests come and go), so that choosing a batch reads about the batch and the
+connections, not the whole queue; a ``deque`` works too. The rules:
 
 - **Expired first.** Requests whose deadline has passed are removed and reported, never batched.
 - **The cost model** (``Coefficients``, fitted by the engine core from the batches it ran): a batch of
@@ -104,7 +106,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -184,6 +186,107 @@ class Room:
         return Room(self.per_owner, self.total, dict(self.used), self.used_total)
 
 
+class Waiting(Generic[J]):
+    """The queue as the policy reads it: the requests in queue order, each connection's in order, their
+    lengths and deadlines, kept up to date as requests join and leave, so that choosing a batch costs
+    about its own size and the connections', not the queue's length.
+
+    ``take`` accepts a ``Waiting`` as its queue: the engine core keeps one beside its queue (``add`` as a
+    request joins, ``discard`` as it leaves). A ``deque`` works too (the tests, simulations): ``take``
+    builds a ``Waiting`` of it each time and writes the result back. Invariant: ``place`` grows in
+    queue order; a connection is in ``by_owner`` while it has a request here.
+    """
+
+    __slots__ = ("_by_owner", "_deadlined", "_jobs", "_lengths", "_next")
+
+    def __init__(self, jobs: Iterable[J] = ()) -> None:
+        self._jobs: dict[int, tuple[int, J]] = {}  # id(job) -> (its place, it), in queue order
+        self._by_owner: dict[Any, dict[int, J]] = {}  # owner -> its requests (by id), in queue order
+        self._lengths: dict[int, int] = {}  # n_tokens -> how many requests here have it
+        self._deadlined: dict[int, J] = {}  # the requests with a deadline
+        self._next = 0
+        for job in jobs:
+            self.add(job)
+
+    def add(self, job: J) -> None:
+        """``job`` joins the end of the queue."""
+        key = id(job)
+        self._jobs[key] = (self._next, job)
+        self._next += 1
+        owned = self._by_owner.get(job.owner)
+        if owned is None:
+            self._by_owner[job.owner] = {key: job}
+        else:
+            owned[key] = job
+        n = job.n_tokens
+        self._lengths[n] = self._lengths.get(n, 0) + 1
+        if job.deadline is not None:
+            self._deadlined[key] = job
+
+    def discard(self, job: J) -> None:
+        """``job`` leaves the queue (nothing happens if it is not in it)."""
+        key = id(job)
+        if self._jobs.pop(key, None) is None:
+            return
+        owned = self._by_owner[job.owner]
+        del owned[key]
+        if not owned:
+            del self._by_owner[job.owner]
+        n = job.n_tokens
+        left = self._lengths[n] - 1
+        if left:
+            self._lengths[n] = left
+        else:
+            del self._lengths[n]
+        if job.deadline is not None:
+            del self._deadlined[key]
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, job: object) -> bool:
+        return id(job) in self._jobs
+
+    def __iter__(self) -> Iterator[J]:
+        return (job for _, job in self._jobs.values())
+
+    def place(self, job: J) -> int:
+        """Where ``job`` stands in the queue (only the order of places means anything)."""
+        return self._jobs[id(job)][0]
+
+    def first(self) -> J:
+        """The oldest request (the queue must not be empty)."""
+        return next(iter(self._jobs.values()))[1]
+
+    def owners(self) -> list[Any]:
+        """The connections waiting, the one with the oldest request first."""
+        by_owner, jobs = self._by_owner, self._jobs
+        return sorted(by_owner, key=lambda owner: jobs[next(iter(by_owner[owner]))][0])
+
+    def by_owner(self) -> dict[Any, dict[int, J]]:
+        """Each waiting connection's requests in queue order (read only)."""
+        return self._by_owner
+
+    def longest(self) -> int:
+        return max(self._lengths, default=0)
+
+    def deadlined(self) -> Iterable[J]:
+        """The requests with a deadline (in no particular order)."""
+        return self._deadlined.values()
+
+    def earliest_deadline(self) -> float | None:
+        return min((job.deadline for job in self._deadlined.values()), default=None)  # type: ignore[type-var]
+
+    def expired(self, now: float) -> list[J]:
+        """The requests whose deadline is at or before ``now``, in queue order."""
+        expired = [job for job in self._deadlined.values() if job.deadline is not None and job.deadline <= now]
+        return sorted(expired, key=self.place) if len(expired) > 1 else expired
+
+
+def _waiting(queue: Waiting[J] | Iterable[J]) -> Waiting[J]:
+    return queue if isinstance(queue, Waiting) else Waiting(queue)
+
+
 @dataclass
 class BatchPolicy:
     """Limits of one batch, the cost model's use, and the fairness memory; see the module docstring."""
@@ -238,37 +341,26 @@ class BatchPolicy:
         """The last batch took ``seconds`` on the model: what a wait for company is measured against."""
         self._last_batch_s = seconds
 
-    def time_limit(self, queue: deque[J] | list[J], now: float, cost: Coefficients | None = None) -> float:
+    def time_limit(self, queue: Waiting[J] | Iterable[J], now: float, cost: Coefficients | None = None) -> float:
         """The most predicted seconds a batch may take now (its first request is taken regardless)."""
         cost = cost or self.cost
+        waiting = _waiting(queue)
         limit = self.max_batch_s
         if not limit:
             # The fullest batch of plain requests as long as the longest waiting that the token budget
             # admits is never cut: the bound is for output-heavy batches (so a fit that puts the
             # overhead near 0, on a slow or busy machine, cannot shrink every batch to one row), and
             # output, which the token budget does not count, gets no more time than such a batch.
-            longest = max((job.n_tokens for job in queue), default=0)
+            longest = waiting.longest()
             rows = min(self.max_batch_size, max(1, self.max_batch_tokens // max(1, longest)))
             plain = cost.batch_s(rows, rows * longest, 0.0) * (1 + self.slack)
             limit = max(MIN_AUTO_BATCH_S, cost.overhead_s / self.slack, plain)
-        deadlines = [job.deadline for job in queue if job.deadline is not None]
-        if deadlines:
-            limit = min(limit, self.deadline_share * max(0.0, min(deadlines) - now))
+        earliest = waiting.earliest_deadline()
+        if earliest is not None:
+            limit = min(limit, self.deadline_share * max(0.0, earliest - now))
         return limit
 
-    def expire(self, queue: deque[J], now: float) -> list[J]:
-        """Remove and return every queued request whose deadline is at or before ``now``."""
-        if not any(job.deadline is not None and job.deadline <= now for job in queue):
-            return []
-        keep: list[J] = []
-        expired: list[J] = []
-        for job in queue:
-            (expired if job.deadline is not None and job.deadline <= now else keep).append(job)
-        queue.clear()
-        queue.extend(keep)
-        return expired
-
-    def wait_s(self, queue: deque[J], now: float, cost: Coefficients | None = None) -> float:
+    def wait_s(self, queue: Waiting[J] | deque[J], now: float, cost: Coefficients | None = None) -> float:
         """Seconds to wait before forming the next batch; 0 means form it now.
 
         Waiting only makes sense when a batch could still grow (the batch the cost model would form now
@@ -279,50 +371,54 @@ class BatchPolicy:
         anticipating = self._returning > 0 and now < self._anticipate_until
         if not queue or (self.max_wait_s == 0 and not anticipating):
             return 0.0
-        ready = list(queue)
-        if len(ready) >= self.max_batch_size or self._planned(ready, None):
+        waiting = _waiting(queue)
+        if len(waiting) >= self.max_batch_size or self._planned(waiting, None):
             return 0.0  # a full batch is already there, or the rest of a round
         cost = cost or self.cost
-        formed = (self._pick(ready, now, None, cost, [])[0] if self.growth
-                  else self._window(ready, self.time_limit(ready, now, cost), None, cost))
-        if len(formed) < len(ready):
+        formed = (self._pick(waiting, now, None, cost, [])[0] if self.growth
+                  else self._window(waiting, self.time_limit(waiting, now, cost), None, cost))
+        if len(formed) < len(waiting):
             return 0.0
-        wait_until = queue[0].arrival + self.max_wait_s if self.max_wait_s else now
+        wait_until = waiting.first().arrival + self.max_wait_s if self.max_wait_s else now
         if anticipating:
             wait_until = max(wait_until, self._anticipate_until)
-        deadlines = [job.deadline for job in queue if job.deadline is not None]
-        if deadlines:  # never wait a request into its own deadline
-            wait_until = min(wait_until, min(deadlines))
+        earliest = waiting.earliest_deadline()
+        if earliest is not None:  # never wait a request into its own deadline
+            wait_until = min(wait_until, earliest)
         return max(0.0, wait_until - now)
 
-    def take(self, queue: deque[J], now: float, room: Room | None = None,
+    def take(self, queue: Waiting[J] | deque[J], now: float, room: Room | None = None,
              cost: Coefficients | None = None) -> Decision[J]:
         """Remove the next batch from ``queue`` (after removing expired requests) and return it.
 
-        ``room`` (optional) is the answer memory left; it is updated with what the batch reserves.
-        ``cost`` (optional) is the cost model now; ``self.cost`` otherwise.
+        ``queue`` is a ``Waiting`` (kept by its owner as requests come and go) or a ``deque``, read
+        into one (and written back). ``room`` (optional) is the answer memory left; it is updated
+        with what the batch reserves. ``cost`` (optional) is the cost model now; ``self.cost`` otherwise.
         """
         cost = cost or self.cost
-        decision: Decision[J] = Decision(expired=self.expire(queue, now))
-        ready = list(queue)
-        owners = dict.fromkeys(job.owner for job in ready)  # the connections waiting, oldest request first
-        planned = [] if self.growth else self._planned(ready, room)
+        waiting = _waiting(queue)
+        expired = waiting.expired(now)
+        for job in expired:
+            waiting.discard(job)
+        decision: Decision[J] = Decision(expired=expired)
+        owners = waiting.owners()  # the connections waiting, oldest request first
+        planned = [] if self.growth else self._planned(waiting, room)
         if not planned:
             self._fade(len(owners))  # once a round, before its window (with a fixed band, once a batch)
         self._welcome(owners, cost)
-        chosen, passed, plan = self._pick(ready, now, room, cost, planned)
+        chosen, passed, plan = self._pick(waiting, now, room, cost, planned)
+        if chosen:
+            self._plan = plan
+            for job in passed:
+                job.missed += 1
+            decision.batch = sorted(chosen, key=waiting.place)  # arrival order
+            for job in decision.batch:
+                waiting.discard(job)
+        if waiting is not queue and (expired or chosen):
+            queue.clear()
+            queue.extend(waiting)
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
-        self._plan = plan
-        taken = {id(job) for job in chosen}
-        for job in passed:
-            job.missed += 1
-        kept: list[J] = []
-        batch = decision.batch = []  # arrival order
-        for job in queue:
-            (batch if id(job) in taken else kept).append(job)
-        queue.clear()
-        queue.extend(kept)
         decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
         decision.predicted_s = _predicted(chosen, cost)
         growth, recent = self._growth, self._recent
@@ -338,24 +434,24 @@ class BatchPolicy:
 
     # --- the choice -------------------------------------------------------------------------------------
 
-    def _fair_order(self, ready: list[J], room: Room | None, depth: int, cost: Coefficients) -> list[J]:
+    def _fair_order(self, ready: Waiting[J] | list[J], room: Room | None, depth: int, cost: Coefficients) -> list[J]:
         """Up to ``depth`` requests in fair order (see the module doc), skipping connections without room.
 
         Invariant: the bar only rises during a pass (shares only grow, and a connection leaves only when
         it has nothing left), so a connection once eligible stays so until its own share passes the bar.
         (This runs on the model thread before every new round: written for speed, one loop, no calls
-        per place but the heaps'.)
+        per place but the heaps'; and first ``_arrival_order``, the common case's shortcut.)
         """
-        by_owner: dict[Any, deque[tuple[int, J]]] = {}  # each connection's requests, with their places
-        for place, job in enumerate(ready):
-            waiting = by_owner.get(job.owner)
-            if waiting is None:
-                waiting = by_owner[job.owner] = deque()
-            waiting.append((place, job))
-        room = room.copy() if room is not None else None
-        share = self._shares(by_owner, cost)
-        token_s, row_s, byte_s = cost.token_s, cost.row_s, cost.byte_s  # (own_s, inlined)
+        queue = _waiting(ready)
+        share = self._shares(queue.by_owner(), cost)
         tolerance = 1 + self.fair_tolerance
+        order = _arrival_order(queue, room, depth, share, tolerance * min(share.values(), default=0.0), cost)
+        if order is not None:
+            return order
+        place = queue.place
+        by_owner = {owner: deque(owned.values()) for owner, owned in queue.by_owner().items()}  # (copies)
+        room = room.copy() if room is not None else None
+        token_s, row_s, byte_s = cost.token_s, cost.row_s, cost.byte_s  # (own_s, inlined)
         push, pop = heapq.heappush, heapq.heappop
         order: list[J] = []
         ties = itertools.count()
@@ -373,11 +469,11 @@ class BatchPolicy:
                 owner = pop(pending)[2]
                 waiting = by_owner.get(owner)
                 if waiting is not None:
-                    push(eligible, (waiting[0][0], next(ties), owner))
+                    push(eligible, (place(waiting[0]), next(ties), owner))
             owner = pop(eligible)[2]
             # Its oldest request takes the next place, room permitting.
             waiting = by_owner[owner]
-            job = waiting.popleft()[1]
+            job = waiting.popleft()
             if room is not None:
                 if not room.fits(owner, job.result_bytes):
                     del by_owner[owner]  # no room for this connection now: its requests keep their places
@@ -390,23 +486,24 @@ class BatchPolicy:
                 continue
             push(lowest, (served, next(ties), owner))
             if served <= bar:
-                push(eligible, (waiting[0][0], next(ties), owner))
+                push(eligible, (place(waiting[0]), next(ties), owner))
             else:
                 push(pending, (served, next(ties), owner))
         return order
 
-    def _pick(self, ready: list[J], now: float, room: Room | None, cost: Coefficients,
+    def _pick(self, waiting: Waiting[J], now: float, room: Room | None, cost: Coefficients,
               planned: list[list[J]]) -> tuple[list[J], list[J], list[list[J]]]:
         """The next batch's requests, the requests it passed over (the tail bound's misses) and, with
         the cost model, the rest of its round (the batches planned after it); ``planned`` is what is
         left of the current round (``_planned``; nothing with a fixed band)."""
-        if not ready:
+        if not waiting:
             return [], [], []
         if not self.growth:
-            if planned and not self._deadline_before_round_ends(ready, planned, now, cost):
+            if planned and not self._deadline_before_round_ends(waiting, planned, now, cost):
                 return planned[0], [], planned[1:]
-            groups = self._round(ready, now, room, cost)
+            groups = self._round(waiting, now, room, cost)
             return (groups[0], [], groups[1:]) if groups else ([], [], [])
+        ready = list(waiting)
         # The tail bound first: requests that have missed enough batches, oldest first, as room allows.
         trial = room.copy() if room is not None else None
         forced: list[J] = []
@@ -424,10 +521,10 @@ class BatchPolicy:
             return [], [], []
         base = ([order[0]] if order and len(forced) < self.max_batch_size else []) + forced  # the fair head leads
         rest = order[1:] if base and order and base[0] is order[0] else order
-        batch, passed = self._fill_band(base, rest, self.time_limit(ready, now, cost), cost)
+        batch, passed = self._fill_band(base, rest, self.time_limit(waiting, now, cost), cost)
         return batch, passed, []
 
-    def _welcome(self, owners: dict[Any, None], cost: Coefficients) -> None:
+    def _welcome(self, owners: list[Any], cost: Coefficients) -> None:
         """Keep a share for each waiting connection that has none (a newcomer: new, or forgotten when it
         closed), fixed when it is first seen: as much as the least-served connection waiting has been
         served (no credit for being new, and no debt: it runs within their band, in arrival order)."""
@@ -469,18 +566,18 @@ class BatchPolicy:
                             if v[1] / self._growth >= FORGOTTEN}
             self._growth = 1.0
 
-    def _planned(self, ready: list[J], room: Room | None) -> list[list[J]]:
+    def _planned(self, ready: Waiting[J] | list[J], room: Room | None) -> list[list[J]]:
         """What is left of the current round: its batches, less the requests no longer queued (expired,
         withdrawn) and those whose connection has no room now (they go back to the fair order)."""
         if not self._plan:
             return []
-        queued = {id(job) for job in ready}
+        queued = _waiting(ready)
         trial = room.copy() if room is not None else None
         groups: list[list[J]] = []
         for group in self._plan:
             kept: list[J] = []
             for job in group:
-                if id(job) not in queued:
+                if job not in queued:
                     continue
                 if trial is not None:
                     if not trial.fits(job.owner, job.result_bytes):
@@ -491,14 +588,14 @@ class BatchPolicy:
                 groups.append(kept)
         return groups
 
-    def _deadline_before_round_ends(self, ready: list[J], planned: list[list[J]], now: float,
+    def _deadline_before_round_ends(self, waiting: Waiting[J], planned: list[list[J]], now: float,
                                     cost: Coefficients) -> bool:
         """Whether the round keeps a deadline from the rule a batch keeps (done within ``deadline_share``
         of the time left): for a request outside the round, the round's predicted rest; for one inside
         it, the predicted end of its own batch. When it does not, the round is given up and a new window
         formed, bounded by the tightest deadline (the time limit)."""
         inside = {id(job) for group in planned for job in group}
-        outside = [job.deadline for job in ready if job.deadline is not None and id(job) not in inside]
+        outside = [job.deadline for job in waiting.deadlined() if job.deadline is not None and id(job) not in inside]
         if not outside and not any(job.deadline is not None for group in planned for job in group):
             return False
         end = 0.0
@@ -508,7 +605,7 @@ class BatchPolicy:
                 return True
         return bool(outside) and self.deadline_share * (min(outside) - now) < end
 
-    def _window(self, ready: list[J], limit: float, room: Room | None, cost: Coefficients) -> list[J]:
+    def _window(self, ready: Waiting[J], limit: float, room: Room | None, cost: Coefficients) -> list[J]:
         """The next round's requests: the fair order's first ``max_batch_size``, as long as their tokens
         fit ``max_batch_tokens`` and their own work (plus one overhead) ``limit``, the time
         limit. The first is always in."""
@@ -524,11 +621,13 @@ class BatchPolicy:
             tokens, seconds = more_tokens, more_seconds
         return window
 
-    def _round(self, ready: list[J], now: float, room: Room | None, cost: Coefficients) -> list[list[J]]:
+    def _round(self, ready: Waiting[J] | list[J], now: float, room: Room | None,
+               cost: Coefficients) -> list[list[J]]:
         """The window cut into batches of neighbouring lengths at the least predicted time in all (see
         the module doc), the batch of the window's first request first, then by their oldest request."""
-        limit = self.time_limit(ready, now, cost)
-        window = self._window(ready, limit, room, cost)
+        waiting = _waiting(ready)
+        limit = self.time_limit(waiting, now, cost)
+        window = self._window(waiting, limit, room, cost)
         if not window:
             return []
         groups = self._cut(window, cost)
@@ -617,6 +716,37 @@ class BatchPolicy:
             batch.append(job)
             shortest, longest, out_bytes = low, high, out_bytes + job.result_bytes
         return batch, passed
+
+
+def _arrival_order(queue: Waiting[J], room: Room | None, depth: int, share: dict[Any, float], bar: float,
+                   cost: Coefficients) -> list[J] | None:
+    """The fair order when it is the arrival order, or None when that is not sure.
+
+    It is when every connection among the first ``depth`` requests stays eligible through the whole
+    pass, its share plus all it gets in it at most ``bar`` (the least share's band at the start; the
+    bar only rises), and every one of them fits ``room``: then the oldest request among the eligible
+    is always the oldest of all. Checked on that prefix alone, with a margin for rounding: a
+    connection whose requests all come after it gets no place either way.
+    """
+    token_s, row_s, byte_s = cost.token_s, cost.row_s, cost.byte_s
+    bar *= 1 - 1e-9
+    added: dict[Any, float] = {}
+    order: list[J] = []
+    room = room.copy() if room is not None else None
+    for job in queue:
+        if len(order) >= depth:
+            break
+        owner = job.owner
+        more = added.get(owner, 0.0) + (token_s * job.n_tokens + row_s + byte_s * job.result_bytes)
+        if share[owner] + more > bar:
+            return None
+        added[owner] = more
+        if room is not None:
+            if not room.fits(owner, job.result_bytes):
+                return None
+            room.take(owner, job.result_bytes)
+        order.append(job)
+    return order
 
 
 def _predicted(group: list[Any], cost: Coefficients) -> float:

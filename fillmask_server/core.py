@@ -20,8 +20,10 @@ Invariants:
 
 - A job's container is its state: ``self._jobs[state]`` holds exactly the live jobs in that state, in
   the order they entered it, and ``_move`` is the only place that changes a job's state (by
-  ``jobs.advance``) and, in the same step, its container, the owner's count of waiting requests and
-  the answer-memory ledger. No second copy of the states is kept by hand.
+  ``jobs.advance``) and, in the same step, its container, the policy's view of the queue
+  (``batching.Waiting``: the QUEUED jobs by connection, so that choosing a batch costs about the
+  batch, not the queue), the owner's count of waiting requests and the answer-memory ledger. No
+  second copy of the states is kept by hand.
 - Whoever moves a job to DONE creates its outcome, so each accepted request gets exactly one.
 - ``reserved`` bytes are taken when a job's batch is scheduled and given back only by ``release``
   (its answer has left the engine), whatever the job's end.
@@ -32,12 +34,11 @@ Not thread-safe: the engine calls it under its lock.
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from . import intake
-from .batching import BatchPolicy, Coefficients, Room
+from .batching import BatchPolicy, Coefficients, Room, Waiting
 from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, State, Stopped, advance, can
 from .tuning import ThreadTuner
 
@@ -254,6 +255,7 @@ class EngineCore:
         self.threads = threads  # None: the thread count is not the core's to choose
         self.accepting = True
         self._jobs: dict[State, dict[Job, None]] = {state: {} for state in State if state is not State.DONE}
+        self._queue: Waiting[Job] = Waiting()  # the QUEUED jobs as the policy reads them (kept by ``_move``)
         self._waiting_by: dict[object, int] = {}  # owner -> its requests tokenizing or queued
         self._reserved: dict[object, int] = {}  # owner -> answer bytes reserved by its started requests
         self._reserved_total = 0
@@ -354,12 +356,11 @@ class EngineCore:
         queued = self._jobs[State.QUEUED]
         if not queued:
             return Scheduled()
-        queue = deque(queued)
         coefficients = self.cost.coefficients
-        wait = self.policy.wait_s(queue, now, coefficients)
+        wait = self.policy.wait_s(self._queue, now, coefficients)
         if wait > 0:
             return Scheduled(wait_s=wait)
-        decision = self.policy.take(queue, now, self._room(), coefficients)
+        decision = self.policy.take(self._queue, now, self._room(), coefficients)
         outcomes: list[Outcome] = []
         for job in decision.expired:
             self._move(job, Event.EXPIRED)
@@ -472,6 +473,10 @@ class EngineCore:
         del self._jobs[before][job]
         if job.state is not State.DONE:
             self._jobs[job.state][job] = None
+        if before is State.QUEUED:
+            self._queue.discard(job)  # (``BatchPolicy.take`` already took out those it batched or expired)
+        elif job.state is State.QUEUED:
+            self._queue.add(job)
         if before in WAITING and job.state not in WAITING:
             left = self._waiting_by.get(job.owner, 0) - 1
             if left > 0:
@@ -486,6 +491,6 @@ class EngineCore:
     def _room(self) -> Room:
         """The answer memory left, for the owners with queued requests."""
         memory = self.memory
-        owners = {job.owner for job in self._jobs[State.QUEUED]}
+        owners = self._queue.by_owner()
         used = {owner: self._reserved.get(owner, 0) + memory.unsent(owner) for owner in owners}
         return Room(memory.per_connection, memory.total, used, self._reserved_total + memory.unsent_total())

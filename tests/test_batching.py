@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Coefficients, Room, _predicted
+from fillmask_server import batching
+from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Coefficients, Room, Waiting, _predicted
 from tests.closed_loop import BASE, TINY, Client, fixed, mixed_lengths, percentile, run, tail_ratio
 
 
@@ -772,3 +775,72 @@ def test_wait_s_only_reads(growth: float) -> None:
     before = ({o: list(v) for o, v in p._recent.items()}, p._growth, p._unfaded)
     assert p.wait_s(q, now=0.001) > 0
     assert ({o: list(v) for o, v in p._recent.items()}, p._growth, p._unfaded) == before
+
+
+# --- the queue as the policy reads it (Waiting) and the fair order's shortcut ------------------------
+
+
+def random_backlog(rng: random.Random, owners: int, count: int) -> list[FakeJob]:
+    return [FakeJob(f"j{i}", arrival=i, n_tokens=rng.choice([9, 12, 16, 40]), owner=f"c{rng.randrange(owners)}",
+                    result_bytes=rng.choice([100, 300, 3000]), deadline=rng.choice([None, None, None, 50.0 + i]))
+            for i in range(count)]
+
+
+def test_a_waiting_queue_kept_by_adds_and_discards_decides_as_a_deque_does() -> None:
+    """The engine core keeps a ``Waiting`` as requests come and go (and ``take`` takes out what it
+    batched or expired); a deque is read afresh each time. Same requests, same decisions, batch by batch,
+    through withdrawals, expiries, forgotten connections and rounds."""
+    rng = random.Random(7)
+    for prices in (CPU, GPU, TINY):
+        jobs = random_backlog(rng, 12, 300)
+        by_deque, by_waiting = policy(size=16, cost=prices), policy(size=16, cost=prices)
+        q, waiting = queue(*jobs[:150]), Waiting(jobs[:150])
+        later = iter(jobs[150:])
+        for step in range(40):
+            now = step * 2.0
+            expected, got = by_deque.take(q, now=now), by_waiting.take(waiting, now=now)
+            assert (names(got.batch), names(got.expired)) == (names(expected.batch), names(expected.expired))
+            assert names(waiting) == names(q)
+            for job in itertools.islice(later, len(expected.batch)):
+                q.append(job)
+                waiting.add(job)
+            if step % 7 == 3 and q:  # a withdrawal, and a connection closing
+                gone = q[len(q) // 2]
+                q.remove(gone)
+                waiting.discard(gone)
+                by_deque.forget("c3")
+                by_waiting.forget("c3")
+        assert len(waiting) == len(q)
+
+
+def test_the_fair_order_is_the_same_with_or_without_its_arrival_order_shortcut(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every connection stays in the band the fair order is the arrival order, and the policy
+    skips the heaps. Checked against the heaps themselves on random backlogs, shares and answer room;
+    the shortcut must have been taken in some of them and declined in others."""
+    rng = random.Random(11)
+    cases = []
+    for _ in range(500):
+        jobs = random_backlog(rng, rng.choice([1, 3, 32]), rng.randrange(1, 200))
+        p = policy(size=rng.choice([4, 32, 64]), cost=rng.choice([CPU, GPU, TINY]),
+                   fair_tolerance=rng.choice([0.0, 0.5, 2.0]))
+        history = queue(*random_backlog(rng, 32, rng.randrange(0, 400)))
+        while history:  # what each connection was served lately
+            p.take(history, now=0)
+        room = (Room(rng.choice([300, 5000]), 100_000, {f"c{i}": rng.choice([0, 200]) for i in range(32)}, 0)
+                if rng.random() < 0.5 else None)
+        cases.append((p, Waiting(jobs), room, rng.choice([1, 16, 64])))
+    taken = [0, 0]
+    original = batching._arrival_order
+
+    def counted(*args: Any) -> list[Any] | None:
+        order = original(*args)
+        taken[order is None] += 1
+        return order
+
+    monkeypatch.setattr(batching, "_arrival_order", counted)
+    fast = [names(p._fair_order(waiting, room, depth, p.cost)) for p, waiting, room, depth in cases]
+    monkeypatch.setattr(batching, "_arrival_order", lambda *args: None)
+    slow = [names(p._fair_order(waiting, room, depth, p.cost)) for p, waiting, room, depth in cases]
+    assert fast == slow
+    assert taken[0] >= 20 and taken[1] >= 20, taken

@@ -99,6 +99,29 @@ def test_withdraw_wins_only_before_the_batch_is_scheduled() -> None:
     assert not c.withdraw(first) and not c.withdraw(second)
 
 
+def test_the_queue_the_policy_reads_is_the_queued_jobs_whatever_moves_them() -> None:
+    """The core keeps the policy's view of its queue (``batching.Waiting``) beside its QUEUED jobs: every
+    move in or out (checked, batched, expired, withdrawn, stopped) changes both, so the policy never
+    sees a job that left, and a batch is formed without reading the whole queue."""
+    c = core(size=3)
+    queue_up(c, [job(i, owner=f"c{i % 3}") for i in range(6)])
+    c.submit(expiring := job("expiring", deadline=0.5))
+    c.checked([(j, checked()) for j in c.take_intake()])
+    withdrawn = job("withdrawn")
+    queue_up(c, [withdrawn])
+    assert c.withdraw(withdrawn)
+
+    def in_step() -> bool:
+        return list(c._queue) == list(c._jobs[State.QUEUED]) and len(c._queue) == c.runnable()
+
+    assert in_step() and expiring in c._queue and withdrawn not in c._queue
+    scheduled = c.schedule(now=1.0)
+    assert len(scheduled.batch) == 3 and [o.job for o in scheduled.outcomes] == [expiring]
+    assert in_step() and not any(j in c._queue for j in scheduled.batch)
+    c.withdraw_waiting()
+    assert in_step() and len(c._queue) == 0
+
+
 def test_admission_refuses_a_full_queue_and_keeps_a_newcomers_share() -> None:
     c = core(max_queue=4)
     assert [c.submit(job(i, owner="busy")) for i in range(3)] == [Admission.ACCEPTED] * 2 + [Admission.QUEUE_SHARE]
