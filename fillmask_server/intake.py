@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 CANDIDATE_OVERHEAD_BYTES = 96
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Checked:
     """A request that may run: what the model and the batching policy need of it."""
 
@@ -32,7 +32,7 @@ class Checked:
     target_notes: tuple[TargetNote, ...] = ()  # targets not scored as given (§4 ``result.targets``)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Refusal:
     """A request that may not run: the §7 error code and the one-line message for the client."""
 

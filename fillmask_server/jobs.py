@@ -19,6 +19,12 @@ checks it once more when the frame is written.
 ``withdrawn`` is every removal decided outside the stages (cancel, deadline timer, closed connection,
 drain timeout, a stopped engine): it is legal only before the model has the job, which is exactly the
 protocol's rule that a request whose batch has started is never cut short (§5, §6).
+
+VALUES: the outcomes here, like the parsed frames (``protocol``), the tokenizer stage's verdicts
+(``intake``), the session's answers and the model's ``Item``, are values: made once, never changed
+after. They are plain slotted dataclasses, not frozen ones, because several are made for every
+request and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) takes about four
+times as long; ``unsafe_hash`` keeps them hashable by value, as frozen ones were.
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ class IllegalTransition(RuntimeError):
     """A move that ``TRANSITIONS`` does not allow: a bug, never a client's doing."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Job:
     """One accepted request on its way through the stages. ``owner`` is its connection, opaque here.
 
@@ -117,7 +123,7 @@ def advance(job: Job, event: Event) -> None:
 # --- how a job ends: the typed outcomes the stages hand to the server (never wire bytes) ----------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Result:
     """The request ran: its predictions, already serialized as JSON by the decode stage."""
 
@@ -130,7 +136,7 @@ class Result:
     batch_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Rejected:
     """A check of §3 that needs the tokenizer failed (``text_too_long``, ``no_mask``, ...)."""
 
@@ -139,7 +145,7 @@ class Rejected:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Expired:
     """Its deadline passed while it waited (§6, 504)."""
 
@@ -148,7 +154,7 @@ class Expired:
     retry_after_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Failed:
     """The server failed on this request alone (§7 ``internal_error``)."""
 
@@ -156,7 +162,7 @@ class Failed:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Stopped:
     """It will not run here: the engine stopped (``engine_stopped``) or the drain ran out of time
     (``shutting_down``); §6, 503. Sending it to another server is safe."""

@@ -77,7 +77,7 @@ class ModelLoadError(Exception):
     """The model could not be loaded; ``str(error)`` is one line for the operator."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Item:
     """One text of a batch: its token ids (with special tokens), top_k, and target ids or None."""
 

@@ -53,7 +53,7 @@ class Limits:
     max_deadline_ms: int = 600_000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class FillMaskRequest:
     """A validated ``fill_mask`` frame (§3). ``targets`` is None when the client sent none."""
 
@@ -64,21 +64,21 @@ class FillMaskRequest:
     deadline_ms: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class CancelRequest:
     """A validated ``cancel`` frame (§5)."""
 
     id: RequestId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class StatsSubscription:
     """A validated ``subscribe_stats`` (``interval_ms`` set) or ``unsubscribe_stats`` (None) frame (§13)."""
 
     interval_ms: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class ProtocolError:
     """A frame that must be answered with one ``error`` frame (§7)."""
 

@@ -81,7 +81,7 @@ class Scheduler(Protocol):
     def retry_after_ms(self) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
 class Answer:
     """One frame for the client, and how the metrics count it (``fillmask_requests_total``, §11)."""
 
