@@ -337,6 +337,10 @@ class BatchPolicy:
         self._recent.pop(owner, None)
         self._plan = [kept for group in self._plan if (kept := [job for job in group if job.owner is not owner])]
 
+    def in_round(self) -> bool:
+        """A round has batches left to run (the cost model's; never with a fixed band)."""
+        return bool(self._plan)
+
     def batch_ran(self, seconds: float) -> None:
         """The last batch took ``seconds`` on the model: what a wait for company is measured against."""
         self._last_batch_s = seconds

@@ -22,8 +22,8 @@ Invariants:
   the order they entered it, and ``_move`` is the only place that changes a job's state (by
   ``jobs.advance``) and, in the same step, its container, the policy's view of the queue
   (``batching.Waiting``: the QUEUED jobs by connection, so that choosing a batch costs about the
-  batch, not the queue), the owner's count of waiting requests and the answer-memory ledger. No
-  second copy of the states is kept by hand.
+  batch, not the queue; all of them but a batch chosen ahead), the owner's count of waiting requests
+  and the answer-memory ledger. No second copy of the states is kept by hand.
 - Whoever moves a job to DONE creates its outcome, so each accepted request gets exactly one.
 - ``reserved`` bytes are taken when a job's batch is scheduled and given back only by ``release``
   (its answer has left the engine), whatever the job's end.
@@ -277,6 +277,14 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.waiting() or self.started())
 
+    def batch_ready(self) -> bool:
+        """The next batch would be no larger, and keep every promise as well, if chosen now than once
+        the model is free (``schedule(start=False)``): a full batch is queued or a round has batches
+        left, and no queued request has a deadline (a batch chosen ahead starts later than chosen,
+        and the time bound counts from choosing)."""
+        return ((len(self._queue) >= self.policy.max_batch_size or self.policy.in_round())
+                and self._queue.earliest_deadline() is None)
+
     def has_intake(self) -> bool:
         """New requests wait for the tokenizer stage."""
         return not self._intake_held and bool(self._jobs[State.TOKENIZING])
@@ -350,11 +358,14 @@ class EngineCore:
         self.policy.arrived(queued)
         return answers
 
-    def schedule(self, now: float) -> Scheduled:
+    def schedule(self, now: float, start: bool = True) -> Scheduled:
         """The next batch (moved to RUNNING, its answer memory reserved) and the expired requests'
-        answers; or, when the policy waits for company, only ``wait_s``."""
-        queued = self._jobs[State.QUEUED]
-        if not queued:
+        answers; or, when the policy waits for company, only ``wait_s``.
+
+        With ``start=False`` the batch is chosen *ahead*, for when the model is free: its requests
+        leave the policy's queue but stay QUEUED (a cancel, a closed connection or a drain may still
+        take them out) until ``start``."""
+        if not self._queue:
             return Scheduled()
         coefficients = self.cost.coefficients
         wait = self.policy.wait_s(self._queue, now, coefficients)
@@ -367,10 +378,23 @@ class EngineCore:
         if decision.expired:
             retry = self.retry_after_ms()
             outcomes = [Expired(job, (now - job.arrival) * 1000, retry) for job in decision.expired]
-        for job in decision.batch:
-            self._move(job, Event.BATCHED)
+        if start:
+            for job in decision.batch:
+                self._move(job, Event.BATCHED)
         threads = self.threads.count(now) if self.threads is not None and decision.batch else 0
         return Scheduled(decision.batch, decision.padded_tokens, decision.predicted_s, outcomes, threads=threads)
+
+    def start(self, ahead: Scheduled) -> Scheduled:
+        """Start a batch chosen ahead (``schedule(start=False)``): its requests still QUEUED move to
+        RUNNING; those that left meanwhile (withdrawn) drop out of it."""
+        batch = [job for job in ahead.batch if job.state is State.QUEUED]
+        for job in batch:
+            self._move(job, Event.BATCHED)
+        if len(batch) == len(ahead.batch):
+            return Scheduled(batch, ahead.padded_tokens, ahead.predicted_s, threads=ahead.threads)
+        padded = len(batch) * max((job.n_tokens for job in batch), default=0)
+        return Scheduled(batch, padded, self.cost.forward_s(len(batch), padded) if batch else 0.0,
+                         threads=ahead.threads if batch else 0)
 
     def update_from_output(self, batch: list[Job], padded_tokens: int, forwarded: list[int], failed: list[int],
                            seconds: float, now: float, passes: int = 1, threads: int = 0) -> list[Outcome]:

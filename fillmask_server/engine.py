@@ -6,7 +6,8 @@
   call (the fast tokenizer releases the GIL) and makes the §3 checks that need tokens; a request that
   fails one is answered (``Rejected``), the others join the model's queue. The queue therefore holds
   only requests that can run.
-- **Model thread** (``fillmask-model``): asks the core for the next batch and runs the forward pass
+- **Model thread** (``fillmask-model``): asks the core for the next batch (or takes the one the other
+  stages chose for it while it ran the last, ``_prepare_locked``) and runs the forward pass
   (``FillMaskModel.forward``, one call into torch): token ids in, top-k tensors out, at the torch thread count the core
   gives it (``FillMaskModel.set_threads``, called on this thread, which runs every forward pass; then
   ``on_threads``, e.g. the server's switch interval for that count).
@@ -45,7 +46,16 @@ from dataclasses import dataclass, field
 
 from . import intake
 from .batching import BatchPolicy
-from .core import ENGINE_STOPPED_RETRY_MS, INTAKE_BATCH, SERVER_FAILED, Admission, AnswerMemory, CostModel, EngineCore
+from .core import (
+    ENGINE_STOPPED_RETRY_MS,
+    INTAKE_BATCH,
+    SERVER_FAILED,
+    Admission,
+    AnswerMemory,
+    CostModel,
+    EngineCore,
+    Scheduled,
+)
 from .decode import SequenceDecoder, predictions_json
 from .jobs import Failed, Job, Outcome, Result, Stopped
 from .model import FillMaskModel, Item, TopK
@@ -116,6 +126,8 @@ class Engine:
         self._batch_ids = itertools.count(1)
         self._paused = False
         self._stopping = False
+        self._forwarding = False  # the model thread is in a forward pass (outside the lock)
+        self._next: Scheduled | None = None  # its next batch, chosen by another stage meanwhile (``_prepare_locked``)
         self._threads = [threading.Thread(target=self._guarded, args=(body,), name=name, daemon=True)
                          for name, body in (("fillmask-intake", self._intake_loop),
                                             ("fillmask-model", self._model_loop),
@@ -248,6 +260,7 @@ class Engine:
             finally:
                 with self._lock:
                     self._hand_over_locked(self.core.checked(list(zip(fresh, verdicts, strict=True))))
+                    self._prepare_locked()
                     self._model_wake.notify()
 
     def _check_all(self, fresh: list[Job]) -> list[intake.Checked | intake.Refusal | None]:
@@ -265,23 +278,44 @@ class Engine:
     def _model_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._stopping and (self._paused or not self.core.runnable()
+                while not self._stopping and (self._paused or not (self._next or self.core.runnable())
                                               or self._undecoded >= DECODE_BACKLOG):
                     self._model_wake.wait()
                 if self._stopping:
                     return
-                now = self._clock()
-                scheduled = self.core.schedule(now)
+                ahead, self._next = self._next, None
+                scheduled = self._schedule_locked() if ahead is None else self.core.start(ahead)
+                if ahead is not None and not scheduled.batch:
+                    continue  # every request of the batch chosen ahead was withdrawn meanwhile
                 if scheduled.wait_s > 0:
                     self._model_wake.wait(scheduled.wait_s)
                     continue
-                self.stats.expired += len(scheduled.outcomes)
-                self._hand_over_locked(scheduled.outcomes)
+                self._forwarding = bool(scheduled.batch)
             if scheduled.batch:  # timed from here: choosing the batch is not its forward pass (§4 inference_ms)
                 self._run_batch(scheduled.batch, scheduled.padded_tokens, self._clock(), scheduled.threads)
             elif not scheduled.outcomes:
                 with self._lock:  # every queued request waits for answer room: look again soon
                     self._model_wake.wait(ROOM_RECHECK_S)
+
+    def _schedule_locked(self, start: bool = True) -> Scheduled:
+        """``EngineCore.schedule`` now, its expired requests' answers handed over."""
+        scheduled = self.core.schedule(self._clock(), start)
+        self.stats.expired += len(scheduled.outcomes)
+        self._hand_over_locked(scheduled.outcomes)
+        return scheduled
+
+    def _prepare_locked(self) -> None:
+        """Choose the model thread's next batch while it runs a forward pass, on the stage calling this,
+        so that the model thread, the one that limits a small model's throughput, goes from one forward
+        pass to the next without choosing. Only when waiting would change nothing
+        (``EngineCore.batch_ready``: a full batch queued or a round under way, no deadline waiting). The
+        chosen requests stay QUEUED until the model thread starts them (``EngineCore.start``), so a
+        cancel, a closed connection or a drain still takes them out as it would any queued request."""
+        if (self._forwarding and self._next is None and not self._paused and not self._stopping
+                and self.core.batch_ready()):
+            scheduled = self._schedule_locked(start=False)
+            if scheduled.batch:
+                self._next = scheduled
 
     def _run_batch(self, batch: list[Job], padded_tokens: int, started: float, threads: int = 0) -> None:
         """One forward pass (split on failure) at ``threads`` torch threads (0: as they are); hand what
@@ -304,6 +338,7 @@ class Engine:
                 log.info("torch threads %d -> %d: batches at %d threads won %d probes in a row against the cost "
                          "model while serving (tuning.py: a larger count must be faster, a smaller one as fast)",
                          in_use, self.core.threads.current, self.core.threads.current, WINS_TO_SWITCH)
+            self._forwarding = False
             batch_id = next(self._batch_ids)
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
             self._undecoded += 1
@@ -424,6 +459,7 @@ class Engine:
         seconds = time.perf_counter() - started
         with self._lock:
             self._hand_over_locked(self.core.decoded(chunk, decoded_bytes, seconds))
+            self._prepare_locked()
             if finished:
                 self._undecoded -= finished
                 self._model_wake.notify()
@@ -439,6 +475,7 @@ class Engine:
                 wake.notify_all()
             self._decoding.clear()
             self._undecoded = 0
+            self._next = None
             outcomes = self.core.stop_all()
             try:
                 self._hand_over_locked(outcomes)

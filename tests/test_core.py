@@ -122,6 +122,39 @@ def test_the_queue_the_policy_reads_is_the_queued_jobs_whatever_moves_them() -> 
     assert in_step() and len(c._queue) == 0
 
 
+def test_a_batch_is_ready_early_only_when_waiting_would_change_nothing() -> None:
+    """``batch_ready``: the engine may choose the next batch before the model thread is free when a
+    full batch is queued or a round is under way, never while a queued request has a deadline."""
+    c = core(size=4)
+    queue_up(c, [job(i) for i in range(3)])
+    assert not c.batch_ready()  # three of four: later arrivals could still join
+    queue_up(c, [job(3)])
+    assert c.batch_ready()
+    queue_up(c, [job("timed", deadline=60.0)])
+    assert not c.batch_ready()
+    assert c.withdraw(next(j for j in c._queue if j.deadline is not None))
+    assert c.batch_ready()
+    apart = core(size=8, cost=CostModel(Coefficients(overhead_s=1e-4, token_s=1e-3, row_s=0.0)))
+    queue_up(apart, [job("short")], n_tokens=8)
+    queue_up(apart, [job("long")], n_tokens=20)
+    assert not apart.batch_ready()
+    assert [j.request.id for j in apart.schedule(0.0).batch] == ["short"]  # a round of two batches
+    assert apart.batch_ready() and apart.runnable() == 1  # its second batch is decided already
+
+
+def test_a_batch_chosen_ahead_stays_queued_until_it_starts_and_loses_what_was_withdrawn() -> None:
+    c = core(size=3)
+    queue_up(c, [job(i) for i in range(4)])
+    ahead = c.schedule(0.0, start=False)
+    assert [j.request.id for j in ahead.batch] == [0, 1, 2] and all(j.state is State.QUEUED for j in ahead.batch)
+    assert (c.runnable(), c.started(), len(c._queue)) == (4, 0, 1)  # queued, but not the policy's to choose
+    assert c.withdraw(ahead.batch[1])
+    started = c.start(ahead)
+    assert [j.request.id for j in started.batch] == [0, 2] and started.padded_tokens == 20
+    assert (c.runnable(), c.started(), c.reserved_total()) == (1, 2, 2000)
+    assert [j.request.id for j in c.schedule(0.0).batch] == [3]
+
+
 def test_admission_refuses_a_full_queue_and_keeps_a_newcomers_share() -> None:
     c = core(max_queue=4)
     assert [c.submit(job(i, owner="busy")) for i in range(3)] == [Admission.ACCEPTED] * 2 + [Admission.QUEUE_SHARE]

@@ -376,3 +376,58 @@ def test_each_stage_thread_has_its_name_in_the_kernel_for_top_and_cpu_figures(en
             break
         time.sleep(0.01)
     assert wanted <= names
+
+
+def test_the_next_batch_is_chosen_off_the_model_thread_while_it_runs_a_forward_pass(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full batch queued during a forward pass is chosen by the tokenizer stage, not the model thread,
+    which then runs it as soon as the pass ends. Until then its requests are still queued: a withdrawal
+    (cancel, closed connection, drain) takes one out as before. A queue with a deadline in it is left to
+    the model thread (a batch chosen ahead must not start later than its time bound assumed)."""
+    inside, go = threading.Event(), threading.Event()
+    forward = model.forward
+
+    def held(items: list[Item]) -> Any:
+        if not inside.is_set():  # the first pass waits for the test, once
+            inside.set()
+            assert go.wait(20)
+        return forward(items)
+
+    monkeypatch.setattr(model, "forward", held)
+    engine = Engine(model, BatchPolicy(4, 4096), max_queue=20, max_masks=4, deliver=collector)
+    chosen_on: list[tuple[str, int]] = []  # (thread, batch size) of every batch the core chose
+    schedule = engine.core.schedule
+
+    def recording(now: float, start: bool = True) -> Any:
+        scheduled = schedule(now, start)
+        if scheduled.batch:
+            chosen_on.append((threading.current_thread().name, len(scheduled.batch)))
+        return scheduled
+
+    monkeypatch.setattr(engine.core, "schedule", recording)
+    engine.start()
+    try:
+        assert engine.submit(job("first")) is Admission.ACCEPTED
+        assert inside.wait(20)
+        for n in range(4):  # a full batch, while the first pass runs
+            assert engine.submit(job(n)) is Admission.ACCEPTED
+        deadline = time.monotonic() + 20
+        while len(chosen_on) < 2:  # chosen without the model thread
+            assert time.monotonic() < deadline, chosen_on
+            time.sleep(0.002)
+        assert chosen_on == [("fillmask-model", 1), ("fillmask-intake", 4)]
+        assert (engine.started(), engine.runnable()) == (1, 4)  # chosen, not started: still queued
+        withdrawn = next(j for j in engine.core._jobs[State.QUEUED] if j.request.id == 0)
+        assert engine.withdraw(withdrawn)
+        for n in range(4, 8):  # another full batch, but one of them has a deadline
+            assert engine.submit(job(n, deadline=time.monotonic() + 60 if n == 4 else None)) is Admission.ACCEPTED
+        wait_runnable(engine, 4)
+        assert len(chosen_on) == 2  # nothing chosen early this time
+        go.set()
+        outcomes = collector.wait_for(8)
+    finally:
+        go.set()
+        engine.stop()
+    assert 0 not in outcomes and all(isinstance(outcome, Result) for outcome in outcomes.values())
+    assert [name for name, _ in chosen_on] == ["fillmask-model", "fillmask-intake", "fillmask-model"]
+    assert [outcomes[n].batch_size for n in range(1, 8)] == [3] * 3 + [4] * 4
