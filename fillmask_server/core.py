@@ -278,10 +278,10 @@ class EngineCore:
         return bool(self.waiting() or self.started())
 
     def batch_ready(self) -> bool:
-        """The next batch would be no larger, and keep every promise as well, if chosen now than once
-        the model is free (``schedule(start=False)``): a full batch is queued or a round has batches
-        left, and no queued request has a deadline (a batch chosen ahead starts later than chosen,
-        and the time bound counts from choosing)."""
+        """Whether the next batch may be chosen now, before the model is free (``schedule(start=False)``),
+        at no loss: a full batch is queued or a round has batches left (waiting would not make it
+        larger), and no queued request has a deadline (a batch chosen ahead starts later than it was
+        chosen, and the time bound counts from choosing)."""
         return ((len(self._queue) >= self.policy.max_batch_size or self.policy.in_round())
                 and self._queue.earliest_deadline() is None)
 
@@ -393,8 +393,8 @@ class EngineCore:
         if len(batch) == len(ahead.batch):
             return Scheduled(batch, ahead.padded_tokens, ahead.predicted_s, threads=ahead.threads)
         padded = len(batch) * max((job.n_tokens for job in batch), default=0)
-        return Scheduled(batch, padded, self.cost.forward_s(len(batch), padded) if batch else 0.0,
-                         threads=ahead.threads if batch else 0)
+        predicted = self.cost.coefficients.batch_s(len(batch), padded, sum(job.result_bytes for job in batch))
+        return Scheduled(batch, padded, predicted if batch else 0.0, threads=ahead.threads if batch else 0)
 
     def update_from_output(self, batch: list[Job], padded_tokens: int, forwarded: list[int], failed: list[int],
                            seconds: float, now: float, passes: int = 1, threads: int = 0) -> list[Outcome]:
