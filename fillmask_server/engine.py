@@ -310,7 +310,9 @@ class Engine:
         pass to the next without choosing. Only when waiting would change nothing
         (``EngineCore.batch_ready``: a full batch queued or a round under way, no deadline waiting). The
         chosen requests stay QUEUED until the model thread starts them (``EngineCore.start``), so a
-        cancel, a closed connection or a drain still takes them out as it would any queued request."""
+        cancel, a closed connection or a drain still takes them out as it would any queued request. A
+        request that arrives meanwhile runs after that batch whatever its fair share: one batch more
+        at most, and a full one."""
         if (self._forwarding and self._next is None and not self._paused and not self._stopping
                 and self.core.batch_ready()):
             scheduled = self._schedule_locked(start=False)
