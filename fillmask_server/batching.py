@@ -405,11 +405,10 @@ class BatchPolicy:
         for job in expired:
             waiting.discard(job)
         decision: Decision[J] = Decision(expired=expired)
-        owners = waiting.owners()  # the connections waiting, oldest request first
         planned = [] if self.growth else self._planned(waiting, room)
         if not planned:
-            self._fade(len(owners))  # once a round, before its window (with a fixed band, once a batch)
-        self._welcome(owners, cost)
+            self._fade(len(waiting.by_owner()))  # once a round, before its window (with a fixed band, once a batch)
+        self._welcome(waiting, cost)
         chosen, passed, plan = self._pick(waiting, now, room, cost, planned)
         if chosen:
             self._plan = plan
@@ -528,13 +527,14 @@ class BatchPolicy:
         batch, passed = self._fill_band(base, rest, self.time_limit(waiting, now, cost), cost)
         return batch, passed, []
 
-    def _welcome(self, owners: list[Any], cost: Coefficients) -> None:
+    def _welcome(self, waiting: Waiting[J], cost: Coefficients) -> None:
         """Keep a share for each waiting connection that has none (a newcomer: new, or forgotten when it
         closed), fixed when it is first seen: as much as the least-served connection waiting has been
-        served (no credit for being new, and no debt: it runs within their band, in arrival order)."""
-        fresh = [owner for owner in owners if owner not in self._recent]
+        served (no credit for being new, and no debt: it runs within their band, in arrival order).
+        The connections are ordered (oldest request first, which settles ties) only when one is new."""
+        fresh = [owner for owner in waiting.by_owner() if owner not in self._recent]
         if fresh:
-            least = self._least(owners, cost)
+            least = self._least(waiting.owners(), cost)
             for owner in fresh:
                 self._recent[owner] = list(least)
 
