@@ -109,7 +109,8 @@ class Calibration:
                                          "per_row_us": round(c.row_s * 1e6, 4),
                                          "per_output_kb_us": round(c.byte_s * 1e9, 4)}
         if self.dtype_speed is not None:
-            calibration["dtype_speed_vs_float32"] = round(self.dtype_speed, 3)
+            # Three significant figures, not three decimals: a ratio under 0.0005 must not read 0 (§2: > 0).
+            calibration["dtype_speed_vs_float32"] = float(f"{self.dtype_speed:.3g}")
         return {"torch_threads": self.torch_threads, "calibration": calibration}
 
     def line(self) -> str:
