@@ -44,23 +44,15 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   sorted by length, into batches of neighbouring lengths, where each cut saves more padding than the
   extra batch's overhead costs: the partition with the least predicted time in all (an exact dynamic
   program over the window's distinct lengths; no batch's longest row above ``AUTO_GROWTH`` x its
-  shortest, none over the token budget). But a window that one batch may hold (within the band and
-  the budget) runs as one batch unless cutting it saves more than ``cut_gain`` of the time. A cut adds
-  a batch to the round, and the answers of a round's later batches come a batch after its first's: in
-  a closed loop that spread is the tail. A cut that saves a share g of the time makes the p50
-  1 / (1 + g) as long, so it shortens the p99 only where 1 + g is more than the spread it adds to the
-  p99 over the p50 (measured: README, "Cost model, tail bound and calibration"), hence ``cut_gain``.
-  Cuts that keep 8-token texts from padding to 80 save far more and stay, and a window whose lengths
-  are more than ``AUTO_GROWTH`` apart is cut as before. The batches of a window are a *round*: they
-  run back to back, the one holding the window's first request (the head) first, then by their oldest
-  request, before anything else is taken. For equal requests a round is one full batch; on a machine
-  where padding is dear and a batch cheap (a CPU) the lengths run apart, where a batch is dear (a GPU,
-  a tiny model) they mix. Between a round's batches, requests that have left the queue (expired,
-  withdrawn) drop out of it, and those whose connection has no answer room now go back to the fair
-  order. A deadline the round would not keep by the rule a batch keeps (below: done within
-  ``deadline_share`` of the time left; for a request outside the round at the round's predicted end,
-  for one inside it at its own batch's) ends the round: the next window is formed at once, bounded by
-  that deadline.
+  shortest, none over the token budget). These batches are a *round*: they run back to back, the one
+  holding the window's first request (the head) first, then by their oldest request, before anything
+  else is taken. For equal requests a round is one full batch; on a machine where padding is dear
+  and a batch cheap (a CPU) the lengths run apart, where a batch is dear (a GPU, a tiny model) they
+  mix. Between a round's batches, requests that have left the queue (expired, withdrawn) drop out of
+  it, and those whose connection has no answer room now go back to the fair order. A deadline the
+  round would not keep by the rule a batch keeps (below: done within ``deadline_share`` of the time
+  left; for a request outside the round at the round's predicted end, for one inside it at its own
+  batch's) ends the round: the next window is formed at once, bounded by that deadline.
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
@@ -308,8 +300,6 @@ class BatchPolicy:
     max_batch_s: float = 0.0  # 0: the overhead divided by ``slack``
     max_missed: int = 2
     slack: float = 0.05
-    cut_gain: float = 0.25  # a window one batch may hold is cut only where that saves more than this share
-    # of its time: about the p99 / p50 that a round of two batches adds in a closed loop (module doc)
     deadline_share: float = 0.5
     cost: Coefficients = field(default_factory=Coefficients)
     fair_tolerance: float = 0.5  # a connection is eligible while served at most 1 + this x the least
@@ -329,8 +319,7 @@ class BatchPolicy:
                 or not (self.growth == 0 or self.growth >= 1)
                 or self.anticipate_s < 0 or not 0 <= self.anticipate_share <= 1 or self.max_batch_s < 0
                 or self.max_missed < 0 or not 0 <= self.fair_tolerance < math.inf or self.fair_horizon < 1
-                or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1
-                or not 0 <= self.cut_gain < math.inf):
+                or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1):
             raise ValueError("batch limits must be positive")
 
     def answered(self, count: int, now: float) -> None:
@@ -664,19 +653,7 @@ class BatchPolicy:
 
     def _cut(self, window: list[J], cost: Coefficients) -> list[list[J]]:
         """``window`` cut by the dynamic program (see ``_round``), the head's batch first; each batch in
-        window order, the batches by their first request's place in it; or the window whole, where one
-        batch may hold it and the cuts save at most ``cut_gain`` of their time (module doc)."""
-        groups = self._cheapest_cut(window, cost)
-        if len(groups) > 1:
-            shortest = min(job.n_tokens for job in window)
-            longest = max(job.n_tokens for job in window)
-            if (longest <= AUTO_GROWTH * shortest and len(window) * longest <= self.max_batch_tokens
-                    and _predicted(window, cost) <= (1 + self.cut_gain) * sum(_predicted(g, cost) for g in groups)):
-                return [list(window)]
-        return groups
-
-    def _cheapest_cut(self, window: list[J], cost: Coefficients) -> list[list[J]]:
-        """``window`` cut by the dynamic program at the least predicted time in all, ordered as ``_cut`` says."""
+        window order, the batches by their first request's place in it."""
         classes: dict[int, list[J]] = {}
         for job in window:
             members = classes.get(job.n_tokens)

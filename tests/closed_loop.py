@@ -15,9 +15,6 @@ from fillmask_server.batching import BatchPolicy, Coefficients
 # row costs dozens of tokens, and a bert-base-shaped one, where tokens dominate.
 TINY = Coefficients(overhead_s=0.00135, token_s=2.8e-6, row_s=178e-6, byte_s=7.3e-8)
 BASE = Coefficients(overhead_s=0.0016, token_s=698e-6, row_s=1.6e-3, byte_s=7e-8)
-# The same model fitted on a faster 2-core Xeon (2026-12-03, /metrics under load): a batch's share is larger
-# there (small batches run the matrix units less well), so cuts that save a few tokens a row pay less.
-BASE_XEON = Coefficients(overhead_s=0.035, token_s=410e-6, row_s=510e-6, byte_s=1.4e-8)
 
 Make = Callable[[random.Random], tuple[int, int]]  # -> (tokens, answer bytes) of a client's next request
 
@@ -54,12 +51,6 @@ def mixed_lengths(rng: random.Random) -> tuple[int, int]:
     r = rng.random()
     n = rng.randint(8, 10) if r < 0.4 else rng.randint(15, 18) if r < 0.85 else rng.randint(50, 81)
     return n, (1 if rng.random() < 0.8 else 2) * 5 * (90 + 6 * n)
-
-
-def short_lengths(rng: random.Random) -> tuple[int, int]:
-    """The short corpus's shape: 9-16 tokens, one mask, top_k 5."""
-    n = rng.randint(9, 16)
-    return n, 5 * (90 + 6 * n)
 
 
 def fixed(n_tokens: int, result_bytes: int) -> Make:

@@ -12,18 +12,7 @@ import pytest
 
 from fillmask_server import batching
 from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Coefficients, Room, Waiting, _predicted
-from tests.closed_loop import (
-    BASE,
-    BASE_XEON,
-    TINY,
-    Client,
-    fixed,
-    mixed_lengths,
-    percentile,
-    run,
-    short_lengths,
-    tail_ratio,
-)
+from tests.closed_loop import BASE, TINY, Client, fixed, mixed_lengths, percentile, run, tail_ratio
 
 
 @dataclass(eq=False)
@@ -442,7 +431,7 @@ def test_with_the_cost_model_a_request_is_served_in_the_round_it_joins() -> None
     length costs more than a batch of its own), but it is in the same round: it runs right after,
     before any of the short texts that keep arriving, whatever ``max_missed``."""
     for max_missed in (0, 2, 10**6):
-        assert batches_until_served(policy(size=8, cost=CPU, max_missed=max_missed, cut_gain=0)) == 2
+        assert batches_until_served(policy(size=8, cost=CPU, max_missed=max_missed)) == 2
 
 
 def test_a_request_that_waits_for_its_fair_share_does_not_count_as_missed() -> None:
@@ -477,7 +466,7 @@ def test_nothing_that_arrives_during_a_round_runs_before_the_rest_of_it() -> Non
     (whose connection would lead the fair order) or a request of the running batch's length arrives."""
     q = queue(*(FakeJob(f"s{i}", arrival=i, n_tokens=10, owner="a") for i in range(4)),
               FakeJob("long", arrival=5, n_tokens=28, owner="a"))
-    p = policy(size=8, cost=CPU, cut_gain=0)  # (any cut makes a round)
+    p = policy(size=8, cost=CPU)
     assert names(p.take(q, now=0).batch) == ["s0", "s1", "s2", "s3"]
     q.extend([FakeJob("new", arrival=6, n_tokens=10, owner="newcomer"),
               FakeJob("s4", arrival=6, n_tokens=10, owner="a")])
@@ -491,7 +480,7 @@ def test_requests_that_leave_the_queue_drop_out_of_their_round() -> None:
                                                                          owner="y", deadline=1.0),
              FakeJob("kept", arrival=5, n_tokens=28, owner="z")]
     q = queue(*jobs, *longs)
-    p = policy(size=8, cost=CPU, cut_gain=0)  # (any cut makes a round)
+    p = policy(size=8, cost=CPU)
     assert len(p.take(q, now=0).batch) == 4
     q.remove(longs[0])  # withdrawn by its client while the first batch ran
     decision = p.take(q, now=2.0)  # "late" expired meanwhile
@@ -499,7 +488,7 @@ def test_requests_that_leave_the_queue_drop_out_of_their_round() -> None:
 
 
 def test_no_wait_while_a_round_has_batches_left() -> None:
-    p = BatchPolicy(max_batch_size=32, max_batch_tokens=10_000, anticipate_s=0.005, cost=CPU, cut_gain=0)
+    p = BatchPolicy(max_batch_size=32, max_batch_tokens=10_000, anticipate_s=0.005, cost=CPU)
     p.batch_ran(0.010)
     q = queue(*(FakeJob(f"s{i}", arrival=0.99, n_tokens=10) for i in range(4)),
               FakeJob("long", arrival=0.99, n_tokens=28))
@@ -520,15 +509,12 @@ def test_a_round_is_the_cheapest_way_to_cut_its_window() -> None:
     import random
 
     rng = random.Random(7)
-    kept_whole = 0
-    for case in range(300):
+    for case in range(150):
         cost = (CPU, GPU)[case % 2]
-        pool = ([4, 5, 6, 8, 9, 12, 14, 15, 20, 31, 40], [9, 10, 11, 12, 13, 14, 15, 16])[case // 4 % 2]
-        lengths = [rng.choice(pool) for _ in range(rng.randint(1, 12 if len(pool) > 8 else 40))]
+        lengths = [rng.choice([4, 5, 6, 8, 9, 12, 14, 15, 20, 31, 40]) for _ in range(rng.randint(1, 12))]
         jobs = [FakeJob(str(i), arrival=i, n_tokens=n, owner=str(i), result_bytes=rng.randint(0, 20_000))
                 for i, n in enumerate(lengths)]
-        cut_gain = (0.0, 0.25)[case // 2 % 2]
-        p = policy(size=64, cost=cost, max_batch_s=10.0, cut_gain=cut_gain)
+        p = policy(size=64, cost=cost, max_batch_s=10.0)
         groups = p._round(list(jobs), 0.0, None, cost)
         assert sorted(job.name for group in groups for job in group) == sorted(job.name for job in jobs)
 
@@ -549,14 +535,8 @@ def test_a_round_is_the_cheapest_way_to_cut_its_window() -> None:
             if any(part[-1] > 3 * part[0] for part in parts):
                 continue
             best = min(best, sum(predicted([j for j in jobs if j.n_tokens in part]) for part in parts))
-        whole = predicted(jobs)
-        if max(lengths) <= 3 * min(lengths) and whole > best * (1 + 1e-9) and whole <= (1 + cut_gain) * best:
-            kept_whole += 1  # one batch may hold the window and cutting it saves at most cut_gain: whole
-            assert groups == [jobs]
-        else:
-            assert sum(predicted(group) for group in groups) == pytest.approx(best, rel=1e-6)
+        assert sum(predicted(group) for group in groups) == pytest.approx(best, rel=1e-6)
         assert groups[0][0] is jobs[0]  # the head's batch first
-    assert kept_whole >= 5  # (the rule was exercised)
 
 
 def test_a_deadline_that_would_pass_before_the_round_ends_ends_the_round() -> None:
@@ -646,25 +626,6 @@ def test_alike_clients_on_mixed_lengths_keep_p99_within_one_and_a_half_p50(price
     tolerance they run in arrival order."""
     assert alike_clients_tail(prices) <= 1.5
     assert alike_clients_tail(prices, fair_tolerance=0) > 1.5
-
-
-def closed_loop_figures(make: Any, **more: Any) -> tuple[int, float]:
-    """32 clients x 4 in flight at ``BASE_XEON``'s prices for 200 s: answers served, p99 / p50."""
-    clients = [Client(4, make) for _ in range(32)]
-    run(policy(size=64, tokens=8192, **more), clients, BASE_XEON, 200.0, warmup=20.0)
-    return sum(len(client.latencies) for client in clients), tail_ratio(clients)
-
-
-def test_a_window_of_close_lengths_runs_whole_where_cutting_it_saves_little() -> None:
-    """Short texts (9-16 tokens) where a batch costs a lot (``BASE_XEON``): cutting each window in two
-    by length saves a few percent, and answers half of it a batch later, so the closed loop's p99 is
-    1.3x its p50; whole, it is about its p50, for at most ``cut_gain`` of the throughput. On mixed
-    lengths, whose windows no batch may hold (8 to 81 tokens), nothing changes."""
-    whole, whole_tail = closed_loop_figures(short_lengths)
-    cut, cut_tail = closed_loop_figures(short_lengths, cut_gain=0)
-    assert cut_tail > 1.25 and whole_tail <= 1.1
-    assert cut / 1.25 <= whole < cut
-    assert closed_loop_figures(mixed_lengths) == closed_loop_figures(mixed_lengths, cut_gain=0)
 
 
 def test_two_backlogs_of_different_cost_share_the_engine_within_the_tolerance() -> None:
