@@ -85,7 +85,8 @@ class Connection:
 
     @property
     def congested(self) -> bool:
-        return self.pending_bytes > self._max_send_buffer
+        """More than the bound is unsent: in the outbox, or in the socket (pongs: ``FrontConnection.backed_up``)."""
+        return self.pending_bytes > self._max_send_buffer or getattr(self.ws, "backed_up", False)
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write_loop())
@@ -106,6 +107,17 @@ class Connection:
         self._idle.clear()
         if not defer:
             self._ready.set()
+
+    def socket_backed_up(self) -> None:
+        """The socket holds more than the bound unsent (``FrontConnection.backed_up``): congested until
+        ``socket_drained``."""
+        if self._uncongested.is_set():
+            self._uncongested.clear()
+            self._on_congested(self)
+
+    def socket_drained(self) -> None:
+        if not self.congested:
+            self._uncongested.set()
 
     def flush(self) -> None:
         """Hand the queued frames to the socket now, when nothing stands in the way: the writer task is

@@ -232,6 +232,15 @@ class FrontConnection(ServerConnection):
 
     The rest is websockets' own behaviour: a request that parsed has ``self.request`` set before any
     refusal can be made, and those refusals go through the hooks instead.
+
+    One more: websockets answers each ping with a pong written straight to the socket, past the
+    server's outbox and its bound (protocol.md §12). A client that sends pings and never reads would
+    make those pongs pile up in memory without end. So once the socket holds more than
+    ``--max-send-buffer-bytes`` unsent (``backed_up``), this connection reads nothing more until the
+    client has taken enough of it (the transport's flow control says so: ``resume_writing``), and
+    ``on_backed_up`` (the server's) treats it as a client that does not read its answers (until
+    ``on_drained``). Reading is also paused while websockets' own message queue is full; it resumes
+    only when neither holds it.
     """
 
     front: HttpFront
@@ -241,6 +250,39 @@ class FrontConnection(ServerConnection):
     on_message: Callable[[str], None] | None = None
     queued = 0  # messages put in websockets' queue and not yet taken by the handler (``taken``)
     _fragmented = False  # a fragmented message is being put in that queue
+    backed_up = False  # the socket holds more than the send buffer's bound unsent: reading is held
+    on_backed_up: Callable[[], None] | None = None  # set by the server: called each time ``backed_up`` turns True
+    on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.recv_messages.resume = self._resume_reading  # (websockets' queue resumes through the same rule)
+        bound = self.front.config.max_send_buffer_bytes
+        if bound < self.write_limit_high:  # so that a socket backed up past the bound always gets resume_writing
+            transport.set_write_buffer_limits(bound)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        transport = self.transport
+        if (not self.backed_up and not transport.is_closing()
+                and transport.get_write_buffer_size() > self.front.config.max_send_buffer_bytes):
+            self.backed_up = True
+            transport.pause_reading()
+            if self.on_backed_up is not None:
+                self.on_backed_up()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.backed_up:
+            self.backed_up = False
+            self._resume_reading()
+            if self.on_drained is not None:
+                self.on_drained()
+
+    def _resume_reading(self) -> None:
+        """Read again, unless the socket is still backed up or websockets' message queue is full."""
+        if not self.backed_up and not self.recv_messages.paused and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def process_event(self, event: Any) -> None:
         """websockets' ``process_event``, but a whole, valid UTF-8 text message goes straight to

@@ -273,6 +273,7 @@ class FillMaskServer:
         read_at_once = functools.partial(self._on_message_read, front, conn) if front is not None else None
         if front is not None:
             front.on_message = read_at_once
+            front.on_backed_up, front.on_drained = conn.socket_backed_up, conn.socket_drained  # (unread pongs)
         try:
             # Messages that went through websockets' queue (see FrontConnection.process_event). While the
             # handler holds one, later ones queue behind it; it hands the fast path back once caught up.

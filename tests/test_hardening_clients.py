@@ -211,6 +211,43 @@ async def flood(ws: ClientConnection, count: int) -> None:
             await asyncio.sleep(0)
 
 
+async def ping_flood(ws: ClientConnection, count: int) -> None:
+    """Send ``count`` pings (125-byte payloads) without reading anything; stalls once the server stops
+    reading; ends quietly when the server closes the connection."""
+    with contextlib.suppress(ConnectionClosed):
+        for i in range(count):
+            await ws.ping(i.to_bytes(4, "big") * 31)
+            await asyncio.sleep(0)
+
+
+async def test_a_client_that_sends_pings_and_never_reads_is_held_to_the_bound_and_closed(make_server: Any) -> None:
+    """websockets answers every ping with a pong written straight to the socket, past the outbox (found by
+    a fuzz run: the server's memory grew by the size of the pings sent, 1 GB in 50 s, and nothing closed
+    the connection). Past ``--max-send-buffer-bytes`` unsent in the socket the server reads no more
+    from that client, and after ``--send-timeout`` without progress closes it with 1008, as it does a
+    client that does not read its answers (§12)."""
+    async with make_server(max_send_buffer_bytes=SMALL_BOUND, send_timeout=0.3) as srv:
+        known = set(srv.connections)
+        async with non_reading_client(srv) as hog:
+            hog_conn = connection_of(srv, known)
+            hog.transport.pause_reading()  # (its library would take the pongs, which never reach recv)
+            sender = asyncio.create_task(ping_flood(hog, 200_000))
+            await wait_until(lambda: getattr(hog_conn.ws, "backed_up", False) or hog_conn.closed)
+            held = hog_conn.ws.transport.get_write_buffer_size()
+            await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == 1)
+            assert held <= SMALL_BOUND + 70_000  # the bound, and at most the pongs of one read past it
+            assert not sender.done()  # (the flood was stalled by the server, not finished)
+            sender.cancel()
+            hog.transport.resume_reading()
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await recv(hog)
+            assert hog.close_code == 1008
+        await wait_until(lambda: hog_conn not in srv.connections)
+        async with session(srv.url) as (ws, _):
+            assert (await request(ws, 1, TEXT))["type"] == "result"
+
+
 def answered_count(srv: FillMaskServer) -> float:
     return sum(s.value for metric in srv.metrics.requests.collect() for s in metric.samples
                if s.name.endswith("_total"))
