@@ -116,7 +116,7 @@ class HttpFront:
         headers = request.headers
         problem = header_problem(request)
         if problem is not None:
-            if any(value.strip().lower() == "websocket" for value in headers.get_all("Upgrade")):
+            if asks_for_websocket(headers):
                 self.metrics.handshakes_refused.labels("bad_request").inc()
             return self._refuse_bad_request(connection, 400, problem)
         if request.method not in ALLOWED_METHODS:
@@ -124,7 +124,7 @@ class HttpFront:
             return json_response(405, {"error": f"{method} is not allowed here; use GET or HEAD (method names are "
                                         "case-sensitive)"}, [("Allow", ", ".join(ALLOWED_METHODS))])
         path = request.path.split("?", 1)[0]
-        handshake = request.method == "GET" and headers.get("Upgrade", "").lower() == "websocket"
+        handshake = request.method == "GET" and asks_for_websocket(headers)
         host = headers.get("Host")  # well-formed (header_problem); None only in HTTP/1.0, which predates it
         if host is not None and path not in PROBE_PATHS and not self._answers_for(host):
             if handshake:
@@ -209,8 +209,8 @@ class HttpFront:
             status, message = 431, "a header line is too long; shorten it"
         elif isinstance(exc, TooManyHeaders):
             status, message = 431, "the request has too many headers; send fewer"
-        elif isinstance(cause, EOFError):
-            return None
+        elif isinstance(cause, EOFError) and connection.protocol.reader.eof:
+            return None  # (an EOFError without the end of the stream: a line ended by a bare LF, a 400)
         elif isinstance(cause, NotImplementedError) or "body" in str(cause):
             status, message = 400, "requests with a body are not accepted; this server answers GET and HEAD"
         else:
@@ -221,6 +221,14 @@ class HttpFront:
     def connection_class(self) -> type[ServerConnection]:
         """``serve(create_connection=...)``: websockets' connection, bound to this front."""
         return type("FrontConnection", (FrontConnection,), {"front": self})
+
+
+def asks_for_websocket(headers: Headers) -> bool:
+    """Whether any protocol the ``Upgrade`` header names is WebSocket (``websocket``, or ``websocket/13``),
+    alone or beside others: a handshake, which websockets then checks (and refuses with 426 unless
+    ``Upgrade`` is ``websocket`` alone, protocol.md §9), never a request for a page."""
+    return any(token.split("/", 1)[0].strip().lower() == "websocket"
+               for value in headers.get_all("Upgrade") for token in value.split(","))
 
 
 class FrontConnection(ServerConnection):

@@ -277,6 +277,10 @@ async def test_websockets_own_handshake_refusals_are_json(server: FillMaskServer
          "version 13"),
         (["Upgrade: websocket", "Connection: keep-alive", "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==",
           "Sec-WebSocket-Version: 13"], "HTTP/1.1", 426, "Connection header must include Upgrade"),
+        # Upgrade not only websocket (found by a fuzz run: these got the demo page, 200)
+        *[([f"Upgrade: {value}", "Connection: Upgrade", "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==",
+            "Sec-WebSocket-Version: 13"], "HTTP/1.1", 426, "Upgrade header")
+          for value in ("websocket, h2c", "h2c, websocket", "websocket/13")],
         (handshake_headers(), "HTTP/1.0", 505, "HTTP/1.1"),
     ]
     for extra, protocol, status_wanted, message in cases:
@@ -303,6 +307,9 @@ async def test_requests_websockets_cannot_parse_are_answered_in_json(server: Fil
         (f"GET / HTTP/2.0\r\n{host}\r\n", 400, "not valid HTTP/1.1"),
         (f"GET / HTTP/1.1\r\n{host}Bad Header: x\r\n\r\n", 400, "not valid HTTP/1.1"),
         (f"GET /healthz HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\n", 400, "body"),
+        # Lines ended by a bare LF (found by a fuzz run: the server hung up without a word)
+        (f"GET /healthz HTTP/1.1\n{host}\n", 400, "not valid HTTP/1.1"),
+        (f"GET /healthz HTTP/1.1\r\n{host.strip()}\n\r\n", 400, "not valid HTTP/1.1"),
     ]
     with caplog.at_level(logging.INFO):
         for raw, status_wanted, message in cases:
