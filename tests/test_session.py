@@ -109,8 +109,8 @@ def test_an_id_in_flight_is_duplicate_id_whatever_else_is_wrong_with_the_frame()
     session, engine, _ = make()
     session.receive(fill(7))
     for frame in (fill(7), fill(7, top_k=0), fill(7, text="no mask"), fill(7, deadline_ms=-1),
-                  orjson.dumps({"type": "nonsense", "id": 7}).decode(), orjson.dumps({"type": "fill_mask", "id": 7})
-                  .decode()):
+                  orjson.dumps({"type": "nonsense", "id": 7}).decode(), orjson.dumps({"id": 7}).decode(),
+                  orjson.dumps({"type": "fill_mask", "id": 7}).decode()):
         (answer,) = frames(session.receive(frame))
         assert (answer["id"], answer["code"]) == (7, "duplicate_id"), frame
     assert len(engine.jobs) == 1 and list(session.inflight) == [7]
