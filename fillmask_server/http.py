@@ -232,7 +232,7 @@ def asks_for_websocket(headers: Headers) -> bool:
 
 
 class FrontConnection(ServerConnection):
-    """websockets' server connection, with two changes: a request it refuses while parsing, before any
+    """websockets' server connection, with these changes: a request it refuses while parsing, before any
     hook runs (request line or headers too long, not HTTP at all), is answered with the front's JSON
     instead of the library's plain text (``websockets.server.ServerProtocol.parse`` writes that answer
     and ends the stream; ``send_data`` is where its bytes would reach the socket); and the frames queued

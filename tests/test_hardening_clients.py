@@ -234,9 +234,9 @@ async def test_a_client_that_sends_pings_and_never_reads_is_held_to_the_bound_an
             sender = asyncio.create_task(ping_flood(hog, 200_000))
             await wait_until(lambda: getattr(hog_conn.ws, "backed_up", False) or hog_conn.closed)
             held = hog_conn.ws.transport.get_write_buffer_size()
+            assert not sender.done()  # (the flood was stalled by the server, not finished)
             await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == 1)
             assert held <= SMALL_BOUND + 70_000  # the bound, and at most the pongs of one read past it
-            assert not sender.done()  # (the flood was stalled by the server, not finished)
             sender.cancel()
             hog.transport.resume_reading()
             with pytest.raises(ConnectionClosed):
