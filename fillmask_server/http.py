@@ -33,7 +33,7 @@ import logging
 import mimetypes
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,8 @@ from websockets.exceptions import (
 )
 from websockets.frames import Frame, Opcode
 from websockets.http11 import Request, Response
+from websockets.protocol import State
+from websockets.server import ServerProtocol
 
 from .access import HostPolicy, OriginPolicy, parse_host, presented_token, token_matches
 from .config import Config
@@ -241,7 +243,18 @@ class FrontConnection(ServerConnection):
     The rest is websockets' own behaviour: a request that parsed has ``self.request`` set before any
     refusal can be made, and those refusals go through the hooks instead.
 
-    One more: websockets answers each ping with a pong written straight to the socket, past the
+    Two more. websockets parses whatever follows a request as WebSocket frames at once, before the
+    request is answered: a second, pipelined request (or a stray CRLF) then failed as a frame, ended
+    the stream, and the answer to the first found it ended (no answer, and a traceback); and a client
+    that half-closed its side after sending its request (``shutdown(SHUT_WR)``, ``nc -N``) lost its
+    answer, since websockets closes the socket at the end of the stream. So from the moment a request
+    has been read until it is answered (``_held``), this connection reads nothing more, parses nothing
+    after the request (``hold_frames_until_answered``) and keeps the socket open at the end of the
+    stream; once the answer is written it reads and parses again (``_release``): frames a client sent
+    before its 101 are then handled as usual, and what follows a refused request or a page is
+    discarded (every answer is ``Connection: close``, so a pipelining client sends the rest again).
+
+    And: websockets answers each ping with a pong written straight to the socket, past the
     server's outbox and its bound (protocol.md §12). A client that sends pings and never reads would
     make those pongs pile up in memory without end. So once the socket holds more than
     ``--max-send-buffer-bytes`` unsent (``backed_up``), this connection reads nothing more until the
@@ -259,11 +272,13 @@ class FrontConnection(ServerConnection):
     queued = 0  # messages put in websockets' queue and not yet taken by the handler (``taken``)
     _fragmented = False  # a fragmented message is being put in that queue
     backed_up = False  # the socket holds more than the send buffer's bound unsent: reading is held
+    _held = False  # a request was read and is not answered yet: reading paused, nothing after it parsed
     on_backed_up: Callable[[], None] | None = None  # set by the server: called each time ``backed_up`` turns True
     on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        hold_frames_until_answered(self.protocol)
         self.recv_messages.resume = self._resume_reading  # (websockets' queue resumes through the same rule)
         bound = self.front.config.max_send_buffer_bytes
         if bound < self.write_limit_high:  # so that a socket backed up past the bound always gets resume_writing
@@ -272,12 +287,40 @@ class FrontConnection(ServerConnection):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         transport = self.transport
+        if not self._held and self.request is not None and self._unanswered():
+            self._held = True
+            transport.pause_reading()
         if (not self.backed_up and not transport.is_closing()
                 and transport.get_write_buffer_size() > self.front.config.max_send_buffer_bytes):
             self.backed_up = True
             transport.pause_reading()
             if self.on_backed_up is not None:
                 self.on_backed_up()
+
+    def eof_received(self) -> bool | None:
+        """websockets' ``eof_received``; but while a request waits for its answer, the socket stays open
+        for that answer (websockets would close it). ``_end_stream`` closes it once the answer is out."""
+        closes = super().eof_received()
+        return True if self._held else closes
+
+    def _unanswered(self) -> bool:
+        return self.protocol.state is State.CONNECTING and not self.protocol.eof_sent
+
+    def _release(self) -> None:
+        """The request held reading was answered: read again, and parse what arrived after it. A refused
+        request's stream was already set to be discarded (websockets does so when it writes the refusal);
+        after a 101, frames the client sent early are handled like any others."""
+        self._held = False
+        if self.transport.is_closing():
+            return
+        self._resume_reading()
+        reader = self.protocol.reader
+        if self.protocol.state is State.OPEN and (reader.buffer or reader.eof):
+            next(self.protocol.parser)  # as websockets' receive_data does for each read: this one was held
+            events = self.protocol.events_received()
+            self.send_data()
+            for event in events:
+                self.process_event(event)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -288,8 +331,10 @@ class FrontConnection(ServerConnection):
                 self.on_drained()
 
     def _resume_reading(self) -> None:
-        """Read again, unless the socket is still backed up or websockets' message queue is full."""
-        if not self.backed_up and not self.recv_messages.paused and not self.transport.is_closing():
+        """Read again, unless a request waits for its answer, the socket is still backed up or websockets'
+        message queue is full."""
+        if (not self._held and not self.backed_up and not self.recv_messages.paused
+                and not self.transport.is_closing()):
             self.transport.resume_reading()
 
     def process_event(self, event: Any) -> None:
@@ -334,6 +379,8 @@ class FrontConnection(ServerConnection):
                 self._end_stream()  # an empty chunk: websockets' end of stream
             if waiting:
                 self.transport.write(b"".join(waiting))
+            if self._held and not self._unanswered():
+                self.loop.call_soon(self._release)
             return
         self._answered_early = True
         self.protocol.data_to_send()  # websockets' plain-text answer (if any) and its end of stream: replaced
@@ -343,12 +390,39 @@ class FrontConnection(ServerConnection):
         self._end_stream()
 
     def _end_stream(self) -> None:
-        """End the stream as websockets does: half-close where the transport can (plain TCP), else close."""
-        if self.transport.can_write_eof():
+        """End the stream as websockets does: half-close where the transport can (plain TCP), else close;
+        close too when the client has ended its side already (nothing more will come to close it)."""
+        if self.transport.can_write_eof() and not self.protocol.reader.eof:
             with contextlib.suppress(OSError, RuntimeError):  # as websockets: write_eof documents no errors
                 self.transport.write_eof()
         else:
             self.transport.close()
+
+
+def hold_frames_until_answered(protocol: ServerProtocol) -> None:
+    """Make ``protocol`` parse nothing after its request until it has answered it (``FrontConnection``).
+
+    websockets' server protocol parses a request with its reader's ``read_line`` and then frames at once,
+    with ``at_eof`` and ``read_exact``; those two wait here while the protocol is still CONNECTING and
+    has not ended its stream (that is, until it wrote a 101 or a refusal). The parser yields as if no
+    bytes had come, and ``FrontConnection._release`` steps it again."""
+    reader = protocol.reader
+    at_eof, read_exact = reader.at_eof, reader.read_exact
+
+    def unanswered() -> bool:
+        return protocol.state is State.CONNECTING and not protocol.eof_sent
+
+    def held_at_eof() -> Generator[None, None, bool]:
+        while unanswered():
+            yield
+        return (yield from at_eof())
+
+    def held_read_exact(n: int) -> Generator[None, None, bytearray]:
+        while unanswered():
+            yield
+        return (yield from read_exact(n))
+
+    reader.at_eof, reader.read_exact = held_at_eof, held_read_exact  # type: ignore[method-assign]
 
 
 class LogThrottle:

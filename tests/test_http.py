@@ -323,3 +323,87 @@ async def test_requests_websockets_cannot_parse_are_answered_in_json(server: Fil
     assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
     assert (await get(port, "/healthz"))[0] == 200
+
+
+async def test_a_request_with_more_bytes_after_it_is_answered_and_the_rest_discarded(
+        server: FillMaskServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an adversarial run: websockets parsed whatever followed a request (a second, pipelined
+    request, or a stray CRLF) as a WebSocket frame at once, failed it and ended the stream, so the first
+    request got no answer and the log a traceback. Every answer is ``Connection: close`` (§9): the first
+    request is answered, and the rest is read and discarded."""
+    port = server.port
+    first = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n"
+    with caplog.at_level(logging.INFO):
+        for rest in (first.replace("healthz", "readyz"), "\r\n", "x" * 100_000):
+            status, _, body = await exchange(port, (first + rest).encode())
+            assert (status, orjson.loads(body)) == (200, {"status": "ok"}), rest[:20]
+        status, headers, body = await exchange(port, (first.replace("healthz", "nope") + first).encode())
+        assert status == 404 and error_line(headers, body) == "not found"
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_a_client_that_ends_its_side_right_after_its_request_gets_the_answer(server: FillMaskServer) -> None:
+    """Found by an adversarial run: ``shutdown(SHUT_WR)`` right after the request (as ``nc -N`` does)
+    lost the answer most of the time: websockets closed the socket at the end of the client's stream."""
+    port = server.port
+    for path, status in [("/healthz", 200), ("/readyz", 200), ("/nope", 404)] * 5:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            writer.write_eof()
+            answer = await asyncio.wait_for(reader.read(), 5)
+        finally:
+            writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(f"HTTP/1.1 {status} ".encode()) and orjson.loads(body), (path, answer[:80])
+
+
+def server_frames(data: bytes) -> list[tuple[int, bytes]]:
+    """The (opcode, payload) of each whole unmasked frame in ``data`` (a server's frames, RFC 6455 §5.2)."""
+    frames, at = [], 0
+    while at + 2 <= len(data):
+        opcode, length, at = data[at] & 0x0F, data[at + 1] & 0x7F, at + 2
+        if length == 126:
+            length, at = int.from_bytes(data[at:at + 2], "big"), at + 2
+        elif length == 127:
+            length, at = int.from_bytes(data[at:at + 8], "big"), at + 8
+        if at + length > len(data):
+            break
+        frames.append((opcode, data[at:at + length]))
+        at += length
+    return frames
+
+
+async def test_frames_sent_with_the_handshake_are_handled_once_it_is_answered(server: FillMaskServer) -> None:
+    """Frames are parsed only once the 101 is written (what follows a request waits for its answer):
+    a client that sends its first request in the same write as its handshake still gets its result,
+    and one that ends its stream after its handshake is closed, not kept."""
+    from websockets.frames import Frame, Opcode
+
+    port = server.port
+    handshake = "\r\n".join(["GET / HTTP/1.1", f"Host: 127.0.0.1:{port}", *handshake_headers()]) + "\r\n\r\n"
+    request = orjson.dumps({"type": "fill_mask", "id": "early", "text": "paris is the [MASK] of france."})
+    frame = Frame(Opcode.TEXT, request).serialize(mask=True, extensions=[])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(handshake.encode() + frame)
+        data = b""
+        async with asyncio.timeout(10):
+            while len(server_frames(data.partition(b"\r\n\r\n")[2])) < 2:
+                data += await reader.read(65536)
+    finally:
+        writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 101 ")
+    (_, hello), (_, result) = server_frames(rest)[:2]
+    assert orjson.loads(hello)["type"] == "hello"
+    assert orjson.loads(result)["type"] == "result" and orjson.loads(result)["id"] == "early"
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(handshake.encode())
+        writer.write_eof()
+        data = await asyncio.wait_for(reader.read(), 10)  # to the end of the stream: the server closed it
+    finally:
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 101 ")
