@@ -161,6 +161,11 @@ class Metrics:
             self.queue_wait.observe(wait)
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
-        """The exposition body and its content type, in the format ``accept`` asks for."""
-        encoder, content_type = choose_encoder(accept or "")
+        """The exposition body and its content type, in the format ``accept`` asks for; the Prometheus
+        text format when it asks for none, or in a way prometheus_client cannot read (it fails on a
+        ``version`` that is not a number, such as ``version=abc``: that was a 500)."""
+        try:
+            encoder, content_type = choose_encoder(accept or "")
+        except (TypeError, ValueError):
+            encoder, content_type = choose_encoder("")
         return encoder(self.registry), content_type

@@ -91,3 +91,7 @@ async def test_every_outcome_batches_and_live_values(make_server: Any) -> None:
 async def test_openmetrics_is_served_when_asked_for(server: FillMaskServer) -> None:
     content_type, _ = await scrape(server, "application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
+    # An Accept header prometheus_client cannot read gets the text format, not a 500 (an adversarial run).
+    for accept in ("application/openmetrics-text; version=abc", "application/openmetrics-text; version=1..0"):
+        content_type, samples = await scrape(server, accept)
+        assert content_type.startswith("text/plain") and ("fillmask_engine_up", ()) in samples, accept
