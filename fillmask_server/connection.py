@@ -35,6 +35,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 from .metrics import Metrics
+from .stats import Mark
 
 WRITE_BATCH_BYTES = 64 * 1024  # most bytes of frames handed to websockets in one write
 CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
@@ -81,7 +82,7 @@ class Connection:
         self.deadline_timer: asyncio.TimerHandle | None = None  # the session's next deadline (server-owned)
         self.stats_task: asyncio.Task[None] | None = None  # sends stats frames while subscribed (server-owned)
         self.stats_interval_ms: int | None = None
-        self.stats_since: float | None = None  # where the next stats frame's window begins (server-owned)
+        self.stats_mark: Mark | None = None  # where the next stats frame's window begins (server-owned)
 
     @property
     def congested(self) -> bool:

@@ -366,7 +366,7 @@ class FillMaskServer:
         """Called on the decode stage's thread for each batch the model ran, before its answers are
         decoded: the metrics and the live figures."""
         self.metrics.observe_batch(batch_id, size, padded_tokens, queue_waits_s, seconds)
-        self.stats.batch_ran(time.monotonic, batch_id, size, padded_tokens, seconds)
+        self.stats.batch_ran(batch_id, size, padded_tokens, seconds)
 
     def _deliver_from_engine(self, outcomes: list[Outcome]) -> None:
         """Called on an engine thread: hand a batch's outcomes to the loop in one wake-up."""
@@ -413,31 +413,30 @@ class FillMaskServer:
             session.peer.send(answer.frame, (answer.outcome, answer.code), defer=True)
             touched[session.peer] = None
             if isinstance(outcome, Result):
-                now = time.monotonic()
-                self.stats.result(now, (now - outcome.job.arrival) * 1000)
+                self.stats.result((time.monotonic() - outcome.job.arrival) * 1000)
 
     # --- live figures (§13) -----------------------------------------------------------------------
 
     def _follow_stats(self, conn: Connection) -> None:
         """Start, restart with a new interval, or stop ``conn``'s stats frames, as its session asks.
 
-        The first frame covers the time since the subscription, read here rather than when the task
+        The first frame covers the time since the subscription, marked here rather than when the task
         first runs (a batch done in between would be in no frame); after a change of interval, since
-        the previous frame (``conn.stats_since``), so no stretch of time falls between two frames."""
+        the previous frame (``conn.stats_mark``), so nothing falls between two frames."""
         restarting = conn.stats_task is not None
         if conn.stats_task is not None:
             conn.stats_task.cancel()
             conn.stats_task = None
         conn.stats_interval_ms = conn.session.stats_interval_ms
         if conn.stats_interval_ms is not None:
-            if not restarting or conn.stats_since is None:
-                conn.stats_since = time.monotonic()
+            if not restarting or conn.stats_mark is None:
+                conn.stats_mark = self.stats.mark(time.monotonic())
             conn.stats_task = asyncio.create_task(self._send_stats(conn, conn.stats_interval_ms / 1000))
         else:
-            conn.stats_since = None
+            conn.stats_mark = None
 
     async def _send_stats(self, conn: Connection, interval: float) -> None:
-        """Every ``interval`` seconds, the figures since the previous frame (``conn.stats_since``); none
+        """Every ``interval`` seconds, the figures since the previous frame (``conn.stats_mark``); none
         while the client is behind on reading (a stats frame never adds to a backlog), nor after the
         connection closed."""
         while not conn.closed:
@@ -445,10 +444,10 @@ class FillMaskServer:
             if conn.closed or conn.congested:
                 continue
             now = time.monotonic()
-            since = conn.stats_since if conn.stats_since is not None else now
-            conn.send(encode_stats(self.stats.snapshot(since, now, self.engine.queued(), self.in_flight(),
-                                                       len(self.connections))))
-            conn.stats_since = now
+            since = conn.stats_mark if conn.stats_mark is not None else self.stats.mark(now)
+            frame, conn.stats_mark = self.stats.snapshot(since, now, self.engine.queued(), self.in_flight(),
+                                                         len(self.connections))
+            conn.send(encode_stats(frame))
 
     # --- clients that do not read ------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from fillmask_server.server import FillMaskServer
-from fillmask_server.stats import LiveStats
+from fillmask_server.stats import BUCKETS, LiveStats, bucket_value, latency_bucket
 from tests.wire import recv, send, session
 
 TEXT = "Paris is the [MASK] of France."
@@ -17,26 +17,54 @@ TEXT = "Paris is the [MASK] of France."
 
 def test_a_snapshot_covers_its_window_only() -> None:
     stats = LiveStats()
-    stats.result(9.0, 1.0)  # before the window
-    for i, latency in enumerate([5.0, 1.0, 3.0, 2.0, 4.0]):
-        stats.result(10.1 + i / 10, latency)
-    stats.batch_ran(lambda: 9.5, 1, 8, 100, 0.2)
-    stats.batch_ran(lambda: 10.5, 2, 3, 30, 0.25)
-    stats.batch_ran(lambda: 10.9, 3, 2, 20, 0.25)
-    frame = stats.snapshot(10.0, 11.0, queue_depth=4, in_flight=6, connections=2)
+    stats.result(1.0)  # before the window
+    stats.batch_ran(1, 8, 100, 0.2)
+    since = stats.mark(10.0)
+    for latency in [5.0, 1.0, 3.0, 2.0, 4.0]:
+        stats.result(latency)
+    stats.batch_ran(2, 3, 30, 0.25)
+    stats.batch_ran(3, 2, 20, 0.25)
+    frame, end = stats.snapshot(since, 11.0, queue_depth=4, in_flight=6, connections=2)
     assert frame["window_s"] == 1.0 and frame["requests_per_s"] == 5.0
-    assert frame["latency_ms"] == {"p50": 3.0, "p99": 5.0}
+    assert frame["latency_ms"] == {"p50": pytest.approx(3.0, rel=0.01), "p99": pytest.approx(5.0, rel=0.01)}
     assert frame["batch_size"] == {"mean": 2.5, "max": 3}
     assert frame["engine_busy"] == 0.5
     assert [b["batch_id"] for b in frame["batches"]] == [2, 3]
     assert (frame["queue_depth"], frame["in_flight"], frame["connections"]) == (4, 6, 2)
+    stats.batch_ran(4, 1, 10, 0.1)  # the next window begins where this one ended
+    frame, _ = stats.snapshot(end, 12.0, 0, 0, 1)
+    assert frame["requests_per_s"] == 0.0 and frame["batch_size"] == {"mean": 1.0, "max": 1}
+    assert [b["batch_id"] for b in frame["batches"]] == [4]
 
 
 def test_an_empty_window_says_null_not_zero() -> None:
-    frame = LiveStats().snapshot(0.0, 1.0, 0, 0, 1)
+    stats = LiveStats()
+    frame, _ = stats.snapshot(stats.mark(0.0), 1.0, 0, 0, 1)
     assert frame["latency_ms"] == {"p50": None, "p99": None}
     assert frame["batch_size"] == {"mean": None, "max": None}
-    assert frame["requests_per_s"] == 0.0 and frame["batches"] == []
+    assert frame["requests_per_s"] == 0.0 and frame["batches"] == [] and frame["engine_busy"] == 0.0
+
+
+def test_a_long_window_at_a_high_rate_counts_everything() -> None:
+    """Found by an adversarial run: a 10-s window at a few thousand results a second reported 20,000 of
+    them (the record kept the last 20,000), and latency quantiles of the window's end only."""
+    stats = LiveStats()
+    since = stats.mark(0.0)
+    for i in range(60_000):  # 10 s at 6,000 a second: a tenth at 100 ms, the rest at 1..5 ms
+        stats.result(100.0 if i < 6_000 else 1.0 + (i % 5))
+    for i in range(3_000):
+        stats.batch_ran(i, 200 if i == 5 else 20, 400, 0.002)
+    frame, _ = stats.snapshot(since, 10.0, 0, 0, 1)
+    assert frame["requests_per_s"] == 6000.0
+    assert frame["latency_ms"] == {"p50": pytest.approx(3.0, rel=0.01), "p99": pytest.approx(100.0, rel=0.01)}
+    assert frame["batch_size"] == {"mean": pytest.approx(20.06), "max": 200} and frame["engine_busy"] == 0.6
+    assert [b["batch_id"] for b in frame["batches"]] == list(range(3_000 - 64, 3_000))  # the last 64
+
+
+def test_latency_buckets_are_within_one_percent_over_the_whole_range() -> None:
+    for latency in [0.02, 0.5, 1.0, 7.3, 250.0, 9_999.0, 600_000.0]:
+        assert bucket_value(latency_bucket(latency)) == pytest.approx(latency, rel=0.01), latency
+    assert latency_bucket(0.0) == latency_bucket(-1.0) == 0 and latency_bucket(1e12) == BUCKETS - 1
 
 
 async def frames_of_type(ws: Any, kind: str, count: int, timeout: float = 10) -> list[dict[str, Any]]:
@@ -108,23 +136,21 @@ async def test_unsubscribing_stops_the_frames(server: FillMaskServer) -> None:
             await recv(ws, timeout=0.6)  # more than two intervals: nothing
 
 
-def test_a_batch_stamped_before_a_snapshot_is_in_it_even_when_its_thread_is_slow_to_record_it() -> None:
-    # The model thread reads the clock (10.0), then loses the CPU before it records the batch; the
-    # event loop's snapshot up to 10.5 comes meanwhile. The batch must be in that window or the next,
-    # never between them (the live timeline once missed a batch that way, beside a busy core).
-    stats = LiveStats()
-    stamped, go_on = threading.Event(), threading.Event()
-
-    def slow_clock() -> float:
-        stamped.set()
-        go_on.wait(0.5)  # the model thread, descheduled between its clock reading and its append
-        return 10.0
-
-    model_thread = threading.Thread(target=stats.batch_ran, args=(slow_clock, 7, 4, 40, 0.01))
-    model_thread.start()
-    assert stamped.wait(5)
-    first = stats.snapshot(9.0, 10.5, 0, 0, 1)
-    go_on.set()
-    model_thread.join(5)
-    second = stats.snapshot(10.5, 11.0, 0, 0, 1)
-    assert [b["batch_id"] for b in first["batches"] + second["batches"]] == [7]
+def test_a_batch_counted_on_another_thread_is_in_exactly_one_of_two_frames() -> None:
+    # The decode stage counts a batch while the event loop takes a snapshot: whichever comes first under
+    # the lock, the batch is in that window or the next, never in both or neither (the live timeline
+    # once missed a batch that fell between two windows, beside a busy core).
+    for counted_first in (True, False):
+        stats = LiveStats()
+        since = stats.mark(9.0)
+        counting = threading.Thread(target=stats.batch_ran, args=(7, 4, 40, 0.01))
+        if counted_first:
+            counting.start()
+            counting.join(5)
+        first, middle = stats.snapshot(since, 10.5, 0, 0, 1)
+        if not counted_first:
+            counting.start()
+            counting.join(5)
+        second, _ = stats.snapshot(middle, 11.0, 0, 0, 1)
+        assert [b["batch_id"] for b in first["batches"] + second["batches"]] == [7]
+        assert [f["batch_size"]["max"] for f in (first, second)] == ([4, None] if counted_first else [None, 4])
