@@ -122,6 +122,8 @@ class HttpFront:
                 self.metrics.handshakes_refused.labels("bad_request").inc()
             return self._refuse_bad_request(connection, 400, problem)
         if request.method not in ALLOWED_METHODS:
+            if asks_for_websocket(headers):
+                self.metrics.handshakes_refused.labels("bad_request").inc()
             method = request.method if _TOKEN.match(request.method) else "this method"
             return json_response(405, {"error": f"{method} is not allowed here; use GET or HEAD (method names are "
                                         "case-sensitive)"}, [("Allow", ", ".join(ALLOWED_METHODS))])
@@ -163,7 +165,7 @@ class HttpFront:
     def _handshake(self, path: str, request: Request) -> Response | None:
         headers = request.headers
         if path not in WEBSOCKET_PATHS:
-            return json_response(404, {"error": f"no WebSocket endpoint at {path[:100]}; connect to /"})
+            return self._refuse("not_found", 404, f"no WebSocket endpoint at {path[:100]}; connect to /")
         if not self.origins.allows(headers.get("Origin"), headers.get("Host"), self.tls):
             return self._refuse("origin", 403, "pages of this origin may not connect to this server; its "
                                 "operator can allow them with --allowed-origins")

@@ -115,6 +115,8 @@ class Metrics:
             "dropped (connection closed first); code is the error code or the overloaded reason.",
             ["outcome", "code"], registry=registry)
         self._answers: dict[tuple[str, str], Counter] = {}  # the labelled children of ``requests``, as used
+        for outcome in ("result", "cancelled", "dropped"):  # at 0 from the start, so that rate() has a series
+            self._answers[outcome, ""] = self.requests.labels(outcome, "")
         self.queue_wait = Histogram("fillmask_queue_wait_seconds", "Time from reading a request to the start "
                                     "of its batch.", buckets=_SECONDS, registry=registry)
         self.inference = Histogram("fillmask_inference_seconds", "Time one batch's forward pass took on "
@@ -124,7 +126,8 @@ class Metrics:
         self.batch_tokens = Histogram("fillmask_batch_tokens", "Padded tokens (rows x longest row) per batch.",
                                       buckets=_BATCH_TOKENS, registry=registry)
         self.handshakes_refused = Counter("fillmask_handshakes_refused", "WebSocket handshakes refused, by reason: "
-                                          "origin (403), token (401), max_connections or unavailable (503).",
+                                          "bad_request (400, 405, 426, 505), not_found (404), host (421), origin (403), "
+                                          "token (401), max_connections or unavailable (503).",
                                           ["reason"], registry=registry)
         self.reading_paused = Counter("fillmask_reading_paused", "Times the server stopped reading a connection "
                                       "because its unsent answers passed --max-send-buffer-bytes.", registry=registry)

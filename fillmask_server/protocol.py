@@ -149,7 +149,9 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
             return ProtocolError("invalid_id", _id_rule(limits))
         return CancelRequest(frame_id)
     if kind == "subscribe_stats":
-        interval = obj.get("interval_ms", STATS_INTERVAL_MS["default"])
+        interval = obj.get("interval_ms")
+        if interval is None:  # left out or null, as for any optional field (§3)
+            interval = STATS_INTERVAL_MS["default"]
         if (isinstance(interval, bool) or not isinstance(interval, int)
                 or not STATS_INTERVAL_MS["min"] <= interval <= STATS_INTERVAL_MS["max"]):
             return ProtocolError("invalid_field", f"\"interval_ms\" must be an integer from {STATS_INTERVAL_MS['min']} "

@@ -240,7 +240,7 @@ EDGE_CASES = [
       for v in ("0", "-1", "0.001", "600000", "600000.5", "1e3", '"5"', "true", "null", "1e400")),
     # cancel
     '{"type":"cancel","id":3}', '{"type":"cancel","id":3.0}', '{"type":"cancel"}', '{"type":"cancel","id":""}',
-    # live figures: interval_ms an integer in [250, 10000]; null is refused
+    # live figures: interval_ms an integer in [250, 10000]; null is the same as absent
     *(f'{{"type":"subscribe_stats","interval_ms":{v}}}'
       for v in ("250", "249", "10000", "10001", "1000.0", "null", '"1000"', "true")),
     '{"type":"subscribe_stats"}', '{"type":"unsubscribe_stats"}', '{"type":"unsubscribe_stats","interval_ms":"x"}',

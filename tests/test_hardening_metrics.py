@@ -85,6 +85,8 @@ async def test_every_outcome_batches_and_live_values(make_server: Any) -> None:
 
         _, fresh = await scrape(other)  # a second server in the same process counts on its own
         assert sum(v for (name, _), v in fresh.items() if name == "fillmask_requests_total") == 0
+        for kind in ("result", "cancelled", "dropped"):  # there from the start, at 0, so that rate() has a series
+            assert ("fillmask_requests_total", (("code", ""), ("outcome", kind))) in fresh, kind
         assert fresh[("fillmask_batch_size_count", ())] == 0
 
 

@@ -407,3 +407,14 @@ async def test_frames_sent_with_the_handshake_are_handled_once_it_is_answered(se
     finally:
         writer.close()
     assert data.startswith(b"HTTP/1.1 101 ")
+
+
+async def test_every_refused_handshake_is_counted(server: FillMaskServer) -> None:
+    """A handshake to another path (404) or with another method (405) is a refused handshake too (§11);
+    an adversarial run found neither counted."""
+    port = server.port
+    wrong_path, wrong_method = refused(server, "not_found"), refused(server, "bad_request")
+    assert (await get(port, "/nope", extra=handshake_headers()))[0] == 404
+    assert (await get(port, "/", method="POST", extra=handshake_headers()))[0] == 405
+    assert (await get(port, "/nope"))[0] == 404 and (await get(port, "/", method="POST"))[0] == 405  # pages: not counted
+    assert (refused(server, "not_found"), refused(server, "bad_request")) == (wrong_path + 1, wrong_method + 1)

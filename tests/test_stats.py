@@ -124,6 +124,14 @@ async def test_a_bad_interval_is_one_error_and_subscribes_nothing(server: FillMa
         assert (await recv(ws))["type"] == "result"  # and not a stats frame
 
 
+async def test_an_interval_of_null_is_the_default_as_for_any_optional_field(server: FillMaskServer) -> None:
+    """§3's rule for optional fields holds here too (an adversarial run found null refused here only)."""
+    async with session(server.url) as (ws, hello):
+        await send(ws, {"type": "subscribe_stats", "interval_ms": None})
+        frame = await recv(ws, timeout=10)
+        assert frame["type"] == "stats" and frame["window_s"] >= hello["stats"]["default_interval_ms"] / 1000 - 0.01
+
+
 async def test_unsubscribing_stops_the_frames(server: FillMaskServer) -> None:
     async with session(server.url) as (ws, _):
         await send(ws, {"type": "subscribe_stats", "interval_ms": 250})
