@@ -10,6 +10,7 @@ import asyncio
 import inspect
 import itertools
 import logging
+import math
 import random
 import re
 import socket
@@ -35,9 +36,10 @@ from fillmask_client import (
     RequestError,
     RetryPolicy,
     SyncFillMaskClient,
+    UsageError,
 )
 from fillmask_client.cli import build_parser, collect_texts, format_table, parse_targets
-from fillmask_client.frames import outcome, terminal_id
+from fillmask_client.frames import encode_fill_mask, outcome, terminal_id
 from fillmask_client.pool import least_loaded
 from fillmask_client.state import ConnState, Event, transition
 from tests.wire import assert_same_predictions, wait_until
@@ -137,6 +139,95 @@ def test_cli_reads_arguments_stdin_and_file_in_order(tmp_path: Path) -> None:
     assert got == ["first [MASK]", "stdin [MASK]", "from [MASK] file", "second [MASK]"]
     assert collect_texts(build_parser().parse_args([]), io.StringIO("only [MASK]\n")) == ["only [MASK]"]
     assert parse_targets(["capital, heart", "city"]) == ["capital", "heart", "city"]
+
+
+BAD_URLS = {  # each URL, and what the message says is wrong with it
+    "ws://127.0.0.1:99999/": "port out of range",
+    "ws://[::1/": "invalid IPv6 URL",
+    "ws://": "hostname isn't provided",
+    "ws://:8765/": "hostname isn't provided",
+    "ws://host:http/": "port could not be cast",
+    "http://127.0.0.1:8765/": "scheme isn't ws or wss",
+}
+
+
+def test_a_malformed_url_is_a_usage_error_at_construction() -> None:
+    for url, what in BAD_URLS.items():
+        for make in (FillMaskClient, SyncFillMaskClient):  # the sync one refuses it before starting its thread
+            with pytest.raises(UsageError) as refused:
+                make(url)
+            assert isinstance(refused.value, FillMaskError) and isinstance(refused.value, ValueError)
+            message = str(refused.value)
+            assert what in message and repr(url) in message and "expected ws://HOST:PORT/" in message, message
+        with pytest.raises(UsageError):  # one bad URL in a list is enough
+            FillMaskClient(["ws://127.0.0.1:8765/", url])
+    with pytest.raises(UsageError) as refused:
+        FillMaskClient("ws://127.0.0.1:99999/?token=sesame")
+    assert "sesame" not in str(refused.value)  # the token stays hidden (§12)
+
+
+def test_durations_refuse_nan_and_infinity() -> None:
+    url = "ws://127.0.0.1:8765/"
+    for bad in (math.nan, math.inf, -math.inf, -1.0):
+        with pytest.raises(UsageError, match="open_timeout must be a finite number of seconds > 0"):
+            FillMaskClient(url, open_timeout=bad)
+        with pytest.raises(UsageError, match="reconnect_timeout must be a finite number of seconds >= 0"):
+            FillMaskClient(url, reconnect_timeout=bad)
+        with pytest.raises(UsageError):
+            RetryPolicy(base_delay=bad)
+        with pytest.raises(UsageError):
+            RetryPolicy(max_delay=bad)
+        with pytest.raises(UsageError):
+            ReconnectBackoff(cap=bad)
+    with pytest.raises(UsageError):
+        FillMaskClient(url, open_timeout=0)  # a handshake cannot take 0 s
+
+    async def connect(wait: float) -> None:
+        await asyncio.wait_for(FillMaskClient(f"ws://127.0.0.1:{free_port()}/").connect(wait=wait), 5)
+
+    for bad in (math.nan, math.inf):  # NaN used to retry forever: every `remaining <= 0` was false
+        with pytest.raises(UsageError, match="wait must be a finite number of seconds"):
+            asyncio.run(connect(bad))
+
+
+def test_values_json_cannot_carry_are_refused_not_sent_as_something_else() -> None:
+    assert orjson.loads(encode_fill_mask(1, TEXT, top_k=2, targets=["a"], deadline_ms=2.5)) == {
+        "type": "fill_mask", "id": 1, "text": TEXT, "top_k": 2, "targets": ["a"], "deadline_ms": 2.5}
+    # What the server judges is sent as given (it answers invalid_top_k, invalid_deadline: §3).
+    assert orjson.loads(encode_fill_mask(1, TEXT, top_k=0, deadline_ms=-5))["deadline_ms"] == -5
+    cases = [
+        ({"text": "\ud800 [MASK]"}, r"text is not valid Unicode: .*lone surrogate '\\ud800' at character 0"),
+        ({"text": TEXT, "targets": "\udcff"}, "targets is not valid Unicode"),
+        ({"text": TEXT, "targets": ["ok", "x\udcff"]}, r"targets\[1\] is not valid Unicode: .* at character 1"),
+        ({"text": TEXT, "deadline_ms": math.nan}, "deadline_ms=nan is not a finite number"),
+        ({"text": TEXT, "deadline_ms": math.inf}, "deadline_ms=inf is not a finite number"),
+        ({"text": TEXT, "top_k": math.nan}, "top_k=nan is not a finite number"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(UsageError, match=message):  # orjson: TypeError for the first, `null` for NaN
+            encode_fill_mask(1, **fields)
+
+
+async def test_a_call_with_values_json_cannot_carry_fails_alone_before_sending(server: Any) -> None:
+    async with FillMaskClient(server.url) as client:
+        for fields in ({"text": "\ud800 [MASK]"}, {"text": TEXT, "deadline_ms": math.nan},
+                       {"text": TEXT, "deadline_ms": math.inf}, {"text": TEXT, "targets": ["\udcff"]}):
+            with pytest.raises(UsageError):
+                await client.fill_mask(**fields)
+            assert client.in_flight == 0  # nothing was sent
+        outcomes = await client.fill_mask_many([TEXT, "\ud800 [MASK]", TEXT], top_k=1, return_exceptions=True)
+        assert isinstance(outcomes[1], UsageError) and len(outcomes[0]) == len(outcomes[2]) == 1
+        assert await client.fill_mask(TEXT, top_k=1)  # the connection is as good as before
+
+    def use() -> None:  # in a thread: the server runs on this test's event loop
+        with SyncFillMaskClient(server.url) as sync:
+            for bad in (math.nan, math.inf, -1.0):
+                with pytest.raises(UsageError, match="timeout must be a finite number of seconds"):
+                    sync.fill_mask(TEXT, timeout=bad)
+                assert sync._client.in_flight == 0  # refused before the call was handed to the loop
+            assert sync.fill_mask(TEXT, top_k=1, timeout=30)
+
+    await asyncio.to_thread(use)
 
 
 # --- against the server -------------------------------------------------------------------------
@@ -553,12 +644,17 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
 # --- the command line, as a subprocess ----------------------------------------------------------
 
 
-async def run_cli(*args: str, stdin: str = "") -> tuple[int, str, str]:
+async def run_cli(*args: str, stdin: str | bytes = "") -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fillmask_client", *args, cwd=ROOT,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(proc.communicate(stdin.encode()), 20)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin if isinstance(stdin, bytes) else stdin.encode()), 20)
+    except TimeoutError:
+        proc.kill()  # a command that hangs fails the test without outliving it
+        await proc.wait()
+        raise
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
@@ -624,6 +720,54 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
 
     code, _, err = await run_cli("--url", server.http_url + "/", TEXT)  # not a WebSocket URL: a usage error
     assert code == 2 and "expected ws://" in err
+
+
+def assert_usage_error(code: int, err: str, *words: str) -> None:
+    """Exit status 2, no traceback, and the last line of stderr says what was wrong (argparse's usage
+    lines may come before it)."""
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fillmask-client: ") and all(word in last for word in words), err
+
+
+async def test_cli_bad_urls_durations_and_input_are_one_line_usage_errors(tmp_path: Path) -> None:
+    for url, what in BAD_URLS.items():
+        # "ws://" used to be retried for the whole --timeout, then exit 3; the others were tracebacks.
+        assert_usage_error(*(await run_cli("--url", url, "--timeout", "30", TEXT))[::2], what, "expected ws://")
+    for flag in ("--timeout", "--reconnect-timeout", "--deadline-ms"):
+        for bad in ("nan", "inf"):  # --timeout nan used to wait forever; --deadline-ms inf was sent as null
+            code, _, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", flag, bad, TEXT)
+            assert_usage_error(code, err, flag, "finite")
+
+    latin = tmp_path / "latin-1.txt"
+    latin.write_bytes(b"first [MASK].\n\n\xe9t\xe9 [MASK].\n")
+    code, out, err = await run_cli("--file", str(latin), TEXT)
+    assert_usage_error(code, err, str(latin), "line 3", "not valid UTF-8")
+    assert out == "" and len(err.splitlines()) == 1
+    code, out, err = await run_cli("-", stdin=b"ok [MASK].\n\xff [MASK]\n")
+    assert_usage_error(code, err, "standard input", "line 2", "not valid UTF-8")
+    assert out == "" and len(err.splitlines()) == 1
+
+    not_a_certificate = tmp_path / "hostname"
+    not_a_certificate.write_text("myhost\n")
+    code, out, err = await run_cli("--url", "wss://127.0.0.1:8765/", "--cafile", str(not_a_certificate), TEXT)
+    assert_usage_error(code, err, f"--cafile {not_a_certificate}", "no certificate")
+    assert len(err.splitlines()) == 1
+
+
+def test_cli_names_the_argument_or_line_that_is_not_utf8(tmp_path: Path) -> None:
+    import io
+
+    from fillmask_client.cli import BadInput
+
+    args = build_parser().parse_args(["good [MASK]", "\udcff [MASK]"])  # how Python decodes a non-UTF-8 argv
+    with pytest.raises(BadInput, match="TEXT argument 2 is not valid UTF-8"):
+        collect_texts(args, io.BytesIO(b""))
+    stdin = io.BytesIO(b"a [MASK]\r\nb [MASK]\rc \xff\n")  # every line ending counts
+    with pytest.raises(BadInput, match=r"standard input: line 3 is not valid UTF-8 \(byte 0xff\)"):
+        collect_texts(build_parser().parse_args(["-"]), stdin)
+    assert collect_texts(build_parser().parse_args([]), io.BytesIO("été [MASK]\r\n\n".encode())) == ["été [MASK]"]
 
 
 # --- the pool: several connections, going away, resends (issue 11 item 3) ----------------------

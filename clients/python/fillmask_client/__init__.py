@@ -28,6 +28,7 @@ from .errors import (
     FillMaskError,
     OverloadedError,
     RequestError,
+    UsageError,
 )
 from .frames import FillMaskResult, Prediction, Predictions, ScoredTarget
 from .retry import ReconnectBackoff, RetryPolicy
@@ -51,5 +52,6 @@ __all__ = [
     "RetryPolicy",
     "ScoredTarget",
     "SyncFillMaskClient",
+    "UsageError",
     "main",
 ]

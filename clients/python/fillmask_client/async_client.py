@@ -30,9 +30,9 @@ import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
-from .connection import Connection, NotSentError, redact, request_frame, retrieve
-from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError
-from .frames import FillMaskResult, Predictions, outcome
+from .connection import Connection, NotSentError, redact, request_frame, retrieve, url_problem
+from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, UsageError, check_seconds
+from .frames import FillMaskResult, Predictions, check_sendable, outcome
 from .pool import Pool
 from .retry import ReconnectBackoff, RetryPolicy
 from .wire import RETRYABLE_REASONS, SERVER_GONE_REASONS
@@ -84,6 +84,8 @@ class FillMaskClient:
       ``wss://`` without it verifies against the system's certificate authorities.
     - ``backoff``: the ``ReconnectBackoff`` for redials (base 0.05 s, cap 2 s by default).
 
+    A malformed URL, or a timeout that is not a finite number of seconds, raises ``UsageError`` here.
+
     A connection that is going away gets no new calls, but the calls already sent on it stay there: the
     server still answers accepted work on a draining connection (§10). A call is sent again only when
     its request ended without an answer (at most ``MAX_RESENDS`` times), so each call ends exactly once.
@@ -114,14 +116,18 @@ class FillMaskClient:
     ) -> None:
         urls = [url] if isinstance(url, str) else list(url)
         if not urls or not all(isinstance(u, str) for u in urls):
-            raise ValueError("url must be a WebSocket URL or a non-empty list of them")
+            raise UsageError("url must be a WebSocket URL or a non-empty list of them")
+        for each in urls:
+            problem = url_problem(each)
+            if problem is not None:
+                raise UsageError(problem)
         if not isinstance(connections, int) or isinstance(connections, bool) or connections < 1:
-            raise ValueError(f"connections must be a positive integer, not {connections!r}")
+            raise UsageError(f"connections must be a positive integer, not {connections!r}")
         self.urls = tuple(urls)
         self.url = urls[0]
         self.retry: RetryPolicy | None = RetryPolicy() if retry is True else (retry or None)
-        self.reconnect_timeout = reconnect_timeout
-        self.open_timeout = open_timeout
+        self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout)
+        self.open_timeout = check_seconds("open_timeout", open_timeout, zero_ok=False)
         self._token = token
         self._ssl = ssl
         self._pool = Pool(urls, connections, self._open, reconnect=reconnect, backoff=backoff or ReconnectBackoff())
@@ -158,7 +164,9 @@ class FillMaskClient:
         ``wait``: for up to this many seconds, try again (with backoff) while the server is unreachable or
         refuses with 5xx, as a server that is still loading its model (its port opens only then, §9) or a
         load balancer with no replica ready yet (503) does. A 4xx refusal (token, origin, path) is final.
+        ``wait`` must be a finite number of seconds >= 0 (``UsageError`` otherwise: NaN would never end).
         """
+        check_seconds("wait", wait)
         if self._pool.closed:
             raise ConnectionLostError(f"the client for {redact(self.url)} was closed", url=redact(self.url))
         if self._pool.opened:
@@ -249,7 +257,8 @@ class FillMaskClient:
         A text with one mask gives a list of ``{score, token, token_str, sequence}`` dicts, best first;
         a text with several masks gives one such list per mask. ``top_k``, ``targets`` and ``deadline_ms``
         are sent as given (see §3); ``None`` leaves the server's default. Raises ``RequestError``,
-        ``OverloadedError`` (``DeadlineExceededError`` for 504) or ``ConnectionLostError``.
+        ``OverloadedError`` (``DeadlineExceededError`` for 504) or ``ConnectionLostError``; ``UsageError``,
+        before sending, for what JSON cannot carry (see ``fill_mask_result``).
         """
         result = await self.fill_mask_result(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
         return result.predictions
@@ -267,7 +276,10 @@ class FillMaskClient:
         With retry, reconnect or several connections, a resend carries what is left of ``deadline_ms``
         (the caller's budget counts from this call, not from each send), and no resend happens once it
         is spent. To bound the whole call, reconnecting included, wrap it in ``asyncio.timeout``.
+        Values JSON cannot carry as given (a lone surrogate, a NaN or infinite number) raise
+        ``UsageError`` at once, before any connection is waited for.
         """
+        check_sendable(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
         loop = asyncio.get_running_loop()
         started = loop.time()
         tries = resends = 0

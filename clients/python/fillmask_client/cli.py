@@ -5,7 +5,9 @@ terminal frame on one line, in input order. Texts come from the arguments, from 
 or ``--file``, one per line; blank lines are skipped. With no texts given, standard input is read.
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
-text, the others still print); 2 for a usage error, including ``--top-k``, ``--targets`` or
+text, the others still print); 2 for a usage error, said on stderr before anything is sent (a
+malformed ``--url``, a duration that is not a finite number, a text or input line that is not UTF-8,
+a ``--cafile`` with no certificate), including ``--top-k``, ``--targets`` or
 ``--deadline-ms`` outside the server's limits (checked once against its ``hello``, §2); 3 when the
 server cannot be reached within ``--timeout``, the connection is lost, or the server is shutting down
 (``going_away``, §10): the run stops there with one line saying how far it got, unless ``--reconnect``
@@ -19,19 +21,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
+import re
 import ssl
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import orjson
 
 from .async_client import DEFAULT_URL, FillMaskClient
-from .connection import GOING_AWAY_CODES
-from .errors import ConnectionLostError, FillMaskError, OverloadedError, RequestError
+from .connection import GOING_AWAY_CODES, url_problem
+from .errors import ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
 from .frames import FillMaskResult
 from .wire import SERVER_GONE_REASONS
 
@@ -96,19 +100,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_lines(stream: TextIO) -> list[str]:
-    """The non-blank lines of ``stream``, stripped: one text each."""
-    return [line.strip() for line in stream if line.strip()]
+class BadInput(ValueError):
+    """A text cannot be sent as given (it is not valid UTF-8); the message names where it came from."""
 
 
-def collect_texts(args: argparse.Namespace, stdin: TextIO) -> list[str]:
-    """Texts in the order given: arguments (``-`` expands to stdin's lines), then ``--file``'s lines."""
+def read_lines(stream: BinaryIO | TextIO, name: str = "standard input") -> list[str]:
+    """The non-blank lines of ``stream``, decoded as UTF-8 and stripped: one text each.
+
+    Lines end at ``\\n``, ``\\r\\n`` or ``\\r``. ``BadInput`` names ``name`` and the line when the bytes are
+    not UTF-8 (a text stream's lone surrogates, as ``errors='surrogateescape'`` makes them, count as such).
+    """
+    data = stream.read()
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    try:
+        content = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = len(re.split(rb"\r\n|\r|\n", data[: exc.start]))  # the lines before it, plus its own
+        raise BadInput(f"{name}: line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
+                       f"save it as UTF-8") from None
+    return [line.strip() for line in re.split(r"\r\n|\r|\n", content) if line.strip()]
+
+
+def collect_texts(args: argparse.Namespace, stdin: BinaryIO | TextIO) -> list[str]:
+    """Texts in the order given: arguments (``-`` expands to stdin's lines), then ``--file``'s lines.
+
+    Every text returned is valid Unicode (``BadInput`` otherwise, before anything is sent).
+    """
     texts: list[str] = []
-    for text in args.texts:
-        texts.extend(read_lines(stdin) if text == "-" else [text])
+    for number, text in enumerate(args.texts, start=1):
+        if text == "-":
+            texts.extend(read_lines(stdin))
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8, as Python decodes arguments on POSIX
+            raise BadInput(f"TEXT argument {number} is not valid UTF-8: {_one_line(ascii(text))}") from None
+        texts.append(text)
     if args.file is not None:
-        with open(args.file, encoding="utf-8") as handle:
-            texts.extend(read_lines(handle))
+        with open(args.file, "rb") as handle:
+            texts.extend(read_lines(handle, f"--file {args.file}"))
     if not args.texts and args.file is None:
         texts.extend(read_lines(stdin))
     return texts
@@ -274,14 +305,28 @@ async def report_waiting(waiting: Callable[[], bool], reason: Callable[[], str |
             say(line)
 
 
-async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: TextIO) -> int:
-    """Send every text and print the outcomes in input order; the exit status (see the module docstring)."""
+def load_cafile(path: str) -> ssl.SSLContext:
+    """A TLS context that trusts the certificates in ``path``; ``BadInput`` naming the file when it
+    cannot be read or holds no certificate."""
+    try:
+        return ssl.create_default_context(cafile=path)
+    except ssl.SSLError as exc:
+        raise BadInput(f"--cafile {path}: no certificate could be loaded from it ({exc.reason or exc}); "
+                       "expected PEM certificates, such as the server's cert.pem") from None
+    except OSError as exc:
+        raise BadInput(f"--cafile {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: TextIO,
+              context: ssl.SSLContext | None = None) -> int:
+    """Send every text and print the outcomes in input order; the exit status (see the module docstring).
+
+    ``context`` is the TLS context for ``wss://`` (``load_cafile(args.cafile)``; ``None``: the system's)."""
 
     def say(line: str) -> None:
         print(f"fillmask-client: {line}", file=err, flush=True)
 
     targets = parse_targets(args.targets)
-    context = ssl.create_default_context(cafile=args.cafile) if args.cafile else None
     client = FillMaskClient(args.url or [DEFAULT_URL], connections=args.connections, retry=args.retry,
                             reconnect=args.reconnect, reconnect_timeout=args.reconnect_timeout,
                             open_timeout=args.timeout, token=args.token, ssl=context)
@@ -347,26 +392,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--concurrency must be at least 1")
     if args.connections < 1:
         parser.error("--connections must be at least 1")
-    if args.timeout <= 0:
-        parser.error("--timeout must be greater than 0")
-    if args.reconnect_timeout <= 0:
-        parser.error("--reconnect-timeout must be greater than 0")
+    # ``not 0 < x < inf`` (rather than ``x <= 0``) also refuses NaN, with which every comparison is false.
+    if not 0 < args.timeout < math.inf:
+        parser.error(f"--timeout {args.timeout:g}: must be a finite number of seconds greater than 0")
+    if not 0 < args.reconnect_timeout < math.inf:
+        parser.error(f"--reconnect-timeout {args.reconnect_timeout:g}: must be a finite number of seconds "
+                     "greater than 0")
     for url in args.url or []:
-        if not url.startswith(("ws://", "wss://")):
-            parser.error(f"--url {url}: expected ws://HOST:PORT/ or wss://HOST:PORT/")
+        problem = url_problem(url)
+        if problem is not None:
+            parser.error(f"--url: {problem}")
     # What needs no server to judge is judged here (the server's own limits are checked after its hello).
     if args.top_k is not None and args.top_k < 1:
         parser.error(f"--top-k {args.top_k}: must be at least 1")
     if args.targets is not None and not parse_targets(args.targets):
         parser.error("--targets: no words given (comma-separated words, e.g. -t capital,city)")
-    if args.deadline_ms is not None and not args.deadline_ms > 0:
-        parser.error(f"--deadline-ms {args.deadline_ms:g}: must be greater than 0")
+    if args.deadline_ms is not None and not 0 < args.deadline_ms < math.inf:
+        parser.error(f"--deadline-ms {args.deadline_ms:g}: must be a finite number greater than 0")
     if args.cafile is not None and not os.path.isfile(args.cafile):
         parser.error(f"--cafile {args.cafile}: no such file")
     if not args.texts and args.file is None and sys.stdin.isatty():
         parser.error("no texts: pass TEXT arguments, --file PATH, or pipe lines on stdin")
     try:
-        texts = collect_texts(args, sys.stdin)
+        context = load_cafile(args.cafile) if args.cafile is not None else None
+        texts = collect_texts(args, getattr(sys.stdin, "buffer", sys.stdin))  # bytes: line numbers for errors
+    except BadInput as exc:
+        print(f"fillmask-client: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         print(f"fillmask-client: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
@@ -374,7 +426,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("fillmask-client: no texts given (pass TEXT arguments, --file, or lines on stdin)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return asyncio.run(run(args, texts, sys.stdout, sys.stderr))
+        return asyncio.run(run(args, texts, sys.stdout, sys.stderr, context))
+    except UsageError as exc:  # what the library refuses that the checks above did not foresee
+        print(f"fillmask-client: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -28,6 +28,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus, InvalidURI
 from websockets.protocol import State as SocketState
+from websockets.uri import parse_uri
 
 from .errors import ConnectError, ConnectionLostError, OverloadedError, RequestError
 from .frames import check_hello, decode_frame, encode_cancel, encode_fill_mask, terminal_id
@@ -68,6 +69,21 @@ class NotSentError(Exception):
 def redact(url: str) -> str:
     """``url`` with the value of a ``token`` query parameter hidden, for messages and logs (§12)."""
     return re.sub(r"(?i)([?&]token=)[^&#]*", r"\1***", url)
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a server's WebSocket URL, as one line that shows what a valid one looks
+    like; ``None`` when it can. Pure: it only parses (websockets' own rules, so a URL passed here is
+    one ``connect`` accepts), and the token is hidden."""
+    try:
+        parse_uri(url)
+        return None
+    except InvalidURI as exc:
+        detail = exc.msg
+    except ValueError as exc:  # urllib's: a port out of range or not a number, a broken [IPv6] host...
+        detail = str(exc) or type(exc).__name__
+    detail = detail[:1].lower() + detail[1:]
+    return f"invalid server URL {redact(url)!r}: {detail}; expected ws://HOST:PORT/ or wss://HOST:PORT/"
 
 
 #: What a refusal means when the answer does not say (a proxy's or a load balancer's empty or HTML body).

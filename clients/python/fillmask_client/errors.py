@@ -1,6 +1,7 @@
 """The exceptions the client raises, one class per way a request can end without a result.
 
-    FillMaskError                 base: every failure of a request or of the connection
+    FillMaskError                 base: every error the client raises
+    ├── UsageError                a value the caller gave can never work (also a ``ValueError``); nothing sent
     ├── RequestError              the server answered ``error`` (§7): ``code``, ``message``
     ├── OverloadedError           the server answered ``overloaded`` (§6): ``status``, ``reason``, ``retry_after_ms``
     │   └── DeadlineExceededError the 504 case: ``deadline_ms`` passed while the request was queued
@@ -18,17 +19,23 @@ that ``reconnect`` opens), and raises them only when there is none. Without ``re
 whose server announced ``going_away`` (§10) makes later calls raise the same ``OverloadedError`` 503
 ``shutting_down`` at once, without sending (its ``frame`` is then the ``going_away`` frame).
 
+``UsageError`` is raised where the value is given (constructing the client, or calling it), before
+anything is sent: a malformed server URL, a text that is not valid Unicode, a number JSON cannot carry
+(NaN, infinity), a duration that is not a finite number of seconds. It is never retried or resent.
+
 Every exception raised because of a server frame keeps that frame in ``frame`` (``None`` otherwise),
 so a program can log or forward exactly what the server said.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
 class FillMaskError(Exception):
-    """Base class: a request (or the connection carrying it) ended without a ``result``.
+    """Base class of every error the client raises: a request (or the connection carrying it) ended
+    without a ``result``, or (``UsageError``) it could not be made at all.
 
     ``message`` is one line for a person; ``frame`` is the server frame that caused it, if any.
     """
@@ -37,6 +44,28 @@ class FillMaskError(Exception):
         super().__init__(message)
         self.message = message
         self.frame = frame
+
+
+class UsageError(FillMaskError, ValueError):
+    """A value the caller gave can never work; ``message`` says which and what a valid one looks like.
+
+    Raised before anything is sent (see the module docstring). It is also a ``ValueError``, the
+    exception Python raises for a bad argument, so ``except ValueError`` keeps catching the client's
+    argument checks.
+    """
+
+
+def check_seconds(name: str, value: float, *, zero_ok: bool = True) -> float:
+    """``value`` when it is a finite number of seconds (> 0, or >= 0 with ``zero_ok``); else ``UsageError``.
+
+    NaN compares false with everything, so a bare ``value <= 0`` lets it through, and a wait of NaN or
+    infinity never ends: both are refused here, as is a boolean.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        least = ">= 0" if zero_ok else "> 0"
+        raise UsageError(f"{name} must be a finite number of seconds {least}, not {value!r}")
+    return value
 
 
 class RequestError(FillMaskError):

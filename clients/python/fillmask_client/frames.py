@@ -7,13 +7,14 @@ those of ``protocol.md``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import orjson
 
-from .errors import DeadlineExceededError, FillMaskError, OverloadedError, RequestError
+from .errors import DeadlineExceededError, FillMaskError, OverloadedError, RequestError, UsageError
 from .wire import PROTOCOL_VERSION, TERMINAL_TYPES
 
 
@@ -82,8 +83,10 @@ def encode_fill_mask(
     """The ``fill_mask`` frame (§3) as UTF-8 JSON; fields left as ``None`` are omitted (server defaults).
 
     Values are not checked here: the server is the one authority on what is valid and answers with a
-    precise ``error`` (§7). Only ``targets`` is normalised from any sequence to a JSON list.
+    precise ``error`` (§7). Only ``targets`` is normalised from any sequence to a JSON list. What JSON
+    cannot carry as given is refused (``check_sendable``), never sent as something else.
     """
+    check_sendable(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
     frame: dict[str, Any] = {"type": "fill_mask", "id": request_id, "text": text}
     if top_k is not None:
         frame["top_k"] = top_k
@@ -92,6 +95,41 @@ def encode_fill_mask(
     if deadline_ms is not None:
         frame["deadline_ms"] = deadline_ms
     return orjson.dumps(frame)
+
+
+def check_sendable(
+    text: Any,
+    *,
+    top_k: Any = None,
+    targets: Any = None,
+    deadline_ms: Any = None,
+) -> None:
+    """``UsageError`` when a ``fill_mask`` frame with these values cannot carry them as given.
+
+    Only what the encoding itself would break is refused; everything else is the server's to judge.
+    A string with a lone surrogate is not valid Unicode and has no UTF-8 form (sent anyway, it would
+    make the server close the connection with 1007, §1, failing every call on it). A NaN or infinite
+    number has no JSON form: the encoder would write ``null``, which the server reads as the field left
+    out (§3), so ``deadline_ms=float("nan")`` would silently run without a deadline.
+    """
+    strings = [("text", text)]
+    if isinstance(targets, str):
+        strings.append(("targets", targets))
+    elif isinstance(targets, Sequence):
+        strings.extend((f"targets[{index}]", target) for index, target in enumerate(targets))
+    for name, value in strings:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise UsageError(
+                    f"{name} is not valid Unicode: it has a lone surrogate {value[exc.start]!r} at character "
+                    f"{exc.start}, which has no UTF-8 form; remove it or decode the text correctly"
+                ) from None
+    for name, number, hint in (("top_k", top_k, "an integer, or None for the server's default"),
+                               ("deadline_ms", deadline_ms, "milliseconds > 0, or None for no deadline")):
+        if isinstance(number, float) and not math.isfinite(number):
+            raise UsageError(f"{name}={number!r} is not a finite number, which JSON cannot carry: give {hint}")
 
 
 def encode_cancel(request_id: int) -> bytes:

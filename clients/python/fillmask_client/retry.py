@@ -6,9 +6,12 @@ checked with plain numbers.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
-            raise ValueError("RetryPolicy.attempts must be at least 1")
-        if self.base_delay < 0 or self.max_delay < 0 or self.jitter < 0:
-            raise ValueError("RetryPolicy delays and jitter must not be negative")
+            raise UsageError("RetryPolicy.attempts must be at least 1")
+        if not all(_finite(value) for value in (self.base_delay, self.max_delay, self.jitter)):
+            raise UsageError("RetryPolicy delays and jitter must be finite numbers >= 0")
 
     def delay(self, attempt: int, retry_after_ms: float | None, rand: Callable[[], float] = random.random) -> float:
         """Seconds to wait after try number ``attempt`` (1-based) was answered ``overloaded``."""
@@ -71,8 +74,8 @@ class ReconnectBackoff:
     cap: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.base < 0 or self.cap < 0:
-            raise ValueError("ReconnectBackoff delays must not be negative")
+        if not (_finite(self.base) and _finite(self.cap)):
+            raise UsageError("ReconnectBackoff delays must be finite numbers of seconds >= 0")
 
     def window(self, attempt: int, first_window: float | None = None) -> float:
         """The upper bound of the wait before attempt number ``attempt`` (0-based), in seconds."""
@@ -84,3 +87,8 @@ class ReconnectBackoff:
               rand: Callable[[], float] = random.random) -> float:
         """A random wait in ``[0, window(attempt, first_window))``: full jitter."""
         return self.window(attempt, first_window) * rand()
+
+
+def _finite(value: float) -> bool:
+    """A finite number >= 0 (false for NaN, which ``value < 0`` lets through)."""
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0

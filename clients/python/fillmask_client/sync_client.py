@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from .async_client import FillMaskClient
-from .errors import FillMaskError
+from .errors import FillMaskError, check_seconds
 from .frames import FillMaskResult, Predictions
 
 _T = TypeVar("_T")
@@ -41,7 +41,8 @@ class SyncFillMaskClient:
     """Blocking twin of ``FillMaskClient`` (same options, same exceptions), for code without asyncio.
 
     Use it as a context manager, or call ``close()`` when done. Each call takes an optional ``timeout`` in
-    seconds: when it passes, the request is cancelled on the server (§5) and ``TimeoutError`` is raised.
+    seconds (``None``: no limit; otherwise a finite number >= 0, else ``UsageError`` before anything is
+    sent): when it passes, the request is cancelled on the server (§5) and ``TimeoutError`` is raised.
     Ctrl-C while waiting cancels the request the same way before ``KeyboardInterrupt`` propagates.
     """
 
@@ -83,9 +84,16 @@ class SyncFillMaskClient:
         self._loop.close()
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
+        """Run ``coro`` on the client's loop and wait for it; ``timeout`` is checked before it starts."""
         if self._loop.is_closed():
             coro.close()
             raise RuntimeError("SyncFillMaskClient is closed")
+        if timeout is not None:
+            try:
+                check_seconds("timeout", timeout)
+            except BaseException:
+                coro.close()
+                raise
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result(timeout)
