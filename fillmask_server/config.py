@@ -7,6 +7,7 @@ Every option is listed by ``--help`` with its default and its variable name.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import textwrap
 from dataclasses import dataclass, fields
@@ -237,6 +238,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
 
 def validate(config: Config) -> str | None:
     """Return a one-line description of the first nonsensical value, or None."""
+    for f in fields(Config):  # NaN passes every comparison below (all are false), and no duration is endless
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"--{f.name.replace('_', '-')} must be a finite number, not {value}"
     positive = ("max_batch_size", "max_batch_tokens", "max_queue", "max_text_chars", "max_masks",
                 "max_top_k", "max_targets", "max_frame_bytes", "max_connections", "max_inflight_per_connection",
                 "max_send_buffer_bytes", "max_result_bytes", "max_answer_bytes")

@@ -62,6 +62,19 @@ def test_a_switch_interval_that_means_nothing_is_refused(bad: str, capsys: pytes
     assert "--gil-switch-ms must be 0 (automatic) or between 0.01 and 1000" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--send-timeout", "--drain-delay", "--shutdown-timeout", "--max-wait-ms",
+                                  "--anticipate-ms", "--max-length-ratio", "--max-batch-ms", "--calibration-s"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_number_that_is_not_finite_is_refused(flag: str, value: str, capsys: pytest.CaptureFixture) -> None:
+    """NaN passed every check (each comparison with it is false): --send-timeout nan never closed a client
+    that does not read. Found by reading the config after an adversarial run found the client's twin."""
+    with pytest.raises(SystemExit) as exited:
+        load_config([flag, value], environ={})
+    assert exited.value.code == 2 and f"{flag} must be a finite number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load_config([], environ={"FILLMASK_" + flag[2:].replace("-", "_").upper(): value})
+
+
 def test_bad_flag_values_are_refused() -> None:
     result = run_server("--max-batch-size", "0")
     assert result.returncode == 2 and "--max-batch-size must be at least 1" in result.stderr
