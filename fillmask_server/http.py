@@ -289,7 +289,7 @@ class FrontConnection(ServerConnection):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         transport = self.transport
-        if not self._held and self.request is not None and self._unanswered():
+        if not self._held and self.request is not None and unanswered(self.protocol):
             self._held = True
             transport.pause_reading()
         if (not self.backed_up and not transport.is_closing()
@@ -304,9 +304,6 @@ class FrontConnection(ServerConnection):
         for that answer (websockets would close it). ``_end_stream`` closes it once the answer is out."""
         closes = super().eof_received()
         return True if self._held else closes
-
-    def _unanswered(self) -> bool:
-        return self.protocol.state is State.CONNECTING and not self.protocol.eof_sent
 
     def _release(self) -> None:
         """The request held reading was answered: read again, and parse what arrived after it. A refused
@@ -381,7 +378,7 @@ class FrontConnection(ServerConnection):
                 self._end_stream()  # an empty chunk: websockets' end of stream
             if waiting:
                 self.transport.write(b"".join(waiting))
-            if self._held and not self._unanswered():
+            if self._held and not unanswered(self.protocol):
                 self.loop.call_soon(self._release)
             return
         self._answered_early = True
@@ -401,6 +398,12 @@ class FrontConnection(ServerConnection):
             self.transport.close()
 
 
+def unanswered(protocol: ServerProtocol) -> bool:
+    """Whether ``protocol`` has not yet answered its request: neither a 101 (OPEN) nor a refusal (which
+    ends its stream) was written."""
+    return protocol.state is State.CONNECTING and not protocol.eof_sent
+
+
 def hold_frames_until_answered(protocol: ServerProtocol) -> None:
     """Make ``protocol`` parse nothing after its request until it has answered it (``FrontConnection``).
 
@@ -411,16 +414,13 @@ def hold_frames_until_answered(protocol: ServerProtocol) -> None:
     reader = protocol.reader
     at_eof, read_exact = reader.at_eof, reader.read_exact
 
-    def unanswered() -> bool:
-        return protocol.state is State.CONNECTING and not protocol.eof_sent
-
     def held_at_eof() -> Generator[None, None, bool]:
-        while unanswered():
+        while unanswered(protocol):
             yield
         return (yield from at_eof())
 
     def held_read_exact(n: int) -> Generator[None, None, bytearray]:
-        while unanswered():
+        while unanswered(protocol):
             yield
         return (yield from read_exact(n))
 
