@@ -9,8 +9,14 @@ object dies. Tensors made from Python lists before the call (``torch.tensor``) a
 traced graph therefore cost several hand-overs each, inside the graph and after it; tensors made
 *inside* the scripted call have no Python object and cost none. So ``BatchGraph`` builds the inputs
 from the lists (the attention mask from each row's length), runs the traced graph, moves the
-probabilities to the CPU and takes the top-k there (as the pipeline does: the same order of ties),
-all in one call, which gives the GIL up once.
+probabilities to the CPU and takes the top-k there, all in one call, which gives the GIL up once.
+
+The top-k is taken at each row's own ``k``, the ``top_k`` of the request it belongs to, as the
+pipeline takes it for that request alone: among equal scores, which tokens come first depends on
+``k`` (torch's top-k orders ties differently at different ``k``), never on the other rows. So rows
+are grouped by ``k``: one top-k call for a batch whose requests share a ``top_k`` (the usual case),
+one per distinct ``k`` otherwise. Taken once at the batch's largest ``k`` and cut per request, a
+request's answer among equal scores depended on what it was batched with.
 
 Invariants: for the same batch the result is bit for bit what the same module gives unscripted, on
 tensors built in Python (checked at load by ``FillMaskModel._batch_graph``, and by
@@ -37,10 +43,11 @@ class BatchGraph(torch.nn.Module):
         self.device = device
 
     def forward(self, ids: List[int], lengths: List[int], rows: List[int], cols: List[int], width: int,  # noqa: UP006
-                k: int, keep: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:  # noqa: UP006, UP045
+                ks: List[int], keep: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:  # noqa: UP006, UP045
         """``ids``: the batch's token ids, each row padded to ``width``, flat; ``lengths``: each row's
-        length before padding; ``rows``, ``cols``: the mask positions. Returns (the probabilities if
-        ``keep``, else None; the top ``k`` scores and ids of every mask row), on the CPU."""
+        length before padding; ``rows``, ``cols``: the mask positions; ``ks``: each mask row's ``k``.
+        Returns (the probabilities if ``keep``, else None; the top scores and ids of every mask row,
+        as wide as the largest ``k``: row ``r``'s first ``ks[r]`` columns are its top-k), on the CPU."""
         device = torch.device(self.device)
         batch = torch.tensor(ids, dtype=torch.long).view(-1, width)
         positions = torch.arange(width, dtype=torch.long).unsqueeze(0)
@@ -49,10 +56,36 @@ class BatchGraph(torch.nn.Module):
                             torch.tensor(cols, dtype=torch.long).to(device))
         if probs.device.type != "cpu":
             probs = probs.cpu()
-        values, indices = probs.topk(min(k, probs.shape[-1]))
+        values, indices = top_k_per_row(probs, ks)
         if keep:
             return probs, values, indices
         return None, values, indices
+
+
+def top_k_per_row(probs: torch.Tensor, ks: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:  # noqa: UP006
+    """Each row's top ``ks[row]`` (values, indices), padded with zeros to the largest ``k``; one
+    ``topk`` call per distinct ``k`` (see the module docstring)."""
+    vocabulary = probs.shape[-1]
+    distinct: List[int] = []  # noqa: UP006
+    for k in ks:
+        if k not in distinct:
+            distinct.append(k)
+    if len(distinct) == 1:
+        return probs.topk(min(distinct[0], vocabulary))
+    widest = min(max(distinct), vocabulary)
+    values = torch.zeros((probs.shape[0], widest), dtype=probs.dtype)
+    indices = torch.zeros((probs.shape[0], widest), dtype=torch.long)
+    for k in distinct:
+        rows: List[int] = []  # noqa: UP006 (TorchScript has no comprehension with an if)
+        for row in range(len(ks)):
+            if ks[row] == k:
+                rows.append(row)
+        group = torch.tensor(rows, dtype=torch.long)
+        top_values, top_indices = probs.index_select(0, group).topk(min(k, vocabulary))
+        pad = [0, widest - top_values.shape[1]]
+        values.index_copy_(0, group, torch.nn.functional.pad(top_values, pad))
+        indices.index_copy_(0, group, torch.nn.functional.pad(top_indices, pad))
+    return values, indices
 
 
 def script(scores: torch.nn.Module, device: str) -> torch.jit.ScriptModule:

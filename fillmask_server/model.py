@@ -10,8 +10,10 @@ to target ids, top-k), with two differences in *how*:
 
 - The encoder runs once per batch on padded inputs, and the MLM head only on the hidden states at
   mask positions, instead of on every position of every text (see "The head at the masks").
-- Softmax and top-k run once over all mask rows of the batch (at the largest ``top_k`` of the
-  requests without targets); a request with targets picks its own columns from the probabilities.
+- Softmax runs once over all mask rows of the batch, and top-k once per distinct ``top_k`` among the
+  requests without targets (at each request's own ``top_k``, as the pipeline: equal scores come out
+  in the same order; ``graph.top_k_per_row``); a request with targets picks its own columns from the
+  probabilities.
 
 It returns the top-k as tensors (``TopK``); turning them into Python lists and strings is the decode stage's work
 (``decode.py``), so that the model thread can start the next batch at once.
@@ -96,8 +98,9 @@ class TopK:
 
     For item ``i``: ``spans[i]`` is the [first, last) range of its mask rows; ``columns[first:last]``
     are the mask positions in its ``input_ids``. Items without targets share one top-k over the
-    vocabulary (``values``/``indices``, row ``plain_rows[i] + j`` for its ``j``-th mask, ``k`` wide:
-    the largest ``top_k`` among them, so each item keeps its first ``top_k`` columns). An item with
+    vocabulary (``values``/``indices``, row ``plain_rows[i] + j`` for its ``j``-th mask, as wide as the
+    largest ``top_k`` among them; each row's first ``top_k`` columns are its own top-k, taken at its
+    item's ``top_k``, and each item keeps those). An item with
     targets has its own ``targeted[i] = (values, picks)`` where ``picks`` index its ``target_ids``.
     ``candidates`` (the decode stage) turns the shared top-k into lists once, on its first call.
     """
@@ -256,8 +259,9 @@ class FillMaskModel:
         The inputs are built as flat Python lists and the whole pass (inputs to tensors, graph, top-k)
         is one call of ``graph.BatchGraph``, which gives the GIL up once: every other hand-over costs
         the model thread up to a switch interval while the event loop or the decode stage runs
-        Python (see ``graph.py``). The top-k runs over every mask row, at the largest ``top_k`` of the
-        items without targets; items with targets pick their own columns from the probabilities.
+        Python (see ``graph.py``). The top-k runs over every mask row, at each item's own ``top_k``
+        (items with targets: at the largest ``top_k`` of the others, unused); items with targets pick
+        their own columns from the probabilities.
         """
         import torch
 
@@ -279,10 +283,13 @@ class FillMaskModel:
             counts.append(len(positions))
         spans = _spans(counts)
         plain = [i for i, item in enumerate(items) if item.target_ids is None]
-        k = max((items[i].top_k for i in plain), default=0)
+        k = max((items[i].top_k for i in plain), default=0)  # the rows of items with targets: no group of their own
+        ks: list[int] = []
+        for item, count in zip(items, counts, strict=True):
+            ks += [k if item.target_ids is not None else item.top_k] * count
         keep = len(plain) < len(items)
         with torch.inference_mode():
-            probs, values, indices = self._batch(ids, lengths, rows, columns, width, k, keep)
+            probs, values, indices = self._batch(ids, lengths, rows, columns, width, ks, keep)
         out = TopK(spans=spans, columns=columns, values=values, indices=indices)
         if plain:
             out.plain_rows = {i: spans[i][0] for i in plain}
@@ -419,7 +426,8 @@ class FillMaskModel:
         for shape in _CHECK_SHAPES[:2] + _CHECK_SHAPES[3:]:  # (32 rows of one mask add no case: padding does)
             ids, attention, rows, cols = (tensor.cpu() for tensor in self._check_inputs(*shape))
             width = ids.shape[1]
-            args = (ids.flatten().tolist(), attention.sum(dim=1).tolist(), rows.tolist(), cols.tolist(), width, 5,
+            ks = [5 - row % 3 for row in range(len(rows))]  # three groups of k: every row at its own k
+            args = (ids.flatten().tolist(), attention.sum(dim=1).tolist(), rows.tolist(), cols.tolist(), width, ks,
                     True)
             with torch.inference_mode():
                 want = plain(*args)
