@@ -5,7 +5,7 @@ pure Python, and it holds the GIL for every text it splits, which the server's o
 for. Such a tokenizer splits a text at every vocabulary token it holds (ESM's trie is the whole
 vocabulary: one token per residue), splits what is left on whitespace, and maps each leftover word to
 the unknown token. ``fast_equivalent`` builds that rule with ``tokenizers`` (every vocabulary token an
-added token, a word-level model with the unknown token, whitespace splitting, the tokenizer's own
+added token, a word-level model with the unknown token, splitting at Python's whitespace, the tokenizer's own
 special-token template) and keeps it only if it gives the very ids of the slow tokenizer on a few
 hundred check texts: the vocabulary's tokens in random orders, with spaces, tabs, newlines, lower case,
 letters of other scripts and unknown symbols. Any other slow tokenizer (WordPiece, SentencePiece, ...)
@@ -32,7 +32,13 @@ log = logging.getLogger(__name__)
 
 CHECK_TEXTS = 400
 _SENTINEL = -7  # an id no vocabulary has: where the text goes in the special-token template
-_ODD = [" ", "  ", "\t", "\n", " \u00a0", "x", "q", "é", "中", "🙂", "<", ">", "##", "1", "?", "_"]
+# Every character Python's ``str.split()`` splits on (what slow tokenizers split words with) is here,
+# with a few it does not: a candidate that splits on another whitespace (Rust's has no U+001C–U+001F)
+# fails the check. Found by a differential run, when the list had only the first five.
+_WHITESPACE = ["\t", "\n", "\x0b", "\x0c", "\r", "\x1c", "\x1d", "\x1e", "\x1f", " ", "\x85", "\xa0", "\u1680",
+               *(chr(c) for c in range(0x2000, 0x200B)), "\u2028", "\u2029", "\u202f", "\u205f", "\u3000"]
+_ODD = [" ", "  ", "\t", "\n", " \u00a0", *_WHITESPACE, "\u200b", "\u180e", "\ufeff",
+        "x", "q", "é", "中", "🙂", "<", ">", "##", "1", "?", "_"]
 
 
 def fast_equivalent(tokenizer: Any) -> Any | None:
@@ -112,14 +118,15 @@ def check_texts(tokenizer: Any, n: int = CHECK_TEXTS, seed: int = 0) -> list[str
 
 def _whole_token_tokenizer(tokenizer: Any) -> Any | None:
     """The candidate rule (module doc); None when the tokenizer has no unknown token."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, processors
 
     vocab = tokenizer.get_vocab()
     unk = tokenizer.unk_token
     if unk is None or unk not in vocab:
         return None
     fast = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
-    fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Python's whitespace: Rust's (``WhitespaceSplit``) and U+001C–U+001F, which ``str.split()`` splits on too
+    fast.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\x1c-\x1f]+"), behavior="removed")
     specials = set(tokenizer.all_special_tokens)
     by_length = sorted(vocab, key=len, reverse=True)  # (the added vocabulary matches the longest first)
     fast.add_tokens([AddedToken(token, normalized=False) for token in by_length if token not in specials])

@@ -37,7 +37,14 @@ def held_out(tokenizer: Any) -> list[str]:
     mask = tokenizer.mask_token
     proteins = ["MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ" * k for k in range(1, 10)]
     return [*tokenizing.check_texts(tokenizer, n=300, seed=1), *(p[:40] + mask + p[41:] for p in proteins),
-            f"{mask}{mask}AC DE", f"ac{mask}de", f" {mask}\tKR\nQW ", "XBUZO.-", "<cls>A<eos>", "A<null_1>C"]
+            f"{mask}{mask}AC DE", f"ac{mask}de", f" {mask}\tKR\nQW ", "XBUZO.-", "<cls>A<eos>", "A<null_1>C",
+            *(f"M{space}K{mask}" for space in tokenizing._WHITESPACE), f"\x1c{mask}", f"a\x1fb {mask}"]
+
+
+def test_the_check_texts_hold_every_character_python_splits_words_on() -> None:
+    """Slow tokenizers split words with ``str.split()``; the check must see every character it splits on
+    (a differential run found U+001C–U+001F split by the slow tokenizer, kept by the candidate)."""
+    assert set(tokenizing._WHITESPACE) == {chr(c) for c in range(0x110000) if chr(c).isspace()}
 
 
 def test_a_pure_python_tokenizer_of_whole_tokens_gets_a_fast_equivalent_with_the_same_ids(esm: Any) -> None:
@@ -47,7 +54,8 @@ def test_a_pure_python_tokenizer_of_whole_tokens_gets_a_fast_equivalent_with_the
     assert [encoding.ids for encoding in fast.encode_batch(texts, add_special_tokens=True)] == slow_ids(esm, texts)
 
 
-@pytest.mark.parametrize("change", ["splits on punctuation too", "adds no special tokens"])
+@pytest.mark.parametrize("change", ["splits on punctuation too", "adds no special tokens",
+                                    "splits on Rust's whitespace only"])
 def test_a_candidate_that_splits_any_check_text_differently_is_refused(esm: Any, change: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenizers import pre_tokenizers
@@ -58,6 +66,8 @@ def test_a_candidate_that_splits_any_check_text_differently_is_refused(esm: Any,
         fast = build(tokenizer)
         if change == "splits on punctuation too":
             fast.pre_tokenizer = pre_tokenizers.Whitespace()
+        elif change == "splits on Rust's whitespace only":  # the rule before the differential run
+            fast.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         else:
             fast.post_processor = None
         return fast
