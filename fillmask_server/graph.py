@@ -43,11 +43,13 @@ class BatchGraph(torch.nn.Module):
         self.device = device
 
     def forward(self, ids: List[int], lengths: List[int], rows: List[int], cols: List[int], width: int,  # noqa: UP006
-                ks: List[int], keep: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:  # noqa: UP006, UP045
+                k: int, ks: List[int], keep: bool,  # noqa: UP006
+                ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:  # noqa: UP006, UP045
         """``ids``: the batch's token ids, each row padded to ``width``, flat; ``lengths``: each row's
-        length before padding; ``rows``, ``cols``: the mask positions; ``ks``: each mask row's ``k``.
-        Returns (the probabilities if ``keep``, else None; the top scores and ids of every mask row,
-        as wide as the largest ``k``: row ``r``'s first ``ks[r]`` columns are its top-k), on the CPU."""
+        length before padding; ``rows``, ``cols``: the mask positions; ``ks``: each mask row's ``k``, or
+        empty when every row's is ``k``. Returns (the probabilities if ``keep``, else None; the top
+        scores and ids of every mask row, as wide as the largest ``k``: row ``r``'s first ``ks[r]``
+        columns are its top-k), on the CPU."""
         device = torch.device(self.device)
         batch = torch.tensor(ids, dtype=torch.long).view(-1, width)
         positions = torch.arange(width, dtype=torch.long).unsqueeze(0)
@@ -56,7 +58,10 @@ class BatchGraph(torch.nn.Module):
                             torch.tensor(cols, dtype=torch.long).to(device))
         if probs.device.type != "cpu":
             probs = probs.cpu()
-        values, indices = top_k_per_row(probs, ks)
+        if len(ks) == 0:
+            values, indices = probs.topk(min(k, probs.shape[-1]))
+        else:
+            values, indices = top_k_per_row(probs, ks)
         if keep:
             return probs, values, indices
         return None, values, indices

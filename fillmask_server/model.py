@@ -284,12 +284,13 @@ class FillMaskModel:
         spans = _spans(counts)
         plain = [i for i, item in enumerate(items) if item.target_ids is None]
         k = max((items[i].top_k for i in plain), default=0)  # the rows of items with targets: no group of their own
-        ks: list[int] = []
-        for item, count in zip(items, counts, strict=True):
-            ks += [k if item.target_ids is not None else item.top_k] * count
+        ks: list[int] = []  # each mask row's k; empty when all are k (the usual case: one top-k call)
+        if any(items[i].top_k != k for i in plain):
+            for item, count in zip(items, counts, strict=True):
+                ks += [k if item.target_ids is not None else item.top_k] * count
         keep = len(plain) < len(items)
         with torch.inference_mode():
-            probs, values, indices = self._batch(ids, lengths, rows, columns, width, ks, keep)
+            probs, values, indices = self._batch(ids, lengths, rows, columns, width, k, ks, keep)
         out = TopK(spans=spans, columns=columns, values=values, indices=indices)
         if plain:
             out.plain_rows = {i: spans[i][0] for i in plain}
@@ -427,8 +428,8 @@ class FillMaskModel:
             ids, attention, rows, cols = (tensor.cpu() for tensor in self._check_inputs(*shape))
             width = ids.shape[1]
             ks = [5 - row % 3 for row in range(len(rows))]  # three groups of k: every row at its own k
-            args = (ids.flatten().tolist(), attention.sum(dim=1).tolist(), rows.tolist(), cols.tolist(), width, ks,
-                    True)
+            args = (ids.flatten().tolist(), attention.sum(dim=1).tolist(), rows.tolist(), cols.tolist(), width, 5,
+                    ks if shape[3] > 1 else [], True)  # one k, and several (every row at its own)
             with torch.inference_mode():
                 want = plain(*args)
                 for _ in range(3):

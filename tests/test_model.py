@@ -140,7 +140,7 @@ def test_the_scripted_batch_gives_the_bits_of_the_same_module_unscripted(traced:
     ids = [t for item in batch for t in [*item.input_ids, *[traced.pad_token_id] * (width - len(item.input_ids))]]
     masks = [(n, c) for n, item in enumerate(batch) for c, t in enumerate(item.input_ids) if t == traced.mask_token_id]
     args = (ids, [len(item.input_ids) for item in batch], [n for n, _ in masks], [c for _, c in masks], width,
-            [7 - n % 2 for n, _ in masks], True)
+            7, [7 - n % 2 for n, _ in masks], True)
     with torch.inference_mode():
         want = plain(*args)
         for _ in range(4):
