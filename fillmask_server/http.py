@@ -250,11 +250,14 @@ class FrontConnection(ServerConnection):
     the stream, and the answer to the first found it ended (no answer, and a traceback); and a client
     that half-closed its side after sending its request (``shutdown(SHUT_WR)``, ``nc -N``) lost its
     answer, since websockets closes the socket at the end of the stream. So from the moment a request
-    has been read until it is answered (``_held``), this connection reads nothing more, parses nothing
-    after the request (``hold_frames_until_answered``) and keeps the socket open at the end of the
-    stream; once the answer is written it reads and parses again (``_release``): frames a client sent
-    before its 101 are then handled as usual, and what follows a refused request or a page is
-    discarded (every answer is ``Connection: close``, so a pipelining client sends the rest again).
+    has been read until it is answered (``_held``), this connection parses nothing after the request
+    (``hold_frames_until_answered``) and, on plain TCP, reads nothing more (so the end of the stream
+    is read only once the answer is out); once the answer is written it reads and parses as before
+    (``_release``): frames a client sent before its 101 are then handled as usual, and what follows a
+    refused request or a page is discarded (every answer is ``Connection: close``, so a pipelining
+    client sends the rest again). Over TLS reading goes on (asyncio's TLS layer does not take a
+    pause or an end of stream kept open well): a TLS client that ends its side before the answer
+    loses it, as it did before.
 
     And: websockets answers each ping with a pong written straight to the socket, past the
     server's outbox and its bound (protocol.md §12). A client that sends pings and never reads would
@@ -274,13 +277,14 @@ class FrontConnection(ServerConnection):
     queued = 0  # messages put in websockets' queue and not yet taken by the handler (``taken``)
     _fragmented = False  # a fragmented message is being put in that queue
     backed_up = False  # the socket holds more than the send buffer's bound unsent: reading is held
-    _held = False  # a request was read and is not answered yet: reading paused, nothing after it parsed
+    _held = False  # a request was read and is not answered yet: nothing after it parsed (on TCP: nor read)
+    _unhold: Callable[[], None] | None = None  # puts the parser's own reading back (``hold_frames_until_answered``)
     on_backed_up: Callable[[], None] | None = None  # set by the server: called each time ``backed_up`` turns True
     on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        hold_frames_until_answered(self.protocol)
+        self._unhold = hold_frames_until_answered(self.protocol)
         self.recv_messages.resume = self._resume_reading  # (websockets' queue resumes through the same rule)
         bound = self.front.config.max_send_buffer_bytes
         if bound < self.write_limit_high:  # so that a socket backed up past the bound always gets resume_writing
@@ -291,7 +295,8 @@ class FrontConnection(ServerConnection):
         transport = self.transport
         if not self._held and self.request is not None and unanswered(self.protocol):
             self._held = True
-            transport.pause_reading()
+            if transport.can_write_eof():  # plain TCP (module docstring: not over TLS)
+                transport.pause_reading()
         if (not self.backed_up and not transport.is_closing()
                 and transport.get_write_buffer_size() > self.front.config.max_send_buffer_bytes):
             self.backed_up = True
@@ -299,17 +304,14 @@ class FrontConnection(ServerConnection):
             if self.on_backed_up is not None:
                 self.on_backed_up()
 
-    def eof_received(self) -> bool | None:
-        """websockets' ``eof_received``; but while a request waits for its answer, the socket stays open
-        for that answer (websockets would close it). ``_end_stream`` closes it once the answer is out."""
-        closes = super().eof_received()
-        return True if self._held else closes
-
     def _release(self) -> None:
         """The request held reading was answered: read again, and parse what arrived after it. A refused
         request's stream was already set to be discarded (websockets does so when it writes the refusal);
         after a 101, frames the client sent early are handled like any others."""
         self._held = False
+        if self._unhold is not None:
+            self._unhold()
+            self._unhold = None
         if self.transport.is_closing():
             return
         self._resume_reading()
@@ -389,9 +391,8 @@ class FrontConnection(ServerConnection):
         self._end_stream()
 
     def _end_stream(self) -> None:
-        """End the stream as websockets does: half-close where the transport can (plain TCP), else close;
-        close too when the client has ended its side already (nothing more will come to close it)."""
-        if self.transport.can_write_eof() and not self.protocol.reader.eof:
+        """End the stream as websockets does: half-close where the transport can (plain TCP), else close."""
+        if self.transport.can_write_eof():
             with contextlib.suppress(OSError, RuntimeError):  # as websockets: write_eof documents no errors
                 self.transport.write_eof()
         else:
@@ -404,8 +405,10 @@ def unanswered(protocol: ServerProtocol) -> bool:
     return protocol.state is State.CONNECTING and not protocol.eof_sent
 
 
-def hold_frames_until_answered(protocol: ServerProtocol) -> None:
-    """Make ``protocol`` parse nothing after its request until it has answered it (``FrontConnection``).
+def hold_frames_until_answered(protocol: ServerProtocol) -> Callable[[], None]:
+    """Make ``protocol`` parse nothing after its request until it has answered it (``FrontConnection``);
+    returns the call that puts the reader's own methods back (once answered: every frame after that
+    is read without the extra check).
 
     websockets' server protocol parses a request with its reader's ``read_line`` and then frames at once,
     with ``at_eof`` and ``read_exact``; those two wait here while the protocol is still CONNECTING and
@@ -425,6 +428,11 @@ def hold_frames_until_answered(protocol: ServerProtocol) -> None:
         return (yield from read_exact(n))
 
     reader.at_eof, reader.read_exact = held_at_eof, held_read_exact  # type: ignore[method-assign]
+
+    def unhold() -> None:  # (a parser waiting in a wrapper goes on with the method it closed over)
+        del reader.at_eof, reader.read_exact
+
+    return unhold
 
 
 class LogThrottle:

@@ -1,7 +1,8 @@
 """Live figures for the ``stats`` frames (protocol.md §13): what happened since a subscriber's last frame.
 
 ``LiveStats`` keeps running totals, never a list of everything: the results handed to connections
-(a count, and a histogram of their server-side latencies in buckets 1% wide) and the batches the model
+(a count, and a histogram of their server-side latencies in buckets 1% wide, kept as the buckets
+that were used: a few hundred at most in practice) and the batches the model
 ran (a count, their rows, their seconds, the last ``MAX_BATCHES_PER_FRAME`` of them, and the largest
 batch since any point). A subscriber keeps a ``Mark`` (the totals when its window began) and its frame is
 the difference between the totals now and its mark (``snapshot``), so each subscriber gets its own
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,14 +51,15 @@ class Mark:
 
     time: float
     results: int
-    latencies: tuple[int, ...]  # results per latency bucket
+    latencies: Mapping[int, int]  # results per latency bucket used so far (never changed once marked)
     batches: int
     rows: int
     busy_s: float
 
 
 def latency_bucket(latency_ms: float) -> int:
-    """The histogram bucket of a latency: bucket i holds (LOWEST_MS x RATIO^i, LOWEST_MS x RATIO^(i+1)]."""
+    """The histogram bucket of a latency: bucket i holds [LOWEST_MS x RATIO^i, LOWEST_MS x RATIO^(i+1)),
+    bucket 0 everything below its top, the last everything above its bottom."""
     if latency_ms <= LOWEST_MS:
         return 0
     return min(BUCKETS - 1, int(math.log(latency_ms / LOWEST_MS) * _PER_LOG))
@@ -72,7 +75,7 @@ class LiveStats:
 
     def __init__(self) -> None:
         self._results = 0
-        self._latencies = [0] * BUCKETS
+        self._latencies: dict[int, int] = {}
         self._lock = threading.Lock()
         self._batches = 0
         self._rows = 0
@@ -85,7 +88,8 @@ class LiveStats:
     def result(self, latency_ms: float) -> None:
         """A result was handed to its connection ``latency_ms`` after its request was read."""
         self._results += 1
-        self._latencies[latency_bucket(latency_ms)] += 1
+        bucket = latency_bucket(latency_ms)
+        self._latencies[bucket] = self._latencies.get(bucket, 0) + 1
 
     def batch_ran(self, batch_id: int, size: int, tokens: int, seconds: float) -> None:
         """A batch just ran (module doc: counted under the lock)."""
@@ -101,19 +105,20 @@ class LiveStats:
     def mark(self, now: float) -> Mark:
         """The totals at ``now``: where a window that begins now starts."""
         with self._lock:
-            return Mark(now, self._results, tuple(self._latencies), self._batches, self._rows, self._busy_s)
+            return Mark(now, self._results, dict(self._latencies), self._batches, self._rows, self._busy_s)
 
     def snapshot(self, since: Mark, now: float, queue_depth: int, in_flight: int,
                  connections: int) -> tuple[dict[str, Any], Mark]:
         """The fields of one ``stats`` frame for the window from ``since`` to ``now``, and the mark where
         the next window begins."""
         with self._lock:
-            end = Mark(now, self._results, tuple(self._latencies), self._batches, self._rows, self._busy_s)
+            end = Mark(now, self._results, dict(self._latencies), self._batches, self._rows, self._busy_s)
             batches = [b for b in self._recent if b.number > since.batches]
             largest = next((size for number, size in self._largest if number > since.batches), None)
         window = max(now - since.time, 1e-9)
         results = end.results - since.results
-        counts = [a - b for a, b in zip(end.latencies, since.latencies, strict=True)] if results else []
+        counts = sorted((bucket, count - since.latencies.get(bucket, 0)) for bucket, count in end.latencies.items()
+                        ) if results else []
         ran = end.batches - since.batches
         frame = {
             "window_s": round(window, 3),
@@ -131,14 +136,14 @@ class LiveStats:
         return frame, end
 
 
-def _quantile(counts: list[int], total: int, q: float) -> float | None:
-    """The nearest-rank quantile of ``total`` latencies counted per bucket (their bucket's value), or
-    None when there are none."""
+def _quantile(counts: list[tuple[int, int]], total: int, q: float) -> float | None:
+    """The nearest-rank quantile of ``total`` latencies counted per bucket (``(bucket, count)`` in
+    bucket order; the value is their bucket's), or None when there are none."""
     if not total:
         return None
     rank = min(total, max(1, math.ceil(q * total)))
     seen = 0
-    for bucket, count in enumerate(counts):
+    for bucket, count in counts:
         seen += count
         if seen >= rank:
             return round(bucket_value(bucket), 3)

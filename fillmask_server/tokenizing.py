@@ -105,11 +105,14 @@ def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 def check_texts(tokenizer: Any, n: int = CHECK_TEXTS, seed: int = 0) -> list[str]:
     """Texts of the tokenizer's own tokens (special ones too) mixed with whitespace, lower case and
-    symbols it may not know; deterministic for ``seed``."""
+    symbols it may not know; deterministic for ``seed``. Every piece of ``_ODD`` is in them, between
+    two tokens, however large the vocabulary (the random texts alone would miss some)."""
     rng = random.Random(seed)
     tokens = sorted(tokenizer.get_vocab())
     pieces = tokens + [token.lower() for token in tokens] + _ODD
-    texts = ["", " ", tokenizer.mask_token, f" {tokenizer.mask_token} ", "".join(tokens), " ".join(tokens)]
+    between = "".join(f"{tokens[n % len(tokens)]}{piece}" for n, piece in enumerate(_ODD)) + tokenizer.mask_token
+    texts = ["", " ", tokenizer.mask_token, f" {tokenizer.mask_token} ", "".join(tokens), " ".join(tokens), between,
+             *(f"{tokens[0]}{piece}{tokenizer.mask_token}" for piece in _ODD)]
     while len(texts) < n:
         texts.append("".join(rng.choice(pieces if rng.random() < 0.3 else tokens)
                              for _ in range(rng.randint(1, 40))))

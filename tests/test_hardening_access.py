@@ -290,6 +290,14 @@ async def test_tls_serves_wss_and_https_only(make_server: Any, certificate: tupl
         assert (await raw_handshake(srv.port, headers=same_origin, ssl_context=client))[0] == 101
         assert (await raw_handshake(srv.port, headers={"Origin": f"http://127.0.0.1.evil:{srv.port}"},
                                     ssl_context=client))[0] == 403
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port, ssl=client, server_hostname="localhost")
+        try:  # a pipelined request over TLS: the first is answered, the rest discarded (§9), as on plain TCP
+            request = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n\r\n".encode()
+            writer.write(request + request)
+            answer = await asyncio.wait_for(reader.read(), 5)
+        finally:
+            writer.close()
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"status":"ok"}'), answer[:60]
         with pytest.raises(Exception):  # noqa: B017 (plain ws:// on a TLS port fails, however it fails)
             async with connect(srv.url.replace("wss://", "ws://"), open_timeout=3):
                 pass

@@ -384,18 +384,21 @@ async def test_frames_sent_with_the_handshake_are_handled_once_it_is_answered(se
     handshake = "\r\n".join(["GET / HTTP/1.1", f"Host: 127.0.0.1:{port}", *handshake_headers()]) + "\r\n\r\n"
     request = orjson.dumps({"type": "fill_mask", "id": "early", "text": "paris is the [MASK] of france."})
     frame = Frame(Opcode.TEXT, request).serialize(mask=True, extensions=[])
+    ping = Frame(Opcode.PING, b"p").serialize(mask=True, extensions=[])  # its pong came before the 101
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(handshake.encode() + frame)
+        writer.write(handshake.encode() + ping + frame)
         data = b""
         async with asyncio.timeout(10):
-            while len(server_frames(data.partition(b"\r\n\r\n")[2])) < 2:
+            while len(server_frames(data.partition(b"\r\n\r\n")[2])) < 3:
                 data += await reader.read(65536)
     finally:
         writer.close()
     head, _, rest = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 101 ")
-    (_, hello), (_, result) = server_frames(rest)[:2]
+    assert head.startswith(b"HTTP/1.1 101 "), data[:40]
+    frames = [(opcode, payload) for opcode, payload in server_frames(rest) if opcode != Opcode.PONG]
+    (_, hello), (_, result) = frames[:2]
+    assert (Opcode.PONG, b"p") in server_frames(rest)
     assert orjson.loads(hello)["type"] == "hello"
     assert orjson.loads(result)["type"] == "result" and orjson.loads(result)["id"] == "early"
 

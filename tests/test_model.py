@@ -182,12 +182,13 @@ def test_a_requests_answer_among_equal_scores_does_not_depend_on_the_top_k_of_it
     targets = model.target_ids(tuple(f"[unused{n}]" for n in range(10)))
     mixed = [Item(a, 100), Item(a, 1), Item(b, 3), Item(c, 20), Item(b, 1), Item(a, 7, targets)]
     top = model.forward(mixed)
+    (_, wide, wide_tokens), (_, _, narrow_tokens) = top.candidates(0, mixed[0]), top.candidates(1, mixed[1])
+    assert len(set(wide[0][:20])) == 1 and set(wide_tokens[0][:20]) == set(range(500, 520))  # the tie
+    if narrow_tokens[0][0] == wide_tokens[0][0]:
+        pytest.skip("this torch orders equal scores alike at every k: the case in point cannot arise")
     for i, item in enumerate(mixed):
         alike = model.forward([Item(other.input_ids, item.top_k, other.target_ids) for other in mixed])
         assert top.candidates(i, item) == alike.candidates(i, item), (i, item.top_k)
-    (_, wide, wide_tokens), (_, _, narrow_tokens) = top.candidates(0, mixed[0]), top.candidates(1, mixed[1])
-    assert len(set(wide[0][:20])) == 1 and set(wide_tokens[0][:20]) == set(range(500, 520))  # the tie
-    assert narrow_tokens[0][0] != wide_tokens[0][0]  # torch's order among them depends on k: the case in point
 
 
 # --- any family, any vocabulary: the head at the masks and the traced graph, or the reason why not ---------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 import pytest
@@ -144,21 +143,18 @@ async def test_unsubscribing_stops_the_frames(server: FillMaskServer) -> None:
             await recv(ws, timeout=0.6)  # more than two intervals: nothing
 
 
-def test_a_batch_counted_on_another_thread_is_in_exactly_one_of_two_frames() -> None:
-    # The decode stage counts a batch while the event loop takes a snapshot: whichever comes first under
-    # the lock, the batch is in that window or the next, never in both or neither (the live timeline
-    # once missed a batch that fell between two windows, beside a busy core).
+def test_a_batch_is_in_the_frame_whose_snapshot_follows_its_count_and_in_no_other() -> None:
+    # The decode stage counts a batch, under the lock, before or after the event loop's snapshot: it
+    # is in that window or the next, never in both or neither (the live timeline once missed a batch
+    # that fell between two windows, beside a busy core, when windows were cut by clock readings).
     for counted_first in (True, False):
         stats = LiveStats()
         since = stats.mark(9.0)
-        counting = threading.Thread(target=stats.batch_ran, args=(7, 4, 40, 0.01))
         if counted_first:
-            counting.start()
-            counting.join(5)
+            stats.batch_ran(7, 4, 40, 0.01)
         first, middle = stats.snapshot(since, 10.5, 0, 0, 1)
         if not counted_first:
-            counting.start()
-            counting.join(5)
+            stats.batch_ran(7, 4, 40, 0.01)
         second, _ = stats.snapshot(middle, 11.0, 0, 0, 1)
         assert [b["batch_id"] for b in first["batches"] + second["batches"]] == [7]
         assert [f["batch_size"]["max"] for f in (first, second)] == ([4, None] if counted_first else [None, 4])

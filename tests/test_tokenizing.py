@@ -41,10 +41,15 @@ def held_out(tokenizer: Any) -> list[str]:
             *(f"M{space}K{mask}" for space in tokenizing._WHITESPACE), f"\x1c{mask}", f"a\x1fb {mask}"]
 
 
-def test_the_check_texts_hold_every_character_python_splits_words_on() -> None:
+def test_the_check_texts_hold_every_character_python_splits_words_on(esm: Any, tiny_model_dir: Path) -> None:
     """Slow tokenizers split words with ``str.split()``; the check must see every character it splits on
     (a differential run found U+001C–U+001F split by the slow tokenizer, kept by the candidate)."""
     assert set(tokenizing._WHITESPACE) == {chr(c) for c in range(0x110000) if chr(c).isspace()}
+    from transformers import AutoTokenizer
+
+    for tokenizer in (esm, AutoTokenizer.from_pretrained(tiny_model_dir)):  # 33 tokens, and 30,522
+        checked = "".join(tokenizing.check_texts(tokenizer))
+        assert all(space in checked for space in tokenizing._WHITESPACE), tokenizer.vocab_size
 
 
 def test_a_pure_python_tokenizer_of_whole_tokens_gets_a_fast_equivalent_with_the_same_ids(esm: Any) -> None:

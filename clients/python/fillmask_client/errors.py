@@ -30,6 +30,7 @@ so a program can log or forward exactly what the server said.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 
@@ -61,7 +62,7 @@ def check_seconds(name: str, value: float, *, zero_ok: bool = True) -> float:
     NaN compares false with everything, so a bare ``value <= 0`` lets it through, and a wait of NaN or
     infinity never ends: both are refused here, as is a boolean.
     """
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # (numpy's numbers too)
     if not (number and math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
         least = ">= 0" if zero_ok else "> 0"
         raise UsageError(f"{name} must be a finite number of seconds {least}, not {value!r}")

@@ -107,8 +107,8 @@ def check_sendable(
     """``UsageError`` when a ``fill_mask`` frame with these values cannot carry them as given.
 
     Only what the encoding itself would break is refused; everything else is the server's to judge.
-    A string with a lone surrogate is not valid Unicode and has no UTF-8 form (sent anyway, it would
-    make the server close the connection with 1007, §1, failing every call on it). A NaN or infinite
+    A string with a lone surrogate is not valid Unicode and has no UTF-8 form (the JSON encoder would
+    fail on it with a ``TypeError`` from deep inside the send). A NaN or infinite
     number has no JSON form: the encoder would write ``null``, which the server reads as the field left
     out (§3), so ``deadline_ms=float("nan")`` would silently run without a deadline.
     """

@@ -7,6 +7,7 @@ checked with plain numbers.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,5 +91,6 @@ class ReconnectBackoff:
 
 
 def _finite(value: float) -> bool:
-    """A finite number >= 0 (false for NaN, which ``value < 0`` lets through)."""
-    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+    """A finite number >= 0, not a boolean (false for NaN, which ``value < 0`` lets through)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0)
