@@ -198,6 +198,18 @@ class FillMaskModel:
         # are now: whoever replaces either must build it again.
         self._batch = self._batch_graph()
 
+    def fails_a_batch(self) -> str | None:
+        """Run one batch of two texts of different lengths (padding) with a mask each, as requests run;
+        the first line of what went wrong, or None. The start-up checks before it fall back to slower
+        paths where a part fails; this is the last: a model that fails here would fail every request."""
+        mask = self.mask_token
+        try:
+            ids = self.tokenize([f"{mask}", f"{mask} {mask}. {mask}"])
+            self.forward([Item(ids[0], 1), Item(ids[1], 2)])
+        except Exception as exc:
+            return _first_line(exc)
+        return None
+
     def engine_facts(self) -> dict[str, str]:
         """Which path runs, for ``hello.engine``, ``/metrics`` and the start-up line (protocol.md §2)."""
         return {"forward": self.forward_mode, "head": self.head_mode, "device": str(self.device), "dtype": self.dtype}
@@ -245,6 +257,9 @@ class FillMaskModel:
                 if not pieces:
                     continue
                 id_ = pieces[0]
+            if not 0 <= id_ < self.vocab_size:
+                raise TargetError(f"the target {target[:100]!r} is a token of the tokenizer that this model has no "
+                                  "output for (the tokenizer knows more tokens than the model)")
             ids.append(id_)
         unique = list(set(ids))  # the pipeline's order, which decides ties in top-k
         if not unique:
@@ -516,17 +531,18 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
 
 def _max_tokens(tokenizer: Any, model: Any) -> int:
     """Longest input the model accepts, special tokens included: the tokenizer's ``model_max_length``
-    when it has one, else the position table's size (less the offset of position ids that start after
-    the padding index, as RoBERTa's do)."""
+    when it has one, and never more than the position table's size (less the offset of position ids
+    that start after the padding index, as RoBERTa's do: a RoBERTa tokenizer that says 514 for a table
+    of 514 takes 512). A longer limit let texts through that the model then failed on."""
     limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and 0 < limit < 1_000_000:
-        return limit
     positions = getattr(model.config, "max_position_embeddings", 512)
     embeddings = getattr(getattr(model, "base_model", None), "embeddings", None)
     table = getattr(embeddings, "position_embeddings", None)
     padding_idx = getattr(table, "padding_idx", None)
     if isinstance(padding_idx, int) and padding_idx >= 0:
         positions -= padding_idx + 1
+    if isinstance(limit, int) and 0 < limit < 1_000_000:
+        return min(limit, positions)
     return positions
 
 
@@ -627,22 +643,57 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     progress("tokenizer and weights")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype)
+        model, loading = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype,
+                                                              output_loading_info=True)
     except Exception as exc:  # corrupt files raise library-specific errors: all become one line
         raise ModelLoadError(_explain_load_failure(name, exc)) from None
     if getattr(tokenizer, "mask_token_id", None) is None:
         raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
                              "use a fill-mask model such as google-bert/bert-base-uncased")
+    problem = _unservable(tokenizer, model, sorted(loading.get("missing_keys") or ()))
+    if problem is not None:
+        raise ModelLoadError(f"model {name!r} {problem}")
     model = model.to(device).eval()
     if dtype == "int8":
         progress("int8 quantisation")
         model = _quantize_dynamic(model)
     progress("forward pass traced and checked" if forward == "traced" else "model set-up")
     loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward)
+    failure = loaded.fails_a_batch()
+    if failure is not None:
+        raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
+                             "cannot serve requests: check that its tokenizer and its weights belong together")
     facts = loaded.engine_facts()
     log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
              "at the masks" if facts["head"] == "masks" else "at every position (full model)")
     return loaded
+
+
+def _unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
+    """Why a loaded checkpoint cannot be served (the end of a one-line ``ModelLoadError``), or None.
+
+    - Weights of the model missing from the checkpoint (an encoder saved without its MLM head): the
+      library fills them with random values, and predictions would be noise that changes with every
+      start. Missing biases alone are only logged (some checkpoints leave a tied bias out).
+    - The mask or padding token's id beyond the model's token embeddings (a tokenizer given a new
+      special token, the model not resized): every request, or every padded batch, would fail.
+    """
+    weights = [key for key in missing if key.endswith(".weight")]
+    if weights:
+        return (f"has no weights for {weights[0]}" + (f" and {len(weights) - 1} more" if len(weights) > 1 else "")
+                + " in its checkpoint (an encoder saved without its masked-language-model head?): they would "
+                "be random, and so would its predictions; use a checkpoint saved with its fill-mask head")
+    if missing:
+        log.warning("the checkpoint has no %s (and %d more); they start at the library's initial values",
+                    missing[0], len(missing) - 1)
+    rows = model.get_input_embeddings().num_embeddings
+    for role in ("mask", "pad"):
+        token, token_id = getattr(tokenizer, f"{role}_token", None), getattr(tokenizer, f"{role}_token_id", None)
+        if isinstance(token_id, int) and not 0 <= token_id < rows:
+            return (f"has a tokenizer whose {role} token {token!r} is id {token_id}, but the model has token "
+                    f"embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
+                    "(resize_token_embeddings) or use the tokenizer it was trained with")
+    return None
 
 
 def _quantize_dynamic(model: Any) -> Any:

@@ -368,3 +368,92 @@ def test_a_cached_base_family_checkpoint_of_another_vocabulary_size_is_not_reuse
     assert not is_family_checkpoint(fake(tmp_path / "bert", 1000), "base")
     elsewhere = fake(tmp_path / "x", FAMILY_REAL_VOCAB["xlm-roberta"])
     assert is_family_checkpoint(elsewhere, "base", "xlm-roberta") and not is_family_checkpoint(elsewhere, "base")
+
+
+# --- checkpoints that cannot be served are refused at start-up, in one line (found by an adversarial run) ----
+
+
+def odd_bert(tmp_path: Path, name: str, edit: Any) -> Path:
+    """The tiny BERT family checkpoint, copied and changed by ``edit(tokenizer, model, directory)``."""
+    import shutil
+
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from fillmask_server.checkpoint import ensure_family
+
+    directory = tmp_path / name
+    shutil.copytree(ensure_family("bert", Path(__file__).resolve().parent.parent / "models" / "families"), directory)
+    tokenizer, model = AutoTokenizer.from_pretrained(directory), AutoModelForMaskedLM.from_pretrained(directory)
+    edit(tokenizer, model, directory)
+    return directory
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("a mask token beyond the embeddings", "mask token '<newmask>' is id 1000, but the model has token embeddings "
+                                           "for ids 0 to 999 only"),
+    ("a pad token beyond the embeddings", "pad token '<newpad>' is id 1000"),
+    ("an encoder without its head", "has no weights for cls.predictions"),
+    ("no token type embeddings", "fails on a batch of two short texts with a mask"),
+])
+def test_a_checkpoint_that_would_fail_every_request_is_refused_at_start_up(tmp_path: Path, case: str,
+                                                                           expected: str) -> None:
+    """Each of these started, said ready, and then answered every request (or every padded batch) with
+    internal_error and a traceback, or (the encoder) with a head of random weights that changed at each
+    start."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from fillmask_server.model import ModelLoadError
+
+    def edit(tokenizer: Any, model: Any, directory: Path) -> None:
+        if case == "a mask token beyond the embeddings":
+            tokenizer.add_special_tokens({"mask_token": "<newmask>"})
+        elif case == "a pad token beyond the embeddings":
+            tokenizer.add_special_tokens({"pad_token": "<newpad>"})
+        elif case == "an encoder without its head":
+            model.bert.save_pretrained(directory)
+            return
+        else:
+            config = BertConfig.from_pretrained(directory, type_vocab_size=0)
+            BertForMaskedLM(config).save_pretrained(directory)
+            return
+        tokenizer.save_pretrained(directory)
+
+    directory = odd_bert(tmp_path, "odd", edit)
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(str(directory))
+    assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_tokenizer_longer_than_the_position_table_is_held_to_the_table(tmp_path: Path) -> None:
+    """A tokenizer that says 128 tokens for a table of 64 let texts of 65..128 tokens through, and each
+    failed with internal_error; the check at that length also took the traced graph away for all."""
+
+    def edit(tokenizer: Any, model: Any, directory: Path) -> None:
+        tokenizer.model_max_length = 128
+        tokenizer.save_pretrained(directory)
+
+    model = load_model(str(odd_bert(tmp_path, "long", edit)))
+    assert model.max_tokens == 64 and model.engine_facts()["forward"] == "traced"
+
+
+def test_a_token_the_tokenizer_knows_and_the_model_does_not_is_refused_per_request(tmp_path: Path) -> None:
+    """Added tokens beyond the model's vocabulary reached the model: internal_error, a traceback, and the
+    whole batch run again one request at a time. Now the request alone is refused, with §7's codes."""
+    from fillmask_server.intake import Checked, Refusal, check
+    from fillmask_server.model import TargetError
+    from fillmask_server.protocol import FillMaskRequest
+
+    def edit(tokenizer: Any, model: Any, directory: Path) -> None:
+        tokenizer.add_tokens(["zzalpha"])
+        tokenizer.save_pretrained(directory)
+
+    model = load_model(str(odd_bert(tmp_path, "added", edit)))
+    texts = ["the [MASK] zzalpha sat.", "the [MASK] sat."]
+    ids = model.tokenize(texts)
+    refused = check(model, FillMaskRequest(1, texts[0], 5), ids[0], 8, 1 << 20)
+    assert isinstance(refused, Refusal) and refused.code == "invalid_field" and "zzalpha" in refused.message
+    assert isinstance(check(model, FillMaskRequest(2, texts[1], 5), ids[1], 8, 1 << 20), Checked)
+    targeted = check(model, FillMaskRequest(3, texts[1], 5, ("zzalpha",)), ids[1], 8, 1 << 20)
+    assert isinstance(targeted, Refusal) and targeted.code == "invalid_targets" and "zzalpha" in targeted.message
+    with pytest.raises(TargetError):
+        model.target_ids(("zzalpha", "the"))
