@@ -201,13 +201,18 @@ class FillMaskModel:
     def fails_a_batch(self) -> str | None:
         """Run one batch of two texts of different lengths (padding) with a mask each, as requests run;
         the first line of what went wrong, or None. The start-up checks before it fall back to slower
-        paths where a part fails; this is the last: a model that fails here would fail every request."""
+        paths where a part fails; this is the last: a model that fails here would fail every request.
+        Scores that are not numbers (weights with NaN in them) fail too: JSON has no NaN."""
+        import torch
+
         mask = self.mask_token
         try:
             ids = self.tokenize([f"{mask}", f"{mask} {mask}. {mask}"])
-            self.forward([Item(ids[0], 1), Item(ids[1], 2)])
+            top = self.forward([Item(ids[0], 1), Item(ids[1], 2)])
         except Exception as exc:
             return _first_line(exc)
+        if not bool(torch.isfinite(top.values).all()):
+            return "its scores are not numbers (NaN or infinite weights?)"
         return None
 
     def engine_facts(self) -> dict[str, str]:

@@ -394,6 +394,7 @@ def odd_bert(tmp_path: Path, name: str, edit: Any) -> Path:
     ("a pad token beyond the embeddings", "pad token '<newpad>' is id 1000"),
     ("an encoder without its head", "has no weights for cls.predictions"),
     ("no token type embeddings", "fails on a batch of two short texts with a mask"),
+    ("NaN weights", "its scores are not numbers"),
 ])
 def test_a_checkpoint_that_would_fail_every_request_is_refused_at_start_up(tmp_path: Path, case: str,
                                                                            expected: str) -> None:
@@ -411,6 +412,11 @@ def test_a_checkpoint_that_would_fail_every_request_is_refused_at_start_up(tmp_p
             tokenizer.add_special_tokens({"pad_token": "<newpad>"})
         elif case == "an encoder without its head":
             model.bert.save_pretrained(directory)
+            return
+        elif case == "NaN weights":
+            with torch.no_grad():
+                model.bert.encoder.layer[0].attention.self.query.weight.fill_(float("nan"))
+            model.save_pretrained(directory)
             return
         else:
             config = BertConfig.from_pretrained(directory, type_vocab_size=0)
