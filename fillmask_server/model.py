@@ -207,8 +207,10 @@ class FillMaskModel:
 
         mask = self.mask_token
         try:
-            ids = self.tokenize([f"{mask}", f"{mask} {mask}. {mask}"])
-            top = self.forward([Item(ids[0], 1), Item(ids[1], 2)])
+            texts = [ids for ids in self.tokenize([f"{mask}", f"{mask} {mask}. {mask}"]) if len(ids) <= self.max_tokens]
+            if not texts:  # a position table too short for any text: every request is refused as too long
+                return None
+            top = self.forward([Item(ids, n + 1) for n, ids in enumerate(texts)])
         except Exception as exc:
             return _first_line(exc)
         if not bool(torch.isfinite(top.values).all()):
