@@ -225,6 +225,14 @@ def test_a_vocabulary_of_25_tokens_and_16_positions_gets_the_traced_graph_and_th
     assert got.values[0].tolist() == pytest.approx([p["score"] for p in expected], abs=1e-6)
 
 
+@pytest.mark.parametrize("positions", [3, 5, 16])
+def test_the_start_up_batch_passes_on_any_position_table(positions: int) -> None:
+    """The batch every load runs last (``fails_a_batch``) uses only texts the table takes, so a model with
+    room for one masked token and its two special tokens is served, not refused."""
+    tokenizer, model = residue_model(positions)
+    assert FillMaskModel("residues", tokenizer, model, "cpu", "float32").fails_a_batch() is None
+
+
 def test_a_head_that_is_not_per_position_runs_the_full_model_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """The load-time check compares the head on the encoder's output with the model's own forward pass:
     a head that mixes positions fails it, and the server runs the whole model (still traced), correctly."""
