@@ -684,6 +684,8 @@ def _unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
       start. Missing biases alone are only logged (some checkpoints leave a tied bias out).
     - The mask or padding token's id beyond the model's token embeddings (a tokenizer given a new
       special token, the model not resized): every request, or every padded batch, would fail.
+    - A tokenizer of special tokens only (transformers 5 makes one when the directory has no tokenizer
+      files): every word would be the unknown token.
     """
     weights = [key for key in missing if key.endswith(".weight")]
     if weights:
@@ -693,6 +695,9 @@ def _unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
     if missing:
         log.warning("the checkpoint has no %s (and %d more); they start at the library's initial values",
                     missing[0], len(missing) - 1)
+    if set(tokenizer.get_vocab()) <= set(tokenizer.all_special_tokens):
+        return (f"has a tokenizer of {len(tokenizer)} special tokens and no others (are its tokenizer files "
+                "missing?): every word would be unknown to it; add the tokenizer files the model was trained with")
     rows = model.get_input_embeddings().num_embeddings
     for role in ("mask", "pad"):
         token, token_id = getattr(tokenizer, f"{role}_token", None), getattr(tokenizer, f"{role}_token_id", None)
