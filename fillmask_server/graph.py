@@ -69,14 +69,13 @@ class BatchGraph(torch.nn.Module):
 
 def top_k_per_row(probs: torch.Tensor, ks: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:  # noqa: UP006
     """Each row's top ``ks[row]`` (values, indices), padded with zeros to the largest ``k``; one
-    ``topk`` call per distinct ``k`` (see the module docstring)."""
+    ``topk`` call per distinct ``k`` (see the module docstring; a batch of one ``k`` takes one call on
+    ``probs`` itself, in ``BatchGraph.forward``)."""
     vocabulary = probs.shape[-1]
     distinct: List[int] = []  # noqa: UP006
     for k in ks:
         if k not in distinct:
             distinct.append(k)
-    if len(distinct) == 1:
-        return probs.topk(min(distinct[0], vocabulary))
     widest = min(max(distinct), vocabulary)
     values = torch.zeros((probs.shape[0], widest), dtype=probs.dtype)
     indices = torch.zeros((probs.shape[0], widest), dtype=torch.long)

@@ -77,8 +77,9 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
     """The §3 checks that need the tokenizer, in this order: tokenizable, length, masks, targets, result size."""
     if ids is None:
         return Refusal("invalid_field", "the text could not be tokenized; send plain text")
-    if ids and max(ids) >= model.vocab_size:  # a tokenizer that knows more tokens than its model
-        token = model.tokenizer.convert_ids_to_tokens(max(ids))
+    highest = max(ids, default=0)
+    if highest >= model.vocab_size:  # a tokenizer that knows more tokens than its model
+        token = model.tokenizer.convert_ids_to_tokens(highest)
         return Refusal("invalid_field", f"the text holds the token {str(token)[:100]!r}, which this model's tokenizer "
                        "knows but the model has no embedding for; leave it out")
     if len(ids) > model.max_tokens:
