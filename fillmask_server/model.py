@@ -40,7 +40,7 @@ padding and masks, two things are verified, and if either fails the full model r
   ``forward(...).logits``, so the head sees nothing but the encoder's last hidden state. A head that
   reads anything else differs on every try; a CPU's kernels can differ once (the model's own forward
   pass, first of a process, has been seen to give whole rows other bits than every later pass on the
-  same input), so a mismatch is tried again, ``_HEAD_ATTEMPTS`` times in all, and one exact match passes;
+  same input), so a mismatch is tried again, ``_HEAD_ATTEMPTS`` tries in all, and one exact match passes;
 - the head on the *mask rows alone* equals those logits at the masks within a few units in the last
   place (a matrix product's last bits depend on how many rows it has), so the head works position
   by position. Not with ``--dtype int8``: dynamic quantisation scales each Linear layer's input by
@@ -362,24 +362,23 @@ class FillMaskModel:
         try:
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                for attempt in range(_HEAD_ATTEMPTS):
+                tries = 0
+                while True:
+                    tries += 1
                     full = self.model(input_ids=ids, attention_mask=attention, **extra).logits
                     hidden = self._encoder(input_ids=ids, attention_mask=attention, **extra).last_hidden_state
                     every = self._head(hidden.reshape(-1, hidden.shape[-1]))
-                    if every.shape != (ids.numel(), full.shape[-1]):
+                    shaped = every.shape == (ids.numel(), full.shape[-1])
+                    same = shaped and torch.equal(every, full.reshape(every.shape))
+                    if same or not shaped or tries == _HEAD_ATTEMPTS:
                         break
-                    if torch.equal(every, full.reshape(every.shape)):
-                        if attempt:
-                            log.info("the model's own forward pass gave other bits on %d of %d tries of the "
-                                     "same input; the head check passed on a repeat", attempt, attempt + 1)
-                        break
-                else:
-                    every = None
                 at_masks = self._head(hidden[rows, cols])
         except Exception as exc:  # an encoder or forward pass this split does not fit
             return f"the MLM head cannot run on the encoder's output alone ({_first_line(exc)})"
-        if every is None or every.shape != (ids.numel(), full.shape[-1]):
+        if not same:
             return "the MLM head on the encoder's output differs from the model's own forward pass"
+        if tries > 1:
+            log.info("the head check matched on try %d of the same input (the tries before gave other bits)", tries)
         if self.dtype == "int8":  # see the module docstring: no layer is per-position under dynamic quantisation
             return None
         expected = full[rows, cols].float()
