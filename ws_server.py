@@ -22,7 +22,7 @@ import sys
 from fillmask_server.calibration import calibrate
 from fillmask_server.config import Config, load_config
 from fillmask_server.model import ModelLoadError, load_model, resolve_device
-from fillmask_server.server import FillMaskServer, check_can_listen
+from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
 from fillmask_server.startup import StartupLines
 
 
@@ -67,19 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
     try:
         asyncio.run(serve_until_signalled(config))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # typically the port is taken
-        print(f"error: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; is another server "
-              "running there? choose another --port (0 picks a free one)", file=sys.stderr)
+    except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
+        print(f"error: {listen_problem(config.host, config.port, exc)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C before the server was ready (once serving, signals drain it)
-        print("error: interrupted before the server was ready", file=sys.stderr, flush=True)
-        os._exit(130)  # the model may still be loading on its own thread, inside native code: do not wait
     return 0
+
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """Ctrl-C before the server is ready: leave at once. The model loads on its own thread, inside native
+    code, and asyncio's own handler would only act once it had loaded. Serving replaces this handler
+    with the drain's."""
+    print("error: interrupted before the server was ready", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ _HELP: dict[str, str] = {
                      "is always allowed. Others get HTTP 421, which stops DNS rebinding; /healthz and /readyz answer "
                      "any Host",
     "token": "shared secret clients must present as 'Authorization: Bearer TOKEN' or ?token=TOKEN on the "
-             "WebSocket and /metrics requests (HTTP 401 otherwise); empty = no token",
+             "WebSocket and /metrics requests (HTTP 401 otherwise); leave it out to serve without one (an empty "
+             "token is refused)",
     "certfile": "PEM certificate chain (may also hold the key): serve wss:// and https:// instead of ws:// and http://",
     "keyfile": "PEM private key for --certfile, when the certificate file does not hold it",
 }
@@ -213,11 +214,16 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     values: dict[str, object] = {}
+    if args.get("token") == "":  # as from --token "$UNSET": never serve open by mistake
+        parser.error("--token is empty: give the token, or leave --token out to serve without one")
     for f in fields(Config):
         if f.name in args:
             values[f.name] = args[f.name]
             continue
         raw = environ.get(env_name(f.name))
+        if raw == "" and f.name == "token":  # a secret that came out empty: never serve open by mistake
+            parser.error(f"{env_name(f.name)} is set but empty: set the token, or unset the variable to serve "
+                         "without one")
         if raw is None or raw == "":
             continue
         kind = type(f.default)

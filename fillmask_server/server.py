@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import socket
@@ -164,7 +165,9 @@ class FillMaskServer:
             ssl=self._tls,
         )
         self.ready.loaded = True
-        log.info("serving %s on %s", self.config.model, self.url)
+        log.info("serving %s on %s (%s)", self.config.model, self.url,
+                 "clients must present the token" if self.config.token
+                 else "no token: whoever reaches the port may use it")
 
     def _follow_thread_count(self, count: int) -> None:
         """Set the interpreter's switch interval for a model on ``count`` torch threads: ``--gil-switch-ms``
@@ -490,12 +493,28 @@ def model_display_name(model: str) -> str:
 
 
 def check_can_listen(host: str, port: int) -> None:
-    """Raise ``OSError`` now if ``host:port`` cannot be bound, so that a port already in use is
-    reported before the model loads (which may take minutes), not after. Port 0 always works."""
-    if port == 0:
-        return
+    """Raise ``OSError`` now if ``host:port`` cannot be bound, so that a port already in use, a host that
+    does not resolve or an address this machine does not have is reported before the model loads (which
+    may take minutes), not after. Port 0 binds a free port of each address, which tests the address."""
     for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE):
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
             probe.bind(address)
+
+
+def listen_problem(host: str, port: int, exc: OSError) -> str:
+    """The one line that says why ``host:port`` cannot be listened on, naming the flag to change: the
+    host's for a name that does not resolve or an address no interface has, the port's otherwise."""
+    where = f"cannot listen on {host}:{port}"
+    hosts = "choose another --host (127.0.0.1: this machine only; 0.0.0.0: every interface)"
+    if isinstance(exc, socket.gaierror):
+        return f"{where}: the host name does not resolve ({exc.strerror or exc}); {hosts}"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: no interface of this machine has that address; {hosts}"
+    if exc.errno == errno.EACCES:
+        return f"{where}: ports below 1024 need privileges; choose a --port of 1024 or more (0 picks a free one)"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"{where}: the port is in use; is another server running there? choose another --port "
+                "(0 picks a free one)")
+    return f"{where}: {exc.strerror or exc}; check --host and --port (0 picks a free port)"

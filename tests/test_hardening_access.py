@@ -161,6 +161,22 @@ def test_hardening_flags_have_environment_variables() -> None:
             config.max_inflight_per_connection) == (5, TOKEN, "*", "fill.example.com", 9)
 
 
+@pytest.mark.parametrize(("argv", "environ", "message"), [
+    (["--token", ""], {}, "--token is empty"),  # as from --token "$UNSET"
+    (["--token", ""], {"FILLMASK_TOKEN": TOKEN}, "--token is empty"),  # the flag wins, and it is empty
+    ([], {"FILLMASK_TOKEN": ""}, "FILLMASK_TOKEN is set but empty"),  # a secret that came out empty
+])
+def test_an_empty_token_is_refused_not_taken_as_no_token(argv: list[str], environ: dict[str, str], message: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Serving without a token is leaving the token out; an empty one is a mistake that would open the
+    server to anyone, so it stops the start with one line (exit 2, argparse's usage error)."""
+    with pytest.raises(SystemExit) as exited:
+        load_config(argv, environ)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and message in lines[-1] and ("leave --token out" in lines[-1]
+                                                                or "unset the variable" in lines[-1])
+
+
 # --- the handshake on a real socket --------------------------------------------------------------
 
 
@@ -235,6 +251,18 @@ async def test_token_is_required_in_header_or_query(make_server: Any) -> None:
         assert (await http_status(f"{srv.http_url}/metrics", {"Authorization": f"Bearer {TOKEN}"})) == 200
         refused = srv.metrics.registry.get_sample_value("fillmask_handshakes_refused_total", {"reason": "token"})
         assert refused == 4
+
+
+async def test_the_serving_line_says_whether_a_token_is_required(make_server: Any,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """An operator reading the start-up lines learns whether the port is open to anyone."""
+    for token, says in ((TOKEN, "(clients must present the token)"), ("", "(no token: whoever reaches the port")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="fillmask_server.server"):
+            async with make_server(token=token):
+                pass
+        serving = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
+        assert len(serving) == 1 and says in serving[0], serving
 
 
 async def http_status(url: str, headers: dict[str, str] | None = None,

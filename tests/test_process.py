@@ -223,6 +223,26 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> Non
     assert "cannot load model" not in result.stderr  # the port is checked first
 
 
+def test_ctrl_c_while_the_model_loads_stops_at_once(tiny_model_dir: Path) -> None:
+    """Before, asyncio's own SIGINT handler waited for the load (seconds; a hub download's whole length)
+    and the stages ran on. Now the first line's SIGINT ends the process before any later stage: no
+    calibration line, no ready line. (The signal goes the moment the first line is read, while torch
+    is still being imported.)"""
+    process = subprocess.Popen([sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0"],
+                               cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = process.stderr.readline()  # type: ignore[union-attr]
+        assert first.startswith("loading "), first
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted before the server was ready"
+    assert "calibrated" not in err and "ready:" not in out and "Traceback" not in err
+
+
 async def test_a_second_signal_during_the_drain_stops_at_once(tiny_model_dir: Path) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--shutdown-timeout", "60",

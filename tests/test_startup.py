@@ -74,6 +74,21 @@ def test_a_port_in_use_fails_before_torch_is_imported(tiny_model_dir: Path) -> N
     assert result.stderr.startswith("error: cannot listen on 127.0.0.1:") and len(result.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize(("host", "expected"), [
+    ("nosuch.invalid", "the host name does not resolve"),  # .invalid never resolves (RFC 6761)
+    ("192.0.2.1", "no interface of this machine has that address"),  # TEST-NET-1 (RFC 5737): never assigned
+])
+def test_a_host_that_cannot_be_listened_on_is_named_before_torch_is_imported(tiny_model_dir: Path, host: str,
+                                                                             expected: str) -> None:
+    """Port 0 too: the address is checked by binding a free port on it, before the model loads; and the
+    line names --host, not the port, which was never the problem."""
+    result = run_without_torch("--model", str(tiny_model_dir), "--host", host, "--port", "0")
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: cannot listen on {host}:0: {expected}") and "--host" in lines[0]
+    assert "another server" not in lines[0]
+
+
 def test_the_torch_refusal_bites_once_the_checks_pass(tiny_model_dir: Path) -> None:
     """The control: a good model and a free port get as far as importing torch, which the harness refuses."""
     result = run_without_torch("--model", str(tiny_model_dir), "--port", "0", "--device", "cpu")
