@@ -146,13 +146,24 @@ def test_dockerfile_copies_existing_paths_kept_by_its_ignore_file() -> None:
     assert 'ENTRYPOINT ["fillmask-server"]' in text
 
 
-def test_haproxy_config_is_accepted_by_haproxy() -> None:
+def haproxy_check(replicas: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``haproxy -c`` on deploy/haproxy.cfg with ``replicas`` as its only FILLMASK_ variables."""
     binary = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
     if binary is None:
         pytest.skip("haproxy is not installed (bash scripts/setup.sh --test installs Debian's package)")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FILLMASK_")},
-           "FILLMASK_REPLICA_1": "127.0.0.1:18765", "FILLMASK_REPLICA_2": "127.0.0.1:18766"}
-    checked = subprocess.run([binary, "-c", "-f", str(ROOT / "deploy" / "haproxy.cfg")], env=env,
-                             capture_output=True, text=True, timeout=30)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FILLMASK_")}, **replicas}
+    return subprocess.run([binary, "-c", "-f", str(ROOT / "deploy" / "haproxy.cfg")], env=env,
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_haproxy_config_is_accepted_by_haproxy() -> None:
+    checked = haproxy_check({"FILLMASK_REPLICA_1": "127.0.0.1:18765", "FILLMASK_REPLICA_2": "127.0.0.1:18766"})
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "WARNING" not in checked.stdout + checked.stderr, checked.stdout + checked.stderr
+
+
+def test_haproxy_refuses_to_start_without_a_replica() -> None:
+    """Unset or misspelled, no replica would mean a balancer that answers every request 503 "retry in a
+    few seconds", as if the replicas were loading: it refuses to start, naming the variable."""
+    checked = haproxy_check({"FILLMASK_REPLICA_ONE": "127.0.0.1:18765"})
+    assert checked.returncode != 0 and "FILLMASK_REPLICA_1 is not set" in checked.stdout + checked.stderr
