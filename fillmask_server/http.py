@@ -78,6 +78,7 @@ PROBE_PATHS = ("/healthz", "/readyz")  # answer any Host: load balancers and Kub
 SINGLE_VALUED_HEADERS = ("Host", "Origin", "Authorization", "Upgrade", "Accept", "Sec-WebSocket-Key",
                          "Sec-WebSocket-Version")
 LOG_INTERVAL_S = 10.0
+TLS_HANDSHAKE = b"\x16"  # the first byte of any TLS record that opens a connection (a handshake record)
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,20}$")  # an HTTP method as RFC 9110 §5.6.2 spells it
 
 TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or the query "
@@ -185,6 +186,15 @@ class HttpFront:
         self.metrics.handshakes_refused.labels(reason).inc()
         return json_response(status, {"error": message}, extra_headers)
 
+    def refuse_tls(self, connection: ServerConnection) -> None:
+        """A TLS handshake on this plain server (a client that said wss:// or https://): it cannot read an
+        HTTP answer, so the connection is closed at once (not left to time out) and the log says why."""
+        self.metrics.handshakes_refused.labels("bad_request").inc()
+        self.log.warning("bad_request", "closed a connection from %s: a TLS handshake reached a server without "
+                         "TLS (the client used wss:// or https://); connect with ws:// or http://, or serve "
+                         "TLS with --certfile", peer(connection))
+        connection.transport.abort()
+
     def _refuse_bad_request(self, connection: ServerConnection, status: int, message: str,
                             extra_headers: list[tuple[str, str]] | None = None) -> Response:
         self.log.warning("bad_request", "refused a request from %s with %d: %s", peer(connection), status, message)
@@ -281,6 +291,7 @@ class FrontConnection(ServerConnection):
     _unhold: Callable[[], None] | None = None  # puts the parser's own reading back (``hold_frames_until_answered``)
     on_backed_up: Callable[[], None] | None = None  # set by the server: called each time ``backed_up`` turns True
     on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
+    opening = b""  # the connection's first byte (a TLS handshake's is ``TLS_HANDSHAKE``)
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -291,6 +302,11 @@ class FrontConnection(ServerConnection):
             transport.set_write_buffer_limits(bound)
 
     def data_received(self, data: bytes) -> None:
+        if not self.opening:
+            self.opening = data[:1]
+            if self.opening == TLS_HANDSHAKE and not self.front.tls:
+                self.front.refuse_tls(self)
+                return
         super().data_received(data)
         transport = self.transport
         if not self._held and self.request is not None and unanswered(self.protocol):

@@ -14,6 +14,7 @@ import base64
 import logging
 import os
 import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,30 @@ async def test_2000_bad_requests_write_a_handful_of_log_lines(make_server: Any,
         assert 1 <= len(ours) <= 3, [r.getMessage() for r in ours]
         assert "more than one Origin header" in ours[0].getMessage()
         assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_a_tls_handshake_on_a_plain_server_is_named_in_the_log(make_server: Any,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A client that says wss:// to a ws:// server cannot read an HTTP answer: the connection is closed at
+    once (it waited for a timeout, then logged a malformed request line), and the log says what happened."""
+    async with make_server() as srv:
+        with caplog.at_level(logging.INFO, logger="fillmask_server.http"):
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                _, writer = await asyncio.open_connection("127.0.0.1", srv.port, ssl=context)
+                writer.close()
+            for _ in range(100):  # bounded: the server logs as it answers
+                if [r for r in caplog.records if r.name == "fillmask_server.http"]:
+                    break
+                await asyncio.sleep(0.02)
+        lines = [r.getMessage() for r in caplog.records if r.name == "fillmask_server.http"]
+        assert len(lines) == 1 and "a TLS handshake reached a server without TLS" in lines[0], lines
+        assert "--certfile" in lines[0]
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        refused = srv.metrics.registry.get_sample_value("fillmask_handshakes_refused_total", {"reason": "bad_request"})
+        assert refused == 1
 
 
 async def test_only_get_and_head(server: FillMaskServer) -> None:
