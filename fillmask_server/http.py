@@ -187,13 +187,18 @@ class HttpFront:
         return json_response(status, {"error": message}, extra_headers)
 
     def refuse_tls(self, connection: ServerConnection) -> None:
-        """A TLS handshake on this plain server (a client that said wss:// or https://): it cannot read an
-        HTTP answer, so the connection is closed at once (not left to time out) and the log says why."""
+        """A TLS handshake on this plain server (a client that said wss:// or https://): answered at once
+        with a plain 400 and closed, not left to time out. The client's TLS layer cannot read the answer,
+        and fails with the error that says "not TLS" (``WRONG_VERSION_NUMBER``), not with a reset a client
+        would retry; the log says what happened."""
+        message = ("a TLS handshake reached a server without TLS (the client used wss:// or https://); "
+                   "connect with ws:// or http://, or serve TLS with --certfile")
         self.metrics.handshakes_refused.labels("bad_request").inc()
-        self.log.warning("bad_request", "closed a connection from %s: a TLS handshake reached a server without "
-                         "TLS (the client used wss:// or https://); connect with ws:// or http://, or serve "
-                         "TLS with --certfile", peer(connection))
-        connection.transport.abort()
+        self.log.warning("bad_request", "refused a request from %s with 400: %s", peer(connection), message)
+        body = orjson.dumps({"error": message})
+        connection.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+                                   b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        connection.transport.close()
 
     def _refuse_bad_request(self, connection: ServerConnection, status: int, message: str,
                             extra_headers: list[tuple[str, str]] | None = None) -> Response:

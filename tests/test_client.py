@@ -7,22 +7,29 @@ first tests are pure (frames, retry arithmetic, table layout) and need no server
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import http.server
 import inspect
 import itertools
 import logging
 import math
+import os
 import random
 import re
+import signal
 import socket
 import ssl
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from websockets.asyncio.server import serve
 
 from fillmask_client import (
     ConnectError,
@@ -644,9 +651,10 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
 # --- the command line, as a subprocess ----------------------------------------------------------
 
 
-async def run_cli(*args: str, stdin: str | bytes = "") -> tuple[int, str, str]:
+async def run_cli(*args: str, stdin: str | bytes = "", env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run the command; ``env``: variables to set (on top of this process's) for it."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fillmask_client", *args, cwd=ROOT,
+        sys.executable, "-m", "fillmask_client", *args, cwd=ROOT, env={**os.environ, **(env or {})},
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -1044,3 +1052,168 @@ async def test_sync_client_with_a_pool(make_server: Any) -> None:
         finally:
             await asyncio.to_thread(client.close)
         assert results_of(a) + results_of(b) == 20 and results_of(a) > 0 and results_of(b) > 0
+
+
+# --- connect failures: what waiting can fix, and what it cannot (newcomer's report) ---------------
+
+
+@contextlib.asynccontextmanager
+async def websocket_peer(after_handshake: Callable[[Any], Any]) -> AsyncIterator[str]:
+    """A WebSocket server that is not ours (websockets' own, on a real socket): ``after_handshake(ws)``
+    is all it does with each connection. Yields its ``ws://`` URL."""
+
+    async def handle(ws: Any) -> None:
+        await after_handshake(ws)
+        await ws.wait_closed()
+
+    async with serve(handle, "127.0.0.1", 0) as peer:
+        yield f"ws://127.0.0.1:{peer.sockets[0].getsockname()[1]}/"
+
+
+async def say_nothing(ws: Any) -> None:
+    """Accept the WebSocket and never send ``hello``."""
+
+
+async def say_hello_in_protocol_2(ws: Any) -> None:
+    await ws.send(orjson.dumps({"type": "hello", "protocol": 2, "model": "other"}).decode())
+
+
+@contextlib.contextmanager
+def http_file_server(directory: Path, protocol: str = "HTTP/1.0") -> Iterator[str]:
+    """Python's own ``http.server`` (what ``python3 -m http.server`` runs), in a thread: an HTTP server
+    that is not a WebSocket server. Yields its ``ws://`` URL."""
+    handler = type("Handler", (http.server.SimpleHTTPRequestHandler,), {
+        "protocol_version": protocol, "log_message": lambda self, *args: None})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(directory)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"ws://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)
+
+
+async def connect_failure_of(url: str, wait: float = 10.0, open_timeout: float = 10.0) -> tuple[ConnectError, float]:
+    """The ``ConnectError`` that ``connect(wait=wait)`` raises, and how many seconds it took."""
+    started = time.monotonic()
+    with pytest.raises(ConnectError) as failed:
+        await asyncio.wait_for(FillMaskClient(url, open_timeout=open_timeout).connect(wait=wait), wait + 5)
+    return failed.value, time.monotonic() - started
+
+
+def test_which_connect_failures_are_worth_waiting_for() -> None:
+    def transient(kind: str, status: int | None = None) -> bool:
+        return ConnectError("x", url="ws://x/", kind=kind, http_status=status).transient
+
+    # What a server that is starting, or a balancer with no replica ready, gives: waiting may fix it.
+    for kind in ("refused", "reset", "timeout", "unreachable", "name_lookup", "gone_before_hello"):
+        assert transient(kind), kind
+    for status in (408, 429, 502, 503, 504):
+        assert transient("http", status), status
+    # Wrong address, wrong scheme, wrong server, wrong credentials: the same answer every time.
+    for kind in ("unknown_host", "tls", "certificate", "not_websocket", "not_http", "no_hello", "bad_hello",
+                 "closed_before_hello", "other"):
+        assert not transient(kind), kind
+    for status in (200, 301, 400, 401, 403, 404, 421, 426, 500, 501):
+        assert not transient("http", status), status
+    assert ConnectError("x", url="ws://x/").kind == "other"  # a ConnectError built without a kind is final
+
+
+async def test_connect_fails_at_once_on_what_waiting_cannot_fix(server: Any, tmp_path: Path) -> None:
+    tls_to_plain, took = await connect_failure_of(f"wss://127.0.0.1:{server.port}/")
+    assert took < 2 and not tls_to_plain.transient, (took, tls_to_plain)
+    assert "use ws:// instead of wss://" in str(tls_to_plain) and "still" not in str(tls_to_plain)
+
+    async with websocket_peer(say_hello_in_protocol_2) as url:
+        other_version, took = await connect_failure_of(url)
+    assert took < 2 and other_version.kind == "bad_hello", (took, other_version)
+    assert str(other_version) == f"cannot use {url}: server speaks protocol 2, this client speaks 1"
+
+    (tmp_path / "index.html").write_text("<p>not a WebSocket server</p>")
+    for protocol in ("HTTP/1.0", "HTTP/1.1"):  # websockets parses the first as not HTTP/1.1, the second as a 200
+        with http_file_server(tmp_path, protocol) as url:
+            plain_http, took = await connect_failure_of(url)
+        message = str(plain_http)
+        assert took < 2 and plain_http.kind == "not_websocket", (took, plain_http)
+        assert "HTTP server" in message and "not a WebSocket" in message and "wss://" not in message, message
+
+    async with websocket_peer(say_nothing) as url:
+        silent, took = await connect_failure_of(url, open_timeout=0.5)
+    assert took < 2 and silent.kind == "no_hello", (took, silent)
+    assert str(silent) == (f"cannot use {url}: connected, but no hello frame came within 0.5 s "
+                           "(is this a fill-mask server?)")
+
+
+async def test_connect_keeps_waiting_through_what_a_starting_server_or_balancer_gives() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()  # a TCP proxy whose backend is not up yet: accepts, then closes at once
+
+    async def no_replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    for handler in (hang_up, no_replica):
+        proxy = await asyncio.start_server(handler, "127.0.0.1", 0)
+        try:
+            waited, took = await connect_failure_of(f"ws://127.0.0.1:{proxy.sockets[0].getsockname()[1]}/", wait=1)
+        finally:
+            proxy.close()
+        assert waited.transient and took >= 0.9 and "(still, after trying for 1 s)" in str(waited), (took, waited)
+    refused, took = await connect_failure_of(f"ws://127.0.0.1:{free_port()}/", wait=1)
+    assert refused.kind == "refused" and took >= 0.9 and "still, after trying for 1 s" in str(refused)
+
+
+async def test_cli_exits_at_once_with_the_cause_of_a_permanent_connect_failure(server: Any) -> None:
+    started = time.monotonic()
+    code, out, err = await run_cli("--url", f"wss://127.0.0.1:{server.port}/", TEXT)  # --timeout 10 (default)
+    assert time.monotonic() - started < 5 and (code, out) == (3, ""), err
+    [line] = err.splitlines()  # no "waiting for the server" lines: it did not wait
+    assert line.startswith("fillmask-client: cannot connect to wss://") and "use ws:// instead of wss://" in line
+
+    async with websocket_peer(say_nothing) as url:
+        code, out, err = await run_cli("--url", url, "--timeout", "2.5", TEXT)
+    assert (code, out) == (3, ""), err
+    *waiting, last = err.splitlines()
+    # While it waited for the hello it was connected, and said so.
+    assert waiting and waiting[0] == "fillmask-client: waiting for the server… (1s): connected, no hello frame yet", err
+    assert last == (f"fillmask-client: cannot use {url}: connected, but no hello frame came within 2.5 s "
+                    "(is this a fill-mask server?)")
+
+
+async def test_cli_401_names_the_commands_own_token_flag(make_server: Any) -> None:
+    async with make_server(token="s3cret-value") as srv:
+        code, out, err = await run_cli("--url", srv.url, TEXT, env={"FILLMASK_TOKEN": ""})
+        assert (code, out) == (3, "") and len(err.splitlines()) == 1, err
+        assert "(HTTP 401)" in err and "--token TOKEN" in err and "FILLMASK_TOKEN" in err, err
+        assert "query parameter" not in err and "Authorization" not in err, err  # the library's advice
+        code, out, err = await run_cli("--url", srv.url, "-k", "1", TEXT, env={"FILLMASK_TOKEN": "s3cret-value"})
+        assert (code, err) == (0, "") and out.startswith(TEXT)  # the variable it names does work
+
+
+async def test_ctrl_c_ends_a_run_of_several_texts_with_its_summary(make_server: Any) -> None:
+    texts = ["no mask here", *(f"Text {n} is the [MASK] one." for n in range(4))]
+    async with make_server() as srv:
+        for json_flag in ([], ["--json"]):
+            with srv.engine.paused():
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "fillmask_client", "--url", srv.url, "-c", "3", *json_flag, cwd=ROOT,
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
+                assert proc.stdin is not None and proc.stderr is not None
+                proc.stdin.write("\n".join(texts).encode())
+                proc.stdin.close()
+                failed = await asyncio.wait_for(proc.stderr.readline(), 20)
+                assert b"text 1" in failed and b"no_mask" in failed
+                await wait_until(lambda: srv.engine.queued() == 2)
+                proc.send_signal(signal.SIGINT)
+                out, err = await asyncio.wait_for(proc.communicate(), 20)
+                await wait_until(lambda: srv.engine.queued() == 0)  # it closed its connection: nothing left
+            assert proc.returncode == 130, err
+            assert err.decode() == "fillmask-client: interrupted; 5 texts: 0 answered, 1 failed (1 no_mask), " \
+                                   "4 not answered\n"
+            if json_flag:  # what was printed before the interrupt stays printed
+                assert [frame["code"] for frame in map(orjson.loads, out.splitlines())] == ["no_mask"]
