@@ -43,8 +43,14 @@ async def serve_until_signalled(config: Config) -> None:
     await server.start()
     received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:  # a second one before the drain's handlers are in: stop now, too
+        if received.done():
+            _stop_now()
+        received.set_result(signum)
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lambda s=signum: received.done() or received.set_result(s))
+        loop.add_signal_handler(signum, on_signal, signum)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
     signum = await received

@@ -12,6 +12,11 @@ moves bytes and reports how the client keeps up:
 - ``pending_bytes`` counts the frames queued and not yet handed to the socket; ``congested`` is True
   while it exceeds ``max_send_buffer`` (the server then reads nothing more from this client), and
   ``on_congested`` is called each time it becomes True.
+- ``backlogged`` is True while anything waits to be written (outbox or transport); ``on_backlog`` is
+  called when a write leaves bytes in the transport (the kernel's send buffer is full) and no
+  watchdog is running, so that a client that stops reading is noticed even when its answers stay
+  within the bound (the engine starts its requests only while their answers fit, so the outbox may
+  never pass it).
 - ``last_progress`` is the last time the client was seen taking bytes: a frame's write finished (its
   bytes went below websockets' write buffer limit), or the transport's unsent buffer shrank between
   two looks (``note_progress``). A client that reads, however slowly, keeps moving it; one that reads
@@ -39,6 +44,7 @@ from .stats import Mark
 
 WRITE_BATCH_BYTES = 64 * 1024  # most bytes of frames handed to websockets in one write
 CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close frame before the socket is cut
+DRAIN_LOOK_S = 0.05  # how often a draining connection looks whether its client took its answers
 
 Label = tuple[str, str] | None  # (outcome, code) of an answer about a request; None for other frames
 
@@ -58,7 +64,8 @@ class Connection:
     """One client socket and its outbox (see the module docstring). ``session`` is its protocol state."""
 
     def __init__(self, ws: ServerConnection, metrics: Metrics, max_send_buffer: int,
-                 on_congested: Callable[[Connection], None], unsent: UnsentBytes | None = None) -> None:
+                 on_congested: Callable[[Connection], None], unsent: UnsentBytes | None = None,
+                 on_backlog: Callable[[Connection], None] | None = None) -> None:
         self.ws = ws
         self._unsent = unsent or UnsentBytes()
         self.session: Any = None
@@ -68,6 +75,7 @@ class Connection:
         self._metrics = metrics
         self._max_send_buffer = max_send_buffer
         self._on_congested = on_congested
+        self._on_backlog = on_backlog
         self._outbox: deque[tuple[bytes, Label]] = deque()
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
@@ -78,11 +86,17 @@ class Connection:
         self._writing = False  # the writer task is handing frames to websockets (flush must not)
         self._unsent_seen = 0
         self.closing: asyncio.Task[None] | None = None  # the server's own close, once it decided on one
-        self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while congested
+        self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while anything waits
         self.deadline_timer: asyncio.TimerHandle | None = None  # the session's next deadline (server-owned)
         self.stats_task: asyncio.Task[None] | None = None  # sends stats frames while subscribed (server-owned)
         self.stats_interval_ms: int | None = None
         self.stats_mark: Mark | None = None  # where the next stats frame's window begins (server-owned)
+
+    @property
+    def backlogged(self) -> bool:
+        """Answers wait: in the outbox, or in the transport's buffer (the kernel's is full)."""
+        transport = self.ws.transport
+        return bool(self._outbox) or (transport is not None and transport.get_write_buffer_size() > 0)
 
     @property
     def congested(self) -> bool:
@@ -163,6 +177,10 @@ class Connection:
                 self._metrics.answered(*label)
         if not self.congested:
             self._uncongested.set()
+        if self._on_backlog is not None and (self.watchdog is None or self.watchdog.done()):
+            transport = self.ws.transport
+            if transport is not None and transport.get_write_buffer_size():  # the kernel took only part
+                self._on_backlog(self)
 
     def note_progress(self) -> None:
         """Look at the transport: if its unsent bytes shrank since the last look, the client is reading."""
@@ -216,6 +234,23 @@ class Connection:
         if flush_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.flushed(), flush_s)
+        self.stop()
+        await self._close_socket(code, reason)
+
+    async def close_once_read(self, code: int, reason: str, until: float, stall_s: float) -> None:
+        """Close with ``code`` once everything queued has left for the client: the outbox handed to the
+        socket and the transport's buffer empty (the close frame then follows the answers through the
+        kernel's bounded buffer, which ``_close_socket`` gives its own grace). It waits while the client
+        keeps taking bytes: until ``until`` (monotonic), or until it has taken none for ``stall_s``,
+        whichever comes first; then it closes as ``close`` does, dropping what is left."""
+        while not self.closed and time.monotonic() < until:
+            transport = self.ws.transport
+            if not self._outbox and (transport is None or not transport.get_write_buffer_size()):
+                break
+            self.note_progress()
+            if time.monotonic() - self.last_progress >= stall_s:
+                break
+            await asyncio.sleep(DRAIN_LOOK_S)
         self.stop()
         await self._close_socket(code, reason)
 

@@ -61,6 +61,13 @@ RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread thei
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
 TRIM_AFTER_S = 1.0  # after a connection closes, when its answers' memory is given back to the system
 WATCHDOG_LOOKS = 10  # the watchdog looks at a stalled socket this many times per --send-timeout
+#: Each accepted socket's kernel send buffer (Linux allocates twice this). Left to itself the kernel grows
+#: it up to ``net.ipv4.tcp_wmem``'s maximum (4 MiB here, 32 MiB on some hosts) for a client that stops
+#: reading: answers then left the server's outbox as "sent", the connection never looked congested, was
+#: never closed (§12), and its queued requests stayed queued. A fixed size keeps what a client that does
+#: not read can hold in the kernel small, and costs nothing here: answers are a few kilobytes, and a
+#: socket that takes this much per round trip serves thousands of them a second.
+KERNEL_SEND_BUFFER_BYTES = 128 * 1024
 
 
 @dataclass
@@ -164,6 +171,8 @@ class FillMaskServer:
             server_header=SERVER_NAME,
             ssl=self._tls,
         )
+        for listener in self._server.sockets:  # accepted sockets inherit it
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
         self.ready.loaded = True
         log.info("serving %s on %s (%s)", self.config.model, self.url,
                  "clients must present the token" if self.config.token
@@ -229,9 +238,12 @@ class FillMaskServer:
         while self.engine.busy() and time.monotonic() < running_until:
             await asyncio.sleep(0.02)
         await asyncio.sleep(0)  # let the last call_soon_threadsafe deliveries run
-        # Concurrently, and each bounded in time: a client that does not read cannot hold up the rest.
-        await asyncio.gather(*(conn.close(GOING_AWAY, "server shutting down", flush_s=1.0)
-                               for conn in list(self.connections)))
+        # Concurrently, each bounded in time: a client gets its answers for as long as it keeps reading
+        # them (however slowly), up to the shutdown timeout (at least one second from now); one that
+        # takes no bytes for --send-timeout is closed then (§12), so none holds up the others.
+        until = max(give_up, time.monotonic() + 1.0)
+        await asyncio.gather(*(conn.close_once_read(GOING_AWAY, "server shutting down", until,
+                                                    self.config.send_timeout) for conn in list(self.connections)))
         if self._server is not None:
             self._server.close(close_connections=True, code=GOING_AWAY)
             await self._server.wait_closed()
@@ -262,7 +274,8 @@ class FillMaskServer:
         return self._hello
 
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested, self.unsent)
+        conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested, self.unsent,
+                          self._watch)
         session = Session(self.limits, self.engine, self.config.max_inflight_per_connection, time.monotonic,
                           peer=conn)
         conn.session = session
@@ -458,16 +471,23 @@ class FillMaskServer:
         if isinstance(conn.ws, FrontConnection):
             conn.ws.on_message = None  # its next messages queue up for the handler, which waits (backpressure)
         self.metrics.reading_paused.inc()
-        conn.watchdog = asyncio.create_task(self._watch_reader(conn))
+        self._watch(conn)
+
+    def _watch(self, conn: Connection) -> None:
+        """Watch ``conn`` (``_watch_reader``) unless a watchdog already does."""
+        if conn.watchdog is None or conn.watchdog.done():
+            conn.watchdog = asyncio.create_task(self._watch_reader(conn))
 
     async def _watch_reader(self, conn: Connection) -> None:
-        """While ``conn`` is congested, close it once its client has taken no bytes at all for
-        ``--send-timeout`` seconds. Progress is measured on the transport (``Connection.note_progress``),
-        so a client that reads steadily, however slowly and however large the frame it is reading, is
-        only slowed down; one that reads nothing is closed even if it also sends nothing more."""
+        """While anything waits to be sent on ``conn`` (it is congested, or merely backlogged: its
+        answers within the bound, the kernel's send buffer full), close it once its client has taken no
+        bytes at all for ``--send-timeout`` seconds. Progress is measured on the transport
+        (``Connection.note_progress``), so a client that reads steadily, however slowly and however
+        large the frame it is reading, is only slowed down; one that reads nothing is closed even if it
+        also sends nothing more."""
         timeout = self.config.send_timeout
         look = timeout / WATCHDOG_LOOKS
-        while conn.congested and not conn.closed:
+        while not conn.closed and (conn.congested or conn.backlogged):
             conn.note_progress()
             if time.monotonic() - conn.last_progress >= timeout:
                 self.metrics.slow_clients_closed.inc()
@@ -479,8 +499,11 @@ class FillMaskServer:
                                 "they come")
                 self.metrics.dropped(conn.session.close())  # nobody to answer
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(conn.uncongested(), look)
+            if conn.congested:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(conn.uncongested(), look)
+            else:
+                await asyncio.sleep(look)
 
 
 def model_display_name(model: str) -> str:

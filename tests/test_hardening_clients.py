@@ -299,6 +299,72 @@ async def test_answers_a_drain_cannot_deliver_are_counted_as_dropped(make_server
         assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") >= 1
 
 
+async def test_a_client_that_stops_reading_is_closed_whatever_the_kernel_would_buffer(make_server: Any) -> None:
+    """Found by an adversarial run: with the kernel left to size the server's send buffers, a client that
+    stopped reading had megabytes of answers taken "as sent" (``net.ipv4.tcp_wmem`` grows a buffer up
+    to 4 MiB here, 32 MiB elsewhere), so its connection never looked congested: it was never closed,
+    and its queued requests stayed queued. The server now fixes each socket's send buffer; here only
+    the client's receive buffer is small (the test's own choice, as a client's would be)."""
+    async with make_server(send_timeout=0.5, max_inflight_per_connection=64) as srv:
+        known = set(srv.connections)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        sock.connect(("127.0.0.1", srv.port))
+        sock.setblocking(False)
+        async with non_reading_client(srv, sock) as hog:
+            for i in range(64):  # about 9 MB of answers: more than a kernel's autotuned buffer holds here
+                await send(hog, fill(f"hog-{i}", **BIG))
+            hog_conn = connection_of(srv, known)
+            await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == 1)
+            assert hog_conn.closed
+            await wait_until(lambda: srv.engine.runnable() == 0)  # its queued requests went with it
+        async with session(srv.url) as (ws, _):
+            assert (await request(ws, 1, TEXT))["type"] == "result"
+
+
+async def test_a_drain_gives_a_slow_but_steady_reader_every_answer_then_1001(make_server: Any) -> None:
+    """§10 steps 2, 4 and 5 for a client that reads slowly (found by an adversarial run: the drain gave
+    each connection one second to take its answers, then dropped the rest and the going_away behind
+    them, and the client saw the stream end without a close frame). It now waits while the client
+    keeps taking bytes, up to --shutdown-timeout. (Small kernel buffers on the server's side, so that
+    the answers wait in the server, as megabytes of them would on a real network.)"""
+    count, medium = 6, {"text": " ".join(["the [MASK] of"] * 8), "top_k": 30}  # about 48 kB per answer
+    async with make_server(max_inflight_per_connection=count, send_timeout=2.0) as srv:
+        for listener in srv._server.sockets:  # type: ignore[union-attr]
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        raw.connect(("127.0.0.1", srv.port))
+        raw.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nUpgrade: websocket\r\n"
+                    f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                    "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        for i in range(count):
+            raw.sendall(masked_text_frame(orjson.dumps(fill(f"big-{i}", **medium))))
+        raw.setblocking(False)
+        await wait_until(lambda: srv.engine.stats.rows >= 1)
+        drain = asyncio.create_task(srv.drain(timeout=20))
+        received = bytearray()
+        closing = re.compile(rb"\x88[\x02-\x7d]\x03\xe9")  # a close frame with 1001
+        started = time.monotonic()
+        while not closing.search(received):  # at most about 200 kB/s: a second or two of reading
+            assert time.monotonic() - started < 30, "the connection was neither closed nor answered"
+            await asyncio.sleep(0.04)
+            try:
+                chunk = raw.recv(8192)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            received += chunk
+        raw.close()
+        await drain
+        data = bytes(received)
+        assert len(set(re.findall(rb'"id":"(big-\d+)"', data))) == count
+        assert data.count(b'"type":"going_away"') == 1
+        assert closing.search(data), "the stream ended without a close frame with 1001"
+        assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") == 0
+
+
 def masked_text_frame(payload: bytes) -> bytes:
     """One client-to-server WebSocket text frame (RFC 6455 §5.2), masked as a client must."""
     mask = os.urandom(4)
