@@ -13,8 +13,9 @@ moves bytes and reports how the client keeps up:
   while it exceeds ``max_send_buffer`` (the server then reads nothing more from this client), and
   ``on_congested`` is called each time it becomes True.
 - ``backlogged`` is True while anything waits to be written (outbox or transport); ``on_backlog`` is
-  called when a write leaves bytes in the transport (the kernel's send buffer is full) and no
-  watchdog is running, so that a client that stops reading is noticed even when its answers stay
+  called, unless a watchdog is running, when the writer task starts writing (its writes wait for the
+  client) and when a write leaves bytes in the transport (the kernel's send buffer is full), so
+  that a client that stops reading is noticed even when its answers stay
   within the bound (the engine starts its requests only while their answers fit, so the outbox may
   never pass it).
 - ``last_progress`` is the last time the client was seen taking bytes: a frame's write finished (its
@@ -177,10 +178,14 @@ class Connection:
                 self._metrics.answered(*label)
         if not self.congested:
             self._uncongested.set()
+        transport = self.ws.transport
+        if transport is not None and transport.get_write_buffer_size():  # the kernel took only part
+            self._watch_backlog()
+
+    def _watch_backlog(self) -> None:
+        """Have the server watch this connection's backlog (``on_backlog``), unless a watchdog does."""
         if self._on_backlog is not None and (self.watchdog is None or self.watchdog.done()):
-            transport = self.ws.transport
-            if transport is not None and transport.get_write_buffer_size():  # the kernel took only part
-                self._on_backlog(self)
+            self._on_backlog(self)
 
     def note_progress(self) -> None:
         """Look at the transport: if its unsent bytes shrank since the last look, the client is reading."""
@@ -200,6 +205,7 @@ class Connection:
                 await self._ready.wait()
                 self._ready.clear()
                 self._writing = True
+                self._watch_backlog()  # the writes below may wait for the client for good
                 while self._outbox:
                     count, size = self._next_write()
                     async with ws.send_context():

@@ -299,25 +299,27 @@ async def test_answers_a_drain_cannot_deliver_are_counted_as_dropped(make_server
         assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") >= 1
 
 
-async def test_a_client_that_stops_reading_is_closed_whatever_the_kernel_would_buffer(make_server: Any) -> None:
+async def test_clients_that_stop_reading_are_closed_whatever_the_kernel_would_buffer(make_server: Any) -> None:
     """Found by an adversarial run: with the kernel left to size the server's send buffers, a client that
     stopped reading had megabytes of answers taken "as sent" (``net.ipv4.tcp_wmem`` grows a buffer up
-    to 4 MiB here, 32 MiB elsewhere), so its connection never looked congested: it was never closed,
-    and its queued requests stayed queued. The server now fixes each socket's send buffer; here only
-    the client's receive buffer is small (the test's own choice, as a client's would be)."""
+    to 4 MiB here, 32 MiB elsewhere), and the rest stayed within its answer bound, waiting on a writer
+    blocked for good: its connection never looked congested, was never closed, and its queued
+    requests stayed queued. The server now fixes each socket's send buffer and watches any connection
+    whose answers wait. Here only the clients' receive buffers are small (the test's own choice, as a
+    client's would be)."""
+    hogs = 4
     async with make_server(send_timeout=0.5, max_inflight_per_connection=64) as srv:
-        known = set(srv.connections)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-        sock.connect(("127.0.0.1", srv.port))
-        sock.setblocking(False)
-        async with non_reading_client(srv, sock) as hog:
-            for i in range(64):  # about 9 MB of answers: more than a kernel's autotuned buffer holds here
-                await send(hog, fill(f"hog-{i}", **BIG))
-            hog_conn = connection_of(srv, known)
-            await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == 1)
-            assert hog_conn.closed
-            await wait_until(lambda: srv.engine.runnable() == 0)  # its queued requests went with it
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(hogs):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+                sock.connect(("127.0.0.1", srv.port))
+                sock.setblocking(False)
+                hog = await stack.enter_async_context(non_reading_client(srv, sock))
+                for i in range(48):  # about 7 MB of answers each: more than an autotuned kernel buffer here
+                    await send(hog, fill(f"hog-{i}", **BIG))
+            await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == hogs)
+            await wait_until(lambda: srv.engine.runnable() == 0 and not srv.connections)  # queued work went too
         async with session(srv.url) as (ws, _):
             assert (await request(ws, 1, TEXT))["type"] == "result"
 
