@@ -499,6 +499,21 @@ async def run_js_check(url: str, *steps: str) -> list[dict[str, Any]]:
     return lines
 
 
+@pytest.mark.parametrize(("args", "problem"), [
+    ((), "the first argument must be a ws:// or wss:// URL (got none)"),
+    (("ws://127.0.0.1:9/",), "no step given"),  # it passed before, having checked nothing
+    (("ws://127.0.0.1:9/", "hello", "helo"), "unknown step helo"),  # it was reported as the connect step
+])
+async def test_the_js_check_names_a_usage_mistake_before_connecting(args: tuple[str, ...], problem: str) -> None:
+    node = _node_or_skip(JS_CLIENT / "node_modules" / "ws")
+    process = await asyncio.create_subprocess_exec(node, str(JS_CLIENT / "check.mjs"), *args,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), 30)
+    lines = stderr.decode().splitlines()
+    assert process.returncode == 2 and stdout == b"" and len(lines) == 1, (stdout, lines)
+    assert lines[0].startswith(f"check.mjs: {problem}. Usage: node check.mjs ws://HOST:PORT/ STEP...")
+
+
 Counts = dict[tuple[str, str], float]
 
 

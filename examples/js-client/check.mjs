@@ -100,12 +100,22 @@ const STEPS = {
   },
 };
 
+// Usage errors before connecting: no URL, no step, or a step this script does not have (exit 2).
+const unknown = steps.filter((step) => !(step in STEPS));
+if (!url || !/^wss?:\/\//.test(url) || steps.length === 0 || unknown.length > 0) {
+  const problem = !url || !/^wss?:\/\//.test(url) ? `the first argument must be a ws:// or wss:// URL (got ${url ?? 'none'})`
+    : steps.length === 0 ? 'no step given' : `unknown step ${unknown.join(', ')}`;
+  console.error(`check.mjs: ${problem}. Usage: node check.mjs ws://HOST:PORT/ STEP... with STEP one of `
+    + `${Object.keys(STEPS).join(', ')} (cancel, overload and deadline need a server whose requests stay queued, `
+    + 'with hello.limits.max_queue 1: tests/test_contract.py starts one)');
+  process.exit(2);
+}
+
 let failed = false;
 let client;
 try {
   client = await FillMaskClient.connect(url, { openTimeoutMs: 5000 });
   for (const step of steps) {
-    expect(step in STEPS, `unknown step ${step}`);
     try {
       const details = await STEPS[step](client);
       console.log(JSON.stringify({ step, ok: true, ...details }));
