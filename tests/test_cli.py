@@ -202,7 +202,9 @@ async def test_reconnect_follows_the_server_through_a_restart_longer_than_the_ti
     seconds, others = split_waiting(err)
     assert (code, others) == (0, ["fillmask-client: 20 texts: 20 answered, 0 failed"]), err
     assert seconds and seconds == sorted(set(seconds)), err  # said while it waited, at most once a second
-    assert "connection refused" in err.splitlines()[0], err  # the first of them says why
+    # The first of them says why: nothing listens, or (when the drain outlasted its reconnect delay, as on
+    # a loaded machine) the draining server refused it with 503.
+    assert "connection refused" in err.splitlines()[0] or "(HTTP 503)" in err.splitlines()[0], err
     assert tables(out) == 20
 
 

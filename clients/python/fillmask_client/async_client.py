@@ -70,8 +70,9 @@ class FillMaskClient:
       dropped without a close frame, 1006) by a new one, dialled in the background after a random delay
       (exponential backoff with full jitter, the first spread over the server's ``reconnect_within_ms``,
       §10; see ``ReconnectBackoff``), and send the calls it did not answer again. Calls wait for a
-      usable connection for up to ``reconnect_timeout`` seconds, then raise ``ConnectError``; a 4xx
-      refusal (token, origin, path) is final. Off by default.
+      usable connection for up to ``reconnect_timeout`` seconds, then raise ``ConnectError``; a failure
+      that waiting cannot fix (``ConnectError.transient`` false: a 4xx refusal for the token, origin or
+      path, TLS against a plain server, a peer that is not a fill-mask server) is final. Off by default.
     - Without ``reconnect``, a connection that goes away is not replaced: the calls it did not answer
       are sent on another connection of the pool if one is usable, and once none is, calls raise at
       once (``OverloadedError`` 503 ``shutting_down`` while the server is going away,
@@ -130,6 +131,7 @@ class FillMaskClient:
         self.open_timeout = check_seconds("open_timeout", open_timeout, zero_ok=False)
         self._token = token
         self._ssl = ssl
+        self._awaiting_hello = 0
         self._pool = Pool(urls, connections, self._open, reconnect=reconnect, backoff=backoff or ReconnectBackoff())
 
     def __repr__(self) -> str:
@@ -161,10 +163,12 @@ class FillMaskClient:
         With several connections, it is enough that one opens: the others are dialled again in the
         background with ``reconnect``, or stay closed without it (a warning is logged).
 
-        ``wait``: for up to this many seconds, try again (with backoff) while the server is unreachable or
-        refuses with 5xx, as a server that is still loading its model (its port opens only then, §9) or a
-        load balancer with no replica ready yet (503) does. A 4xx refusal (token, origin, path) is final.
-        ``wait`` must be a finite number of seconds >= 0 (``UsageError`` otherwise: NaN would never end).
+        ``wait``: for up to this many seconds, try again (with backoff) while the failure is one that
+        waiting may fix (``ConnectError.transient``): a server that is still loading its model (its
+        port opens only then, §9), a load balancer with no replica ready yet (503). Any other failure
+        (a 4xx refusal, TLS against a plain server, a peer that is not a fill-mask server) is raised at
+        once, as it is. ``wait`` must be a finite number of seconds >= 0 (``UsageError`` otherwise: NaN
+        would never end).
         """
         check_seconds("wait", wait)
         if self._pool.closed:
@@ -179,22 +183,35 @@ class FillMaskClient:
                 await self._pool.open()
                 return
             except ConnectError as exc:
-                final = exc.http_status is not None and 400 <= exc.http_status < 500
+                if not exc.transient:
+                    raise  # waiting cannot fix it: at once, as it is
                 remaining = give_up - loop.time()
-                if final or remaining <= 0:
+                if remaining <= 0:
                     if attempt == 0:
                         raise
                     raise ConnectError(f"{exc.message} (still, after trying for {wait:g} s)", url=exc.url,
-                                       http_status=exc.http_status) from exc
+                                       http_status=exc.http_status, kind=exc.kind) from exc
                 # A server that is starting: no burst of attempts; the last one comes as ``wait`` ends.
                 pause = min(backoff.delay(attempt + 1), remaining)
                 log.debug("server not there yet (%s); trying again in %.2f s", exc, pause)
                 await asyncio.sleep(pause)
 
     async def _open(self, url: str, on_change: Callable[[Connection], None]) -> Connection:
-        """Open one connection to ``url`` (the pool's opener)."""
-        return await Connection.open(url, open_timeout=self.open_timeout, token=self._token, ssl=self._ssl,
-                                     on_change=on_change)
+        """Open one connection to ``url`` (the pool's opener); counted in ``awaiting_hello`` from its
+        handshake until its ``hello`` (or the failure to get one)."""
+        upgraded = False
+
+        def on_handshake() -> None:
+            nonlocal upgraded
+            upgraded = True
+            self._awaiting_hello += 1
+
+        try:
+            return await Connection.open(url, open_timeout=self.open_timeout, token=self._token, ssl=self._ssl,
+                                         on_change=on_change, on_handshake=on_handshake)
+        finally:
+            if upgraded:
+                self._awaiting_hello -= 1
 
     async def aclose(self) -> None:
         """Close the connection(s). Calls still waiting fail promptly with ``ConnectionLostError``."""
@@ -238,6 +255,11 @@ class FillMaskClient:
         """How many calls wait for a connection to be reopened (with ``reconnect``; at most
         ``reconnect_timeout`` seconds each)."""
         return self._pool.waiting
+
+    @property
+    def awaiting_hello(self) -> int:
+        """How many connections are open (the WebSocket handshake done) and wait for their ``hello``."""
+        return self._awaiting_hello
 
     @property
     def last_connect_error(self) -> ConnectError | None:

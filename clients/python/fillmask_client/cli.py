@@ -12,8 +12,13 @@ a ``--cafile`` with no certificate), including ``--top-k``, ``--targets`` or
 server cannot be reached within ``--timeout``, the connection is lost, or the server is shutting down
 (``going_away``, §10): the run stops there with one line saying how far it got, unless ``--reconnect``
 follows the server to its replacement (for up to ``--reconnect-timeout``, whatever ``--timeout`` is).
-Runs of several texts end with a summary line on stderr. While the command waits for a server, it says
-``waiting for the server… (Ns)`` on stderr once a second (with why, when that changes).
+Only what waiting may fix (``ConnectError.transient``: refused, reset, 502/503/504...) is tried again
+within ``--timeout``; any other connection failure (TLS against a plain server, a peer that is not a
+fill-mask server, a 401 for the token...) ends the run at once with its one line. Runs of several
+texts end with a summary line on stderr, Ctrl-C included (``interrupted; 5 texts: ...``, then exit
+status 130, ``EXIT_INTERRUPTED``; what was printed before stays printed). While the command waits
+for a server, it says ``waiting for the server… (Ns)`` on stderr once a second (with why, when that
+changes: a failure, or ``connected, no hello frame yet``).
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import orjson
 
 from .async_client import DEFAULT_URL, FillMaskClient
 from .connection import GOING_AWAY_CODES, url_problem
-from .errors import ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
+from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
 from .frames import FillMaskResult
 from .wire import SERVER_GONE_REASONS
 
 #: Exit statuses of the command (documented in the module docstring and in ``--help``).
 EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
+#: Ctrl-C (128 + SIGINT, as a shell reports a command that SIGINT ended).
+EXIT_INTERRUPTED = 130
 #: The environment variable the server reads its ``--token`` from; the command reads it too.
 TOKEN_ENV = "FILLMASK_TOKEN"
 #: ``--reconnect-timeout``'s default: long enough for a server to drain, exit and load its model again.
@@ -55,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fillmask-client",
         description="Ask a fill-mask server to fill the [MASK] in each text.",
         epilog="exit status: 0 all answered, 1 a request failed, 2 usage error (also a value outside the "
-               "server's limits), 3 server unreachable, lost or shutting down",
+               "server's limits), 3 server unreachable, lost or shutting down, 130 interrupted (Ctrl-C)",
     )
     parser.add_argument("texts", nargs="*", metavar="TEXT",
                         help="texts containing the mask token; '-' reads texts from stdin, one per line "
@@ -260,6 +267,16 @@ class Tally:
         return line
 
 
+def message_for(error: FillMaskError) -> str:
+    """The one line that says ``error`` on the command line: its message, except where the library's
+    advice is for programs: a 401 names ``--token`` and ``$FILLMASK_TOKEN``, not the header or the
+    query parameter a program would set."""
+    if isinstance(error, ConnectError) and error.http_status == 401:
+        return (f"{error.url} refused the connection (HTTP 401): missing or wrong token; pass the server's "
+                f"token as --token TOKEN or in the {TOKEN_ENV} environment variable")
+    return error.message
+
+
 def stop_line(error: FillMaskError, tally: Tally, reconnect: bool) -> str:
     """The one line for a run that stopped because the server went away or the connection did."""
     if isinstance(error, OverloadedError):
@@ -270,7 +287,7 @@ def stop_line(error: FillMaskError, tally: Tally, reconnect: bool) -> str:
         # The close that ends a drain (§10): the same news as the going_away before it.
         what = f"the server is shutting down ({error.code} {error.reason or 'going away'})"
     else:
-        what = error.message
+        what = message_for(error)
     line = f"stopped: {what}"
     if tally.total > 1:
         line += f"; {tally.summary()}"
@@ -321,6 +338,10 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
               context: ssl.SSLContext | None = None) -> int:
     """Send every text and print the outcomes in input order; the exit status (see the module docstring).
 
+    Ctrl-C reaches it as the cancellation ``asyncio.run`` makes of it: the summary line is said (for
+    several texts, unless ``--quiet``), the connections are closed, and the cancellation goes on (so
+    ``asyncio.run`` raises ``KeyboardInterrupt``, which ``main`` turns into exit status 130).
+
     ``context`` is the TLS context for ``wss://`` (``load_cafile(args.cafile)``; ``None``: the system's)."""
 
     def say(line: str) -> None:
@@ -334,8 +355,10 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
     connecting = True
 
     def last_reason() -> str | None:
+        if client.awaiting_hello:  # the WebSocket is open: what it waits for is the server's hello (§2)
+            return "connected, no hello frame yet"
         error = client.last_connect_error
-        return error.message if error is not None else None
+        return message_for(error) if error is not None else None
 
     ticker = asyncio.create_task(report_waiting(
         lambda: not args.quiet and (connecting or client.waiting_for_connection > 0), last_reason, say))
@@ -370,8 +393,12 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                 else:
                     print(("\n" if index > 1 else "") + format_table(text, item), file=out, flush=True)
     except ConnectionLostError as exc:  # from connect(): no server usable within --timeout
-        say(str(exc))
+        say(message_for(exc))
         return EXIT_CONNECTION
+    except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task, then raises KeyboardInterrupt
+        if len(texts) > 1 and not args.quiet:
+            say(f"interrupted; {tally.summary()}")
+        raise
     finally:
         ticker.cancel()
         await client.aclose()
@@ -422,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"fillmask-client: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C while texts were being typed on standard input: nothing was sent
+        return EXIT_INTERRUPTED
     if not texts:
         print("fillmask-client: no texts given (pass TEXT arguments, --file, or lines on stdin)", file=sys.stderr)
         return EXIT_USAGE
@@ -430,8 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:  # what the library refuses that the checks above did not foresee
         print(f"fillmask-client: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # after ``run`` said how far it got (several texts)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader (say `head`) went away: stop quietly, and keep Python from complaining at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import http
 import itertools
 import logging
@@ -56,7 +57,10 @@ _CLOSE_NAMES = {
     1011: "server internal error",
     1012: "service restart",
     1013: "try again later",
+    1014: "bad gateway",
 }
+#: Closes before the ``hello`` that a restart or a proxy without a backend gives: worth dialling again.
+_GONE_BEFORE_HELLO = RECONNECT_CODES | {1014}
 
 
 class NotSentError(Exception):
@@ -110,25 +114,68 @@ def _refusal(exc: InvalidStatus) -> tuple[int, str]:
         reason = str(body.get("error") or body.get("status") or "") if isinstance(body, dict) else ""
     except ValueError:
         reason = ""
-    if not reason:
-        try:
-            phrase = http.HTTPStatus(status).phrase
-        except ValueError:
-            phrase = "refused"
-        reason = _STATUS_HINTS.get(status, phrase)
-    return status, reason
+    return status, reason or _status_meaning(status)
+
+
+def _status_meaning(status: int) -> str:
+    """What a refusal with ``status`` means, for an answer that does not say (``_STATUS_HINTS``, else
+    the status's phrase)."""
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "refused"
+    return _STATUS_HINTS.get(status, phrase)
 
 
 #: Words for socket errors that come without a message.
 _BARE_ERRORS: dict[type[OSError], str] = {ConnectionResetError: "connection reset", BrokenPipeError: "broken pipe",
                                           ConnectionAbortedError: "connection aborted"}
+#: How a socket error number counts (``ConnectError.kind``), first match first.
+_ERRNO_KINDS = (
+    ("refused", {errno.ECONNREFUSED}),
+    ("reset", {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED}),
+    ("unreachable", {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}),
+    ("timeout", {errno.ETIMEDOUT}),
+)
+
+
+def _errnos(exc: OSError) -> list[int]:
+    """The error numbers of ``exc``; for asyncio's ``OSError('Multiple exceptions: ...')`` (one per
+    address of the host, such as ``::1`` and ``127.0.0.1``), which has none, those it lists."""
+    if exc.errno is not None:
+        return [exc.errno]
+    return [int(number) for number in re.findall(r"\[Errno (\d+)\]", str(exc))]
+
+
+def failure_kind(exc: OSError) -> str:
+    """How a socket error that kept a WebSocket from opening counts, as a ``ConnectError.kind``
+    (``errors.CONNECT_FAILURES`` says whether waiting may fix it)."""
+    if isinstance(exc, ssl_module.SSLCertVerificationError):
+        return "certificate"
+    if isinstance(exc, (ssl_module.SSLEOFError, ssl_module.SSLZeroReturnError)):
+        return "reset"  # closed in the middle of the TLS handshake
+    if isinstance(exc, ssl_module.SSLError):
+        return "tls"
+    if isinstance(exc, socket.gaierror):
+        return "unresolved"
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    if isinstance(exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+        return "reset"
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    numbers = _errnos(exc)
+    for kind, codes in _ERRNO_KINDS:
+        if any(number in codes for number in numbers):
+            return kind
+    return "other"
 
 
 def connect_failure(exc: OSError, url: str) -> str:
     """Why a WebSocket could not be opened, in a few words, never empty (``exc`` may have no message at
     all: a TLS handshake that a plain server cuts short is a bare ``ConnectionResetError``)."""
     parts = urllib.parse.urlsplit(url)
-    where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'wss' else 80)}"
+    where = _where(url)
     detail = exc.strerror or str(exc) or _BARE_ERRORS.get(type(exc), type(exc).__name__)
     if isinstance(exc, ssl_module.SSLCertVerificationError):
         return f"the server's TLS certificate is not trusted ({exc.verify_message or detail})"
@@ -138,11 +185,45 @@ def connect_failure(exc: OSError, url: str) -> str:
                 f"use ws:// instead of wss://")
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the host name {parts.hostname!r} ({detail})"
-    if isinstance(exc, ConnectionRefusedError):
+    if isinstance(exc, ConnectionRefusedError) or (exc.errno is None and failure_kind(exc) == "refused"):
         return f"connection refused: nothing listens on {where} (is the server running, on that port?)"
     if isinstance(exc, ConnectionResetError):
         return f"{where} reset the connection during the handshake ({detail})"
     return detail
+
+
+def _where(url: str) -> str:
+    """``host:port`` of a WebSocket URL, the port filled in from the scheme when the URL has none."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'wss' else 80)}"
+
+
+def _not_websocket(url: str, answer: str) -> str:
+    """The words for an HTTP server that answered the upgrade with ``answer`` instead of ``101``."""
+    return (f"{_where(url)} is an HTTP server but not a WebSocket server (it answered the upgrade with "
+            f"{answer}); check the address and the port")
+
+
+def bad_answer(exc: InvalidMessage, url: str) -> tuple[str, int | None, str]:
+    """``(kind, http_status, why)`` for a handshake answer websockets could not read as HTTP/1.1.
+
+    Judged from what websockets' parser reports as the cause: the peer closed without a word (a proxy
+    whose backend is not up yet, or a TLS server reached with ``ws://``: it waits for a TLS hello), an
+    HTTP status line it does not accept (``python3 -m http.server`` answers in HTTP/1.0: its status is
+    then judged like any refusal), or bytes that are not HTTP at all.
+    """
+    cause = exc.__cause__
+    tls_hint = "" if url.startswith("wss://") else "; if that server speaks TLS, use wss:// instead of ws://"
+    if isinstance(cause, EOFError):
+        return "reset", None, f"{_where(url)} closed the connection without answering the handshake{tls_hint}"
+    text = str(cause) if cause is not None else ""
+    status_line = re.search(r"HTTP/\d(?:\.\d)? (\d{3})\b[^\r\n]*", text)
+    if status_line is not None:
+        status = int(status_line[1])
+        if status >= 400:
+            return "http", status, f"refused the connection (HTTP {status}): {_status_meaning(status)}"
+        return "not_websocket", status, _not_websocket(url, status_line[0])
+    return "not_http", None, f"{exc} ({text or 'nothing readable'}){tls_hint}"
 
 
 def retrieve(future: asyncio.Future[Any]) -> None:
@@ -254,8 +335,12 @@ class Connection:
         token: str | None,
         ssl: ssl_module.SSLContext | None,
         on_change: Callable[[Connection], None] | None = None,
+        on_handshake: Callable[[], None] | None = None,
     ) -> Connection:
-        """Open the WebSocket and read the ``hello`` (§2); ``ConnectError`` on any failure."""
+        """Open the WebSocket and read the ``hello`` (§2); ``ConnectError`` on any failure, with its
+        ``kind`` (whether waiting may fix it is ``ConnectError.transient``'s call, not this method's).
+
+        ``on_handshake`` is called once the WebSocket is open, before the wait for the ``hello``."""
         shown = redact(url)
         options: dict[str, Any] = {"open_timeout": open_timeout, "max_size": MAX_INCOMING_BYTES}
         if token:
@@ -269,27 +354,46 @@ class Connection:
                                url=shown) from exc
         except InvalidStatus as exc:
             status, reason = _refusal(exc)
+            if status < 400:  # not a refusal: an HTTP server that does not speak WebSocket here
+                phrase = f"HTTP {status} {exc.response.reason_phrase}".rstrip()
+                raise ConnectError(f"cannot connect to {shown}: {_not_websocket(url, phrase)}", url=shown,
+                                   http_status=status, kind="not_websocket") from exc
             raise ConnectError(f"{shown} refused the connection (HTTP {status}): {reason}", url=shown,
                                http_status=status) from exc
-        except InvalidHandshake as exc:
+        except InvalidMessage as exc:
+            kind, status, why = bad_answer(exc, url)
+            message = f"{shown} {why}" if kind == "http" else f"cannot connect to {shown}: {why}"
+            raise ConnectError(message, url=shown, http_status=status, kind=kind) from exc
+        except InvalidHandshake as exc:  # a 101 without the right headers, a redirect loop...
             detail = str(exc) or type(exc).__name__
-            if url.startswith("ws://") and isinstance(exc, InvalidMessage):  # e.g. a TLS server said nothing
-                detail += "; if that server speaks TLS, use wss:// instead of ws://"
-            raise ConnectError(f"cannot connect to {shown}: {detail}", url=shown) from exc
+            raise ConnectError(f"cannot connect to {shown}: {detail}", url=shown, kind="not_websocket") from exc
         except TimeoutError as exc:
-            raise ConnectError(f"cannot connect to {shown}: timed out after {open_timeout:g} s", url=shown) from exc
+            raise ConnectError(f"cannot connect to {shown}: timed out after {open_timeout:g} s", url=shown,
+                               kind="timeout") from exc
         except OSError as exc:
-            raise ConnectError(f"cannot connect to {shown}: {connect_failure(exc, url)}", url=shown) from exc
+            raise ConnectError(f"cannot connect to {shown}: {connect_failure(exc, url)}", url=shown,
+                               kind=failure_kind(exc)) from exc
         conn = cls(ws, url, on_change)
+        if on_handshake is not None:
+            on_handshake()
+        kind = "bad_hello"
         try:
             hello = decode_frame(await asyncio.wait_for(ws.recv(decode=False), open_timeout))
             problem = check_hello(hello)
-        except (TimeoutError, ConnectionClosed, ValueError) as exc:
-            problem = f"no valid hello frame ({type(exc).__name__}: {exc})"
+        except TimeoutError:  # (its message is empty)
+            kind, problem = "no_hello", (f"connected, but no hello frame came within {open_timeout:g} s "
+                                         "(is this a fill-mask server?)")
+        except ConnectionClosed as exc:
+            code = exc.rcvd.code if exc.rcvd is not None else 1006
+            kind = "gone_before_hello" if code in _GONE_BEFORE_HELLO else "closed_before_hello"
+            said = f": {exc.rcvd.reason}" if exc.rcvd is not None and exc.rcvd.reason else ""
+            problem = f"the connection closed before the hello frame ({code} {_CLOSE_NAMES.get(code, 'closed')}{said})"
+        except ValueError as exc:
+            problem = f"no valid hello frame ({exc})"
         if problem is not None:
             conn._move(Event.CLOSE)
             await ws.close()
-            raise ConnectError(f"cannot use {shown}: {problem}", url=shown)
+            raise ConnectError(f"cannot use {shown}: {problem}", url=shown, kind=kind)
         conn._greeted(hello)
         return conn
 

@@ -6,7 +6,8 @@
     ├── OverloadedError           the server answered ``overloaded`` (§6): ``status``, ``reason``, ``retry_after_ms``
     │   └── DeadlineExceededError the 504 case: ``deadline_ms`` passed while the request was queued
     └── ConnectionLostError       the connection closed before the request's terminal frame (§8)
-        └── ConnectError          the connection could not be opened (or reopened) at all
+        └── ConnectError          the connection could not be opened (or reopened) at all: ``kind``,
+                                  ``http_status``, ``transient`` (whether waiting may fix it)
 
 ``DeadlineExceededError`` is a subclass of ``OverloadedError`` because that is what it is on the wire:
 an ``overloaded`` frame with status 504. ``except OverloadedError`` therefore catches both; catch
@@ -146,11 +147,67 @@ class ConnectError(ConnectionLostError):
     """The connection could not be opened: refused, timed out, rejected by the server, or the peer did
     not greet with a protocol-1 ``hello``.
 
-    ``http_status`` is set when the server refused the handshake (§9): 401 missing or wrong token, 403
-    origin not allowed, 404 wrong path, 503 draining, model worker stopped, at ``--max-connections``, or
-    (from a load balancer) no replica ready; the message then carries the server's one-line explanation.
+    ``http_status`` is set when the server answered the handshake with another status than 101 (§9):
+    401 missing or wrong token, 403 origin not allowed, 404 wrong path, 503 draining, model worker
+    stopped, at ``--max-connections``, or (from a load balancer) no replica ready; the message then
+    carries the server's one-line explanation. ``kind`` names how it failed (a key of
+    ``CONNECT_FAILURES``, or ``"http"`` for a refusal with ``http_status``), and ``transient`` says
+    whether trying again later may work (``transient_connect_failure``: the status decides when there
+    is one).
     """
 
-    def __init__(self, message: str, *, url: str, http_status: int | None = None) -> None:
+    def __init__(self, message: str, *, url: str, http_status: int | None = None, kind: str | None = None) -> None:
         super().__init__(message, url=url)
         self.http_status = http_status
+        self.kind = kind or ("http" if http_status is not None else "other")
+
+    @property
+    def transient(self) -> bool:
+        """Whether waiting may fix this failure: ``transient_connect_failure(kind, http_status)``."""
+        return transient_connect_failure(self.kind, self.http_status)
+
+
+#: How a connection can fail to open (``ConnectError.kind``), each with whether waiting may fix it.
+CONNECT_FAILURES: dict[str, bool] = {
+    "refused": True,  # nothing listens there yet: a server opens its port once its model is loaded (§9)
+    "reset": True,  # reset or closed during the TCP, TLS or HTTP handshake: a proxy whose backend is not up
+    "timeout": True,  # the handshake did not finish within open_timeout: a host still starting, a busy proxy
+    "unreachable": True,  # no route to the host yet: a machine or a container that is still starting
+    "unresolved": True,  # the host name does not resolve (yet): a container's name exists only while it
+    # runs (Docker); a typo gives the same, and the first "waiting for the server" line says which name
+    "gone_before_hello": True,  # closed before the hello with 1001/1006/1012/1013/1014: a restart, a proxy
+    "no_hello": True,  # connected, but no hello within open_timeout: a server just started and still busy
+    "tls": False,  # the TLS handshake failed: most often a plain server reached with wss://
+    "certificate": False,  # the server's TLS certificate is not trusted
+    "not_websocket": False,  # an HTTP server answered, but not with a WebSocket upgrade
+    "not_http": False,  # the answer was not HTTP at all: another protocol, a TLS port's alert (ws:// to TLS)
+    "bad_hello": False,  # the first frame was not a protocol-1 hello (§2): another server, or another version
+    "closed_before_hello": False,  # the peer closed the WebSocket before any hello, with another code
+    "other": False,  # anything else: not foreseen, so not waited for
+}
+#: Handshake refusals that a starting server or a load balancer gives while no replica is ready.
+TRANSIENT_HTTP_STATUSES = frozenset({408, 429, 502, 503, 504})
+
+
+def transient_connect_failure(kind: str, http_status: int | None = None) -> bool:
+    """Whether a connection that could not be opened may open if tried again a little later.
+
+    This is the one rule behind ``FillMaskClient.connect(wait=...)`` (the command's ``--timeout``) and
+    behind the redials of ``reconnect``: a transient failure is tried again until the time allowed is
+    spent; any other is raised at once (``connect``) or ends the redials of that connection (the pool).
+
+    The rule: transient is what a server that is starting or restarting, or a load balancer or proxy
+    with no replica ready, gives: refused, reset (or closed) during the handshake, a handshake or a
+    ``hello`` that does not come within ``open_timeout`` (a server that just started may be busy; a
+    silent peer that is not a fill-mask server costs one such wait, which with ``wait <= open_timeout``
+    is the only attempt), a host not reachable yet, a host name that does not resolve yet (a
+    container's name while it is down), a close with a "going away" code before the ``hello``, and the
+    HTTP statuses 408, 429, 502, 503, 504 (``TRANSIENT_HTTP_STATUSES``). Everything else gives the same
+    answer every time and is final: TLS against a plain server or an untrusted certificate, a server
+    that is not a WebSocket server, a first frame that is not a protocol-1 ``hello`` (another server,
+    or another protocol version), every other HTTP status (401 token, 403 origin, 404 path, 421 host,
+    500...), and any failure not foreseen here (``"other"``).
+    """
+    if http_status is not None:
+        return http_status in TRANSIENT_HTTP_STATUSES
+    return CONNECT_FAILURES.get(kind, False)

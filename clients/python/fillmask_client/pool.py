@@ -15,8 +15,9 @@ Invariants:
 
 - ``pick`` only returns a connection that is ``usable`` at that moment; a caller sends on it with no
   ``await`` in between (``Connection.exchange`` checks again after any wait of its own).
-- A slot has at most one dialer task; it ends when it installs a usable connection, when the refusal is
-  final (HTTP 4xx: a wrong token or path does not change by waiting), or when the pool closes.
+- A slot has at most one dialer task; it ends when it installs a usable connection, when the failure is
+  final (not ``ConnectError.transient``: a wrong token or path, TLS against a plain server, a peer that
+  is not a fill-mask server do not change by waiting), or when the pool closes.
 - Every connection the pool ever installed is in exactly one place until it has ended: its slot's
   ``conn`` or that slot's ``retired`` set; so ``close`` reaches them all, and ``in_flight`` counts them all.
 """
@@ -57,14 +58,9 @@ def least_loaded(loads: Sequence[int | None], start: int = 0) -> int | None:
     return best
 
 
-def _final(error: ConnectError) -> bool:
-    """A refusal that waiting will not change: 4xx (token, Origin, path) (§9)."""
-    return error.http_status is not None and 400 <= error.http_status < 500
-
-
 def _copy(error: ConnectError) -> ConnectError:
     """A fresh exception with the same meaning, so that several callers never share one traceback."""
-    return ConnectError(error.message, url=error.url, http_status=error.http_status)
+    return ConnectError(error.message, url=error.url, http_status=error.http_status, kind=error.kind)
 
 
 @dataclass(eq=False)
@@ -76,7 +72,7 @@ class Slot:
     retired: set[Connection] = field(default_factory=set)
     dialer: asyncio.Task[None] | None = None
     failure: ConnectError | None = None  # why the latest dial failed; cleared by a success
-    final: bool = False  # the latest failure was a refusal that waiting will not change
+    final: bool = False  # the latest failure was one that waiting will not change (not ``transient``)
 
 
 class Pool:
@@ -194,9 +190,9 @@ class Pool:
         last = self._last_failure
         url = redact(self.slots[0].url)
         if last is None:
-            return ConnectError(f"could not reconnect to {url} within {timeout:g} s", url=url)
+            return ConnectError(f"could not reconnect to {url} within {timeout:g} s", url=url, kind="timeout")
         return ConnectError(f"could not reconnect within {timeout:g} s: {last.message}", url=last.url,
-                            http_status=last.http_status)
+                            http_status=last.http_status, kind=last.kind)
 
     # --- opening, replacing, closing -----------------------------------------------------------------
 
@@ -251,7 +247,7 @@ class Pool:
         self._notify()
 
     def _failed(self, slot: Slot, error: ConnectError) -> None:
-        slot.failure, slot.final = error, _final(error)
+        slot.failure, slot.final = error, not error.transient
         self._last_failure = error
         self._notify()
 

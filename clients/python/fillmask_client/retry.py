@@ -1,7 +1,8 @@
 """When to resend: the backoff for ``overloaded`` answers and for reconnecting, as pure arithmetic.
 
 No sleeping happens here; the client asks a policy for a delay and sleeps itself, so the rules can be
-checked with plain numbers.
+checked with plain numbers. Which failures to open a connection are worth trying again at all is
+``errors.transient_connect_failure`` (``ConnectError.transient``); these policies only say when.
 """
 
 from __future__ import annotations
