@@ -119,8 +119,8 @@ _HELP: dict[str, str] = {
     "max_send_buffer_bytes": "answers waiting for one client (unsent, or being computed) beyond which the server "
                              "stops reading that connection's frames and starts none of its queued requests until "
                              "its client reads (one request always may start)",
-    "send_timeout": "seconds a client whose unsent answers are over --max-send-buffer-bytes may take nothing from "
-                    "its socket before the connection is closed with 1008",
+    "send_timeout": "seconds a client with answers waiting for it may take nothing from its socket before the "
+                    "connection is closed with 1008 (also in a drain)",
     "allowed_origins": "comma-separated origins whose pages may open a WebSocket (e.g. https://app.example.com), "
                        "plus the keywords same-origin, localhost, null (pages opened from disk) and * (any page); "
                        "others get HTTP 403. Clients that send no Origin header (not browsers) are always allowed",

@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import struct
+import termios
 import time
 from collections import deque
 from collections.abc import Callable
@@ -48,6 +51,18 @@ CLOSE_GRACE_S = 5.0  # how long a close may wait for a client to take the close 
 DRAIN_LOOK_S = 0.05  # how often a draining connection looks whether its client took its answers
 
 Label = tuple[str, str] | None  # (outcome, code) of an answer about a request; None for other frames
+
+
+def kernel_unsent(transport: Any) -> int:
+    """Bytes in the socket's kernel send queue not yet taken by the peer (Linux ``SIOCOUTQ``); 0 where
+    the platform or the socket cannot say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0
 
 
 class UnsentBytes:
@@ -188,9 +203,11 @@ class Connection:
             self._on_backlog(self)
 
     def note_progress(self) -> None:
-        """Look at the transport: if its unsent bytes shrank since the last look, the client is reading."""
+        """Look at the transport and the kernel: if their unsent bytes together shrank since the last look,
+        the client is reading. (The transport's alone misses a slow reader: it shrinks only once the
+        kernel's fixed send buffer has room for a good part of it again.)"""
         transport = self.ws.transport
-        unsent = transport.get_write_buffer_size() if transport is not None else 0
+        unsent = transport.get_write_buffer_size() + kernel_unsent(transport) if transport is not None else 0
         if unsent < self._unsent_seen:
             self.last_progress = time.monotonic()
         self._unsent_seen = unsent

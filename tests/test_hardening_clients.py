@@ -324,6 +324,32 @@ async def test_clients_that_stop_reading_are_closed_whatever_the_kernel_would_bu
             assert (await request(ws, 1, TEXT))["type"] == "result"
 
 
+async def test_a_slow_reader_within_its_bound_is_never_closed(make_server: Any) -> None:
+    """Found by a review: with the kernel's send buffer fixed, a client reading less per --send-timeout
+    than the kernel frees before asyncio writes again looked stalled, and was closed with 1008 while
+    reading. Progress counts the kernel's unsent bytes too."""
+    count, medium = 8, {"text": " ".join(["the [MASK] of"] * 8), "top_k": 30}  # about 48 kB per answer
+    async with make_server(max_inflight_per_connection=count, send_timeout=1.5) as srv:
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        raw.connect(("127.0.0.1", srv.port))
+        raw.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nUpgrade: websocket\r\n"
+                    f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                    "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        for i in range(count):
+            raw.sendall(masked_text_frame(orjson.dumps(fill(f"slow-{i}", **medium))))
+        raw.setblocking(False)
+        started = time.monotonic()
+        # About 40 kB/s, for four timeouts: its receive window reopens (and the kernel's queue shrinks)
+        # every second or so; asyncio's buffer would shrink only every two seconds (once 85 kB are free).
+        while time.monotonic() - started < 4 * srv.config.send_timeout:
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(BlockingIOError):
+                assert raw.recv(2048), "the server closed the connection"
+        raw.close()
+        assert sample(srv, "fillmask_slow_clients_closed_total") == 0
+
+
 async def test_a_drain_gives_a_slow_but_steady_reader_every_answer_then_1001(make_server: Any) -> None:
     """§10 steps 2, 4 and 5 for a client that reads slowly (found by an adversarial run: the drain gave
     each connection one second to take its answers, then dropped the rest and the going_away behind
