@@ -30,7 +30,6 @@ moves bytes and reports how the client keeps up:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import struct
 import termios
@@ -94,8 +93,6 @@ class Connection:
         self._on_backlog = on_backlog
         self._outbox: deque[tuple[bytes, Label]] = deque()
         self._ready = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._uncongested = asyncio.Event()
         self._uncongested.set()
         self._writer: asyncio.Task[None] | None = None
@@ -135,7 +132,6 @@ class Connection:
         if self.pending_bytes > self._max_send_buffer and self._uncongested.is_set():
             self._uncongested.clear()
             self._on_congested(self)
-        self._idle.clear()
         if not defer:
             self._ready.set()
 
@@ -170,8 +166,6 @@ class Connection:
         self._written(count, size)
         if self._outbox:
             self._ready.set()
-        else:
-            self._idle.set()
 
     def _next_write(self) -> tuple[int, int]:
         """How many of the queued frames go in the next write, and their bytes (at least one frame)."""
@@ -230,7 +224,6 @@ class Connection:
                             ws.protocol.send_text(self._outbox[n][0])
                     self._written(count, size)
                 self._writing = False
-                self._idle.set()
         except ConnectionClosed:
             self._writing = False
             self._drop_outbox()
@@ -242,30 +235,17 @@ class Connection:
         self._unsent.total -= self.pending_bytes
         self.pending_bytes = 0
         self._uncongested.set()
-        self._idle.set()
-
-    async def flushed(self) -> None:
-        """Return once every queued frame has been handed to the socket."""
-        await self._idle.wait()
 
     async def uncongested(self) -> None:
         """Return once the unsent bytes are back within the bound (or the connection closed)."""
         await self._uncongested.wait()
-
-    async def close(self, code: int, reason: str, flush_s: float = 0.0) -> None:
-        """Close with ``code`` after waiting up to ``flush_s`` for the outbox to go out."""
-        if flush_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.flushed(), flush_s)
-        self.stop()
-        await self._close_socket(code, reason)
 
     async def close_once_read(self, code: int, reason: str, until: float, stall_s: float) -> None:
         """Close with ``code`` once everything queued has left for the client: the outbox handed to the
         socket and the transport's buffer empty (the close frame then follows the answers through the
         kernel's bounded buffer, which ``_close_socket`` gives its own grace). It waits while the client
         keeps taking bytes: until ``until`` (monotonic), or until it has taken none for ``stall_s``,
-        whichever comes first; then it closes as ``close`` does, dropping what is left."""
+        whichever comes first; then it stops sending (dropping what is left) and closes the socket."""
         while not self.closed and time.monotonic() < until:
             transport = self.ws.transport
             if not self._outbox and (transport is None or not transport.get_write_buffer_size()):

@@ -311,9 +311,7 @@ async def test_clients_that_stop_reading_are_closed_whatever_the_kernel_would_bu
     async with make_server(send_timeout=0.5, max_inflight_per_connection=64) as srv:
         async with contextlib.AsyncExitStack() as stack:
             for _ in range(hogs):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-                sock.connect(("127.0.0.1", srv.port))
+                sock = small_receive_socket(srv)
                 sock.setblocking(False)
                 hog = await stack.enter_async_context(non_reading_client(srv, sock))
                 for i in range(48):  # about 7 MB of answers each: more than an autotuned kernel buffer here
@@ -330,15 +328,8 @@ async def test_a_slow_reader_within_its_bound_is_never_closed(make_server: Any) 
     reading. Progress counts the kernel's unsent bytes too."""
     count, medium = 8, {"text": " ".join(["the [MASK] of"] * 8), "top_k": 30}  # about 48 kB per answer
     async with make_server(max_inflight_per_connection=count, send_timeout=1.5) as srv:
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-        raw.connect(("127.0.0.1", srv.port))
-        raw.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nUpgrade: websocket\r\n"
-                    f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
-                    "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-        for i in range(count):
-            raw.sendall(masked_text_frame(orjson.dumps(fill(f"slow-{i}", **medium))))
-        raw.setblocking(False)
+        raw = small_receive_socket(srv)
+        send_raw_requests(raw, srv, [fill(f"slow-{i}", **medium) for i in range(count)])
         started = time.monotonic()
         # About 40 kB/s, for four timeouts: its receive window reopens (and the kernel's queue shrinks)
         # every second or so; asyncio's buffer would shrink only every two seconds (once 85 kB are free).
@@ -360,15 +351,8 @@ async def test_a_drain_gives_a_slow_but_steady_reader_every_answer_then_1001(mak
     async with make_server(max_inflight_per_connection=count, send_timeout=2.0) as srv:
         for listener in srv._server.sockets:  # type: ignore[union-attr]
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
-        raw.connect(("127.0.0.1", srv.port))
-        raw.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nUpgrade: websocket\r\n"
-                    f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
-                    "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-        for i in range(count):
-            raw.sendall(masked_text_frame(orjson.dumps(fill(f"big-{i}", **medium))))
-        raw.setblocking(False)
+        raw = small_receive_socket(srv)
+        send_raw_requests(raw, srv, [fill(f"big-{i}", **medium) for i in range(count)])
         await wait_until(lambda: srv.engine.stats.rows >= 1)
         drain = asyncio.create_task(srv.drain(timeout=20))
         received = bytearray()
@@ -393,6 +377,27 @@ async def test_a_drain_gives_a_slow_but_steady_reader_every_answer_then_1001(mak
         assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") == 0
 
 
+def small_receive_socket(srv: FillMaskServer) -> socket.socket:
+    """A TCP socket connected to ``srv`` with a small receive buffer of its own (16 KiB, set before
+    connecting so the window stays small), the server's side left as the server sets it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    sock.connect(("127.0.0.1", srv.port))
+    return sock
+
+
+def send_raw_requests(raw: socket.socket, srv: FillMaskServer, requests: list[dict[str, Any]]) -> None:
+    """Send the WebSocket handshake and ``requests`` as masked text frames on ``raw`` (whose reader then
+    reads the raw bytes, the 101 first), and leave it non-blocking."""
+    raw.setblocking(True)
+    raw.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+    for frame in requests:
+        raw.sendall(masked_text_frame(orjson.dumps(frame)))
+    raw.setblocking(False)
+
+
 def masked_text_frame(payload: bytes) -> bytes:
     """One client-to-server WebSocket text frame (RFC 6455 §5.2), masked as a client must."""
     mask = os.urandom(4)
@@ -410,13 +415,7 @@ async def test_a_slow_but_steady_reader_is_never_closed(make_server: Any) -> Non
     async with make_server(max_send_buffer_bytes=16 * 1024, max_inflight_per_connection=count,
                            send_timeout=0.5) as srv:
         raw = small_buffer_socket(srv)
-        raw.setblocking(True)
-        raw.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                    f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
-                    "Sec-WebSocket-Version: 13\r\n\r\n".encode())
-        for i in range(count):
-            raw.sendall(masked_text_frame(orjson.dumps(fill(f"big-{i}", **medium))))
-        raw.setblocking(False)
+        send_raw_requests(raw, srv, [fill(f"big-{i}", **medium) for i in range(count)])
         await wait_until(lambda: sample(srv, "fillmask_reading_paused_total") >= 1)
         received = bytearray()
         started = time.monotonic()
