@@ -8,7 +8,8 @@ connections, not the whole queue; a ``deque`` works too. The rules:
 
 - **Expired first.** Requests whose deadline has passed are removed and reported, never batched.
 - **The cost model** (``Coefficients``, fitted by the engine core from the batches it ran): a batch of
-  ``rows`` requests padded to ``padded`` tokens whose answers take ``out`` bytes costs
+  ``rows`` requests that occupies ``padded`` tokens (its ``footprint``: rows x widest row, padding
+  included) and whose answers take ``out`` bytes costs
   ``overhead + token·padded + row·rows + byte·out`` seconds of engine time (forward pass and decode).
   A request's *own* work is what it adds to a batch without padding: ``token·n_tokens + row + byte·out``;
   what a batch takes beyond its requests' own work is per-batch overhead and padding.
@@ -53,6 +54,10 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   round would not keep by the rule a batch keeps (below: done within ``deadline_share`` of the time
   left; for a request outside the round at the round's predicted end, for one inside it at its own
   batch's) ends the round: the next window is formed at once, bounded by that deadline.
+- **Packed rows** (``pack_width`` set: the model packs a batch's texts into shared rows, see
+  ``layout``): a batch costs its ``footprint``, about its tokens whatever their lengths, so a round
+  is its window whole: a cut would only add an overhead. The round's own bounds stay (the window's
+  size, tokens and time limit).
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
@@ -106,7 +111,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -304,6 +309,7 @@ class BatchPolicy:
     cost: Coefficients = field(default_factory=Coefficients)
     fair_tolerance: float = 0.5  # a connection is eligible while served at most 1 + this x the least
     fair_horizon: int = 32  # requests a connection over which what it was served fades (see the docstring)
+    pack_width: int = 0  # the model packs texts into rows of up to this many tokens (``layout``); 0: it pads
     # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
     # owner -> [tokens, rows, answer bytes] served lately, times _growth (priced when compared: _price)
     _recent: dict[Any, list[float]] = field(default_factory=dict, init=False, repr=False)
@@ -319,7 +325,7 @@ class BatchPolicy:
                 or not (self.growth == 0 or self.growth >= 1)
                 or self.anticipate_s < 0 or not 0 <= self.anticipate_share <= 1 or self.max_batch_s < 0
                 or self.max_missed < 0 or not 0 <= self.fair_tolerance < math.inf or self.fair_horizon < 1
-                or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1):
+                or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1 or self.pack_width < 0):
             raise ValueError("batch limits must be positive")
 
     def answered(self, count: int, now: float) -> None:
@@ -422,8 +428,8 @@ class BatchPolicy:
             queue.extend(waiting)
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
-        decision.padded_tokens = len(chosen) * max(job.n_tokens for job in chosen)
-        decision.predicted_s = _predicted(chosen, cost)
+        decision.padded_tokens = footprint([job.n_tokens for job in chosen], self.pack_width)
+        decision.predicted_s = _predicted(chosen, cost, self.pack_width)
         growth, recent = self._growth, self._recent
         for job in decision.batch:
             served = recent[job.owner]  # (every waiting connection was welcomed)
@@ -604,7 +610,7 @@ class BatchPolicy:
             return False
         end = 0.0
         for group in planned:
-            end += _predicted(group, cost)
+            end += _predicted(group, cost, self.pack_width)
             if any(job.deadline is not None and self.deadline_share * (job.deadline - now) < end for job in group):
                 return True
         return bool(outside) and self.deadline_share * (min(outside) - now) < end
@@ -635,7 +641,7 @@ class BatchPolicy:
         if not window:
             return []
         groups = self._cut(window, cost)
-        if len(window) > 1 and sum(_predicted(group, cost) for group in groups) > limit:
+        if len(window) > 1 and sum(_predicted(group, cost, self.pack_width) for group in groups) > limit:
             # The cuts' overheads and padding took the round over the time limit: the longest prefix of
             # the window (in fair order) whose round keeps within it (a round's time only grows with
             # its requests), and at least the head.
@@ -644,7 +650,7 @@ class BatchPolicy:
             while low <= high:
                 middle = (low + high) // 2
                 trial = self._cut(window[:middle], cost)
-                if sum(_predicted(group, cost) for group in trial) <= limit:
+                if sum(_predicted(group, cost, self.pack_width) for group in trial) <= limit:
                     best, low = trial, middle + 1
                 else:
                     high = middle - 1
@@ -653,7 +659,11 @@ class BatchPolicy:
 
     def _cut(self, window: list[J], cost: Coefficients) -> list[list[J]]:
         """``window`` cut by the dynamic program (see ``_round``), the head's batch first; each batch in
-        window order, the batches by their first request's place in it."""
+        window order, the batches by their first request's place in it. A model that packs its rows
+        takes the window whole: there a batch costs its tokens, not its longest row, and a cut would
+        only add an overhead."""
+        if self.pack_width:
+            return [list(window)]
         classes: dict[int, list[J]] = {}
         for job in window:
             members = classes.get(job.n_tokens)
@@ -753,7 +763,46 @@ def _arrival_order(queue: Waiting[J], room: Room | None, depth: int, share: dict
     return order
 
 
-def _predicted(group: list[Any], cost: Coefficients) -> float:
-    """The cost model's time for one batch of ``group`` (padded to its longest)."""
-    return cost.batch_s(len(group), len(group) * max(job.n_tokens for job in group),
+def _predicted(group: list[Any], cost: Coefficients, pack_width: int = 0) -> float:
+    """The cost model's time for one batch of ``group`` (its ``footprint``)."""
+    return cost.batch_s(len(group), footprint([job.n_tokens for job in group], pack_width),
                         sum(job.result_bytes for job in group))
+
+
+def layout(lengths: Sequence[int], pack_width: int) -> list[list[int]] | None:
+    """How a batch of texts of ``lengths`` tokens is laid out for the forward pass: None for one padded
+    row per text, else rows of packed texts (each row a list of indices into ``lengths``).
+
+    Texts are packed longest first, each into the first row it fits, in rows of at most ``pack_width``
+    tokens or the longest text, whichever is more; they are packed only when that takes fewer tokens
+    (rows x the widest row) than padding does, so a batch of equal lengths stays padded. Invariant:
+    every index is in exactly one row, and each row holds at most ``max(pack_width, longest)`` tokens.
+    """
+    if not pack_width or len(lengths) < 2:
+        return None
+    longest = max(lengths)
+    capacity = max(pack_width, longest)
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
+        n = lengths[i]
+        for r, filled in enumerate(used):
+            if filled + n <= capacity:
+                rows[r].append(i)
+                used[r] = filled + n
+                break
+        else:
+            rows.append([i])
+            used.append(n)
+    if len(rows) * max(used) >= len(lengths) * longest:
+        return None
+    return rows
+
+
+def footprint(lengths: Sequence[int], pack_width: int = 0) -> int:
+    """The tokens a batch of texts of ``lengths`` occupies in the forward pass, padding included: rows
+    x the widest row of its ``layout``."""
+    rows = layout(lengths, pack_width)
+    if rows is None:
+        return len(lengths) * max(lengths, default=0)
+    return len(rows) * max(sum(lengths[i] for i in row) for row in rows)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from . import intake
-from .batching import BatchPolicy, Coefficients, Room, Waiting
+from .batching import BatchPolicy, Coefficients, Room, Waiting, footprint
 from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, State, Stopped, advance, can
 from .tuning import ThreadTuner
 
@@ -392,7 +392,7 @@ class EngineCore:
             self._move(job, Event.BATCHED)
         if len(batch) == len(ahead.batch):
             return Scheduled(batch, ahead.padded_tokens, ahead.predicted_s, threads=ahead.threads)
-        padded = len(batch) * max((job.n_tokens for job in batch), default=0)
+        padded = footprint([job.n_tokens for job in batch], self.policy.pack_width)
         predicted = self.cost.coefficients.batch_s(len(batch), padded, sum(job.result_bytes for job in batch))
         return Scheduled(batch, padded, predicted if batch else 0.0, threads=ahead.threads if batch else 0)
 

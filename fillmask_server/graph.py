@@ -37,25 +37,35 @@ class BatchGraph(torch.nn.Module):
     """``scores`` (a traced ``(ids, attention, rows, cols) -> softmax at the masks``) on ``device``,
     wrapped so that a batch is one call (see the module docstring)."""
 
-    def __init__(self, scores: torch.nn.Module, device: str) -> None:
+    def __init__(self, scores: torch.nn.Module, device: str, packed: Optional[torch.nn.Module] = None) -> None:  # noqa: UP045
         super().__init__()
         self.scores = scores
+        self.packed = packed if packed is not None else Unpacked()
         self.device = device
 
     def forward(self, ids: List[int], lengths: List[int], rows: List[int], cols: List[int], width: int,  # noqa: UP006
-                k: int, ks: List[int], keep: bool,  # noqa: UP006
+                k: int, ks: List[int], keep: bool, segments: List[int], positions: List[int],  # noqa: UP006
                 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:  # noqa: UP006, UP045
         """``ids``: the batch's token ids, each row padded to ``width``, flat; ``lengths``: each row's
         length before padding; ``rows``, ``cols``: the mask positions; ``ks``: each mask row's ``k``, or
-        empty when every row's is ``k``. Returns (the probabilities if ``keep``, else None; the top
-        scores and ids of every mask row, as wide as the largest ``k``: row ``r``'s first ``ks[r]``
-        columns are its top-k), on the CPU."""
+        empty when every row's is ``k``. For packed rows (several texts in one row), ``segments`` and
+        ``positions`` give each token's text within its row (-1: padding) and its position within its
+        text, flat as ``ids``: a token attends to its own text only; empty for padded rows. Returns
+        (the probabilities if ``keep``, else None; the top scores and ids of every mask row, as wide as
+        the largest ``k``: row ``r``'s first ``ks[r]`` columns are its top-k), on the CPU."""
         device = torch.device(self.device)
         batch = torch.tensor(ids, dtype=torch.long).view(-1, width)
-        positions = torch.arange(width, dtype=torch.long).unsqueeze(0)
-        attention = (positions < torch.tensor(lengths, dtype=torch.long).unsqueeze(1)).long()
-        probs = self.scores(batch.to(device), attention.to(device), torch.tensor(rows, dtype=torch.long).to(device),
-                            torch.tensor(cols, dtype=torch.long).to(device))
+        mask_rows = torch.tensor(rows, dtype=torch.long).to(device)
+        mask_cols = torch.tensor(cols, dtype=torch.long).to(device)
+        if len(segments) > 0:
+            segment = torch.tensor(segments, dtype=torch.long).view(-1, width)
+            attention = (segment.unsqueeze(2) == segment.unsqueeze(1)).unsqueeze(1)
+            position = torch.tensor(positions, dtype=torch.long).view(-1, width)
+            probs = self.packed(batch.to(device), attention.to(device), position.to(device), mask_rows, mask_cols)
+        else:
+            place = torch.arange(width, dtype=torch.long).unsqueeze(0)
+            attention = (place < torch.tensor(lengths, dtype=torch.long).unsqueeze(1)).long()
+            probs = self.scores(batch.to(device), attention.to(device), mask_rows, mask_cols)
         if probs.device.type != "cpu":
             probs = probs.cpu()
         if len(ks) == 0:
@@ -65,6 +75,15 @@ class BatchGraph(torch.nn.Module):
         if keep:
             return probs, values, indices
         return None, values, indices
+
+
+class Unpacked(torch.nn.Module):
+    """The packed path of a model that runs padded rows only (``BatchGraph`` is never given packed rows
+    for it)."""
+
+    def forward(self, ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                cols: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this model runs padded rows only")
 
 
 def top_k_per_row(probs: torch.Tensor, ks: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:  # noqa: UP006
@@ -92,8 +111,9 @@ def top_k_per_row(probs: torch.Tensor, ks: List[int]) -> Tuple[torch.Tensor, tor
     return values, indices
 
 
-def script(scores: torch.nn.Module, device: str) -> torch.jit.ScriptModule:
-    """``BatchGraph`` around ``scores``, compiled (raises what ``torch.jit.script`` raises)."""
+def script(scores: torch.nn.Module, device: str, packed: Optional[torch.nn.Module] = None,  # noqa: UP045
+           ) -> torch.jit.ScriptModule:
+    """``BatchGraph`` around ``scores`` (and ``packed``), compiled (raises what ``torch.jit.script`` raises)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TorchScript's deprecation notice, as the tracer's in model._trace
-        return torch.jit.script(BatchGraph(scores, device))
+        return torch.jit.script(BatchGraph(scores, device, packed))

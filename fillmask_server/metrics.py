@@ -106,9 +106,10 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         if engine is not None:  # an info-style gauge: always 1, the facts are its labels (hello.engine, §2)
-            labels = ("forward", "head", "device", "dtype")
+            labels = ("forward", "head", "layout", "device", "dtype")
             info = Gauge("fillmask_engine_info", "Which path the model runs: forward traced or eager, head at the "
-                         "masks or full (every position), device and dtype.", labels, registry=registry)
+                         "masks or full (every position), layout packed or padded rows, device and dtype.", labels,
+                         registry=registry)
             info.labels(*(str(engine.get(label, "")) for label in labels)).set(1)
         self.requests = Counter(
             "fillmask_requests", "Requests by how they ended: outcome is result, error, overloaded, cancelled or "

@@ -47,6 +47,22 @@ padding and masks, two things are verified, and if either fails the full model r
   its own range, so there every layer's answer (the encoder's too) depends on what else is in the
   batch, and the head at the masks is no different.
 
+**Packed rows.** A batch of texts of different lengths, padded to its longest, spends work on padding:
+a quarter of its tokens on short texts of 8-16 tokens, two thirds on mixed ones. Where the model
+allows it, the texts share rows instead (``batching.layout``: longest first, each into the first row
+with room, rows of ``PACK_WIDTH`` tokens or the longest text): each token attends to its own text's
+tokens only (a 4-d mask, built in ``graph.BatchGraph`` from each token's text) and takes its
+position within its text (RoBERTa's positions start after the padding index: ``_first_position``),
+so that a batch costs about its tokens, whatever the lengths in it. The batching policy reads the
+same layout (``batching.footprint``) and no longer cuts batches to keep lengths together. At load,
+``_check_packing`` runs five texts of different lengths packed into one row and padded, and packs
+only when every logit at the masks agrees within ``_PACK_TOLERANCE`` of the largest (a wrong first
+position or a mask the model overrides moves them by far more); a model that takes no position ids or
+no 4-d mask (DeBERTa-v2 and ESM build their own attention from a 2-d one), one whose logits differ
+(ModernBERT's local attention), and any reduced ``dtype`` (rounding alone moves logits as far as a
+wrong position) keep one padded row per text, and ``packing_note`` says why. The traced graph of
+packed rows is checked bit for bit against eager PyTorch as the padded one is.
+
 **Check inputs** draw their ids from the tokenizer's own non-special ids (a protein model has 25
 tokens) and are never longer than the model accepts (``max_tokens``).
 """
@@ -67,7 +83,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from . import tokenizing
+from . import batching, tokenizing
 from .protocol import TargetNote
 
 log = logging.getLogger(__name__)
@@ -76,6 +92,14 @@ T = TypeVar("T")
 #: The check inputs' shapes: (rows, width, padded rows, masks); widths are capped at ``max_tokens``,
 #: and one more check runs at ``max_tokens`` itself.
 _CHECK_SHAPES = ((1, 5, 0, 1), (3, 9, 2, 3), (32, 11, 0, 32), (4, 40, 3, 9))
+#: Rows of packed texts hold up to this many tokens (or the batch's longest text): wide enough that the
+#: texts of a batch share a few rows with little padding, narrow enough that attention across a row
+#: (quadratic in its width, masked to each text) stays a small part of the encoder's work.
+PACK_WIDTH = 64
+#: Packed rows may move a logit by this share of the largest, at most, against padded rows (in float32:
+#: rounding moves it by about 1e-7 to 1e-5 of it on this project's checkpoints; a wrong position or a
+#: mask the model overrides, by 0.06 to 1).
+_PACK_TOLERANCE = 1e-3
 #: Tries of the bit-for-bit head check before the full model is taken: a head that reads more than the
 #: encoder's output fails each one; a kernel that gives other bits once passes on the next.
 _HEAD_ATTEMPTS = 3
@@ -194,9 +218,21 @@ class FillMaskModel:
                 log.warning("%s; running the full model (the vocabulary projection at every position)",
                             self.head_note)
         self.head_mode = "masks" if self._head is not None else "full"
+        #: Packed rows (see "Packed rows"): the row width, 0 when every text has a padded row of its own;
+        #: and the first position id of a text (RoBERTa's start after the padding index).
+        self.pack_width = 0
+        self._first_position = 0
+        self.packing_note = self._check_packing()
+        if self.packing_note is None:
+            self.pack_width = PACK_WIDTH
+        else:
+            log.info("texts get a padded row each: %s", self.packing_note)
         self._scores: Any = None  # the traced graph: inputs and mask positions in, softmax at the masks out
+        self._packed_scores: Any = None  # the same for packed rows (None: the model does not pack)
         if forward == "traced":
             self._scores = self._trace()
+            if self._scores is not None and self.pack_width:
+                self._packed_scores = self._trace(packed=True)
         else:
             self.forward_note = "--forward eager"
         self.forward_mode = "traced" if self._scores is not None else "eager"
@@ -225,7 +261,9 @@ class FillMaskModel:
 
     def engine_facts(self) -> dict[str, str]:
         """Which path runs, for ``hello.engine``, ``/metrics`` and the start-up line (protocol.md §2)."""
-        return {"forward": self.forward_mode, "head": self.head_mode, "device": str(self.device), "dtype": self.dtype}
+        layout = "packed" if self.pack_width else "padded"
+        return {"forward": self.forward_mode, "head": self.head_mode, "layout": layout, "device": str(self.device),
+                "dtype": self.dtype}
 
     # --- tokenizing (the tokenizer stage) --------------------------------------------------------
 
@@ -293,21 +331,40 @@ class FillMaskModel:
         """
         import torch
 
-        width = max(len(item.input_ids) for item in items)
+        lengths = [len(item.input_ids) for item in items]
+        plan = batching.layout(lengths, self.pack_width)
         pad, mask = self.pad_token_id, self.mask_token_id
         ids: list[int] = []
-        lengths: list[int] = []
+        segments: list[int] = []  # packed rows only: each token's text within its row (-1: padding)
+        places: list[int] = []  # packed rows only: each token's position within its text
+        row_of, start_of = list(range(len(items))), [0] * len(items)  # each text's row and first column
+        if plan is None:
+            width = max(lengths)
+            for item in items:
+                ids += item.input_ids
+                ids += [pad] * (width - len(item.input_ids))
+        else:
+            width = max(sum(lengths[i] for i in row) for row in plan)
+            for r, row in enumerate(plan):
+                used = 0
+                for segment, i in enumerate(row):
+                    row_of[i], start_of[i] = r, used
+                    ids += items[i].input_ids
+                    segments += [segment] * lengths[i]
+                    places += range(lengths[i])
+                    used += lengths[i]
+                ids += [pad] * (width - used)
+                segments += [-1] * (width - used)
+                places += [0] * (width - used)
         rows: list[int] = []
-        columns: list[int] = []
+        columns: list[int] = []  # each mask's position in its text (the decode stage's)
+        at: list[int] = []  # ... and in its row
         counts: list[int] = []
-        for n, item in enumerate(items):
-            tokens = item.input_ids
-            ids += tokens
-            ids += [pad] * (width - len(tokens))
-            lengths.append(len(tokens))
-            positions = [c for c, token in enumerate(tokens) if token == mask]
-            rows += [n] * len(positions)
+        for n, item in enumerate(items):  # mask rows in item order, whatever the layout
+            positions = [c for c, token in enumerate(item.input_ids) if token == mask]
+            rows += [row_of[n]] * len(positions)
             columns += positions
+            at += [start_of[n] + c for c in positions] if start_of[n] else positions
             counts.append(len(positions))
         spans = _spans(counts)
         plain = [i for i, item in enumerate(items) if item.target_ids is None]
@@ -318,7 +375,7 @@ class FillMaskModel:
                 ks += [k if item.target_ids is not None else item.top_k] * count
         keep = len(plain) < len(items)
         with torch.inference_mode():
-            probs, values, indices = self._batch(ids, lengths, rows, columns, width, k, ks, keep)
+            probs, values, indices = self._batch(ids, lengths, rows, at, width, k, ks, keep, segments, places)
         out = TopK(spans=spans, columns=columns, values=values, indices=indices)
         if plain:
             out.plain_rows = {i: spans[i][0] for i in plain}
@@ -344,14 +401,19 @@ class FillMaskModel:
 
         return {"token_type_ids": torch.zeros_like(ids)} if self._wants_token_types else {}
 
-    def _eager_scores(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
+    def _eager_scores(self, ids: Any, attention: Any, rows: Any, cols: Any, positions: Any = None) -> Any:
+        return self._logits(ids, attention, rows, cols, positions).float().softmax(dim=-1)
+
+    def _logits(self, ids: Any, attention: Any, rows: Any, cols: Any, positions: Any = None) -> Any:
+        """The logits at the masks (``rows``, ``cols``); for packed rows, ``attention`` is the 4-d mask
+        (which token attends to which) and ``positions`` each token's position within its text."""
         extra = self._extra(ids)
+        if positions is not None:
+            extra["position_ids"] = positions + self._first_position
         if self._head is not None:
             hidden = self._encoder(input_ids=ids, attention_mask=attention, **extra).last_hidden_state
-            logits = self._head(hidden[rows, cols])
-        else:
-            logits = self.model(input_ids=ids, attention_mask=attention, **extra).logits[rows, cols]
-        return logits.float().softmax(dim=-1)
+            return self._head(hidden[rows, cols])
+        return self.model(input_ids=ids, attention_mask=attention, **extra).logits[rows, cols]
 
     def _check_head(self) -> str | None:
         """None when the head at the masks is the model's own head (see the module docstring), else why not."""
@@ -389,36 +451,89 @@ class FillMaskModel:
             return "the MLM head on the mask positions alone differs from the model's own (it is not per-position)"
         return None
 
-    def _trace(self) -> Any:
-        """The encoder, the head at the masks (or the full model) and the softmax as one TorchScript graph,
-        or None when tracing fails or the graph differs from eager PyTorch by one bit on any check input;
-        ``forward_note`` then says why."""
+    def _check_packing(self) -> str | None:
+        """None when the model gives packed rows the logits it gives padded ones (see "Packed rows"),
+        setting ``_first_position``; else why it does not."""
+        import inspect
+
         import torch
 
-        module = self._masked_scores()
+        if self.dtype != "float32":
+            # Rounding in a reduced precision moves logits as far as a wrong position or mask would
+            # (bfloat16 on a bert-base shape: 0.13 of the largest logit either way): the check could not
+            # tell, so the rows stay padded.
+            return f"packed rows are checked, and run, in float32 only (not {self.dtype})"
+        forward = (self._encoder if self._head is not None else self.model).forward
+        if "position_ids" not in inspect.signature(forward).parameters:
+            return "the model takes no position ids"
+        lengths = [min(n, self.max_tokens) for n in (5, 9, 3, 12, 7)]
+        pool = self._check_ids
+        texts = [[pool[(7 * j + 3 * n) % len(pool)] for j in range(n)] for n in lengths]
+        for text in texts:
+            text[min(1, len(text) - 1)] = self.mask_token_id
+        width, device = max(lengths), self.device
+        ids = torch.tensor([text + [self.pad_token_id] * (width - len(text)) for text in texts], device=device)
+        attention = torch.tensor([[1] * len(text) + [0] * (width - len(text)) for text in texts], device=device)
+        rows, cols = (ids == self.mask_token_id).nonzero(as_tuple=True)
+        flat = torch.tensor([[token for text in texts for token in text]], device=device)
+        segment = torch.tensor([n for n, text in enumerate(texts) for _ in text], device=device)
+        packed = (segment.unsqueeze(1) == segment.unsqueeze(0)).view(1, 1, len(segment), len(segment))
+        places = torch.tensor([[p for text in texts for p in range(len(text))]], device=device)
+        at = (flat[0] == self.mask_token_id).nonzero(as_tuple=True)[0]
+        try:
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                padded = self._logits(ids, attention, rows, cols).float()
+                allowed = _PACK_TOLERANCE * max(1.0, padded.abs().max().item())
+                firsts = dict.fromkeys((0, self.pad_token_id + 1))  # RoBERTa's positions start after padding
+                for first in firsts:
+                    self._first_position = first
+                    got = self._logits(flat, packed, torch.zeros_like(at), at, places).float()
+                    if got.shape == padded.shape and (got - padded).abs().max().item() <= allowed:
+                        return None
+        except Exception as exc:  # a model that builds its own attention from a 2-d mask, or none
+            self._first_position = 0
+            return f"the model does not take a mask of which token attends to which ({_first_line(exc)})"
+        self._first_position = 0
+        return "packed rows give other logits than padded ones"
+
+    def _trace(self, packed: bool = False) -> Any:
+        """The encoder, the head at the masks (or the full model) and the softmax as one TorchScript graph
+        (of padded rows, or of ``packed`` rows), or None when tracing fails or the graph differs from
+        eager PyTorch by one bit on any check input; ``forward_note`` (``packing_note`` for packed
+        rows, which are then given up: padded rows still run traced) then says why."""
+        import torch
+
+        module = self._masked_scores(packed)
         frozen = [p for p in module.parameters() if p.requires_grad]
         for parameter in frozen:
             parameter.requires_grad_(False)
         shapes = [*_CHECK_SHAPES, (2, self.max_tokens, 1, 3)]
+        check = self._packed_check_inputs if packed else self._check_inputs
         try:
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the tracer warns about every Python-level branch
-                traced = torch.jit.trace(module, self._check_inputs(2, 8, padded=1, masks=2), check_trace=False)
+                traced = torch.jit.trace(module, check(2, 8, padded=1, masks=2), check_trace=False)
                 for shape in shapes:
-                    inputs = self._check_inputs(*shape)
+                    inputs = check(*shape)
                     if not torch.equal(traced(*inputs), module(*inputs)):
-                        self.forward_note = ("the traced forward pass differs from eager PyTorch on inputs of "
-                                             f"{inputs[0].shape[0]} x {inputs[0].shape[1]} tokens")
-                        log.warning("%s; running eager", self.forward_note)
-                        return None
+                        return self._untraced(packed, "the traced forward pass differs from eager PyTorch on "
+                                              f"inputs of {inputs[0].shape[0]} x {inputs[0].shape[1]} tokens")
         except Exception as exc:  # an architecture the tracer cannot follow: eager still works
-            self.forward_note = f"cannot trace the forward pass ({_first_line(exc)})"
-            log.warning("%s; running eager", self.forward_note)
-            return None
+            return self._untraced(packed, f"cannot trace the forward pass ({_first_line(exc)})")
         return traced
 
-    def _masked_scores(self) -> Any:
-        """``_eager_scores`` as a module (what ``_trace`` traces, and what runs when nothing is traced)."""
+    def _untraced(self, packed: bool, note: str) -> None:
+        if packed:
+            self.pack_width, self.packing_note = 0, f"{note} of packed rows"
+            log.warning("%s; each text gets a padded row of its own", self.packing_note)
+        else:
+            self.forward_note = note
+            log.warning("%s; running eager", note)
+
+    def _masked_scores(self, packed: bool = False) -> Any:
+        """``_eager_scores`` as a module (what ``_trace`` traces, and what runs when nothing is traced),
+        of padded rows or of ``packed`` rows (which take each token's position too)."""
         import torch
 
         owner = self
@@ -433,7 +548,11 @@ class FillMaskModel:
             def forward(self, ids: Any, attention: Any, rows: Any, cols: Any) -> Any:
                 return owner._eager_scores(ids, attention, rows, cols)
 
-        return MaskedScores().eval()
+        class PackedScores(MaskedScores):
+            def forward(self, ids: Any, attention: Any, positions: Any, rows: Any, cols: Any) -> Any:  # type: ignore[override]
+                return owner._eager_scores(ids, attention, rows, cols, positions)
+
+        return (PackedScores() if packed else MaskedScores()).eval()
 
     def _batch_graph(self) -> Any:
         """``graph.BatchGraph`` around the traced graph, scripted; around the eager modules when nothing
@@ -443,10 +562,11 @@ class FillMaskModel:
 
         device = str(self.device)
         if self._scores is None:
-            return graph.BatchGraph(self._masked_scores(), device)
-        plain = graph.BatchGraph(self._scores, device)
+            packed = self._masked_scores(packed=True) if self.pack_width else None
+            return graph.BatchGraph(self._masked_scores(), device, packed)
+        plain = graph.BatchGraph(self._scores, device, self._packed_scores)
         try:
-            scripted = graph.script(self._scores, device)
+            scripted = graph.script(self._scores, device, self._packed_scores)
             problem = self._differs(scripted, plain)
         except Exception as exc:
             problem = f"cannot script it ({_first_line(exc)})"
@@ -457,16 +577,24 @@ class FillMaskModel:
         return plain
 
     def _differs(self, scripted: Any, plain: Any) -> str | None:
-        """None when ``scripted`` gives ``plain``'s bits on padded check batches (three calls each: the
-        profiling executor optimises a graph on its first runs), else what differed."""
+        """None when ``scripted`` gives ``plain``'s bits on padded check batches, and on packed ones when
+        the model packs (three calls each: the profiling executor optimises a graph on its first runs),
+        else what differed."""
         import torch
 
-        for shape in _CHECK_SHAPES[:2] + _CHECK_SHAPES[3:]:  # (32 rows of one mask add no case: padding does)
+        cases = [(shape, False) for shape in _CHECK_SHAPES[:2] + _CHECK_SHAPES[3:]]  # (32 rows of one mask add no case)
+        cases += [(shape, True) for shape in _CHECK_SHAPES[1:2] + _CHECK_SHAPES[3:]] if self.pack_width else []
+        for shape, packed in cases:
             ids, attention, rows, cols = (tensor.cpu() for tensor in self._check_inputs(*shape))
             width = ids.shape[1]
             ks = [5 - row % 3 for row in range(len(rows))]  # three groups of k: every row at its own k
+            segments: list[int] = []
+            places: list[int] = []
+            if packed:
+                segment, positions = self._packed_check_rows(ids, attention)
+                segments, places = segment.flatten().tolist(), positions.flatten().tolist()
             args = (ids.flatten().tolist(), attention.sum(dim=1).tolist(), rows.tolist(), cols.tolist(), width, 5,
-                    ks if shape[3] > 1 else [], True)  # one k, and several (every row at its own)
+                    ks if shape[3] > 1 else [], True, segments, places)  # one k, and several (every row at its own)
             with torch.inference_mode():
                 want = plain(*args)
                 for _ in range(3):
@@ -496,6 +624,31 @@ class FillMaskModel:
         device = self.device
         return ids.to(device), attention.to(device), rows_.to(device), cols.to(device)
 
+
+    def _packed_check_inputs(self, rows: int, width: int, padded: int, masks: int) -> tuple[Any, ...]:
+        """``_check_inputs`` as packed rows: each row's first half one text, its second half another
+        (the ``padded`` rows: padding), with the 4-d mask and positions that ``graph.BatchGraph`` builds."""
+
+        ids, attention, rows_, cols = self._check_inputs(rows, width, padded, masks)
+        segment, places = self._packed_check_rows(ids, attention)
+        mask = (segment.unsqueeze(2) == segment.unsqueeze(1)).unsqueeze(1)
+        return ids, mask, places, rows_, cols
+
+    @staticmethod
+    def _packed_check_rows(ids: Any, attention: Any) -> tuple[Any, Any]:
+        """Each check token's text within its row (the first half one text, the second half another or
+        padding: -1) and its position within its text."""
+        import torch
+
+        width = ids.shape[1]
+        half = width // 2
+        segment = torch.zeros_like(ids)
+        segment[:, half:] = 1
+        segment[attention == 0] = -1
+        places = torch.arange(width, device=ids.device).repeat(ids.shape[0], 1)
+        places[:, half:] -= half
+        places[attention == 0] = 0
+        return segment, places
 
 def _ordinary_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     """The tokenizer's ids below ``vocab_size`` that are not special tokens (all ids if none are left)."""

@@ -106,7 +106,8 @@ class FillMaskServer:
             tls_context(config.certfile, config.keyfile) if config.certfile else None)
         policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000,
                              config.max_length_ratio, anticipate_s=config.anticipate_ms / 1000,
-                             max_batch_s=config.max_batch_ms / 1000, max_missed=config.max_missed_batches)
+                             max_batch_s=config.max_batch_ms / 1000, max_missed=config.max_missed_batches,
+                             pack_width=model.pack_width)
         cost = CostModel(self.calibration.coefficients)
         self.metrics = Metrics(LiveValues(
             queue_depth=lambda: self.engine.queued(),

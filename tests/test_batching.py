@@ -343,6 +343,44 @@ def test_where_a_batch_is_dear_and_padding_cheap_the_lengths_mix() -> None:
     assert len(decision.batch) == 17 and decision.padded_tokens == 17 * 28
 
 
+def test_a_model_that_packs_rows_takes_mixed_lengths_whole_at_about_their_tokens() -> None:
+    """The case above on a CPU, with a model that packs texts into shared rows: no cut (a cut would only
+    add an overhead), and the batch costs about its texts' tokens, not its rows times its longest."""
+    jobs = [FakeJob(f"s{i}", arrival=i, n_tokens=10, owner=f"c{i}") for i in range(16)]
+    jobs.insert(1, FakeJob("long", arrival=0.5, n_tokens=28, owner="long"))
+    q = queue(*jobs)
+    p = policy(size=64, cost=CPU, pack_width=64)
+    decision = p.take(q, now=0)
+    assert len(decision.batch) == 17 and not q
+    # rows of 64: 28 + 10 + 10 + 10, then six 10s, six 10s and one: four rows of 60 tokens
+    assert decision.padded_tokens == batching.footprint([10] * 16 + [28], 64) == 4 * 60 < 17 * 28
+    assert decision.predicted_s == pytest.approx(CPU.batch_s(17, 4 * 60, 17 * 100))
+    wide = [FakeJob(f"w{i}", n_tokens=n) for i, n in enumerate([8, 200, 9, 150, 12])]  # past AUTO_GROWTH
+    assert len(policy(size=64, cost=CPU, pack_width=64).take(queue(*wide), now=0).batch) == 5
+    assert len(policy(size=64, cost=CPU).take(queue(*wide), now=0).batch) < 5
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_layout_holds_every_text_once_within_its_row_width_and_packs_only_to_save_tokens(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.choice([rng.randint(3, 20), rng.randint(3, 120)]) for _ in range(rng.randint(2, 64))]
+    rows = batching.layout(lengths, 64)
+    padded = len(lengths) * max(lengths)
+    if rows is None:
+        assert batching.footprint(lengths, 64) == padded
+        return
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= max(64, max(lengths)) for row in rows)
+    assert batching.footprint(lengths, 64) == len(rows) * max(sum(lengths[i] for i in row) for row in rows) < padded
+
+
+def test_equal_lengths_keep_a_padded_row_each_and_no_packing_means_padded() -> None:
+    assert batching.layout([12] * 32, 64) is None  # five to a row would take as many tokens, with a mask
+    assert batching.layout([8, 60, 9], 0) is None and batching.footprint([8, 60, 9]) == 180
+    assert batching.layout([8, 60, 9], 64) == [[1], [2, 0]] and batching.footprint([8, 60, 9], 64) == 120
+    assert batching.layout([30], 64) is None  # one text: its own row
+
+
 def test_a_user_set_length_ratio_is_a_fixed_band_the_cost_model_does_not_narrow() -> None:
     jobs = [FakeJob(f"s{i}", arrival=i, n_tokens=10, owner=f"c{i}") for i in range(16)]
     jobs.insert(1, FakeJob("long", arrival=0.5, n_tokens=28, owner="long"))

@@ -141,10 +141,18 @@ def check(family: Family, frames: list[dict[str, Any]], requests: list[tuple[str
         assert_same_predictions(frame["predictions"], family.ask(text, **options), TOLERANCE)
 
 
+#: Families whose texts get a padded row each: their attention is built inside the model from a 2-d
+#: mask (DeBERTa-v2, ESM) or packed rows give other logits (ModernBERT's local attention); the load-time
+#: check finds it (model.FillMaskModel._check_packing).
+PADDED_FAMILIES = {"deberta-v2", "esm", "modernbert"}
+
+
 async def test_the_fast_path_runs_and_says_so(family: Family) -> None:
-    """hello.engine (§2) and /metrics (§11): the head at the masks and the traced graph, for every family."""
-    path = {key: family.hello["engine"][key] for key in ("forward", "head", "device", "dtype")}
-    assert path == {"forward": "traced", "head": "masks", "device": "cpu", "dtype": "float32"}
+    """hello.engine (§2) and /metrics (§11): the head at the masks and the traced graph, for every family;
+    packed rows for every family whose model gives them the logits of padded ones."""
+    layout = "padded" if family.name in PADDED_FAMILIES else "packed"
+    path = {key: family.hello["engine"][key] for key in ("forward", "head", "layout", "device", "dtype")}
+    assert path == {"forward": "traced", "head": "masks", "layout": layout, "device": "cpu", "dtype": "float32"}
     assert family.hello["limits"]["max_tokens"] == FAMILY_MAX_TOKENS
 
     def scrape() -> str:
@@ -152,7 +160,8 @@ async def test_the_fast_path_runs_and_says_so(family: Family) -> None:
             return response.read().decode()
 
     metrics = await asyncio.to_thread(scrape)
-    assert 'fillmask_engine_info{device="cpu",dtype="float32",forward="traced",head="masks"} 1.0' in metrics
+    assert ('fillmask_engine_info{device="cpu",dtype="float32",forward="traced",head="masks",'
+            f'layout="{layout}"}} 1.0') in metrics
 
 
 async def test_one_and_several_masks_and_top_k(family: Family) -> None:

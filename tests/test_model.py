@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from fillmask_server import batching
 from fillmask_server.model import FillMaskModel, Item, load_model
 
 TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
@@ -128,25 +129,52 @@ def test_a_batch_without_targets_is_one_call_into_torch(traced: FillMaskModel, e
 
 
 def test_the_scripted_batch_gives_the_bits_of_the_same_module_unscripted(traced: FillMaskModel) -> None:
-    """Texts of different lengths (padding: the attention mask is built from lengths inside the call),
-    several masks, every call a few times over (the profiling executor optimises after its first runs);
-    and the load-time check that would keep the unscripted module if the bits differed does catch it."""
+    """Texts of different lengths, padded (the attention mask is built from lengths inside the call) and
+    packed (built from each token's text), several masks, every call a few times over (the profiling
+    executor optimises after its first runs); and the load-time check that would keep the unscripted
+    module if the bits differed does catch it."""
     from fillmask_server import graph
 
-    assert isinstance(traced._batch, torch.jit.ScriptModule)
-    plain = graph.BatchGraph(traced._scores, "cpu")
+    assert isinstance(traced._batch, torch.jit.ScriptModule) and traced.pack_width
+    plain = graph.BatchGraph(traced._scores, "cpu", traced._packed_scores)
     batch = items(traced)
     width = max(len(item.input_ids) for item in batch)
     ids = [t for item in batch for t in [*item.input_ids, *[traced.pad_token_id] * (width - len(item.input_ids))]]
     masks = [(n, c) for n, item in enumerate(batch) for c, t in enumerate(item.input_ids) if t == traced.mask_token_id]
-    args = (ids, [len(item.input_ids) for item in batch], [n for n, _ in masks], [c for _, c in masks], width,
-            7, [7 - n % 2 for n, _ in masks], True)
+    args = padded_args = (ids, [len(item.input_ids) for item in batch], [n for n, _ in masks], [c for _, c in masks],
+                          width, 7, [7 - n % 2 for n, _ in masks], True, [], [])
     with torch.inference_mode():
         want = plain(*args)
         for _ in range(4):
             got = traced._batch(*args)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert traced._differs(traced._batch, plain) is None
+    # Packed rows: the mask of which token attends to which is built inside the scripted call.
+    lengths = [len(item.input_ids) for item in batch]
+    rows = batching.layout(lengths, traced.pack_width)
+    assert rows is not None and len(rows) < len(batch)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids, segments, places, starts = [], [], [], {}
+    for r, row in enumerate(rows):
+        used = 0
+        for segment, i in enumerate(row):
+            starts[i] = (r, used)
+            ids += batch[i].input_ids
+            segments += [segment] * lengths[i]
+            places += range(lengths[i])
+            used += lengths[i]
+        ids += [traced.pad_token_id] * (width - used)
+        segments += [-1] * (width - used)
+        places += [0] * (width - used)
+    at = [(starts[n][0], starts[n][1] + c) for n, c in masks]
+    args = (ids, [], [r for r, _ in at], [c for _, c in at], width, 7, [7 - n % 2 for n, _ in masks], True,
+            segments, places)
+    with torch.inference_mode():
+        want = plain(*args)
+        for _ in range(4):
+            got = traced._batch(*args)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        assert torch.allclose(want[1], traced._batch(*padded_args)[1], atol=1e-6)  # packed gives padded's answers
 
     def off_by_a_bit(*call: Any) -> Any:
         probs, values, indices = traced._batch(*call)
@@ -216,7 +244,8 @@ def test_a_vocabulary_of_25_tokens_and_16_positions_gets_the_traced_graph_and_th
 
     tokenizer, model = residue_model()
     fill = FillMaskModel("residues", tokenizer, model, "cpu", "float32")
-    assert fill.engine_facts() == {"forward": "traced", "head": "masks", "device": "cpu", "dtype": "float32"}
+    assert fill.engine_facts() == {"forward": "traced", "head": "masks", "layout": "packed", "device": "cpu",
+                                   "dtype": "float32"}
     assert (fill.head_note, fill.forward_note, fill.max_tokens) == (None, None, 16)
     text = "E V Q L [MASK] E S G G"
     expected = pipeline("fill-mask", model=model, tokenizer=tokenizer, device="cpu")(text, top_k=5)
@@ -231,6 +260,30 @@ def test_the_start_up_batch_passes_on_any_position_table(positions: int) -> None
     room for one masked token and its two special tokens is served, not refused."""
     tokenizer, model = residue_model(positions)
     assert FillMaskModel("residues", tokenizer, model, "cpu", "float32").fails_a_batch() is None
+
+
+def test_packed_rows_need_float32_and_a_model_that_takes_a_mask_of_which_token_attends_to_which() -> None:
+    """In bfloat16 rounding moves logits as far as a wrong position would, so the check could not tell:
+    padded. A model that builds its attention from a 2-d mask itself fails the check: padded, with why."""
+    tokenizer, model = residue_model()
+    half = FillMaskModel("residues", tokenizer, copy.deepcopy(model).to(torch.bfloat16), "cpu", "bfloat16")
+    assert half.engine_facts()["layout"] == "padded" and half.pack_width == 0
+    assert half.packing_note == "packed rows are checked, and run, in float32 only (not bfloat16)"
+    bert = model.bert
+    own = bert.forward
+
+    def two_dimensional_only(*args: Any, attention_mask: Any = None, position_ids: Any = None, **kwargs: Any) -> Any:
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be 2-d")
+        return own(*args, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+    bert.forward = two_dimensional_only
+    fill = FillMaskModel("residues", tokenizer, model, "cpu", "float32")
+    assert fill.engine_facts()["layout"] == "padded" and fill.head_mode == "masks"
+    assert fill.packing_note == ("the model does not take a mask of which token attends to which "
+                                 "(attention_mask must be 2-d)")
+    texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L"]
+    assert fill.forward([Item(ids, 3) for ids in fill.tokenize(texts)]).values.shape == (3, 3)
 
 
 def test_a_head_that_is_not_per_position_runs_the_full_model_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
@@ -252,6 +305,9 @@ def test_a_head_that_is_not_per_position_runs_the_full_model_and_says_so(caplog:
         fill = FillMaskModel("mixing", tokenizer, model, "cpu", "float32")
     assert fill.engine_facts()["head"] == "full" and fill.forward_mode == "traced"
     assert fill.head_note is not None and "differs from the model's own forward pass" in fill.head_note
+    # Run whole on packed rows, the head would mix the texts that share a row: the rows stay padded.
+    assert fill.engine_facts()["layout"] == "padded"
+    assert fill.packing_note == "packed rows give other logits than padded ones"
     assert any("running the full model" in record.getMessage() for record in caplog.records)
     texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L"]
     ids = fill.tokenize(texts)

@@ -18,6 +18,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from fillmask_server.batching import footprint
 from fillmask_server.server import FillMaskServer
 from tests.wire import (
     answers_counted,
@@ -113,11 +114,11 @@ async def test_mixed_length_batch_equals_each_text_alone(make_server: Any, refer
                 await send(ws, fill(i, text, **fields))
             await wait_until(lambda: srv.engine.runnable() >= len(cases), timeout=30)
         frames = {frame["id"]: frame for frame in await recv_n(ws, len(cases))}
-    padded = 0
-    for i, (text, _) in enumerate(cases):  # a row shorter than its batch's longest row was padded
-        longest = frames[i]["batch_tokens"] // frames[i]["batch_size"]
-        padded += len(reference_pipeline.tokenizer(text)["input_ids"]) < longest
-    assert padded >= 6 and max(frame["batch_size"] for frame in frames.values()) == len(cases)
+    lengths = [len(reference_pipeline.tokenizer(text)["input_ids"]) for text, _ in cases]
+    assert len(set(lengths)) >= 5 and {frame["batch_size"] for frame in frames.values()} == {len(cases)}
+    # One batch, its texts packed into shared rows: fewer tokens than one padded row each.
+    assert srv.model.pack_width and frames[0]["batch_tokens"] == footprint(lengths, srv.model.pack_width)
+    assert frames[0]["batch_tokens"] < len(cases) * max(lengths)
     for i, (text, fields) in enumerate(cases):
         assert frames[i]["type"] == "result", frames[i]
         assert_same_predictions(frames[i]["predictions"], reference_pipeline(text, **fields))
