@@ -57,12 +57,13 @@ connections, not the whole queue; a ``deque`` works too. The rules:
 - **Packed rows** (``pack_width`` set: the model packs a batch's texts into shared rows, see
   ``layout``): a batch costs its ``footprint``, about its tokens whatever their lengths, so a round
   is its window whole: a cut would only add an overhead. The round's own bounds stay (the window's
-  size, tokens and time limit).
+  size, tokens and time limit); a window whose footprint is over ``max_batch_tokens`` (long texts
+  that share no row) is cut as above.
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
-- **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` padded tokens (rows x the
-  longest row: what the encoder's activations take); and a **predicted time** of at most
+- **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` tokens, padding included
+  (the ``footprint``, rows x the widest row: what the encoder's activations take); and a **predicted time** of at most
   ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
   batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``, nor below
@@ -662,8 +663,8 @@ class BatchPolicy:
         window order, the batches by their first request's place in it. A model that packs its rows
         takes the window whole: there a batch costs its tokens, not its longest row, and a cut would
         only add an overhead."""
-        if self.pack_width:
-            return [list(window)]
+        if self.pack_width and footprint([job.n_tokens for job in window], self.pack_width) <= self.max_batch_tokens:
+            return [list(window)]  # (past the budget, the cut below keeps every batch within it)
         classes: dict[int, list[J]] = {}
         for job in window:
             members = classes.get(job.n_tokens)

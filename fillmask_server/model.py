@@ -96,6 +96,8 @@ _CHECK_SHAPES = ((1, 5, 0, 1), (3, 9, 2, 3), (32, 11, 0, 32), (4, 40, 3, 9))
 #: texts of a batch share a few rows with little padding, narrow enough that attention across a row
 #: (quadratic in its width, masked to each text) stays a small part of the encoder's work.
 PACK_WIDTH = 64
+#: Config fields of an attention with a local window (ModernBERT's ``local_attention``, Longformer's ...).
+_LOCAL_WINDOWS = ("local_attention", "sliding_window", "attention_window")
 #: Packed rows may move a logit by this share of the largest, at most, against padded rows (in float32:
 #: rounding moves it by about 1e-7 to 1e-5 of it on this project's checkpoints; a wrong position or a
 #: mask the model overrides, by 0.06 to 1).
@@ -188,6 +190,8 @@ class FillMaskModel:
         self.mask_token: str = tokenizer.mask_token
         self.mask_token_id: int = tokenizer.mask_token_id
         self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # The padding index of the model's position table (RoBERTa's positions count from it; -1: none).
+        self._padding_index: int = _position_padding_index(model)
         self.vocab_size: int = model.config.vocab_size
         self.max_tokens: int = _max_tokens(tokenizer, model)
         self._wants_token_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
@@ -333,6 +337,8 @@ class FillMaskModel:
 
         lengths = [len(item.input_ids) for item in items]
         plan = batching.layout(lengths, self.pack_width)
+        if plan is not None and self._first_position and any(self._padding_index in item.input_ids for item in items):
+            plan = None  # RoBERTa skips a padding token when it counts positions: padded rows do the same
         pad, mask = self.pad_token_id, self.mask_token_id
         ids: list[int] = []
         segments: list[int] = []  # packed rows only: each token's text within its row (-1: padding)
@@ -466,7 +472,13 @@ class FillMaskModel:
         forward = (self._encoder if self._head is not None else self.model).forward
         if "position_ids" not in inspect.signature(forward).parameters:
             return "the model takes no position ids"
-        lengths = [min(n, self.max_tokens) for n in (5, 9, 3, 12, 7)]
+        config = self.model.config
+        for window in _LOCAL_WINDOWS:  # a mask of its own per layer, which a 4-d mask given would replace
+            if getattr(config, window, None):
+                return f"the model's attention has a local window ({window} = {getattr(config, window)})"
+        # The texts of a row, and one as long as a row may be (a local window the model builds from a 2-d
+        # mask, and which a 4-d one replaces, shows only beyond its width).
+        lengths = [min(n, self.max_tokens) for n in (5, 9, 3, 12, 7, 2 * PACK_WIDTH + 3)]
         pool = self._check_ids
         texts = [[pool[(7 * j + 3 * n) % len(pool)] for j in range(n)] for n in lengths]
         for text in texts:
@@ -485,7 +497,8 @@ class FillMaskModel:
                 warnings.simplefilter("ignore")
                 padded = self._logits(ids, attention, rows, cols).float()
                 allowed = _PACK_TOLERANCE * max(1.0, padded.abs().max().item())
-                firsts = dict.fromkeys((0, self.pad_token_id + 1))  # RoBERTa's positions start after padding
+                # RoBERTa's positions start after the padding index of its position table.
+                firsts = (0, self._padding_index + 1) if self._padding_index >= 0 else (0,)
                 for first in firsts:
                     self._first_position = first
                     got = self._logits(flat, packed, torch.zeros_like(at), at, places).float()
@@ -704,6 +717,13 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def _position_padding_index(model: Any) -> int:
+    """The ``padding_idx`` of the model's position table (-1: none)."""
+    embeddings = getattr(getattr(model, "base_model", None), "embeddings", None)
+    padding_idx = getattr(getattr(embeddings, "position_embeddings", None), "padding_idx", None)
+    return padding_idx if isinstance(padding_idx, int) and padding_idx >= 0 else -1
+
+
 def _max_tokens(tokenizer: Any, model: Any) -> int:
     """Longest input the model accepts, special tokens included: the tokenizer's ``model_max_length``
     when it has one, and never more than the position table's size (less the offset of position ids
@@ -711,10 +731,8 @@ def _max_tokens(tokenizer: Any, model: Any) -> int:
     of 514 takes 512). A longer limit let texts through that the model then failed on."""
     limit = getattr(tokenizer, "model_max_length", None)
     positions = getattr(model.config, "max_position_embeddings", 512)
-    embeddings = getattr(getattr(model, "base_model", None), "embeddings", None)
-    table = getattr(embeddings, "position_embeddings", None)
-    padding_idx = getattr(table, "padding_idx", None)
-    if isinstance(padding_idx, int) and padding_idx >= 0:
+    padding_idx = _position_padding_index(model)
+    if padding_idx >= 0:
         positions -= padding_idx + 1
     if isinstance(limit, int) and 0 < limit < 1_000_000:
         return min(limit, positions)

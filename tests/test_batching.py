@@ -374,6 +374,19 @@ def test_a_layout_holds_every_text_once_within_its_row_width_and_packs_only_to_s
     assert batching.footprint(lengths, 64) == len(rows) * max(sum(lengths[i] for i in row) for row in rows) < padded
 
 
+def test_a_packed_window_past_the_token_budget_is_cut_to_keep_every_batch_within_it() -> None:
+    """Long texts that share no row take their rows x longest, as padded ones do: the budget holds."""
+    for lengths, budget in (([500, 10], 512), ([512] + [257] * 29, 8192)):
+        q = queue(*(FakeJob(str(i), n_tokens=n, owner=f"c{i}") for i, n in enumerate(lengths)))
+        p = policy(size=64, tokens=budget, cost=CPU, pack_width=64, max_batch_s=100.0)  # (the budget binds)
+        taken = []
+        while q:
+            decision = p.take(q, now=0)
+            assert decision.padded_tokens <= budget
+            taken += decision.batch
+        assert len(taken) == len(lengths)
+
+
 def test_equal_lengths_keep_a_padded_row_each_and_no_packing_means_padded() -> None:
     assert batching.layout([12] * 32, 64) is None  # five to a row would take as many tokens, with a mask
     assert batching.layout([8, 60, 9], 0) is None and batching.footprint([8, 60, 9]) == 180

@@ -142,8 +142,8 @@ def check(family: Family, frames: list[dict[str, Any]], requests: list[tuple[str
 
 
 #: Families whose texts get a padded row each: their attention is built inside the model from a 2-d
-#: mask (DeBERTa-v2, ESM) or packed rows give other logits (ModernBERT's local attention); the load-time
-#: check finds it (model.FillMaskModel._check_packing).
+#: mask (DeBERTa-v2, ESM) or has a local window (ModernBERT); the load-time check finds it
+#: (model.FillMaskModel._check_packing).
 PADDED_FAMILIES = {"deberta-v2", "esm", "modernbert"}
 
 
@@ -167,6 +167,16 @@ async def test_the_fast_path_runs_and_says_so(family: Family) -> None:
 async def test_one_and_several_masks_and_top_k(family: Family) -> None:
     requests = [(text, {"top_k": top_k}) for text in family.texts() for top_k in (1, 5)]
     requests.append((family.texts()[0], {"top_k": min(50, family.hello["limits"]["top_k"]["max"])}))
+    check(family, await ask_server(family, requests), requests)
+
+
+async def test_a_text_that_holds_the_padding_token_as_written_beside_others(family: Family) -> None:
+    """RoBERTa's positions skip a padding token wherever it is (they count from the padding index): a
+    text that holds one, batched with texts of other lengths, still gets the pipeline's answer."""
+    pad = family.pipe.tokenizer.pad_token
+    texts = family.texts()
+    requests = [(f"{texts[0]} {pad} {texts[1]}", {}), (texts[1], {}), (texts[2], {}), (texts[-1], {})]
+    assert family.pipe.tokenizer.pad_token_id in family.pipe.tokenizer(requests[0][0])["input_ids"]
     check(family, await ask_server(family, requests), requests)
 
 

@@ -286,6 +286,22 @@ def test_packed_rows_need_float32_and_a_model_that_takes_a_mask_of_which_token_a
     assert fill.forward([Item(ids, 3) for ids in fill.tokenize(texts)]).values.shape == (3, 3)
 
 
+def test_an_attention_with_a_local_window_keeps_padded_rows() -> None:
+    """ModernBERT builds a window mask per layer from the 2-d mask; a 4-d one given replaces it, which
+    shows only on texts longer than the window (a real checkpoint's 128 passed a check of short texts)."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    tokenizer, _ = residue_model(positions=512)
+    torch.manual_seed(0)
+    config = ModernBertConfig(vocab_size=25, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, max_position_embeddings=512, local_attention=128,
+                              pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
+    model = ModernBertForMaskedLM(config).eval()
+    fill = FillMaskModel("windowed", tokenizer, model, "cpu", "float32")
+    assert fill.engine_facts()["layout"] == "padded"
+    assert fill.packing_note == "the model's attention has a local window (local_attention = 128)"
+
+
 def test_a_head_that_is_not_per_position_runs_the_full_model_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """The load-time check compares the head on the encoder's output with the model's own forward pass:
     a head that mixes positions fails it, and the server runs the whole model (still traced), correctly."""
