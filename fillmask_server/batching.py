@@ -63,8 +63,8 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
 - **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` tokens, padding included
-  (the ``footprint``, rows x the widest row: what the encoder's activations take); and a **predicted time** of at most
-  ``max_batch_s``, by default the overhead
+  (the ``footprint``, rows x the widest row: what the encoder's activations take); and a
+  **predicted time** of at most ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
   batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``, nor below
   the predicted time of the fullest batch of plain requests as long as the longest waiting that

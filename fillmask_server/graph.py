@@ -8,8 +8,9 @@ it (``TensorImpl::incref_pyobject``/``decref_pyobject``), and releases it again 
 object dies. Tensors made from Python lists before the call (``torch.tensor``) and passed to the
 traced graph therefore cost several hand-overs each, inside the graph and after it; tensors made
 *inside* the scripted call have no Python object and cost none. So ``BatchGraph`` builds the inputs
-from the lists (the attention mask from each row's length), runs the traced graph, moves the
-probabilities to the CPU and takes the top-k there, all in one call, which gives the GIL up once.
+from the lists (the attention mask from each row's length, or for packed rows from each token's
+text), runs the traced graph, moves the probabilities to the CPU and takes the top-k there, all in
+one call, which gives the GIL up once.
 
 The top-k is taken at each row's own ``k``, the ``top_k`` of the request it belongs to, as the
 pipeline takes it for that request alone: among equal scores, which tokens come first depends on

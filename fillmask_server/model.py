@@ -55,13 +55,15 @@ tokens only (a 4-d mask, built in ``graph.BatchGraph`` from each token's text) a
 position within its text (RoBERTa's positions start after the padding index: ``_first_position``),
 so that a batch costs about its tokens, whatever the lengths in it. The batching policy reads the
 same layout (``batching.footprint``) and no longer cuts batches to keep lengths together. At load,
-``_check_packing`` runs five texts of different lengths packed into one row and padded, and packs
-only when every logit at the masks agrees within ``_PACK_TOLERANCE`` of the largest (a wrong first
-position or a mask the model overrides moves them by far more); a model that takes no position ids or
-no 4-d mask (DeBERTa-v2 and ESM build their own attention from a 2-d one), one whose logits differ
-(ModernBERT's local attention), and any reduced ``dtype`` (rounding alone moves logits as far as a
-wrong position) keep one padded row per text, and ``packing_note`` says why. The traced graph of
-packed rows is checked bit for bit against eager PyTorch as the padded one is.
+``_check_packing`` runs six texts of different lengths, one of them longer than a row, packed into
+one row and padded, and packs only when every logit at the masks agrees within ``_PACK_TOLERANCE``
+of the largest (a wrong first position or a mask the model replaces moves them by far more). A model
+that takes no position ids or no 4-d mask (DeBERTa-v2 and ESM build their own attention from a 2-d
+one), one with a local attention window (ModernBERT: its window mask, built from the 2-d mask, would
+be replaced), one whose logits differ, and any reduced ``dtype`` (rounding alone moves logits as far
+as a wrong position) keep one padded row per text, and ``packing_note`` says why. Where positions
+skip the padding token (RoBERTa's), a batch with a text that holds it runs padded. The traced graph
+of packed rows is checked bit for bit against eager PyTorch as the padded one is.
 
 **Check inputs** draw their ids from the tokenizer's own non-special ids (a protein model has 25
 tokens) and are never longer than the model accepts (``max_tokens``).
@@ -539,6 +541,7 @@ class FillMaskModel:
         return traced
 
     def _untraced(self, packed: bool, note: str) -> None:
+        """``_trace``'s failure: the note, and for packed rows, padded rows from now on."""
         if packed:
             self.pack_width, self.packing_note = 0, f"{note} of packed rows"
             log.warning("%s; each text gets a padded row of its own", self.packing_note)
@@ -639,11 +642,9 @@ class FillMaskModel:
         device = self.device
         return ids.to(device), attention.to(device), rows_.to(device), cols.to(device)
 
-
     def _packed_check_inputs(self, rows: int, width: int, padded: int, masks: int) -> tuple[Any, ...]:
         """``_check_inputs`` as packed rows: each row's first half one text, its second half another
         (the ``padded`` rows: padding), with the 4-d mask and positions that ``graph.BatchGraph`` builds."""
-
         ids, attention, rows_, cols = self._check_inputs(rows, width, padded, masks)
         segment, places = self._packed_check_rows(ids, attention)
         mask = (segment.unsqueeze(2) == segment.unsqueeze(1)).unsqueeze(1)
@@ -664,6 +665,7 @@ class FillMaskModel:
         places[:, half:] -= half
         places[attention == 0] = 0
         return segment, places
+
 
 def _ordinary_ids(tokenizer: Any, vocab_size: int) -> list[int]:
     """The tokenizer's ids below ``vocab_size`` that are not special tokens (all ids if none are left)."""
