@@ -19,7 +19,7 @@ import argparse
 import time
 from typing import Any
 
-from bench.pipeline_limits import bench_corpus
+from bench.pipeline_limits import family_texts
 from fillmask_server.batching import footprint
 
 
@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from fillmask_server.model import Item, load_model
 
     model = load_model(args.model, "cpu", args.dtype)
-    texts = bench_corpus(args.corpus, args.family, model.mask_token, 0)
-    if not args.family:
-        texts = [text.replace("[MASK]", model.mask_token) for text in texts]
+    texts = family_texts(args.corpus, args.family, model.mask_token)  # (any family but esm: the corpus, its mask)
     ids = [row for row in model.tokenize(texts) if len(row) <= model.max_tokens]
     size = args.batch
     arrival = [ids[i:i + size] for i in range(0, len(ids) - size + 1, size)]

@@ -430,7 +430,8 @@ class BatchPolicy:
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
         decision.padded_tokens = footprint([job.n_tokens for job in chosen], self.pack_width)
-        decision.predicted_s = _predicted(chosen, cost, self.pack_width)
+        decision.predicted_s = cost.batch_s(len(chosen), decision.padded_tokens,
+                                            sum(job.result_bytes for job in chosen))  # (``_predicted``, laid out once)
         growth, recent = self._growth, self._recent
         for job in decision.batch:
             served = recent[job.owner]  # (every waiting connection was welcomed)
