@@ -231,6 +231,11 @@ class Engine:
                 thread.join(timeout)
         self.alive = False
 
+    @property
+    def ended(self) -> bool:
+        """Every stage thread has returned (after ``stop``): nothing of this engine touches the model."""
+        return not any(thread.is_alive() for thread in self._threads)
+
     def _hand_over_locked(self, outcomes: list[Outcome]) -> None:
         """Give outcomes to ``deliver`` before the lock that made them final is released, so that once
         ``busy()`` is False every outcome has been handed over (``deliver`` must not block)."""

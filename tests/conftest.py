@@ -7,6 +7,7 @@ between batches so that tests can make "queued" states deterministic.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -31,7 +32,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(CLIENT_DIR), *filter(None, [os.e
 
 from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 from fillmask_server.config import Config  # noqa: E402
-from fillmask_server.model import load_model  # noqa: E402
+from fillmask_server.model import FillMaskModel, load_model  # noqa: E402
 from fillmask_server.server import FillMaskServer  # noqa: E402
 from tests.contract import WireMonitor  # noqa: E402
 
@@ -51,15 +52,30 @@ def tiny_config(tiny_model_dir: Path) -> Config:
     return Config(model=str(tiny_model_dir), host="127.0.0.1", port=0, shutdown_timeout=5.0)
 
 
+#: Loaded models no running server holds, by what ``load_model`` was given (see ``running_server``).
+_IDLE_MODELS: dict[tuple[str, str, str, str], list[FillMaskModel]] = collections.defaultdict(list)
+
+
 @contextlib.asynccontextmanager
 async def running_server(config: Config) -> AsyncIterator[FillMaskServer]:
-    """A started server with its own model and engine; drained (closed with 1001) on exit."""
-    server = FillMaskServer(config, load_model(config.model, config.device, config.dtype, forward=config.forward))
+    """A started server with its own engine; drained (closed with 1001) on exit.
+
+    Its model is its own while it runs: one no other running server holds, loaded with the same
+    arguments by an earlier server of this process that has ended, else loaded now. Serving leaves a
+    model as it was loaded (the engine sets only the torch thread count, which each server calibrates
+    again), and a load takes seconds on these machines: a hundred of them were a third of the suite's
+    time. A model goes back to the idle ones only once every thread of its engine has returned."""
+    key = (config.model, config.device, config.dtype, config.forward)
+    idle = _IDLE_MODELS[key]
+    model = idle.pop() if idle else load_model(config.model, config.device, config.dtype, forward=config.forward)
+    server = FillMaskServer(config, model)
     await server.start()
     try:
         yield server
     finally:
         await server.drain(timeout=2.0)
+        if server.engine.ended:
+            idle.append(model)
     assert server.double_answers == 0  # after the drain every outcome has been delivered: none was a second
 
 
@@ -108,18 +124,33 @@ def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsy
     return factory
 
 
-# --- how pytest-xdist shares the tests out (pyproject.toml: -n 2 --dist loadgroup) ---------------------
+# --- how pytest-xdist shares the tests out (pyproject.toml: -n 2 --dist loadfile) ---------------------
 
 #: Files whose tests the workers may take one by one: each test starts processes of its own and shares
 #: no fixture, so the file's long waits (model loads, drains) overlap with the other worker's. Every
-#: other file runs whole on one worker, so that its module fixtures (a cluster, a browser) start once.
+#: other file runs whole on one worker, so that its module fixtures (a cluster, a browser) start once
+#: (checked at the end of every run: ``pytest_sessionfinish``).
 SPREAD_FILES = {"test_process.py"}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name not in SPREAD_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or the test alone in ``SPREAD_FILES``."""
+    path = nodeid.split("::", 1)[0]
+    return nodeid if Path(path).name in SPREAD_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with ``SPREAD_FILES`` spread test by test. (Marks read by ``--dist
+    loadgroup`` cannot do it under pytest 9.2: xdist 3.8 renames a node by a field pytest no longer
+    reads, so every file was spread test by test and a module fixture started once per worker.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return FileScheduling(config, log)
 
 
 # --- every frame against the contract (protocol/schemas; tests/contract.py) ---------------------------
@@ -176,6 +207,7 @@ def wire_contract(request: pytest.FixtureRequest) -> Iterator[WireMonitor]:
 EVERY_FILE = {path.name for path in Path(__file__).parent.glob("test_*.py")}
 RAN_FILES: set[str] = set()
 _WORKERS = {"frames": 0, "failed": 0, "files": set()}  # pytest-xdist's controller: every worker's share
+_FILES_BY_WORKER: dict[str, set[str]] = {}  # the same: each worker's files
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
@@ -189,15 +221,24 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     _WORKERS["frames"] += output.get("wire_frames", 0)
     _WORKERS["failed"] += output.get("wire_failed", 0) + (1 if error else 0)
     _WORKERS["files"] |= set(output.get("wire_files", ()))
+    _FILES_BY_WORKER[node.gateway.id] = set(output.get("wire_files", ()))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Under pytest-xdist the check of ``wire_contract`` runs here, on every worker's frames together."""
     if getattr(session.config, "workerinput", None) is not None or not _WORKERS["files"]:
         return  # a worker, or a run without workers (the fixture checked it)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    runs = collections.Counter(name for files in _FILES_BY_WORKER.values() for name in files)
+    split = sorted(name for name, workers in runs.items() if workers > 1 and name not in SPREAD_FILES)
+    if split:  # each worker started the file's module fixtures: twice the time, and twice the servers at once
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(f"test files run on more than one worker: {', '.join(split)} (tests/conftest.py "
+                                "pytest_xdist_make_scheduler should keep each file on one)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if exitstatus == 0 and not _WORKERS["failed"] and _WORKERS["files"] == EVERY_FILE \
             and _WORKERS["frames"] <= MIN_FRAMES_IN_FULL_RUN:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.write_line(f"only {_WORKERS['frames']} frames checked against the contract "
                                 "(tests/conftest.py wire_contract)", red=True)
