@@ -102,6 +102,11 @@ async def keep_in_flight(url: str, depth: int, stop: asyncio.Event, policy: Poli
     return len(recorder.sent) - len(client.pending), client.closed_by_server
 
 
+#: Issue 17's bound on a light request's p50 beside a heavy-output neighbour, as a multiple of its p50
+#: alone (issue 10 asked for 5x).
+NEIGHBOUR_GOAL = 3
+
+
 async def scenario_neighbour(args: argparse.Namespace) -> bool:
     with ServerProcess(Path(args.model), list(args.server_args)) as server:
         await probe(server.url, 10)  # warm-up
@@ -113,9 +118,10 @@ async def scenario_neighbour(args: argparse.Namespace) -> bool:
         stop.set()
         heavy_read, _ = await heavy
     p50_alone, p50_with = statistics.median(alone) * 1000, statistics.median(with_neighbour) * 1000
-    ok = p50_with <= 5 * p50_alone and expired == 0
+    ok = p50_with <= NEIGHBOUR_GOAL * p50_alone and expired == 0
     print(f"neighbour  light p50 alone {p50_alone:.1f} ms; with a heavy-output neighbour {p50_with:.1f} ms "
-          f"({p50_with / p50_alone:.1f}x, target <= 5x), p99 {1000 * sorted(with_neighbour)[-1]:.1f} ms; "
+          f"({p50_with / p50_alone:.1f}x, target <= {NEIGHBOUR_GOAL}x), "
+          f"p99 {1000 * sorted(with_neighbour)[-1]:.1f} ms; "
           f"1 s-deadline requests not served: {expired} (target 0); the neighbour read {heavy_read} heavy "
           f"answers meanwhile -> {verdict(ok)}")
     return ok

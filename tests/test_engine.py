@@ -431,3 +431,16 @@ def test_the_next_batch_is_chosen_off_the_model_thread_while_it_runs_a_forward_p
     assert 0 not in outcomes and all(isinstance(outcome, Result) for outcome in outcomes.values())
     assert [name for name, _ in chosen_on] == ["fillmask-model", "fillmask-intake", "fillmask-model"]
     assert [outcomes[n].batch_size for n in range(1, 8)] == [3] * 3 + [4] * 4
+
+
+def test_an_engine_has_ended_only_once_every_stage_thread_has_returned(model: FillMaskModel,
+                                                                       collector: Collector) -> None:
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector)
+    engine.start()
+    with engine.paused():  # a paused model thread is still alive: the model is still the engine's
+        assert not engine.ended
+    engine.submit(job("last"))
+    assert isinstance(collector.wait_for(1)["last"], Result)
+    assert not engine.ended
+    engine.stop()
+    assert engine.ended  # tests/conftest.py gives the model to the next server only now
