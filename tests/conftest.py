@@ -225,7 +225,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under pytest-xdist the check of ``wire_contract`` runs here, on every worker's frames together."""
+    """pytest-xdist's controller: fail the run if a file outside ``SPREAD_FILES`` ran on more than one
+    worker; and the check of ``wire_contract`` runs here, on every worker's frames together."""
     if getattr(session.config, "workerinput", None) is not None or not _WORKERS["files"]:
         return  # a worker, or a run without workers (the fixture checked it)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
