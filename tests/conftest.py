@@ -64,7 +64,8 @@ async def running_server(config: Config) -> AsyncIterator[FillMaskServer]:
     arguments by an earlier server of this process that has ended, else loaded now. Serving leaves a
     model as it was loaded (the engine sets only the torch thread count, which each server calibrates
     again), and a load takes seconds on these machines: a hundred of them were a third of the suite's
-    time. A model goes back to the idle ones only once every thread of its engine has returned."""
+    time. A model goes back to the idle ones only once every thread of its engine has returned.
+    (Serving fills a model's caches, e.g. of ``targets``, with what loading would give.)"""
     key = (config.model, config.device, config.dtype, config.forward)
     idle = _IDLE_MODELS[key]
     model = idle.pop() if idle else load_model(config.model, config.device, config.dtype, forward=config.forward)
@@ -143,7 +144,10 @@ def work_unit(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` with ``SPREAD_FILES`` spread test by test. (Marks read by ``--dist
     loadgroup`` cannot do it under pytest 9.2: xdist 3.8 renames a node by a field pytest no longer
-    reads, so every file was spread test by test and a module fixture started once per worker.)"""
+    reads, so every file was spread test by test and a module fixture started once per worker.)
+    Another ``--dist`` asked for on the command line is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class FileScheduling(LoadScopeScheduling):
@@ -231,7 +235,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return  # a worker, or a run without workers (the fixture checked it)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     runs = collections.Counter(name for files in _FILES_BY_WORKER.values() for name in files)
-    split = sorted(name for name, workers in runs.items() if workers > 1 and name not in SPREAD_FILES)
+    split = sorted(name for name, workers in runs.items() if workers > 1 and name not in SPREAD_FILES) \
+        if session.config.getvalue("dist") == "loadfile" else []
     if split:  # each worker started the file's module fixtures: twice the time, and twice the servers at once
         if reporter is not None:
             reporter.ensure_newline()
