@@ -430,8 +430,7 @@ class BatchPolicy:
         if not chosen:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
         decision.padded_tokens = footprint([job.n_tokens for job in chosen], self.pack_width)
-        decision.predicted_s = cost.batch_s(len(chosen), decision.padded_tokens,
-                                            sum(job.result_bytes for job in chosen))  # (``_predicted``, laid out once)
+        decision.predicted_s = _predicted(chosen, cost, tokens=decision.padded_tokens)
         growth, recent = self._growth, self._recent
         for job in decision.batch:
             served = recent[job.owner]  # (every waiting connection was welcomed)
@@ -765,10 +764,12 @@ def _arrival_order(queue: Waiting[J], room: Room | None, depth: int, share: dict
     return order
 
 
-def _predicted(group: list[Any], cost: Coefficients, pack_width: int = 0) -> float:
-    """The cost model's time for one batch of ``group`` (its ``footprint``)."""
-    return cost.batch_s(len(group), footprint([job.n_tokens for job in group], pack_width),
-                        sum(job.result_bytes for job in group))
+def _predicted(group: list[Any], cost: Coefficients, pack_width: int = 0, tokens: int | None = None) -> float:
+    """The cost model's time for one batch of ``group`` (its ``footprint``, or ``tokens`` when the
+    caller has laid the batch out already)."""
+    if tokens is None:
+        tokens = footprint([job.n_tokens for job in group], pack_width)
+    return cost.batch_s(len(group), tokens, sum(job.result_bytes for job in group))
 
 
 def layout(lengths: Sequence[int], pack_width: int) -> list[list[int]] | None:

@@ -210,7 +210,7 @@ def wire_contract(request: pytest.FixtureRequest) -> Iterator[WireMonitor]:
 #: The test files, and those of which this process ran a test (a full run has run them all).
 EVERY_FILE = {path.name for path in Path(__file__).parent.glob("test_*.py")}
 RAN_FILES: set[str] = set()
-_WORKERS = {"frames": 0, "failed": 0, "files": set()}  # pytest-xdist's controller: every worker's share
+_WORKERS = {"frames": 0, "failed": 0}  # pytest-xdist's controller: every worker's share
 _FILES_BY_WORKER: dict[str, set[str]] = {}  # the same: each worker's files
 
 
@@ -224,14 +224,14 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     output = getattr(node, "workeroutput", {})
     _WORKERS["frames"] += output.get("wire_frames", 0)
     _WORKERS["failed"] += output.get("wire_failed", 0) + (1 if error else 0)
-    _WORKERS["files"] |= set(output.get("wire_files", ()))
     _FILES_BY_WORKER[node.gateway.id] = set(output.get("wire_files", ()))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """pytest-xdist's controller: fail the run if a file outside ``SPREAD_FILES`` ran on more than one
     worker; and the check of ``wire_contract`` runs here, on every worker's frames together."""
-    if getattr(session.config, "workerinput", None) is not None or not _WORKERS["files"]:
+    ran = set().union(*_FILES_BY_WORKER.values())
+    if getattr(session.config, "workerinput", None) is not None or not ran:
         return  # a worker, or a run without workers (the fixture checked it)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     runs = collections.Counter(name for files in _FILES_BY_WORKER.values() for name in files)
@@ -243,7 +243,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(f"test files run on more than one worker: {', '.join(split)} (tests/conftest.py "
                                 "pytest_xdist_make_scheduler should keep each file on one)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if exitstatus == 0 and not _WORKERS["failed"] and _WORKERS["files"] == EVERY_FILE \
+    if exitstatus == 0 and not _WORKERS["failed"] and ran == EVERY_FILE \
             and _WORKERS["frames"] <= MIN_FRAMES_IN_FULL_RUN:
         if reporter is not None:
             reporter.write_line(f"only {_WORKERS['frames']} frames checked against the contract "
