@@ -244,6 +244,9 @@ async def test_http_paths_work_through_the_balancer(cluster: Cluster) -> None:
         assert (got_status, body_has in body) == (status, True), (path, got_status, body[:200])
 
 
+MIN_CALLS = 1500  # answered calls, at least, across the rolling restart
+
+
 async def test_rolling_restart_under_load_loses_no_call(
     cluster: Cluster, client_warnings: Callable[[], list[str]]
 ) -> None:
@@ -255,11 +258,11 @@ async def test_rolling_restart_under_load_loses_no_call(
 
     async def caller(client: FillMaskClient, worker: int) -> None:
         calls = 0
-        while not (restarted.is_set() and len(answered) >= 2000):
-            # About 120 calls a second in all, in uneven bursts: load on every replica all the time, and
-            # CPU left on a 2-core machine (one of them perhaps busy with something else) for the restarted
-            # replicas to load their model.
-            await asyncio.sleep(pace.uniform(0.0, 0.2))
+        while not (restarted.is_set() and len(answered) >= MIN_CALLS):
+            # About 45 calls a second in all, in uneven bursts: load on every replica all the time (each
+            # call is a forward pass of its own or nearly), and CPU left on a 2-core machine (one of them
+            # perhaps busy with something else) for the restarted replicas to load their model.
+            await asyncio.sleep(pace.uniform(0.0, 0.5))
             calls += 1
             top_k = 1 + (worker + calls) % 4
             try:
@@ -285,7 +288,7 @@ async def test_rolling_restart_under_load_loses_no_call(
                 task.cancel()
         assert failed == [], failed[:3]
         assert client.in_flight == 0
-    assert len(answered) >= 2000
+    assert len(answered) >= MIN_CALLS
     assert not client_warnings()  # no answer arrived for a call that was not waiting for it
 
 

@@ -96,6 +96,9 @@ def default_hello(**limits: Any) -> dict[str, Any]:
         {"forward": "traced", "head": "masks", "device": "cpu", "dtype": "float32"}))
 
 
+_CONTRACT = Contract(default_hello())  # one for the tests that only read it (building one takes a while)
+
+
 # --- the documents themselves ----------------------------------------------------------------------
 
 
@@ -196,7 +199,7 @@ def _agree(raw: str, limits: Limits | None = None) -> tuple[bool, bool, Any]:
     text; a refusal for what no schema can check (``BEYOND_THE_SCHEMA``) says nothing either way."""
     limits = limits or Limits("[MASK]")
     frame = orjson.loads(raw)
-    schema_ok = Contract(default_hello()).problems(frame, CLIENT_SCHEMAS) == []
+    schema_ok = _CONTRACT.problems(frame, CLIENT_SCHEMAS) == []
     parsed = parse_frame(raw, limits)
     if isinstance(parsed, ProtocolError) and parsed.code in BEYOND_THE_SCHEMA:
         return schema_ok, schema_ok, parsed  # nothing for the schema to agree or disagree with
@@ -281,6 +284,63 @@ def test_schema_and_server_agree_on_random_client_frames(kind: str, fields: dict
     raw = orjson.dumps({"type": kind, **fields}).decode()
     schema_ok, server_ok, parsed = _agree(raw)
     assert schema_ok == server_ok, (raw, parsed)
+
+
+# --- the wire monitor's compiled first look agrees with the Python validator ----------------------------
+
+_RESULT = {"type": "result", "id": "r-1", "queue_ms": 1.25, "inference_ms": 2.5, "batch_size": 3, "batch_tokens": 30,
+           "batch_id": 7, "predictions": [{"score": 0.25, "token": 5, "token_str": "x", "sequence": "a x"}]}
+_ERROR = {"type": "error", "id": "r-1", "code": "invalid_field", "message": "text must be a string"}
+# Where the two validators differ: a zero-fraction float as an integer (the compiled one accepts it),
+# ECMAScript's \\s (U+001C is not whitespace to it) and $ (Python's matches before a final newline).
+_WHERE_THEY_DIFFER = [
+    ({"type": "fill_mask", "id": 1, "text": "a [MASK]", "top_k": 5.0}, CLIENT_SCHEMAS),
+    ({"type": "fill_mask", "id": 1, "text": "a [MASK]", "targets": "\x1c"}, CLIENT_SCHEMAS),
+    ({**_RESULT, "batch_size": 3.0}, SERVER_SCHEMAS),
+    ({**_ERROR, "message": "one line\n"}, SERVER_SCHEMAS),
+]
+
+
+def _same_verdict(frame: dict[str, Any], kinds: dict[str, str]) -> None:
+    assert (_CONTRACT.problems(frame, kinds) == []) == (_CONTRACT.python_problems(frame, kinds) == []), frame
+
+
+@pytest.mark.parametrize(("frame", "kinds"), _WHERE_THEY_DIFFER, ids=lambda v: str(v)[:60])
+def test_the_compiled_first_look_is_not_trusted_where_the_two_validators_differ(
+        frame: dict[str, Any], kinds: dict[str, str]) -> None:
+    python_says = _CONTRACT.python_problems(frame, kinds) == []
+    assert _CONTRACT._fast[frame["type"]].is_valid(frame) != python_says  # the difference is real...
+    assert (_CONTRACT.problems(frame, kinds) == []) == python_says  # ...and the monitor goes by the Python one
+
+
+def test_a_plain_valid_frame_is_settled_by_the_compiled_validator_alone() -> None:
+    contract = Contract(default_hello())
+    for frame, kinds in [(_RESULT, SERVER_SCHEMAS), (_ERROR, SERVER_SCHEMAS),
+                         ({"type": "fill_mask", "id": "a", "text": "a [MASK]", "top_k": 3}, CLIENT_SCHEMAS)]:
+        assert contract.python_problems(frame, kinds) == []
+        before = contract.fast_accepted
+        assert contract.problems(frame, kinds) == []
+        assert contract.fast_accepted == before + 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(kind=st.sampled_from([*CLIENT_SCHEMAS, "fill_mask", "fill_mask"]),
+       fields=st.fixed_dictionaries({}, optional={"id": _VALUES, "text": _TEXTS, "top_k": _VALUES,
+                                                  "targets": _VALUES, "deadline_ms": _VALUES,
+                                                  "interval_ms": _VALUES}))
+def test_both_validators_agree_on_random_client_frames(kind: str, fields: dict[str, Any]) -> None:
+    _same_verdict({"type": kind, **fields}, CLIENT_SCHEMAS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(base=st.sampled_from([_RESULT, _ERROR]),
+       changes=st.dictionaries(st.sampled_from(["id", "queue_ms", "batch_size", "batch_id", "message", "code",
+                                                "predictions", "extra"]),
+                               st.one_of(_VALUES, st.text(max_size=8), st.lists(st.fixed_dictionaries(
+                                   {"score": _VALUES, "token": _VALUES, "token_str": _VALUES, "sequence": _VALUES}),
+                                   max_size=2)), max_size=3))
+def test_both_validators_agree_on_random_server_frames(base: dict[str, Any], changes: dict[str, Any]) -> None:
+    _same_verdict({**base, **changes}, SERVER_SCHEMAS)
 
 
 # --- frames produced by a real server -----------------------------------------------------------------
