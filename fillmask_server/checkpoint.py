@@ -33,6 +33,7 @@ family's real size (``FAMILY_REAL_VOCAB``) by padding the trained tokenizer with
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -236,29 +237,37 @@ def _family_tokenizer(family: str, directory: Path, vocab_size: int | None = Non
 
 def _train(kind: str, specials: list[str], lowercase: bool = False, vocab_size: int | None = None) -> dict:
     """Train a ``tokenizers`` model of ``kind`` on ``training_text``; its JSON ``model`` section (with
-    ``vocab_size``, its vocabulary padded to that size: ``_pad``)."""
+    ``vocab_size``, its vocabulary padded to that size: ``_pad``). A fresh copy each call of one training
+    a process for each (kind, specials, lowercase): the trainers are not deterministic from one process
+    to the next, and a padded vocabulary must be the unpadded one plus fillers, not another training."""
+    model = json.loads(_trained(kind, tuple(specials), lowercase))
+    return model if vocab_size is None else _pad(model, vocab_size)
+
+
+@functools.cache
+def _trained(kind: str, specials: tuple[str, ...], lowercase: bool) -> str:
+    """``_train``'s model section as JSON text, unpadded."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     if kind == "wordpiece":
         tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        trainer = trainers.WordPieceTrainer(vocab_size=FAMILY_VOCAB, special_tokens=specials)
+        trainer = trainers.WordPieceTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials))
     elif kind == "bpe":
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        trainer = trainers.BpeTrainer(vocab_size=FAMILY_VOCAB, special_tokens=specials,
+        trainer = trainers.BpeTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials),
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     else:
         tokenizer = Tokenizer(models.Unigram())
         steps = [normalizers.NFKC()] + ([normalizers.Lowercase()] if lowercase else [])
         tokenizer.normalizer = normalizers.Sequence(steps)
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-        trainer = trainers.UnigramTrainer(vocab_size=FAMILY_VOCAB, special_tokens=specials, unk_token=specials[
+        trainer = trainers.UnigramTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials), unk_token=specials[
             [s.strip("<>[]").lower() for s in specials].index("unk")])
     tokenizer.train_from_iterator(training_text(), trainer)
-    model = json.loads(tokenizer.to_str())["model"]
-    return model if vocab_size is None else _pad(model, vocab_size)
+    return json.dumps(json.loads(tokenizer.to_str())["model"])
 
 
 def _pad(model: dict, vocab_size: int) -> dict:
