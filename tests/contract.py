@@ -15,12 +15,13 @@ Three things make the schemas exact for tests, beyond what a generic validator d
 
 Invariant: ``Contract`` never raises on a frame; ``problems`` returns what is wrong, empty when valid.
 
-**Speed without a second opinion.** The suite checks tens of thousands of frames, and the Python
-validator takes most of a millisecond for a result. ``Contract`` first asks a compiled validator
+**A compiled first look.** The suite checks tens of thousands of frames, and the Python validator
+takes most of a millisecond for a result. ``Contract`` first asks a compiled validator
 (``jsonschema_rs``, the same schemas with every ``$ref`` written in place) and trusts it only where both
 must agree: a frame that it accepts and that is ``_plain`` (no float with a zero fraction, which the
 stock ``integer`` accepts; no string outside printable ASCII, where ECMAScript's ``\\s`` and ``$`` differ
-from Python's; no integer beyond 2**53; not deeply nested). Every other frame, and every frame it
+from Python's; no integer beyond 2**53 and no float that is not finite, which JSON cannot carry to it;
+not deeply nested). Every other frame, and every frame it
 refuses, goes to the Python validator, which alone writes the problems.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -148,7 +150,7 @@ def _plain(value: Any, depth: int = 0) -> bool:
     if isinstance(value, int):
         return -_MAX_EXACT_INT <= value <= _MAX_EXACT_INT
     if isinstance(value, float):
-        return not value.is_integer()
+        return math.isfinite(value) and not value.is_integer()
     if depth >= _PLAIN_DEPTH:
         return False
     if isinstance(value, dict):
@@ -186,10 +188,16 @@ class Contract:
         """What is wrong with ``frame`` as one of ``kinds`` (CLIENT_SCHEMAS or SERVER_SCHEMAS); [] when valid.
         The same answer as ``python_problems``, sooner for a plain valid frame (module doc)."""
         if isinstance(frame, dict) and frame.get("type") in kinds and _plain(frame) \
-                and self._fast[frame["type"]].is_valid(frame):
+                and self._fast_accepts(frame):
             self.fast_accepted += 1
             return []
         return self.python_problems(frame, kinds)
+
+    def _fast_accepts(self, frame: dict[str, Any]) -> bool:
+        try:
+            return bool(self._fast[frame["type"]].is_valid(frame))
+        except Exception:  # anything it cannot take is the Python validator's to judge
+            return False
 
     def python_problems(self, frame: Any, kinds: dict[str, str]) -> list[str]:
         """``problems`` as the Python validator alone finds them: the authority."""

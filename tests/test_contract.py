@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
@@ -321,6 +322,23 @@ def test_a_plain_valid_frame_is_settled_by_the_compiled_validator_alone() -> Non
         before = contract.fast_accepted
         assert contract.problems(frame, kinds) == []
         assert contract.fast_accepted == before + 1
+
+
+_DEEP: Any = 1
+for _ in range(40):
+    _DEEP = [_DEEP]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, 2**70, _DEEP],
+                         ids=["inf", "-inf", "nan", "2^70", "deep"])
+def test_what_the_compiled_validator_cannot_take_goes_to_the_python_one(value: Any) -> None:
+    """Values JSON cannot carry to it, or nested deeper than the plain check looks: never an exception,
+    and the Python validator's verdict."""
+    for frame, kinds in [({**_RESULT, "queue_ms": value}, SERVER_SCHEMAS),
+                         ({"type": "fill_mask", "id": 1, "text": "a [MASK]", "extra": value}, CLIENT_SCHEMAS)]:
+        before = _CONTRACT.fast_accepted
+        assert _CONTRACT.problems(frame, kinds) == _CONTRACT.python_problems(frame, kinds)
+        assert _CONTRACT.fast_accepted == before
 
 
 @settings(max_examples=300, deadline=None)
