@@ -19,10 +19,10 @@ Invariant: ``Contract`` never raises on a frame; ``problems`` returns what is wr
 takes most of a millisecond for a result. ``Contract`` first asks a compiled validator
 (``jsonschema_rs``, the same schemas with every ``$ref`` written in place) and trusts it only where both
 must agree: a frame that it accepts and that is ``_plain`` (no float with a zero fraction, which the
-stock ``integer`` accepts; no string outside printable ASCII, where ECMAScript's ``\\s`` and ``$`` differ
-from Python's; no integer beyond 2**53 and no float that is not finite, which JSON cannot carry to it;
-not deeply nested). Every other frame, and every frame it
-refuses, goes to the Python validator, which alone writes the problems.
+stock ``integer`` accepts; no string outside printable ASCII, where ECMAScript's ``\\s`` differs from
+Python's; no integer beyond 2**53 and no float that is not finite, which JSON cannot carry to it;
+not deeply nested). Every other frame, and every frame it refuses, goes to the Python validator,
+which alone writes the problems.
 """
 
 from __future__ import annotations
