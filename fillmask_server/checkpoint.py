@@ -237,9 +237,10 @@ def _family_tokenizer(family: str, directory: Path, vocab_size: int | None = Non
 
 def _train(kind: str, specials: list[str], lowercase: bool = False, vocab_size: int | None = None) -> dict:
     """Train a ``tokenizers`` model of ``kind`` on ``training_text``; its JSON ``model`` section (with
-    ``vocab_size``, its vocabulary padded to that size: ``_pad``). A fresh copy each call of one training
-    a process for each (kind, specials, lowercase): the trainers are not deterministic from one process
-    to the next, and a padded vocabulary must be the unpadded one plus fillers, not another training."""
+    ``vocab_size``, its vocabulary padded to that size: ``_pad``). Each call gets a fresh copy of the one
+    training a process makes for each (kind, specials, lowercase): the trainers are not deterministic from
+    one process to the next, and a padded vocabulary must be the unpadded one plus fillers, not another
+    training."""
     model = json.loads(_trained(kind, tuple(specials), lowercase))
     return model if vocab_size is None else _pad(model, vocab_size)
 

@@ -6,6 +6,9 @@
 - The schemas and the server's own frame parser agree on client frames (a table of edge cases and a
   property test), and every server frame type, produced by a real server, fits its closed schema
   (via the wire monitor of tests/conftest.py, which checks every frame of the whole suite).
+- The monitor's compiled first look (tests/contract.py) gives the Python validator's verdict: where
+  the two validators differ, on what the compiled one cannot take, and on random client and server
+  frames.
 - protocol.md §14's statements for client writers: frame size bounds, integers as written, characters
   as code points, keepalive timings, no compression, no subprotocol.
 - A JavaScript client written from the AsyncAPI document alone (examples/js-client) completes hello, a
