@@ -167,18 +167,19 @@ class Contract:
     def __init__(self, hello: dict[str, Any] | None = None, closed: bool = True) -> None:
         self.bound = hello is not None
 
+        bound = {close: {name: bind(schema, hello, close) for name, schema in raw_schemas().items()}
+                 for close in {False, closed}}
+
         def registry(close: bool) -> Registry:
-            return Registry().with_resources((name, DRAFT202012.create_resource(bind(schema, hello, close)))
-                                             for name, schema in raw_schemas().items())
+            return Registry().with_resources((name, DRAFT202012.create_resource(schema))
+                                             for name, schema in bound[close].items())
 
         # Each validator's "integer" is a JSON integer literal (WireValidator).
         client, server = registry(False), registry(closed)
         self.fast_accepted = 0  # frames the compiled validator settled alone (read by tests)
-        self._fast: dict[str, Any] = {}
-        for close, kinds in ((False, CLIENT_SCHEMAS), (closed, SERVER_SCHEMAS)):
-            bound = {name: bind(schema, hello, close) for name, schema in raw_schemas().items()}
-            self._fast.update({kind: jsonschema_rs.Draft202012Validator(inline_refs(bound, name))
-                               for kind, name in kinds.items()})
+        self._fast: dict[str, Any] = {
+            kind: jsonschema_rs.Draft202012Validator(inline_refs(bound[close], name))
+            for close, kinds in ((False, CLIENT_SCHEMAS), (closed, SERVER_SCHEMAS)) for kind, name in kinds.items()}
         self._validators = {
             **{kind: WireValidator({"$ref": name}, registry=client) for kind, name in CLIENT_SCHEMAS.items()},
             **{kind: WireValidator({"$ref": name}, registry=server) for kind, name in SERVER_SCHEMAS.items()},

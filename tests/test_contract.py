@@ -277,13 +277,14 @@ _VALUES = st.one_of(
 )
 _TEXTS = st.one_of(st.builds(lambda a, b: f"{a}[MASK]{b}", st.text(max_size=20), st.text(max_size=20)).filter(
     lambda t: t.count("[MASK]") == 1), _VALUES)
+_CLIENT_KINDS = st.sampled_from([*CLIENT_SCHEMAS, "fill_mask", "fill_mask"])
+_CLIENT_FIELDS = st.fixed_dictionaries({}, optional={"id": _VALUES, "text": _TEXTS, "top_k": _VALUES,
+                                                     "targets": _VALUES, "deadline_ms": _VALUES,
+                                                     "interval_ms": _VALUES})
 
 
 @settings(max_examples=400, deadline=None)
-@given(kind=st.sampled_from([*CLIENT_SCHEMAS, "fill_mask", "fill_mask"]),
-       fields=st.fixed_dictionaries({}, optional={"id": _VALUES, "text": _TEXTS, "top_k": _VALUES,
-                                                  "targets": _VALUES, "deadline_ms": _VALUES,
-                                                  "interval_ms": _VALUES}))
+@given(kind=_CLIENT_KINDS, fields=_CLIENT_FIELDS)
 def test_schema_and_server_agree_on_random_client_frames(kind: str, fields: dict[str, Any]) -> None:
     raw = orjson.dumps({"type": kind, **fields}).decode()
     schema_ok, server_ok, parsed = _agree(raw)
@@ -352,10 +353,7 @@ def test_what_the_compiled_validator_cannot_take_goes_to_the_python_one(value: A
 
 
 @settings(max_examples=300, deadline=None)
-@given(kind=st.sampled_from([*CLIENT_SCHEMAS, "fill_mask", "fill_mask"]),
-       fields=st.fixed_dictionaries({}, optional={"id": _VALUES, "text": _TEXTS, "top_k": _VALUES,
-                                                  "targets": _VALUES, "deadline_ms": _VALUES,
-                                                  "interval_ms": _VALUES}))
+@given(kind=_CLIENT_KINDS, fields=_CLIENT_FIELDS)
 def test_both_validators_agree_on_random_client_frames(kind: str, fields: dict[str, Any]) -> None:
     _same_verdict({"type": kind, **fields}, CLIENT_SCHEMAS)
 
