@@ -60,10 +60,14 @@ one row and padded, and packs only when every logit at the masks agrees within `
 of the largest (a wrong first position or a mask the model replaces moves them by far more). A model
 that takes no position ids or no 4-d mask (DeBERTa-v2 and ESM build their own attention from a 2-d
 one), one with a local attention window (ModernBERT: its window mask, built from the 2-d mask, would
-be replaced), one whose logits differ, and any reduced ``dtype`` (rounding alone moves logits as far
-as a wrong position) keep one padded row per text, and ``packing_note`` says why. Where positions
-skip the padding token (RoBERTa's), a batch with a text that holds it runs padded. The traced graph
-of packed rows is checked bit for bit against eager PyTorch as the padded one is.
+be replaced), one whose logits differ, and ``int8`` (dynamic quantisation scales each layer by the
+whole batch) keep one padded row per text, and ``packing_note`` says why. In a reduced ``dtype``
+rounding alone moves logits as far as a wrong position does, so there the check runs on the same
+weights made float32 for it (``_in_float32``: every tensor back to its own dtype after, bit for bit),
+and then packed rows in the dtype must be no more than ``_PACK_ROUNDING`` times as far from float32's
+logits as padded rows are (a kernel that fails a 4-d mask in that dtype only is further, or NaN).
+Where positions skip the padding token (RoBERTa's), a batch with a text that holds it runs padded.
+The traced graph of packed rows is checked bit for bit against eager PyTorch as the padded one is.
 
 **Check inputs** draw their ids from the tokenizer's own non-special ids (a protein model has 25
 tokens) and are never longer than the model accepts (``max_tokens``).
@@ -78,7 +82,8 @@ import shlex
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -104,6 +109,10 @@ _LOCAL_WINDOWS = ("local_attention", "sliding_window", "attention_window")
 #: rounding moves it by about 1e-7 to 1e-5 of it on this project's checkpoints; a wrong position or a
 #: mask the model overrides, by 0.06 to 1).
 _PACK_TOLERANCE = 1e-3
+#: In a reduced dtype, packed rows' logits may be this many times as far from float32's as padded rows'
+#: are (both differ by rounding alone once the float32 check passed; a kernel that breaks on a 4-d mask
+#: in that dtype, by far more, or not finite).
+_PACK_ROUNDING = 4
 #: Tries of the bit-for-bit head check before the full model is taken: a head that reads more than the
 #: encoder's output fails each one; a kernel that gives other bits once passes on the next.
 _HEAD_ATTEMPTS = 3
@@ -466,11 +475,9 @@ class FillMaskModel:
 
         import torch
 
-        if self.dtype != "float32":
-            # Rounding in a reduced precision moves logits as far as a wrong position or mask would
-            # (bfloat16 on a bert-base shape: 0.13 of the largest logit either way): the check could not
-            # tell, so the rows stay padded.
-            return f"packed rows are checked, and run, in float32 only (not {self.dtype})"
+        if self.dtype == "int8":
+            return ("packed rows do not run with --dtype int8 (dynamic quantisation scales each layer by "
+                    "every token of the batch)")
         forward = (self._encoder if self._head is not None else self.model).forward
         if "position_ids" not in inspect.signature(forward).parameters:
             return "the model takes no position ids"
@@ -478,8 +485,38 @@ class FillMaskModel:
         for window in _LOCAL_WINDOWS:  # a mask of its own per layer, which a 4-d mask given would replace
             if getattr(config, window, None):
                 return f"the model's attention has a local window ({window} = {getattr(config, window)})"
-        # The texts of a row, and one as long as a row may be (a local window the model builds from a 2-d
-        # mask, and which a 4-d one replaces, shows only beyond its width).
+        padded, packed = self._packing_check_inputs()
+        try:
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if self.dtype == "float32":
+                    return self._packing_differs(self._logits(*padded).float(), packed)
+                # Reduced precision: the check above in float32 (the same weights, exactly), then
+                # packed rows in this dtype no further from float32's logits than padded rows are.
+                reduced = self._logits(*padded).float()
+                with _in_float32(self.model):
+                    reference = self._logits(*padded).float()
+                    note = self._packing_differs(reference, packed)
+                if note is not None:
+                    return note
+                got = self._logits(*packed).float()
+                padded_off = (reduced - reference).abs().max().item()
+                packed_off = (got - reference).abs().max().item()
+                if packed_off <= _PACK_ROUNDING * max(padded_off, 1e-6):  # (False when NaN)
+                    return None
+                self._first_position = 0
+                return (f"packed rows in {self.dtype} are {packed_off:.3g} from float32's logits, padded rows "
+                        f"{padded_off:.3g}")
+        except Exception as exc:  # a model that builds its own attention from a 2-d mask, or none
+            self._first_position = 0
+            return f"the model does not take a mask of which token attends to which ({_first_line(exc)})"
+
+    def _packing_check_inputs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """``_logits``' arguments for six texts of different lengths, one of them longer than a row (a
+        local window the model builds from a 2-d mask, and which a 4-d one replaces, shows only beyond
+        its width): padded, one row each; and packed into one row."""
+        import torch
+
         lengths = [min(n, self.max_tokens) for n in (5, 9, 3, 12, 7, 2 * PACK_WIDTH + 3)]
         pool = self._check_ids
         texts = [[pool[(7 * j + 3 * n) % len(pool)] for j in range(n)] for n in lengths]
@@ -491,24 +528,21 @@ class FillMaskModel:
         rows, cols = (ids == self.mask_token_id).nonzero(as_tuple=True)
         flat = torch.tensor([[token for text in texts for token in text]], device=device)
         segment = torch.tensor([n for n, text in enumerate(texts) for _ in text], device=device)
-        packed = (segment.unsqueeze(1) == segment.unsqueeze(0)).view(1, 1, len(segment), len(segment))
+        mask = (segment.unsqueeze(1) == segment.unsqueeze(0)).view(1, 1, len(segment), len(segment))
         places = torch.tensor([[p for text in texts for p in range(len(text))]], device=device)
         at = (flat[0] == self.mask_token_id).nonzero(as_tuple=True)[0]
-        try:
-            with torch.inference_mode(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                padded = self._logits(ids, attention, rows, cols).float()
-                allowed = _PACK_TOLERANCE * max(1.0, padded.abs().max().item())
-                # RoBERTa's positions start after the padding index of its position table.
-                firsts = (0, self._padding_index + 1) if self._padding_index >= 0 else (0,)
-                for first in firsts:
-                    self._first_position = first
-                    got = self._logits(flat, packed, torch.zeros_like(at), at, places).float()
-                    if got.shape == padded.shape and (got - padded).abs().max().item() <= allowed:
-                        return None
-        except Exception as exc:  # a model that builds its own attention from a 2-d mask, or none
-            self._first_position = 0
-            return f"the model does not take a mask of which token attends to which ({_first_line(exc)})"
+        return (ids, attention, rows, cols), (flat, mask, torch.zeros_like(at), at, places)
+
+    def _packing_differs(self, expected: Any, packed: tuple[Any, ...]) -> str | None:
+        """None, with ``_first_position`` set, when packed rows give ``expected`` (padded rows' logits)
+        within ``_PACK_TOLERANCE`` of the largest at some first position; else why not (0 then)."""
+        allowed = _PACK_TOLERANCE * max(1.0, expected.abs().max().item())
+        # RoBERTa's positions start after the padding index of its position table.
+        for first in (0, self._padding_index + 1) if self._padding_index >= 0 else (0,):
+            self._first_position = first
+            got = self._logits(*packed).float()
+            if got.shape == expected.shape and (got - expected).abs().max().item() <= allowed:
+                return None
         self._first_position = 0
         return "packed rows give other logits than padded ones"
 
@@ -709,6 +743,26 @@ def _head_after_encoder(model: Any, encoder: Any) -> Any:
             return logits[0]
 
     return HeadAfterEncoder()
+
+
+@contextmanager
+def _in_float32(model: Any) -> Iterator[None]:
+    """``model`` with every floating parameter and buffer in float32 for the block, then each back in its
+    own dtype: exactly the weights it had (a bfloat16 or float16 value is a float32 value), including
+    any it keeps in float32 among reduced ones."""
+    import torch
+
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()}
+    dtypes = {key: tensor.dtype for key, tensor in tensors.items()}
+    try:
+        with torch.inference_mode(False):  # (the caller's may be on: weights made there would be inference tensors)
+            for tensor in tensors.values():
+                tensor.data = tensor.data.to(torch.float32)
+        yield
+    finally:
+        with torch.inference_mode(False):
+            for key, tensor in tensors.items():
+                tensor.data = tensor.data.to(dtypes[key])
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fillmask_server import batching
-from fillmask_server.model import FillMaskModel, Item, load_model
+from fillmask_server.model import PACK_WIDTH, FillMaskModel, Item, load_model
 
 TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
          "[MASK] is a word.", "A much longer sentence, about the old [MASK] who lived by the river in a small house."]
@@ -262,13 +262,71 @@ def test_the_start_up_batch_passes_on_any_position_table(positions: int) -> None
     assert FillMaskModel("residues", tokenizer, model, "cpu", "float32").fails_a_batch() is None
 
 
-def test_packed_rows_need_float32_and_a_model_that_takes_a_mask_of_which_token_attends_to_which() -> None:
-    """In bfloat16 rounding moves logits as far as a wrong position would, so the check could not tell:
-    padded. A model that builds its attention from a 2-d mask itself fails the check: padded, with why."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_a_reduced_dtype_packs_where_float32_does_and_keeps_its_weights_bit_for_bit(dtype: torch.dtype) -> None:
+    """In a reduced dtype rounding moves logits as far as a wrong position would: the check runs in
+    float32 on the same weights, then packed rows in the dtype must be no further from float32's logits
+    than padded rows are. Afterwards every tensor is what it was, bits and dtype, a float32 one among
+    reduced ones too; and a packed batch gives what the same texts give padded."""
+    tokenizer, model = residue_model(positions=64)
+    half = copy.deepcopy(model).to(dtype)
+    half.register_buffer("kept", torch.linspace(0, 1, 7))  # a float32 tensor the model keeps as it is
+    before = {name: tensor.clone() for name, tensor in half.state_dict().items()}
+    fill = FillMaskModel("residues", tokenizer, half, "cpu", str(dtype).removeprefix("torch."))
+    assert (fill.engine_facts()["layout"], fill.packing_note, fill.pack_width) == ("packed", None, PACK_WIDTH)
+    after = half.state_dict()
+    assert before.keys() == after.keys()
+    assert all(after[name].dtype == old.dtype and torch.equal(after[name], old) for name, old in before.items())
+    assert not any(tensor.is_inference() for tensor in after.values())  # plain tensors, as loaded
+    texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L", "Q [MASK] S", "E V Q L Q E S G G G L V Q [MASK] G"]
+    ids = fill.tokenize(texts)
+    assert batching.layout([len(row) for row in ids], fill.pack_width) is not None  # the batch is packed
+    batch = [Item(row, 5) for row in ids]
+    packed = fill.forward(batch)
+    fill.pack_width = 0
+    padded = fill.forward(batch)
+    assert packed.values.shape == padded.values.shape
+    assert torch.allclose(packed.values, padded.values, atol=2e-2)
+
+
+@pytest.mark.parametrize("fault", ["moved", "not finite"])
+def test_a_kernel_that_fails_packed_rows_only_in_the_reduced_dtype_keeps_them_padded(fault: str) -> None:
+    """The float32 check passes, but this encoder, given a 4-d mask in bfloat16, moves its hidden states
+    (as a kernel broken for that dtype might) or makes them NaN: the rows stay padded, and the note gives
+    both distances from float32's logits."""
+    tokenizer, model = residue_model(positions=64)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    bert = half.bert
+    own = bert.forward
+
+    def broken_when_packed_in_bfloat16(*args: Any, attention_mask: Any = None, position_ids: Any = None,
+                                       **kwargs: Any) -> Any:
+        output = own(*args, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        hidden = output.last_hidden_state
+        if attention_mask is not None and attention_mask.dim() == 4 and hidden.dtype == torch.bfloat16:
+            output.last_hidden_state = hidden.roll(1, dims=1) if fault == "moved" else hidden * float("nan")
+        return output
+
+    bert.forward = broken_when_packed_in_bfloat16
+    fill = FillMaskModel("residues", tokenizer, half, "cpu", "bfloat16")
+    assert fill.engine_facts()["layout"] == "padded" and fill.pack_width == 0
+    assert fill.packing_note is not None and fill.packing_note.startswith("packed rows in bfloat16 are ")
+    assert ", padded rows " in fill.packing_note
+
+
+def test_int8_keeps_padded_rows_and_says_why() -> None:
+    from fillmask_server.model import _quantize_dynamic
+
     tokenizer, model = residue_model()
-    half = FillMaskModel("residues", tokenizer, copy.deepcopy(model).to(torch.bfloat16), "cpu", "bfloat16")
-    assert half.engine_facts()["layout"] == "padded" and half.pack_width == 0
-    assert half.packing_note == "packed rows are checked, and run, in float32 only (not bfloat16)"
+    fill = FillMaskModel("residues", tokenizer, _quantize_dynamic(copy.deepcopy(model)), "cpu", "int8")
+    assert fill.engine_facts()["layout"] == "padded"
+    assert fill.packing_note == ("packed rows do not run with --dtype int8 (dynamic quantisation scales each "
+                                 "layer by every token of the batch)")
+
+
+def test_packed_rows_need_a_model_that_takes_a_mask_of_which_token_attends_to_which() -> None:
+    """A model that builds its attention from a 2-d mask itself fails the check: padded, with why."""
+    tokenizer, model = residue_model()
     bert = model.bert
     own = bert.forward
 
