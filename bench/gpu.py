@@ -8,7 +8,8 @@ For each dtype, on the ``short`` and ``mixed`` corpora:
 1. **Equality.** The real server (``ws_server.py --device D --dtype X``) answers every text of the
    corpus once; each answer is compared with ``pipeline("fill-mask")`` on the same device and dtype:
    float32, the same tokens in the same order and scores within ``TOLERANCE``; float16 and bfloat16
-   (the head at the masks and the whole model round differently), the same up to near-ties.
+   (the head at the masks and the whole model round differently), the same up to near-ties. The
+   table says whether the texts shared packed rows (``hello.engine.layout``).
 2. **In-process.** The server's own ``model.forward`` on batches of 32 and 128 short texts (no
    sockets, no threads): milliseconds per batch and requests per second.
 3. **The server.** Closed loop, 32 clients x 1 and x 4 in flight (32 and 128 requests waiting): req/s,
@@ -52,11 +53,12 @@ def pipeline_answers(model: str, device: str, dtype: str, texts: list[str]) -> l
     return [fill(text, top_k=5) for text in texts]
 
 
-async def server_answers(url: str, texts: list[str]) -> list[Any]:
+async def server_answers(url: str, texts: list[str]) -> tuple[list[Any], str]:
+    """Each text's answer, sent all at once (so they run in batches), and the server's row layout."""
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None) as ws:
-        await ws.recv()  # hello
+        hello = json.loads(await ws.recv())
         for n, text in enumerate(texts):
             await ws.send(json.dumps({"type": "fill_mask", "id": n, "text": text, "top_k": 5}))
         answers: dict[int, Any] = {}
@@ -66,7 +68,7 @@ async def server_answers(url: str, texts: list[str]) -> list[Any]:
                 if frame.get("id") is None:
                     raise RuntimeError(f"the server answered no request: {frame}")
                 answers[frame["id"]] = frame.get("predictions", frame)
-    return [answers[n] for n in range(len(texts))]
+    return [answers[n] for n in range(len(texts))], hello.get("engine", {}).get("layout", "?")
 
 
 def mismatches(expected: list[Any], got: list[Any], tolerance: float, exact_order: bool) -> list[str]:
@@ -150,7 +152,7 @@ async def serve_and_load(model: str, device: str, dtype: str, texts: list[str], 
                          expected: list[Any]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     with ServerProcess(Path(model), ["--device", device, "--dtype", dtype]) as server:
-        got = await server_answers(server.url, texts)
+        got, result["layout"] = await server_answers(server.url, texts)
         result["mismatches"] = mismatches(expected, got, TOLERANCE.get(dtype, 1e-5), exact_order=dtype == "float32")
         for in_flight in (1, 4):
             await loadgen.settle(server.url)
@@ -168,7 +170,7 @@ async def serve_and_load(model: str, device: str, dtype: str, texts: list[str], 
 def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# The benchmark on {meta['device_name']}", "", f"`{meta['command']}` on {meta['date']} UTC; "
              f"torch {meta['torch']}; model {meta['model']}.", "",
-             "| dtype | corpus | answers differing from the pipeline | in-process req/s (batch 32 / 128) | "
+             "| dtype (rows) | corpus | answers differing from the pipeline | in-process req/s (batch 32 / 128) | "
              "server req/s 32x1 / 32x4 | p50 / p99 ms (32x4) | rows/batch (32x4) | cost model: overhead ms, "
              "us per padded token | its error on the batches run (median / p90) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -176,7 +178,8 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         four, one = run["server"]["closed_32x4"], run["server"]["closed_32x1"]
         c, e = four["cost_model_s"], four["prediction_error"]
         lines.append(
-            f"| {run['dtype']} | {run['corpus']} | {len(run['server']['mismatches'])} of {run['texts']} | "
+            f"| {run['dtype']} ({run['server'].get('layout', '?')}) | {run['corpus']} | "
+            f"{len(run['server']['mismatches'])} of {run['texts']} | "
             f"{run['in_process']['32']['req_per_s']} / {run['in_process']['128']['req_per_s']} | "
             f"{one['req_per_s']} / {four['req_per_s']} | {four['p50_ms']} / {four['p99_ms']} | "
             f"{four['rows_per_batch']} | {c.get('overhead', 0) * 1e3:.3f}, {c.get('padded_token', 0) * 1e6:.2f} | "
