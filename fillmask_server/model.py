@@ -60,12 +60,13 @@ one row and padded, and packs only when every logit at the masks agrees within `
 of the largest (a wrong first position or a mask the model replaces moves them by far more). A model
 that takes no position ids or no 4-d mask (DeBERTa-v2 and ESM build their own attention from a 2-d
 one), one with a local attention window (ModernBERT: its window mask, built from the 2-d mask, would
-be replaced), one whose logits differ, and ``int8`` (dynamic quantisation scales each layer by the
-whole batch) keep one padded row per text, and ``packing_note`` says why. In a reduced ``dtype``
-rounding alone moves logits as far as a wrong position does, so there the check runs on the same
-weights made float32 for it (``_in_float32``: every tensor back to its own dtype after, bit for bit),
-and then packed rows in the dtype must be no more than ``_PACK_ROUNDING`` times as far from float32's
-logits as padded rows are (a kernel that fails a 4-d mask in that dtype only is further, or NaN).
+be replaced) and one whose logits differ keep one padded row per text, and ``packing_note`` says
+why. In a reduced ``dtype`` rounding alone moves logits as far as a wrong position does, so there the
+check runs in float32 on the same weights (``FillMaskModel._in_float32``: bfloat16 and float16
+tensors made float32 and put back bit for bit; for int8, whose quantisation cannot be undone, the
+float32 model it was quantised from, which ``load_model`` passes in and nothing keeps), and then
+packed rows in the dtype must be no more than ``_PACK_ROUNDING`` times as far from float32's logits
+as padded rows are (a kernel that fails a 4-d mask in that dtype only is further, or NaN).
 Where positions skip the padding token (RoBERTa's), a batch with a text that holds it runs padded.
 The traced graph of packed rows is checked bit for bit against eager PyTorch as the padded one is.
 
@@ -179,7 +180,10 @@ class TopK:
 class FillMaskModel:
     """A tokenizer and a masked-LM model on one device; each method has one owner thread (see above)."""
 
-    def __init__(self, name: str, tokenizer: Any, model: Any, device: str, dtype: str, forward: str = "traced") -> None:
+    def __init__(self, name: str, tokenizer: Any, model: Any, device: str, dtype: str, forward: str = "traced",
+                 unquantized: Any = None) -> None:
+        """``unquantized``: for ``int8``, the float32 model ``model`` was quantised from, which the packing
+        check reads at load (and keeps no reference to); without it an int8 model keeps padded rows."""
         import torch
 
         self.name = name
@@ -237,7 +241,7 @@ class FillMaskModel:
         #: and the first position id of a text (RoBERTa's start after the padding index).
         self.pack_width = 0
         self._first_position = 0
-        self.packing_note = self._check_packing()
+        self.packing_note = self._check_packing(unquantized)
         if self.packing_note is None:
             self.pack_width = PACK_WIDTH
         else:
@@ -468,16 +472,15 @@ class FillMaskModel:
             return "the MLM head on the mask positions alone differs from the model's own (it is not per-position)"
         return None
 
-    def _check_packing(self) -> str | None:
+    def _check_packing(self, unquantized: Any = None) -> str | None:
         """None when the model gives packed rows the logits it gives padded ones (see "Packed rows"),
         setting ``_first_position``; else why it does not."""
         import inspect
 
         import torch
 
-        if self.dtype == "int8":
-            return ("packed rows do not run with --dtype int8 (dynamic quantisation scales each layer by "
-                    "every token of the batch)")
+        if self.dtype == "int8" and unquantized is None:
+            return "packed rows in int8 are checked against the float32 model it was quantised from, not given here"
         forward = (self._encoder if self._head is not None else self.model).forward
         if "position_ids" not in inspect.signature(forward).parameters:
             return "the model takes no position ids"
@@ -491,10 +494,10 @@ class FillMaskModel:
                 warnings.simplefilter("ignore")
                 if self.dtype == "float32":
                     return self._packing_differs(self._logits(*padded).float(), packed)
-                # Reduced precision: the check above in float32 (the same weights, exactly), then
-                # packed rows in this dtype no further from float32's logits than padded rows are.
+                # Reduced precision: the check above in float32 (the same weights), then packed rows in
+                # this dtype no further from float32's logits than padded rows are.
                 reduced = self._logits(*padded).float()
-                with _in_float32(self.model):
+                with self._in_float32(unquantized):
                     reference = self._logits(*padded).float()
                     note = self._packing_differs(reference, packed)
                 if note is not None:
@@ -510,6 +513,24 @@ class FillMaskModel:
         except Exception as exc:  # a model that builds its own attention from a 2-d mask, or none
             self._first_position = 0
             return f"the model does not take a mask of which token attends to which ({_first_line(exc)})"
+
+    @contextmanager
+    def _in_float32(self, unquantized: Any = None) -> Iterator[None]:
+        """The model in float32 for the block, the same weights: a reduced dtype's own tensors made
+        float32 and put back (``_in_float32``), or an int8 model's ``unquantized`` original in its place."""
+        if unquantized is None:
+            with _in_float32(self.model):
+                yield
+            return
+        kept = self.model, self._encoder, self._head
+        self.model = unquantized
+        if self._head is not None:
+            self._encoder = unquantized.base_model
+            self._head = _head_after_encoder(unquantized, self._encoder)
+        try:
+            yield
+        finally:
+            self.model, self._encoder, self._head = kept
 
     def _packing_check_inputs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """``_logits``' arguments for six texts of different lengths, one of them longer than a row (a
@@ -905,11 +926,13 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     if problem is not None:
         raise ModelLoadError(f"model {name!r} {problem}")
     model = model.to(device).eval()
+    unquantized = None
     if dtype == "int8":
         progress("int8 quantisation")
-        model = _quantize_dynamic(model)
+        unquantized, model = model, _quantize_dynamic(model)  # (a copy: the float32 model is checked against)
     progress("forward pass traced and checked" if forward == "traced" else "model set-up")
-    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward)
+    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized)
+    del unquantized
     failure = loaded.fails_a_batch()
     if failure is not None:
         raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "

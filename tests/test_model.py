@@ -314,14 +314,28 @@ def test_a_kernel_that_fails_packed_rows_only_in_the_reduced_dtype_keeps_them_pa
     assert ", padded rows " in fill.packing_note
 
 
-def test_int8_keeps_padded_rows_and_says_why() -> None:
+def test_int8_packs_when_checked_against_the_float32_model_it_was_quantised_from() -> None:
+    """Dynamic quantisation cannot be undone for the check: it reads the float32 original instead (and
+    keeps no reference to it: the server does not hold two models). Without the original, padded."""
+    import gc
+    import weakref
+
     from fillmask_server.model import _quantize_dynamic
 
-    tokenizer, model = residue_model()
-    fill = FillMaskModel("residues", tokenizer, _quantize_dynamic(copy.deepcopy(model)), "cpu", "int8")
-    assert fill.engine_facts()["layout"] == "padded"
-    assert fill.packing_note == ("packed rows do not run with --dtype int8 (dynamic quantisation scales each "
-                                 "layer by every token of the batch)")
+    tokenizer, model = residue_model(positions=64)
+    quantized = _quantize_dynamic(model)  # a copy: the original is left as it was
+    fill = FillMaskModel("residues", tokenizer, quantized, "cpu", "int8", unquantized=model)
+    assert (fill.engine_facts()["layout"], fill.packing_note) == ("packed", None)
+    texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L", "Q [MASK] S", "E V Q L Q E S G G G L V Q [MASK] G"]
+    assert fill.forward([Item(row, 5) for row in fill.tokenize(texts)]).values.shape == (5, 5)
+    original = weakref.ref(model)
+    del model
+    gc.collect()
+    assert original() is None
+    alone = FillMaskModel("residues", tokenizer, quantized, "cpu", "int8")
+    assert alone.engine_facts()["layout"] == "padded"
+    assert alone.packing_note == ("packed rows in int8 are checked against the float32 model it was quantised "
+                                  "from, not given here")
 
 
 def test_packed_rows_need_a_model_that_takes_a_mask_of_which_token_attends_to_which() -> None:
