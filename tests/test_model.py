@@ -345,6 +345,27 @@ def test_rounding_as_coarse_as_a_fault_keeps_rows_padded() -> None:
     assert fill.packing_note.startswith("rounding in bfloat16 moves this model's logits too far to check packed rows")
 
 
+def test_running_out_of_memory_in_the_float32_check_says_so_and_puts_the_weights_back() -> None:
+    """The float32 weights of a reduced dtype's check may not fit (a large model on a full GPU): the note
+    says so rather than blaming the model, the rows stay padded, and every tensor is bfloat16 again."""
+    tokenizer, model = residue_model(positions=64)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    bert = half.bert
+    own = bert.forward
+
+    def out_of_memory_in_float32(*args: Any, position_ids: Any = None, **kwargs: Any) -> Any:
+        if bert.embeddings.word_embeddings.weight.dtype == torch.float32:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return own(*args, position_ids=position_ids, **kwargs)
+
+    bert.forward = out_of_memory_in_float32
+    fill = FillMaskModel("residues", tokenizer, half, "cpu", "bfloat16")
+    assert fill.engine_facts()["layout"] == "padded"
+    assert fill.packing_note == ("not enough memory to check packed rows against float32 (CUDA out of memory. "
+                                 "Tried to allocate 2.00 GiB)")
+    assert {tensor.dtype for tensor in half.state_dict().values() if tensor.is_floating_point()} == {torch.bfloat16}
+
+
 def test_int8_packs_when_checked_against_the_float32_model_it_was_quantised_from() -> None:
     """Dynamic quantisation cannot be undone for the check: it reads the float32 original instead (and
     keeps no reference to it: the server does not hold two models). Without the original, padded."""
