@@ -524,11 +524,12 @@ class FillMaskModel:
             note = self._packing_differs(reference, packed)
         if note is not None:
             return note
+        def off(logits: Any) -> float:
+            return (logits.float() - reference).abs().max().item()
+
         ids, mask, rows, cols, places = packed
-        padded_off = (reduced - reference).abs().max().item()
-        packed_off = (self._logits(*packed).float() - reference).abs().max().item()
-        unmasked_off = (self._logits(ids, torch.ones_like(mask), rows, cols, places).float()
-                        - reference).abs().max().item()
+        padded_off, packed_off = off(reduced), off(self._logits(*packed))
+        unmasked_off = off(self._logits(ids, torch.ones_like(mask), rows, cols, places))
         bound = max(_PACK_ROUNDING * padded_off, _PACK_TOLERANCE * max(1.0, reference.abs().max().item()))
         if not packed_off <= bound:  # (NaN too)
             return (f"packed rows in {self.dtype} are {packed_off:.3g} from float32's logits, padded rows "

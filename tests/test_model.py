@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +263,27 @@ def test_the_start_up_batch_passes_on_any_position_table(positions: int) -> None
     assert FillMaskModel("residues", tokenizer, model, "cpu", "float32").fails_a_batch() is None
 
 
+#: Four texts of different lengths that ``batching.layout`` packs into rows of 64 tokens.
+RESIDUE_TEXTS = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L", "Q [MASK] S", "E V Q L Q E S G G G L V Q [MASK] G"]
+
+
+def bfloat16_residues_with(change: Callable[[Any, Any], None]) -> tuple[Any, Any]:
+    """``residue_model(64)``'s tokenizer and a bfloat16 copy whose encoder passes each output, with the
+    attention mask it was given, through ``change`` (which may alter the output, or raise)."""
+    tokenizer, model = residue_model(positions=64)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    bert = half.bert
+    own = bert.forward
+
+    def changed(*args: Any, attention_mask: Any = None, position_ids: Any = None, **kwargs: Any) -> Any:
+        output = own(*args, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        change(output, attention_mask)
+        return output
+
+    bert.forward = changed
+    return tokenizer, half
+
+
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes (``torch.equal`` takes -0.0 for 0.0)."""
     return tensor.contiguous().view(torch.uint8) if tensor.is_floating_point() else tensor
@@ -285,8 +307,7 @@ def test_a_reduced_dtype_packs_where_float32_does_and_keeps_its_weights_bit_for_
     assert all(after[name].dtype == old.dtype and torch.equal(bits(after[name]), bits(old))
                for name, old in before.items())
     assert not any(tensor.is_inference() for tensor in after.values())  # plain tensors, as loaded
-    texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L", "Q [MASK] S", "E V Q L Q E S G G G L V Q [MASK] G"]
-    ids = fill.tokenize(texts)
+    ids = fill.tokenize(RESIDUE_TEXTS)
     assert batching.layout([len(row) for row in ids], fill.pack_width) is not None  # the batch is packed
     batch = [Item(row, 5) for row in ids]
     packed = fill.forward(batch)
@@ -301,20 +322,12 @@ def test_a_kernel_that_fails_packed_rows_only_in_the_reduced_dtype_keeps_them_pa
     """The float32 check passes, but this encoder, given a 4-d mask in bfloat16, moves its hidden states
     (as a kernel broken for that dtype might) or makes them NaN: the rows stay padded, and the note gives
     both distances from float32's logits."""
-    tokenizer, model = residue_model(positions=64)
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    bert = half.bert
-    own = bert.forward
-
-    def broken_when_packed_in_bfloat16(*args: Any, attention_mask: Any = None, position_ids: Any = None,
-                                       **kwargs: Any) -> Any:
-        output = own(*args, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    def broken_when_packed_in_bfloat16(output: Any, attention_mask: Any) -> None:
         hidden = output.last_hidden_state
         if attention_mask is not None and attention_mask.dim() == 4 and hidden.dtype == torch.bfloat16:
             output.last_hidden_state = hidden.roll(1, dims=1) if fault == "moved" else hidden * float("nan")
-        return output
 
-    bert.forward = broken_when_packed_in_bfloat16
+    tokenizer, half = bfloat16_residues_with(broken_when_packed_in_bfloat16)
     fill = FillMaskModel("residues", tokenizer, half, "cpu", "bfloat16")
     assert fill.engine_facts()["layout"] == "padded" and fill.pack_width == 0
     assert fill.packing_note is not None and fill.packing_note.startswith("packed rows in bfloat16 are ")
@@ -326,19 +339,11 @@ def test_rounding_as_coarse_as_a_fault_keeps_rows_padded() -> None:
     token attending to the whole row) do, the check could not tell a fault from rounding: padded, and the
     note gives both distances. (Here the encoder's hidden states come out scrambled in bfloat16, padded
     or packed alike: rounding at its worst.)"""
-    tokenizer, model = residue_model(positions=64)
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    bert = half.bert
-    own = bert.forward
+    def coarse_in_bfloat16(output: Any, attention_mask: Any) -> None:
+        if output.last_hidden_state.dtype == torch.bfloat16:
+            output.last_hidden_state = output.last_hidden_state.flip(-1)
 
-    def coarse_in_bfloat16(*args: Any, position_ids: Any = None, **kwargs: Any) -> Any:
-        output = own(*args, position_ids=position_ids, **kwargs)
-        hidden = output.last_hidden_state
-        if hidden.dtype == torch.bfloat16:
-            output.last_hidden_state = hidden.flip(-1)
-        return output
-
-    bert.forward = coarse_in_bfloat16
+    tokenizer, half = bfloat16_residues_with(coarse_in_bfloat16)
     fill = FillMaskModel("residues", tokenizer, half, "cpu", "bfloat16")
     assert fill.engine_facts()["layout"] == "padded" and fill.pack_width == 0
     assert fill.packing_note is not None
@@ -348,17 +353,11 @@ def test_rounding_as_coarse_as_a_fault_keeps_rows_padded() -> None:
 def test_running_out_of_memory_in_the_float32_check_says_so_and_puts_the_weights_back() -> None:
     """The float32 weights of a reduced dtype's check may not fit (a large model on a full GPU): the note
     says so rather than blaming the model, the rows stay padded, and every tensor is bfloat16 again."""
-    tokenizer, model = residue_model(positions=64)
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    bert = half.bert
-    own = bert.forward
-
-    def out_of_memory_in_float32(*args: Any, position_ids: Any = None, **kwargs: Any) -> Any:
-        if bert.embeddings.word_embeddings.weight.dtype == torch.float32:
+    def out_of_memory_in_float32(output: Any, attention_mask: Any) -> None:
+        if output.last_hidden_state.dtype == torch.float32:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return own(*args, position_ids=position_ids, **kwargs)
 
-    bert.forward = out_of_memory_in_float32
+    tokenizer, half = bfloat16_residues_with(out_of_memory_in_float32)
     fill = FillMaskModel("residues", tokenizer, half, "cpu", "bfloat16")
     assert fill.engine_facts()["layout"] == "padded"
     assert fill.packing_note == ("not enough memory to check packed rows against float32 (CUDA out of memory. "
@@ -378,8 +377,7 @@ def test_int8_packs_when_checked_against_the_float32_model_it_was_quantised_from
     quantized = _quantize_dynamic(model)  # a copy: the original is left as it was
     fill = FillMaskModel("residues", tokenizer, quantized, "cpu", "int8", unquantized=model)
     assert (fill.engine_facts()["layout"], fill.packing_note) == ("packed", None)
-    texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L", "Q [MASK] S", "E V Q L Q E S G G G L V Q [MASK] G"]
-    assert fill.forward([Item(row, 5) for row in fill.tokenize(texts)]).values.shape == (5, 5)
+    assert fill.forward([Item(row, 5) for row in fill.tokenize(RESIDUE_TEXTS)]).values.shape == (5, 5)
     original = weakref.ref(model)
     del model
     gc.collect()
