@@ -172,7 +172,9 @@ class Decision(Generic[J]):
 @dataclass
 class Room:
     """Answer memory left for one batch decision: ``used`` bytes per owner and in all, against
-    ``per_owner`` and ``total``. An owner with nothing used fits any one request."""
+    ``per_owner`` and ``total``. An owner with nothing used fits any one request, even past ``total``:
+    so one client that reads slowly never holds up the others, and the memory held stays within
+    ``total`` plus one answer per owner (protocol.md §12)."""
 
     per_owner: int
     total: int
@@ -181,8 +183,7 @@ class Room:
 
     def fits(self, owner: Any, size: int) -> bool:
         used = self.used.get(owner, 0)
-        return ((used == 0 or used + size <= self.per_owner)
-                and (self.used_total == 0 or self.used_total + size <= self.total))
+        return used == 0 or (used + size <= self.per_owner and self.used_total + size <= self.total)
 
     def take(self, owner: Any, size: int) -> None:
         self.used[owner] = self.used.get(owner, 0) + size

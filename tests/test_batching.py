@@ -306,11 +306,21 @@ def test_a_connection_without_room_waits_and_others_go_on() -> None:
 
 
 def test_a_connection_with_nothing_waiting_may_start_one_request_of_any_size() -> None:
-    room = Room(per_owner=1000, total=1500, used={"busy": 1400}, used_total=1400)
-    q = queue(FakeJob("huge", owner="idle", result_bytes=5000), FakeJob("more", owner="idle", result_bytes=10))
-    assert names(policy().take(q, now=0, room=room).batch) == []  # the total is full: nothing starts
     room = Room(per_owner=1000, total=100_000)
+    q = queue(FakeJob("huge", owner="idle", result_bytes=5000), FakeJob("more", owner="idle", result_bytes=10))
     assert names(policy().take(q, now=0, room=room).batch) == ["huge"]  # alone, over its own budget
+    assert names(q) == ["more"]
+
+
+def test_a_slow_reader_filling_the_servers_budget_does_not_hold_up_an_idle_connection() -> None:
+    """protocol.md §12: the server's budget bounds what the busy connections may add, not whether a
+    connection with nothing waiting may start its one request (the bound is the budget plus one
+    answer per connection)."""
+    room = Room(per_owner=1000, total=1500, used={"busy": 1400}, used_total=1400)
+    q = queue(FakeJob("b2", owner="busy", result_bytes=10), FakeJob("one", owner="idle", result_bytes=800),
+              FakeJob("two", owner="idle", result_bytes=10))
+    assert names(policy().take(q, now=0, room=room).batch) == ["one"]  # past the total, but only one
+    assert names(q) == ["b2", "two"] and room.used_total == 2200
 
 
 # --- the cost model's choice, the time bound and the tail bound (issue 17) ---------------------------------

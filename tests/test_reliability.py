@@ -87,8 +87,9 @@ async def test_a_request_whose_answer_could_be_too_large_is_refused_before_it_ru
 
 async def test_answer_memory_stays_within_its_budget_whatever_clients_do(make_server: Any) -> None:
     """§12: two clients that read nothing, each with heavy requests in flight: the answers the server holds
-    (unsent plus being computed) never pass --max-answer-bytes (plus one answer when it was empty), and the
-    requests that do not fit wait in the queue until there is room."""
+    (unsent plus being computed) never pass --max-answer-bytes plus one answer per connection, and the
+    requests that do not fit wait in the queue until there is room. A third connection, with nothing
+    waiting, still gets its one request through while they hold the budget."""
     budget, one_answer = 300_000, 250_000
     heavy = {"text": " ".join(["the [MASK] of"] * 8), "top_k": 100}
     async with make_server(max_answer_bytes=budget, max_result_bytes=one_answer,
@@ -102,11 +103,16 @@ async def test_answer_memory_stays_within_its_budget_whatever_clients_do(make_se
             seen = 0
             for _ in range(60):  # 1.5 s of samples while the engine does what it can
                 held = srv.unsent.total + srv.engine._reserved_total
-                assert held <= max(budget, one_answer) + one_answer, held
+                assert held <= budget + 2 * one_answer, held
                 seen = max(seen, held)
                 await asyncio.sleep(0.025)
             assert srv.engine.runnable() > 0  # the rest waits for room, queued
-            assert seen > 0
+            assert seen > budget - one_answer, seen  # no room left for a newcomer under the budget alone
+            async with session(srv.url) as (reader, _):
+                await send(reader, fill("newcomer", **heavy))
+                answer = await recv(reader, timeout=30)
+                assert (answer["type"], answer["id"]) == ("result", "newcomer")
+                assert srv.engine.runnable() > 0  # the non-readers still wait: the newcomer did not need them
 
 
 async def test_a_flood_gets_429_queue_share_and_a_polite_client_still_gets_in(make_server: Any) -> None:
