@@ -302,7 +302,7 @@ class EngineCore:
     def submit(self, job: Job) -> Admission:
         """Accept ``job`` for the tokenizer stage, or say why not (nothing is kept then).
 
-        A fair share of the queue: while more than half of ``max_queue`` waits, a connection may hold
+        A fair share of the queue: while half of ``max_queue`` or more waits, a connection may hold
         at most ``max_queue`` divided by (the connections waiting, itself included, plus one): the share
         of one more connection always stays free, so connections that send as fast as they can never
         fill the queue that a newcomer needs, even one that had the queue to itself.

@@ -165,6 +165,16 @@ def test_admission_refuses_a_full_queue_and_keeps_a_newcomers_share() -> None:
     assert c.submit(job("z", owner="z")) is Admission.STOPPED
 
 
+def test_the_fair_share_is_rounded_down_but_never_below_one_request() -> None:
+    c = core(max_queue=6)
+    assert [c.submit(job(o, owner=o)) for o in "abc"] == [Admission.ACCEPTED] * 3  # half the queue
+    assert c.submit(job("a2", owner="a")) is Admission.QUEUE_SHARE  # 6 // (3 + 1) = 1, and a holds 1
+    assert c.submit(job("d", owner="d")) is Admission.ACCEPTED  # 6 // (4 + 1) = 1: a newcomer's one
+    assert c.submit(job("e", owner="e")) is Admission.ACCEPTED  # 6 // (5 + 1) = 1
+    assert c.submit(job("f", owner="f")) is Admission.ACCEPTED  # 6 // (6 + 1) = 0, but never below one
+    assert c.submit(job("g", owner="g")) is Admission.QUEUE_FULL
+
+
 def test_expired_requests_are_answered_at_schedule_time() -> None:
     c = core()
     old, fresh = job("old", arrival=0.0, deadline=0.5), job("fresh", arrival=0.0)
