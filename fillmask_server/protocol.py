@@ -4,12 +4,16 @@ Nothing here touches a socket, an event loop, a thread or torch, so every rule o
 and §7 is unit-tested directly (tests/test_protocol.py). Invariants:
 
 - ``parse_frame`` never raises: any ``str`` or ``bytes`` gives a request or a ``ProtocolError``.
+- ``invalid_json`` means the frame is not JSON (RFC 8259), not merely that orjson cannot hold it: a
+  lone surrogate escape or a number past a double's range is valid JSON, so such a frame is read
+  again by the standard library and gets the field's own error, under its id when that id is valid.
 - A ``ProtocolError`` carries the frame's id only when that id is itself valid (§7).
 - Every ``encode_*`` function returns the bytes of one JSON object, sent as a text frame.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,6 +113,23 @@ def _encodable(text: str) -> bool:
     return True
 
 
+_NOT_JSON = object()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads_what_orjson_cannot_hold(data: str) -> Any:
+    """The frame as the standard library reads it (lone surrogates kept, ``1e400`` as infinity, which
+    the field checks then refuse), or ``_NOT_JSON`` when it is not JSON at all (``NaN`` and
+    ``Infinity`` are not JSON either). Only frames orjson refused come here."""
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, TypeError, RecursionError):
+        return _NOT_JSON
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -130,7 +151,9 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
     try:
         obj = orjson.loads(data)
     except (orjson.JSONDecodeError, ValueError, TypeError, RecursionError):
-        return ProtocolError("invalid_json", "the frame is not valid JSON; send one JSON object per text frame")
+        obj = _loads_what_orjson_cannot_hold(data)
+        if obj is _NOT_JSON:
+            return ProtocolError("invalid_json", "the frame is not valid JSON; send one JSON object per text frame")
     if not isinstance(obj, dict):
         return ProtocolError(
             "not_an_object", f"the frame is {_type_name(obj)}, not a JSON object; send an object with a \"type\" field"
@@ -159,7 +182,7 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
         return StatsSubscription(interval)
     if kind == "unsubscribe_stats":
         return StatsSubscription(None)
-    shown = repr(kind)[:40] if isinstance(kind, str) else _type_name(kind)
+    shown = _type_name(kind) if not isinstance(kind, str) else repr(kind if len(kind) <= 32 else kind[:32] + "…")
     return ProtocolError("unknown_type", f"unknown frame type {shown}; use {_TYPES}", frame_id)
 
 

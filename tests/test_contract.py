@@ -202,7 +202,7 @@ def _agree(raw: str, limits: Limits | None = None) -> tuple[bool, bool, Any]:
     """(schema accepts, server's parser accepts its form, the parser's answer) for one client frame's JSON
     text; a refusal for what no schema can check (``BEYOND_THE_SCHEMA``) says nothing either way."""
     limits = limits or Limits("[MASK]")
-    frame = orjson.loads(raw)
+    frame = json.loads(raw)  # (not orjson: a valid JSON 1e400 or lone surrogate is read, as the server reads it)
     schema_ok = _CONTRACT.problems(frame, CLIENT_SCHEMAS) == []
     parsed = parse_frame(raw, limits)
     if isinstance(parsed, ProtocolError) and parsed.code in BEYOND_THE_SCHEMA:
@@ -258,12 +258,6 @@ EDGE_CASES = [
 
 @pytest.mark.parametrize("raw", EDGE_CASES, ids=lambda raw: raw[:70])
 def test_schema_and_server_agree_on_a_client_frame(raw: str) -> None:
-    try:
-        orjson.loads(raw)
-    except orjson.JSONDecodeError:  # 1e400: no JSON number orjson reads, so the server says invalid_json
-        parsed = parse_frame(raw, Limits("[MASK]"))
-        assert isinstance(parsed, ProtocolError) and parsed.code == "invalid_json"
-        return
     schema_ok, server_ok, parsed = _agree(raw)
     assert schema_ok == server_ok, parsed
 

@@ -128,6 +128,40 @@ def test_malformed_frames(data: str | bytes, code: str | None) -> None:
         assert got.code == code
 
 
+@pytest.mark.parametrize(
+    ("data", "code", "echoed"),
+    [
+        ('{"type":"fill_mask","id":7,"text":"\\ud800 [MASK]"}', "invalid_field", 7),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","targets":["\\udfff"]}', "invalid_targets", 7),
+        ('{"type":"fill_mask","id":"\\ud800","text":"a [MASK]"}', "invalid_id", None),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":1e400}', "invalid_deadline", 7),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","top_k":-1e400}', "invalid_top_k", 7),
+        ('{"type":"fill_mask","id":1e400,"text":"a [MASK]"}', "invalid_id", None),
+        ('{"type":"subscribe_stats","id":7,"interval_ms":1e999}', "invalid_field", 7),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":NaN}', "invalid_json", None),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":Infinity}', "invalid_json", None),
+    ],
+)
+def test_valid_json_orjson_cannot_hold_gets_the_fields_own_error_under_its_id(
+        data: str, code: str, echoed: object) -> None:
+    """Lone surrogate escapes and numbers past a double's range are JSON (RFC 8259), so they are not
+    ``invalid_json``: the field that holds one is refused under the frame's id (§7, §14)."""
+    got = parse_frame(data, LIMITS)
+    assert isinstance(got, ProtocolError), got
+    assert (got.code, got.id) == (code, echoed)
+
+
+def test_a_valid_json_frame_with_a_lone_surrogate_in_an_unknown_field_is_accepted() -> None:
+    got = parse_frame('{"type":"fill_mask","id":7,"text":"a [MASK]","note":"\\ud800","\\udfff":1}', LIMITS)
+    assert got == FillMaskRequest(7, "a [MASK]", LIMITS.top_k_default, None, None)
+
+
+def test_an_unknown_type_is_quoted_whole_or_cut_with_an_ellipsis() -> None:
+    short, long = parse({"type": "fill", "id": 1}), parse({"type": "x" * 500, "id": 1})
+    assert isinstance(short, ProtocolError) and short.message.startswith("unknown frame type 'fill';")
+    assert isinstance(long, ProtocolError) and long.message.startswith(f"unknown frame type '{'x' * 32}…';")
+
+
 def test_a_lower_case_mask_gets_a_hint() -> None:
     got = parse({"type": "fill_mask", "id": 1, "text": "a [mask] b"})
     assert isinstance(got, ProtocolError) and got.code == "no_mask" and "case-sensitive" in got.message
