@@ -159,7 +159,7 @@ def test_deadlines_expire_queued_requests_and_leave_started_ones_alone() -> None
     assert session.next_deadline() == pytest.approx(100.020)
     engine.take(engine.jobs[0])  # "slow" started: never cut short
     clock.now = 100.030
-    (expired,) = frames(session.expire())
+    (expired,) = frames(session.expire())  # "fast" still waits for the tokenizer: §3's step 6 yields to it
     assert (expired["id"], expired["status"], expired["queue_ms"]) == ("fast", 504, pytest.approx(30.0))
     assert session.next_deadline() == pytest.approx(100.050)
     clock.now = 101.0
