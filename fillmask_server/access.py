@@ -234,16 +234,16 @@ class HostPolicy:
 
 
 def presented_token(authorization: str | None, path: str) -> str | None:
-    """The token a client presents: ``Authorization: Bearer X`` first, else the ``?token=X`` query parameter."""
+    """The token a client presents: ``Authorization: Bearer X`` first, else the ``?token=X`` query
+    parameter, URL-decoded as a form is (``+`` is a space; a plus is ``%2B``). Two ``token`` parameters
+    are ambiguous: None, refused like a missing token rather than one of them guessed at."""
     if authorization:
         scheme, _, value = authorization.strip().partition(" ")
         if scheme.lower() == "bearer" and value.strip():
             return value.strip()
     query = path.partition("?")[2]
-    for name, value in parse_qsl(query, keep_blank_values=True):
-        if name == TOKEN_QUERY_PARAMETER:
-            return value
-    return None
+    given = [value for name, value in parse_qsl(query, keep_blank_values=True) if name == TOKEN_QUERY_PARAMETER]
+    return given[0] if len(given) == 1 else None
 
 
 def token_matches(expected: str, presented: str | None) -> bool:

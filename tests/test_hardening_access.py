@@ -129,6 +129,9 @@ def test_token_from_header_or_query() -> None:
     assert presented_token(f"bearer  {TOKEN} ", "/") == TOKEN
     assert presented_token(None, f"/?a=1&token={TOKEN}") == TOKEN
     assert presented_token(None, "/?token=a%20b%2B") == "a b+"  # URL-encoded
+    assert presented_token(None, "/?token=a+b") == "a b"  # as a form: a plus is %2B
+    assert presented_token(None, f"/?token={TOKEN}&token={TOKEN}") is None  # two are ambiguous: refused
+    assert presented_token(f"Bearer {TOKEN}", "/?token=other") == TOKEN  # the header first
     assert presented_token("Basic abc", "/") is None and presented_token(None, "/ws?tok=1") is None
     assert token_matches("", None) and token_matches(TOKEN, TOKEN)
     assert not token_matches(TOKEN, None) and not token_matches(TOKEN, TOKEN + "x") and not token_matches(TOKEN, "")
