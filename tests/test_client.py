@@ -1169,6 +1169,38 @@ async def test_connect_keeps_waiting_through_what_a_starting_server_or_balancer_
     assert refused.kind == "refused" and took >= 0.9 and "still, after trying for 1 s" in str(refused)
 
 
+async def test_connect_wait_is_how_long_async_with_and_the_blocking_client_keep_trying() -> None:
+    """``connect_wait`` is ``connect(wait=)`` for the clients that connect for you: ``async with`` and
+    ``SyncFillMaskClient`` (whose constructor connects)."""
+    url = f"ws://127.0.0.1:{free_port()}/"
+    started = time.monotonic()
+    with pytest.raises(ConnectError, match=r"still, after trying for 1 s"):
+        async with FillMaskClient(url, connect_wait=1):
+            pass
+    assert time.monotonic() - started >= 0.9
+    started = time.monotonic()
+    with pytest.raises(ConnectError, match=r"still, after trying for 1 s"):
+        await asyncio.to_thread(SyncFillMaskClient, url, connect_wait=1)
+    assert time.monotonic() - started >= 0.9
+    with pytest.raises(ConnectError) as once:  # the default: one try, at once
+        async with FillMaskClient(url):
+            pass
+    assert "still" not in str(once.value)
+    with pytest.raises(UsageError, match="connect_wait must be a finite number of seconds >= 0"):
+        FillMaskClient(url, connect_wait=math.inf)
+
+
+async def test_close_is_the_async_clients_close_too_and_safe_twice(server: Any) -> None:
+    client = FillMaskClient(server.url)
+    await client.connect()
+    assert await client.fill_mask(TEXT, top_k=1)
+    await client.close()
+    await client.close()
+    await client.aclose()
+    with pytest.raises(ConnectionLostError):
+        await client.fill_mask(TEXT)
+
+
 async def test_cli_exits_at_once_with_the_cause_of_a_permanent_connect_failure(server: Any) -> None:
     started = time.monotonic()
     code, out, err = await run_cli("--url", f"wss://127.0.0.1:{server.port}/", TEXT)  # --timeout 10 (default)

@@ -79,6 +79,9 @@ class FillMaskClient:
       ``ConnectionLostError`` once the connection is lost). Other closes (1009 too big, 1008 not
       reading, 1011 server fault) are never resent or reconnected.
     - ``open_timeout``: seconds to open a connection and receive ``hello``.
+    - ``connect_wait``: seconds ``connect()`` keeps trying while the server is still starting (its
+      ``wait``, below); ``async with`` and ``SyncFillMaskClient``, which connect for you, use it.
+      Default 0: one try.
     - ``token``: the server's ``--token``, sent as ``Authorization: Bearer ...`` (§12). (A ``?token=``
       in the URL works too; either way the token is hidden in messages and logs.)
     - ``ssl``: an ``ssl.SSLContext`` for ``wss://`` URLs, e.g. one that trusts a self-signed certificate;
@@ -111,6 +114,7 @@ class FillMaskClient:
         reconnect: bool = False,
         reconnect_timeout: float = 30.0,
         open_timeout: float = 10.0,
+        connect_wait: float = 0.0,
         token: str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         backoff: ReconnectBackoff | None = None,
@@ -129,6 +133,7 @@ class FillMaskClient:
         self.retry: RetryPolicy | None = RetryPolicy() if retry is True else (retry or None)
         self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout)
         self.open_timeout = check_seconds("open_timeout", open_timeout, zero_ok=False)
+        self.connect_wait = check_seconds("connect_wait", connect_wait)
         self._token = token
         self._ssl = ssl
         self._awaiting_hello = 0
@@ -157,20 +162,21 @@ class FillMaskClient:
         """Whether connections that go away are replaced (see the class docstring)."""
         return self._pool.reconnect
 
-    async def connect(self, *, wait: float = 0.0) -> None:
+    async def connect(self, *, wait: float | None = None) -> None:
         """Open the connection(s) and read ``hello``; ``ConnectError`` when no server can be used.
 
         With several connections, it is enough that one opens: the others are dialled again in the
         background with ``reconnect``, or stay closed without it (a warning is logged).
 
-        ``wait``: for up to this many seconds, try again (with backoff) while the failure is one that
+        ``wait`` (default: the client's ``connect_wait``, 0 unless set): for up to this many seconds,
+        try again (with backoff) while the failure is one that
         waiting may fix (``ConnectError.transient``): a server that is still loading its model (its
         port opens only then, §9), a load balancer with no replica ready yet (503). Any other failure
         (a 4xx refusal, TLS against a plain server, a peer that is not a fill-mask server) is raised at
         once, as it is. ``wait`` must be a finite number of seconds >= 0 (``UsageError`` otherwise: NaN
         would never end).
         """
-        check_seconds("wait", wait)
+        wait = self.connect_wait if wait is None else check_seconds("wait", wait)
         if self._pool.closed:
             raise ConnectionLostError(f"the client for {redact(self.url)} was closed", url=redact(self.url))
         if self._pool.opened:
@@ -213,9 +219,14 @@ class FillMaskClient:
             if upgraded:
                 self._awaiting_hello -= 1
 
-    async def aclose(self) -> None:
-        """Close the connection(s). Calls still waiting fail promptly with ``ConnectionLostError``."""
+    async def close(self) -> None:
+        """Close the connection(s). Calls still waiting fail promptly with ``ConnectionLostError``.
+        Safe to call twice (``async with`` calls it for you)."""
         await self._pool.close()
+
+    async def aclose(self) -> None:
+        """The same as ``close()`` (the name ``contextlib.aclosing`` looks for)."""
+        await self.close()
 
     @property
     def hello(self) -> dict[str, Any]:

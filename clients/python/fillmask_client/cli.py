@@ -401,7 +401,7 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
         raise
     finally:
         ticker.cancel()
-        await client.aclose()
+        await client.close()
     if len(texts) > 1 and not args.quiet:
         say(tally.summary())
     return EXIT_REQUEST_FAILED if tally.failed else EXIT_OK

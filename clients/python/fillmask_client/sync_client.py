@@ -74,7 +74,7 @@ class SyncFillMaskClient:
         if self._loop.is_closed():
             return
         try:
-            self._call(self._client.aclose(), None)
+            self._call(self._client.close(), None)
         finally:
             self._stop_loop()
 
