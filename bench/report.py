@@ -349,7 +349,8 @@ def cpu_lines(summary: dict[str, Any]) -> list[str]:
         "*decode*: the engine's stages; *client*: the load generator, on the same cores. While the model "
         "thread runs a forward pass on every core, any other thread that runs takes a core from it and "
         "its OpenMP team waits at the next barrier, so the server's time per request comes to about the "
-        "forward pass's time alone plus everything else's CPU (README, Performance).",
+        "forward pass's time alone plus everything else's CPU (docs/performance-log.md, \"Why the server "
+        "stays below the limit on a small model\").",
         "",
         "| config | corpus | load | req/s | " + " | ".join(CPU_GROUPS) + " | all but model (client too) |",
         "|---|---|---|---|" + "---|" * (len(CPU_GROUPS) + 1),

@@ -290,7 +290,8 @@ def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: i
       team is busy for all of it) and ``beside_s`` more, out of ``cpus`` CPU seconds a second;
     - a team as wide as the CPUs has no core to spare: whatever else runs takes a core from one of its
       threads, and the others wait for it at the next barrier, so the CPU used beside the forward pass
-      adds to the engine's time (README, Performance): at most ``1 / (batch_s / rows + beside_s)``.
+      adds to the engine's time (docs/performance-log.md, "Why the server stays below the limit"): at
+      most ``1 / (batch_s / rows + beside_s)``.
     """
     per_request = max(batch_s, 1e-9) / max(rows, 1)  # (a clock's tick at least: never a division by 0)
     rate = min(1 / per_request, cpus / (count * per_request + beside_s))

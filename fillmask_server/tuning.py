@@ -176,7 +176,7 @@ def switch_interval_s(threads: int, device_type: str) -> float:
     that the interval forces between them costs CPU. On one CPU thread such a wait idles one core,
     which the other threads go on using: the longer interval, with fewer forced hand-overs, serves
     more. With a team (``threads`` > 1, or 0: torch's default, one per core; or a GPU) the whole team
-    idles while the model thread waits: the shorter one serves more. (README, Performance: "The GIL's
+    idles while the model thread waits: the shorter one serves more. (docs/performance-log.md, "The GIL's
     switch interval", has the side-by-side figures.)
     """
     return SWITCH_ONE_THREAD_S if device_type == "cpu" and threads == 1 else SWITCH_TEAM_S
