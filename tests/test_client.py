@@ -154,7 +154,7 @@ BAD_URLS = {  # each URL, and what the message says is wrong with it
     "ws://": "hostname isn't provided",
     "ws://:8765/": "hostname isn't provided",
     "ws://host:http/": "port could not be cast",
-    "http://127.0.0.1:8765/": "scheme isn't ws or wss",
+    "ftp://127.0.0.1:8765/": "scheme isn't ws or wss",
 }
 
 
@@ -171,6 +171,13 @@ def test_a_malformed_url_is_a_usage_error_at_construction() -> None:
     with pytest.raises(UsageError) as refused:
         FillMaskClient("ws://127.0.0.1:99999/?token=sesame")
     assert "sesame" not in str(refused.value)  # the token stays hidden (§12)
+    # The address the server prints for its demo page: the message gives the WebSocket URL to use instead.
+    for url, instead in (("http://127.0.0.1:8765/", "'ws://127.0.0.1:8765/'"),
+                         ("HTTPS://h:1/?token=sesame", "'wss://h:1/?token=***'")):
+        with pytest.raises(UsageError) as refused:
+            FillMaskClient(url)
+        assert "scheme isn't ws or wss" in str(refused.value) and str(refused.value).endswith(
+            f"the same server's WebSocket URL is {instead}"), refused.value
 
 
 def test_durations_refuse_nan_and_infinity() -> None:
@@ -727,7 +734,7 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
     assert code == 2 and "no texts" in err
 
     code, _, err = await run_cli("--url", server.http_url + "/", TEXT)  # not a WebSocket URL: a usage error
-    assert code == 2 and "expected ws://" in err
+    assert code == 2 and f"WebSocket URL is 'ws://127.0.0.1:{server.port}/'" in err, err
 
 
 def assert_usage_error(code: int, err: str, *words: str) -> None:
@@ -1190,8 +1197,17 @@ async def test_connect_wait_is_how_long_async_with_and_the_blocking_client_keep_
         FillMaskClient(url, connect_wait=math.inf)
 
 
+def test_the_commands_wait_for_a_server_outlasts_a_model_load() -> None:
+    """A server takes seconds to load its model before its port opens (README: 8-20 s on two cores);
+    the command's default --timeout waits longer than that, and says so in --help."""
+    assert build_parser().parse_args([]).timeout == 30
+    assert "(default: 30)" in " ".join(build_parser().format_help().split())
+
+
 async def test_close_is_the_async_clients_close_too_and_safe_twice(server: Any) -> None:
     client = FillMaskClient(server.url)
+    with pytest.raises(ConnectionLostError, match=r"not connected to .*: await client.connect\(\) first"):
+        await client.fill_mask(TEXT)  # before connect(): says what to do, not that a connection was lost
     await client.connect()
     assert await client.fill_mask(TEXT, top_k=1)
     await client.close()
@@ -1203,7 +1219,7 @@ async def test_close_is_the_async_clients_close_too_and_safe_twice(server: Any) 
 
 async def test_cli_exits_at_once_with_the_cause_of_a_permanent_connect_failure(server: Any) -> None:
     started = time.monotonic()
-    code, out, err = await run_cli("--url", f"wss://127.0.0.1:{server.port}/", TEXT)  # --timeout 10 (default)
+    code, out, err = await run_cli("--url", f"wss://127.0.0.1:{server.port}/", TEXT)  # --timeout 30 (default)
     assert time.monotonic() - started < 5 and (code, out) == (3, ""), err
     [line] = err.splitlines()  # no "waiting for the server" lines: it did not wait
     assert line.startswith("fillmask-client: cannot connect to wss://") and "use ws:// instead of wss://" in line

@@ -50,6 +50,8 @@ EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
 #: The environment variable the server reads its ``--token`` from; the command reads it too.
 TOKEN_ENV = "FILLMASK_TOKEN"
+#: ``--timeout``'s default: longer than a server takes from its start to ``ready:`` (loading the model).
+CONNECT_TIMEOUT_S = 30.0
 #: ``--reconnect-timeout``'s default: long enough for a server to drain, exit and load its model again.
 RECONNECT_TIMEOUT_S = 120.0
 #: How often the command looks whether it is waiting for a server (it says so once a second).
@@ -95,9 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reconnect-timeout", type=float, default=RECONNECT_TIMEOUT_S, metavar="S",
                         help="with --reconnect: seconds to wait for a server that went away to be back "
                              "(a restart: drain, exit, load), whatever --timeout is (default: %(default)g)")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="S",
+    parser.add_argument("--timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="S",
                         help="seconds to wait for a server that is starting (connection refused, or 503) "
-                             "at the start of the run, and for each handshake and hello (default: %(default)s)")
+                             "at the start of the run, and for each handshake and hello (default: %(default)g)")
     parser.add_argument("--quiet", "-q", action="store_true",
                         help="no summary line at the end of the run, and no 'waiting for the server' lines")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,

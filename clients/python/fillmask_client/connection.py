@@ -87,6 +87,10 @@ def url_problem(url: str) -> str | None:
     except ValueError as exc:  # urllib's: a port out of range or not a number, a broken [IPv6] host...
         detail = str(exc) or type(exc).__name__
     detail = detail[:1].lower() + detail[1:]
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() in ("http", "https"):  # the address the server prints for its demo page
+        return (f"invalid server URL {redact(url)!r}: {detail}; the same server's WebSocket URL is "
+                f"{redact(('ws' if scheme.lower() == 'http' else 'wss') + '://' + rest)!r}")
     return f"invalid server URL {redact(url)!r}: {detail}; expected ws://HOST:PORT/ or wss://HOST:PORT/"
 
 

@@ -179,6 +179,9 @@ class Pool:
             if slot.failure is not None:
                 return _copy(slot.failure)
         url = redact(self.slots[0].url)
+        if not self.opened and not self.closed:
+            return ConnectionLostError(f"not connected to {url}: await client.connect() first, or use "
+                                       "'async with FillMaskClient(url) as client'", url=url)
         return ConnectionLostError(f"no connection to {url}", url=url)
 
     @property
