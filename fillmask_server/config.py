@@ -66,7 +66,8 @@ _HELP: dict[str, str] = {
     "port": "TCP port for WebSocket and HTTP (0 picks a free port)",
     "max_batch_size": "most requests in one model batch",
     "max_batch_tokens": "most tokens one model batch occupies, padding included (rows x widest row)",
-    "max_queue": "most requests waiting for the model; beyond it requests are answered 503",
+    "max_queue": "most requests waiting for the model; beyond it requests are answered 503, and from half of it "
+                 "on a connection holding its fair share is answered 429",
     "max_wait_ms": "wait at most this long (from the oldest queued request) for a fuller batch; 0 = never wait",
     "anticipate_ms": "after sending answers, wait at most this long (and at most 30%% of the last batch's time) for "
                      "the requests those clients are likely to send back, before starting a batch that is not full; "
