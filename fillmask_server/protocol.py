@@ -4,9 +4,11 @@ Nothing here touches a socket, an event loop, a thread or torch, so every rule o
 and §7 is unit-tested directly (tests/test_protocol.py). Invariants:
 
 - ``parse_frame`` never raises: any ``str`` or ``bytes`` gives a request or a ``ProtocolError``.
-- ``invalid_json`` means the frame is not JSON (RFC 8259), not merely that orjson cannot hold it: a
-  lone surrogate escape or a number past a double's range is valid JSON, so such a frame is read
-  again by the standard library and gets the field's own error, under its id when that id is valid.
+- ``invalid_json`` means the frame is not JSON (RFC 8259) or nests deeper than orjson's 1024 levels,
+  not merely that orjson cannot hold a value: a lone surrogate escape or a number past a double's
+  range is valid JSON, so such a frame (and only such a frame: the common garbage is not parsed twice)
+  is read again by the standard library, its numbers as orjson reads them, and gets the field's own
+  error, under its id when that id is valid.
 - A ``ProtocolError`` carries the frame's id only when that id is itself valid (§7).
 - Every ``encode_*`` function returns the bytes of one JSON object, sent as a text frame.
 """
@@ -120,12 +122,29 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _loads_what_orjson_cannot_hold(data: str) -> Any:
-    """The frame as the standard library reads it (lone surrogates kept, ``1e400`` as infinity, which
-    the field checks then refuse), or ``_NOT_JSON`` when it is not JSON at all (``NaN`` and
-    ``Infinity`` are not JSON either). Only frames orjson refused come here."""
+#: What orjson says of valid JSON it cannot hold ("no low surrogate in string", "number is infinity when
+#: parsed as double"...): only such a frame is parsed again.
+_VALID_BUT_UNHELD = ("surrogate", "infinity")
+
+
+def _orjsons_integer(digits: str) -> int | float:
+    """An integer literal as orjson reads it: an int within 64 bits, else a float (``inf`` past a
+    double's range, never an error, whatever its length)."""
+    if len(digits) <= 21:
+        value = int(digits)
+        if -(1 << 63) <= value < (1 << 64):
+            return value
+    return float(digits)
+
+
+def _loads_what_orjson_cannot_hold(data: str | bytes, refusal: Exception) -> Any:
+    """The frame as the standard library reads it (lone surrogates kept, numbers as orjson reads them,
+    ``1e400`` as infinity, which the field checks then refuse), or ``_NOT_JSON`` when it is not JSON
+    orjson merely cannot hold (``NaN`` and ``Infinity`` are not JSON either)."""
+    if not any(word in str(refusal) for word in _VALID_BUT_UNHELD):
+        return _NOT_JSON
     try:
-        return json.loads(data, parse_constant=_reject_constant)
+        return json.loads(data, parse_constant=_reject_constant, parse_int=_orjsons_integer)
     except (ValueError, TypeError, RecursionError):
         return _NOT_JSON
 
@@ -150,8 +169,8 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
         return ProtocolError("binary_frame", "binary frames are not accepted; send each request as a JSON text frame")
     try:
         obj = orjson.loads(data)
-    except (orjson.JSONDecodeError, ValueError, TypeError, RecursionError):
-        obj = _loads_what_orjson_cannot_hold(data)
+    except (orjson.JSONDecodeError, ValueError, TypeError, RecursionError) as refusal:
+        obj = _loads_what_orjson_cannot_hold(data, refusal)
         if obj is _NOT_JSON:
             return ProtocolError("invalid_json", "the frame is not valid JSON; send one JSON object per text frame")
     if not isinstance(obj, dict):

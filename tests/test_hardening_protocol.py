@@ -171,6 +171,8 @@ def test_escaped_lone_surrogates_anywhere_are_plain_errors(code_point: int, fiel
     '{"type":"fill_mask","id":123456789012345678901234567890,"text":"[MASK]"}',
     '{"type":"fill_mask","id":"\\ud800","text":"[MASK]"}',
     '{"type":"fill_mask","id":1,"text":"\\udfff [MASK]"}',
+    '{"type":"fill_mask","id":7,"text":"a [MASK]","x":"\\ud800","deadline_ms":1' + "0" * 400 + "}",
+    '{"type":"fill_mask","id":7,"text":"a [MASK]","x":"\\ud800","deadline_ms":-1' + "0" * 5000 + "}",
     '"\\u0000"', "\x00", "",
 ])
 def test_deep_nesting_huge_numbers_and_lone_surrogates_are_plain_errors(raw: str) -> None:

@@ -137,6 +137,15 @@ def test_malformed_frames(data: str | bytes, code: str | None) -> None:
         ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":1e400}', "invalid_deadline", 7),
         ('{"type":"fill_mask","id":7,"text":"a [MASK]","top_k":-1e400}', "invalid_top_k", 7),
         ('{"type":"fill_mask","id":1e400,"text":"a [MASK]"}', "invalid_id", None),
+        # A lone surrogate makes the frame go to the standard library, whose integers are exact: they
+        # are read as orjson reads them (past 64 bits, a float), never raised over (math.isfinite).
+        ('{"type":"fill_mask","id":7,"text":"\\ud800 [MASK]","deadline_ms":1' + "0" * 400 + "}", "invalid_field", 7),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","x":"\\ud800","deadline_ms":-1' + "0" * 400 + "}",
+         "invalid_deadline", 7),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","x":"\\ud800","top_k":1' + "0" * 5000 + "}",
+         "invalid_top_k", 7),
+        ('{"type":"fill_mask","id":18446744073709551616,"text":"a [MASK]","x":"\\ud800"}', "invalid_id", None),
+        ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":1' + "0" * 400 + "}", "invalid_deadline", 7),
         ('{"type":"subscribe_stats","id":7,"interval_ms":1e999}', "invalid_field", 7),
         ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":NaN}', "invalid_json", None),
         ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":Infinity}', "invalid_json", None),
