@@ -91,7 +91,8 @@ _HELP: dict[str, str] = {
     "max_result_bytes": "largest answer a request may ask for: a request whose predictions could be larger (bounded "
                         "from top_k, its masks and its text before it runs) gets the error result_too_large",
     "max_answer_bytes": "memory for answers, all connections together: answers waiting to be sent plus those being "
-                        "computed; beyond it no request starts until clients take theirs",
+                        "computed; beyond it only a connection with no answer pending may start a request (one), "
+                        "so the worst case is this plus one answer per connection",
     "device": "auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps",
     "dtype": "float32 (exact, default), bfloat16 or float16 (faster where the hardware has them), int8 (dynamic "
              "quantisation, CPU); the fast modes give scores that differ from float32 in later digits",

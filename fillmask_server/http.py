@@ -81,8 +81,8 @@ LOG_INTERVAL_S = 10.0
 TLS_HANDSHAKE = b"\x16"  # the first byte of any TLS record that opens a connection (a handshake record)
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,20}$")  # an HTTP method as RFC 9110 §5.6.2 spells it
 
-TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or the query "
-              "parameter ?token=TOKEN")
+TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or as one query "
+              "parameter ?token=TOKEN, URL-encoded (a + in it as %2B)")
 
 
 @dataclass(frozen=True)
