@@ -173,11 +173,15 @@ def test_a_malformed_url_is_a_usage_error_at_construction() -> None:
     assert "sesame" not in str(refused.value)  # the token stays hidden (§12)
     # The address the server prints for its demo page: the message gives the WebSocket URL to use instead.
     for url, instead in (("http://127.0.0.1:8765/", "'ws://127.0.0.1:8765/'"),
-                         ("HTTPS://h:1/?token=sesame", "'wss://h:1/?token=***'")):
+                         ("HTTPS://h:1/healthz?token=sesame", "'wss://h:1/?token=***'"),  # the path of the WebSocket
+                         ("http://h:8765", "'ws://h:8765/'"), ("http://h:8765/ws", "'ws://h:8765/ws'")):
         with pytest.raises(UsageError) as refused:
             FillMaskClient(url)
         assert "scheme isn't ws or wss" in str(refused.value) and str(refused.value).endswith(
             f"the same server's WebSocket URL is {instead}"), refused.value
+    for url in ("http://h:99999/", "http://"):  # no valid URL to suggest: the general form instead
+        with pytest.raises(UsageError, match="expected ws://HOST:PORT/ or wss://HOST:PORT/"):
+            FillMaskClient(url)
 
 
 def test_durations_refuse_nan_and_infinity() -> None:

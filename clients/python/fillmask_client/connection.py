@@ -87,11 +87,31 @@ def url_problem(url: str) -> str | None:
     except ValueError as exc:  # urllib's: a port out of range or not a number, a broken [IPv6] host...
         detail = str(exc) or type(exc).__name__
     detail = detail[:1].lower() + detail[1:]
-    scheme, sep, rest = url.partition("://")
-    if sep and scheme.lower() in ("http", "https"):  # the address the server prints for its demo page
-        return (f"invalid server URL {redact(url)!r}: {detail}; the same server's WebSocket URL is "
-                f"{redact(('ws' if scheme.lower() == 'http' else 'wss') + '://' + rest)!r}")
+    instead = _websocket_url_of(url)
+    if instead is not None:
+        return f"invalid server URL {redact(url)!r}: {detail}; the same server's WebSocket URL is {redact(instead)!r}"
     return f"invalid server URL {redact(url)!r}: {detail}; expected ws://HOST:PORT/ or wss://HOST:PORT/"
+
+
+def _websocket_url_of(url: str) -> str | None:
+    """For an ``http(s)://`` address (the one the server prints for its demo page), the WebSocket URL of
+    the same server: ``ws(s)://``, the same host and port, the path ``/`` (unless it is already one of
+    the server's WebSocket paths, ``/`` or ``/ws``) and the same query; None for any other URL, or when
+    that would not be a valid URL either."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return None
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme.lower())
+    if scheme is None or not parts.netloc:
+        return None
+    path = parts.path if parts.path in ("/", "/ws") else "/"
+    instead = urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+    try:
+        parse_uri(instead)
+    except (InvalidURI, ValueError):
+        return None
+    return instead
 
 
 #: What a refusal means when the answer does not say (a proxy's or a load balancer's empty or HTML body).
