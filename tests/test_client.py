@@ -1238,6 +1238,15 @@ async def test_cli_exits_at_once_with_the_cause_of_a_permanent_connect_failure(s
                     "(is this a fill-mask server?)")
 
 
+async def test_cli_takes_the_servers_url_from_fillmask_url_and_a_url_flag_wins(server: Any) -> None:
+    code, out, _ = await run_cli("-k", "1", TEXT, env={"FILLMASK_URL": server.url})
+    assert code == 0 and out.startswith(TEXT + "\n"), out
+    code, out, _ = await run_cli("--url", server.url, "-k", "1", TEXT, env={"FILLMASK_URL": "ws://127.0.0.1:9/"})
+    assert code == 0 and out.startswith(TEXT + "\n"), out
+    code, _, err = await run_cli(TEXT, env={"FILLMASK_URL": "http://127.0.0.1:8765/"})
+    assert code == 2 and "$FILLMASK_URL: invalid server URL" in err and "'ws://127.0.0.1:8765/'" in err, err
+
+
 async def test_cli_401_names_the_commands_own_token_flag(make_server: Any) -> None:
     async with make_server(token="s3cret-value") as srv:
         code, out, err = await run_cli("--url", srv.url, TEXT, env={"FILLMASK_TOKEN": ""})

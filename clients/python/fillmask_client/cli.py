@@ -50,6 +50,8 @@ EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
 #: The environment variable the server reads its ``--token`` from; the command reads it too.
 TOKEN_ENV = "FILLMASK_TOKEN"
+#: The server's URL when no --url is given (a server on another port, or behind a balancer).
+URL_ENV = "FILLMASK_URL"
 #: ``--timeout``'s default: longer than a server takes from its start to ``ready:`` (loading the model).
 CONNECT_TIMEOUT_S = 30.0
 #: ``--reconnect-timeout``'s default: long enough for a server to drain, exit and load its model again.
@@ -71,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(the default when no TEXT and no --file is given)")
     parser.add_argument("--file", "-f", metavar="PATH", help="read texts from PATH, one per line")
     parser.add_argument("--url", action="append", metavar="URL",
-                        help=f"server WebSocket URL (default: {DEFAULT_URL}); repeat it to spread the texts "
-                             "over several servers")
+                        help=f"server WebSocket URL (default: ${URL_ENV}, else {DEFAULT_URL}); repeat it to "
+                             "spread the texts over several servers")
     parser.add_argument("--top-k", "-k", type=int, metavar="K", help="candidates per mask (server default: 5)")
     parser.add_argument("--targets", "-t", action="append", metavar="WORDS",
                         help="only score these words: comma-separated, may be repeated")
@@ -427,10 +429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.reconnect_timeout < math.inf:
         parser.error(f"--reconnect-timeout {args.reconnect_timeout:g}: must be a finite number of seconds "
                      "greater than 0")
+    given = "--url"
+    if not args.url and os.environ.get(URL_ENV):
+        args.url, given = [os.environ[URL_ENV]], f"${URL_ENV}"
     for url in args.url or []:
         problem = url_problem(url)
         if problem is not None:
-            parser.error(f"--url: {problem}")
+            parser.error(f"{given}: {problem}")
     # What needs no server to judge is judged here (the server's own limits are checked after its hello).
     if args.top_k is not None and args.top_k < 1:
         parser.error(f"--top-k {args.top_k}: must be at least 1")
