@@ -160,6 +160,20 @@ def test_valid_json_orjson_cannot_hold_gets_the_fields_own_error_under_its_id(
     assert (got.code, got.id) == (code, echoed)
 
 
+def test_a_frame_that_is_not_json_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only what orjson refuses for a surrogate or an infinity is read again: a client's garbage (up to
+    --max-frame-bytes of it) costs one parse, not two."""
+    import fillmask_server.protocol as protocol
+
+    def second_parse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("parsed twice")
+
+    monkeypatch.setattr(protocol.json, "loads", second_parse)
+    for garbage in ("x" * 60_000, '{"type":"fill_mask","id":1,' + " " * 60_000, "[" * 2000, '{"a":NaN}'):
+        got = parse_frame(garbage, LIMITS)
+        assert isinstance(got, ProtocolError) and got.code == "invalid_json"
+
+
 def test_a_valid_json_frame_with_a_lone_surrogate_in_an_unknown_field_is_accepted() -> None:
     got = parse_frame('{"type":"fill_mask","id":7,"text":"a [MASK]","note":"\\ud800","\\udfff":1}', LIMITS)
     assert got == FillMaskRequest(7, "a [MASK]", LIMITS.top_k_default, None, None)
