@@ -58,7 +58,9 @@ SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers
 MAX_RETRY_AFTER_MS = 30_000
 # Back-off (§6, §12). A refusal that arrives before the retry_after_ms this connection was last told is
 # "early", unless it comes within EARLY_GRACE_S of the first refusal of a burst (a burst: refusals with
-# less than QUIET_S between them), since those requests were on their way before the client could know.
+# less than QUIET_S between them; a refusal after the client waited as told starts one too, since a
+# client that held its requests back sends them together), since those requests were on their way
+# before the client could know.
 # Each early refusal doubles the retry_after_ms told (a refusal after waiting as told starts over);
 # EARLY_RESENDS_LIMIT early refusals within EARLY_WINDOW_S close the connection with 1008.
 EARLY_GRACE_S = 0.2
@@ -160,8 +162,8 @@ class Session:
         """The retry_after_ms of an overload refusal (§6): the engine's estimate, doubled once for every
         early resend in a row (see ``EARLY_GRACE_S``), up to 30 s, back to the estimate once the client
         waits as told; and the 1008 close (§12) of a client that keeps resending early."""
-        if now - self._last_refusal > QUIET_S:
-            self._burst_start = now
+        if now - self._last_refusal > QUIET_S or now >= self._wait_until:
+            self._burst_start = now  # a new burst: after a quiet spell, or once the client waited as told
         self._last_refusal = now
         if now < self._wait_until and now - self._burst_start > EARLY_GRACE_S:
             self._doublings = min(MAX_BACK_OFF_DOUBLINGS, self._doublings + 1)

@@ -49,6 +49,7 @@ from fillmask_client.cli import build_parser, collect_texts, format_table, parse
 from fillmask_client.frames import encode_fill_mask, outcome, terminal_id
 from fillmask_client.pool import least_loaded
 from fillmask_client.state import ConnState, Event, transition
+from tests.test_hardening_clients import sample
 from tests.wire import assert_same_predictions, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -413,6 +414,25 @@ async def test_retry_on_overload_waits_at_least_retry_after(make_server: Any) ->
     for (asked, retry_after_ms, wait), (next_asked, _, _) in itertools.pairwise(records):
         assert retry_after_ms is not None and wait >= retry_after_ms / 1000 > 0.001  # the hint, not the backoff
         assert next_asked - asked >= wait - 0.001  # and the client really waited that long before resending
+
+
+async def test_calls_on_one_connection_all_wait_out_its_back_off_so_retry_is_never_early(make_server: Any) -> None:
+    """§6 counts a refusal as early per connection: a resend, or any other call's send, that arrives
+    before the retry_after_ms the connection was last told. So after a 503/429 the client holds every
+    call on that connection until then, not only the refused one: many concurrent calls with retry
+    are never early, their wait is not doubled, and they are never closed with 1008."""
+    async with make_server(max_queue=4) as srv, FillMaskClient(
+            srv.url, retry=RetryPolicy(attempts=10_000, base_delay=0.001, max_delay=0.01)) as client:
+        (conn,) = srv.connections
+        with srv.engine.paused():
+            calls = [asyncio.create_task(client.fill_mask(TEXT, top_k=1)) for _ in range(40)]
+            await wait_until(lambda: srv.engine.queued() == 2)  # its share of a busy queue of 4
+            refused = sample(srv, "fillmask_requests_total", outcome="overloaded", code="queue_share")
+            await wait_until(lambda: sample(srv, "fillmask_requests_total", outcome="overloaded",
+                                            code="queue_share") >= refused + 120)  # several rounds of refusals
+            assert not conn.session._early and conn.session._doublings == 0
+        assert all(len(answer) == 1 for answer in await asyncio.wait_for(asyncio.gather(*calls), 30))
+        assert sample(srv, "fillmask_resenders_closed_total") == 0
 
 
 async def test_retry_gives_up_within_the_callers_deadline(make_server: Any) -> None:

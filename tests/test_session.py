@@ -207,13 +207,12 @@ def test_retry_after_grows_only_for_a_client_that_does_not_wait() -> None:
         clock.now += 60.0  # a patient client
         assert frames(session.receive(fill(i)))[0]["retry_after_ms"] == 42
     clock.now += 60.0
-    session.receive(fill("burst"))  # a new burst starts: the next 0.2 s are forgiven
-    clock.now += 0.25
     told = []
-    for i in range(16):  # an impatient one: every 10 ms, though told to wait 42 ms or more
+    for i in range(36):  # an impatient one: every 10 ms, though told to wait 42 ms or more
         clock.now += 0.01
         told.append(frames(session.receive(fill(100 + i)))[0]["retry_after_ms"])
-    assert told[-5:] == [30_000] * 5 and told == sorted(told) and told[3] > 42
+    # Its first 0.2 s are a burst already on its way (forgiven); after that each refusal doubles the wait.
+    assert told[:20] == [42] * 20 and told[-5:] == [30_000] * 5 and told == sorted(told) and told[21] > 42
     clock.now += 60.0  # waited as told: back to the estimate
     assert frames(session.receive(fill("waited")))[0]["retry_after_ms"] == 42
     assert session.close_request is None
@@ -228,6 +227,21 @@ def test_a_burst_already_on_its_way_is_not_counted_against_the_client() -> None:
         clock.now += 0.0005
         told.append(frames(session.receive(fill(i)))[0]["retry_after_ms"])
     assert set(told) == {42} and session.close_request is None
+
+
+def test_requests_held_back_as_told_and_sent_together_are_a_new_burst_not_early_resends() -> None:
+    """A client that waits as told on one connection sends every call it held back at once when the
+    wait ends (the Python client does): refused again, those are a new burst, not early resends, so its
+    wait is not doubled and it is never closed; a client that does not wait still is (next test)."""
+    session, _, clock = make(room=0)
+    for cycle in range(30):
+        told = []
+        for i in range(40):  # held back, then sent together
+            clock.now += 0.0005
+            told.append(frames(session.receive(fill(f"{cycle}-{i}")))[0]["retry_after_ms"])
+        assert set(told) == {42}, (cycle, told)
+        clock.now += 0.043  # waits as told
+    assert session.close_request is None and not session._early
 
 
 def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008() -> None:

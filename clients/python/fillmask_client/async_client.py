@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import ssl as ssl_module
@@ -31,7 +30,15 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
 from .connection import Connection, NotSentError, redact, request_frame, retrieve, url_problem
-from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, UsageError, check_seconds
+from .errors import (
+    ConnectError,
+    ConnectionLostError,
+    DeadlineExceededError,
+    FillMaskError,
+    OverloadedError,
+    UsageError,
+    check_seconds,
+)
 from .frames import FillMaskResult, Predictions, check_sendable, outcome
 from .pool import Pool
 from .retry import ReconnectBackoff, RetryPolicy
@@ -319,15 +326,20 @@ class FillMaskClient:
         last: FillMaskError | None = None  # why the previous send did not end in a result
         while True:
             conn = await self._pool.acquire(self.reconnect_timeout)
-            deadline = deadline_ms
-            if last is not None and isinstance(deadline_ms, (int, float)):
-                deadline = deadline_ms - (loop.time() - started) * 1000.0
-                if deadline <= 0:
-                    raise last
+
+            def build(request_id: int, conn: Connection = conn, last: FillMaskError | None = last) -> bytes:
+                """The frame, built when it goes out: after any back-off the connection imposed (§6), so
+                that ``deadline_ms`` carries what is left of the caller's budget then."""
+                deadline = deadline_ms
+                waited = last is not None or conn.not_before > started  # a resend, or held back (§6)
+                if waited and isinstance(deadline_ms, (int, float)):
+                    deadline = deadline_ms - (loop.time() - started) * 1000.0
+                    if deadline <= 0:
+                        raise last or DeadlineExceededError(None, (loop.time() - started) * 1000.0)
+                return request_frame(conn.limits, text, top_k, targets, deadline, request_id)
+
             try:
-                frame = await conn.exchange(
-                    functools.partial(request_frame, conn.limits, text, top_k, targets, deadline)
-                )
+                frame = await conn.exchange(build)
             except NotSentError:
                 continue  # it stopped taking calls before this one was sent: choose again (not a resend)
             except ConnectionLostError as exc:

@@ -34,7 +34,7 @@ from websockets.uri import parse_uri
 from .errors import ConnectError, ConnectionLostError, OverloadedError, RequestError
 from .frames import check_hello, decode_frame, encode_cancel, encode_fill_mask, terminal_id
 from .state import ConnState, Event, transition
-from .wire import CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN_LATER
+from .wire import CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN_LATER, RETRYABLE_REASONS
 
 log = logging.getLogger("fillmask_client")
 
@@ -328,6 +328,11 @@ class Connection:
         self.on_change = on_change
         #: Calls that chose this connection and wait for a permit (they count in ``load``).
         self.waiting = 0
+        #: The loop time before which no request is sent here: the latest 503 ``queue_full`` or 429
+        #: ``queue_share`` told this connection to wait ``retry_after_ms`` (§6, Back-off). The server
+        #: counts a refusal as early per connection, so every call here waits, not only the refused
+        #: one's resend: otherwise other calls' sends in that window double the wait, then close 1008.
+        self.not_before = 0.0
         self._closed_by_client = False
         self.slots: asyncio.Semaphore | None = None
         self._ids = itertools.count(1)
@@ -495,9 +500,16 @@ class Connection:
                 await self.slots.acquire()
             finally:
                 self.waiting -= 1
-            if not self.usable:  # went away (or was lost) while this call waited for a permit
+        try:
+            await self._back_off()
+        except BaseException:
+            if self.slots is not None:
                 self.slots.release()
-                raise NotSentError
+            raise
+        if not self.usable:  # went away (or was lost) while this call waited for a permit or the back-off
+            if self.slots is not None:
+                self.slots.release()
+            raise NotSentError
         request_id = next(self._ids)
         try:
             data = build(request_id)
@@ -526,6 +538,13 @@ class Connection:
             if request_id in self.pending:
                 self._spawn(self._cancel(request_id, after=None))
             raise
+
+    async def _back_off(self) -> None:
+        """Wait until ``not_before`` (again, if a refusal moved it meanwhile) or until the connection
+        stops taking work."""
+        loop = asyncio.get_running_loop()
+        while self.usable and (delay := self.not_before - loop.time()) > 0:
+            await asyncio.sleep(delay)
 
     async def _cancel(self, request_id: int, *, after: Awaitable[None] | None) -> None:
         """Send ``cancel`` for an abandoned request, once its own frame is out, unless it already ended."""
@@ -585,6 +604,10 @@ class Connection:
             elif frame["type"] == "error":
                 log.warning("server error not tied to a request of ours: %s", frame)
             return
+        if frame["type"] == "overloaded" and frame.get("reason") in RETRYABLE_REASONS:
+            wait_ms = frame.get("retry_after_ms")
+            if isinstance(wait_ms, (int, float)) and not isinstance(wait_ms, bool) and 0 < wait_ms < 3_600_000:
+                self.not_before = max(self.not_before, asyncio.get_running_loop().time() + wait_ms / 1000)
         future = self._forget(request_id)
         if future is None:
             log.warning("terminal frame for id %s, which is not in flight: %s", request_id, frame)
