@@ -1221,6 +1221,17 @@ async def test_connect_wait_is_how_long_async_with_and_the_blocking_client_keep_
         FillMaskClient(url, connect_wait=math.inf)
 
 
+async def test_a_token_no_http_header_can_carry_is_a_usage_error_that_does_not_show_it() -> None:
+    url = "ws://127.0.0.1:9/"
+    for token in ("sec\nret", "secrét", " secret", "secret\r", ""):
+        with pytest.raises(UsageError) as refused:
+            FillMaskClient(url, token=token)
+        assert "printable ASCII" in str(refused.value) and (not token or token.strip() not in str(refused.value))
+    FillMaskClient(url, token="s3cret-value_1+/=~")  # what tokens are made of is accepted
+    code, out, err = await run_cli("--url", url, "--token", "sec\nret", TEXT)
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1 and "printable ASCII" in err and "sec" not in err, err
+
+
 def test_the_commands_wait_for_a_server_outlasts_a_model_load() -> None:
     """A server takes seconds to load its model before its port opens (README: 8-20 s on two cores);
     the command's default --timeout waits longer than that, and says so in --help."""

@@ -141,6 +141,11 @@ class FillMaskClient:
         self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout)
         self.open_timeout = check_seconds("open_timeout", open_timeout, zero_ok=False)
         self.connect_wait = check_seconds("connect_wait", connect_wait)
+        if token is not None and not (isinstance(token, str) and token and token.strip() == token
+                                      and all(" " <= c <= "~" for c in token)):
+            # (The token itself stays out of the message: it is a secret, and may hold a line break.)
+            raise UsageError("token must be printable ASCII without line breaks or surrounding spaces (it is "
+                             "sent in the HTTP header 'Authorization: Bearer TOKEN')")
         self._token = token
         self._ssl = ssl
         self._awaiting_hello = 0
