@@ -23,6 +23,7 @@ import ssl
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -1219,6 +1220,43 @@ async def test_connect_wait_is_how_long_async_with_and_the_blocking_client_keep_
     assert "still" not in str(once.value)
     with pytest.raises(UsageError, match="connect_wait must be a finite number of seconds >= 0"):
         FillMaskClient(url, connect_wait=math.inf)
+
+
+async def test_closing_the_blocking_client_while_other_threads_call_ends_every_call(server: Any) -> None:
+    """Found by an audit: a call handed to the client's loop just as ``close()`` stopped it waited
+    forever. Now each call made while another thread closes the client ends: a result, the
+    ``ConnectionLostError`` of a call the close cut short, or ``RuntimeError`` for a call made after."""
+
+    def trials() -> tuple[Counter[str], int]:
+        seen: Counter[str] = Counter()
+        hung = 0
+        for trial in range(8):
+            client = SyncFillMaskClient(server.url)
+            stop = threading.Event()
+
+            def caller(client: SyncFillMaskClient = client, stop: threading.Event = stop) -> None:
+                while not stop.is_set():
+                    try:
+                        client.fill_mask(TEXT, top_k=1)
+                        seen["result"] += 1
+                    except (ConnectionLostError, RuntimeError) as exc:
+                        seen[type(exc).__name__] += 1
+                        if isinstance(exc, RuntimeError):
+                            return
+
+            threads = [threading.Thread(target=caller, daemon=True) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.02 + 0.01 * trial)
+            client.close()
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+                hung += thread.is_alive()
+        return seen, hung
+
+    seen, hung = await asyncio.to_thread(trials)
+    assert hung == 0 and seen["result"] > 0 and set(seen) <= {"result", "ConnectionLostError", "RuntimeError"}, seen
 
 
 async def test_a_token_no_http_header_can_carry_is_a_usage_error_that_does_not_show_it() -> None:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from .async_client import FillMaskClient
-from .errors import FillMaskError, check_seconds
+from .connection import redact
+from .errors import ConnectionLostError, FillMaskError, check_seconds
 from .frames import FillMaskResult, Predictions
 
 _T = TypeVar("_T")
@@ -50,6 +52,12 @@ class SyncFillMaskClient:
     def __init__(self, *args: Any, **options: Any) -> None:
         # The async client checks the options (before any thread starts, so a bad one leaks nothing).
         client = FillMaskClient(*args, **options)
+        # ``_closing`` and ``_calls`` (the calls handed to the loop and not yet returned) change under
+        # ``_lock``: once ``close`` has set ``_closing``, no call reaches the loop, and every call that
+        # did gets its outcome, if the loop ended before giving it one, from ``close``.
+        self._lock = threading.Lock()
+        self._closing = False
+        self._calls: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fillmask-client", daemon=True)
         self._thread.start()
@@ -70,37 +78,54 @@ class SyncFillMaskClient:
         return repr(self._client).replace("FillMaskClient", "SyncFillMaskClient", 1)
 
     def close(self) -> None:
-        """Close the connection and stop the background thread; safe to call twice."""
-        if self._loop.is_closed():
-            return
+        """Close the connection and stop the background thread; safe to call twice, and from any thread
+        while other threads' calls are under way (they end with ``ConnectionLostError``, as the async
+        client's do; a call made after ``close`` raises ``RuntimeError``)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
         try:
-            self._call(self._client.close(), None)
+            self._call(self._client.close(), None, closing=True)
         finally:
             self._stop_loop()
+            with self._lock:
+                abandoned = list(self._calls.items())
+            for future, coro in abandoned:  # handed to the loop as it stopped: never to be run
+                if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                    coro.close()
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    url = redact(self._client.url)
+                    future.set_exception(ConnectionLostError(f"the client for {url} was closed", url=url))
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
 
-    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None) -> _T:
+    def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None, *, closing: bool = False) -> _T:
         """Run ``coro`` on the client's loop and wait for it; ``timeout`` is checked before it starts."""
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("SyncFillMaskClient is closed")
         if timeout is not None:
             try:
                 check_seconds("timeout", timeout)
             except BaseException:
                 coro.close()
                 raise
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._lock:
+            if (self._closing and not closing) or self._loop.is_closed():
+                coro.close()
+                raise RuntimeError("SyncFillMaskClient is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._calls[future] = coro
         try:
             return future.result(timeout)
         except (concurrent.futures.TimeoutError, KeyboardInterrupt):
             # Cancelling the concurrent future cancels the task on the loop, which sends `cancel` frames.
             future.cancel()
             raise
+        finally:
+            with self._lock:
+                self._calls.pop(future, None)
 
     @property
     def hello(self) -> dict[str, Any]:
