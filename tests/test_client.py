@@ -222,6 +222,10 @@ def test_values_json_cannot_carry_are_refused_not_sent_as_something_else() -> No
         ({"text": TEXT, "deadline_ms": math.nan}, "deadline_ms=nan is not a finite number"),
         ({"text": TEXT, "deadline_ms": math.inf}, "deadline_ms=inf is not a finite number"),
         ({"text": TEXT, "top_k": math.nan}, "top_k=nan is not a finite number"),
+        ({"text": TEXT, "top_k": 2**70}, "top_k=1180591620717411303424 is beyond 64 bits"),  # orjson: TypeError
+        ({"text": TEXT, "deadline_ms": -(2**70)}, "deadline_ms=-1180591620717411303424 is beyond 64 bits"),
+        ({"text": TEXT.encode()}, "text must be a str, not bytes"),  # orjson: TypeError
+        ({"text": TEXT, "targets": [b"capital"]}, r"targets\[0\] must be a str, not bytes"),
     ]
     for fields, message in cases:
         with pytest.raises(UsageError, match=message):  # orjson: TypeError for the first, `null` for NaN
@@ -237,6 +241,13 @@ async def test_a_call_with_values_json_cannot_carry_fails_alone_before_sending(s
             assert client.in_flight == 0  # nothing was sent
         outcomes = await client.fill_mask_many([TEXT, "\ud800 [MASK]", TEXT], top_k=1, return_exceptions=True)
         assert isinstance(outcomes[1], UsageError) and len(outcomes[0]) == len(outcomes[2]) == 1
+        outcomes = await client.fill_mask_many([TEXT, TEXT.encode()], top_k=1, return_exceptions=True)  # type: ignore[list-item]
+        assert len(outcomes[0]) == 1 and isinstance(outcomes[1], UsageError)  # one bad value, not the whole batch
+        with pytest.raises(UsageError, match="not one text"):
+            await client.fill_mask_many(TEXT)  # would be one request per character
+        for width in (0, True, 1.5):
+            with pytest.raises(UsageError, match="concurrency must be a positive integer"):
+                await client.fill_mask_many([TEXT], concurrency=width)  # type: ignore[arg-type]
         assert await client.fill_mask(TEXT, top_k=1)  # the connection is as good as before
 
     def use() -> None:  # in a thread: the server runs on this test's event loop

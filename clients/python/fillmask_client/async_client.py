@@ -390,13 +390,16 @@ class FillMaskClient:
         Leaving the loop early cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make
         that happen at once rather than when the iterator is garbage-collected.
         """
+        if isinstance(texts, (str, bytes)):
+            raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
+                             "or call fill_mask")
         items = list(texts)
         width = concurrency
         if width is None:  # enough to fill each connection's server batches
             batch = self.limits.get("max_batch_size", 32)
             width = (batch if isinstance(batch, int) and batch > 0 else 32) * len(self._pool.slots)
-        if not isinstance(width, int) or width < 1:
-            raise ValueError(f"concurrency must be a positive integer, not {width!r}")
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise UsageError(f"concurrency must be a positive integer, not {width!r}")
         loop = asyncio.get_running_loop()
         slots: list[asyncio.Future[FillMaskResult]] = [loop.create_future() for _ in items]
         for slot in slots:

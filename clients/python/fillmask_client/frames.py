@@ -112,12 +112,16 @@ def check_sendable(
     number has no JSON form: the encoder would write ``null``, which the server reads as the field left
     out (§3), so ``deadline_ms=float("nan")`` would silently run without a deadline.
     """
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        raise UsageError("text must be a str, not bytes: decode it first (UTF-8)")
     strings = [("text", text)]
     if isinstance(targets, str):
         strings.append(("targets", targets))
     elif isinstance(targets, Sequence):
         strings.extend((f"targets[{index}]", target) for index, target in enumerate(targets))
     for name, value in strings:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            raise UsageError(f"{name} must be a str, not bytes: decode it first (UTF-8)")
         if isinstance(value, str):
             try:
                 value.encode("utf-8")
@@ -130,6 +134,8 @@ def check_sendable(
                                ("deadline_ms", deadline_ms, "milliseconds > 0, or None for no deadline")):
         if isinstance(number, float) and not math.isfinite(number):
             raise UsageError(f"{name}={number!r} is not a finite number, which JSON cannot carry: give {hint}")
+        if isinstance(number, int) and not isinstance(number, bool) and not -(1 << 63) <= number < (1 << 64):
+            raise UsageError(f"{name}={number} is beyond 64 bits, which the JSON encoder cannot write: give {hint}")
 
 
 def encode_cancel(request_id: int) -> bytes:
