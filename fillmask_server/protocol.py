@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from fillmask_client.wire import MAX_SAFE_INTEGER, OVERLOADED_REASONS, PROTOCOL_VERSION
+from fillmask_client.wire import JSON_INTEGERS, MAX_SAFE_INTEGER, OVERLOADED_REASONS, PROTOCOL_VERSION
 
 #: Every ``error`` code the server sends (§7's table); ``encode_error`` refuses any other.
 ERROR_CODES = frozenset({
@@ -130,9 +130,9 @@ _VALID_BUT_UNHELD = ("surrogate", "infinity")
 def _orjsons_integer(digits: str) -> int | float:
     """An integer literal as orjson reads it: an int within 64 bits, else a float (``inf`` past a
     double's range, never an error, whatever its length)."""
-    if len(digits) <= 21:
+    if len(digits) <= 21:  # (longer ones are outside it: no int() of thousands of digits)
         value = int(digits)
-        if -(1 << 63) <= value < (1 << 64):
+        if value in JSON_INTEGERS:
             return value
     return float(digits)
 

@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 import orjson
 
 from .errors import DeadlineExceededError, FillMaskError, OverloadedError, RequestError, UsageError
-from .wire import PROTOCOL_VERSION, TERMINAL_TYPES
+from .wire import JSON_INTEGERS, PROTOCOL_VERSION, TERMINAL_TYPES
 
 
 class Prediction(TypedDict):
@@ -134,7 +134,7 @@ def check_sendable(
                                ("deadline_ms", deadline_ms, "milliseconds > 0, or None for no deadline")):
         if isinstance(number, float) and not math.isfinite(number):
             raise UsageError(f"{name}={number!r} is not a finite number, which JSON cannot carry: give {hint}")
-        if isinstance(number, int) and not isinstance(number, bool) and not -(1 << 63) <= number < (1 << 64):
+        if isinstance(number, int) and not isinstance(number, bool) and number not in JSON_INTEGERS:
             raise UsageError(f"{name}={number} is beyond 64 bits, which the JSON encoder cannot write: give {hint}")
 
 

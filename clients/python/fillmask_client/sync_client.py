@@ -91,11 +91,11 @@ class SyncFillMaskClient:
             self._stop_loop()
             with self._lock:
                 abandoned = list(self._calls.items())
+            url = redact(self._client.url)
             for future, coro in abandoned:  # handed to the loop as it stopped: never to be run
                 if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                     coro.close()
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    url = redact(self._client.url)
                     future.set_exception(ConnectionLostError(f"the client for {url} was closed", url=url))
 
     def _stop_loop(self) -> None:

@@ -19,6 +19,9 @@ from __future__ import annotations
 PROTOCOL_VERSION = 1
 #: The largest integer id a browser echoes exactly (§3): ids are integers within ±this, or strings.
 MAX_SAFE_INTEGER = 2**53 - 1
+#: The integers the JSON codec (orjson) holds as integers: a signed or unsigned 64-bit one. The client
+#: cannot send one outside it; the server reads one outside it as a float, as orjson does.
+JSON_INTEGERS = range(-(2**63), 2**64)
 
 #: Every ``overloaded`` reason with its HTTP-like status (§6).
 OVERLOADED_REASONS: dict[str, int] = {
