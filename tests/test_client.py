@@ -774,12 +774,10 @@ async def test_cli_exit_status_and_one_line_messages(server: Any) -> None:
 
 
 def assert_usage_error(code: int, err: str, *words: str) -> None:
-    """Exit status 2, no traceback, and the last line of stderr says what was wrong (argparse's usage
-    lines may come before it)."""
+    """Exit status 2 and one line on stderr that says what was wrong (no traceback, no usage block)."""
     assert code == 2, err
-    assert "Traceback" not in err, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("fillmask-client: ") and all(word in last for word in words), err
+    [line] = err.splitlines()
+    assert line.startswith("fillmask-client: ") and all(word in line for word in words), err
 
 
 async def test_cli_bad_urls_durations_and_input_are_one_line_usage_errors(tmp_path: Path) -> None:
@@ -819,6 +817,46 @@ def test_cli_names_the_argument_or_line_that_is_not_utf8(tmp_path: Path) -> None
     with pytest.raises(BadInput, match=r"standard input: line 3 is not valid UTF-8 \(byte 0xff\)"):
         collect_texts(build_parser().parse_args(["-"]), stdin)
     assert collect_texts(build_parser().parse_args([]), io.BytesIO("été [MASK]\r\n\n".encode())) == ["été [MASK]"]
+
+
+
+async def test_cli_options_and_texts_mix_and_argparse_errors_are_one_line(server: Any) -> None:
+    # Options between texts (they used to end the texts: "unrecognized arguments: TWO_MASKS").
+    code, out, err = await run_cli(TEXT, "--url", server.url, "-k", "2", TWO_MASKS, "-q", "--", "-1 is [MASK].")
+    assert (code, err) == (0, ""), err
+    assert [block.splitlines()[0] for block in out.split("\n\n")] == [TEXT, TWO_MASKS, "-1 is [MASK]."]
+    # argparse's own errors are one line too (they were a usage block, then the error).
+    code, out, err = await run_cli("--url", server.url, "-k", "two", TEXT)
+    assert_usage_error(code, err, "--top-k", "'two'", "see fillmask-client --help")
+    code, out, err = await run_cli("--url", server.url, "--no-such-flag", TEXT)
+    assert_usage_error(code, err, "--no-such-flag")
+    code, out, err = await run_cli("--concurrency", "0", TEXT)
+    assert_usage_error(code, err, "--concurrency must be at least 1")
+
+
+async def test_cli_json_prints_a_line_for_a_text_the_client_refuses_to_send(server: Any) -> None:
+    huge = TEXT + " word" * (server.config.max_frame_bytes // 5)  # over limits.max_frame_bytes once encoded
+    code, out, err = await run_cli("--url", server.url, "--json", "-q", "-", stdin=f"{TEXT}\n{huge}\n{TEXT}\n")
+    assert code == 1, err
+    first, refused, third = (orjson.loads(line) for line in out.splitlines())  # one line per text, in order
+    assert first["type"] == third["type"] == "result"
+    assert refused["type"] == "error" and refused["code"] == "frame_too_large" and refused["source"] == "client"
+    assert "max_frame_bytes" in refused["message"]
+    assert "text 2" in err and "frame_too_large" in err
+
+
+async def test_cli_stops_with_141_when_its_standard_output_is_closed(server: Any) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (say `head -1`) has gone before the first line is written
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fillmask_client", "--url", server.url, "-q", TEXT, TEXT, cwd=ROOT,
+            stdin=asyncio.subprocess.DEVNULL, stdout=write_end, stderr=asyncio.subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 141, err  # not 0: not every answer reached the reader
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err
 
 
 # --- the pool: several connections, going away, resends (issue 11 item 3) ----------------------

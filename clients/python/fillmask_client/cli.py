@@ -1,7 +1,9 @@
 """Command line: ``fillmask-client "Paris is the [MASK] of France."`` (or ``python -m fillmask_client``).
 
 Prints one table per text (one per mask when a text has several), or with ``--json`` each text's raw
-terminal frame on one line, in input order. Texts come from the arguments, from ``-`` (standard input)
+terminal frame on one line, in input order (a request the client refuses before sending, such as one
+over the server's ``limits.max_frame_bytes``, gets a line of the same shape as an ``error`` frame, with
+``"source": "client"``). Texts come from the arguments, from ``-`` (standard input)
 or ``--file``, one per line; blank lines are skipped. With no texts given, standard input is read.
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
@@ -18,7 +20,10 @@ fill-mask server, a 401 for the token...) ends the run at once with its one line
 texts end with a summary line on stderr, Ctrl-C included (``interrupted; 5 texts: ...``, then exit
 status 130, ``EXIT_INTERRUPTED``; what was printed before stays printed). While the command waits
 for a server, it says ``waiting for the server… (Ns)`` on stderr once a second (with why, when that
-changes: a failure, or ``connected, no hello frame yet``).
+changes: a failure, or ``connected, no hello frame yet``). When standard output is closed before the
+run ends (``fillmask-client ... | head -1``), the run stops with exit status 141 (``EXIT_OUTPUT_CLOSED``,
+128 + SIGPIPE, what a shell reports for a command that a closed pipe ended). Options and texts may come
+in any order; a text that begins with ``-`` goes after ``--``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import re
 import ssl
 import sys
+import typing
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +54,8 @@ from .wire import SERVER_GONE_REASONS
 EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
 #: Ctrl-C (128 + SIGINT, as a shell reports a command that SIGINT ended).
 EXIT_INTERRUPTED = 130
+#: Standard output was closed before every outcome was printed (128 + SIGPIPE, as a shell reports it).
+EXIT_OUTPUT_CLOSED = 141
 #: The environment variable the server reads its ``--token`` from; the command reads it too.
 TOKEN_ENV = "FILLMASK_TOKEN"
 #: The server's URL when no --url is given (a server on another port, or behind a balancer).
@@ -60,13 +68,24 @@ RECONNECT_TIMEOUT_S = 120.0
 WAIT_POLL_S = 0.1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``fillmask-client`` command."""
-    parser = argparse.ArgumentParser(
+class Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error is one line on stderr (``fillmask-client: what was wrong; see
+    fillmask-client --help``) and exit status 2, not the usage block followed by the error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def build_parser() -> Parser:
+    """The argument parser of the ``fillmask-client`` command (``parse_intermixed_args``: options and
+    texts may come in any order)."""
+    parser = Parser(
         prog="fillmask-client",
         description="Ask a fill-mask server to fill the [MASK] in each text.",
         epilog="exit status: 0 all answered, 1 a request failed, 2 usage error (also a value outside the "
-               "server's limits), 3 server unreachable, lost or shutting down, 130 interrupted (Ctrl-C)",
+               "server's limits), 3 server unreachable, lost or shutting down, 130 interrupted (Ctrl-C), "
+               "141 standard output closed (e.g. piped into head). A text that begins with '-' goes "
+               "after '--'.",
     )
     parser.add_argument("texts", nargs="*", metavar="TEXT",
                         help="texts containing the mask token; '-' reads texts from stdin, one per line "
@@ -88,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "replicas behind one load-balancer URL: use about one per replica) "
                              "(default: %(default)s)")
     parser.add_argument("--json", action="store_true",
-                        help="print each text's raw terminal frame as one line of JSON, in input order")
+                        help="print each text's raw terminal frame as one line of JSON, in input order (a "
+                             "request refused before sending gets an error line with \"source\": \"client\")")
     parser.add_argument("--retry", action="store_true",
                         help="resend requests the server answers 503 queue_full or 429 queue_share, after its "
                              "retry_after_ms")
@@ -388,8 +408,9 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                     tally.failed[failure_reason(item)] += 1
                     where = f"text {index} ({_one_line(text)!r}): " if len(texts) > 1 else ""
                     say(f"{where}{item}")
-                    if args.json and item.frame is not None:
-                        print(_dumps(item.frame), file=out, flush=True)
+                    if args.json:
+                        print(_dumps(item.frame if item.frame is not None else client_frame(item)),
+                              file=out, flush=True)
                     continue
                 tally.answered += 1
                 if args.json:
@@ -411,6 +432,13 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
     return EXIT_REQUEST_FAILED if tally.failed else EXIT_OK
 
 
+def client_frame(error: FillMaskError) -> dict[str, Any]:
+    """``--json``'s line for a request that failed with no server frame (the client refused it before
+    sending): the shape of a §7 ``error`` frame, marked ``"source": "client"``."""
+    code = error.code if isinstance(error, RequestError) else failure_reason(error)
+    return {"type": "error", "code": code, "message": getattr(error, "message", str(error)), "source": "client"}
+
+
 def _dumps(frame: dict[str, Any]) -> str:
     return orjson.dumps(frame).decode()
 
@@ -418,7 +446,7 @@ def _dumps(frame: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fillmask-client`` and ``python -m fillmask_client``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     if args.connections < 1:
@@ -471,4 +499,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader (say `head`) went away: stop quietly, and keep Python from complaining at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+        return EXIT_OUTPUT_CLOSED
