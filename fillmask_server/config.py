@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import textwrap
+import typing
 from dataclasses import dataclass, fields
 
 from .access import HostPolicy, OriginPolicy, tls_context
@@ -179,8 +180,16 @@ _METAVAR: dict[str, str] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that a usage error is the server's one line (``error: what was wrong; see
+    PROG --help``, exit status 2), not a usage block of every option with the error under it."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="WebSocket fill-mask inference server with dynamic batching. Every option can also be "
                     f"set by the environment variable shown ({ENV_PREFIX}NAME); a flag beats its variable.",
         formatter_class=_HelpFormatter,

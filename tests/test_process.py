@@ -43,12 +43,19 @@ def test_flags_beat_environment_which_beats_defaults() -> None:
     assert (config.port, config.max_queue, config.dtype, config.max_batch_size) == (9100, 7, "bfloat16", 64)
 
 
-@pytest.mark.parametrize("env", [{"FILLMASK_PORT": "eighty"}, {"FILLMASK_DTYPE": "float64"}])
-def test_bad_environment_values_exit_with_a_usage_line(env: dict[str, str], capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    ([], {"FILLMASK_PORT": "eighty"}, "FILLMASK_PORT"), ([], {"FILLMASK_DTYPE": "float64"}, "FILLMASK_DTYPE"),
+    (["--port", "eighty"], {}, "--port"), (["--no-such-flag"], {}, "--no-such-flag"),
+])
+def test_bad_values_exit_with_one_usage_line(argv: list[str], env: dict[str, str], named: str,
+                                             capsys: pytest.CaptureFixture) -> None:
+    """One line naming the value and pointing at --help: argparse's usage block of every option came
+    first, and pushed the error below forty lines of flags."""
     with pytest.raises(SystemExit) as exited:
-        load_config([], env)
+        load_config(argv, env)
     assert exited.value.code == 2
-    assert next(iter(env)) in capsys.readouterr().err
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and named in line and line.endswith("--help"), line
 
 
 @pytest.mark.parametrize("bad", ["-1", "0.001", "1001"])
