@@ -95,6 +95,12 @@ def test_terminal_frames_map_to_results_and_typed_errors() -> None:
     assert type(late) is DeadlineExceededError and isinstance(late, OverloadedError)
     assert (late.status, late.queue_ms, late.retry_after_ms) == (504, 51.5, 10)
     assert type(outcome({"type": "cancelled", "id": 1})) is FillMaskError
+    assert str(busy) == "server overloaded (503 queue_full, retry after 120 ms)"
+    # A drain or a stopped worker comes as `overloaded` (§6), but the words say what it is.
+    going = outcome({"type": "overloaded", "id": 1, "status": 503, "reason": "shutting_down", "retry_after_ms": 1000})
+    assert str(going) == "server shutting down (503 shutting_down, retry after 1000 ms)"
+    stopped = outcome({"type": "overloaded", "id": 1, "status": 503, "reason": "engine_stopped"})
+    assert str(stopped) == "the server's model worker stopped (503 engine_stopped)"
 
 
 def test_only_our_ids_on_terminal_frames_end_a_request() -> None:
@@ -226,6 +232,8 @@ def test_values_json_cannot_carry_are_refused_not_sent_as_something_else() -> No
         ({"text": TEXT, "deadline_ms": -(2**70)}, "deadline_ms=-1180591620717411303424 is beyond 64 bits"),
         ({"text": TEXT.encode()}, "text must be a str, not bytes"),  # orjson: TypeError
         ({"text": TEXT, "targets": [b"capital"]}, r"targets\[0\] must be a str, not bytes"),
+        ({"text": 123}, "text must be a str, not int"),  # the server would answer invalid_field: same news
+        ({"text": None}, "text must be a str, not NoneType"),
     ]
     for fields, message in cases:
         with pytest.raises(UsageError, match=message):  # orjson: TypeError for the first, `null` for NaN
@@ -257,6 +265,9 @@ async def test_a_call_with_values_json_cannot_carry_fails_alone_before_sending(s
                     sync.fill_mask(TEXT, timeout=bad)
                 assert sync._client.in_flight == 0  # refused before the call was handed to the loop
             assert sync.fill_mask(TEXT, top_k=1, timeout=30)
+            with pytest.raises(UsageError, match="not one text"):  # listed, it went as one request per character
+                sync.fill_mask_many(TEXT)
+            assert sync._client.in_flight == 0
 
     await asyncio.to_thread(use)
 
@@ -682,7 +693,7 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
         assert_same_predictions(many[0], expected)
         assert len(many[1]) == 2 and all(len(per_mask) == 3 for per_mask in many[1])
         with server.engine.paused():
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError, match=r"no answer within timeout=0.1 s; the call was cancelled"):
                 await asyncio.to_thread(client.fill_mask, TEXT, timeout=0.1)
             await wait_until(lambda: server.engine.queued() == 0)  # cancelled on the server, connection open
     finally:

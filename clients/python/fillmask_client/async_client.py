@@ -390,7 +390,7 @@ class FillMaskClient:
         Leaving the loop early cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make
         that happen at once rather than when the iterator is garbage-collected.
         """
-        if isinstance(texts, (str, bytes)):
+        if isinstance(texts, (str, bytes, bytearray)):
             raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
                              "or call fill_mask")
         items = list(texts)

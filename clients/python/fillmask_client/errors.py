@@ -85,6 +85,10 @@ class RequestError(FillMaskError):
         self.message = message
 
 
+#: How a person reads the ``overloaded`` reasons that mean the server is going (``SERVER_GONE_REASONS``).
+_GONE_WORDS = {"shutting_down": "server shutting down", "engine_stopped": "the server's model worker stopped"}
+
+
 class OverloadedError(FillMaskError):
     """The server answered ``overloaded`` (§6): it could not take or finish the request in time.
 
@@ -102,7 +106,8 @@ class OverloadedError(FillMaskError):
         frame: dict[str, Any] | None = None,
     ) -> None:
         hint = f", retry after {retry_after_ms:g} ms" if retry_after_ms is not None else ""
-        super().__init__(f"server overloaded ({status} {reason}{hint})", frame=frame)
+        what = _GONE_WORDS.get(reason, "server overloaded")  # §6's frame, but a drain is no overload
+        super().__init__(f"{what} ({status} {reason}{hint})", frame=frame)
         self.status = status
         self.reason = reason
         self.retry_after_ms = retry_after_ms

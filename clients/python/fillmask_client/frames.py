@@ -106,7 +106,8 @@ def check_sendable(
 ) -> None:
     """``UsageError`` when a ``fill_mask`` frame with these values cannot carry them as given.
 
-    Only what the encoding itself would break is refused; everything else is the server's to judge.
+    Only a text that is not a ``str`` and what the encoding itself would break are refused; everything
+    else is the server's to judge.
     A string with a lone surrogate is not valid Unicode and has no UTF-8 form (the JSON encoder would
     fail on it with a ``TypeError`` from deep inside the send). A NaN or infinite
     number has no JSON form: the encoder would write ``null``, which the server reads as the field left
@@ -114,6 +115,8 @@ def check_sendable(
     """
     if isinstance(text, (bytes, bytearray, memoryview)):
         raise UsageError("text must be a str, not bytes: decode it first (UTF-8)")
+    if not isinstance(text, str):  # the one field whose type never depends on the server
+        raise UsageError(f"text must be a str, not {type(text).__name__}")
     strings = [("text", text)]
     if isinstance(targets, str):
         strings.append(("targets", targets))

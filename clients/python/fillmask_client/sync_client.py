@@ -119,8 +119,11 @@ class SyncFillMaskClient:
             self._calls[future] = coro
         try:
             return future.result(timeout)
-        except (concurrent.futures.TimeoutError, KeyboardInterrupt):
+        except concurrent.futures.TimeoutError:
             # Cancelling the concurrent future cancels the task on the loop, which sends `cancel` frames.
+            future.cancel()
+            raise TimeoutError(f"no answer within timeout={timeout:g} s; the call was cancelled") from None
+        except KeyboardInterrupt:
             future.cancel()
             raise
         finally:
@@ -185,8 +188,10 @@ class SyncFillMaskClient:
         timeout: float | None = None,
     ) -> list[Predictions] | list[Predictions | FillMaskError]:
         """Blocking ``FillMaskClient.fill_mask_many``; ``timeout`` bounds the whole batch."""
+        # A list here, in the caller's thread, not on the loop; one bare text goes as it is, for the
+        # async client's UsageError (a list of it would be one request per character).
         coro = self._client.fill_mask_many(
-            list(texts),
+            texts if isinstance(texts, (str, bytes, bytearray)) else list(texts),
             concurrency=concurrency,
             top_k=top_k,
             targets=targets,
