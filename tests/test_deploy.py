@@ -79,6 +79,23 @@ def test_deployment_settings_are_real_server_settings_with_valid_values() -> Non
     assert env["FILLMASK_TOKEN"] == {"secretKeyRef": {"name": "fillmask-token", "key": "token"}}
 
 
+def test_the_names_the_manifests_tell_clients_to_use_are_answered() -> None:
+    """The Deployment told clients to use ws://fillmask-server:8765/ and its replicas refused that Host
+    with 421 (the default --allowed-hosts is localhost and IP addresses only)."""
+    from fillmask_server.access import HostPolicy, parse_host
+
+    env = env_values(load("deployment.yaml"))
+    policy = HostPolicy.parse(env["FILLMASK_ALLOWED_HOSTS"])
+    service = load("service.yaml")["metadata"]["name"]
+    port = env["FILLMASK_PORT"]
+    assert f"ws://{service}:{port}/" in (K8S / "deployment.yaml").read_text()  # what clients are told
+    for host in (f"{service}:{port}", f"{service}.default.svc:{port}", f"{service}.ml.svc.cluster.local:{port}",
+                 f"10.1.2.3:{port}"):
+        authority = parse_host(host)
+        assert authority is not None and policy.allows(authority, tls=False), host
+    assert not policy.allows(parse_host(f"evil.example.com:{port}"), tls=False)  # type: ignore[arg-type]
+
+
 def test_deployment_probes_and_grace_period_match_the_drain() -> None:
     deployment = load("deployment.yaml")
     server = container(deployment)
