@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import textwrap
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from .access import HostPolicy, OriginPolicy, tls_context
@@ -249,8 +251,22 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     config = Config(**values)  # type: ignore[arg-type]
     problem = validate(config)
     if problem:
-        parser.error(problem)
+        parser.error(_named_source(problem, args, environ))
     return config
+
+
+def _named_source(problem: str, args: dict[str, object], environ: Mapping[str, str]) -> str:
+    """``problem`` (which names options as flags), prefixed with the environment variable that set the
+    option it names first when no flag did: ``FILLMASK_MAX_BATCH_SIZE='0': --max-batch-size must be at
+    least 1``, so that nobody looks for a flag they never passed."""
+    named = [(found.start(), f.name) for f in fields(Config)
+             if (found := re.search(rf"--{f.name.replace('_', '-')}(?![\w-])", problem))]
+    for _, name in sorted(named):
+        if name not in args and environ.get(env_name(name)):
+            shown = "(hidden)" if name == "token" else repr(environ[env_name(name)])
+            return f"{env_name(name)}={shown}: {problem}"
+        return problem
+    return problem
 
 
 def validate(config: Config) -> str | None:

@@ -58,6 +58,20 @@ def test_bad_values_exit_with_one_usage_line(argv: list[str], env: dict[str, str
     assert line.startswith("error: ") and named in line and line.endswith("--help"), line
 
 
+def test_a_bad_value_from_the_environment_names_the_variable_not_a_flag(capsys: pytest.CaptureFixture) -> None:
+    """FILLMASK_MAX_BATCH_SIZE=0 was reported as '--max-batch-size must be at least 1', a flag nobody
+    passed; a flag that sets the value is named as the flag (it wins over the variable)."""
+    cases = [([], {"FILLMASK_MAX_BATCH_SIZE": "0"}, "error: FILLMASK_MAX_BATCH_SIZE='0': --max-batch-size must be"),
+             (["--max-batch-size", "0"], {"FILLMASK_MAX_BATCH_SIZE": "0"}, "error: --max-batch-size must be"),
+             ([], {"FILLMASK_TOKEN": "a b"}, "error: FILLMASK_TOKEN=(hidden): --token must be"),  # never shown
+             ([], {"FILLMASK_KEYFILE": "key.pem"}, "error: FILLMASK_KEYFILE='key.pem': --keyfile needs --certfile")]
+    for argv, env, start in cases:
+        with pytest.raises(SystemExit):
+            load_config(argv, env)
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(start), line
+
+
 @pytest.mark.parametrize("bad", ["-1", "0.001", "1001"])
 def test_a_switch_interval_that_means_nothing_is_refused(bad: str, capsys: pytest.CaptureFixture) -> None:
     """--gil-switch-ms: 0 (automatic, the default) or a value CPython keeps (it rounds to whole
