@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
+#: ``--host`` values that listen on every interface (an empty host is every one too, to asyncio).
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
 SAME_ORIGIN = "same-origin"
 LOCALHOST = "localhost"
 ANY_ORIGIN = "*"
@@ -211,7 +214,7 @@ class HostPolicy:
                                  f":port) such as fill.example.com, *.example.com or 10.0.0.5:8765, nor one of "
                                  f"{', '.join(HOST_KEYWORDS)}")
             (suffixes if wildcard else hosts).add((authority.host, authority.port))
-        if listen not in ("", "0.0.0.0", "::"):
+        if listen not in WILDCARD_HOSTS:
             listening = parse_host(f"[{listen}]" if ":" in listen else listen)
             if listening is not None:
                 hosts.add((listening.host, None))

@@ -37,7 +37,7 @@ from websockets.frames import CloseCode
 from fillmask_client.wire import CLOSE_GOING_AWAY
 
 from . import __version__, allocator
-from .access import OriginPolicy, tls_context
+from .access import WILDCARD_HOSTS, OriginPolicy, tls_context
 from .batching import BatchPolicy
 from .calibration import Calibration, uncalibrated
 from .config import Config
@@ -82,6 +82,18 @@ class Readiness:
     loaded: bool = False
     unready: bool = False
     draining: bool = False
+
+
+def serving_line(model: str, host: str, port: int, url: str, token: bool) -> str:
+    """The start-up line after ``serving``: the model, where it listens, and who may use it. A server
+    listening on every interface says so (``url`` is then the loopback one, for this machine), and
+    without a token it says the port is open to the network."""
+    if host in WILDCARD_HOSTS:
+        where = f"every interface, port {port} (here: {url})"
+        open_to = f"no token: anyone who reaches this machine's port {port} may use it; set --token"
+    else:
+        where, open_to = url, "no token: whoever reaches the port may use it"
+    return f"{model} on {where} ({'clients must present the token' if token else open_to})"
 
 
 class FillMaskServer:
@@ -175,9 +187,7 @@ class FillMaskServer:
         for listener in self._server.sockets:  # accepted sockets inherit it
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
         self.ready.loaded = True
-        log.info("serving %s on %s (%s)", self.config.model, self.url,
-                 "clients must present the token" if self.config.token
-                 else "no token: whoever reaches the port may use it")
+        log.info("serving %s", self._serving_line())
 
     def _follow_thread_count(self, count: int) -> None:
         """Set the interpreter's switch interval for a model on ``count`` torch threads: ``--gil-switch-ms``
@@ -201,10 +211,14 @@ class FillMaskServer:
         return f"{'https' if self._tls else 'http'}://{self._display_host()}:{self.port}"
 
     def _display_host(self) -> str:
+        """Where a client on this machine reaches the server: loopback when it listens everywhere."""
         host = self.config.host
-        if host in ("", "0.0.0.0"):
-            return "127.0.0.1"
+        if host in WILDCARD_HOSTS:
+            return "[::1]" if host == "::" else "127.0.0.1"
         return f"[{host}]" if ":" in host else host
+
+    def _serving_line(self) -> str:
+        return serving_line(self.config.model, self.config.host, self.port, self.url, bool(self.config.token))
 
     def in_flight(self) -> int:
         """Accepted requests without their terminal answer, over every connection."""

@@ -268,6 +268,19 @@ async def test_the_serving_line_says_whether_a_token_is_required(make_server: An
         assert len(serving) == 1 and says in serving[0], serving
 
 
+def test_a_server_on_every_interface_says_so_and_that_it_is_open_to_the_network() -> None:
+    """`--host 0.0.0.0` (the container image's setting) said `serving ... on ws://127.0.0.1:8765/`, as if
+    the server were local only, and nothing about the network when no token was set."""
+    from fillmask_server.server import serving_line
+
+    line = serving_line("m", "0.0.0.0", 8765, "ws://127.0.0.1:8765/", token=False)
+    assert line == ("m on every interface, port 8765 (here: ws://127.0.0.1:8765/) (no token: anyone who reaches "
+                    "this machine's port 8765 may use it; set --token)")
+    assert serving_line("m", "::", 8765, "ws://[::1]:8765/", token=True).endswith("(clients must present the token)")
+    local = serving_line("m", "127.0.0.1", 8765, "ws://127.0.0.1:8765/", token=False)
+    assert local == "m on ws://127.0.0.1:8765/ (no token: whoever reaches the port may use it)"
+
+
 async def http_status(url: str, headers: dict[str, str] | None = None,
                       context: ssl.SSLContext | None = None) -> int:
     def get() -> int:
