@@ -651,11 +651,25 @@ async def test_wss_with_a_trusted_self_signed_certificate(make_server: Any, tmp_
         assert srv.url.startswith("wss://")
         with pytest.raises(ConnectError) as untrusted:
             await FillMaskClient(srv.url).connect()
-        assert "certificate" in str(untrusted.value).lower()
+        assert "certificate is not trusted" in str(untrusted.value) and "ssl=ssl.create_default_context(cafile=" in str(
+            untrusted.value)  # says how to trust it
         async with FillMaskClient(srv.url, ssl=ssl.create_default_context(cafile=str(cert))) as client:
             assert await client.fill_mask(TEXT, top_k=1)
         code, out, err = await run_cli("--url", srv.url, "--cafile", str(cert), "-k", "1", TEXT)
         assert (code, err) == (0, "") and out.startswith(TEXT)
+        code, _, err = await run_cli("--url", srv.url, "-q", TEXT)
+        assert code == 3 and "not trusted" in err and "pass --cafile PATH" in err and "ssl=" not in err, err
+
+        # ws:// to this TLS port: the server closes without a word, as a proxy with no backend does; the
+        # client asks the port for TLS and, answered, stops at once (it waited out the whole --timeout).
+        plain = "ws://" + srv.url[len("wss://"):]
+        with pytest.raises(ConnectError) as wrong_scheme:
+            await FillMaskClient(plain).connect(wait=60)
+        assert wrong_scheme.value.kind == "tls_expected" and not wrong_scheme.value.transient
+        assert f"speaks TLS: use {srv.url}" in str(wrong_scheme.value)
+        began = time.monotonic()
+        code, _, err = await run_cli("--url", plain, "--timeout", "60", "-q", TEXT)
+        assert code == 3 and "speaks TLS" in err and time.monotonic() - began < 20, err
 
 
 async def test_fill_mask_many_keeps_at_most_k_in_flight_and_input_order(server: Any) -> None:
@@ -1205,7 +1219,7 @@ def test_which_connect_failures_are_worth_waiting_for() -> None:
     for status in (408, 429, 502, 503, 504):
         assert transient("http", status), status
     # Wrong address, wrong scheme, wrong server, wrong credentials: the same answer every time.
-    for kind in ("tls", "certificate", "not_websocket", "not_http", "bad_hello",
+    for kind in ("tls", "tls_expected", "certificate", "not_websocket", "not_http", "bad_hello",
                  "closed_before_hello", "other"):
         assert not transient(kind), kind
     for status in (200, 301, 400, 401, 403, 404, 421, 426, 500, 501):

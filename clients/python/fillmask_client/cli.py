@@ -294,10 +294,13 @@ class Tally:
 def message_for(error: FillMaskError) -> str:
     """The one line that says ``error`` on the command line: its message, except where the library's
     advice is for programs: a 401 names ``--token`` and ``$FILLMASK_TOKEN``, not the header or the
-    query parameter a program would set."""
+    query parameter a program would set, and an untrusted certificate ``--cafile``, not ``ssl=``."""
     if isinstance(error, ConnectError) and error.http_status == 401:
         return (f"{error.url} refused the connection (HTTP 401): missing or wrong token; pass the server's "
                 f"token as --token TOKEN or in the {TOKEN_ENV} environment variable")
+    if isinstance(error, ConnectError) and error.kind == "certificate":
+        head = error.message.split("; to trust it", 1)[0]
+        return f"{head}; to trust it, pass --cafile PATH with its certificate (e.g. the server's cert.pem)"
     return error.message
 
 

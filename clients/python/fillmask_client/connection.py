@@ -41,6 +41,8 @@ log = logging.getLogger("fillmask_client")
 #: Largest server frame accepted. A result can be large (100 candidates x 8 masks x a 2000-character
 #: sequence is about 2 MB); this bound only guards against a peer that is not our server.
 MAX_INCOMING_BYTES = 2**26
+#: After a ``ws://`` handshake closed without a word, how long the probe for a TLS port may take.
+TLS_PROBE_S = 2.0
 #: Close codes that mean "this server is going away, another will do" (§10): going away, service restart.
 GOING_AWAY_CODES = frozenset({CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART})
 #: Close codes after which the same request may well succeed elsewhere: the server went away, the
@@ -202,7 +204,8 @@ def connect_failure(exc: OSError, url: str) -> str:
     where = _where(url)
     detail = exc.strerror or str(exc) or _BARE_ERRORS.get(type(exc), type(exc).__name__)
     if isinstance(exc, ssl_module.SSLCertVerificationError):
-        return f"the server's TLS certificate is not trusted ({exc.verify_message or detail})"
+        return (f"the server's TLS certificate is not trusted ({exc.verify_message or detail}); to trust it, "
+                "pass ssl=ssl.create_default_context(cafile=PATH) with its certificate (e.g. the server's cert.pem)")
     tls = parts.scheme == "wss"
     if tls and isinstance(exc, (ssl_module.SSLError, ConnectionResetError, BrokenPipeError)):
         return (f"the TLS handshake with {where} failed ({detail}); if that server speaks plain WebSocket, "
@@ -248,6 +251,24 @@ def bad_answer(exc: InvalidMessage, url: str) -> tuple[str, int | None, str]:
             return "http", status, f"refused the connection (HTTP {status}): {_status_meaning(status)}"
         return "not_websocket", status, _not_websocket(url, status_line[0])
     return "not_http", None, f"{exc} ({text or 'nothing readable'}){tls_hint}"
+
+
+async def speaks_tls(url: str, timeout: float) -> bool:
+    """Whether the server of ``url`` completes a TLS handshake within ``timeout`` seconds (any
+    certificate: this asks only which protocol the port speaks, and sends nothing after the handshake)."""
+    parts = urllib.parse.urlsplit(url)
+    context = ssl_module.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl_module.CERT_NONE
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(
+            parts.hostname, parts.port or 80, ssl=context, server_hostname=parts.hostname or None), timeout)
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError, ssl_module.SSLError):
+        await writer.wait_closed()
+    return True
 
 
 def retrieve(future: asyncio.Future[Any]) -> None:
@@ -391,6 +412,11 @@ class Connection:
                                http_status=status) from exc
         except InvalidMessage as exc:
             kind, status, why = bad_answer(exc, url)
+            if kind == "reset" and url.startswith("ws://") and await speaks_tls(url, min(open_timeout, TLS_PROBE_S)):
+                # Closed without a word: a proxy whose backend is not up, or a TLS port. Only the
+                # second is final, and it answers a TLS hello: then say so, and stop waiting.
+                secure = "wss://" + url[len("ws://"):]
+                kind, why = "tls_expected", f"{_where(url)} speaks TLS: use {redact(secure)} (wss://, not ws://)"
             message = f"{shown} {why}" if kind == "http" else f"cannot connect to {shown}: {why}"
             raise ConnectError(message, url=shown, http_status=status, kind=kind) from exc
         except InvalidHandshake as exc:  # a 101 without the right headers, a redirect loop...

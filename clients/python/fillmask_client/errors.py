@@ -183,6 +183,7 @@ CONNECT_FAILURES: dict[str, bool] = {
     "gone_before_hello": True,  # closed before the hello with 1001/1006/1012/1013/1014: a restart, a proxy
     "no_hello": True,  # connected, but no hello within open_timeout: a server just started and still busy
     "tls": False,  # the TLS handshake failed: most often a plain server reached with wss://
+    "tls_expected": False,  # a ws:// handshake closed without an answer, and the port answers TLS: use wss://
     "certificate": False,  # the server's TLS certificate is not trusted
     "not_websocket": False,  # an HTTP server answered, but not with a WebSocket upgrade
     "not_http": False,  # the answer was not HTTP at all: another protocol, a TLS port's alert (ws:// to TLS)
