@@ -360,10 +360,12 @@ def _family_config(family: str, tokenizer: Any, hidden: int, intermediate: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write an offline random-weight fill-mask checkpoint.")
-    parser.add_argument("size", choices=[*sorted(SIZES), *FAMILIES],
-                        help="a BERT shape (tiny, small, base) or a family's tiny model (bert, roberta, ...)")
-    parser.add_argument("directory", type=Path, help="where to write config, weights and tokenizer")
+    parser = argparse.ArgumentParser(prog="python -m fillmask_server.checkpoint",
+                                     description="Write an offline random-weight fill-mask checkpoint.")
+    parser.add_argument("size", choices=[*sorted(SIZES), *FAMILIES], metavar="SHAPE_OR_FAMILY",
+                        help="a BERT shape (tiny, small, base) or a family's model: " + ", ".join(FAMILIES))
+    parser.add_argument("directory", type=Path, metavar="DIRECTORY",
+                        help="where to write config, weights and tokenizer")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true", help="rewrite even if the directory holds a checkpoint")
     parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",

@@ -15,6 +15,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from . import __version__
 from .access import HostPolicy, OriginPolicy, tls_context
 
 ENV_PREFIX = "FILLMASK_"
@@ -196,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"set by the environment variable shown ({ENV_PREFIX}NAME); a flag beats its variable.",
         formatter_class=_HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     by_name = {f.name: f for f in fields(Config)}
     assert sorted(n for _, names in _GROUPS for n in names) == sorted(by_name), "every option in one group"
     for title, names in _GROUPS:

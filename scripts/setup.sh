@@ -13,7 +13,8 @@ want_test=0
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
-    *) echo "usage: bash scripts/setup.sh [--test]" >&2; exit 2 ;;
+    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup: unknown option '$arg'; usage: bash scripts/setup.sh [--test]" >&2; exit 2 ;;
   esac
 done
 

@@ -857,6 +857,9 @@ async def test_cli_options_and_texts_mix_and_argparse_errors_are_one_line(server
     assert_usage_error(code, err, "--no-such-flag")
     code, out, err = await run_cli("--concurrency", "0", TEXT)
     assert_usage_error(code, err, "--concurrency must be at least 1")
+    from fillmask_client import __version__
+
+    assert await run_cli("--version") == (0, f"fillmask-client {__version__}\n", "")
 
 
 async def test_cli_json_prints_a_line_for_a_text_the_client_refuses_to_send(server: Any) -> None:

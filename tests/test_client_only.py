@@ -33,6 +33,10 @@ def test_server_depends_on_this_client_and_takes_the_wire_constants_from_it() ->
     server = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     client = tomllib.loads((CLIENT / "pyproject.toml").read_text())["project"]
     assert f"fillmask-client=={client['version']}" in server["dependencies"]  # released together
+    import fillmask_client
+    import fillmask_server
+
+    assert (fillmask_client.__version__, fillmask_server.__version__) == (client["version"], server["version"])
     assert sorted(re.split(r"[<>=!~ ;]", r)[0] for r in client["dependencies"]) == ["orjson", "websockets"]
     from fillmask_client import wire
     from fillmask_server import protocol, session

@@ -37,6 +37,20 @@ def test_help_lists_every_option_with_its_env_variable_and_default() -> None:
     assert "google-bert/bert-base-uncased" in flat
 
 
+def test_version_and_the_set_up_scripts_help_exit_0(capsys: pytest.CaptureFixture) -> None:
+    from fillmask_server import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        load_config(["--version"], {})
+    assert exited.value.code == 0 and capsys.readouterr().out.split()[-1] == __version__
+    helped = subprocess.run(["bash", "scripts/setup.sh", "--help"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=30)
+    assert helped.returncode == 0 and "--test" in helped.stdout, helped  # it was a usage error (exit 2)
+    wrong = subprocess.run(["bash", "scripts/setup.sh", "--tset"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=30)
+    assert wrong.returncode == 2 and "unknown option '--tset'" in wrong.stderr, wrong
+
+
 def test_flags_beat_environment_which_beats_defaults() -> None:
     env = {"FILLMASK_PORT": "9000", "FILLMASK_MAX_QUEUE": "7", "FILLMASK_DTYPE": "bfloat16"}
     config = load_config(["--port", "9100"], env)

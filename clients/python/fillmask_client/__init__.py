@@ -19,6 +19,7 @@ loop), ``cli`` (the ``fillmask-client`` command).
 This package needs only ``websockets`` and ``orjson``; it installs without the server (clients/python).
 """
 
+from ._version import __version__ as __version__
 from .async_client import DEFAULT_URL, FillMaskClient
 from .cli import main
 from .errors import (

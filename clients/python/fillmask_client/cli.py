@@ -44,6 +44,7 @@ from typing import Any, BinaryIO, TextIO
 
 import orjson
 
+from ._version import __version__
 from .async_client import DEFAULT_URL, FillMaskClient
 from .connection import GOING_AWAY_CODES, url_problem
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
@@ -87,6 +88,7 @@ def build_parser() -> Parser:
                "141 standard output closed (e.g. piped into head). A text that begins with '-' goes "
                "after '--'.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("texts", nargs="*", metavar="TEXT",
                         help="texts containing the mask token; '-' reads texts from stdin, one per line "
                              "(the default when no TEXT and no --file is given)")
