@@ -7,6 +7,7 @@ restarts are driven from the test, with the engine paused where a state must hol
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
 import sys
@@ -88,6 +89,16 @@ def test_flags_are_checked_against_the_servers_limits_naming_the_flag() -> None:
         "--targets: 'capitalcity' has 11 characters; the server accepts at most 10")
     assert limits_problem(None, None, 600001, LIMITS) == "--deadline-ms 600001: the server accepts at most 600000"
     assert limits_problem(500, ["x"] * 9, None, {}) is None  # limits the server does not announce are its own to check
+
+
+def test_numbers_are_shown_as_typed_and_the_busy_hint_fits_the_flags() -> None:
+    from fillmask_client.cli import busy_hint
+
+    assert limits_problem(None, None, 600000.5, {"max_deadline_ms": 600000}) == (
+        "--deadline-ms 600000.5: the server accepts at most 600000")  # it said 600000 > 600000
+    assert limits_problem(None, None, 1234567.0, {"max_deadline_ms": 600000}).startswith("--deadline-ms 1234567:")  # type: ignore[union-attr]
+    assert busy_hint(1, retried=True) == ("1 text was refused because the server was busy: send fewer at once "
+                                          "(a lower --concurrency or fewer --connections)")
 
 
 def test_summary_counts_answers_and_failures_by_reason() -> None:
@@ -278,11 +289,57 @@ async def test_flags_outside_the_servers_limits_are_one_usage_error(make_server:
 
 async def test_summary_line_names_the_reasons(server: Any) -> None:
     code, out, err = await run_cli("--url", server.url, "-k", "1", "--connections", "2",
-                                   stdin=f"{TEXT}\nno mask here\n" + "[MASK] " * 9 + "\n")
+                                   stdin=f"{TEXT}\n\nno mask here\n" + "[MASK] " * 9 + "\n")
     assert code == 1 and tables(out) == 1
     *per_text, summary = err.splitlines()
-    assert len(per_text) == 2
+    # Each failed text says where it is: the blank line 2 is skipped, so text 2 is on line 3.
+    assert per_text[0].startswith("fillmask-client: text 2 (standard input line 3: 'no mask here'): no_mask")
+    assert per_text[1].startswith("fillmask-client: text 3 (standard input line 4: ") and len(per_text) == 2
     assert summary == "fillmask-client: 3 texts: 1 answered, 2 failed (1 no_mask, 1 too_many_masks)"
+
+
+async def test_texts_from_a_file_or_file_dash_are_named_by_their_line(server: Any, tmp_path: Path) -> None:
+    listing = tmp_path / "texts.txt"
+    listing.write_text(f"{TEXT}\n\n\nno mask here\n")
+    code, _, err = await run_cli("--url", server.url, "-k", "1", "-q", "an argument [MASK].", "--file", str(listing))
+    assert code == 1 and f"text 3 (--file {listing} line 4: 'no mask here'): no_mask" in err, err
+    code, out, err = await run_cli("--url", server.url, "-k", "1", "-q", "--file", "-", stdin=f"{TEXT}\nno mask\n")
+    assert code == 1 and tables(out) == 1, err  # --file - is standard input (it was "cannot read -")
+    assert "text 2 (standard input line 2: 'no mask'): no_mask" in err, err
+    code, _, err = await run_cli("--url", server.url, "-q", "-", "no mask either", stdin=f"{TEXT}\n")
+    assert code == 1 and "text 2 (argument 2: 'no mask either'): no_mask" in err, err
+
+
+async def test_reading_texts_from_a_terminal_says_how_to_end_them(server: Any) -> None:
+    """`fillmask-client -` in a terminal read until Ctrl-D without a word, and seemed to hang."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fillmask_client", "--url", server.url, "-k", "1", "-", cwd=ROOT, stdin=terminal,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        os.write(controller, f"{TEXT}\n".encode() + b"\x04")  # a line, then Ctrl-D at the start of the next
+        code, out, err = await finish(proc)
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    assert code == 0 and tables(out) == 1, err
+    assert err.splitlines() == ["fillmask-client: reading texts from the terminal, one per line; end with Ctrl-D "
+                                "(all are read before any is sent)"]
+
+
+async def test_texts_refused_by_a_busy_server_end_with_what_to_do(make_server: Any) -> None:
+    async with make_server(max_queue=2) as srv:  # one connection's share: half the queue, one request
+        with srv.engine.paused():
+            proc = await start_cli("--url", srv.url, "-c", "6", "-k", "1", stdin="\n".join([TEXT] * 6))
+            await wait_until(lambda: count(srv, "overloaded", "queue_share") == 5)
+        code, out, err = await finish(proc)
+    assert code == 1 and tables(out) == 1
+    *_, summary, hint = err.splitlines()
+    assert summary == "fillmask-client: 6 texts: 1 answered, 5 failed (5 queue_share)"
+    assert hint == ("fillmask-client: 5 texts were refused because the server was busy: pass --retry, or send "
+                    "fewer at once (a lower --concurrency)")
 
 
 async def test_fillmask_server_help_names_the_program_as_invoked() -> None:

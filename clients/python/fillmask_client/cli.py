@@ -1,10 +1,14 @@
 """Command line: ``fillmask-client "Paris is the [MASK] of France."`` (or ``python -m fillmask_client``).
 
-Prints one table per text (one per mask when a text has several), or with ``--json`` each text's raw
-terminal frame on one line, in input order (a request the client refuses before sending, such as one
-over the server's ``limits.max_frame_bytes``, gets a line of the same shape as an ``error`` frame, with
-``"source": "client"``). Texts come from the arguments, from ``-`` (standard input)
-or ``--file``, one per line; blank lines are skipped. With no texts given, standard input is read.
+Texts come from the arguments, from ``-`` (standard input) or ``--file`` (``--file -``: standard
+input), one per line; blank lines are skipped. With no texts given, standard input is read. Standard
+input is read to its end before anything is sent (in a terminal the command says so: end with
+Ctrl-D). Prints one table per text (one per mask when a text has several), or with ``--json`` each
+text's raw terminal frame on one line, in input order (a request the client refuses before sending,
+such as one over the server's ``limits.max_frame_bytes``, gets a line of the same shape as an
+``error`` frame, with ``"source": "client"``). A failed text is named by its number and where it
+came from: ``text 3 (--file texts.txt line 4: '...')``. Texts refused because the server was busy
+end the run with a line saying what to do (``--retry``, a lower ``--concurrency``).
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
 text, the others still print); 2 for a usage error, said on stderr before anything is sent (a
@@ -49,7 +53,7 @@ from .async_client import DEFAULT_URL, FillMaskClient
 from .connection import GOING_AWAY_CODES, url_problem
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
 from .frames import FillMaskResult
-from .wire import SERVER_GONE_REASONS
+from .wire import RETRYABLE_REASONS, SERVER_GONE_REASONS
 
 #: Exit statuses of the command (documented in the module docstring and in ``--help``).
 EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
@@ -92,7 +96,9 @@ def build_parser() -> Parser:
     parser.add_argument("texts", nargs="*", metavar="TEXT",
                         help="texts containing the mask token; '-' reads texts from stdin, one per line "
                              "(the default when no TEXT and no --file is given)")
-    parser.add_argument("--file", "-f", metavar="PATH", help="read texts from PATH, one per line")
+    parser.add_argument("--file", "-f", metavar="PATH",
+                        help="read texts from PATH, one per line ('-': standard input); blank lines are skipped, "
+                             "and a failed text is reported with its line number")
     parser.add_argument("--url", action="append", metavar="URL",
                         help=f"server WebSocket URL (default: ${URL_ENV}, else {DEFAULT_URL}); repeat it to "
                              "spread the texts over several servers")
@@ -133,12 +139,26 @@ def build_parser() -> Parser:
     return parser
 
 
+class Text(str):
+    """A text to send, and where it came from (``origin``: ``argument 2``, ``--file texts.txt line 4``,
+    ``standard input line 3``), for the line that reports its failure. Blank lines are skipped, so
+    the n-th text is not always on line n. Equal to (and sent as) the plain string."""
+
+    origin: str
+
+    def __new__(cls, text: str, origin: str) -> Text:
+        made = super().__new__(cls, text)
+        made.origin = origin
+        return made
+
+
 class BadInput(ValueError):
     """A text cannot be sent as given (it is not valid UTF-8); the message names where it came from."""
 
 
-def read_lines(stream: BinaryIO | TextIO, name: str = "standard input") -> list[str]:
-    """The non-blank lines of ``stream``, decoded as UTF-8 and stripped: one text each.
+def read_lines(stream: BinaryIO | TextIO, name: str = "standard input") -> list[Text]:
+    """The non-blank lines of ``stream``, decoded as UTF-8 and stripped: one text each, its ``origin``
+    ``NAME line N`` (N counts every line, blank ones too).
 
     Lines end at ``\\n``, ``\\r\\n`` or ``\\r``. ``BadInput`` names ``name`` and the line when the bytes are
     not UTF-8 (a text stream's lone surrogates, as ``errors='surrogateescape'`` makes them, count as such).
@@ -152,15 +172,17 @@ def read_lines(stream: BinaryIO | TextIO, name: str = "standard input") -> list[
         line = len(re.split(rb"\r\n|\r|\n", data[: exc.start]))  # the lines before it, plus its own
         raise BadInput(f"{name}: line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
                        f"save it as UTF-8") from None
-    return [line.strip() for line in re.split(r"\r\n|\r|\n", content) if line.strip()]
+    return [Text(line.strip(), f"{name} line {number}")
+            for number, line in enumerate(re.split(r"\r\n|\r|\n", content), start=1) if line.strip()]
 
 
-def collect_texts(args: argparse.Namespace, stdin: BinaryIO | TextIO) -> list[str]:
-    """Texts in the order given: arguments (``-`` expands to stdin's lines), then ``--file``'s lines.
+def collect_texts(args: argparse.Namespace, stdin: BinaryIO | TextIO) -> list[Text]:
+    """Texts in the order given: arguments (``-`` expands to stdin's lines), then ``--file``'s lines
+    (``--file -``: stdin's). Standard input is read to its end before anything is sent.
 
     Every text returned is valid Unicode (``BadInput`` otherwise, before anything is sent).
     """
-    texts: list[str] = []
+    texts: list[Text] = []
     for number, text in enumerate(args.texts, start=1):
         if text == "-":
             texts.extend(read_lines(stdin))
@@ -169,8 +191,10 @@ def collect_texts(args: argparse.Namespace, stdin: BinaryIO | TextIO) -> list[st
             text.encode("utf-8")
         except UnicodeEncodeError:  # bytes that were not UTF-8, as Python decodes arguments on POSIX
             raise BadInput(f"TEXT argument {number} is not valid UTF-8: {_one_line(ascii(text))}") from None
-        texts.append(text)
-    if args.file is not None:
+        texts.append(Text(text, f"argument {number}"))
+    if args.file == "-":
+        texts.extend(read_lines(stdin))
+    elif args.file is not None:
         with open(args.file, "rb") as handle:
             texts.extend(read_lines(handle, f"--file {args.file}"))
     if not args.texts and args.file is None:
@@ -208,7 +232,7 @@ def limits_problem(top_k: int | None, targets: list[str] | None, deadline_ms: fl
                     f"accepts at most {longest}")
     latest = limits.get("max_deadline_ms")
     if deadline_ms is not None and isinstance(latest, (int, float)) and deadline_ms > latest:
-        return f"--deadline-ms {deadline_ms:g}: the server accepts at most {latest:g}"
+        return f"--deadline-ms {_number(deadline_ms)}: the server accepts at most {_number(latest)}"
     return None
 
 
@@ -249,6 +273,11 @@ def _quoted(text: str) -> str:
 def _score(score: float) -> str:
     """Four decimals, or three significant digits for scores too small to show that way."""
     return f"{score:.4f}" if score >= 0.001 or score == 0 else f"{score:.2e}"
+
+
+def _number(value: float) -> str:
+    """A number as typed: ``600000.5``, ``1234567`` (``:g`` rounds both to six digits: ``1.23457e+06``)."""
+    return str(int(value)) if math.isfinite(value) and value == int(value) else repr(value)
 
 
 def _one_line(text: str, limit: int = 60) -> str:
@@ -411,7 +440,9 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                         say(stop_line(item, tally, args.reconnect))
                         return EXIT_CONNECTION
                     tally.failed[failure_reason(item)] += 1
-                    where = f"text {index} ({_one_line(text)!r}): " if len(texts) > 1 else ""
+                    origin = getattr(text, "origin", None)
+                    quoted = f"{origin}: {_one_line(text)!r}" if origin else repr(_one_line(text))
+                    where = f"text {index} ({quoted}): " if len(texts) > 1 else ""
                     say(f"{where}{item}")
                     if args.json:
                         print(_dumps(item.frame if item.frame is not None else client_frame(item)),
@@ -434,7 +465,18 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
         await client.close()
     if len(texts) > 1 and not args.quiet:
         say(tally.summary())
+    busy = sum(tally.failed[reason] for reason in RETRYABLE_REASONS)
+    if busy and not args.quiet:
+        say(busy_hint(busy, args.retry))
     return EXIT_REQUEST_FAILED if tally.failed else EXIT_OK
+
+
+def busy_hint(count: int, retried: bool) -> str:
+    """What to do about ``count`` texts the server refused as busy (503 ``queue_full``, 429 ``queue_share``)."""
+    texts = "1 text was" if count == 1 else f"{count} texts were"
+    advice = ("send fewer at once (a lower --concurrency or fewer --connections)" if retried
+              else "pass --retry, or send fewer at once (a lower --concurrency)")
+    return f"{texts} refused because the server was busy: {advice}"
 
 
 def client_frame(error: FillMaskError) -> dict[str, Any]:
@@ -458,9 +500,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--connections must be at least 1")
     # ``not 0 < x < inf`` (rather than ``x <= 0``) also refuses NaN, with which every comparison is false.
     if not 0 < args.timeout < math.inf:
-        parser.error(f"--timeout {args.timeout:g}: must be a finite number of seconds greater than 0")
+        parser.error(f"--timeout {_number(args.timeout)}: must be a finite number of seconds greater than 0")
     if not 0 < args.reconnect_timeout < math.inf:
-        parser.error(f"--reconnect-timeout {args.reconnect_timeout:g}: must be a finite number of seconds "
+        parser.error(f"--reconnect-timeout {_number(args.reconnect_timeout)}: must be a finite number of seconds "
                      "greater than 0")
     given = "--url"
     if not args.url and os.environ.get(URL_ENV):
@@ -475,11 +517,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.targets is not None and not parse_targets(args.targets):
         parser.error("--targets: no words given (comma-separated words, e.g. -t capital,city)")
     if args.deadline_ms is not None and not 0 < args.deadline_ms < math.inf:
-        parser.error(f"--deadline-ms {args.deadline_ms:g}: must be a finite number greater than 0")
+        parser.error(f"--deadline-ms {_number(args.deadline_ms)}: must be a finite number greater than 0")
     if args.cafile is not None and not os.path.isfile(args.cafile):
         parser.error(f"--cafile {args.cafile}: no such file")
     if not args.texts and args.file is None and sys.stdin.isatty():
         parser.error("no texts: pass TEXT arguments, --file PATH, or pipe lines on stdin")
+    reads_stdin = "-" in args.texts or args.file == "-" or (not args.texts and args.file is None)
+    if reads_stdin and sys.stdin.isatty() and not args.quiet:  # else it seems to hang until Ctrl-D
+        print("fillmask-client: reading texts from the terminal, one per line; end with Ctrl-D (all are read "
+              "before any is sent)", file=sys.stderr, flush=True)
     try:
         context = load_cafile(args.cafile) if args.cafile is not None else None
         texts = collect_texts(args, getattr(sys.stdin, "buffer", sys.stdin))  # bytes: line numbers for errors
@@ -492,7 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while texts were being typed on standard input: nothing was sent
         return EXIT_INTERRUPTED
     if not texts:
-        print("fillmask-client: no texts given (pass TEXT arguments, --file, or lines on stdin)", file=sys.stderr)
+        print("fillmask-client: no texts: the input is empty or holds only blank lines (pass TEXT arguments, "
+              "--file PATH, or lines on stdin)", file=sys.stderr)
         return EXIT_USAGE
     try:
         return asyncio.run(run(args, texts, sys.stdout, sys.stderr, context))
