@@ -30,7 +30,9 @@ moves bytes and reports how the client keeps up:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
+import socket
 import struct
 import termios
 import time
@@ -265,11 +267,11 @@ class Connection:
 
     async def _close_socket(self, code: int, reason: str) -> None:
         """Send the close frame and wait ``CLOSE_GRACE_S`` for the closing handshake; a client that
-        does not take the close frame in that time loses the socket (TCP abort)."""
+        does not take the close frame in that time loses the socket (``cut``: a TCP reset)."""
         try:
             await asyncio.wait_for(self.ws.close(code, reason), CLOSE_GRACE_S)
         except TimeoutError:
-            self.ws.transport.abort()
+            cut(self.ws.transport)
 
     def stop(self) -> None:
         """Send nothing more: mark closed, stop the writer, drop the outbox (idempotent)."""
@@ -283,3 +285,17 @@ class Connection:
             self.stats_task.cancel()
             self.stats_task = None
         self._drop_outbox()
+
+
+def cut(transport: asyncio.BaseTransport) -> None:
+    """Cut the TCP connection: a reset, and the unsent bytes thrown away (``SO_LINGER`` 0, then abort).
+
+    A bare ``abort`` only closes the descriptor: the kernel then keeps the connection as an orphan with
+    its whole send buffer, still trying to deliver it to a client that does not read, for minutes,
+    while it no longer counts against ``--max-connections`` (§12's bound on what a client can hold).
+    """
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()

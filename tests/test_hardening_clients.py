@@ -309,6 +309,8 @@ async def test_clients_that_stop_reading_are_closed_whatever_the_kernel_would_bu
     client's would be)."""
     hogs = 4
     async with make_server(send_timeout=0.5, max_inflight_per_connection=64) as srv:
+        raw = small_receive_socket(srv)  # one more, whose bytes the test reads once the server is done
+        send_raw_requests(raw, srv, [fill(f"raw-{i}", **BIG) for i in range(48)])
         async with contextlib.AsyncExitStack() as stack:
             for _ in range(hogs):
                 sock = small_receive_socket(srv)
@@ -316,10 +318,32 @@ async def test_clients_that_stop_reading_are_closed_whatever_the_kernel_would_bu
                 hog = await stack.enter_async_context(non_reading_client(srv, sock))
                 for i in range(48):  # about 7 MB of answers each: more than an autotuned kernel buffer here
                     await send(hog, fill(f"hog-{i}", **BIG))
-            await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == hogs)
+            await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == hogs + 1)
             await wait_until(lambda: srv.engine.runnable() == 0 and not srv.connections)  # queued work went too
+        # The socket was cut (a reset), not closed: a plain close left the server's kernel holding the
+        # unsent answers (FIN-WAIT-1, its whole send buffer) for minutes, beyond --max-connections' count,
+        # and delivering them to a client that read again, then an end of stream without a close frame.
+        assert await ends_with_a_reset(raw), "the server closed the socket without resetting it"
         async with session(srv.url) as (ws, _):
             assert (await request(ws, 1, TEXT))["type"] == "result"
+
+
+async def ends_with_a_reset(sock: socket.socket, within: float = 10.0) -> bool:
+    """Read ``sock`` (non-blocking) to its end: True when it ends with a TCP reset, False at a plain end
+    of stream. Fails after ``within`` seconds without either."""
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < within:
+            try:
+                if not sock.recv(65536):
+                    return False
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+            except ConnectionResetError:
+                return True
+    finally:
+        sock.close()
+    raise AssertionError(f"the socket neither ended nor was reset within {within} s")
 
 
 async def test_a_slow_reader_within_its_bound_is_never_closed(make_server: Any) -> None:
