@@ -235,6 +235,8 @@ class HttpFront:
         else:
             status, message = 400, ("the request is not valid HTTP/1.1 (its request line or a header line is "
                                     "malformed); send 'GET /path HTTP/1.1' and well-formed headers")
+        # Unread, it may have been a handshake: counted like one (as a TLS hello on this port is).
+        self.metrics.handshakes_refused.labels("bad_request").inc()
         return self._refuse_bad_request(connection, status, message)
 
     def connection_class(self) -> type[ServerConnection]:

@@ -127,7 +127,8 @@ class Metrics:
         self.batch_tokens = Histogram("fillmask_batch_tokens", "Padded tokens (rows x longest row) per batch.",
                                       buckets=_BATCH_TOKENS, registry=registry)
         self.handshakes_refused = Counter("fillmask_handshakes_refused", "WebSocket handshakes refused, by reason: "
-                                          "bad_request (400, 405, 426, 505), not_found (404), host (421), "
+                                          "bad_request (400, 405, 426, 505; also 414 and 431, and any request that "
+                                          "could not be read), not_found (404), host (421), "
                                           "origin (403), token (401), max_connections or unavailable (503).",
                                           ["reason"], registry=registry)
         self.reading_paused = Counter("fillmask_reading_paused", "Times the server stopped reading a connection "

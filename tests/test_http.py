@@ -274,6 +274,17 @@ async def test_only_get_and_head(server: FillMaskServer) -> None:
     assert status == 400 and "body" in error_line(headers, body)  # websockets reads no request bodies
 
 
+async def test_a_handshake_refused_before_it_could_be_read_is_counted(server: FillMaskServer) -> None:
+    """A handshake with a body got its 400, but fillmask_handshakes_refused_total did not move: the
+    refusals made while websockets parses the request (body, too long, malformed) were not counted."""
+    for extra, status in ((["Content-Length: 3"], 400), (["Transfer-Encoding: chunked"], 400),
+                          ([f"X-Long: {'a' * 9000}"], 431)):
+        before = refused(server, "bad_request")
+        answer, headers, body = await get(server.port, "/", extra=handshake_headers() + extra)
+        assert answer == status and error_line(headers, body), extra
+        assert refused(server, "bad_request") == before + 1, extra
+
+
 async def test_head_has_the_get_headers_and_no_body(server: FillMaskServer) -> None:
     port = server.port
     for path in ("/healthz", "/readyz", "/", "/metrics", "/nope"):
