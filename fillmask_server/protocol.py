@@ -36,6 +36,10 @@ ERROR_CODES = frozenset({
 #: ``subscribe_stats`` intervals (§13), announced in ``hello.stats``.
 STATS_INTERVAL_MS = {"min": 250, "max": 10_000, "default": 1000}
 CLIENT_FRAME_TYPES = ("fill_mask", "cancel", "subscribe_stats", "unsubscribe_stats")
+#: The reasons of the two 1008 closes (§12), quoted there word for word (a close reason fits in 123 bytes).
+SLOW_READER_REASON = "too many unread messages; read the server's messages as they come"
+RESENDER_REASON = ("too many requests sent before their retry_after_ms; wait as overloaded answers say before "
+                   "sending again")
 
 RequestId = int | str
 #: A target not scored as given (§4 ``result.targets``): what the client sent, and the token the pipeline

@@ -48,7 +48,7 @@ from .http import FrontConnection, FrontState, HttpFront
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
-from .protocol import Limits, encode_going_away, encode_hello, encode_stats
+from .protocol import SLOW_READER_REASON, Limits, encode_going_away, encode_hello, encode_stats
 from .session import POLICY_VIOLATION, SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
 from .stats import LiveStats
 from .tuning import ThreadTuner, switch_interval_s
@@ -510,8 +510,7 @@ class FillMaskServer:
                          timeout, conn.pending_bytes)
                 # In a task: the handler goes on reading (and discarding) so that websockets can see the
                 # client's answering close frame behind the requests still in the socket.
-                conn.close_soon(POLICY_VIOLATION, "too many unread messages; read the server's messages as "
-                                "they come")
+                conn.close_soon(POLICY_VIOLATION, SLOW_READER_REASON)
                 self.metrics.dropped(conn.session.close())  # nobody to answer
                 return
             if conn.congested:

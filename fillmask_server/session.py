@@ -41,6 +41,7 @@ from fillmask_client.wire import CLOSE_POLICY_VIOLATION
 from .engine import ENGINE_STOPPED_RETRY_MS, Admission
 from .jobs import Expired, Failed, Job, Outcome, Rejected, Result, Stopped
 from .protocol import (
+    RESENDER_REASON,
     CancelRequest,
     FillMaskRequest,
     Limits,
@@ -171,8 +172,7 @@ class Session:
             while self._early and self._early[0] < now - EARLY_WINDOW_S:
                 self._early.popleft()
             if len(self._early) >= EARLY_RESENDS_LIMIT and self.close_request is None:
-                self.close_request = (POLICY_VIOLATION, "too many requests sent before their retry_after_ms; "
-                                      "wait as overloaded answers say before sending again")
+                self.close_request = (POLICY_VIOLATION, RESENDER_REASON)
         elif now >= self._wait_until:
             self._doublings = 0
         retry = min(MAX_RETRY_AFTER_MS, self.scheduler.retry_after_ms() * 2 ** self._doublings)

@@ -6,6 +6,7 @@ stages would (``take`` = the model started it). Every answer is checked as bytes
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -13,7 +14,7 @@ import pytest
 
 from fillmask_server.engine import Admission
 from fillmask_server.jobs import Event, Expired, Failed, Job, Rejected, Result, Stopped, advance, can
-from fillmask_server.protocol import Limits
+from fillmask_server.protocol import RESENDER_REASON, SLOW_READER_REASON, Limits
 from fillmask_server.session import Answer, DoubleAnswer, Session
 
 LIMITS = Limits(mask_token="[MASK]", max_text_chars=100, top_k_max=10, max_deadline_ms=10_000)
@@ -252,7 +253,10 @@ def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008() -
         session.receive(fill(i))
         clock.now += 0.01
     code, reason = session.close_request or (0, "")
-    assert code == 1008 and "retry_after_ms" in reason
+    assert (code, reason) == (1008, RESENDER_REASON)
+    spec = " ".join((Path(__file__).resolve().parent.parent / "protocol.md").read_text().split())
+    for said in (RESENDER_REASON, SLOW_READER_REASON):  # the reasons §12 quotes, word for word
+        assert f'the reason "{said}"' in spec, said
     assert len(session._early) == 200
 
 
