@@ -114,6 +114,14 @@ class Connection:
         return bool(self._outbox) or (transport is not None and transport.get_write_buffer_size() > 0)
 
     @property
+    def behind(self) -> bool:
+        """The client has not read its earlier frames: bytes wait in the transport's buffer (so the
+        kernel's fixed one is full), or more than the bound waits at all. A frame that can be left out
+        (``stats``, §13) is, rather than add to what waits."""
+        transport = self.ws.transport
+        return self.congested or (transport is not None and transport.get_write_buffer_size() > 0)
+
+    @property
     def congested(self) -> bool:
         """More than the bound is unsent: in the outbox, or in the socket (pongs: ``FrontConnection.backed_up``)."""
         return self.pending_bytes > self._max_send_buffer or getattr(self.ws, "backed_up", False)

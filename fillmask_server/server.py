@@ -472,7 +472,7 @@ class FillMaskServer:
         connection closed."""
         while not conn.closed:
             await asyncio.sleep(interval)
-            if conn.closed or conn.congested:
+            if conn.closed or conn.behind:
                 continue
             now = time.monotonic()
             since = conn.stats_mark if conn.stats_mark is not None else self.stats.mark(now)

@@ -199,6 +199,24 @@ async def test_a_client_that_never_reads_is_not_read_from_and_others_are_not_slo
         assert max(during) <= 10 * before + 1.0, (before, during)  # one stall of a busy CI machine aside
 
 
+async def test_stats_frames_never_add_to_what_a_client_has_not_read(make_server: Any) -> None:
+    """§13: a stats frame is skipped while the client has not read its earlier answers. They were
+    skipped only past --max-send-buffer-bytes, so a subscriber that stopped reading had a frame queued
+    every interval until then."""
+    async with make_server(send_timeout=60) as srv:  # a bound far above what the answers below need
+        known = set(srv.connections)
+        async with non_reading_client(srv, small_receive_socket(srv)) as hog:
+            conn = connection_of(srv, known)
+            await send(hog, {"type": "subscribe_stats", "id": "s", "interval_ms": 250})
+            for i in range(6):  # about 0.9 MB of answers: past the kernel's buffers, within the bound
+                await send(hog, fill(f"big-{i}", **BIG))
+            await wait_until(lambda: not conn.session.inflight and conn.ws.transport.get_write_buffer_size() > 0)
+            assert not conn.congested  # behind, but not past the bound
+            waiting = conn.pending_bytes, conn.ws.transport.get_write_buffer_size()
+            await asyncio.sleep(1.0)  # four intervals
+            assert (conn.pending_bytes, conn.ws.transport.get_write_buffer_size()) == waiting
+
+
 async def flood(ws: ClientConnection, count: int) -> None:
     """Send ``count`` requests for big answers without reading any; stalls once the server stops reading.
 
