@@ -483,7 +483,7 @@ def client_frame(error: FillMaskError) -> dict[str, Any]:
     """``--json``'s line for a request that failed with no server frame (the client refused it before
     sending): the shape of a §7 ``error`` frame, marked ``"source": "client"``."""
     code = error.code if isinstance(error, RequestError) else failure_reason(error)
-    return {"type": "error", "code": code, "message": getattr(error, "message", str(error)), "source": "client"}
+    return {"type": "error", "code": code, "message": error.message, "source": "client"}
 
 
 def _dumps(frame: dict[str, Any]) -> str:
