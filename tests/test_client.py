@@ -83,7 +83,8 @@ def client_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]
 
 
 def test_terminal_frames_map_to_results_and_typed_errors() -> None:
-    result = outcome({"type": "result", "id": 1, "predictions": [], "queue_ms": 1.0, "inference_ms": 2.0,
+    one = {"score": 0.5, "token": 7, "token_str": "capital", "sequence": "paris is the capital of france."}
+    result = outcome({"type": "result", "id": 1, "predictions": [one], "queue_ms": 1.0, "inference_ms": 2.0,
                       "batch_size": 3, "batch_tokens": 12})
     assert isinstance(result, FillMaskResult) and (result.queue_ms, result.batch_size) == (1.0, 3)
     error = outcome({"type": "error", "id": 1, "code": "no_mask", "message": "put [MASK] in"})

@@ -42,7 +42,7 @@ from .errors import (
 from .frames import FillMaskResult, Predictions, check_sendable, outcome
 from .pool import Pool
 from .retry import ReconnectBackoff, RetryPolicy
-from .wire import RETRYABLE_REASONS, SERVER_GONE_REASONS
+from .wire import SERVER_GONE_REASONS, retryable
 
 log = logging.getLogger("fillmask_client")
 
@@ -261,7 +261,8 @@ class FillMaskClient:
     @property
     def mask_token(self) -> str:
         """The literal mask string a text must contain, such as ``[MASK]``."""
-        return str(self.hello.get("mask_token", "[MASK]"))
+        token = self.hello.get("mask_token")
+        return token if isinstance(token, str) and token else "[MASK]"
 
     @property
     def in_flight(self) -> int:
@@ -340,11 +341,13 @@ class FillMaskClient:
                 if waited and isinstance(deadline_ms, (int, float)):
                     deadline = deadline_ms - (loop.time() - started) * 1000.0
                     if deadline <= 0:
-                        raise last or DeadlineExceededError(None, (loop.time() - started) * 1000.0)
+                        raise last or DeadlineExceededError.before_sending(
+                            f"held back {(loop.time() - started) * 1000.0:.0f} ms by the server's retry_after_ms")
                 return request_frame(conn.limits, text, top_k, targets, deadline, request_id)
 
+            send_by = started + deadline_ms / 1000.0 if isinstance(deadline_ms, (int, float)) else None
             try:
-                frame = await conn.exchange(build)
+                frame = await conn.exchange(build, send_by)
             except NotSentError:
                 continue  # it stopped taking calls before this one was sent: choose again (not a resend)
             except ConnectionLostError as exc:
@@ -364,14 +367,15 @@ class FillMaskClient:
                     continue
                 raise answer
             tries += 1
-            retryable = type(answer) is OverloadedError and answer.reason in RETRYABLE_REASONS
-            if not (self.retry and tries < self.retry.attempts and retryable):
+            again = type(answer) is OverloadedError and retryable(answer.reason)  # §14: unknown reasons too
+            if not (self.retry and tries < self.retry.attempts and again):
                 raise answer
             wait = self.retry.delay(tries, answer.retry_after_ms)
             if isinstance(deadline_ms, (int, float)) and (loop.time() + wait - started) * 1000.0 >= deadline_ms:
                 raise answer  # waiting alone would use up the caller's deadline
             log.debug("overloaded (%s); resending in %.3f s", answer.reason, wait)
-            await asyncio.sleep(wait)
+            with contextlib.suppress(TimeoutError):  # close() ends the wait: the next acquire fails at once
+                await asyncio.wait_for(self._pool.closed_event.wait(), wait)
 
     async def fill_mask_iter(
         self,
@@ -396,8 +400,10 @@ class FillMaskClient:
         items = list(texts)
         width = concurrency
         if width is None:  # enough to fill each connection's server batches
-            batch = self.limits.get("max_batch_size", 32)
-            width = (batch if isinstance(batch, int) and batch > 0 else 32) * len(self._pool.slots)
+            hello = self._pool.hello or {}  # not connected: each call then fails as fill_mask does
+            limits = hello.get("limits") if isinstance(hello.get("limits"), dict) else {}
+            batch = limits.get("max_batch_size", 32)
+            width = (batch if type(batch) is int and batch > 0 else 32) * len(self._pool.slots)
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise UsageError(f"concurrency must be a positive integer, not {width!r}")
         loop = asyncio.get_running_loop()

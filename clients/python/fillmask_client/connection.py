@@ -31,16 +31,26 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from websockets.protocol import State as SocketState
 from websockets.uri import parse_uri
 
-from .errors import ConnectError, ConnectionLostError, OverloadedError, RequestError
+from .errors import ConnectError, ConnectionLostError, DeadlineExceededError, OverloadedError, RequestError
 from .frames import check_hello, decode_frame, encode_cancel, encode_fill_mask, terminal_id
 from .state import ConnState, Event, transition
-from .wire import CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART, CLOSE_TRY_AGAIN_LATER, RETRYABLE_REASONS
+from .wire import (
+    CLOSE_GOING_AWAY,
+    CLOSE_SERVICE_RESTART,
+    CLOSE_TRY_AGAIN_LATER,
+    SERVER_GONE_REASONS,
+    retryable,
+    wait_hint_ms,
+)
 
 log = logging.getLogger("fillmask_client")
 
 #: Largest server frame accepted. A result can be large (100 candidates x 8 masks x a 2000-character
 #: sequence is about 2 MB); this bound only guards against a peer that is not our server.
 MAX_INCOMING_BYTES = 2**26
+#: How long closing waits for the server's closing handshake before dropping the socket (websockets'
+#: default, 10 s, made ``close()`` take that long against a peer that stopped reading).
+CLOSE_TIMEOUT_S = 2.0
 #: After a ``ws://`` handshake closed without a word, how long the probe for a TLS port may take.
 TLS_PROBE_S = 2.0
 #: Close codes that mean "this server is going away, another will do" (§10): going away, service restart.
@@ -296,7 +306,7 @@ def request_frame(
     """
     data = encode_fill_mask(request_id, text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
     max_bytes = limits.get("max_frame_bytes")
-    if isinstance(max_bytes, int) and len(data) > max_bytes:
+    if type(max_bytes) is int and len(data) > max_bytes:
         raise RequestError(
             "frame_too_large",
             f"the request is {len(data)} bytes; the server accepts frames of at most {max_bytes} bytes"
@@ -347,7 +357,7 @@ class Connection:
         #: to tell later callers exactly what the server said (``frame`` is that frame).
         self.notice: OverloadedError | None = None
         self.on_change = on_change
-        #: Calls that chose this connection and wait for a permit (they count in ``load``).
+        #: Calls that chose this connection and wait for a permit or for ``not_before`` (they count in ``load``).
         self.waiting = 0
         #: The loop time before which no request is sent here: the latest 503 ``queue_full`` or 429
         #: ``queue_share`` told this connection to wait ``retry_after_ms`` (§6, Back-off). The server
@@ -355,6 +365,9 @@ class Connection:
         #: one's resend: otherwise other calls' sends in that window double the wait, then close 1008.
         self.not_before = 0.0
         self._closed_by_client = False
+        #: Set once the connection stops taking work (draining, closed, or closing by this client): it
+        #: wakes calls waiting out ``not_before``, which then fail or choose another connection at once.
+        self._stopped = asyncio.Event()
         self.slots: asyncio.Semaphore | None = None
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -364,6 +377,8 @@ class Connection:
         """Apply ``event`` to ``state`` (the only place it changes); whether the state changed."""
         before = self.state
         self.state = transition(before, event)
+        if self.state in (ConnState.DRAINING, ConnState.CLOSED):
+            self._stopped.set()
         return self.state is not before
 
     def _greeted(self, hello: dict[str, Any]) -> None:
@@ -372,7 +387,10 @@ class Connection:
         limits = hello.get("limits")
         self.limits = limits if isinstance(limits, dict) else {}
         limit = self.limits.get("max_inflight_per_connection")
-        self.slots = asyncio.Semaphore(limit) if isinstance(limit, int) and limit > 0 else None
+        self.slots = asyncio.Semaphore(limit) if type(limit) is int and limit > 0 else None
+        largest = self.limits.get("max_result_bytes")
+        if type(largest) is int and largest + 1024 > MAX_INCOMING_BYTES:  # §14: at least max_result_bytes + 1 KiB
+            self.ws.protocol.max_message_size = largest + 1024
         if self._move(Event.HELLO):
             self.reader = asyncio.create_task(self._read(), name=f"fillmask-client-reader {redact(self.url)}")
 
@@ -392,7 +410,8 @@ class Connection:
 
         ``on_handshake`` is called once the WebSocket is open, before the wait for the ``hello``."""
         shown = redact(url)
-        options: dict[str, Any] = {"open_timeout": open_timeout, "max_size": MAX_INCOMING_BYTES}
+        options: dict[str, Any] = {"open_timeout": open_timeout, "max_size": MAX_INCOMING_BYTES,
+                                   "close_timeout": CLOSE_TIMEOUT_S}
         if token:
             options["additional_headers"] = {"Authorization": f"Bearer {token}"}
         if ssl is not None:
@@ -400,6 +419,9 @@ class Connection:
         try:
             ws = await connect(url, **options)
         except InvalidURI as exc:
+            if exc.uri != url:  # the server redirected there
+                raise ConnectError(f"cannot connect to {shown}: it redirected to {redact(exc.uri)!r}, which is "
+                                   "not a ws:// or wss:// URL", url=shown, kind="not_websocket") from exc
             raise ConnectError(f"invalid server URL {shown!r}: expected ws://HOST:PORT/ or wss://...",
                                url=shown) from exc
         except InvalidStatus as exc:
@@ -428,6 +450,9 @@ class Connection:
         except OSError as exc:
             raise ConnectError(f"cannot connect to {shown}: {connect_failure(exc, url)}", url=shown,
                                kind=failure_kind(exc)) from exc
+        except ValueError as exc:  # a redirect to an address websockets cannot use (port 99999, a bad IPv6)
+            raise ConnectError(f"cannot connect to {shown}: it redirected to an unusable address ({exc})",
+                               url=shown, kind="not_websocket") from exc
         conn = cls(ws, url, on_change)
         if on_handshake is not None:
             on_handshake()
@@ -445,6 +470,10 @@ class Connection:
             problem = f"the connection closed before the hello frame ({code} {_CLOSE_NAMES.get(code, 'closed')}{said})"
         except ValueError as exc:
             problem = f"no valid hello frame ({exc})"
+        except BaseException:  # cancelled while waiting for the hello: leave no open socket behind
+            conn._move(Event.CLOSE)
+            ws.transport.abort()
+            raise
         if problem is not None:
             conn._move(Event.CLOSE)
             await ws.close()
@@ -485,11 +514,16 @@ class Connection:
         if self._closed_by_client:
             return ConnectionLostError(f"the client for {url} was closed", url=url, code=1000)
         code, reason = self.ws.close_code, self.ws.close_reason or ""
+        sent = self.ws.protocol.close_sent
+        by = ""
+        if self.ws.protocol.close_rcvd is None and sent is not None and sent.code != 1000:
+            # This client failed the connection (1009: a frame over its read limit; 1002...): say so.
+            code, reason, by = sent.code, sent.reason, "closed by this client: "
         what = _CLOSE_NAMES.get(code, "closed") if code is not None else "closed"
         detail = f"{code} {what}" if code is not None else what
         if reason:
             detail += f": {reason}"
-        return ConnectionLostError(f"connection to {url} lost ({detail})", url=url, code=code, reason=reason)
+        return ConnectionLostError(f"connection to {url} lost ({by}{detail})", url=url, code=code, reason=reason)
 
     def gone_error(self) -> OverloadedError | ConnectionLostError:
         """Why this connection takes no new request, as a fresh exception: while ``draining``, what the
@@ -509,8 +543,11 @@ class Connection:
             log.info("%s takes no more work (%s)", redact(self.url), notice.reason)
             self._changed()
 
-    async def exchange(self, build: Callable[[int], bytes]) -> dict[str, Any]:
+    async def exchange(self, build: Callable[[int], bytes], send_by: float | None = None) -> dict[str, Any]:
         """Send the frame ``build(id)`` under a fresh id and return that request's terminal frame.
+
+        ``send_by`` is the loop time after which sending is pointless (the call's ``deadline_ms``): a
+        back-off (§6) that would last past it raises ``DeadlineExceededError`` at once, nothing sent.
 
         Raises ``NotSentError`` when the connection is not ``usable`` (nothing was sent: choose another),
         ``ConnectionLostError`` when the connection ends after the frame went out. If the calling task is
@@ -526,12 +563,15 @@ class Connection:
                 await self.slots.acquire()
             finally:
                 self.waiting -= 1
+        self.waiting += 1
         try:
-            await self._back_off()
+            await self._back_off(send_by)
         except BaseException:
             if self.slots is not None:
                 self.slots.release()
             raise
+        finally:
+            self.waiting -= 1
         if not self.usable:  # went away (or was lost) while this call waited for a permit or the back-off
             if self.slots is not None:
                 self.slots.release()
@@ -565,12 +605,18 @@ class Connection:
                 self._spawn(self._cancel(request_id, after=None))
             raise
 
-    async def _back_off(self) -> None:
+    async def _back_off(self, send_by: float | None) -> None:
         """Wait until ``not_before`` (again, if a refusal moved it meanwhile) or until the connection
-        stops taking work."""
+        stops taking work (``_stopped`` wakes the wait at once); ``DeadlineExceededError`` at once when
+        the wait would end after ``send_by``."""
         loop = asyncio.get_running_loop()
         while self.usable and (delay := self.not_before - loop.time()) > 0:
-            await asyncio.sleep(delay)
+            if send_by is not None and self.not_before > send_by:
+                raise DeadlineExceededError.before_sending(
+                    f"the server asked this connection to wait {delay * 1000:.0f} ms more (retry_after_ms), "
+                    "past the call's deadline_ms")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), delay)
 
     async def _cancel(self, request_id: int, *, after: Awaitable[None] | None) -> None:
         """Send ``cancel`` for an abandoned request, once its own frame is out, unless it already ended."""
@@ -624,15 +670,15 @@ class Connection:
         request_id = terminal_id(frame)
         if request_id is None:
             if frame["type"] == "going_away":
-                hint = frame.get("reconnect_within_ms")
-                window = hint if isinstance(hint, (int, float)) and not isinstance(hint, bool) else None
-                self._drain(OverloadedError(503, str(frame.get("reason") or "shutting_down"), window, frame=frame))
+                reason = frame.get("reason")  # §14: a reason this client does not know reads as shutting_down
+                reason = reason if reason in SERVER_GONE_REASONS else "shutting_down"
+                self._drain(OverloadedError(503, reason, wait_hint_ms(frame.get("reconnect_within_ms")), frame=frame))
             elif frame["type"] == "error":
                 log.warning("server error not tied to a request of ours: %s", frame)
             return
-        if frame["type"] == "overloaded" and frame.get("reason") in RETRYABLE_REASONS:
-            wait_ms = frame.get("retry_after_ms")
-            if isinstance(wait_ms, (int, float)) and not isinstance(wait_ms, bool) and 0 < wait_ms < 3_600_000:
+        if frame["type"] == "overloaded" and retryable(frame.get("reason")) and frame.get("status") != 504:
+            wait_ms = wait_hint_ms(frame.get("retry_after_ms"))  # at most WAIT_HINT_CAP_MS
+            if wait_ms:
                 self.not_before = max(self.not_before, asyncio.get_running_loop().time() + wait_ms / 1000)
         future = self._forget(request_id)
         if future is None:
@@ -644,8 +690,10 @@ class Connection:
             self._changed()  # the last answer owed on a connection that takes no new work
 
     async def close(self) -> None:
-        """Close the WebSocket; calls still waiting fail with ``ConnectionLostError``."""
+        """Close the WebSocket; calls still waiting fail with ``ConnectionLostError`` (those waiting out
+        a back-off at once, the others when the socket has closed: within ``CLOSE_TIMEOUT_S``)."""
         self._closed_by_client = True
+        self._stopped.set()
         await self.ws.close()
         if self.reader is not None:
             await self.reader

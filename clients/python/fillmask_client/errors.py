@@ -43,9 +43,22 @@ class FillMaskError(Exception):
     """
 
     def __init__(self, message: str, *, frame: dict[str, Any] | None = None) -> None:
+        message = one_line(message)
         super().__init__(message)
         self.message = message
         self.frame = frame
+
+
+#: The longest message an error keeps (a server's text may be any length).
+MESSAGE_LIMIT = 1000
+
+
+def one_line(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` as one line of at most ``limit`` characters: line breaks (and other control characters)
+    become spaces, and a longer text is cut with an ellipsis. For what a server says (an error's
+    message, a close reason, a refusal's body), which may hold anything."""
+    flat = "".join(" " if ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029" else c for c in text)
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 class UsageError(FillMaskError, ValueError):
@@ -80,6 +93,7 @@ class RequestError(FillMaskError):
     """
 
     def __init__(self, code: str, message: str, *, frame: dict[str, Any] | None = None) -> None:
+        code, message = one_line(code, 100), one_line(message)
         super().__init__(f"{code}: {message}", frame=frame)
         self.code = code
         self.message = message
@@ -105,7 +119,8 @@ class OverloadedError(FillMaskError):
         *,
         frame: dict[str, Any] | None = None,
     ) -> None:
-        hint = f", retry after {retry_after_ms:g} ms" if retry_after_ms is not None else ""
+        reason = one_line(reason, 100)
+        hint = f", retry after {retry_after_ms:g} ms" if isinstance(retry_after_ms, (int, float)) else ""
         what = _GONE_WORDS.get(reason, "server overloaded")  # §6's frame, but a drain is no overload
         super().__init__(f"{what} ({status} {reason}{hint})", frame=frame)
         self.status = status
@@ -129,9 +144,18 @@ class DeadlineExceededError(OverloadedError):
     ) -> None:
         super().__init__(504, reason, retry_after_ms, frame=frame)
         self.queue_ms = queue_ms
-        waited = f" after {queue_ms:g} ms in the queue" if queue_ms is not None else ""
-        self.message = f"deadline exceeded{waited} (504 {reason})"
+        waited = f" after {queue_ms:g} ms in the queue" if isinstance(queue_ms, (int, float)) else ""
+        self.message = f"deadline exceeded{waited} (504 {self.reason})"
         self.args = (self.message,)
+
+    @classmethod
+    def before_sending(cls, why: str) -> DeadlineExceededError:
+        """The call's ``deadline_ms`` passed, or would pass, before it could be sent; ``why`` says what
+        held it back. Nothing was sent."""
+        error = cls(None, None)
+        error.message = f"deadline exceeded before the request was sent ({why}); nothing was sent"
+        error.args = (error.message,)
+        return error
 
 
 class ConnectionLostError(FillMaskError):

@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 import orjson
 
 from .errors import DeadlineExceededError, FillMaskError, OverloadedError, RequestError, UsageError
-from .wire import JSON_INTEGERS, PROTOCOL_VERSION, TERMINAL_TYPES
+from .wire import JSON_INTEGERS, PROTOCOL_VERSION, TERMINAL_TYPES, wait_hint_ms
 
 
 class Prediction(TypedDict):
@@ -158,7 +158,7 @@ def check_hello(frame: dict[str, Any]) -> str | None:
     """Return why ``frame`` is not an acceptable first frame (§2), or ``None`` when it is."""
     if frame.get("type") != "hello":
         return f"expected a 'hello' frame first, got {frame.get('type')!r}"
-    if frame.get("protocol") != PROTOCOL_VERSION:
+    if type(frame.get("protocol")) is not int or frame.get("protocol") != PROTOCOL_VERSION:  # not true, not 1.0
         return f"server speaks protocol {frame.get('protocol')!r}, this client speaks {PROTOCOL_VERSION}"
     return None
 
@@ -188,10 +188,32 @@ def scored_targets(value: Any) -> tuple[ScoredTarget, ...]:
                  and (entry.get("scored") is None or isinstance(entry.get("scored"), str)))
 
 
+def predictions_problem(value: Any) -> str | None:
+    """Why a result's ``predictions`` is not §4's shape (a non-empty list of candidates, or one such
+    list per mask, each candidate an object with a numeric ``score``, a string ``token_str`` and a
+    string ``sequence``); ``None`` when it is."""
+    if not isinstance(value, list) or not value:
+        return "predictions is not a non-empty list"
+    per_mask = value if isinstance(value[0], list) else [value]
+    for candidates in per_mask:
+        if not isinstance(candidates, list) or not candidates:
+            return "a mask's candidates are not a non-empty list"
+        for candidate in candidates:
+            if not (isinstance(candidate, dict) and isinstance(candidate.get("score"), (int, float))
+                    and not isinstance(candidate.get("score"), bool) and isinstance(candidate.get("token_str"), str)
+                    and isinstance(candidate.get("sequence"), str)):
+                return "a candidate is not an object with a numeric score, a token_str and a sequence"
+    return None
+
+
 def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
     """Map a terminal frame to what the caller gets: a ``FillMaskResult`` or the exception to raise."""
     kind = frame["type"]
     if kind == "result":
+        problem = predictions_problem(frame.get("predictions"))
+        if problem is not None:
+            return FillMaskError(f"the server's result for request {frame.get('id')} is malformed ({problem})",
+                                 frame=frame)
         return FillMaskResult(
             predictions=frame.get("predictions", []),
             queue_ms=frame.get("queue_ms"),
@@ -204,13 +226,17 @@ def outcome(frame: dict[str, Any]) -> FillMaskResult | FillMaskError:
         )
     if kind == "error":
         return RequestError(str(frame.get("code")), str(frame.get("message", "")), frame=frame)
-    if kind == "overloaded":
+    if kind == "overloaded":  # read defensively: a number that is not one must not become a TypeError
         status = frame.get("status")
-        reason = str(frame.get("reason", ""))
-        retry_after_ms = frame.get("retry_after_ms")
+        reason = frame.get("reason")
+        reason = reason if isinstance(reason, str) else str(reason or "")
+        retry_after_ms = wait_hint_ms(frame.get("retry_after_ms"))
         if status == 504:
-            return DeadlineExceededError(retry_after_ms, frame.get("queue_ms"), reason=reason, frame=frame)
-        return OverloadedError(status if isinstance(status, int) else 503, reason, retry_after_ms, frame=frame)
+            queue_ms = frame.get("queue_ms")
+            queue_ms = queue_ms if isinstance(queue_ms, (int, float)) and not isinstance(queue_ms, bool) else None
+            return DeadlineExceededError(retry_after_ms, queue_ms, reason=reason, frame=frame)
+        status = status if type(status) is int else 503
+        return OverloadedError(status, reason, retry_after_ms, frame=frame)
     if kind == "cancelled":
         # This client sends `cancel` only after the caller gave up, so a caller never sees this frame;
         # should a future server cancel on its own, the request still fails loudly rather than hangs.

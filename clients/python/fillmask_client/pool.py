@@ -90,6 +90,8 @@ class Pool:
         self.hello: dict[str, object] | None = None  # of the connection installed last
         self.opened = False
         self.closed = False
+        #: Set by ``close``: wakes calls sleeping before a resend, which then fail at once.
+        self.closed_event = asyncio.Event()
         self._opener = opener
         self._turn = 0
         self._changed = asyncio.Event()
@@ -101,8 +103,12 @@ class Pool:
     # --- the choice ------------------------------------------------------------------------------
 
     def pick(self) -> Connection | None:
-        """The usable connection with the fewest requests in flight (ties in turn), or None."""
+        """The usable connection with the fewest requests in flight (ties in turn), or None. A connection
+        the server told to wait (``not_before``, §6) is chosen only when every usable one was told so."""
         conns = [slot.conn if slot.conn is not None and slot.conn.usable else None for slot in self.slots]
+        now = asyncio.get_running_loop().time()
+        if any(conn is not None and conn.not_before <= now for conn in conns):
+            conns = [conn if conn is not None and conn.not_before <= now else None for conn in conns]
         index = least_loaded([conn.load if conn is not None else None for conn in conns], self._turn)
         if index is None:
             return None
@@ -206,7 +212,10 @@ class Pool:
                  for slot in self.slots]
         try:
             await asyncio.wait(tasks)
-        except BaseException:  # cancelled: close whatever did open
+            if self.closed:  # close() came while these connected: nothing here may stay open
+                url = redact(self.slots[0].url)
+                raise ConnectionLostError(f"the client for {url} was closed while it connected", url=url)
+        except BaseException:  # cancelled or closed: close whatever did open
             for task in tasks:
                 task.cancel()
             done = await asyncio.gather(*tasks, return_exceptions=True)
@@ -300,6 +309,10 @@ class Pool:
                     if slot.final:
                         return
                     continue
+                except Exception as exc:  # not foreseen: final (kind "other"), never a redial in a tight loop
+                    url = redact(slot.url)
+                    self._failed(slot, ConnectError(f"cannot connect to {url}: {exc!r}", url=url))
+                    return
                 if self.closed:
                     await conn.close()
                     return
@@ -328,6 +341,7 @@ class Pool:
     async def close(self) -> None:
         """Stop dialling and close every connection; calls still waiting fail promptly."""
         self.closed = True
+        self.closed_event.set()
         dialers = [slot.dialer for slot in self.slots if slot.dialer is not None]
         for dialer in dialers:
             dialer.cancel()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import UsageError
+from .wire import wait_hint_ms
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class RetryPolicy:
     def delay(self, attempt: int, retry_after_ms: float | None, rand: Callable[[], float] = random.random) -> float:
         """Seconds to wait after try number ``attempt`` (1-based) was answered ``overloaded``."""
         backoff = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
-        floor = max(0.0, retry_after_ms or 0.0) / 1000.0
+        floor = (wait_hint_ms(retry_after_ms) or 0.0) / 1000.0  # at most WAIT_HINT_CAP_MS, whatever it says
         return max(floor, backoff) * (1.0 + self.jitter * rand())
 
 
@@ -82,7 +83,7 @@ class ReconnectBackoff:
     def window(self, attempt: int, first_window: float | None = None) -> float:
         """The upper bound of the wait before attempt number ``attempt`` (0-based), in seconds."""
         if attempt == 0 and first_window is not None:
-            return max(0.0, first_window)
+            return (wait_hint_ms(first_window * 1000.0) or 0.0) / 1000.0  # at most WAIT_HINT_CAP_MS
         return min(self.cap, self.base * 2 ** min(attempt, 60))  # 2**60 already exceeds any cap
 
     def delay(self, attempt: int, first_window: float | None = None,

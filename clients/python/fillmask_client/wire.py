@@ -30,6 +30,10 @@ OVERLOADED_REASONS: dict[str, int] = {
 #: ``overloaded`` reasons that mean "this server, a little later" (§6): the request did not run, and the
 #: same request may be sent again here after ``retry_after_ms``.
 RETRYABLE_REASONS = frozenset({"queue_full", "queue_share"})
+#: The longest wait a client takes from a server's hint (``retry_after_ms``, ``reconnect_within_ms``),
+#: in milliseconds: twice the most this server ever asks (§6: 30 s). A larger or stranger value from a
+#: server that is not this one must not put a call or a redial to sleep for days.
+WAIT_HINT_CAP_MS = 60_000
 #: ``overloaded`` reasons that mean "this server will not do it" (§6, §10): the request did not run; it
 #: may be sent elsewhere (another connection, or one opened after a reconnect), never here again.
 SERVER_GONE_REASONS = frozenset({"shutting_down", "engine_stopped"})
@@ -54,3 +58,18 @@ _handled = [RETRYABLE_REASONS, SERVER_GONE_REASONS, frozenset({"deadline_exceede
 if sorted(r for group in _handled for r in group) != sorted(OVERLOADED_REASONS):
     raise AssertionError("every overloaded reason must be handled exactly one way (fillmask_client.wire)")
 del _handled
+
+
+def retryable(reason: object) -> bool:
+    """Whether an ``overloaded`` answer with ``reason`` means "try again after ``retry_after_ms``":
+    ``queue_full``, ``queue_share``, and (§14) any reason this client does not know, a malformed one
+    included."""
+    return reason in RETRYABLE_REASONS if isinstance(reason, str) and reason in OVERLOADED_REASONS else True
+
+
+def wait_hint_ms(value: object) -> float | None:
+    """A server's wait hint in milliseconds, as a client may use it: a finite number >= 0, at most
+    ``WAIT_HINT_CAP_MS``; ``None`` for anything else (missing, negative, NaN, a string...)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return None
+    return value if value <= WAIT_HINT_CAP_MS else WAIT_HINT_CAP_MS

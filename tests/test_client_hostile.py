@@ -1,0 +1,305 @@
+"""The client against servers that misbehave, or behave at the edges the spec allows (found by an
+adversarial review of the client): each fake server here is a few lines of ``websockets`` on a
+loopback port, scripted frame by frame, so that a test can say exactly what the server did."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+import pytest
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from fillmask_client import (
+    ConnectError,
+    ConnectionLostError,
+    DeadlineExceededError,
+    FillMaskClient,
+    FillMaskError,
+    OverloadedError,
+    RequestError,
+)
+from fillmask_client.errors import one_line
+from fillmask_client.frames import check_hello, outcome
+from fillmask_client.retry import ReconnectBackoff, RetryPolicy
+from fillmask_client.wire import WAIT_HINT_CAP_MS
+
+TEXT = "Paris is the [MASK] of France."
+HELLO = {"type": "hello", "protocol": 1, "server": "fake", "model": "fake", "mask_token": "[MASK]",
+         "limits": {"max_batch_size": 4, "max_frame_bytes": 65536}}
+CANDIDATE = {"score": 0.5, "token": 7, "token_str": "capital", "sequence": "paris is the capital of france."}
+
+Script = Callable[[ServerConnection, dict[str, Any], int], Awaitable[None]]
+
+
+def result(request: dict[str, Any]) -> bytes:
+    return orjson.dumps({"type": "result", "id": request["id"], "predictions": [CANDIDATE]})
+
+
+class Fake:
+    """A fake server: it greets with ``hello`` and hands the n-th ``fill_mask`` it reads (0-based,
+    across connections) to ``script``; ``requests`` counts them, ``open`` counts live connections,
+    ``connections`` holds every one it accepted."""
+
+    def __init__(self, script: Script, hello: dict[str, Any] | None = None) -> None:
+        self.script, self.hello = script, hello or HELLO
+        self.requests = 0
+        self.open = 0
+        self.connections: list[ServerConnection] = []
+        self.tasks: set[asyncio.Future[None]] = set()
+        self.url = ""
+
+    async def handler(self, ws: ServerConnection) -> None:
+        self.open += 1
+        self.connections.append(ws)
+        try:
+            await ws.send(orjson.dumps(self.hello).decode())
+            async for message in ws:
+                frame = orjson.loads(message)
+                if frame.get("type") == "fill_mask":
+                    number, self.requests = self.requests, self.requests + 1
+                    self.tasks.add(asyncio.ensure_future(self.script(ws, frame, number)))
+        except ConnectionClosed:
+            pass
+        finally:
+            self.open -= 1
+
+
+@contextlib.asynccontextmanager
+async def fake(script: Script, hello: dict[str, Any] | None = None) -> AsyncIterator[Fake]:
+    server = Fake(script, hello)
+    async with serve(server.handler, "127.0.0.1", 0) as running:
+        server.url = f"ws://127.0.0.1:{running.sockets[0].getsockname()[1]}/"
+        yield server
+
+
+async def answers(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+    await ws.send(result(request))
+
+
+def refuse_first(wait_ms: float, reason: str = "queue_full") -> Script:
+    async def script(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+        if number == 0:
+            await ws.send(orjson.dumps({"type": "overloaded", "id": request["id"], "status": 503,
+                                        "reason": reason, "retry_after_ms": wait_ms}))
+        else:
+            await ws.send(result(request))
+    return script
+
+
+async def until(condition: Callable[[], bool], within: float = 5.0) -> None:
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < within, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_call_waiting_out_a_back_off_ends_at_once_on_close_loss_or_its_deadline() -> None:
+    """A call held back by a 20 s retry_after_ms slept all of it: past close(), past the connection's
+    loss, and past its own deadline_ms (then blamed "20001 ms in the queue", never having been sent)."""
+    for how in ("close", "deadline", "loss"):
+        async with fake(refuse_first(20_000)) as server:
+            client = FillMaskClient(server.url)
+            await client.connect()
+            with pytest.raises(OverloadedError):
+                await client.fill_mask(TEXT)
+            started = time.monotonic()
+            if how == "deadline":
+                with pytest.raises(DeadlineExceededError, match="before the request was sent"):
+                    await client.fill_mask(TEXT, deadline_ms=1000)
+            else:
+                held = asyncio.ensure_future(client.fill_mask(TEXT))
+                await asyncio.sleep(0.2)
+                if how == "close":
+                    await client.close()
+                else:
+                    for ws in server.connections:
+                        ws.transport.abort()
+                with pytest.raises(ConnectionLostError):
+                    await asyncio.wait_for(held, 10)
+            assert time.monotonic() - started < 3, how
+            assert server.requests == 1, how  # the held call was never sent
+            await client.close()
+
+
+async def test_new_calls_go_to_the_connection_the_server_did_not_hold_back() -> None:
+    """With two replicas, 9 of 10 new calls went to the one that had said wait 5 s (a held call did not
+    count in its load), while the other was idle."""
+    async with fake(refuse_first(5_000)) as held, fake(answers) as free, \
+            FillMaskClient([held.url, free.url]) as client:
+        with pytest.raises(OverloadedError):  # the first call goes to the first connection: refused
+            await client.fill_mask(TEXT)
+        started = time.monotonic()
+        got = await asyncio.gather(*(client.fill_mask(TEXT) for _ in range(10)))
+        assert len(got) == 10 and time.monotonic() - started < 2
+        assert (held.requests, free.requests) == (1, 10)
+
+
+async def test_unknown_reasons_are_read_as_section_14_says() -> None:
+    """§14: an overloaded reason this client does not know is retried like queue_full; a going_away
+    reason it does not know reads as shutting_down (it read "server overloaded (503 maintenance)",
+    and the command exited 1 per text instead of stopping with 3)."""
+    async with fake(refuse_first(50, reason="queue_busy_v2")) as server:
+        async with FillMaskClient(server.url, retry=True) as client:
+            assert await client.fill_mask(TEXT) == [CANDIDATE]
+        assert server.requests == 2
+
+    async def going(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+        await ws.send(orjson.dumps({"type": "going_away", "reason": "maintenance", "reconnect_within_ms": 100}))
+        await ws.send(result(request))
+
+    async with fake(going) as server, FillMaskClient(server.url) as client:
+        assert await client.fill_mask(TEXT) == [CANDIDATE]  # owed before the notice: still answered
+        with pytest.raises(OverloadedError) as later:
+            await client.fill_mask(TEXT)
+        assert later.value.reason == "shutting_down" and str(later.value).startswith("server shutting down")
+
+
+async def test_malformed_overloaded_frames_fail_their_own_call_only() -> None:
+    """A reason that is a list, or a retry_after_ms or queue_ms that is a string, raised TypeError or
+    ValueError (not a FillMaskError); the list crashed the reader and failed every call on the socket."""
+    odd = [{"status": 503, "reason": ["queue_full"], "retry_after_ms": 10},
+           {"status": 503, "reason": "queue_full", "retry_after_ms": "soon"},
+           {"status": 504, "reason": "deadline_exceeded", "queue_ms": "x", "retry_after_ms": [1]},
+           {"status": "503", "reason": {"a": 1}}]
+
+    async def script(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+        if number % 2 == 0:
+            await asyncio.sleep(0.2)  # the innocent call: answered after the odd frame came
+            await ws.send(result(request))
+        else:
+            await ws.send(orjson.dumps({"type": "overloaded", "id": request["id"], **odd[number // 2]}))
+
+    async with fake(script) as server, FillMaskClient(server.url) as client:
+        for _ in odd:
+            innocent = asyncio.ensure_future(client.fill_mask(TEXT))
+            await until(lambda: client.in_flight == 1)
+            with pytest.raises(OverloadedError) as refused:
+                await client.fill_mask(TEXT)
+            assert "\n" not in str(refused.value)
+            assert await innocent == [CANDIDATE]
+            await asyncio.sleep(0.02)  # past any retry_after_ms this connection took from it
+
+
+async def test_giving_up_on_connect_leaves_no_connection_open() -> None:
+    """Cancelling connect() while it waited for the hello, or closing the client then, left the
+    WebSocket open (and connect() returned as if connected)."""
+    release = asyncio.Event()
+    accepted: list[ServerConnection] = []
+
+    async def slow_hello(ws: ServerConnection) -> None:
+        accepted.append(ws)
+        await release.wait()
+        with contextlib.suppress(ConnectionClosed):
+            await ws.send(orjson.dumps(HELLO).decode())
+            await ws.wait_closed()
+
+    def all_closed() -> bool:  # the server's side saw the client go (its reader runs on its own)
+        return all(ws.state.name == "CLOSED" for ws in accepted)
+
+    async with serve(slow_hello, "127.0.0.1", 0) as running:
+        url = f"ws://127.0.0.1:{running.sockets[0].getsockname()[1]}/"
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(FillMaskClient(url).connect(), 0.3)
+            await until(lambda: len(accepted) == 1 and all_closed())
+            client = FillMaskClient(url)
+            connecting = asyncio.ensure_future(client.connect())
+            await until(lambda: len(accepted) == 2)
+            await client.close()
+            release.set()
+            with pytest.raises(ConnectionLostError, match="closed while it connected"):
+                await connecting
+            await until(all_closed)
+        finally:
+            release.set()
+
+
+async def test_a_redirect_to_an_unusable_address_is_a_connect_error() -> None:
+    """websockets follows redirects; one to port 99999 raised a bare ValueError (a traceback in the
+    command), and with reconnect the redialler spun hundreds of handshakes a second."""
+
+    async def redirect(connection: ServerConnection, request: Any) -> Any:
+        response = connection.respond(302, "")
+        response.headers["Location"] = "ws://127.0.0.1:99999/"
+        return response
+
+    async with serve(lambda ws: ws.wait_closed(), "127.0.0.1", 0, process_request=redirect) as running:
+        url = f"ws://127.0.0.1:{running.sockets[0].getsockname()[1]}/"
+        with pytest.raises(ConnectError, match="redirected to an unusable address") as failed:
+            await FillMaskClient(url).connect(wait=5)
+        assert not failed.value.transient
+
+
+def test_server_hints_are_capped_and_server_text_is_one_line() -> None:
+    """A retry_after_ms of 1e300 put a retrying call to sleep for ages, a reconnect_within_ms of 1e300
+    stopped the redials for good; a server's message with line breaks made a multi-line error."""
+    cap = WAIT_HINT_CAP_MS / 1000
+    assert RetryPolicy(jitter=0).delay(1, 1e300) == cap
+    assert ReconnectBackoff().window(0, 1e297) == cap and ReconnectBackoff().window(0, math.nan) == 0
+    error = outcome({"type": "error", "id": 1, "code": "bad\ncode", "message": "line one\r\nline two" + "x" * 5000})
+    assert isinstance(error, RequestError) and "\n" not in str(error) and "\r" not in str(error)
+    assert len(error.message) <= 1000 and error.message.startswith("line one  line two")
+    assert one_line("a\u2028b") == "a b"
+    late = outcome({"type": "overloaded", "id": 1, "status": 504, "reason": "deadline_exceeded", "queue_ms": "x"})
+    assert isinstance(late, DeadlineExceededError) and late.queue_ms is None
+
+
+def test_malformed_results_and_hellos_are_refused() -> None:
+    for predictions in (None, [], "x", {"0": 1}, [["a"]], [{"score": None, "token_str": "a", "sequence": "b"}],
+                        [[]]):
+        refused = outcome({"type": "result", "id": 3, "predictions": predictions})
+        assert type(refused) is FillMaskError and "malformed" in str(refused), predictions
+    two = outcome({"type": "result", "id": 3, "predictions": [[CANDIDATE], [CANDIDATE]]})
+    assert not isinstance(two, FillMaskError) and two.mask_count == 2
+    for protocol in (True, 1.0, "1"):  # == 1, but not the integer 1
+        assert check_hello({"type": "hello", "protocol": protocol}) is not None, protocol
+    assert check_hello({"type": "hello", "protocol": 1}) is None
+
+
+async def test_the_read_limit_follows_max_result_bytes_and_a_mask_token_must_be_a_string() -> None:
+    """§14: a client reads frames of up to max_result_bytes + 1 KiB; the limit stayed at 64 MiB."""
+    big = {**HELLO, "mask_token": None, "limits": {**HELLO["limits"], "max_result_bytes": 96 * 2**20}}
+    async with fake(answers, hello=big) as server, FillMaskClient(server.url) as client:
+        [conn] = client._pool.connections()
+        assert conn.ws.protocol.max_message_size == 96 * 2**20 + 1024
+        assert client.mask_token == "[MASK]"  # null read as the string 'None'
+
+
+async def test_many_before_connect_says_not_connected() -> None:
+    with pytest.raises(ConnectionLostError, match="not connected"):  # was RuntimeError, from .limits
+        await FillMaskClient("ws://127.0.0.1:9/").fill_mask_many([TEXT])
+
+
+async def test_close_does_not_wait_long_for_a_peer_that_stopped_reading() -> None:
+    """close() waited websockets' 10 s for the closing handshake of a peer that reads nothing."""
+
+    async def handshake_then_deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"sec-websocket-key:"))
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        payload = orjson.dumps(HELLO)
+        writer.write(bytes([0x81, 126]) + len(payload).to_bytes(2, "big") + payload)
+        await writer.drain()
+        await asyncio.sleep(30)  # reads nothing, answers nothing
+
+    deaf = await asyncio.start_server(handshake_then_deaf, "127.0.0.1", 0)
+    try:
+        client = FillMaskClient(f"ws://127.0.0.1:{deaf.sockets[0].getsockname()[1]}/")
+        await client.connect()
+        started = time.monotonic()
+        await client.close()
+        assert time.monotonic() - started < 5
+    finally:
+        deaf.close()
