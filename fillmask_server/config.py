@@ -258,17 +258,17 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
 
 
 def _named_source(problem: str, args: dict[str, object], environ: Mapping[str, str]) -> str:
-    """``problem`` (which names options as flags), prefixed with the environment variable that set the
-    option it names first when no flag did: ``FILLMASK_MAX_BATCH_SIZE='0': --max-batch-size must be at
-    least 1``, so that nobody looks for a flag they never passed."""
-    named = [(found.start(), f.name) for f in fields(Config)
-             if (found := re.search(rf"--{f.name.replace('_', '-')}(?![\w-])", problem))]
-    for _, name in sorted(named):
-        if name not in args and environ.get(env_name(name)):
-            shown = "(hidden)" if name == "token" else repr(environ[env_name(name)])
-            return f"{env_name(name)}={shown}: {problem}"
+    """``problem`` (which names options as flags), prefixed with the environment variable that set
+    the first option it names that no flag set: ``FILLMASK_MAX_BATCH_SIZE='0': --max-batch-size must
+    be at least 1``, so that nobody looks for a flag they never passed. Unchanged when flags set them all."""
+    named = sorted((found.start(), f.name) for f in fields(Config)
+                   if (found := re.search(rf"--{f.name.replace('_', '-')}(?![\w-])", problem)))
+    from_environment = [name for _, name in named if name not in args and environ.get(env_name(name))]
+    if not from_environment:
         return problem
-    return problem
+    name = from_environment[0]
+    shown = "(hidden)" if name == "token" else repr(environ[env_name(name)])
+    return f"{env_name(name)}={shown}: {problem}"
 
 
 def validate(config: Config) -> str | None:

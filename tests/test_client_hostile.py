@@ -27,6 +27,7 @@ from fillmask_client import (
     OverloadedError,
     RequestError,
 )
+from fillmask_client.connection import MAX_INCOMING_BYTES
 from fillmask_client.errors import one_line
 from fillmask_client.frames import check_hello, outcome
 from fillmask_client.retry import ReconnectBackoff, RetryPolicy
@@ -215,10 +216,10 @@ async def test_giving_up_on_connect_leaves_no_connection_open() -> None:
             connecting = asyncio.ensure_future(client.connect())
             await until(lambda: len(accepted) == 2)
             await client.close()
-            release.set()
             with pytest.raises(ConnectionLostError, match="closed while it connected"):
-                await connecting
+                await asyncio.wait_for(connecting, 2)  # at once: it waited up to open_timeout for the hello
             await until(all_closed)
+            release.set()
         finally:
             release.set()
 
@@ -303,3 +304,24 @@ async def test_close_does_not_wait_long_for_a_peer_that_stopped_reading() -> Non
         assert time.monotonic() - started < 5
     finally:
         deaf.close()
+
+
+async def test_a_connection_this_client_failed_is_redialled_and_the_text_says_why() -> None:
+    """Naming the client's own close (1009 here; 1011 when pongs stop) in the code, not only in the
+    text, took it out of the codes that are resent and redialled: a dead network left the pool's slot
+    dead for good."""
+
+    async def too_big_twice(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+        if number < 2:
+            await ws.send(b"x" * (MAX_INCOMING_BYTES + 1))  # over the client's read limit: it closes with 1009
+        else:
+            await ws.send(result(request))
+
+    async with fake(too_big_twice) as server:
+        async with FillMaskClient(server.url) as client:
+            with pytest.raises(ConnectionLostError) as lost:
+                await client.fill_mask(TEXT)
+        assert lost.value.code == 1006 and "this client closed it: 1009" in str(lost.value), lost.value
+        async with FillMaskClient(server.url, reconnect=True) as client:
+            assert await client.fill_mask(TEXT) == [CANDIDATE]  # lost, redialled, resent, answered
+        assert len(server.connections) == 3

@@ -78,7 +78,9 @@ def test_a_bad_value_from_the_environment_names_the_variable_not_a_flag(capsys: 
     cases = [([], {"FILLMASK_MAX_BATCH_SIZE": "0"}, "error: FILLMASK_MAX_BATCH_SIZE='0': --max-batch-size must be"),
              (["--max-batch-size", "0"], {"FILLMASK_MAX_BATCH_SIZE": "0"}, "error: --max-batch-size must be"),
              ([], {"FILLMASK_TOKEN": "a b"}, "error: FILLMASK_TOKEN=(hidden): --token must be"),  # never shown
-             ([], {"FILLMASK_KEYFILE": "key.pem"}, "error: FILLMASK_KEYFILE='key.pem': --keyfile needs --certfile")]
+             ([], {"FILLMASK_KEYFILE": "key.pem"}, "error: FILLMASK_KEYFILE='key.pem': --keyfile needs --certfile"),
+             (["--certfile", "/nonexistent/cert.pem"], {"FILLMASK_KEYFILE": "/nonexistent/key.pem"},
+              "error: FILLMASK_KEYFILE='/nonexistent/key.pem': --certfile/--keyfile")]  # the flag is named first
     for argv, env, start in cases:
         with pytest.raises(SystemExit):
             load_config(argv, env)

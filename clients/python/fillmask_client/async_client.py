@@ -212,7 +212,11 @@ class FillMaskClient:
                 # A server that is starting: no burst of attempts; the last one comes as ``wait`` ends.
                 pause = min(backoff.delay(attempt + 1), remaining)
                 log.debug("server not there yet (%s); trying again in %.2f s", exc, pause)
-                await asyncio.sleep(pause)
+                with contextlib.suppress(TimeoutError):  # close() ends the pause
+                    await asyncio.wait_for(self._pool.closed_event.wait(), pause)
+                if self._pool.closed:
+                    raise ConnectionLostError(f"the client for {redact(self.url)} was closed while it connected",
+                                              url=redact(self.url)) from exc
 
     async def _open(self, url: str, on_change: Callable[[Connection], None]) -> Connection:
         """Open one connection to ``url`` (the pool's opener); counted in ``awaiting_hello`` from its

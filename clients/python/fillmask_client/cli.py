@@ -53,7 +53,7 @@ from .async_client import DEFAULT_URL, FillMaskClient
 from .connection import GOING_AWAY_CODES, url_problem
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
 from .frames import FillMaskResult
-from .wire import RETRYABLE_REASONS, SERVER_GONE_REASONS
+from .wire import SERVER_GONE_REASONS, retryable
 
 #: Exit statuses of the command (documented in the module docstring and in ``--help``).
 EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
@@ -309,6 +309,7 @@ class Tally:
     total: int
     answered: int = 0
     failed: Counter[str] = field(default_factory=Counter)
+    busy: int = 0  # of the failed: refused as busy (queue_full, queue_share, or a reason not known: §14)
 
     def summary(self) -> str:
         """``5 texts: 3 answered, 2 failed (1 no_mask, 1 queue_full)``."""
@@ -440,6 +441,7 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                         say(stop_line(item, tally, args.reconnect))
                         return EXIT_CONNECTION
                     tally.failed[failure_reason(item)] += 1
+                    tally.busy += type(item) is OverloadedError and retryable(item.reason)
                     origin = getattr(text, "origin", None)
                     quoted = f"{origin}: {_one_line(text)!r}" if origin else repr(_one_line(text))
                     where = f"text {index} ({quoted}): " if len(texts) > 1 else ""
@@ -465,9 +467,8 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
         await client.close()
     if len(texts) > 1 and not args.quiet:
         say(tally.summary())
-    busy = sum(tally.failed[reason] for reason in RETRYABLE_REASONS)
-    if busy and not args.quiet:
-        say(busy_hint(busy, args.retry))
+    if tally.busy and not args.quiet:
+        say(busy_hint(tally.busy, args.retry))
     return EXIT_REQUEST_FAILED if tally.failed else EXIT_OK
 
 

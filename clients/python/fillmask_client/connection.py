@@ -21,6 +21,7 @@ import logging
 import re
 import socket
 import ssl as ssl_module
+import traceback
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -48,6 +49,8 @@ log = logging.getLogger("fillmask_client")
 #: Largest server frame accepted. A result can be large (100 candidates x 8 masks x a 2000-character
 #: sequence is about 2 MB); this bound only guards against a peer that is not our server.
 MAX_INCOMING_BYTES = 2**26
+#: The most a hello's ``max_result_bytes`` may raise that to: a guard stays against any peer.
+MAX_RAISED_INCOMING_BYTES = 2**30
 #: How long closing waits for the server's closing handshake before dropping the socket (websockets'
 #: default, 10 s, made ``close()`` take that long against a peer that stopped reading).
 CLOSE_TIMEOUT_S = 2.0
@@ -275,9 +278,7 @@ async def speaks_tls(url: str, timeout: float) -> bool:
             parts.hostname, parts.port or 80, ssl=context, server_hostname=parts.hostname or None), timeout)
     except (OSError, TimeoutError, ValueError):
         return False
-    writer.close()
-    with contextlib.suppress(OSError, ssl_module.SSLError):
-        await writer.wait_closed()
+    writer.transport.abort()  # asked and answered: no closing handshake to wait for
     return True
 
 
@@ -390,7 +391,7 @@ class Connection:
         self.slots = asyncio.Semaphore(limit) if type(limit) is int and limit > 0 else None
         largest = self.limits.get("max_result_bytes")
         if type(largest) is int and largest + 1024 > MAX_INCOMING_BYTES:  # §14: at least max_result_bytes + 1 KiB
-            self.ws.protocol.max_message_size = largest + 1024
+            self.ws.protocol.max_message_size = min(largest + 1024, MAX_RAISED_INCOMING_BYTES)
         if self._move(Event.HELLO):
             self.reader = asyncio.create_task(self._read(), name=f"fillmask-client-reader {redact(self.url)}")
 
@@ -450,9 +451,10 @@ class Connection:
         except OSError as exc:
             raise ConnectError(f"cannot connect to {shown}: {connect_failure(exc, url)}", url=shown,
                                kind=failure_kind(exc)) from exc
-        except ValueError as exc:  # a redirect to an address websockets cannot use (port 99999, a bad IPv6)
-            raise ConnectError(f"cannot connect to {shown}: it redirected to an unusable address ({exc})",
-                               url=shown, kind="not_websocket") from exc
+        except ValueError as exc:  # a redirect to an address websockets cannot use (port 99999), or ssl= with ws://
+            redirected = any(step.name == "process_redirect" for step in traceback.extract_tb(exc.__traceback__))
+            why = f"it redirected to an unusable address ({exc})" if redirected else str(exc)
+            raise ConnectError(f"cannot connect to {shown}: {why}", url=shown, kind="not_websocket") from exc
         conn = cls(ws, url, on_change)
         if on_handshake is not None:
             on_handshake()
@@ -514,16 +516,16 @@ class Connection:
         if self._closed_by_client:
             return ConnectionLostError(f"the client for {url} was closed", url=url, code=1000)
         code, reason = self.ws.close_code, self.ws.close_reason or ""
-        sent = self.ws.protocol.close_sent
-        by = ""
-        if self.ws.protocol.close_rcvd is None and sent is not None and sent.code != 1000:
-            # This client failed the connection (1009: a frame over its read limit; 1002...): say so.
-            code, reason, by = sent.code, sent.reason, "closed by this client: "
         what = _CLOSE_NAMES.get(code, "closed") if code is not None else "closed"
         detail = f"{code} {what}" if code is not None else what
         if reason:
             detail += f": {reason}"
-        return ConnectionLostError(f"connection to {url} lost ({by}{detail})", url=url, code=code, reason=reason)
+        sent = self.ws.protocol.close_sent
+        if self.ws.protocol.close_rcvd is None and sent is not None and sent.code != 1000:
+            # This client failed the connection (a ping with no pong: 1011; a frame over its read limit:
+            # 1009). Said in the text only: ``code`` stays the 1006 that decides resends and redials.
+            detail += f"; this client closed it: {sent.code} {sent.reason}".rstrip()
+        return ConnectionLostError(f"connection to {url} lost ({detail})", url=url, code=code, reason=reason)
 
     def gone_error(self) -> OverloadedError | ConnectionLostError:
         """Why this connection takes no new request, as a fresh exception: while ``draining``, what the

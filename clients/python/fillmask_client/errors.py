@@ -153,7 +153,7 @@ class DeadlineExceededError(OverloadedError):
         """The call's ``deadline_ms`` passed, or would pass, before it could be sent; ``why`` says what
         held it back. Nothing was sent."""
         error = cls(None, None)
-        error.message = f"deadline exceeded before the request was sent ({why}); nothing was sent"
+        error.message = f"deadline exceeded before the request was sent: {why}; nothing was sent"
         error.args = (error.message,)
         return error
 

@@ -92,6 +92,7 @@ class Pool:
         self.closed = False
         #: Set by ``close``: wakes calls sleeping before a resend, which then fail at once.
         self.closed_event = asyncio.Event()
+        self._opening: set[asyncio.Future[Connection]] = set()  # ``open``'s dials under way
         self._opener = opener
         self._turn = 0
         self._changed = asyncio.Event()
@@ -210,6 +211,7 @@ class Pool:
         failed slots are dialled again in the background (with ``reconnect``) or stay empty."""
         tasks = [asyncio.ensure_future(self._opener(slot.url, functools.partial(self._on_change, slot)))
                  for slot in self.slots]
+        self._opening.update(tasks)  # close() cancels them
         try:
             await asyncio.wait(tasks)
             if self.closed:  # close() came while these connected: nothing here may stay open
@@ -221,6 +223,8 @@ class Pool:
             done = await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*(c.close() for c in done if isinstance(c, Connection)))
             raise
+        finally:
+            self._opening.difference_update(tasks)
         failures: list[BaseException] = []
         for slot, task in zip(self.slots, tasks, strict=True):
             error = task.exception()
@@ -342,6 +346,8 @@ class Pool:
         """Stop dialling and close every connection; calls still waiting fail promptly."""
         self.closed = True
         self.closed_event.set()
+        for opening in self._opening:  # a connect() under way: it raises "closed while it connected"
+            opening.cancel()
         dialers = [slot.dialer for slot in self.slots if slot.dialer is not None]
         for dialer in dialers:
             dialer.cancel()
