@@ -110,16 +110,18 @@ class Connection:
     @property
     def backlogged(self) -> bool:
         """Answers wait: in the outbox, or in the transport's buffer (the kernel's is full)."""
-        transport = self.ws.transport
-        return bool(self._outbox) or (transport is not None and transport.get_write_buffer_size() > 0)
+        return bool(self._outbox) or self._transport_holds_bytes()
 
     @property
     def behind(self) -> bool:
         """The client has not read its earlier frames: bytes wait in the transport's buffer (so the
         kernel's fixed one is full), or more than the bound waits at all. A frame that can be left out
         (``stats``, §13) is, rather than add to what waits."""
+        return self.congested or self._transport_holds_bytes()
+
+    def _transport_holds_bytes(self) -> bool:
         transport = self.ws.transport
-        return self.congested or (transport is not None and transport.get_write_buffer_size() > 0)
+        return transport is not None and transport.get_write_buffer_size() > 0
 
     @property
     def congested(self) -> bool:

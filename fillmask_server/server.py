@@ -187,7 +187,8 @@ class FillMaskServer:
         for listener in self._server.sockets:  # accepted sockets inherit it
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
         self.ready.loaded = True
-        log.info("serving %s", self._serving_line())
+        log.info("serving %s", serving_line(self.config.model, self.config.host, self.port, self.url,
+                                            bool(self.config.token)))
 
     def _follow_thread_count(self, count: int) -> None:
         """Set the interpreter's switch interval for a model on ``count`` torch threads: ``--gil-switch-ms``
@@ -216,9 +217,6 @@ class FillMaskServer:
         if host in WILDCARD_HOSTS:
             return "[::1]" if host == "::" else "127.0.0.1"
         return f"[{host}]" if ":" in host else host
-
-    def _serving_line(self) -> str:
-        return serving_line(self.config.model, self.config.host, self.port, self.url, bool(self.config.token))
 
     def in_flight(self) -> int:
         """Accepted requests without their terminal answer, over every connection."""

@@ -29,7 +29,7 @@ import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
-from .connection import Connection, NotSentError, redact, request_frame, retrieve, url_problem
+from .connection import Connection, NotSentError, redact, request_frame, retrieve, sleep_unless, url_problem
 from .errors import (
     ConnectError,
     ConnectionLostError,
@@ -212,11 +212,9 @@ class FillMaskClient:
                 # A server that is starting: no burst of attempts; the last one comes as ``wait`` ends.
                 pause = min(backoff.delay(attempt + 1), remaining)
                 log.debug("server not there yet (%s); trying again in %.2f s", exc, pause)
-                with contextlib.suppress(TimeoutError):  # close() ends the pause
-                    await asyncio.wait_for(self._pool.closed_event.wait(), pause)
+                await sleep_unless(self._pool.closed_event, pause)  # close() ends the pause
                 if self._pool.closed:
-                    raise ConnectionLostError(f"the client for {redact(self.url)} was closed while it connected",
-                                              url=redact(self.url)) from exc
+                    raise self._pool.closed_error(" while it connected") from exc
 
     async def _open(self, url: str, on_change: Callable[[Connection], None]) -> Connection:
         """Open one connection to ``url`` (the pool's opener); counted in ``awaiting_hello`` from its
@@ -378,8 +376,7 @@ class FillMaskClient:
             if isinstance(deadline_ms, (int, float)) and (loop.time() + wait - started) * 1000.0 >= deadline_ms:
                 raise answer  # waiting alone would use up the caller's deadline
             log.debug("overloaded (%s); resending in %.3f s", answer.reason, wait)
-            with contextlib.suppress(TimeoutError):  # close() ends the wait: the next acquire fails at once
-                await asyncio.wait_for(self._pool.closed_event.wait(), wait)
+            await sleep_unless(self._pool.closed_event, wait)  # close() ends it: the next acquire fails
 
     async def fill_mask_iter(
         self,

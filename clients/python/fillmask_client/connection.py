@@ -282,6 +282,12 @@ async def speaks_tls(url: str, timeout: float) -> bool:
     return True
 
 
+async def sleep_unless(event: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less if ``event`` is set meanwhile (``close()``, a connection that stops)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
+
+
 def retrieve(future: asyncio.Future[Any]) -> None:
     """Done-callback that marks a future's exception as retrieved.
 
@@ -617,8 +623,7 @@ class Connection:
                 raise DeadlineExceededError.before_sending(
                     f"the server asked this connection to wait {delay * 1000:.0f} ms more (retry_after_ms), "
                     "past the call's deadline_ms")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), delay)
+            await sleep_unless(self._stopped, delay)
 
     async def _cancel(self, request_id: int, *, after: Awaitable[None] | None) -> None:
         """Send ``cancel`` for an abandoned request, once its own frame is out, unless it already ended."""

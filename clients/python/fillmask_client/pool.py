@@ -141,8 +141,7 @@ class Pool:
         give_up: float | None = None
         while True:
             if self.closed:
-                url = redact(self.slots[0].url)
-                raise ConnectionLostError(f"the client for {url} was closed", url=url)
+                raise self.closed_error()
             conn = self.pick()
             if conn is not None:
                 return conn
@@ -170,6 +169,11 @@ class Pool:
                     await asyncio.wait_for(changed.wait(), remaining)
             finally:
                 self.waiting -= 1
+
+    def closed_error(self, when: str = "") -> ConnectionLostError:
+        """A fresh ``the client for URL was closed`` (``when``: e.g. `` while it connected``)."""
+        url = redact(self.slots[0].url)
+        return ConnectionLostError(f"the client for {url} was closed{when}", url=url)
 
     def _why_none(self) -> ConnectionLostError | OverloadedError:
         """The most telling reason why no connection takes calls, as a fresh exception."""
@@ -215,8 +219,7 @@ class Pool:
         try:
             await asyncio.wait(tasks)
             if self.closed:  # close() came while these connected: nothing here may stay open
-                url = redact(self.slots[0].url)
-                raise ConnectionLostError(f"the client for {url} was closed while it connected", url=url)
+                raise self.closed_error(" while it connected")
         except BaseException:  # cancelled or closed: close whatever did open
             for task in tasks:
                 task.cancel()
