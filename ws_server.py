@@ -8,7 +8,10 @@ The whole life of the server, in order:
    a reduced dtype's speed), with one log line, and a warning when a reduced dtype is slower;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
 4. on SIGINT/SIGTERM, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with ``/readyz`` at 503)
-   and exit 0; a second signal stops at once (exit 130).
+   and exit 0; a second signal stops at once (exit 130). A signal before the server is ready stops it at
+   once (exit 128 + the signal's number);
+5. if the model thread stops by a fault (§6 ``engine_stopped``), drain at once and exit 1, so that a
+   supervisor (Kubernetes, systemd, ``docker --restart``) starts a fresh server.
 """
 
 from __future__ import annotations
@@ -19,14 +22,19 @@ import os
 import signal
 import sys
 
+from fillmask_server.allocator import freeze_start_up_heap
 from fillmask_server.calibration import calibrate
 from fillmask_server.config import Config, load_config
 from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
 from fillmask_server.startup import StartupLines
 
+#: The exit status after the model thread stopped by a fault (the drain's is 0).
+EXIT_ENGINE_STOPPED = 1
 
-async def serve_until_signalled(config: Config) -> None:
+
+async def serve_until_signalled(config: Config) -> int:
+    """Load, calibrate, serve until a signal or the engine's fault, drain; the exit status."""
     check_can_listen(config.host, config.port)
     lines = StartupLines()
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
@@ -39,6 +47,7 @@ async def serve_until_signalled(config: Config) -> None:
         logging.getLogger("fillmask_server").info("%s", calibration.line())
     if calibration.warning:
         print(calibration.warning, file=sys.stderr, flush=True)
+    freeze_start_up_heap()  # full collections while serving skip what start-up made (allocator.py)
     server = FillMaskServer(config, model, calibration)
     await server.start()
     received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -53,7 +62,16 @@ async def serve_until_signalled(config: Config) -> None:
         loop.add_signal_handler(signum, on_signal, signum)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
-    signum = await received
+    stopped = asyncio.ensure_future(server.engine_stopped())
+    await asyncio.wait({received, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not received.done():
+        logging.getLogger("fillmask_server").critical(
+            "the model thread stopped: draining, then exiting with status %d so that a supervisor starts a "
+            "fresh server", EXIT_ENGINE_STOPPED)
+        await server.drain()
+        return EXIT_ENGINE_STOPPED
+    stopped.cancel()
+    signum = received.result()
     logging.getLogger("fillmask_server").info("%s received: draining (a second signal stops at once)",
                                               signal.Signals(signum).name)
     for signum_ in (signal.SIGINT, signal.SIGTERM):
@@ -61,6 +79,7 @@ async def serve_until_signalled(config: Config) -> None:
     # An orchestrator stops a replica with SIGTERM: give its load balancer time to notice /readyz first.
     # A person's Ctrl-C (SIGINT) wants the drain now.
     await server.drain(delay=config.drain_delay if signum == signal.SIGTERM else 0.0)
+    return 0
 
 
 def _stop_now() -> None:
@@ -74,23 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     signal.signal(signal.SIGINT, _interrupted_while_starting)
+    signal.signal(signal.SIGTERM, _interrupted_while_starting)  # as PID 1 (a container) it is otherwise ignored
     try:
-        asyncio.run(serve_until_signalled(config))
+        return asyncio.run(serve_until_signalled(config))
     except ModelLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
         print(f"error: {listen_problem(config.host, config.port, exc)}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    """Ctrl-C before the server is ready: leave at once. The model loads on its own thread, inside native
-    code, and asyncio's own handler would only act once it had loaded. Serving replaces this handler
-    with the drain's."""
-    print("error: interrupted before the server was ready", file=sys.stderr, flush=True)
-    os._exit(130)
+    """Ctrl-C or SIGTERM before the server is ready: leave at once, with 128 + the signal's number. The
+    model loads on its own thread, inside native code, and asyncio's own handler would only act once
+    it had loaded. Serving replaces this handler with the drain's."""
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    print(f"error: {what} before the server was ready", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ Served by ``GET /metrics`` (protocol.md §9, §11) in the Prometheus text format
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -139,6 +140,9 @@ class Metrics:
         self.slow_clients_closed = Counter("fillmask_slow_clients_closed", "Connections closed with 1008 because "
                                            "their client did not read for --send-timeout.", registry=registry)
         registry.register(_LiveCollector(live))
+        GCCollector(registry=registry)  # python_gc_*: collections by generation, and what they collected
+        Gauge("fillmask_gc_frozen_objects", "Objects that Python's garbage collector no longer walks (gc.freeze): "
+              "what start-up made, frozen before serving.", registry=registry).set_function(gc.get_freeze_count)
 
     def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients]) -> None:
         """Export the torch thread count and the cost model's current coefficients (read at scrape time)."""

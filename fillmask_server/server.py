@@ -60,6 +60,7 @@ GOING_AWAY = CLOSE_GOING_AWAY
 RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread their reconnects over it (§10)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
 TRIM_AFTER_S = 1.0  # after a connection closes, when its answers' memory is given back to the system
+ENGINE_WATCH_S = 0.25  # how often ``engine_stopped`` looks whether the model thread still runs
 WATCHDOG_LOOKS = 10  # the watchdog looks at a stalled socket this many times per --send-timeout
 #: Each accepted socket's kernel send buffer (Linux allocates twice this). Left to itself the kernel grows
 #: it up to ``net.ipv4.tcp_wmem``'s maximum (4 MiB here, 32 MiB on some hosts) for a client that stops
@@ -221,6 +222,13 @@ class FillMaskServer:
     def in_flight(self) -> int:
         """Accepted requests without their terminal answer, over every connection."""
         return sum(len(conn.session.inflight) for conn in self.connections)
+
+    async def engine_stopped(self) -> None:
+        """Return once the engine has stopped by a fault (a stage thread ended: §6 ``engine_stopped``).
+        Never returns while it runs; the process's shell drains and exits then, so that its supervisor
+        starts a fresh one (a server whose model thread is gone can answer nothing but 503)."""
+        while self.engine.alive:
+            await asyncio.sleep(ENGINE_WATCH_S)
 
     def settled(self) -> bool:
         """Nothing left to happen by itself: no request on its way through the engine, no outcome on its

@@ -1,7 +1,7 @@
 """Reliability figures (issue 10): what one client can do to another, and to the server's memory.
 
     .venv/bin/python scripts/reliability.py                 # all scenarios, tiny model, default flags (~3 min)
-    .venv/bin/python scripts/reliability.py --only hogs     # one of: neighbour, memory, slow, hogs
+    .venv/bin/python scripts/reliability.py --only hogs     # one of: neighbour, memory, slow, hogs, churn
 
 Each scenario starts its own ``ws_server.py`` (default flags unless said) and prints its figures and
 the target they answer, then PASS or MISS:
@@ -18,6 +18,11 @@ the target they answer, then PASS or MISS:
 - **hogs**: five connections keep 256 requests in flight each and resend at once on every refusal
   (reconnecting when closed); one polite connection sends one request at a time, waiting as told.
   Target: ≥ 95 % of the polite client's requests are served.
+- **churn**: sixteen clients each open a connection, send three light requests one at a time and
+  close it, over and over, for ``--churn-s`` seconds, while a steady connection sends one light
+  request every 20 ms. Each connection leaves reference cycles that only a full garbage collection
+  frees; before the server froze what start-up made, each such collection stalled every thread.
+  Target: the steady client's slowest request ≤ 10 × its p50 alone.
 
 Every client is bench/loadgen's ``Client`` with a ``Policy`` (the heavy ones resend at once and read at
 their rate, the silent one never reads, the hogs ignore retry_after_ms, the polite one waits it out);
@@ -28,10 +33,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import re
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -255,8 +263,76 @@ async def scenario_hogs(args: argparse.Namespace) -> bool:
     return ok
 
 
+async def churn(url: str, seconds: float, clients: int = 16) -> dict[str, int]:
+    """``clients`` loops, each opening a connection, sending three light requests one at a time and closing
+    it, until ``seconds`` have passed; counts of what they got, and ``connections``."""
+    counts: dict[str, int] = {}
+    until = time.monotonic() + seconds
+
+    async def one() -> None:
+        while time.monotonic() < until:
+            client = await open_client(url, LIGHT, Recorder())
+            try:
+                for _ in range(3):
+                    await client.send()
+                    answer = await client.read_one()
+                    counts[answer["type"]] = counts.get(answer["type"], 0) + 1
+            finally:
+                await close_all([client])
+            counts["connections"] = counts.get("connections", 0) + 1
+
+    await asyncio.gather(*(one() for _ in range(clients)))
+    return counts
+
+
+def churn_in_this_process(url: str, seconds: float) -> dict[str, int]:
+    return asyncio.run(churn(url, seconds))
+
+
+def full_collections(port: int) -> float:
+    """The server's full garbage collections so far (``python_gc_collections_total{generation="2"}``, §11)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return float(re.search(r'^python_gc_collections_total\{generation="2"\} (\S+)$', text, re.M).group(1))
+
+
+#: The churn scenario's bound on a steady client's slowest request, as a multiple of its p50 alone.
+CHURN_GOAL = 10
+
+
+async def scenario_churn(args: argparse.Namespace) -> bool:
+    with ServerProcess(Path(args.model), list(args.server_args)) as server:
+        await probe(server.url, 10)  # warm-up
+        alone, _ = await probe(server.url, args.probes)
+        before = await asyncio.to_thread(full_collections, server.port)
+        # The churners run in a process of their own: in this one, their handshakes would keep the
+        # event loop busy, and the steady client would measure its own queue, not the server.
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            churning = asyncio.get_running_loop().run_in_executor(pool, churn_in_this_process, server.url,
+                                                                  args.churn_s)
+            await asyncio.sleep(1.0)  # the churners start
+            started = time.monotonic()
+            steady: list[float] = []
+            while time.monotonic() - started < args.churn_s - 2:
+                latencies, _ = await probe(server.url, 50)
+                steady += latencies
+            counts = await churning
+        elapsed = args.churn_s
+        collections = await asyncio.to_thread(full_collections, server.port) - before
+    p50_alone, worst = statistics.median(alone) * 1000, max(steady) * 1000
+    p50, p99 = statistics.median(steady) * 1000, sorted(steady)[int(0.99 * (len(steady) - 1))] * 1000
+    ok = worst <= CHURN_GOAL * p50_alone
+    print(f"churn      16 clients opening a connection per 3 requests ({counts.get('connections', 0) / elapsed:.0f} "
+          f"connections/s, {counts.get(RESULT, 0) / elapsed:.0f} req/s): a steady client's p50 {p50:.1f} ms "
+          f"(alone {p50_alone:.1f}), p99 {p99:.1f}, slowest {worst:.1f} ms (target <= {CHURN_GOAL}x its p50 "
+          f"alone); the server ran {collections:.0f} full garbage collections -> {verdict(ok)}")
+    return ok
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace], Awaitable[bool]]] = {
     "neighbour": scenario_neighbour, "memory": scenario_memory, "slow": scenario_slow, "hogs": scenario_hogs,
+    "churn": scenario_churn,
 }
 
 
@@ -278,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-s", type=float, default=None, help="seconds of the slow reader (default: "
                         "--send-timeout + 10)")
     parser.add_argument("--hogs-s", type=float, default=20, help="seconds of the polite client among hogs")
+    parser.add_argument("--churn-s", type=float, default=20, help="seconds of the steady client among churners")
     args = parser.parse_args(argv)
     args.slow_s = args.slow_s or args.send_timeout + 10
     args.server_args = ["--send-timeout", str(args.send_timeout)]

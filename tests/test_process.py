@@ -16,7 +16,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from fillmask_server.config import Config, load_config
-from tests.wire import recv, send, session
+from tests.wire import recv, request, send, session
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -231,6 +231,80 @@ async def test_sigterm_waits_the_drain_delay_with_readyz_503_and_sigint_does_not
             await process.wait()
 
 
+async def test_what_start_up_made_is_frozen_out_of_the_garbage_collectors_walks(tiny_model_dir: Path) -> None:
+    """A full collection walked every object start-up made (torch's and transformers' modules, the
+    tokenizer, the model) while holding the GIL: under connection churn one ran every few seconds and
+    stalled every thread for about as long as a batch of requests takes (README, Performance). The
+    server freezes them once start-up is done (allocator.freeze_start_up_heap), and §11 exports how
+    many, with Python's own collection counts."""
+    import urllib.request
+
+    process, url = await start_server("--model", str(tiny_model_dir))
+    try:
+        http = url.replace("ws://", "http://").rstrip("/") + "/metrics"
+        with await asyncio.to_thread(urllib.request.urlopen, http, timeout=5) as response:
+            text = response.read().decode()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        assert float(values["fillmask_gc_frozen_objects"]) > 50_000  # imports and model: hundreds of thousands
+        assert 'python_gc_collections_total{generation="2"}' in values
+    finally:
+        process.kill()
+        await process.wait()
+
+
+#: ``ws_server.py`` whose model thread dies (an exception no stage catches) on a request with top_k 13.
+DYING_SERVER = """
+import sys
+sys.path.insert(0, {root!r})
+from fillmask_server.model import FillMaskModel
+import ws_server
+
+class Killer(BaseException):
+    pass
+
+forward = FillMaskModel.forward
+
+def dying(self, items):
+    if any(item.top_k == 13 for item in items):
+        raise Killer("the model thread is gone")
+    return forward(self, items)
+
+FillMaskModel.forward = dying
+sys.exit(ws_server.main())
+"""
+
+
+async def test_a_server_whose_model_thread_stopped_drains_and_exits_1(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """§6: a server whose model thread stopped can answer nothing but 503 engine_stopped. It stayed up
+    for good, its /healthz at 200, so Kubernetes never restarted it (found by an operator's review). Now
+    it drains at once (going_away, then 1001) and exits 1, for its supervisor to start a fresh one."""
+    script = tmp_path / "dying_server.py"
+    script.write_text(DYING_SERVER.format(root=str(ROOT)))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), "--model", str(tiny_model_dir), "--port", "0", "--drain-delay", "30",
+        cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
+        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+        async with session(url) as (ws, _):
+            assert (await request(ws, 1, "a [MASK] day."))["type"] == "result"
+            await send(ws, {"type": "fill_mask", "id": 2, "text": "a [MASK] day.", "top_k": 13})
+            frames = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    frames.append(await recv(ws, timeout=30))
+            assert ws.close_code == 1001
+        assert frames[0]["id"] == 2 and frames[0]["type"] == "error"  # the batch that was running
+        assert [frame["type"] for frame in frames[1:]] == ["going_away"]
+        assert await asyncio.wait_for(process.wait(), 30) == 1  # at once: not after the 30 s drain delay
+        said = (await process.stderr.read()).decode()  # type: ignore[union-attr]
+        assert "the model thread stopped: draining, then exiting with status 1" in said
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 def test_checkpoint_command_writes_a_loadable_model(tmp_path: Path) -> None:
     target = tmp_path / "tiny"
     made = subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", "tiny", str(target)], cwd=ROOT,
@@ -260,23 +334,30 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> Non
     assert "cannot load model" not in result.stderr  # the port is checked first
 
 
-def test_ctrl_c_while_the_model_loads_stops_at_once(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(("signum", "status", "said"), [
+    (signal.SIGINT, 130, "error: interrupted before the server was ready"),
+    (signal.SIGTERM, 143, "error: terminated before the server was ready"),
+], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_model_loads_stops_at_once(tiny_model_dir: Path, signum: signal.Signals, status: int,
+                                                      said: str) -> None:
     """Before, asyncio's own SIGINT handler waited for the load (seconds; a hub download's whole length)
     and the stages ran on. Now the first line's SIGINT ends the process before any later stage: no
     calibration line, no ready line. (The signal goes the moment the first line is read, while torch
-    is still being imported.)"""
+    is still being imported.) SIGTERM too: in a container the server is PID 1, for which the kernel
+    ignores a signal without a handler, so a pod deleted while loading went on to serve until SIGKILL
+    (found by an operator's review); here the handler is what gives 143 and the line."""
     process = subprocess.Popen([sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0"],
                                cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = process.stderr.readline()  # type: ignore[union-attr]
         assert first.startswith("loading "), first
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         out, err = process.communicate(timeout=60)
     finally:
         process.kill()
         process.wait()
-    assert process.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "error: interrupted before the server was ready"
+    assert process.returncode == status, err
+    assert err.strip().splitlines()[-1] == said
     assert "calibrated" not in err and "ready:" not in out and "Traceback" not in err
 
 
