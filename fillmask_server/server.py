@@ -69,6 +69,11 @@ WATCHDOG_LOOKS = 10  # the watchdog looks at a stalled socket this many times pe
 #: not read can hold in the kernel small, and costs nothing here: answers are a few kilobytes, and a
 #: socket that takes this much per round trip serves thousands of them a second.
 KERNEL_SEND_BUFFER_BYTES = 128 * 1024
+#: The listen backlog is ``--max-connections``, at least this: when a replica drains, its clients
+#: (up to ``--max-connections``) reconnect to the others within ``reconnect_within_ms`` (§10), and
+#: asyncio's default of 100 left the rest of a burst waiting a second for their SYN's retransmit.
+#: The kernel caps it at ``net.core.somaxconn``.
+MIN_LISTEN_BACKLOG = 128
 
 
 @dataclass
@@ -184,6 +189,7 @@ class FillMaskServer:
             compression=None,
             server_header=SERVER_NAME,
             ssl=self._tls,
+            backlog=max(MIN_LISTEN_BACKLOG, self.config.max_connections),
         )
         for listener in self._server.sockets:  # accepted sockets inherit it
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)

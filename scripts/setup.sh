@@ -45,13 +45,15 @@ fi
 # Debian's Chromium for the demo-page test (issue 4), driven by Playwright's Python package pointed at
 # /usr/bin/chromium (Playwright's own browser download needs hosts that may be unreachable, so it is
 # never used); Debian's HAProxy for the many-replicas test (issue 11, deploy/haproxy.cfg); stress-ng for
-# scripts/hostile.sh (the suite beside a busy core, issue 15). Where they
+# scripts/hostile.sh (the suite beside a busy core, issue 15); iproute2's ss (a listening socket's
+# backlog). Where they
 # cannot be installed those tests skip and say why; in CI (CI set) a failed install stops set-up.
 if [ "$want_test" = 1 ]; then
   missing=()
   [ -x /usr/bin/chromium ] || missing+=(chromium)
   command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
   command -v stress-ng >/dev/null || missing+=(stress-ng)  # scripts/hostile.sh: the suite beside a busy core
+  command -v ss >/dev/null || missing+=(iproute2)  # ss: the listen backlog's test reads it
   if [ "${#missing[@]}" -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" = 0 ] || SUDO="sudo"

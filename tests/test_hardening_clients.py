@@ -16,11 +16,14 @@ import contextlib
 import os
 import re
 import select
+import shutil
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -70,6 +73,20 @@ async def test_requests_beyond_the_per_connection_cap_get_too_many_inflight(make
 
 
 # --- --max-connections -------------------------------------------------------------------------------
+
+
+async def test_the_listen_backlog_holds_a_burst_of_max_connections(make_server: Any) -> None:
+    """A drained replica's clients reconnect to the others within a second (§10): the listen backlog is
+    --max-connections, so such a burst is not left waiting for SYN retransmits behind asyncio's default
+    of 100 (found by an operator's review). ``ss`` shows a listening socket's backlog as its Send-Q."""
+    ss = shutil.which("ss")
+    if ss is None:
+        pytest.skip("ss (iproute2) is not installed")
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    async with make_server(max_connections=1000) as srv:
+        shown = subprocess.run([ss, "-ltnH", f"sport = :{srv.port}"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert int(shown[2]) == min(1000, somaxconn), shown
 
 
 async def test_handshakes_beyond_max_connections_get_503(make_server: Any) -> None:
