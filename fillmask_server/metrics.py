@@ -22,9 +22,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Hi
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from fillmask_client.wire import OVERLOADED_REASONS
+
 from .batching import Coefficients
+from .protocol import ERROR_CODES
 
 OUTCOMES = ("result", "error", "overloaded", "cancelled", "dropped")
+#: ``fillmask_handshakes_refused_total``'s reasons (§11).
+REFUSED_REASONS = ("bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _BATCH_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -117,8 +122,12 @@ class Metrics:
             "dropped (connection closed first); code is the error code or the overloaded reason.",
             ["outcome", "code"], registry=registry)
         self._answers: dict[tuple[str, str], Counter] = {}  # the labelled children of ``requests``, as used
-        for outcome in ("result", "cancelled", "dropped"):  # at 0 from the start, so that rate() has a series
-            self._answers[outcome, ""] = self.requests.labels(outcome, "")
+        # Every series there can be is there at 0 from the start, so that rate() and alerts on a code that
+        # has not happened yet read 0, not "no data".
+        for outcome, code in [("result", ""), ("cancelled", ""), ("dropped", ""),
+                              *(("error", code) for code in sorted(ERROR_CODES)),
+                              *(("overloaded", reason) for reason in OVERLOADED_REASONS)]:
+            self._answers[outcome, code] = self.requests.labels(outcome, code)
         self.queue_wait = Histogram("fillmask_queue_wait_seconds", "Time from reading a request to the start "
                                     "of its batch.", buckets=_SECONDS, registry=registry)
         self.inference = Histogram("fillmask_inference_seconds", "Time one batch's forward pass took on "
@@ -132,6 +141,8 @@ class Metrics:
                                           "could not be read), not_found (404), host (421), "
                                           "origin (403), token (401), max_connections or unavailable (503).",
                                           ["reason"], registry=registry)
+        for reason in REFUSED_REASONS:
+            self.handshakes_refused.labels(reason)
         self.reading_paused = Counter("fillmask_reading_paused", "Times the server stopped reading a connection "
                                       "because its unsent answers passed --max-send-buffer-bytes.", registry=registry)
         self.resenders_closed = Counter("fillmask_resenders_closed", "Connections closed with 1008 because their "

@@ -97,3 +97,20 @@ async def test_openmetrics_is_served_when_asked_for(server: FillMaskServer) -> N
     for accept in ("application/openmetrics-text; version=abc", "application/openmetrics-text; version=1..0"):
         content_type, samples = await scrape(server, accept)
         assert content_type.startswith("text/plain") and ("fillmask_engine_up", ()) in samples, accept
+
+
+async def test_every_series_is_there_at_0_before_it_happens(make_server: Any) -> None:
+    """An alert on ``rate(fillmask_requests_total{outcome="overloaded"}[5m])`` read "no data", not 0, until
+    the first overload (found by an operator's review): every outcome and code of §6 and §7, and every
+    reason a handshake is refused for (§11), is exported at 0 from the start."""
+    from fillmask_client.wire import OVERLOADED_REASONS
+    from fillmask_server.protocol import ERROR_CODES
+
+    async with make_server() as srv:
+        _, samples = await scrape(srv)
+    for kind, codes in (("error", ERROR_CODES), ("overloaded", OVERLOADED_REASONS), ("result", [""]),
+                        ("cancelled", [""]), ("dropped", [""])):
+        for code in codes:
+            assert samples[("fillmask_requests_total", (("code", code), ("outcome", kind)))] == 0, (kind, code)
+    refused = {labels[0][1] for name, labels in samples if name == "fillmask_handshakes_refused_total"}
+    assert refused == {"bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections"}
