@@ -24,7 +24,7 @@ import sys
 
 from fillmask_server.allocator import freeze_start_up_heap
 from fillmask_server.calibration import calibrate
-from fillmask_server.config import Config, load_config
+from fillmask_server.config import Config, load_config, unknown_variables
 from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
 from fillmask_server.startup import StartupLines
@@ -90,6 +90,8 @@ def _stop_now() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = load_config(argv)
+    for line in unknown_variables():
+        print(line, file=sys.stderr, flush=True)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     signal.signal(signal.SIGINT, _interrupted_while_starting)

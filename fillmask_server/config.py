@@ -7,6 +7,7 @@ Every option is listed by ``--help`` with its default and its variable name.
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -255,6 +256,29 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     if problem:
         parser.error(_named_source(problem, args, environ))
     return config
+
+
+#: ``FILLMASK_*`` variables that are not the server's settings but belong to other parts of the project:
+#: the client's (``FILLMASK_URL``), deploy/haproxy.cfg's, and the tests'.
+OTHER_VARIABLES = ("FILLMASK_URL", "FILLMASK_REPLICA_", "FILLMASK_LB_", "FILLMASK_TEST_", "FILLMASK_CHROMIUM",
+                   "FILLMASK_UPDATE_SCREENSHOT")
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning line for each ``FILLMASK_*`` variable set in ``environ`` that is no setting of the
+    server (a misspelling is otherwise ignored without a word), naming the nearest setting."""
+    environ = os.environ if environ is None else environ
+    settings = [f.name.upper() for f in fields(Config)]  # env_name without the prefix
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name.removeprefix(ENV_PREFIX) in settings \
+                or name.startswith(OTHER_VARIABLES):
+            continue
+        near = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), settings, n=1)
+        hint = (f" (did you mean {ENV_PREFIX}{near[0]}?)" if near
+                else f" (see {build_parser().prog} --help for the settings)")
+        lines.append(f"warning: {name} is not a setting of this server and is ignored{hint}")
+    return lines
 
 
 def _named_source(problem: str, args: dict[str, object], environ: Mapping[str, str]) -> str:

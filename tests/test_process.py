@@ -72,6 +72,24 @@ def test_bad_values_exit_with_one_usage_line(argv: list[str], env: dict[str, str
     assert line.startswith("error: ") and named in line and line.endswith("--help"), line
 
 
+def test_a_misspelt_variable_is_named_with_the_setting_it_resembles(tmp_path: Path) -> None:
+    """A misspelt FILLMASK_ variable was ignored without a word, and the server ran on the default
+    (found by an operator's review). Now start-up says so first; the variables of the client, of
+    deploy/haproxy.cfg and of the tests are not the server's business and pass without a word."""
+    env = {**ENV, "FILLMASK_MAX_CONECTIONS": "3", "FILLMASK_WHATEVER": "1", "FILLMASK_MAX_QUEUE": "3",
+           "FILLMASK_URL": "ws://x/", "FILLMASK_REPLICA_1": "127.0.0.1:1", "FILLMASK_LB_BIND": "127.0.0.1:2"}
+    result = subprocess.run([sys.executable, "ws_server.py", "--model", str(tmp_path / "none")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: FILLMASK_MAX_CONECTIONS is not a setting of this server and is ignored (did you mean "
+        "FILLMASK_MAX_CONNECTIONS?)",
+        "warning: FILLMASK_WHATEVER is not a setting of this server and is ignored (see ws_server.py --help for "
+        "the settings)",
+    ]
+    assert result.returncode == 1  # and start-up goes on as before (here to its one-line load error)
+
+
 def test_a_bad_value_from_the_environment_names_the_variable_not_a_flag(capsys: pytest.CaptureFixture) -> None:
     """FILLMASK_MAX_BATCH_SIZE=0 was reported as '--max-batch-size must be at least 1', a flag nobody
     passed; a flag that sets the value is named as the flag (it wins over the variable)."""
