@@ -140,7 +140,7 @@ class HttpFront:
                                         "its address or an allowed name, or its operator can allow this one with "
                                         "--allowed-hosts"})
         if handshake:
-            return self._handshake(path, request)
+            return self._handshake(connection, path, request)
         if path == "/healthz":
             return json_response(200, {"status": "ok"})
         if path == "/readyz":
@@ -151,6 +151,8 @@ class HttpFront:
             return json_response(200, {"status": "ready"})
         if path == "/metrics":
             if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
+                self.log.warning("token", "refused %s /metrics from %s with 401: missing or wrong token",
+                                 request.method, peer(connection))
                 return json_response(401, {"error": TOKEN_HELP}, [("WWW-Authenticate", "Bearer")])
             body, content_type = self.metrics.render(headers.get("Accept"))
             return response(200, body, content_type)
@@ -163,14 +165,19 @@ class HttpFront:
         authority = parse_host(host)
         return authority is not None and self.hosts.allows(authority, self.tls)
 
-    def _handshake(self, path: str, request: Request) -> Response | None:
+    def _handshake(self, connection: ServerConnection, path: str, request: Request) -> Response | None:
         headers = request.headers
         if path not in WEBSOCKET_PATHS:
             return self._refuse("not_found", 404, f"no WebSocket endpoint at {path[:100]}; connect to /")
         if not self.origins.allows(headers.get("Origin"), headers.get("Host"), self.tls):
+            # Logged (at most once per LOG_INTERVAL_S of each kind): who was refused access, never the token.
+            self.log.warning("origin", "refused a WebSocket handshake from %s with 403: Origin %r is not in "
+                             "--allowed-origins", peer(connection), _shorten(headers.get("Origin") or ""))
             return self._refuse("origin", 403, "pages of this origin may not connect to this server; its "
                                 "operator can allow them with --allowed-origins")
         if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
+            self.log.warning("token", "refused a WebSocket handshake from %s with 401: missing or wrong token",
+                             peer(connection))
             return self._refuse("token", 401, TOKEN_HELP, [("WWW-Authenticate", "Bearer")])
         if not self.state.accepting():
             return self._refuse("unavailable", 503, "server is shutting down; reconnect later")

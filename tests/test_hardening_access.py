@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import ssl
 import subprocess
@@ -254,6 +255,24 @@ async def test_token_is_required_in_header_or_query(make_server: Any) -> None:
         assert (await http_status(f"{srv.http_url}/metrics", {"Authorization": f"Bearer {TOKEN}"})) == 200
         refused = srv.metrics.registry.get_sample_value("fillmask_handshakes_refused_total", {"reason": "token"})
         assert refused == 4
+
+
+async def test_refused_tokens_and_origins_are_logged_without_the_token(make_server: Any,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A 401 or 403 was only counted: an operator looking for who was refused access found nothing in
+    the log (found by an operator's review). One line per kind and interval, with the peer, and never
+    what was presented as a token."""
+    wrong = "wrong-" + os.urandom(6).hex()
+    with caplog.at_level(logging.INFO, logger="fillmask_server"):
+        async with make_server(token=TOKEN) as srv:
+            for _ in range(3):
+                assert (await raw_handshake(srv.port, f"/?token={wrong}"))[0] == 401
+            assert (await raw_handshake(srv.port, "/", {"Origin": "https://evil.example"}))[0] == 403
+            assert (await http_status(f"{srv.http_url}/metrics?token={wrong}")) == 401
+    said = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
+    assert len([line for line in said if "WebSocket handshake" in line and "401" in line]) == 1  # throttled
+    assert any("403" in line and "'https://evil.example'" in line for line in said)
+    assert not any(wrong in record.getMessage() or TOKEN in record.getMessage() for record in caplog.records)
 
 
 async def test_the_serving_line_says_whether_a_token_is_required(make_server: Any,

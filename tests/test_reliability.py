@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -132,9 +133,12 @@ async def test_a_flood_gets_429_queue_share_and_a_polite_client_still_gets_in(ma
         assert {f["type"] for f in await recv_n(flood, 8, timeout=20)} == {"result"}
 
 
-async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008(make_server: Any) -> None:
+async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008(
+        make_server: Any, caplog: pytest.LogCaptureFixture) -> None:
     """§12: refused again and again before the time it was told to wait, past the grace for requests
-    already on their way, the connection is closed with 1008; a polite neighbour is untouched."""
+    already on their way, the connection is closed with 1008; a polite neighbour is untouched. The log
+    says so, with the client's address (it had only counted it)."""
+    caplog.set_level(logging.INFO, logger="fillmask_server")
     async with make_server(max_queue=8) as srv, session(srv.url) as (rude, _), session(srv.url) as (polite, _):
         with srv.engine.paused():
             for i in range(8):
@@ -149,5 +153,7 @@ async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_10
                     await recv(rude, timeout=5)
             assert rude.close_code == 1008 and "retry_after_ms" in rude.close_reason
             assert srv.metrics.registry.get_sample_value("fillmask_resenders_closed_total") == 1
+            said = [r.getMessage() for r in caplog.records if "before its retry_after_ms" in r.getMessage()]
+            assert len(said) == 1 and "127.0.0.1:" in said[0], said
             await send(polite, fill("polite"))
         assert (await recv(polite, timeout=10))["type"] == "result"
