@@ -10,8 +10,10 @@ import asyncio
 import base64
 import logging
 import os
+import re
 import ssl
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -367,6 +369,27 @@ async def test_tls_serves_wss_and_https_only(make_server: Any, certificate: tupl
         with pytest.raises(ssl.SSLCertVerificationError):  # an untrusted certificate is not accepted
             async with connect(srv.url, open_timeout=3):
                 pass
+
+
+def dockerfile_healthcheck() -> list[str]:
+    """The command of deploy/Dockerfile's HEALTHCHECK (its exec form)."""
+    text = (Path(__file__).resolve().parent.parent / "deploy" / "Dockerfile").read_text()
+    return orjson.loads(re.search(r"^HEALTHCHECK [^\n]*\\\n\s*CMD (\[.*\])$", text, re.M).group(1))
+
+
+async def test_the_images_health_check_follows_the_port_and_tls(make_server: Any, certificate: tuple[Path, Path]
+                                                                ) -> None:
+    """The image's HEALTHCHECK asked plain HTTP even of a server serving TLS, which answered it 400: the
+    container was reported unhealthy (found by an operator's review)."""
+    command = [sys.executable, *dockerfile_healthcheck()[1:]]  # its "python", here the venv's
+    cert, key = certificate
+    for settings, env in (({}, {}), ({"certfile": str(cert), "keyfile": str(key)},
+                                     {"FILLMASK_CERTFILE": str(cert), "FILLMASK_KEYFILE": str(key)})):
+        async with make_server(**settings) as srv:
+            env = {**os.environ, "FILLMASK_PORT": str(srv.port), **env}
+            checked = await asyncio.to_thread(subprocess.run, command, env=env, capture_output=True, text=True,
+                                              timeout=30)
+            assert checked.returncode == 0, (settings, checked.stderr[-500:])
 
 
 def test_tls_files_that_do_not_load_are_one_line_errors(certificate: tuple[Path, Path], tmp_path: Path) -> None:
