@@ -534,24 +534,28 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert draining["kind"] == "reconnecting" and "shutting down" in draining["notice"]
     assert restarting == {"kind": "reconnecting", "label": "Server is restarting; reconnecting", "notice": ""}
 
-    # Snippets survive any text: the shell and Python read back exactly what was typed.
+    # Snippets survive any text: the shell and Python read back exactly what was typed, and the
+    # command's own parser reads every value, one that starts with '-' too (found by a review).
+    from fillmask_client.cli import build_parser
+
     nasty = "It's a \"[MASK]\" -- $HOME `x` \\n ünï 😀"
-    for text in (nasty, "-starts with a dash [MASK]"):
-        frame = {"type": "fill_mask", "id": 3, "text": text, "top_k": 2, "targets": ["it's", "b"],
-                 "deadline_ms": 50}
+    for text, targets in ((nasty, ["it's", "b"]), ("-starts with a dash [MASK]", ["-ish", "well"])):
+        frame = {"type": "fill_mask", "id": 3, "text": text, "top_k": 2, "targets": targets, "deadline_ms": 50}
         url = "ws://127.0.0.1:1/?token=a b"
         cli = await page.page.evaluate("([u, f]) => FillMask.lib.snippet('cli', u, f)", [url, frame])
         argv = shlex.split(cli, comments=True)
         assert argv[0] == ".venv/bin/fillmask-client" and text in argv
-        assert argv[argv.index("--targets") + 1] == "it's,b" and argv[argv.index("--url") + 1] == url
         if text.startswith("-"):
             assert argv[-2:] == ["--", text]
+        args = build_parser().parse_intermixed_args(argv[1:])
+        assert (args.texts, args.targets, args.url, args.top_k, args.deadline_ms) == (
+            [text], [",".join(targets)], [url], 2, 50)
         python = await page.page.evaluate("([f]) => FillMask.lib.snippet('python', 'ws://x/', f)", [frame])
         call = next(n for n in ast.walk(ast.parse(python)) if isinstance(n, ast.Call)
                     and getattr(n.func, "attr", "") == "fill_mask")
         assert ast.literal_eval(call.args[0]) == text
         assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == \
-               {"top_k": 2, "targets": ["it's", "b"], "deadline_ms": 50}
+               {"top_k": 2, "targets": targets, "deadline_ms": 50}
 
 
 async def test_character_counter_counts_as_the_server_does(make_server: Any, open_page: Any) -> None:

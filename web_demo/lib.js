@@ -300,11 +300,13 @@
   const CLI = '.venv/bin/fillmask-client';
 
   function cliSnippet(url, frame) {
+    // Each option and its value as one word (--targets=-ish,b): argparse takes a separate value that
+    // starts with '-' for an option, whatever the shell's quotes were.
     const options = [];
-    if (frame.top_k !== undefined) options.push('--top-k', String(frame.top_k));
-    if (frame.targets !== undefined) options.push('--targets', shellQuote(frame.targets.join(',')));
-    if (frame.deadline_ms !== undefined) options.push('--deadline-ms', String(frame.deadline_ms));
-    options.push('--url', shellQuote(url));
+    if (frame.top_k !== undefined) options.push('--top-k=' + frame.top_k);
+    if (frame.targets !== undefined) options.push(shellQuote('--targets=' + frame.targets.join(',')));
+    if (frame.deadline_ms !== undefined) options.push('--deadline-ms=' + frame.deadline_ms);
+    options.push(shellQuote('--url=' + url));
     // A text starting with '-' would read as an option (and '-' alone as stdin): put it after '--'.
     const words = frame.text.startsWith('-')
       ? [CLI, ...options, '--', shellQuote(frame.text)]
