@@ -420,6 +420,43 @@ async def test_error_frame_is_shown_on_its_card(server: Any, open_page: Any) -> 
     await expect(page.by("inflight")).to_have_attribute("data-count", "0")
 
 
+async def test_a_result_the_page_cannot_read_ends_its_card_as_an_error(server: Any, open_page: Any) -> None:
+    """A ``result`` whose predictions are not lists of objects threw while its card was drawn, and the
+    card stayed "Waiting" for good with a Cancel that did nothing (found by a review). The stand-in
+    server here answers the first two requests so; a second request on it still works. Its third
+    answer tells the page to wait 1e12 ms, which is held to a minute (it said "1000000000.0 s")."""
+    from playwright.async_api import expect
+    from websockets.asyncio.server import serve
+
+    async with connect(server.url) as ws:
+        hello = await ws.recv()
+
+    async def bad_server(ws: Any) -> None:
+        await ws.send(hello)
+        async for message in ws:
+            frame = orjson.loads(message)
+            if frame.get("type") == "fill_mask" and frame["id"] == 3:  # a wait hint far too long
+                await ws.send(orjson.dumps({"type": "overloaded", "id": 3, "status": 503, "reason": "queue_full",
+                                            "retry_after_ms": 1e12}).decode())
+            elif frame.get("type") == "fill_mask":
+                predictions = [None] if frame["id"] == 1 else {"a": 1}
+                await ws.send(orjson.dumps({"type": "result", "id": frame["id"], "predictions": predictions,
+                                            "queue_ms": 1, "inference_ms": 1, "batch_size": 1,
+                                            "batch_tokens": 8, "batch_id": 1}).decode())
+
+    async with serve(bad_server, "127.0.0.1", 0) as stand_in:
+        port = stand_in.sockets[0].getsockname()[1]
+        page = await open_page(f"{server.http_url}/?ws=ws://127.0.0.1:{port}/")
+        for number in (1, 2):
+            await page.ask("Paris is the [MASK] of France.")
+            card = page.card(number)
+            await expect(card).to_have_attribute("data-state", "error")
+            await expect(card.get_by_test_id("card-message")).to_contain_text("cannot read")
+        await expect(page.by("inflight")).to_have_attribute("data-count", "0")
+        await page.ask("Paris is the [MASK] of France.")  # told to wait 1e12 ms: held to a minute, as the client
+        await expect(page.card(3).get_by_test_id("card-message")).to_contain_text("retry after 60.0 s")
+
+
 async def test_tokens_are_shown_readably(server: Any, open_page: Any) -> None:
     """Unused vocabulary entries are marked as such, and no token is drawn as a missing-glyph box: a
     character this device has no font for is shown as its code point (U+....), with a note."""

@@ -174,6 +174,26 @@ test('going_away: the old connection drains (receives only), a new one opens', (
   assert.equal(client.request({ text: 'again' }).id, 2);
 });
 
+test('going_away right after every hello backs off; a huge hint is held to a minute', () => {
+  // A review's stand-in server said going_away with reconnect_within_ms 0 after each hello: the page
+  // reconnected 460 times in 6 s, and a hint of 1e11 ms had it wait 106 days.
+  const { client, socket, timers, runTimers, clock } = harness();
+  client.connect();
+  const delays = [];
+  for (let i = 0; i < 5; i += 1) {
+    socket().hello();
+    socket().frame({ type: 'going_away', reconnect_within_ms: 0 });
+    delays.push(timers[0].ms);
+    runTimers();
+  }
+  assert.deepEqual(delays, [500, 1000, 2000, 4000, 8000]);
+  socket().hello();
+  clock.t += 6000;  // a connection that lasted: the hint alone, from the start again
+  socket().frame({ type: 'going_away', reconnect_within_ms: 1e11 });
+  assert.equal(timers[0].ms, 0.5 * 60000);
+  assert.equal(client.state, State.DRAINING);
+});
+
 test('connect() to a new address closes the old connection and starts afresh', () => {
   const { client, events, socket } = harness();
   client.connect();

@@ -629,9 +629,19 @@
     }
     const groups = Array.isArray(msg.predictions) && Array.isArray(msg.predictions[0])
       ? msg.predictions : [msg.predictions || []];
-    renderMetrics(rec, msg);
-    renderNotes(rec, msg);
-    renderPredictions(rec, groups);
+    try {
+      if (!groups.every((g) => Array.isArray(g) && g.every((p) => p && typeof p === 'object'))) {
+        throw new Error('its predictions are not lists of objects');
+      }
+      renderMetrics(rec, msg);
+      renderNotes(rec, msg);
+      renderPredictions(rec, groups);
+    } catch (err) {
+      // A result the page cannot show still ends its card (every card is settled exactly once).
+      rec.card.querySelector('.preds').replaceChildren();
+      settle(rec, 'error', 'Error', 'The server sent a result this page cannot read (' + err.message + ').');
+      return;
+    }
     const late = rec.cancelAsked ? 'It was already running, so the cancel came too late. ' : '';
     // Is the card being looked at? Then it stays in view as it grows (phones: it is below the form).
     const rect = rec.card.getBoundingClientRect();
@@ -846,7 +856,8 @@
   }
 
   function onOverloaded(rec, msg) {
-    const wait = Number(msg.retry_after_ms) || 0;
+    const given = Number(msg.retry_after_ms);  // held to [0, MAX_HINT_MS], as the Python client does
+    const wait = Number.isFinite(given) ? Math.min(Math.max(given, 0), FillMask.client.MAX_HINT_MS) : 0;
     const reason = overloadText(msg.reason);
     const status = msg.status ? ' (' + msg.status + ')' : '';
     settle(rec, 'overloaded', 'Overloaded' + status, reason + '; retry after ' + formatMs(wait) + '.', true);

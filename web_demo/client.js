@@ -92,6 +92,9 @@
     return Object.prototype.hasOwnProperty.call(next, event) ? next[event] : state;
   }
 
+  /** The most a server's hint (retry_after_ms, reconnect_within_ms) makes the page wait, as the Python client. */
+  const MAX_HINT_MS = 60000;
+
   /** Delay before reconnection attempt `attempt` (0, 1, ...): exponential, capped, ±20% jitter. */
   function backoffMs(attempt, firstMs, maxMs, random) {
     return Math.min(maxMs, firstMs * 2 ** attempt) * (0.8 + 0.4 * random());
@@ -318,10 +321,21 @@
       this.current = null;
       this.draining.add(conn);
       this.restarting = true;
-      this.attempt = 0;
+      // A server that says going_away soon after every hello must not get a reconnect per hint: the
+      // backoff only starts over after a connection that lasted, and the hint is held to
+      // [0, MAX_HINT_MS] (§14: a client bounds what it is told to wait).
+      const lasted = this.openedAt && this.now() - this.openedAt > this.lastedMs;
       this.openedAt = 0;
-      const within = Number(msg.reconnect_within_ms);
-      this.scheduleRetry(this.random() * (Number.isFinite(within) && within >= 0 ? within : 1000));
+      const given = Number(msg.reconnect_within_ms);
+      const within = Math.min(MAX_HINT_MS, Number.isFinite(given) && given >= 0 ? given : 1000);
+      if (lasted) {
+        this.attempt = 0;
+        this.scheduleRetry(this.random() * within);
+      } else {
+        const delay = backoffMs(this.attempt, this.backoffFirstMs, this.backoffMaxMs, this.random);
+        this.attempt += 1;
+        this.scheduleRetry(Math.max(delay, this.random() * within));
+      }
       const owed = Array.from(this.inflight.values()).filter((r) => r.conn === conn).length;
       this.emit('status', this.status());
       this.emit('goingAway', msg, owed);
@@ -370,7 +384,7 @@
     }
   }
 
-  const api = { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText };
+  const api = { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS };
   if (typeof module === 'object' && module.exports) module.exports = api;
   else (root.FillMask = root.FillMask || {}).client = api;
 })(typeof window !== 'undefined' ? window : globalThis);
