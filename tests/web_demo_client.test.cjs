@@ -41,7 +41,7 @@ function harness(url) {
   const events = [];
   const on = {};
   for (const name of ['status', 'log', 'hello', 'stats', 'settle', 'strayError', 'goingAway', 'handshakeFailed',
-    'badUrl', 'notJson']) {
+    'badUrl', 'notJson', 'incompatible']) {
     on[name] = (...args) => events.push([name, ...args]);
   }
   const client = new Client({
@@ -192,6 +192,24 @@ test('going_away right after every hello backs off; a huge hint is held to a min
   socket().frame({ type: 'going_away', reconnect_within_ms: 1e11 });
   assert.equal(timers[0].ms, 0.5 * 60000);
   assert.equal(client.state, State.DRAINING);
+});
+
+test('a hello of another protocol version: closed with 1000, nothing sent, no retry (§14)', () => {
+  // Found by a protocol review: the page showed a notice, then sent requests to such a server.
+  const { client, events, socket, timers } = harness();
+  client.connect();
+  const ws = socket();
+  ws.open();
+  ws.frame({ type: 'hello', protocol: 2, model: 'm', mask_token: '[MASK]' });
+  assert.equal(ws.closedWith, 1000);
+  assert.equal(client.request({ text: 'a [MASK]' }), null);
+  assert.deepEqual(ws.sent, []);
+  ws.drop(1000);
+  assert.equal(timers.length, 0);
+  assert.deepEqual(events.filter((e) => e[0] === 'incompatible'), [['incompatible', 2]]);
+  assert.equal(events.filter((e) => e[0] === 'hello').length, 0);
+  client.connect();  // Retry now: tries again
+  assert.notEqual(socket(), ws);
 });
 
 test('connect() to a new address closes the old connection and starts afresh', () => {

@@ -333,7 +333,7 @@
     renderLimits(msg);
     updateCounter();
     updateOptionsBrief();
-    showNotice(msg.protocol === 1 ? '' : 'This server speaks protocol ' + msg.protocol + '; the page was written for 1.');
+    showNotice('');
     updateInflight();
     startStats(msg);
   }
@@ -1029,6 +1029,8 @@
       handshakeFailed: diagnoseFailure,
       badUrl: onBadUrl,
       notJson: () => showNotice('The server sent a frame that is not JSON; it was ignored.'),
+      incompatible: (version) => showNotice('This server speaks protocol ' + String(version).slice(0, 40) +
+        '; this page speaks protocol 1, so it closed the connection. Open the demo page that server serves.'),
     },
   });
 

@@ -92,6 +92,9 @@
     return Object.prototype.hasOwnProperty.call(next, event) ? next[event] : state;
   }
 
+  /** The protocol version this page speaks (hello.protocol, §2). */
+  const PROTOCOL_VERSION = 1;
+
   /** The most a server's hint (retry_after_ms, reconnect_within_ms) makes the page wait, as the Python client. */
   const MAX_HINT_MS = 60000;
 
@@ -299,6 +302,17 @@
 
     onHello(conn, msg) {
       if (conn !== this.current || conn.state !== State.CONNECTING) return;
+      if (msg.protocol !== PROTOCOL_VERSION) {
+        // §14: a server of another protocol version gets a close with 1000 and no retry: nothing this
+        // page would send means there what it means here. connect() (Retry now) tries again.
+        this.current = null;
+        this.cancelRetry();
+        this.closeConnection(conn, { code: 1000, reason: '', wasClean: true });
+        conn.ws.close(1000);
+        this.emit('incompatible', msg.protocol);
+        this.emit('status', this.status());
+        return;
+      }
       conn.hello = msg;
       this.advance(conn, 'hello');
       this.openedAt = this.now();
@@ -384,7 +398,7 @@
     }
   }
 
-  const api = { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS };
+  const api = { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS, PROTOCOL_VERSION };
   if (typeof module === 'object' && module.exports) module.exports = api;
   else (root.FillMask = root.FillMask || {}).client = api;
 })(typeof window !== 'undefined' ? window : globalThis);
