@@ -34,7 +34,7 @@ class FakeSocket {
 FakeSocket.all = [];
 
 /** A client on fake sockets and a fake clock; `events` records every callback. */
-function harness(url) {
+function harness(url, options) {
   FakeSocket.all = [];
   const timers = [];
   const clock = { t: 1000 };
@@ -48,7 +48,7 @@ function harness(url) {
     url: url || 'ws://x/', WebSocket: FakeSocket, on,
     setTimeout: (f, ms) => { const t = { f, at: clock.t + ms, ms }; timers.push(t); return t; },
     clearTimeout: (t) => { const i = timers.indexOf(t); if (i >= 0) timers.splice(i, 1); },
-    random: () => 0.5, now: () => clock.t,
+    random: () => 0.5, now: () => clock.t, helloTimeoutMs: 0, ...options,
   });
   const runTimers = () => {
     while (timers.length) {
@@ -210,6 +210,34 @@ test('a hello of another protocol version: closed with 1000, nothing sent, no re
   assert.equal(events.filter((e) => e[0] === 'hello').length, 0);
   client.connect();  // Retry now: tries again
   assert.notEqual(socket(), ws);
+});
+
+test('no hello within the timeout: the attempt is given up and retried with the backoff', () => {
+  // A review's stand-ins (TCP accepted, no handshake answer; or no hello) held the page on
+  // "Connecting" for good, with no way out.
+  const { client, socket, timers, clock, events } = harness('ws://x/', { helloTimeoutMs: 10000 });
+  client.connect();
+  const silent = socket();
+  silent.open();  // the WebSocket opened, but no hello comes
+  assert.equal(timers.length, 1);
+  const t = timers.shift();
+  clock.t = t.at;
+  t.f();
+  assert.equal(silent.closedWith, undefined);  // close() was called (it starts as null)
+  assert.equal(client.status().lastClose.reason, 'no hello within 10 s');
+  assert.equal(timers.length, 1);
+  assert.equal(timers[0].ms, 500);  // the backoff's first step
+  const retry = timers.shift();
+  clock.t = retry.at;
+  retry.f();
+  const fresh = socket();
+  assert.notEqual(fresh, silent);
+  fresh.hello();  // a hello in time: its timer is cleared, the connection is open
+  assert.equal(client.state, State.OPEN);
+  assert.equal(timers.length, 0);
+  silent.drop(1006);  // the given-up socket's own close event changes nothing
+  assert.equal(client.state, State.OPEN);
+  assert.ok(events.some((e) => e[0] === 'status'));
 });
 
 test('connect() to a new address closes the old connection and starts afresh', () => {

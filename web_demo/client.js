@@ -131,6 +131,10 @@
       this.backoffFirstMs = options.backoffFirstMs || 500;
       this.backoffMaxMs = options.backoffMaxMs || 15000;
       this.lastedMs = options.lastedMs || 5000;  // a connection this long resets the backoff
+      // An attempt without a hello by then is given up and retried with the backoff (0: never): a
+      // server that accepts TCP but never answers the handshake, or never says hello, would
+      // otherwise hold the page on "Connecting" for good.
+      this.helloTimeoutMs = options.helloTimeoutMs ?? 10000;
       this.url = options.url || '';
       this.current = null;       // the connection new requests go to (connecting or open), or null
       this.draining = new Set(); // connections after going_away, until they close
@@ -201,6 +205,9 @@
         return;
       }
       this.current = conn;
+      if (this.helloTimeoutMs > 0) {
+        conn.helloTimer = this.setTimeout(() => this.onNoHello(conn), this.helloTimeoutMs);
+      }
       this.emit('log', 'event', 'connecting to ' + conn.url, 'connection');
       conn.ws.onopen = () => { conn.opened = true; };
       conn.ws.onmessage = (event) => this.onMessage(conn, event.data);
@@ -235,8 +242,18 @@
       conn.state = transition(conn.state, event);
     }
 
+    /** No hello within helloTimeoutMs: give this attempt up, as if the connection had dropped. */
+    onNoHello(conn) {
+      conn.helloTimer = null;
+      if (conn !== this.current || conn.state !== State.CONNECTING) return;
+      const why = 'no hello within ' + this.helloTimeoutMs / 1000 + ' s';
+      conn.ws.close();
+      this.onSocketClose(conn, { code: 1006, reason: why });
+    }
+
     /** A connection is closed (by either side): its requests are lost. Idempotent. */
     closeConnection(conn, event) {
+      if (conn.helloTimer) { this.clearTimeout(conn.helloTimer); conn.helloTimer = null; }
       if (conn.state === State.CLOSED) return;
       this.advance(conn, 'close');
       this.draining.delete(conn);
@@ -313,6 +330,7 @@
         this.emit('status', this.status());
         return;
       }
+      if (conn.helloTimer) { this.clearTimeout(conn.helloTimer); conn.helloTimer = null; }
       conn.hello = msg;
       this.advance(conn, 'hello');
       this.openedAt = this.now();
