@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,16 +143,45 @@ def _orjsons_integer(digits: str) -> int | float:
     return float(digits)
 
 
+#: The deepest nesting of arrays and objects a frame may have (orjson's own limit, §7 ``invalid_json``).
+MAX_NESTING = 1024
+#: Room for the frames of whoever calls the parser, above the nesting (the interpreter's default limit).
+_CALLERS_DEPTH = 1000
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _nesting(data: bytes) -> int:
+    """How deep ``data``'s arrays and objects nest (strings left out); an upper bound for text that is
+    not JSON."""
+    depth = deepest = 0
+    for byte in _STRING.sub(b"", data):
+        if byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
+
+
 def _loads_what_orjson_cannot_hold(data: str | bytes, refusal: Exception) -> Any:
     """The frame as the standard library reads it (lone surrogates kept, numbers as orjson reads them,
     ``1e400`` as infinity, which the field checks then refuse), or ``_NOT_JSON`` when it is not JSON
-    orjson merely cannot hold (``NaN`` and ``Infinity`` are not JSON either)."""
+    orjson merely cannot hold (``NaN`` and ``Infinity`` are not JSON either), or nests deeper than
+    ``MAX_NESTING``, as orjson would have said. The standard library parses nesting by recursion, so
+    it runs with room for ``MAX_NESTING`` levels above wherever it is called from."""
     if not any(word in str(refusal) for word in _VALID_BUT_UNHELD):
         return _NOT_JSON
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if _nesting(raw) > MAX_NESTING:
+        return _NOT_JSON
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, MAX_NESTING + _CALLERS_DEPTH))
     try:
         return json.loads(data, parse_constant=_reject_constant, parse_int=_orjsons_integer)
     except (ValueError, TypeError, RecursionError):
         return _NOT_JSON
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def _type_name(value: Any) -> str:

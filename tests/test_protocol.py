@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import orjson
 import pytest
 
@@ -177,6 +179,24 @@ def test_a_frame_that_is_not_json_is_parsed_once(monkeypatch: pytest.MonkeyPatch
 def test_a_valid_json_frame_with_a_lone_surrogate_in_an_unknown_field_is_accepted() -> None:
     got = parse_frame('{"type":"fill_mask","id":7,"text":"a [MASK]","note":"\\ud800","\\udfff":1}', LIMITS)
     assert got == FillMaskRequest(7, "a [MASK]", LIMITS.top_k_default, None, None)
+
+
+@pytest.mark.parametrize("unheld", ['"x":1e400', '"note":"\\ud800"'])
+def test_nesting_to_1024_is_accepted_however_the_frame_is_parsed(unheld: str) -> None:
+    """§7: invalid_json for nesting deeper than 1024 only. A frame the standard library reads again
+    (a value orjson cannot hold) was invalid_json from about 960 levels: its parser recursed past
+    Python's limit (found by a protocol review). The interpreter's limit is put back."""
+    limit = sys.getrecursionlimit()
+    for depth, accepted in ((1024, True), (1025, False)):
+        for nest in (lambda d: "[" * d + "]" * d, lambda d: '{"a":' * d + "1" + "}" * d):
+            junk = nest(depth - 1)  # inside the frame's own object: one level
+            frame = '{"type":"fill_mask","id":3,"text":"a [MASK]",' + unheld + ',"junk":' + junk + "}"
+            got = parse_frame(frame, LIMITS)
+            if accepted:
+                assert got == FillMaskRequest(3, "a [MASK]", LIMITS.top_k_default, None, None), (depth, got)
+            else:
+                assert isinstance(got, ProtocolError) and got.code == "invalid_json", (depth, got)
+    assert sys.getrecursionlimit() == limit
 
 
 def test_an_unknown_type_is_quoted_whole_or_cut_with_an_ellipsis() -> None:
