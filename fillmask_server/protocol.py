@@ -231,8 +231,9 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
             interval = STATS_INTERVAL_MS["default"]
         if (isinstance(interval, bool) or not isinstance(interval, int)
                 or not STATS_INTERVAL_MS["min"] <= interval <= STATS_INTERVAL_MS["max"]):
+            # Not a request (§13): an id it holds is ignored, so its error never reads as a request's answer.
             return ProtocolError("invalid_field", f"\"interval_ms\" must be an integer from {STATS_INTERVAL_MS['min']} "
-                                 f"to {STATS_INTERVAL_MS['max']}", frame_id)
+                                 f"to {STATS_INTERVAL_MS['max']}")
         return StatsSubscription(interval)
     if kind == "unsubscribe_stats":
         return StatsSubscription(None)

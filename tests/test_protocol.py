@@ -148,7 +148,7 @@ def test_malformed_frames(data: str | bytes, code: str | None) -> None:
          "invalid_top_k", 7),
         ('{"type":"fill_mask","id":18446744073709551616,"text":"a [MASK]","x":"\\ud800"}', "invalid_id", None),
         ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":1' + "0" * 400 + "}", "invalid_deadline", 7),
-        ('{"type":"subscribe_stats","id":7,"interval_ms":1e999}', "invalid_field", 7),
+        ('{"type":"subscribe_stats","id":7,"interval_ms":1e999}', "invalid_field", None),  # no request: no id
         ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":NaN}', "invalid_json", None),
         ('{"type":"fill_mask","id":7,"text":"a [MASK]","deadline_ms":Infinity}', "invalid_json", None),
     ],

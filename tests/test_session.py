@@ -121,6 +121,22 @@ def test_an_id_in_flight_is_duplicate_id_whatever_else_is_wrong_with_the_frame()
     assert session.receive(fill(7)) == []
 
 
+def test_stats_frames_ignore_an_id_even_one_in_flight() -> None:
+    """§13: subscribe_stats and unsubscribe_stats are not requests: an id in them is ignored. An invalid
+    one with an id in flight got duplicate_id, a valid one nothing, and one with a fresh id an error
+    under that id, which read as a request's answer (found by a protocol review)."""
+    session, engine, _ = make()
+    session.receive(fill(1))
+    assert session.receive(orjson.dumps({"type": "subscribe_stats", "id": 1, "interval_ms": 1000}).decode()) == []
+    assert session.stats_interval_ms == 1000
+    for frame_id in (1, "s1"):
+        (answer,) = frames(session.receive(
+            orjson.dumps({"type": "subscribe_stats", "id": frame_id, "interval_ms": 5}).decode()))
+        assert (answer["id"], answer["code"]) == (None, "invalid_field")
+    assert session.receive(orjson.dumps({"type": "unsubscribe_stats", "id": 1}).decode()) == []
+    assert session.stats_interval_ms is None and list(session.inflight) == [1]
+
+
 def test_order_after_the_frame_is_valid_inflight_then_draining_then_engine_then_queue() -> None:
     session, engine, _ = make(room=1, max_inflight=2)
     session.receive(fill(1))
