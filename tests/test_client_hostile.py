@@ -325,3 +325,24 @@ async def test_a_connection_this_client_failed_is_redialled_and_the_text_says_wh
         async with FillMaskClient(server.url, reconnect=True) as client:
             assert await client.fill_mask(TEXT) == [CANDIDATE]  # lost, redialled, resent, answered
         assert len(server.connections) == 3
+
+
+@pytest.mark.parametrize("code", [1011, 1009])
+async def test_a_reconnecting_pool_dials_again_after_1011_and_1009_without_resending(code: int) -> None:
+    """§14: after 1011 (the server missed a pong, or failed) and 1009, reconnect with backoff. A
+    reconnecting pool left the slot dead for good (found by a protocol review). The call that was in
+    flight is not sent again: it fails, so whatever caused the close never reaches another connection."""
+
+    async def close_on_first(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+        if number == 0:
+            await ws.close(code, "closed by the test")
+        else:
+            await ws.send(result(request))
+
+    async with fake(close_on_first) as server:
+        async with FillMaskClient(server.url, reconnect=True) as client:
+            with pytest.raises(ConnectionLostError) as lost:
+                await client.fill_mask(TEXT)
+            assert lost.value.code == code
+            assert await client.fill_mask(TEXT) == [CANDIDATE]  # on the slot dialled again
+        assert len(server.connections) == 2 and server.requests == 2

@@ -84,7 +84,8 @@ class FillMaskClient:
       are sent on another connection of the pool if one is usable, and once none is, calls raise at
       once (``OverloadedError`` 503 ``shutting_down`` while the server is going away,
       ``ConnectionLostError`` once the connection is lost). Other closes (1009 too big, 1008 not
-      reading, 1011 server fault) are never resent or reconnected.
+      reading, 1011 server fault or missed pong) are never resent; with ``reconnect`` the pool dials
+      again after 1009 and 1011 (§14), but the calls in flight then fail with ``ConnectionLostError``.
     - ``open_timeout``: seconds to open a connection and receive ``hello``.
     - ``connect_wait``: seconds ``connect()`` keeps trying while the server is still starting (its
       ``wait``, below); ``async with`` and ``SyncFillMaskClient``, which connect for you, use it.

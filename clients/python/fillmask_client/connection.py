@@ -63,6 +63,11 @@ GOING_AWAY_CODES = frozenset({CLOSE_GOING_AWAY, CLOSE_SERVICE_RESTART})
 #: server asked to try again later. Not among them: 1008/1009/1007/1002 (this client broke a rule; the
 #: same would happen again) and 1011 (a server fault the caller should see).
 RECONNECT_CODES = GOING_AWAY_CODES | {1006, CLOSE_TRY_AGAIN_LATER}
+#: Close codes after which a ``reconnect`` pool dials the slot again (§14's table): the above, and
+#: the server's 1011 (a missed pong: a stalled network; or a server fault) and 1009 (a frame over the
+#: server's limit). After those two the calls that were in flight are not sent again: they fail with
+#: ``ConnectionLostError``, so a request that caused them never reaches another connection.
+REDIAL_CODES = RECONNECT_CODES | {1009, 1011}
 
 _CLOSE_NAMES = {
     1000: "normal closure",

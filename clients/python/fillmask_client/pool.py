@@ -31,7 +31,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .connection import RECONNECT_CODES, Connection, redact
+from .connection import RECONNECT_CODES, REDIAL_CODES, Connection, redact
 from .errors import ConnectError, ConnectionLostError, OverloadedError
 from .retry import ReconnectBackoff
 from .state import ConnState
@@ -289,8 +289,8 @@ class Pool:
         match conn.state:
             case ConnState.DRAINING:  # the server takes no more work there: dial now
                 return True
-            case ConnState.CLOSED:  # worth a redial if the server went away or the loss is one that passes
-                return conn.went_away or (conn.lost is not None and conn.lost.code in RECONNECT_CODES)
+            case ConnState.CLOSED:  # worth a redial if the server went away or the loss is one §14 redials
+                return conn.went_away or (conn.lost is not None and conn.lost.code in REDIAL_CODES)
             case _:  # open (usable, or its socket closing: wait for how it ended); connecting is never installed
                 return False
 
