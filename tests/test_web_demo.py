@@ -701,6 +701,21 @@ async def test_burst_is_batched(server: Any, open_page: Any) -> None:
     assert await chips.count() == len({f["batch_id"] for f in frames})  # one chip per batch_id
 
 
+async def test_the_page_keeps_at_most_500_request_cards_bursts_included(server: Any, open_page: Any) -> None:
+    """A burst counted as one of the 100 cards kept, so a long session kept up to 6,400 request cards
+    (2.4 GB of renderer memory, found by a review). The oldest finished bursts now go once more than
+    500 request cards are on the page."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/")
+    for number in range(1, 10):  # 9 bursts of 64: 576 request cards sent
+        await page.send_burst(64)
+        await expect(page.burst(number).get_by_test_id("burst-summary")).to_have_attribute("data-done", "64")
+    cards = page.page.locator('[data-testid="request-card"]')
+    await expect(cards).to_have_count(448)  # the oldest burst went at 512, leaving 7 of 64
+    await expect(page.burst(9)).to_be_visible()
+
+
 async def test_cancel_of_a_queued_request(server: Any, open_page: Any) -> None:
     """Cancel on a queued request sends a cancel frame; the card shows the server's `cancelled`."""
     from playwright.async_api import expect

@@ -22,6 +22,7 @@
   const { formatScore, formatMs, plural } = lib;
 
   const MAX_ITEMS = 100;           // top-level cards kept (a burst is one); unanswered ones always stay
+  const MAX_REQUEST_CARDS = 500;   // request cards kept in all, a burst's included (memory: each holds a DOM)
   const MAX_OURS = 1024;          // batch ids of this page's results remembered for the timeline
   const LOG_MAX_ENTRIES = 500;
   const LOG_MAX_CHARS = 2000;
@@ -874,11 +875,17 @@
     el.cancelAll.disabled = client.cancellable().length === 0;
   }
 
-  /** Keep at most MAX_ITEMS top-level cards, dropping the oldest finished ones. */
+  /** Keep at most MAX_ITEMS top-level cards and MAX_REQUEST_CARDS request cards, dropping the oldest
+   *  finished ones. (Counting a burst as one card let a long session keep 6,400 cards: gigabytes.) */
   function trimCards() {
-    const items = Array.from(el.cards.children);
-    for (const item of items.slice(MAX_ITEMS).reverse()) {
-      if (!itemBusy(item)) item.remove();
+    const items = Array.from(el.cards.children);  // newest first
+    const size = (item) => item.querySelectorAll('[data-testid="request-card"]').length +
+      (item.matches('[data-testid="request-card"]') ? 1 : 0);
+    let cards = items.reduce((sum, item) => sum + size(item), 0);
+    for (let i = items.length - 1; i >= 0 && (i >= MAX_ITEMS || cards > MAX_REQUEST_CARDS); i -= 1) {
+      if (itemBusy(items[i])) continue;
+      cards -= size(items[i]);
+      items[i].remove();
     }
   }
 
