@@ -105,6 +105,9 @@ class Page:
         self.raw_out: list[str] = []
         self.errors: list[str] = []
         page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+        # A Content-Security-Policy violation is only a console message: count it as an error too.
+        page.on("console", lambda message: self.errors.append(message.text)
+                if "Content Security Policy" in message.text else None)
         page.on("websocket", self._watch)
 
     def _watch(self, ws: Any) -> None:
@@ -455,6 +458,23 @@ async def test_a_result_the_page_cannot_read_ends_its_card_as_an_error(server: A
         await expect(page.by("inflight")).to_have_attribute("data-count", "0")
         await page.ask("Paris is the [MASK] of France.")  # told to wait 1e12 ms: held to a minute, as the client
         await expect(page.card(3).get_by_test_id("card-message")).to_contain_text("retry after 60.0 s")
+
+
+async def test_the_page_is_served_with_its_security_headers(server: Any) -> None:
+    """Defence in depth beside showing server text as text only (a review found no injection, and no
+    such headers): its scripts only from the server, never framed by another site, no type guessing.
+    Every page test fails on a console message about the policy (``Page``), so the page runs under it."""
+    import urllib.request
+
+    def headers(path: str) -> Any:
+        with urllib.request.urlopen(server.http_url + path, timeout=5) as answer:
+            return answer.headers
+
+    for path in ("/", "/app.js", "/style.css"):
+        got = await asyncio.to_thread(headers, path)
+        policy = got["Content-Security-Policy"]
+        assert "script-src 'self'" in policy and "frame-ancestors 'none'" in policy, path
+        assert got["X-Content-Type-Options"] == "nosniff"
 
 
 async def test_tokens_are_shown_readably(server: Any, open_page: Any) -> None:
