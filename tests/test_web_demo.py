@@ -547,7 +547,9 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
             clip: [L.clipText('short [MASK]', 300, '[MASK]'), L.clipText('ab[MASK]cd', 4, '[MASK]'),
                    L.clipText('😀😀😀', 2, '[MASK]'), L.clipText('x'.repeat(12345), 300, '[MASK]').more],
             pretty: [L.prettyJson({type: 'x', a: [1, 'b'], o: {p: [{q: null}]}, e: [], f: {}}),
-                     L.logText('not json {'), L.formatCount(50012)],
+                     L.logText('not json {'), L.formatCount(50012),
+                     L.logText(JSON.stringify({token_str: '\u202eevil\u202c', s: 'a\u200bb\u0085\ud83d\ude00'})),
+                     L.logText('raw \u2028 \udb40\udc01')],
             diagnosis: [
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: true},
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: false},
@@ -580,7 +582,11 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert straddle == {"text": "ab[MASK]", "more": 2, "total": 10}  # a mask token is never cut in two
     assert emoji == {"text": "😀😀", "more": 1, "total": 3}  # by code points, never half a surrogate pair
     assert more == 12345 - 300
-    pretty, not_json, count = got["pretty"]
+    pretty, not_json, count, spoof, raw = got["pretty"]
+    # Invisible and reordering characters are escaped in the log (a token U+202E "evil" read "live"):
+    assert spoof == '{"token_str": "\\u202eevil\\u202c", "s": "a\\u200bb\\u0085😀"}', spoof
+    assert orjson.loads(spoof) == {"token_str": "\u202eevil\u202c", "s": "a\u200bb\x85😀"}  # still JSON
+    assert raw == "raw \\u2028 \\udb40\\udc01"
     assert pretty == '{\n  "type": "x",\n  "a": [1, "b"],\n  "o": {\n    "p": [\n      {"q": null}\n    ]\n  },' \
                      '\n  "e": [],\n  "f": {}\n}'
     assert not_json == "not json {" and count == "50,012"

@@ -420,9 +420,24 @@
    * indented by two spaces; those that hold only numbers, strings, booleans and nulls stay on one
    * line (a prediction, a latency pair). JSON.parse of the result gives `value` back.
    */
+  /** Characters that show as nothing or reorder what follows (controls, format characters such as
+   *  U+202E RIGHT-TO-LEFT OVERRIDE or U+200B ZERO WIDTH SPACE, line and paragraph separators): in the
+   *  log they are written as \uXXXX escapes, so a token cannot make its frame read otherwise. */
+  const INVISIBLE = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/gu;
+
+  function escapeInvisible(text) {
+    return text.replace(INVISIBLE, (c) => Array.from({ length: c.length },
+      (_, i) => '\\u' + c.charCodeAt(i).toString(16).padStart(4, '0')).join(''));
+  }
+
+  /** JSON.stringify, with invisible characters escaped (escapeInvisible: still valid JSON). */
+  function jsonText(value) {
+    return escapeInvisible(JSON.stringify(value));
+  }
+
   function prettyJson(value, indent) {
     indent = indent || '';
-    if (value === null || typeof value !== 'object') return JSON.stringify(value);
+    if (value === null || typeof value !== 'object') return jsonText(value);
     const isArray = Array.isArray(value);
     const keys = isArray ? null : Object.keys(value);
     const members = isArray ? value : keys.map((k) => value[k]);
@@ -430,7 +445,7 @@
     if (!members.length) return open + close;
     const flat = members.every((v) => v === null || typeof v !== 'object');
     const inner = flat ? '' : indent + '  ';
-    const parts = members.map((v, i) => inner + (isArray ? '' : JSON.stringify(keys[i]) + ': ') + prettyJson(v, inner));
+    const parts = members.map((v, i) => inner + (isArray ? '' : jsonText(keys[i]) + ': ') + prettyJson(v, inner));
     return flat ? open + parts.join(', ') + close : open + '\n' + parts.join(',\n') + '\n' + indent + close;
   }
 
@@ -439,7 +454,7 @@
     try {
       return prettyJson(JSON.parse(text));
     } catch (err) {
-      return String(text);
+      return escapeInvisible(String(text));
     }
   }
 
