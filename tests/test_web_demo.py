@@ -362,6 +362,13 @@ async def test_page_renders_the_servers_predictions(server: Any, open_page: Any)
     await box.press_sequentially(" of France.")
     text = f"Paris is the {mask} of France."
     assert await box.input_value() == text
+    await box.press("Alt+m")  # the shortcut, in the sentence box: a mask at the cursor
+    assert (await box.input_value()).count(mask) == 2
+    await box.fill(text)
+    await page.by("options").locator("summary").click()
+    await page.by("targets").press("Alt+m")  # in another field it is not for the sentence (a review)
+    assert await box.input_value() == text
+    await page.by("options").locator("summary").click()
     await page.by("top-k").fill("7")
     await box.press("Enter")
 

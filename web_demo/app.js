@@ -1110,6 +1110,10 @@
   el.insertMask.addEventListener('click', insertMask);
   document.addEventListener('keydown', (event) => {
     if (event.altKey && !event.ctrlKey && !event.metaKey && (event.key === 'm' || event.key === 'M' || event.code === 'KeyM')) {
+      // Typing in another field (targets, the address...) is left alone: Alt+M there is not for the
+      // sentence (and on a Mac it types µ).
+      const typing = event.target instanceof Element && event.target.matches('input, textarea, select, [contenteditable]');
+      if (typing && event.target !== el.text) return;
       event.preventDefault();
       insertMask();
     }
