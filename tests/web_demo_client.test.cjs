@@ -240,6 +240,19 @@ test('no hello within the timeout: the attempt is given up and retried with the 
   assert.ok(events.some((e) => e[0] === 'status'));
 });
 
+test('duplicate_id is not the in-flight request\'s answer (§7)', () => {
+  const { client, events, socket } = harness();
+  client.connect();
+  socket().hello();
+  client.request({ text: 'a [MASK]' });
+  socket().frame({ type: 'error', id: 1, code: 'duplicate_id', message: 'in flight' });
+  assert.deepEqual(settled(events), []);
+  assert.ok(client.inflight.has(1));
+  assert.equal(events.filter((e) => e[0] === 'strayError').length, 1);
+  socket().frame({ type: 'result', id: 1, predictions: [] });
+  assert.deepEqual(settled(events), [[1, 'result']]);
+});
+
 test('connect() to a new address closes the old connection and starts afresh', () => {
   const { client, events, socket } = harness();
   client.connect();

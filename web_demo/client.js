@@ -305,7 +305,9 @@
       if (type === 'hello') { this.onHello(conn, msg); return; }
       if (type === 'going_away') { this.onGoingAway(conn, msg); return; }
       if (type === 'stats') { if (conn === this.current && conn.state === State.OPEN) this.emit('stats', msg); return; }
-      const rec = msg.id === null || msg.id === undefined ? undefined : this.inflight.get(msg.id);
+      // §7: duplicate_id is about a frame that reused an id in flight, never that request's answer.
+      const aboutAnother = type === 'error' && msg.code === 'duplicate_id';
+      const rec = msg.id === null || msg.id === undefined || aboutAnother ? undefined : this.inflight.get(msg.id);
       if (!rec || rec.conn !== conn) {
         // An error about no request of ours (id null), or a frame for a request already settled.
         if (type === 'error' && conn === this.current) this.emit('strayError', msg);
