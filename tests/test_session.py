@@ -125,7 +125,7 @@ def test_stats_frames_ignore_an_id_even_one_in_flight() -> None:
     """§13: subscribe_stats and unsubscribe_stats are not requests: an id in them is ignored. An invalid
     one with an id in flight got duplicate_id, a valid one nothing, and one with a fresh id an error
     under that id, which read as a request's answer (found by a protocol review)."""
-    session, engine, _ = make()
+    session, _, _ = make()
     session.receive(fill(1))
     assert session.receive(orjson.dumps({"type": "subscribe_stats", "id": 1, "interval_ms": 1000}).decode()) == []
     assert session.stats_interval_ms == 1000
