@@ -346,3 +346,48 @@ async def test_a_reconnecting_pool_dials_again_after_1011_and_1009_without_resen
             assert lost.value.code == code
             assert await client.fill_mask(TEXT) == [CANDIDATE]  # on the slot dialled again
         assert len(server.connections) == 2 and server.requests == 2
+
+
+async def test_a_server_that_closes_every_connection_at_once_is_redialled_with_a_growing_backoff(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each redial started from the first backoff step, so a server closing every connection with 1011
+    right after its hello was dialled about 26 times a second, for good (found by a review). A slot's
+    backoff now carries on across connections lost within ``LASTED_S``, and starts over after one
+    that lasted."""
+    import fillmask_client.pool as pool
+
+    attempts: list[int] = []
+
+    class Recording(ReconnectBackoff):
+        def delay(self, attempt: int, first_window: float | None = None, rand: Any = None) -> float:
+            attempts.append(attempt)
+            return 0.0
+
+    connections = 0
+    keep = asyncio.Event()
+
+    async def handler(ws: ServerConnection) -> None:
+        nonlocal connections
+        connections += 1
+        await ws.send(orjson.dumps(HELLO).decode())
+        if connections <= 6 or connections == 8:
+            await asyncio.sleep(0.02)  # installed by the client (it had its hello), then lost
+            await ws.close(1011, "closing at once")
+        elif connections == 7:
+            await keep.wait()  # this one lasts
+            await ws.close(1011, "closing after it lasted")
+        else:
+            await ws.wait_closed()
+
+    monkeypatch.setattr(pool, "LASTED_S", 0.3, raising=False)
+    async with serve(handler, "127.0.0.1", 0) as running:
+        url = f"ws://127.0.0.1:{running.sockets[0].getsockname()[1]}/"
+        async with FillMaskClient(url, reconnect=True, backoff=Recording()):
+            await until(lambda: connections == 7)
+            await asyncio.sleep(0.4)
+            keep.set()
+            await until(lambda: connections == 9)
+    # The redial after the connection that lasted is the last from step 0; those before it grew.
+    lasted = len(attempts) - 1 - attempts[::-1].index(0)
+    quick = attempts[:lasted]
+    assert len(quick) >= 6 and quick == sorted(set(quick)) and quick[0] >= 1, attempts

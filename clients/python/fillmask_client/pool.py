@@ -73,6 +73,14 @@ class Slot:
     dialer: asyncio.Task[None] | None = None
     failure: ConnectError | None = None  # why the latest dial failed; cleared by a success
     final: bool = False  # the latest failure was one that waiting will not change (not ``transient``)
+    installed_at: float | None = None  # loop time its connection was installed
+    dialled_at_step: int = 0  # the backoff step of the dial that opened its connection
+
+
+#: A connection that lasted this long (seconds) starts its slot's next redial from the first backoff
+#: step; one lost sooner carries on from where the previous redial's backoff was, so a server that
+#: closes every connection at once (1011 each time, say) is not redialled dozens of times a second.
+LASTED_S = 5.0
 
 
 class Pool:
@@ -261,6 +269,7 @@ class Pool:
             if not old.pending:
                 self._spawn(old.close())
         slot.conn, slot.failure, slot.final = conn, None, False
+        slot.installed_at, slot.dialled_at_step = asyncio.get_running_loop().time(), 0
         self.hello = conn.hello
         self._last_failure = None
         self._notify()
@@ -303,11 +312,13 @@ class Pool:
 
     async def _dial(self, slot: Slot, first_window: float | None) -> None:
         """Reopen the slot's connection, with backoff and full jitter, until one is usable (see invariants)."""
-        attempt = 0
+        now = asyncio.get_running_loop().time()
+        lasted = slot.installed_at is None or now - slot.installed_at >= LASTED_S
+        attempt = 0 if lasted else slot.dialled_at_step + 1
         try:
             while not self.closed:
                 await asyncio.sleep(self.backoff.delay(attempt, first_window))
-                attempt += 1
+                step, attempt = attempt, attempt + 1
                 try:
                     conn = await self._opener(slot.url, functools.partial(self._on_change, slot))
                 except ConnectError as exc:
@@ -330,6 +341,7 @@ class Pool:
                 log.info("reconnected to %s", redact(slot.url))
                 slot.dialer = None  # before installing: a change seen from now on may start a new dial
                 self._install(slot, conn)
+                slot.dialled_at_step = step
                 return
         finally:
             if slot.dialer is asyncio.current_task():
