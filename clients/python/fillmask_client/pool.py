@@ -78,8 +78,9 @@ class Slot:
 
 
 #: A connection that lasted this long (seconds) starts its slot's next redial from the first backoff
-#: step; one lost sooner carries on from where the previous redial's backoff was, so a server that
-#: closes every connection at once (1011 each time, say) is not redialled dozens of times a second.
+#: step; one lost sooner, without the server announcing it, carries on from where the previous
+#: redial's backoff was, so a server that closes every connection at once (1011 each time, say) is
+#: not redialled dozens of times a second.
 LASTED_S = 5.0
 
 
@@ -313,8 +314,10 @@ class Pool:
     async def _dial(self, slot: Slot, first_window: float | None) -> None:
         """Reopen the slot's connection, with backoff and full jitter, until one is usable (see invariants)."""
         now = asyncio.get_running_loop().time()
+        # A loss the server announced (going_away, engine_stopped: ``first_window``) starts from step 0,
+        # spread over the window it gave; an unannounced one soon after the last install carries on.
         lasted = slot.installed_at is None or now - slot.installed_at >= LASTED_S
-        attempt = 0 if lasted else slot.dialled_at_step + 1
+        attempt = 0 if lasted or first_window is not None else slot.dialled_at_step + 1
         try:
             while not self.closed:
                 await asyncio.sleep(self.backoff.delay(attempt, first_window))
