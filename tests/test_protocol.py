@@ -199,6 +199,19 @@ def test_nesting_to_1024_is_accepted_however_the_frame_is_parsed(unheld: str) ->
     assert sys.getrecursionlimit() == limit
 
 
+def test_an_unclosed_string_of_escaped_quotes_is_refused_at_once() -> None:
+    """A review's frame (a lone surrogate first, then a string of escaped quotes never closed, 64 KB)
+    held the event loop about 8 s in a regular expression whose time grew with the square of the frame.
+    The scan is one pass now; the bound here is two orders of magnitude above what it takes."""
+    import time
+
+    frame = '["\\ud800", "' + '\\"' * 32740
+    started = time.perf_counter()
+    got = parse_frame(frame, LIMITS)
+    assert isinstance(got, ProtocolError) and got.code == "invalid_json"
+    assert time.perf_counter() - started < 5.0
+
+
 def test_an_unknown_type_is_quoted_whole_or_cut_with_an_ellipsis() -> None:
     short, long = parse({"type": "fill", "id": 1}), parse({"type": "x" * 500, "id": 1})
     assert isinstance(short, ProtocolError) and short.message.startswith("unknown frame type 'fill';")
