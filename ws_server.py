@@ -68,6 +68,8 @@ async def serve_until_signalled(config: Config) -> int:
         logging.getLogger("fillmask_server").critical(
             "the model thread stopped: draining, then exiting with status %d so that a supervisor starts a "
             "fresh server", EXIT_ENGINE_STOPPED)
+        for signum_ in (signal.SIGINT, signal.SIGTERM):  # already draining: a signal stops at once
+            loop.add_signal_handler(signum_, _stop_now)
         await server.drain()
         return EXIT_ENGINE_STOPPED
     stopped.cancel()

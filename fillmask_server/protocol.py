@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,7 @@ def _orjsons_integer(digits: str) -> int | float:
 MAX_NESTING = 1024
 #: Room for the frames of whoever calls the parser, above the nesting (the interpreter's default limit).
 _CALLERS_DEPTH = 1000
+_RECURSION_LIMIT = threading.Lock()
 
 
 def _nesting(data: bytes) -> int:
@@ -183,14 +185,15 @@ def _loads_what_orjson_cannot_hold(data: str | bytes, refusal: Exception) -> Any
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if _nesting(raw) > MAX_NESTING:
         return _NOT_JSON
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, MAX_NESTING + _CALLERS_DEPTH))
-    try:
-        return json.loads(data, parse_constant=_reject_constant, parse_int=_orjsons_integer)
-    except (ValueError, TypeError, RecursionError):
-        return _NOT_JSON
-    finally:
-        sys.setrecursionlimit(limit)
+    with _RECURSION_LIMIT:  # process-wide: servers on several threads must not restore each other's
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, MAX_NESTING + _CALLERS_DEPTH))
+        try:
+            return json.loads(data, parse_constant=_reject_constant, parse_int=_orjsons_integer)
+        except (ValueError, TypeError, RecursionError):
+            return _NOT_JSON
+        finally:
+            sys.setrecursionlimit(limit)
 
 
 def _type_name(value: Any) -> str:
