@@ -749,6 +749,20 @@ async def test_the_page_keeps_at_most_500_request_cards_bursts_included(server: 
     await expect(page.burst(9)).to_be_visible()
 
 
+async def test_a_burst_is_never_larger_than_the_server_allows_in_flight(make_server: Any, open_page: Any) -> None:
+    """The burst field allowed 64 whatever the server's max_inflight_per_connection, and the rest of a
+    larger burst was answered too_many_inflight (found by a review)."""
+    from playwright.async_api import expect
+
+    async with make_server(max_inflight_per_connection=4) as srv:
+        page = await open_page(srv.http_url + "/")
+        await expect(page.by("burst-size")).to_have_attribute("max", "4")
+        await expect(page.by("burst-size")).to_have_value("4")  # the default 8 was over it
+        await page.send_burst(4)
+        summary = page.burst(1).get_by_test_id("burst-summary")
+        await expect(summary).to_have_attribute("data-answered", "4")
+
+
 async def test_cancel_of_a_queued_request(server: Any, open_page: Any) -> None:
     """Cancel on a queued request sends a cancel frame; the card shows the server's `cancelled`."""
     from playwright.async_api import expect

@@ -22,6 +22,7 @@
   const { formatScore, formatMs, plural } = lib;
 
   const MAX_ITEMS = 100;           // top-level cards kept (a burst is one); unanswered ones always stay
+  const BURST_MAX = 64;             // the most sentences one burst sends (fewer if the server allows fewer in flight)
   const MAX_REQUEST_CARDS = 500;   // request cards kept in all, a burst's included (memory: each holds a DOM)
   const MAX_OURS = 1024;          // batch ids of this page's results remembered for the timeline
   const LOG_MAX_ENTRIES = 500;
@@ -345,6 +346,11 @@
     if (Number.isInteger(topK.max)) el.topK.max = topK.max;
     if (Number.isInteger(topK.default) && !el.topK.dataset.touched) el.topK.value = topK.default;
     if (Number.isFinite(l.max_deadline_ms)) el.deadline.max = l.max_deadline_ms;
+    // A burst larger than the connection may have in flight would be answered too_many_inflight in part.
+    const most = Number.isInteger(l.max_inflight_per_connection)
+      ? Math.max(2, Math.min(BURST_MAX, l.max_inflight_per_connection)) : BURST_MAX;
+    el.burstSize.max = most;
+    if (Number(el.burstSize.value) > most) el.burstSize.value = most;
   }
 
   function setMaskToken(token) {
