@@ -1273,6 +1273,9 @@ async def test_going_away_keeps_the_cards_and_reconnects(server: Any, make_serve
             await expect(page.by("live-tiles")).to_be_hidden()  # folded: the summary line says it
             await expect(page.card(1)).to_have_attribute("data-state", "pending")
             await expect(page.card(2)).to_have_attribute("data-state", "pending")
+            # A cancel could no longer reach the old server: no Cancel that does nothing (a review).
+            await expect(page.card(1).get_by_test_id("cancel")).to_be_hidden()
+            await expect(page.card(1).get_by_test_id("card-message")).to_contain_text("still coming")
         await expect(page.card(1)).to_have_attribute("data-state", "done")
         await expect(page.card(2)).to_have_attribute("data-state", "done")
         await drain

@@ -281,6 +281,16 @@
   }
 
   function onGoingAway(msg, owed) {
+    // A cancel can no longer reach the draining server (§10: it sends nothing more there): its owed
+    // cards lose their Cancel button and say their answer is still coming.
+    for (const rec of client.inflight.values()) {
+      if (rec.card && rec.conn !== client.current) {
+        const cancel = rec.card.querySelector('.cancel');
+        if (document.activeElement === cancel) rec.card.focus();
+        cancel.hidden = true;
+        setMessage(rec.card, 'The server is restarting; this answer is still coming on the old connection.');
+      }
+    }
     updateInflight();
     announce('The server is restarting; the page reconnects by itself.' +
       (owed ? ' ' + plural(owed, 'request', 'requests') + ' already sent still get their answers.' : ''));
