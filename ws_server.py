@@ -29,6 +29,8 @@ from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
 from fillmask_server.startup import StartupLines
 
+log = logging.getLogger("fillmask_server")
+
 #: The exit status after the model thread stopped by a fault (the drain's is 0).
 EXIT_ENGINE_STOPPED = 1
 
@@ -44,7 +46,7 @@ async def serve_until_signalled(config: Config) -> int:
                             resolve_device(config.device), config.forward)
     lines.done()
     if config.calibration_s > 0:
-        logging.getLogger("fillmask_server").info("%s", calibration.line())
+        log.info("%s", calibration.line())
     if calibration.warning:
         print(calibration.warning, file=sys.stderr, flush=True)
     freeze_start_up_heap()  # full collections while serving skip what start-up made (allocator.py)
@@ -64,24 +66,21 @@ async def serve_until_signalled(config: Config) -> int:
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
     stopped = asyncio.ensure_future(server.engine_stopped())
     await asyncio.wait({received, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    if not received.done():
-        logging.getLogger("fillmask_server").critical(
-            "the model thread stopped: draining, then exiting with status %d so that a supervisor starts a "
-            "fresh server", EXIT_ENGINE_STOPPED)
-        for signum_ in (signal.SIGINT, signal.SIGTERM):  # already draining: a signal stops at once
-            loop.add_signal_handler(signum_, _stop_now)
-        await server.drain()
-        return EXIT_ENGINE_STOPPED
-    stopped.cancel()
-    signum = received.result()
-    logging.getLogger("fillmask_server").info("%s received: draining (a second signal stops at once)",
-                                              signal.Signals(signum).name)
-    for signum_ in (signal.SIGINT, signal.SIGTERM):
+    if received.done():
+        stopped.cancel()
+        signum = received.result()
+        log.info("%s received: draining (a second signal stops at once)", signal.Signals(signum).name)
+        # An orchestrator stops a replica with SIGTERM: give its load balancer time to notice /readyz
+        # first. A person's Ctrl-C (SIGINT) wants the drain now.
+        delay, status = (config.drain_delay if signum == signal.SIGTERM else 0.0), 0
+    else:
+        log.critical("the model thread stopped: draining, then exiting with status %d so that a supervisor "
+                     "starts a fresh server", EXIT_ENGINE_STOPPED)
+        delay, status = 0.0, EXIT_ENGINE_STOPPED
+    for signum_ in (signal.SIGINT, signal.SIGTERM):  # draining: a signal now stops at once
         loop.add_signal_handler(signum_, _stop_now)
-    # An orchestrator stops a replica with SIGTERM: give its load balancer time to notice /readyz first.
-    # A person's Ctrl-C (SIGINT) wants the drain now.
-    await server.drain(delay=config.drain_delay if signum == signal.SIGTERM else 0.0)
-    return 0
+    await server.drain(delay=delay)
+    return status
 
 
 def _stop_now() -> None:

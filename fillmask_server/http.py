@@ -567,6 +567,18 @@ def response(status: int, body: bytes, content_type: str,
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 
 
+#: The demo page's own defences, beside its rule of showing server text only as text: its scripts and
+#: styles only from here, no framing by other sites (clickjacking), no content-type guessing. It may
+#: connect to any WebSocket server (``?ws=``) and ask that server's /readyz and /healthz.
+PAGE_HEADERS = [
+    ("Content-Security-Policy", "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                                "connect-src 'self' ws: wss: http: https:; frame-ancestors 'none'; base-uri 'none'; "
+                                "form-action 'none'; object-src 'none'"),
+    ("X-Content-Type-Options", "nosniff"),
+    ("Referrer-Policy", "no-referrer"),
+]
+
+
 def static_file(path: str) -> Response | None:
     """A file of web_demo/ (``/`` is index.html), or None; never a path outside web_demo/."""
     if not WEB_ROOT.is_dir():
@@ -585,15 +597,3 @@ def static_file(path: str) -> Response | None:
     if content_type.startswith("text/") or content_type in ("application/javascript", "application/json"):
         content_type += "; charset=utf-8"
     return response(200, body, content_type, PAGE_HEADERS)
-
-
-#: The demo page's own defences, beside its rule of showing server text only as text: its scripts and
-#: styles only from here, no framing by other sites (clickjacking), no content-type guessing. It may
-#: connect to any WebSocket server (``?ws=``) and ask that server's /readyz and /healthz.
-PAGE_HEADERS = [
-    ("Content-Security-Policy", "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                                "connect-src 'self' ws: wss: http: https:; frame-ancestors 'none'; base-uri 'none'; "
-                                "form-action 'none'; object-src 'none'"),
-    ("X-Content-Type-Options", "nosniff"),
-    ("Referrer-Policy", "no-referrer"),
-]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import re
 import statistics
 import sys
 import time
@@ -183,12 +182,14 @@ async def scenario_slow(args: argparse.Namespace) -> bool:
 
 
 def _metrics(port: int) -> dict[str, float]:
+    """Every sample of the server's /metrics, keyed by its name with its labels as written
+    (``python_gc_collections_total{generation="2"}``)."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     values: dict[str, float] = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
+        if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     return values
@@ -290,11 +291,8 @@ def churn_in_this_process(url: str, seconds: float) -> dict[str, int]:
 
 
 def full_collections(port: int) -> float:
-    """The server's full garbage collections so far (``python_gc_collections_total{generation="2"}``, §11)."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return float(re.search(r'^python_gc_collections_total\{generation="2"\} (\S+)$', text, re.M).group(1))
+    """The server's full garbage collections so far (§11)."""
+    return _metrics(port)['python_gc_collections_total{generation="2"}']
 
 
 #: The churn scenario's bound on a steady client's slowest request, as a multiple of its p50 alone.

@@ -18,7 +18,7 @@
   const FillMask = window.FillMask;
   const lib = FillMask.lib;
   const live = FillMask.live;
-  const { State, Client, overloadText, ERROR_CODES } = FillMask.client;
+  const { State, Client, overloadText, ERROR_CODES, hintMs } = FillMask.client;
   const { formatScore, formatMs, plural } = lib;
 
   const MAX_ITEMS = 100;           // top-level cards kept (a burst is one); unanswered ones always stay
@@ -873,8 +873,7 @@
   }
 
   function onOverloaded(rec, msg) {
-    const given = Number(msg.retry_after_ms);  // held to [0, MAX_HINT_MS], as the Python client does
-    const wait = Number.isFinite(given) ? Math.min(Math.max(given, 0), FillMask.client.MAX_HINT_MS) : 0;
+    const wait = hintMs(msg.retry_after_ms, 0);  // held to a minute, as the Python client does
     const reason = overloadText(msg.reason);
     const status = msg.status ? ' (' + msg.status + ')' : '';
     settle(rec, 'overloaded', 'Overloaded' + status, reason + '; retry after ' + formatMs(wait) + '.', true);

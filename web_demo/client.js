@@ -98,6 +98,13 @@
   /** The most a server's hint (retry_after_ms, reconnect_within_ms) makes the page wait, as the Python client. */
   const MAX_HINT_MS = 60000;
 
+  /** A server's wait hint in ms (retry_after_ms, reconnect_within_ms) held to [0, MAX_HINT_MS];
+   *  `fallback` when it is not a number. */
+  function hintMs(value, fallback) {
+    const given = Number(value);
+    return Number.isFinite(given) ? Math.min(Math.max(given, 0), MAX_HINT_MS) : fallback;
+  }
+
   /** Delay before reconnection attempt `attempt` (0, 1, ...): exponential, capped, ±20% jitter. */
   function backoffMs(attempt, firstMs, maxMs, random) {
     return Math.min(maxMs, firstMs * 2 ** attempt) * (0.8 + 0.4 * random());
@@ -242,6 +249,11 @@
       conn.state = transition(conn.state, event);
     }
 
+    stopHelloTimer(conn) {
+      if (conn.helloTimer) this.clearTimeout(conn.helloTimer);
+      conn.helloTimer = null;
+    }
+
     /** No hello within helloTimeoutMs: give this attempt up, as if the connection had dropped. */
     onNoHello(conn) {
       conn.helloTimer = null;
@@ -251,9 +263,25 @@
       this.onSocketClose(conn, { code: 1006, reason: why });
     }
 
+    /** The current connection's hello came more than lastedMs ago. */
+    lasted() {
+      return Boolean(this.openedAt) && this.now() - this.openedAt > this.lastedMs;
+    }
+
+    /** The wait before the next reconnection, advancing `attempt`: the backoff starts over only after
+     *  a connection that lasted (a server that accepts and then drops every connection must not be
+     *  hammered twice a second). */
+    nextBackoffMs() {
+      if (this.lasted()) this.attempt = 0;
+      this.openedAt = 0;
+      const delay = backoffMs(this.attempt, this.backoffFirstMs, this.backoffMaxMs, this.random);
+      this.attempt += 1;
+      return delay;
+    }
+
     /** A connection is closed (by either side): its requests are lost. Idempotent. */
     closeConnection(conn, event) {
-      if (conn.helloTimer) { this.clearTimeout(conn.helloTimer); conn.helloTimer = null; }
+      this.stopHelloTimer(conn);
       if (conn.state === State.CLOSED) return;
       this.advance(conn, 'close');
       this.draining.delete(conn);
@@ -274,12 +302,7 @@
       }
       this.current = null;
       this.lastClose = { code: event.code || 1006, reason: event.reason || '', opened: conn.opened };
-      // Back off from scratch only after a connection that lasted: a server that accepts and then
-      // drops every connection must not be hammered twice a second.
-      if (this.openedAt && this.now() - this.openedAt > this.lastedMs) this.attempt = 0;
-      this.openedAt = 0;
-      const delay = backoffMs(this.attempt, this.backoffFirstMs, this.backoffMaxMs, this.random);
-      this.attempt += 1;
+      const delay = this.nextBackoffMs();
       // A restart that takes this long is no longer a restart.
       if (this.restarting && this.attempt > 4) this.restarting = false;
       this.scheduleRetry(delay);
@@ -332,7 +355,7 @@
         this.emit('status', this.status());
         return;
       }
-      if (conn.helloTimer) { this.clearTimeout(conn.helloTimer); conn.helloTimer = null; }
+      this.stopHelloTimer(conn);
       conn.hello = msg;
       this.advance(conn, 'hello');
       this.openedAt = this.now();
@@ -355,19 +378,16 @@
       this.current = null;
       this.draining.add(conn);
       this.restarting = true;
-      // A server that says going_away soon after every hello must not get a reconnect per hint: the
-      // backoff only starts over after a connection that lasted, and the hint is held to
-      // [0, MAX_HINT_MS] (§14: a client bounds what it is told to wait).
-      const lasted = this.openedAt && this.now() - this.openedAt > this.lastedMs;
-      this.openedAt = 0;
-      const given = Number(msg.reconnect_within_ms);
-      const within = Math.min(MAX_HINT_MS, Number.isFinite(given) && given >= 0 ? given : 1000);
-      if (lasted) {
+      // A server that says going_away soon after every hello must not get a reconnect per hint: after
+      // a connection that did not last, the backoff's next step is the least wait (nextBackoffMs), and
+      // the hint is held to [0, MAX_HINT_MS] (§14: a client bounds what it is told to wait).
+      const within = hintMs(msg.reconnect_within_ms, 1000);
+      if (this.lasted()) {
         this.attempt = 0;
+        this.openedAt = 0;
         this.scheduleRetry(this.random() * within);
       } else {
-        const delay = backoffMs(this.attempt, this.backoffFirstMs, this.backoffMaxMs, this.random);
-        this.attempt += 1;
+        const delay = this.nextBackoffMs();
         this.scheduleRetry(Math.max(delay, this.random() * within));
       }
       const owed = Array.from(this.inflight.values()).filter((r) => r.conn === conn).length;
@@ -418,7 +438,7 @@
     }
   }
 
-  const api = { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS, PROTOCOL_VERSION };
+  const api = { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS, hintMs, PROTOCOL_VERSION };
   if (typeof module === 'object' && module.exports) module.exports = api;
   else (root.FillMask = root.FillMask || {}).client = api;
 })(typeof window !== 'undefined' ? window : globalThis);

@@ -415,11 +415,6 @@
 
   // ---------------------------------------------------------------- the raw-frame log
 
-  /**
-   * JSON for people: objects and arrays that hold other objects or arrays get one member per line,
-   * indented by two spaces; those that hold only numbers, strings, booleans and nulls stay on one
-   * line (a prediction, a latency pair). JSON.parse of the result gives `value` back.
-   */
   /** Characters that show as nothing or reorder what follows (controls, format characters such as
    *  U+202E RIGHT-TO-LEFT OVERRIDE or U+200B ZERO WIDTH SPACE, line and paragraph separators): in the
    *  log they are written as \uXXXX escapes, so a token cannot make its frame read otherwise. */
@@ -435,6 +430,11 @@
     return escapeInvisible(JSON.stringify(value));
   }
 
+  /**
+   * JSON for people: objects and arrays that hold other objects or arrays get one member per line,
+   * indented by two spaces; those that hold only numbers, strings, booleans and nulls stay on one
+   * line (a prediction, a latency pair). JSON.parse of the result gives `value` back.
+   */
   function prettyJson(value, indent) {
     indent = indent || '';
     if (value === null || typeof value !== 'object') return jsonText(value);
