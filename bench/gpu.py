@@ -2,23 +2,29 @@
 
     .venv/bin/python bench/gpu.py --out bench/results                 # cuda: float32, float16, bfloat16
     .venv/bin/python bench/gpu.py --device cpu --model models/tiny --dtypes float32 --seconds 2 --out /tmp/g
+    bash bench/gpu_device.sh                                          # on the device machine (see there)
 
-For each dtype, on the ``short`` and ``mixed`` corpora:
+For each dtype (one pipeline, one in-process model and one server each, to spend little device time),
+on the ``short`` and ``mixed`` corpora:
 
 1. **Equality.** The real server (``ws_server.py --device D --dtype X``) answers every text of the
    corpus once; each answer is compared with ``pipeline("fill-mask")`` on the same device and dtype:
    float32, the same tokens in the same order and scores within ``TOLERANCE``; float16 and bfloat16
    (the head at the masks and the whole model round differently), the same up to near-ties. The
    table says whether the texts shared packed rows (``hello.engine.layout``).
-2. **In-process.** The server's own ``model.forward`` on batches of 32 and 128 short texts (no
-   sockets, no threads): milliseconds per batch and requests per second.
+2. **In-process.** ``pipe(texts, batch_size=N)`` for N = 32 and 128 (req/s), the in-process limit
+   (``bench.pipeline_limits.in_process_limit``: the server's own tokenize, forward and decode, no
+   sockets, no threads) and the server's ``model.forward`` alone on batches of 32 and 128 short texts
+   (milliseconds per batch).
 3. **The server.** Closed loop, 32 clients x 1 and x 4 in flight (32 and 128 requests waiting): req/s,
    p50, p99, rows per batch; the cost model the server fitted (``/metrics``) and how well it predicts
    the batches it ran (median and 90th percentile of |predicted - measured| / measured over them).
    On a GPU a batch's fixed cost dominates, which is where the cost model has to hold.
 
-Writes ``gpu.md`` and ``gpu.json`` to ``--out``. Needs the checkpoint (``models/base`` by default,
-written if missing) and, for cuda, torch with CUDA.
+A dtype that fails (a server that does not start, say) is recorded with its error, and the next one
+runs. ``gpu.md`` and ``gpu.json`` are written to ``--out`` after every dtype, so a run cut short still
+leaves its figures. Needs the checkpoint (``models/base`` by default, written if missing) and, for
+cuda, torch with CUDA.
 """
 
 from __future__ import annotations
@@ -45,16 +51,8 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
 CORPORA = {"short": make_short_corpus, "mixed": make_corpus}
 
 
-def pipeline_answers(model: str, device: str, dtype: str, texts: list[str]) -> list[Any]:
-    import torch
-    from transformers import pipeline
-
-    fill = pipeline("fill-mask", model=model, device=device, dtype=getattr(torch, dtype))
-    return [fill(text, top_k=5) for text in texts]
-
-
-async def server_answers(url: str, texts: list[str]) -> tuple[list[Any], str]:
-    """Each text's answer, sent all at once (so they run in batches), and the server's row layout."""
+async def server_answers(url: str, texts: list[str]) -> tuple[list[Any], dict[str, Any]]:
+    """Each text's answer, sent all at once (so they run in batches), and ``hello.engine``."""
     from websockets.asyncio.client import connect
 
     async with connect(url, max_size=None) as ws:
@@ -68,7 +66,7 @@ async def server_answers(url: str, texts: list[str]) -> tuple[list[Any], str]:
                 if frame.get("id") is None:
                     raise RuntimeError(f"the server answered no request: {frame}")
                 answers[frame["id"]] = frame.get("predictions", frame)
-    return [answers[n] for n in range(len(texts))], hello.get("engine", {}).get("layout", "?")
+    return [answers[n] for n in range(len(texts))], hello.get("engine", {})
 
 
 def mismatches(expected: list[Any], got: list[Any], tolerance: float, exact_order: bool) -> list[str]:
@@ -107,7 +105,8 @@ def _same(want: list[dict[str, Any]], have: list[dict[str, Any]], tolerance: flo
     return True
 
 
-def in_process(model: str, device: str, dtype: str, texts: list[str], sizes: list[int]) -> dict[str, Any]:
+def forward_ms(model: str, device: str, dtype: str, texts: list[str], sizes: list[int]) -> dict[str, Any]:
+    """The server's ``model.forward`` alone on batches of ``sizes`` texts: the median of 10 calls."""
     from fillmask_server.model import Item, load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
@@ -124,6 +123,37 @@ def in_process(model: str, device: str, dtype: str, texts: list[str], sizes: lis
             times.append(time.perf_counter() - start)
         ms = statistics.median(times) * 1000
         out[str(size)] = {"ms_per_batch": round(ms, 3), "req_per_s": round(size / ms * 1000, 1)}
+    return out
+
+
+def in_process(model: str, device: str, dtype: str, corpora: dict[str, list[str]], timed_texts: int
+               ) -> dict[str, Any]:
+    """Per corpus: the pipeline's answers (for the equality check), its req/s at batch sizes 32 and 128
+    and the in-process limit, each over ``timed_texts`` texts of the corpus."""
+    import torch
+    from transformers import pipeline
+
+    from bench.pipeline_limits import in_process_limit, timed_rate
+    from bench.server_proc import QuietGate
+
+    fill = pipeline("fill-mask", model=model, device=device, dtype=getattr(torch, dtype))
+    out: dict[str, Any] = {}
+    for name, texts in corpora.items():
+        timed = [texts[n % len(texts)] for n in range(timed_texts)]
+        rates = {}
+        for size in (32, 128):
+            fill(timed[:size], batch_size=size)  # warm-up: this shape's kernels
+
+            def once(size: int = size, texts: list[str] = timed, pipe: Any = fill) -> None:
+                assert len(pipe(texts, batch_size=size)) == len(texts)
+
+            rates[str(size)] = round(timed_rate(once, len(timed)), 1)
+        out[name] = {"answers": [fill(text, top_k=5) for text in texts], "pipeline_req_per_s": rates}
+    del fill
+    for name, texts in corpora.items():
+        timed = [texts[n % len(texts)] for n in range(timed_texts)]
+        limit, _ = in_process_limit(model, dtype, timed, 1, QuietGate(0.0, 0.0), device=device)
+        out[name]["limit_req_per_s"] = round(limit[0], 1)
     return out
 
 
@@ -148,45 +178,70 @@ def prediction_error(recorder: loadgen.Recorder, coefficients: dict[str, float])
             "p90": round(errors[int(0.9 * (len(errors) - 1))], 3)}
 
 
-async def serve_and_load(model: str, device: str, dtype: str, texts: list[str], seconds: float,
-                         expected: list[Any]) -> dict[str, Any]:
+async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str, list[str]], seconds: float,
+                         expected: dict[str, list[Any]]) -> dict[str, Any]:
+    """One server for every corpus: its start time and ``hello.engine``, then per corpus the equality
+    check and the two closed loops."""
     result: dict[str, Any] = {}
     with ServerProcess(Path(model), ["--device", device, "--dtype", dtype]) as server:
-        got, result["layout"] = await server_answers(server.url, texts)
-        result["mismatches"] = mismatches(expected, got, TOLERANCE.get(dtype, 1e-5), exact_order=dtype == "float32")
-        for in_flight in (1, 4):
-            await loadgen.settle(server.url)
-            recorder = loadgen.Recorder()
-            summary = await loadgen.closed_loop(server.url, texts, 32, in_flight, 1.0, seconds, recorder=recorder)
-            coefficients = cost_model(server.url)
-            result[f"closed_32x{in_flight}"] = {
-                "req_per_s": round(summary["throughput_rps"], 1),
-                "p50_ms": round(summary["latency_ms"]["p50"], 2), "p99_ms": round(summary["latency_ms"]["p99"], 2),
-                "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1),
-                "cost_model_s": coefficients, "prediction_error": prediction_error(recorder, coefficients)}
+        result["start_s"] = round(server.start_s, 1)
+        for name, texts in corpora.items():
+            got, engine = await server_answers(server.url, texts)
+            result["engine"] = engine
+            run: dict[str, Any] = {"mismatches": mismatches(expected[name], got, TOLERANCE.get(dtype, 1e-5),
+                                                             exact_order=dtype == "float32")}
+            for in_flight in (1, 4):
+                await loadgen.settle(server.url)
+                recorder = loadgen.Recorder()
+                summary = await loadgen.closed_loop(server.url, texts, 32, in_flight, 1.0, seconds, recorder=recorder)
+                coefficients = cost_model(server.url)
+                run[f"closed_32x{in_flight}"] = {
+                    "req_per_s": round(summary["throughput_rps"], 1),
+                    "p50_ms": round(summary["latency_ms"]["p50"], 2), "p99_ms": round(summary["latency_ms"]["p99"], 2),
+                    "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1),
+                    "cost_model_s": coefficients, "prediction_error": prediction_error(recorder, coefficients)}
+            result[name] = run
     return result
 
 
 def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# The benchmark on {meta['device_name']}", "", f"`{meta['command']}` on {meta['date']} UTC; "
-             f"torch {meta['torch']}; model {meta['model']}.", "",
-             "| dtype (rows) | corpus | answers differing from the pipeline | in-process req/s (batch 32 / 128) | "
-             "server req/s 32x1 / 32x4 | p50 / p99 ms (32x4) | rows/batch (32x4) | cost model: overhead ms, "
-             "us per padded token | its error on the batches run (median / p90) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"torch {meta['torch']}, transformers {meta['transformers']}; model {meta['model']}.", "",
+             "| dtype (rows) | corpus | answers differing from the pipeline | pipeline req/s (batch 32 / 128) | "
+             "in-process limit req/s | forward ms (batch 32 / 128) | server req/s 32x1 / 32x4 | "
+             "server ÷ best pipeline, ÷ limit (32x4) | p50 / p99 ms (32x4) | rows/batch (32x4) | "
+             "cost model: overhead ms, us per padded token | its error on the batches run (median / p90) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        four, one = run["server"]["closed_32x4"], run["server"]["closed_32x1"]
-        c, e = four["cost_model_s"], four["prediction_error"]
-        lines.append(
-            f"| {run['dtype']} ({run['server'].get('layout', '?')}) | {run['corpus']} | "
-            f"{len(run['server']['mismatches'])} of {run['texts']} | "
-            f"{run['in_process']['32']['req_per_s']} / {run['in_process']['128']['req_per_s']} | "
-            f"{one['req_per_s']} / {four['req_per_s']} | {four['p50_ms']} / {four['p99_ms']} | "
-            f"{four['rows_per_batch']} | {c.get('overhead', 0) * 1e3:.3f}, {c.get('padded_token', 0) * 1e6:.2f} | "
-            f"{e.get('median', '?')} / {e.get('p90', '?')} |")
+        if "error" in run:
+            lines.append(f"| {run['dtype']} | | failed: {run['error'].splitlines()[0][:200]} |" + " |" * 9)
+            continue
+        for corpus in run["corpora"]:
+            server, mine = run["server"][corpus], run["in_process"][corpus]
+            four, one = server["closed_32x4"], server["closed_32x1"]
+            c, e = four["cost_model_s"], four["prediction_error"]
+            best = max(mine["pipeline_req_per_s"].values())
+            forward = run["forward"]
+            lines.append(
+                f"| {run['dtype']} ({run['server'].get('engine', {}).get('layout', '?')}) | {corpus} | "
+                f"{len(server['mismatches'])} of {run['texts'][corpus]} | "
+                f"{mine['pipeline_req_per_s']['32']} / {mine['pipeline_req_per_s']['128']} | "
+                f"{mine['limit_req_per_s']} | "
+                f"{forward['32']['ms_per_batch']} / {forward['128']['ms_per_batch']} | "
+                f"{one['req_per_s']} / {four['req_per_s']} | "
+                f"{four['req_per_s'] / best:.2f}x, {four['req_per_s'] / mine['limit_req_per_s']:.2f}x | "
+                f"{four['p50_ms']} / {four['p99_ms']} | {four['rows_per_batch']} | "
+                f"{c.get('overhead', 0) * 1e3:.3f}, {c.get('padded_token', 0) * 1e6:.2f} | "
+                f"{e.get('median', '?')} / {e.get('p90', '?')} |")
     for run in runs:
-        for line in run["server"]["mismatches"][:5]:
-            lines.append(f"- {run['dtype']} {run['corpus']}: {line}")
+        if "error" in run:
+            lines += ["", f"{run['dtype']} failed:", "", "```", run["error"][-3000:], "```"]
+            continue
+        lines.append(f"- {run['dtype']}: server ready in {run['server']['start_s']} s; engine "
+                     f"{json.dumps(run['server'].get('engine', {}), sort_keys=True)}")
+        for corpus in run["corpora"]:
+            for line in run["server"][corpus]["mismatches"][:5]:
+                lines.append(f"  - {corpus}: {line}")
     return "\n".join(lines) + "\n"
 
 
@@ -194,14 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "base"))
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtypes", default="float32,float16,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--corpora", default="short,mixed")
     parser.add_argument("--texts", type=int, default=200, help="texts per corpus for the equality check")
+    parser.add_argument("--timed-texts", type=int, default=512, help="texts per timed pipeline or limit call")
     parser.add_argument("--seconds", type=float, default=8.0, help="closed-loop window")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
     import torch
+    import transformers
 
     from fillmask_server.checkpoint import is_checkpoint, write_checkpoint
 
@@ -213,24 +270,32 @@ def main(argv: list[str] | None = None) -> int:
         write_checkpoint(Path(args.model).name, Path(args.model))
     meta = {"command": " ".join(["bench/gpu.py", *(sys.argv[1:] if argv is None else argv)]),
             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "torch": torch.__version__,
-            "model": args.model, "device_name": (torch.cuda.get_device_name(0) if args.device.startswith("cuda")
-                                                 else args.device)}
+            "transformers": transformers.__version__, "model": args.model,
+            "device_name": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device}
     args.out.mkdir(parents=True, exist_ok=True)
+    corpora = {name: CORPORA[name]()[:args.texts] for name in args.corpora.split(",")}
     runs: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
-        for corpus in args.corpora.split(","):
-            texts = CORPORA[corpus]()[:args.texts]
-            print(f"{dtype} {corpus}: pipeline, in-process, server", file=sys.stderr, flush=True)
-            expected = pipeline_answers(args.model, args.device, dtype, texts)
-            runs.append({"dtype": dtype, "corpus": corpus, "texts": len(texts),
-                         "in_process": in_process(args.model, args.device, dtype, make_short_corpus(), [32, 128]),
-                         "server": asyncio.run(serve_and_load(args.model, args.device, dtype, texts, args.seconds,
-                                                              expected))})
-            # Written after every run, so that a run cut short by a time limit still leaves its figures.
-            (args.out / "gpu.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
-            (args.out / "gpu.md").write_text(markdown(runs, meta))
+        run: dict[str, Any] = {"dtype": dtype, "corpora": list(corpora),
+                               "texts": {name: len(texts) for name, texts in corpora.items()}}
+        started = time.perf_counter()
+        try:
+            print(f"{time.strftime('%H:%M:%S')} {dtype}: pipeline and in-process limit", file=sys.stderr, flush=True)
+            run["in_process"] = in_process(args.model, args.device, dtype, corpora, args.timed_texts)
+            run["forward"] = forward_ms(args.model, args.device, dtype, make_short_corpus(), [32, 128])
+            expected = {name: run["in_process"][name].pop("answers") for name in corpora}
+            print(f"{time.strftime('%H:%M:%S')} {dtype}: the server", file=sys.stderr, flush=True)
+            run["server"] = asyncio.run(serve_and_load(args.model, args.device, dtype, corpora, args.seconds,
+                                                       expected))
+        except Exception as exc:  # (recorded, and the next dtype runs: device time is scarce)
+            run = {"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"}
+            print(f"{dtype} failed: {run['error']}", file=sys.stderr, flush=True)
+        run["seconds"] = round(time.perf_counter() - started, 1)
+        runs.append(run)
+        (args.out / "gpu.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
+        (args.out / "gpu.md").write_text(markdown(runs, meta))
     print(markdown(runs, meta))
-    return 0
+    return 0 if all("error" not in run for run in runs) else 1
 
 
 if __name__ == "__main__":
