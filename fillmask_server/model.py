@@ -597,8 +597,13 @@ class FillMaskModel:
         """The encoder, the head at the masks (or the full model) and the softmax as one TorchScript graph
         (of padded rows, or of ``packed`` rows), or None when tracing fails or the graph differs from
         eager PyTorch by one bit on any check input; ``forward_note`` (``packing_note`` for packed
-        rows, which are then given up: padded rows still run traced) then says why."""
-        import torch
+        rows, which are then given up: padded rows still run traced) then says why.
+
+        Where TorchScript fuses operators (its fuser runs on CUDA; on the CPU only in a torch built with
+        LLVM), a fused kernel keeps its intermediates in float32 where eager PyTorch rounds each one to
+        a reduced dtype, so the bits differ. Then fusion is switched off for the process
+        (``_stop_fusing``) and the graph traced again: it still runs as one graph from C++, which is
+        what saves the time on a GPU, with eager PyTorch's kernels."""
 
         module = self._masked_scores(packed)
         frozen = [p for p in module.parameters() if p.requires_grad]
@@ -609,17 +614,32 @@ class FillMaskModel:
             shapes = [shape for shape in shapes if shape[0] < 32]
         check = self._packed_check_inputs if packed else self._check_inputs
         try:
-            with torch.inference_mode(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the tracer warns about every Python-level branch
-                traced = torch.jit.trace(module, check(2, 8, padded=1, masks=2), check_trace=False)
-                for shape in shapes:
-                    inputs = check(*shape)
-                    if not torch.equal(traced(*inputs), module(*inputs)):
-                        return self._untraced(packed, "the traced forward pass differs from eager PyTorch on "
-                                              f"inputs of {inputs[0].shape[0]} x {inputs[0].shape[1]} tokens")
+            traced, differs = self._traced_and_checked(module, check, shapes)
+            if differs is not None and _fuses(self.device.type):
+                _stop_fusing(f"the fused graph {differs} in {self.dtype}")
+                traced, differs = self._traced_and_checked(module, check, shapes)
         except Exception as exc:  # an architecture the tracer cannot follow: eager still works
             return self._untraced(packed, f"cannot trace the forward pass ({_first_line(exc)})")
+        if differs is not None:
+            return self._untraced(packed, f"the traced forward pass {differs}")
         return traced
+
+    @staticmethod
+    def _traced_and_checked(module: Any, check: Callable[..., tuple[Any, ...]],
+                            shapes: Sequence[tuple[int, int, int, int]]) -> tuple[Any, str | None]:
+        """``module`` traced, and None, or what differed: the first check input (of ``shapes``) on which
+        the graph does not give eager PyTorch's bits."""
+        import torch
+
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer warns about every Python-level branch
+            traced = torch.jit.trace(module, check(2, 8, padded=1, masks=2), check_trace=False)
+            for shape in shapes:
+                inputs = check(*shape)
+                if not torch.equal(traced(*inputs), module(*inputs)):
+                    return traced, (f"differs from eager PyTorch on inputs of {inputs[0].shape[0]} x "
+                                    f"{inputs[0].shape[1]} tokens")
+        return traced, None
 
     def _untraced(self, packed: bool, note: str) -> None:
         """``_trace``'s failure: the note, and for packed rows, padded rows from now on."""
@@ -1012,6 +1032,23 @@ def _quantize_dynamic(model: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization announces its own deprecation
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _fuses(device_type: str) -> bool:
+    """Whether TorchScript fuses operators of a graph on ``device_type`` in this process."""
+    import torch
+
+    enabled = getattr(torch._C, "_jit_texpr_fuser_enabled", lambda: False)()
+    can = torch._C._jit_can_fuse_on_cpu() if device_type == "cpu" else torch._C._jit_can_fuse_on_gpu()
+    return bool(enabled and can)
+
+
+def _stop_fusing(why: str) -> None:
+    """TorchScript's operator fusion off for the whole process (one model a process: ``_trace``)."""
+    import torch
+
+    torch._C._jit_set_texpr_fuser_enabled(False)
+    log.info("%s: TorchScript's operator fusion is off, and the graph runs eager PyTorch's kernels", why)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -73,6 +73,47 @@ def test_a_model_the_tracer_cannot_follow_runs_eager(traced: FillMaskModel) -> N
     assert not torch.equal(model.forward(many).indices, traced.forward(many).indices)
 
 
+@pytest.mark.parametrize("fuses", [True, False], ids=["fusing", "not-fusing"])
+def test_a_graph_whose_fused_kernels_round_otherwise_is_traced_again_without_fusion(
+        traced: FillMaskModel, monkeypatch: pytest.MonkeyPatch, fuses: bool) -> None:
+    """Where TorchScript fuses (CUDA), a fused kernel rounds a reduced dtype's intermediates otherwise
+    than eager PyTorch: the first graph differs, fusion goes off and the second graph gives eager's bits.
+    Here a head stands in for the fused kernel: traced while fusion is on, it moves every logit by a
+    little. Where nothing fuses (``fuses`` False, the CPU), such a graph is given up for eager, as before.
+    """
+    from fillmask_server import model as model_module
+
+    base_head = traced._head
+
+    class RoundsOtherwiseWhenFused(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = base_head
+
+        def forward(self, hidden: Any) -> Any:
+            logits = self.head(hidden)
+            fused = torch.jit.is_tracing() and torch._C._jit_texpr_fuser_enabled()
+            return logits * (1 + 2 ** -10) if fused else logits
+
+    monkeypatch.setattr(model_module, "_fuses", lambda device_type: fuses and torch._C._jit_texpr_fuser_enabled())
+    model = copy.copy(traced)
+    model._head = RoundsOtherwiseWhenFused()
+    assert torch._C._jit_texpr_fuser_enabled()
+    try:
+        model._scores = model._trace()
+        assert torch._C._jit_texpr_fuser_enabled() is not fuses
+    finally:
+        torch._C._jit_set_texpr_fuser_enabled(True)
+    if not fuses:
+        assert model._scores is None and "differs from eager PyTorch" in (model.forward_note or "")
+        return
+    assert model._scores is not None
+    model._batch = model._batch_graph()
+    batch = items(model)
+    a, b = model.forward(batch), traced.forward(batch)
+    assert torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)
+
+
 # Run in a fresh process: loading leaves no thread behind (see load_model's docstring). Had the forward
 # passes of the load run on the caller's thread, its OpenMP pool would outlive the load, and the model
 # thread's own pool would then run in GNU OpenMP's throttled mode.
