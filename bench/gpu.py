@@ -105,13 +105,39 @@ def _same(want: list[dict[str, Any]], have: list[dict[str, Any]], tolerance: flo
     return True
 
 
+def _rows(answer: Any) -> list[list[dict[str, Any]]]:
+    """An answer's candidate lists, one per mask (a one-mask answer is one list)."""
+    return answer if answer and isinstance(answer, list) and isinstance(answer[0], list) else [answer]
+
+
+def gaps(expected: list[Any], got: list[Any]) -> dict[str, Any]:
+    """How near ``got`` is to ``expected``, text by text: how many texts have the same tokens in the same
+    order, and the largest |score difference| over the tokens both hold. Beside the same figures for
+    ``pipeline(texts, batch_size=32)`` against ``pipeline(text)``, this says whether a difference is the
+    device's rounding (a batch's other shapes take other kernels) or a fault."""
+    same, largest = 0, 0.0
+    for want, have in zip(expected, got, strict=True):
+        rows_want, rows_have = _rows(want), _rows(have)
+        if not isinstance(have, list) or len(rows_want) != len(rows_have):
+            largest = float("inf")
+            continue
+        same += all([c["token"] for c in w] == [c["token"] for c in h] for w, h in zip(rows_want, rows_have,
+                                                                                       strict=True))
+        for w, h in zip(rows_want, rows_have, strict=True):
+            scores = {c["token"]: c["score"] for c in h}
+            largest = max([largest, *(abs(c["score"] - scores[c["token"]]) for c in w if c["token"] in scores)])
+    return {"same_order": same, "texts": len(expected), "max_gap": largest}
+
+
 def forward_ms(model: str, device: str, dtype: str, texts: list[str], sizes: list[int]) -> dict[str, Any]:
-    """The server's ``model.forward`` alone on batches of ``sizes`` texts: the median of 10 calls."""
+    """The server's ``model.forward`` alone on batches of ``sizes`` texts: the median of 10 calls; and
+    under ``notes`` why the model runs eager, the full head or padded rows (None: it does not)."""
     from fillmask_server.model import Item, load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
     ids = loaded.tokenize(texts)
-    out = {}
+    out: dict[str, Any] = {"notes": {"forward": loaded.forward_note, "head": loaded.head_note,
+                                     "packing": loaded.packing_note}}
     for size in sizes:
         items = [Item(ids[n % len(ids)], 5) for n in range(size)]
         for _ in range(3):
@@ -148,7 +174,9 @@ def in_process(model: str, device: str, dtype: str, corpora: dict[str, list[str]
                 assert len(pipe(texts, batch_size=size)) == len(texts)
 
             rates[str(size)] = round(timed_rate(once, len(timed)), 1)
-        out[name] = {"answers": [fill(text, top_k=5) for text in texts], "pipeline_req_per_s": rates}
+        single = [fill(text, top_k=5) for text in texts]
+        out[name] = {"answers": single, "batched_vs_single": gaps(single, fill(texts, batch_size=32, top_k=5)),
+                     "pipeline_req_per_s": rates}
     del fill
     for name, texts in corpora.items():
         timed = [texts[n % len(texts)] for n in range(timed_texts)]
@@ -179,9 +207,10 @@ def prediction_error(recorder: loadgen.Recorder, coefficients: dict[str, float])
 
 
 async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str, list[str]], seconds: float,
-                         expected: dict[str, list[Any]]) -> dict[str, Any]:
+                         expected: dict[str, list[Any]], reference: dict[str, list[Any]]) -> dict[str, Any]:
     """One server for every corpus: its start time and ``hello.engine``, then per corpus the equality
-    check and the two closed loops."""
+    check (against the pipeline in ``dtype``: ``expected``; and in a reduced dtype against float32's
+    pipeline, ``reference``, when it ran) and the two closed loops; last, the warnings it logged."""
     result: dict[str, Any] = {}
     with ServerProcess(Path(model), ["--device", device, "--dtype", dtype]) as server:
         result["start_s"] = round(server.start_s, 1)
@@ -189,7 +218,11 @@ async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str,
             got, engine = await server_answers(server.url, texts)
             result["engine"] = engine
             run: dict[str, Any] = {"mismatches": mismatches(expected[name], got, TOLERANCE.get(dtype, 1e-5),
-                                                             exact_order=dtype == "float32")}
+                                                             exact_order=dtype == "float32"),
+                                   "vs_pipeline": gaps(expected[name], got)}
+            if name in reference and dtype != "float32":
+                run["vs_float32"] = gaps(reference[name], got)
+                run["pipeline_vs_float32"] = gaps(reference[name], expected[name])
             for in_flight in (1, 4):
                 await loadgen.settle(server.url)
                 recorder = loadgen.Recorder()
@@ -201,13 +234,16 @@ async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str,
                     "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1),
                     "cost_model_s": coefficients, "prediction_error": prediction_error(recorder, coefficients)}
             result[name] = run
+        result["log"] = [line for line in Path(server.log_path).read_text(errors="replace").splitlines()
+                         if "WARNING" in line or "ERROR" in line][:20]
     return result
 
 
 def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# The benchmark on {meta['device_name']}", "", f"`{meta['command']}` on {meta['date']} UTC; "
              f"torch {meta['torch']}, transformers {meta['transformers']}; model {meta['model']}.", "",
-             "| dtype (rows) | corpus | answers differing from the pipeline | pipeline req/s (batch 32 / 128) | "
+             "| dtype (rows) | corpus | answers differing from the pipeline (see below) | "
+             "pipeline req/s (batch 32 / 128) | "
              "in-process limit req/s | forward ms (batch 32 / 128) | server req/s 32x1 / 32x4 | "
              "server ÷ best pipeline, ÷ limit (32x4) | p50 / p99 ms (32x4) | rows/batch (32x4) | "
              "cost model: overhead ms, us per padded token | its error on the batches run (median / p90) |",
@@ -233,14 +269,30 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"{four['p50_ms']} / {four['p99_ms']} | {four['rows_per_batch']} | "
                 f"{c.get('overhead', 0) * 1e3:.3f}, {c.get('padded_token', 0) * 1e6:.2f} | "
                 f"{e.get('median', '?')} / {e.get('p90', '?')} |")
+    lines += ["", "Equality: texts with the same tokens in the same order, and the largest |score difference| "
+              "over the tokens both hold. `pipeline(texts, batch_size=32)` against `pipeline(text)` is the "
+              "device's own rounding between batch shapes; in a reduced dtype, each against float32's pipeline "
+              "says how far the dtype moves the answers.", "",
+              "| dtype | corpus | server vs pipeline | batched pipeline vs pipeline | server vs float32 | "
+              "pipeline vs float32 |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        for corpus in run.get("corpora", []) if "error" not in run else []:
+            server = run["server"][corpus]
+            cells = [server["vs_pipeline"], run["in_process"][corpus]["batched_vs_single"],
+                     server.get("vs_float32"), server.get("pipeline_vs_float32")]
+            lines.append(f"| {run['dtype']} | {corpus} | " + " | ".join(
+                f"{c['same_order']} of {c['texts']}, {c['max_gap']:.2g}" if c else "" for c in cells) + " |")
     for run in runs:
         if "error" in run:
             lines += ["", f"{run['dtype']} failed:", "", "```", run["error"][-3000:], "```"]
             continue
         lines.append(f"- {run['dtype']}: server ready in {run['server']['start_s']} s; engine "
-                     f"{json.dumps(run['server'].get('engine', {}), sort_keys=True)}")
+                     f"{json.dumps(run['server'].get('engine', {}), sort_keys=True)}; in-process notes "
+                     f"{json.dumps(run.get('notes', {}))}")
+        for line in run["server"].get("log", []):
+            lines.append(f"  - server log: {line[:300]}")
         for corpus in run["corpora"]:
-            for line in run["server"][corpus]["mismatches"][:5]:
+            for line in run["server"][corpus]["mismatches"][:3]:
                 lines.append(f"  - {corpus}: {line}")
     return "\n".join(lines) + "\n"
 
@@ -275,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     corpora = {name: CORPORA[name]()[:args.texts] for name in args.corpora.split(",")}
     runs: list[dict[str, Any]] = []
+    reference: dict[str, list[Any]] = {}  # float32's pipeline answers, for the reduced dtypes after it
     for dtype in args.dtypes.split(","):
         run: dict[str, Any] = {"dtype": dtype, "corpora": list(corpora),
                                "texts": {name: len(texts) for name, texts in corpora.items()}}
@@ -284,9 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             run["in_process"] = in_process(args.model, args.device, dtype, corpora, args.timed_texts)
             run["forward"] = forward_ms(args.model, args.device, dtype, make_short_corpus(), [32, 128])
             expected = {name: run["in_process"][name].pop("answers") for name in corpora}
+            reference = expected if dtype == "float32" else reference
+            run["notes"] = {key: value for key, value in run["forward"].pop("notes").items() if value}
             print(f"{time.strftime('%H:%M:%S')} {dtype}: the server", file=sys.stderr, flush=True)
             run["server"] = asyncio.run(serve_and_load(args.model, args.device, dtype, corpora, args.seconds,
-                                                       expected))
+                                                       expected, reference))
         except Exception as exc:  # (recorded, and the next dtype runs: device time is scarce)
             run = {"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"}
             print(f"{dtype} failed: {run['error']}", file=sys.stderr, flush=True)
