@@ -305,3 +305,41 @@ async def test_a_closed_loop_whose_handshakes_are_refused_fails_at_once_with_the
     finally:
         loop.set_exception_handler(None)
     assert not unread, unread
+
+
+def test_the_gpu_benchmarks_equality_verdict_is_the_pipelines_own_rounding() -> None:
+    """bench/gpu.py (issue 17 item 6): on a GPU a batch's shape picks its kernels, so float32 answers
+    differ from ``pipeline(text)`` by as much as ``pipeline(texts, batch_size=32)`` does. The verdict is
+    "as near as that"; a wrong token (a gap the size of a score) is "no", and so is a reduced dtype
+    twice as far from float32 as the pipeline in that dtype."""
+    from bench.gpu import as_near, gaps
+
+    single = [[{"token": 1, "score": 0.5}, {"token": 2, "score": 0.3}], [{"token": 3, "score": 0.9}]]
+    rounded = [[{"token": 1, "score": 0.5004}, {"token": 2, "score": 0.3}], [{"token": 3, "score": 0.9}]]
+    swapped = [[{"token": 2, "score": 0.5}, {"token": 1, "score": 0.3}], [{"token": 3, "score": 0.9}]]
+    batched = gaps(single, rounded)
+    assert batched["same_order"] == 2 and abs(batched["max_gap"] - 0.0004) < 1e-9
+    assert gaps(single, swapped) == {"same_order": 1, "texts": 2, "max_gap": pytest.approx(0.2)}
+    assert as_near({"vs_pipeline": gaps(single, rounded)}, batched) == "yes"
+    assert as_near({"vs_pipeline": gaps(single, swapped)}, batched).startswith("**no**")
+    reduced = {"vs_pipeline": batched, "vs_float32": {"max_gap": 0.3}, "pipeline_vs_float32": {"max_gap": 0.1}}
+    assert as_near(reduced, batched).startswith("**no**")
+    # Several masks: each mask's list is compared; a missing mask is as far as it gets.
+    two = [[[{"token": 1, "score": 0.5}], [{"token": 4, "score": 0.2}]]]
+    assert gaps(two, two)["same_order"] == 1 and gaps(two, [[[{"token": 1, "score": 0.5}]]])["max_gap"] == float("inf")
+
+
+def test_the_h200_figures_in_bench_results_render_and_hold() -> None:
+    """The committed run on an H200 (bench/results/gpu-h200.json) renders with ``--render`` and every
+    dtype's answers are as near the pipeline's as its own batched ones."""
+    import contextlib
+    import io
+
+    from bench import gpu
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert gpu.main(["--render", str(ROOT / "bench" / "results" / "gpu-h200.json")]) == 0
+    rows = [line for line in out.getvalue().splitlines() if line.startswith(("| float32", "| bfloat16", "| float16"))]
+    table = [row for row in rows if "(packed)" in row or "(padded)" in row]
+    assert len(table) == 6 and all(row.split("|")[3].strip() == "yes" for row in table)
