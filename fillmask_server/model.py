@@ -950,6 +950,8 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     except (RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
         raise ModelLoadError(f"cannot use --device {device}: {_device_problem(exc)}; choose another --device "
                              "(cpu always works; auto takes cuda only where torch sees a GPU)") from None
+    if device.startswith("cuda"):
+        _attention_without_plans_per_shape()
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         model_config = AutoConfig.from_pretrained(name)
@@ -1032,6 +1034,21 @@ def _quantize_dynamic(model: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization announces its own deprecation
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _attention_without_plans_per_shape() -> None:
+    """cuDNN's attention out of ``scaled_dot_product_attention``'s choices, for the whole process.
+
+    On recent GPUs torch sends a masked attention in bfloat16 or float16 to cuDNN first, and cuDNN
+    builds an execution plan for each new shape. A server's batches take ever new shapes (rows x
+    widest row), so it would pay that build over and over: on an H200, batches of the mixed corpus in
+    those dtypes took up to ten times their predicted time (README, "On a GPU"). FlashAttention and
+    the memory-efficient kernel, which torch uses next, build nothing per shape."""
+    import torch
+
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("cuDNN attention is off: it builds a plan for every new batch shape")
 
 
 def _fuses(device_type: str) -> bool:

@@ -736,3 +736,17 @@ def test_a_token_the_tokenizer_knows_and_the_model_does_not_is_refused_per_reque
     assert isinstance(targeted, Refusal) and targeted.code == "invalid_targets" and "zzalpha" in targeted.message
     with pytest.raises(TargetError):
         model.target_ids(("zzalpha", "the"))
+
+
+def test_cudnn_attention_goes_off_on_a_gpu_only(traced: FillMaskModel) -> None:
+    """cuDNN's attention builds an execution plan per new shape, which a server's batches never stop
+    taking: a model loaded on CUDA takes it out of torch's choices (``_attention_without_plans_per_shape``);
+    one loaded on the CPU, where torch never uses it, leaves torch's settings as they were."""
+    from fillmask_server.model import _attention_without_plans_per_shape
+
+    assert traced.device.type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        _attention_without_plans_per_shape()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
