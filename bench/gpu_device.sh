@@ -38,7 +38,8 @@ torch.version.cuda, 'transformers', transformers.__version__, 'websockets', webs
 cat "$out/machine.txt"
 rm -f /tmp/fillmask-bench-server-*.log
 set -o pipefail
-timeout "${GPU_BENCH_S:-450}" "$py" bench/gpu.py --seconds 4 --out "$out" "$@" 2>&1 | grep -v "^Loading weights" | tee "$out/gpu.log"
+timeout -k 20 "${GPU_BENCH_S:-450}" "$py" bench/gpu.py --seconds 4 --out "$out" "$@" 2>&1 \
+    | { grep --line-buffered -v "^Loading weights" || true; } | tee "$out/gpu.log"
 status=$?
 # ServerProcess keeps a server's log only when something went wrong: bring those back in one file.
 for log in /tmp/fillmask-bench-server-*.log; do

@@ -614,10 +614,11 @@ class FillMaskModel:
             shapes = [shape for shape in shapes if shape[0] < 32]
         check = self._packed_check_inputs if packed else self._check_inputs
         try:
-            traced, differs = self._traced_and_checked(module, check, shapes)
-            if differs is not None and _fuses(self.device.type):
+            fusing = _fuses(self.device.type)
+            traced, differs = self._traced_and_checked(module, check, shapes, 3 if fusing else 1)
+            if differs is not None and fusing:
                 _stop_fusing(f"the fused graph {differs} in {self.dtype}")
-                traced, differs = self._traced_and_checked(module, check, shapes)
+                traced, differs = self._traced_and_checked(module, check, shapes, 1)
         except Exception as exc:  # an architecture the tracer cannot follow: eager still works
             return self._untraced(packed, f"cannot trace the forward pass ({_first_line(exc)})")
         if differs is not None:
@@ -626,9 +627,10 @@ class FillMaskModel:
 
     @staticmethod
     def _traced_and_checked(module: Any, check: Callable[..., tuple[Any, ...]],
-                            shapes: Sequence[tuple[int, int, int, int]]) -> tuple[Any, str | None]:
+                            shapes: Sequence[tuple[int, int, int, int]], calls: int) -> tuple[Any, str | None]:
         """``module`` traced, and None, or what differed: the first check input (of ``shapes``) on which
-        the graph does not give eager PyTorch's bits."""
+        the graph does not give eager PyTorch's bits, in any of ``calls`` calls (where TorchScript fuses,
+        its profiling executor fuses a shape's graph after its first runs: three calls see the fused one)."""
         import torch
 
         with torch.inference_mode(), warnings.catch_warnings():
@@ -636,9 +638,11 @@ class FillMaskModel:
             traced = torch.jit.trace(module, check(2, 8, padded=1, masks=2), check_trace=False)
             for shape in shapes:
                 inputs = check(*shape)
-                if not torch.equal(traced(*inputs), module(*inputs)):
-                    return traced, (f"differs from eager PyTorch on inputs of {inputs[0].shape[0]} x "
-                                    f"{inputs[0].shape[1]} tokens")
+                want = module(*inputs)
+                for _ in range(calls):
+                    if not torch.equal(traced(*inputs), want):
+                        return traced, (f"differs from eager PyTorch on inputs of {inputs[0].shape[0]} x "
+                                        f"{inputs[0].shape[1]} tokens")
         return traced, None
 
     def _untraced(self, packed: bool, note: str) -> None:
@@ -1040,10 +1044,11 @@ def _attention_without_plans_per_shape() -> None:
     """cuDNN's attention out of ``scaled_dot_product_attention``'s choices, for the whole process.
 
     On recent GPUs torch sends a masked attention in bfloat16 or float16 to cuDNN first, and cuDNN
-    builds an execution plan for each new shape. A server's batches take ever new shapes (rows x
-    widest row), so it would pay that build over and over: on an H200, batches of the mixed corpus in
-    those dtypes took up to ten times their predicted time (README, "On a GPU"). FlashAttention and
-    the memory-efficient kernel, which torch uses next, build nothing per shape."""
+    builds an execution plan for each new shape (as reported for torch 2.11). A server's batches take
+    ever new shapes (rows x widest row), so it would pay that build over and over: the suspected cause
+    of the slow bfloat16 and float16 batches of mixed lengths on an H200 (README, "On a GPU"), not yet
+    measured. FlashAttention and the memory-efficient kernel, which torch uses next, build nothing
+    per shape."""
     import torch
 
     if torch.backends.cuda.cudnn_sdp_enabled():
@@ -1055,9 +1060,9 @@ def _fuses(device_type: str) -> bool:
     """Whether TorchScript fuses operators of a graph on ``device_type`` in this process."""
     import torch
 
-    enabled = getattr(torch._C, "_jit_texpr_fuser_enabled", lambda: False)()
-    can = torch._C._jit_can_fuse_on_cpu() if device_type == "cpu" else torch._C._jit_can_fuse_on_gpu()
-    return bool(enabled and can)
+    jit = torch._C
+    can = getattr(jit, "_jit_can_fuse_on_cpu" if device_type == "cpu" else "_jit_can_fuse_on_gpu", lambda: False)
+    return bool(getattr(jit, "_jit_texpr_fuser_enabled", lambda: False)() and can())
 
 
 def _stop_fusing(why: str) -> None:

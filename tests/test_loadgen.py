@@ -322,6 +322,12 @@ def test_the_gpu_benchmarks_equality_verdict_is_the_pipelines_own_rounding() -> 
     assert gaps(single, swapped) == {"same_order": 1, "texts": 2, "max_gap": pytest.approx(0.2)}
     assert as_near({"vs_pipeline": gaps(single, rounded)}, batched) == "yes"
     assert as_near({"vs_pipeline": gaps(single, swapped)}, batched).startswith("**no**")
+    # Wholly other tokens are as far as their scores; a near-tie swapped in at the bottom is not far.
+    other = [[{"token": 7, "score": 0.5}, {"token": 8, "score": 0.3}], [{"token": 3, "score": 0.9}]]
+    assert gaps(single, other)["max_gap"] == pytest.approx(0.2) and as_near({"vs_pipeline": gaps(single, other)},
+                                                                            batched).startswith("**no**")
+    tie = [[{"token": 1, "score": 0.5}, {"token": 9, "score": 0.3001}], [{"token": 3, "score": 0.9}]]
+    assert gaps(single, tie)["max_gap"] == pytest.approx(0.0001)
     reduced = {"vs_pipeline": batched, "vs_float32": {"max_gap": 0.3}, "pipeline_vs_float32": {"max_gap": 0.1}}
     assert as_near(reduced, batched).startswith("**no**")
     # Several masks: each mask's list is compared; a missing mask is as far as it gets.

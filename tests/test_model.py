@@ -738,10 +738,11 @@ def test_a_token_the_tokenizer_knows_and_the_model_does_not_is_refused_per_reque
         model.target_ids(("zzalpha", "the"))
 
 
-def test_cudnn_attention_goes_off_on_a_gpu_only(traced: FillMaskModel) -> None:
+def test_the_attention_switch_takes_cudnn_out_and_a_cpu_load_leaves_it_in(traced: FillMaskModel) -> None:
     """cuDNN's attention builds an execution plan per new shape, which a server's batches never stop
-    taking: a model loaded on CUDA takes it out of torch's choices (``_attention_without_plans_per_shape``);
-    one loaded on the CPU, where torch never uses it, leaves torch's settings as they were."""
+    taking: ``_attention_without_plans_per_shape`` (which a load on CUDA calls) takes it out of torch's
+    choices; a load on the CPU, where torch never uses it, leaves torch's settings as they were. (The
+    CUDA branch itself runs only on a GPU: bench/gpu.py's new-shape probe measures it there.)"""
     from fillmask_server.model import _attention_without_plans_per_shape
 
     assert traced.device.type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
