@@ -557,6 +557,15 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                      L.logText('not json {'), L.formatCount(50012),
                      L.logText(JSON.stringify({token_str: '\u202eevil\u202c', s: 'a\u200bb\u0085\ud83d\ude00'})),
                      L.logText('raw \u2028 \udb40\udc01')],
+            frameLog: (() => {
+                const log = new L.FrameLog(10, 1000);
+                for (let i = 0; i < 3; i++) log.add('in', '{"type": "result"}', 'result', i);
+                for (let i = 0; i < 5; i++) log.add('in', '{"type": "stats"}', 'stats', i);
+                const removed = log.takeRemoved();
+                for (let i = 0; i < 9; i++) log.add('out', '{"type": "fill_mask"}', 'fill_mask', i);
+                return {types: log.entries.map(e => e.type).join(' '), removed, again: log.takeRemoved(),
+                        dropped: log.dropped};
+            })(),
             diagnosis: [
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: true},
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: false},
@@ -597,6 +606,10 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert pretty == '{\n  "type": "x",\n  "a": [1, "b"],\n  "o": {\n    "p": [\n      {"q": null}\n    ]\n  },' \
                      '\n  "e": [],\n  "f": {}\n}'
     assert not_json == "not json {" and count == "50,012"
+    # Stats frames keep at most a fifth of the log (2 of 10), their oldest dropping first; the rest
+    # fall off the front as before.
+    assert got["frameLog"]["removed"] == [4, 5, 6] and got["frameLog"]["again"] == []
+    assert got["frameLog"]["types"] == " ".join(["stats"] + ["fill_mask"] * 9) and got["frameLog"]["dropped"] == 7
     from_disk, down, token, draining, restarting = got["diagnosis"]
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
@@ -1127,6 +1140,13 @@ async def test_live_panel_renders_stats_frames(server: Any, open_page: Any, view
     await expect(stats_entries.first).to_be_visible()
     await page.by("log-hide-stats").check()
     await expect(stats_entries.first).to_be_hidden()
+    # However long the live view runs, stats frames keep at most a fifth of the log's 500 places: the
+    # requests' own frames stay, in the log and on the open list.
+    others = log.locator('[data-testid="log-entry"]:not([data-type="stats"])')
+    before = await others.count()
+    await page.page.evaluate("f => { for (let i = 0; i < 130; i++) FillMaskDemo.receive(JSON.stringify(f)); }", second)
+    await expect(stats_entries).to_have_count(100)
+    assert await others.count() == before > 0
 
 
 async def test_live_panel_hidden_quietly_when_server_lacks_stats(server: Any, open_page: Any) -> None:

@@ -116,7 +116,11 @@
 
   function logFrame(dir, text, type) {
     const entry = state.log.add(dir, text, type, performance.now() - state.startedAt);
-    if (el.frameLog.open) appendLogEntry(entry);
+    const removed = state.log.takeRemoved();  // (old stats frames: they keep a share of the log)
+    if (el.frameLog.open) {
+      for (const seq of removed) el.logList.querySelector('[data-seq="' + seq + '"]')?.remove();
+      appendLogEntry(entry);
+    }
     updateLogCount();
   }
 

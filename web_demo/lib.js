@@ -461,13 +461,19 @@
   /**
    * The last `max` frames sent and received, oldest first, each as indented JSON (logText) cut to
    * `maxChars` characters, so that one 150 KB result cannot make the log heavy. `dropped` counts entries that
-   * fell off the front.
+   * fell off the front. Stats frames (type 'stats', one a second while the live view is open) keep at
+   * most a fifth of the places, their oldest dropping first, so that they never push the requests' own
+   * frames out of a log that the user may have told to hide them; `removed` lists the seq of each entry
+   * dropped from the middle since the caller last took it (takeRemoved), for a view to drop too.
    */
   class FrameLog {
     constructor(max, maxChars) {
       this.max = max;
       this.maxChars = maxChars;
+      this.maxStats = Math.max(1, Math.floor(max / 5));
       this.entries = [];
+      this.stats = 0;
+      this.removed = [];
       this.dropped = 0;
       this.seq = 0;
     }
@@ -480,6 +486,13 @@
       }
       const entry = { seq: ++this.seq, dir, type: type || '', text: shown, at };
       this.entries.push(entry);
+      if (entry.type === 'stats' && ++this.stats > this.maxStats) {
+        const oldest = this.entries.findIndex((e) => e.type === 'stats');
+        this.removed.push(this.entries[oldest].seq);
+        this.entries.splice(oldest, 1);
+        this.stats -= 1;
+        this.dropped += 1;
+      }
       this.trim();
       return entry;
     }
@@ -487,13 +500,23 @@
     trim() {
       const excess = this.entries.length - this.max;
       if (excess > 0) {
+        this.stats -= this.entries.slice(0, excess).filter((e) => e.type === 'stats').length;
         this.entries.splice(0, excess);
         this.dropped += excess;
       }
     }
 
+    /** The seq of each entry dropped from the middle since the last call (see the class comment). */
+    takeRemoved() {
+      const removed = this.removed;
+      this.removed = [];
+      return removed;
+    }
+
     clear() {
       this.entries = [];
+      this.stats = 0;
+      this.removed = [];
       this.dropped = 0;
     }
   }
