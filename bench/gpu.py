@@ -19,7 +19,8 @@ on the ``short`` and ``mixed`` corpora:
    (``bench.pipeline_limits.in_process_limit``: the server's own tokenize, forward and decode, no
    sockets, no threads) and the server's ``model.forward`` alone on batches of 32 and 128 short texts
    (milliseconds per batch). Then batches of shapes the model has not run yet, first call against
-   again (``new_shapes``); on CUDA a second set with cuDNN's attention on, which the server leaves out.
+   again (``new_shapes``); on CUDA a second set with cuDNN's attention on, which the server leaves out,
+   and the whole model launched op by op against replayed as one CUDA graph (``cuda_graph_probe``).
 3. **The server.** Closed loop, 32 clients x 1 and x 4 in flight (32 and 128 requests waiting): req/s,
    p50, p99, rows per batch; the cost model the server fitted (``/metrics``) and how well it predicts
    the batches it ran (median and 90th percentile of |predicted - measured| / measured over them).
@@ -185,7 +186,49 @@ def forward_ms(model: str, device: str, dtype: str, texts: list[str], sizes: lis
             out["new_shapes_cudnn"] = new_shapes(loaded, ids[0], NEW_SHAPES_CUDNN)
         finally:
             torch.backends.cuda.enable_cudnn_sdp(False)
+        out["cuda_graph"] = cuda_graph_probe(loaded, ids[0])
     return out
+
+
+def cuda_graph_probe(loaded: Any, sample: list[int], rows: int = 32, width: int = 16) -> dict[str, Any]:
+    """What a CUDA graph would save: the model's eager forward pass (the whole model, every position's
+    logits) on one batch of ``rows`` x ``width`` tokens, milliseconds per call, launched op by op and
+    replayed as one captured graph (the median of 10 each). Information for a later design: where the
+    per-batch overhead dominates (bench/results/gpu-h200.md), most of it is launching kernels."""
+    import torch
+
+    try:
+        first, filler, last = sample[0], sample[1], sample[-1]
+        ids = torch.tensor([[first, *[filler] * (width - 3), loaded.mask_token_id, last]] * rows,
+                           device=loaded.device)
+
+        def timed(call: Any) -> float:
+            times = []
+            for _ in range(10):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                call()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1000)
+            return round(statistics.median(times), 3)
+
+        with torch.no_grad():
+            def run() -> Any:
+                return loaded.model(input_ids=ids).logits  # (no mask: checking one syncs, which capture forbids)
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up on a side stream, as capture asks
+                for _ in range(3):
+                    run()
+            torch.cuda.current_stream().wait_stream(side)
+            eager_ms = timed(run)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            return {"rows": rows, "tokens": width, "eager_ms": eager_ms, "graph_ms": timed(graph.replay)}
+    except Exception as exc:  # (information only: the run goes on)
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
 
 
 #: (texts, tokens a text) of the batches ``new_shapes`` runs: none of them a shape run before.
@@ -376,6 +419,11 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             if shapes:
                 lines.append(f"- {run['dtype']}: a batch of a new shape{label}, first call / again (ms): " + ", ".join(
                     f"{s['rows']}x{s['tokens']} {s['first_ms']:.1f} / {s['again_ms']:.1f}" for s in shapes))
+        graph = run["forward"].get("cuda_graph")
+        if graph:
+            lines.append(f"- {run['dtype']}: the whole model on {graph.get('rows')} x {graph.get('tokens')} tokens, "
+                         f"eager / as one CUDA graph (ms): {graph.get('eager_ms')} / {graph.get('graph_ms')}"
+                         + (f" ({graph['error']})" if "error" in graph else ""))
         lines.append(f"- {run['dtype']}: server ready in {run['server']['start_s']} s; engine "
                      f"{json.dumps(run['server'].get('engine', {}), sort_keys=True)}; in-process notes "
                      f"{json.dumps(run.get('notes', {}))}")
