@@ -25,6 +25,8 @@ on the ``short`` and ``mixed`` corpora:
    p50, p99, rows per batch; the cost model the server fitted (``/metrics``) and how well it predicts
    the batches it ran (median and 90th percentile of |predicted - measured| / measured over them).
    On a GPU a batch's fixed cost dominates, which is where the cost model has to hold.
+4. **A flag sweep** (``--sweep``, the first dtype only): the defaults against a batch cap of 128, at
+   32 clients x 8 in flight.
 
 A dtype that fails (a server that does not start, say) is recorded with its error, and the next one
 runs. ``gpu.md`` and ``gpu.json`` are written to ``--out`` after every dtype, so a run cut short still
@@ -353,6 +355,29 @@ async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str,
     return result
 
 
+#: Flag sets of the sweep (``--sweep``): the defaults, and batches twice the default cap.
+SWEEP = ("", "--max-batch-size 128 --max-batch-tokens 16384")
+
+
+async def sweep(model: str, device: str, dtype: str, corpora: dict[str, list[str]], seconds: float,
+                flag_sets: list[str]) -> list[dict[str, Any]]:
+    """One server per flag set, 32 clients x 8 in flight (256 requests waiting) on each corpus: whether
+    the default batch cap (64 requests), fitted on CPUs, holds a GPU back, where a batch's overhead
+    dominates and a batch of 128 costs about twice one of 32."""
+    rows = []
+    for flags in flag_sets:
+        with ServerProcess(Path(model), ["--device", device, "--dtype", dtype, *flags.split()]) as server:
+            for name, texts in corpora.items():
+                await loadgen.settle(server.url)
+                summary = await loadgen.closed_loop(server.url, texts, 32, 8, 1.0, seconds)
+                rows.append({"flags": flags or "defaults", "corpus": name,
+                             "req_per_s": round(summary["throughput_rps"], 1),
+                             "p50_ms": round(summary["latency_ms"]["p50"], 2),
+                             "p99_ms": round(summary["latency_ms"]["p99"], 2),
+                             "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1)})
+    return rows
+
+
 def as_near(server: dict[str, Any], batched: dict[str, Any]) -> str:
     """"yes" when the server's answers are as near the pipeline's as ``pipeline(texts, batch_size=32)``'s
     are: a largest score gap at most twice the pipeline's own (or within 1e-5), and in a reduced dtype
@@ -411,6 +436,12 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines.append(f"| {run['dtype']} | {corpus} | " + " | ".join(
                 f"{c['same_order']} of {c['texts']}, {c['max_gap']:.2g}" if c else "" for c in cells) + " |")
     for run in runs:
+        if run.get("sweep"):
+            lines += ["", f"Flag sweep, {run['dtype']}, 32 clients x 8 in flight:", "",
+                      "| flags | corpus | req/s | p50 / p99 ms | rows/batch |", "|---|---|---|---|---|"]
+            lines += [f"| {row['flags']} | {row['corpus']} | {row['req_per_s']} | {row['p50_ms']} / {row['p99_ms']} | "
+                      f"{row['rows_per_batch']} |" for row in run["sweep"]]
+    for run in runs:
         if "error" in run:
             lines += ["", f"{run['dtype']} failed:", "", "```", run["error"][-3000:], "```"]
             continue
@@ -447,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--texts", type=int, default=200, help="texts per corpus for the equality check")
     parser.add_argument("--timed-texts", type=int, default=512, help="texts per timed pipeline or limit call")
     parser.add_argument("--seconds", type=float, default=8.0, help="closed-loop window")
+    parser.add_argument("--sweep", default="|".join(SWEEP),
+                        help="flag sets ('|' between them) run at 32 x 8 with the first dtype; '' for none")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--render", type=Path, help="write the table of this gpu.json again, to stdout, and stop")
     args = parser.parse_args(argv)
@@ -492,6 +525,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{time.strftime('%H:%M:%S')} {dtype}: the server", file=sys.stderr, flush=True)
             run["server"] = asyncio.run(serve_and_load(args.model, args.device, dtype, corpora, args.seconds,
                                                        expected, reference))
+            if args.sweep and not runs:
+                print(f"{time.strftime('%H:%M:%S')} {dtype}: the flag sweep", file=sys.stderr, flush=True)
+                run["sweep"] = asyncio.run(sweep(args.model, args.device, dtype, corpora, args.seconds,
+                                                 args.sweep.split("|")))
         except Exception as exc:  # (recorded, and the next dtype runs: device time is scarce)
             run = {"dtype": dtype, "error": f"{type(exc).__name__}: {exc}"}
             print(f"{dtype} failed: {run['error']}", file=sys.stderr, flush=True)
