@@ -236,6 +236,65 @@ class HostPolicy:
         return False
 
 
+@dataclass(frozen=True)
+class ProxyPolicy:
+    """Which direct peers are proxies whose ``X-Forwarded-For`` names the client (see ``parse``). It only
+    changes what log lines say about a connection's origin; nothing is allowed or refused by it."""
+
+    any_proxy: bool = False
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> ProxyPolicy:
+        """Read ``--forwarded-allow-ips``: comma-separated addresses or networks (``10.0.0.5``,
+        ``10.0.0.0/8``, ``fd00::/8``), or ``*`` (every peer is a proxy: only where nothing else can reach
+        the server). Empty (the default): no proxy, the header is ignored, as a client can write any.
+        Raises ``ValueError`` with one readable line for anything else."""
+        networks = []
+        for entry in (entry.strip() for entry in spec.split(",")):
+            if not entry or entry == "*":
+                continue
+            try:
+                networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+            except ValueError:
+                raise ValueError(f"--forwarded-allow-ips entry {entry!r} is not an IP address or network such as "
+                                 "10.0.0.5, 10.0.0.0/8 or fd00::/8, nor *") from None
+        return cls("*" in (entry.strip() for entry in spec.split(",")), tuple(networks))
+
+    def trusts(self, address: str) -> bool:
+        """Is ``address`` (a peer's or a forwarded one) one of the proxies?"""
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])  # (an IPv6 zone is not part of the address)
+        except ValueError:
+            return False
+        if self.any_proxy:
+            return True
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # a dual-stack socket's v4 peer
+            ip = ip.ipv4_mapped
+        return any(ip in network for network in self.networks)
+
+    def client(self, peer_host: str, forwarded_for: list[str]) -> str | None:
+        """The client's address that the proxies in front of ``peer_host`` recorded in ``forwarded_for``
+        (each ``X-Forwarded-For`` header's value, in order), or None: the peer is no proxy, there is no
+        header, or an entry is not an address. Read from the right, each proxy appending the address it
+        saw: the first address that is not a proxy's is the client (what a client wrote to the left of
+        it is not to be believed); if all are proxies, the leftmost."""
+        if not forwarded_for or not self.trusts(peer_host):
+            return None
+        chain = [entry.strip() for value in forwarded_for for entry in value.split(",")]
+        for entry in reversed(chain):
+            address = entry[1:].split("]", 1)[0] if entry.startswith("[") else entry  # [v6]:port as some write it
+            if address.count(":") == 1:  # v4:port
+                address = address.split(":", 1)[0]
+            try:
+                ipaddress.ip_address(address.split("%", 1)[0])
+            except ValueError:
+                return None
+            if not self.trusts(address):
+                return address
+        return address
+
+
 def presented_token(authorization: str | None, path: str) -> str | None:
     """The token a client presents: ``Authorization: Bearer X`` first, else the ``?token=X`` query
     parameter, URL-decoded as a form is (``+`` is a space; a plus is ``%2B``). Two ``token`` parameters

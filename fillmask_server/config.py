@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from . import __version__
-from .access import HostPolicy, OriginPolicy, tls_context
+from .access import HostPolicy, OriginPolicy, ProxyPolicy, tls_context
 
 ENV_PREFIX = "FILLMASK_"
 DEFAULT_MODEL = "google-bert/bert-base-uncased"
@@ -60,6 +60,7 @@ class Config:
     send_timeout: float = 30.0
     allowed_origins: str = "same-origin,localhost"
     allowed_hosts: str = "localhost,ip"
+    forwarded_allow_ips: str = ""
     token: str = ""
     certfile: str = ""
     keyfile: str = ""
@@ -136,6 +137,10 @@ _HELP: dict[str, str] = {
                      "ip (any IP address) and * (any host, e.g. behind a proxy that rewrites Host); the --host address "
                      "is always allowed. Others get HTTP 421, which stops DNS rebinding; /healthz and /readyz answer "
                      "any Host",
+    "forwarded_allow_ips": "comma-separated addresses or networks of the proxies in front of this server (e.g. "
+                           "10.0.0.5 or 10.0.0.0/8; * for any peer) whose X-Forwarded-For header names the client "
+                           "in log lines (as 'CLIENT through PROXY:PORT'); by default none, and the header is "
+                           "ignored (any client can write it). Nothing is allowed or refused by it",
     "token": "shared secret clients must present as 'Authorization: Bearer TOKEN' or ?token=TOKEN on the "
              "WebSocket and /metrics requests (HTTP 401 otherwise); leave it out to serve without one (an empty "
              "token is refused)",
@@ -171,7 +176,8 @@ _GROUPS: list[tuple[str, tuple[str, ...]]] = [
                         "max_result_bytes")),
     ("connections and access", ("max_connections", "max_inflight_per_connection", "max_send_buffer_bytes",
                                 "max_answer_bytes",
-                                "send_timeout", "allowed_origins", "allowed_hosts", "token")),
+                                "send_timeout", "allowed_origins", "allowed_hosts", "forwarded_allow_ips",
+                                "token")),
     ("process", ("shutdown_timeout", "drain_delay", "log_level", "gil_switch_ms")),
 ]
 _METAVAR: dict[str, str] = {
@@ -179,7 +185,8 @@ _METAVAR: dict[str, str] = {
     "max_wait_ms": "MS", "anticipate_ms": "MS", "max_batch_ms": "MS", "gil_switch_ms": "MS",
     "calibration_s": "SECONDS", "max_length_ratio": "RATIO", "send_timeout": "SECONDS",
     "shutdown_timeout": "SECONDS", "drain_delay": "SECONDS",
-    "allowed_origins": "ORIGINS", "allowed_hosts": "HOSTS", "token": "TOKEN", "max_send_buffer_bytes": "BYTES",
+    "allowed_origins": "ORIGINS", "allowed_hosts": "HOSTS", "forwarded_allow_ips": "ADDRESSES", "token": "TOKEN",
+    "max_send_buffer_bytes": "BYTES",
     "max_frame_bytes": "BYTES", "max_result_bytes": "BYTES", "max_answer_bytes": "BYTES",
 }
 
@@ -322,6 +329,7 @@ def validate(config: Config) -> str | None:
     try:
         OriginPolicy.parse(config.allowed_origins)
         HostPolicy.parse(config.allowed_hosts)
+        ProxyPolicy.parse(config.forwarded_allow_ips)
     except ValueError as exc:
         return str(exc)
     if config.token != config.token.strip() or any(ord(c) < 33 or ord(c) > 126 for c in config.token):

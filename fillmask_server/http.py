@@ -57,7 +57,7 @@ from websockets.http11 import Request, Response
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-from .access import HostPolicy, OriginPolicy, parse_host, presented_token, token_matches
+from .access import HostPolicy, OriginPolicy, ProxyPolicy, parse_host, presented_token, token_matches
 from .config import Config
 from .metrics import Metrics
 
@@ -103,10 +103,15 @@ class HttpFront:
         self.config = config
         self.origins = origins
         self.hosts = HostPolicy.parse(config.allowed_hosts, listen=config.host)
+        self.proxies = ProxyPolicy.parse(config.forwarded_allow_ips)
         self.tls = tls
         self.metrics = metrics
         self.state = state
         self.log = LogThrottle(log, LOG_INTERVAL_S)
+
+    def peer(self, connection: ServerConnection) -> str:
+        """``connection``'s client for a log line (``peer``, with this server's ``--forwarded-allow-ips``)."""
+        return peer(connection, self.proxies)
 
     def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         """websockets' hook: a response for plain HTTP and refused handshakes; None lets a handshake go on."""
@@ -135,7 +140,7 @@ class HttpFront:
             if handshake:
                 self.metrics.handshakes_refused.labels("host").inc()
             self.log.warning("host", "refused %s from %s with 421: Host %r is not in --allowed-hosts",
-                             request.method, peer(connection), _shorten(host))
+                             request.method, self.peer(connection), _shorten(host))
             return json_response(421, {"error": f"this server does not answer for the host {_shorten(host)!r}; use "
                                         "its address or an allowed name, or its operator can allow this one with "
                                         "--allowed-hosts"})
@@ -152,7 +157,7 @@ class HttpFront:
         if path == "/metrics":
             if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
                 self.log.warning("token", "refused %s /metrics from %s with 401: missing or wrong token",
-                                 request.method, peer(connection))
+                                 request.method, self.peer(connection))
                 return json_response(401, {"error": TOKEN_HELP}, [("WWW-Authenticate", "Bearer")])
             body, content_type = self.metrics.render(headers.get("Accept"))
             return response(200, body, content_type)
@@ -172,12 +177,12 @@ class HttpFront:
         if not self.origins.allows(headers.get("Origin"), headers.get("Host"), self.tls):
             # Logged (at most once per LOG_INTERVAL_S of each kind): who was refused access, never the token.
             self.log.warning("origin", "refused a WebSocket handshake from %s with 403: Origin %r is not in "
-                             "--allowed-origins", peer(connection), _shorten(headers.get("Origin") or ""))
+                             "--allowed-origins", self.peer(connection), _shorten(headers.get("Origin") or ""))
             return self._refuse("origin", 403, "pages of this origin may not connect to this server; its "
                                 "operator can allow them with --allowed-origins")
         if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
             self.log.warning("token", "refused a WebSocket handshake from %s with 401: missing or wrong token",
-                             peer(connection))
+                             self.peer(connection))
             return self._refuse("token", 401, TOKEN_HELP, [("WWW-Authenticate", "Bearer")])
         if not self.state.accepting():
             return self._refuse("unavailable", 503, "server is shutting down; reconnect later")
@@ -201,7 +206,7 @@ class HttpFront:
         message = ("a TLS handshake reached a server without TLS (the client used wss:// or https://); "
                    "connect with ws:// or http://, or serve TLS with --certfile")
         self.metrics.handshakes_refused.labels("bad_request").inc()
-        self.log.warning("bad_request", "refused a request from %s with 400: %s", peer(connection), message)
+        self.log.warning("bad_request", "refused a request from %s with 400: %s", self.peer(connection), message)
         body = orjson.dumps({"error": message})
         connection.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
                                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -209,7 +214,7 @@ class HttpFront:
 
     def _refuse_bad_request(self, connection: ServerConnection, status: int, message: str,
                             extra_headers: list[tuple[str, str]] | None = None) -> Response:
-        self.log.warning("bad_request", "refused a request from %s with %d: %s", peer(connection), status, message)
+        self.log.warning("bad_request", "refused a request from %s with %d: %s", self.peer(connection), status, message)
         return json_response(status, {"error": message}, extra_headers)
 
     def process_response(self, connection: ServerConnection, request: Request, answer: Response) -> Response | None:
@@ -536,13 +541,19 @@ def websocket_refusal(exc: Exception, answer: Response) -> tuple[int, str, list[
     return status, "the server failed on this request; it is in the server's log", kept
 
 
-def peer(connection: ServerConnection) -> str:
-    """The client's address as host:port, for log lines."""
+def peer(connection: ServerConnection, proxies: ProxyPolicy | None = None) -> str:
+    """The client's address as host:port, for log lines; behind a proxy of ``proxies`` whose
+    ``X-Forwarded-For`` names the client, ``CLIENT through PROXY:PORT``."""
     address = connection.remote_address
     if not address:
         return "an unknown address"
     host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    direct = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    request = connection.request
+    if proxies is None or request is None:
+        return direct
+    client = proxies.client(str(host), request.headers.get_all("X-Forwarded-For"))
+    return direct if client is None else f"{client} through {direct}"
 
 
 def _shorten(value: str, limit: int = 100) -> str:

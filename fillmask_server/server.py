@@ -44,7 +44,7 @@ from .config import Config
 from .connection import Connection, UnsentBytes
 from .core import CostModel
 from .engine import AnswerMemory, Engine
-from .http import FrontConnection, FrontState, HttpFront, peer
+from .http import FrontConnection, FrontState, HttpFront
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
@@ -358,7 +358,7 @@ class FillMaskServer:
         if session.close_request is not None:  # it kept sending before its retry_after_ms (§12)
             self.metrics.resenders_closed.inc()
             log.info("closing a connection whose client kept sending before its retry_after_ms (%s)",
-                     peer(conn.ws))
+                     self.http.peer(conn.ws))
             conn.close_soon(*session.close_request)
             self.metrics.dropped(session.close())
 
@@ -521,7 +521,7 @@ class FillMaskServer:
             if time.monotonic() - conn.last_progress >= timeout:
                 self.metrics.slow_clients_closed.inc()
                 log.info("closing a connection whose client read nothing for %gs (%d bytes of answers unsent, %s)",
-                         timeout, conn.pending_bytes, peer(conn.ws))
+                         timeout, conn.pending_bytes, self.http.peer(conn.ws))
                 # In a task: the handler goes on reading (and discarding) so that websockets can see the
                 # client's answering close frame behind the requests still in the socket.
                 conn.close_soon(POLICY_VIOLATION, SLOW_READER_REASON)

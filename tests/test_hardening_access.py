@@ -26,6 +26,7 @@ from websockets.exceptions import InvalidStatus
 from fillmask_server.access import (
     HostPolicy,
     OriginPolicy,
+    ProxyPolicy,
     normalize_origin,
     parse_host,
     presented_token,
@@ -275,6 +276,44 @@ async def test_refused_tokens_and_origins_are_logged_without_the_token(make_serv
     assert len([line for line in said if "WebSocket handshake" in line and "401" in line]) == 1  # throttled
     assert any("403" in line and "'https://evil.example'" in line for line in said)
     assert not any(wrong in record.getMessage() or TOKEN in record.getMessage() for record in caplog.records)
+
+
+def test_the_client_behind_a_trusted_proxy_is_read_from_the_right_of_x_forwarded_for() -> None:
+    """``--forwarded-allow-ips``: only a peer that is a proxy is believed, and of its header only what
+    the proxies appended (from the right): what a client wrote to the left of its own address is not."""
+    proxies = ProxyPolicy.parse("127.0.0.1, 10.0.0.0/8")
+    assert proxies.client("127.0.0.1", ["203.0.113.9"]) == "203.0.113.9"
+    # A client's own "X-Forwarded-For: 1.2.3.4", then its real address, then an inner proxy's:
+    assert proxies.client("127.0.0.1", ["1.2.3.4, 203.0.113.9", "10.0.0.7"]) == "203.0.113.9"
+    assert proxies.client("192.0.2.1", ["203.0.113.9"]) is None  # not a proxy: the header is anyone's
+    assert proxies.client("127.0.0.1", []) is None and proxies.client("127.0.0.1", ["unknown"]) is None
+    assert proxies.client("::ffff:10.1.2.3", ["[2001:db8::1]:443"]) == "2001:db8::1"  # a dual-stack socket's v4 peer
+    assert proxies.client("127.0.0.1", ["192.0.2.7:5555"]) == "192.0.2.7"
+    assert proxies.client("127.0.0.1", ["10.9.9.9, 10.0.0.2"]) == "10.9.9.9"  # all proxies: the leftmost
+    assert ProxyPolicy.parse("").client("127.0.0.1", ["203.0.113.9"]) is None  # the default: nobody
+    assert ProxyPolicy.parse("*").client("198.51.100.1", ["203.0.113.9"]) == "203.0.113.9"
+    for bad in ("10.0.0.0/33", "proxy.example", "10.0.0.1:80"):
+        with pytest.raises(ValueError, match="--forwarded-allow-ips entry"):
+            ProxyPolicy.parse(bad)
+    assert validate(Config(forwarded_allow_ips="eth0")).startswith("--forwarded-allow-ips entry 'eth0'")
+
+
+@pytest.mark.parametrize("trusted", [True, False], ids=["behind-a-trusted-proxy", "header-from-anyone"])
+async def test_a_refusal_behind_a_trusted_proxy_names_the_client_it_forwarded(
+        make_server: Any, caplog: pytest.LogCaptureFixture, trusted: bool) -> None:
+    """Behind deploy/haproxy.cfg (``option forwardfor``) every refusal named the balancer's address. With
+    ``--forwarded-allow-ips`` naming it, the log names the client the balancer saw, and the balancer;
+    without it, the header is ignored: any client could write it."""
+    with caplog.at_level(logging.INFO, logger="fillmask_server"):
+        async with make_server(token=TOKEN, forwarded_allow_ips="127.0.0.1" if trusted else "") as srv:
+            headers = {"X-Forwarded-For": "203.0.113.9"}
+            assert (await raw_handshake(srv.port, "/?token=wrong", headers))[0] == 401
+    said = [record.getMessage() for record in caplog.records if "refused a WebSocket handshake" in record.getMessage()]
+    assert len(said) == 1
+    if trusted:
+        assert re.search(r"from 203\.0\.113\.9 through 127\.0\.0\.1:\d+ with 401", said[0]), said
+    else:
+        assert "203.0.113.9" not in said[0] and re.search(r"from 127\.0\.0\.1:\d+ with 401", said[0]), said
 
 
 async def test_the_serving_line_says_whether_a_token_is_required(make_server: Any,
