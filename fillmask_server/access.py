@@ -236,6 +236,11 @@ class HostPolicy:
         return False
 
 
+#: X-Forwarded-For entries read from the right, at most: a proxy chain is a few hops; a header of
+#: thousands of entries (a client may write any) costs no more than these.
+MAX_FORWARDED_HOPS = 16
+
+
 @dataclass(frozen=True)
 class ProxyPolicy:
     """Which direct peers are proxies whose ``X-Forwarded-For`` names the client (see ``parse``). It only
@@ -247,52 +252,60 @@ class ProxyPolicy:
     @classmethod
     def parse(cls, spec: str) -> ProxyPolicy:
         """Read ``--forwarded-allow-ips``: comma-separated addresses or networks (``10.0.0.5``,
-        ``10.0.0.0/8``, ``fd00::/8``), or ``*`` (every peer is a proxy: only where nothing else can reach
-        the server). Empty (the default): no proxy, the header is ignored, as a client can write any.
-        Raises ``ValueError`` with one readable line for anything else."""
+        ``10.0.0.0/8``, ``fd00::/8``), or ``*`` (every direct peer is a proxy: only where nothing else
+        can reach the server). Empty (the default): no proxy, the header is ignored, as a client can
+        write any. Raises ``ValueError`` with one readable line for anything else."""
+        entries = [entry.strip() for entry in spec.split(",") if entry.strip()]
         networks = []
-        for entry in (entry.strip() for entry in spec.split(",")):
-            if not entry or entry == "*":
+        for entry in entries:
+            if entry == "*":
                 continue
             try:
                 networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
             except ValueError:
                 raise ValueError(f"--forwarded-allow-ips entry {entry!r} is not an IP address or network such as "
                                  "10.0.0.5, 10.0.0.0/8 or fd00::/8, nor *") from None
-        return cls("*" in (entry.strip() for entry in spec.split(",")), tuple(networks))
-
-    def trusts(self, address: str) -> bool:
-        """Is ``address`` (a peer's or a forwarded one) one of the proxies?"""
-        try:
-            ip = ipaddress.ip_address(address.split("%", 1)[0])  # (an IPv6 zone is not part of the address)
-        except ValueError:
-            return False
-        if self.any_proxy:
-            return True
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # a dual-stack socket's v4 peer
-            ip = ip.ipv4_mapped
-        return any(ip in network for network in self.networks)
+        return cls("*" in entries, tuple(networks))
 
     def client(self, peer_host: str, forwarded_for: list[str]) -> str | None:
         """The client's address that the proxies in front of ``peer_host`` recorded in ``forwarded_for``
-        (each ``X-Forwarded-For`` header's value, in order), or None: the peer is no proxy, there is no
-        header, or an entry is not an address. Read from the right, each proxy appending the address it
-        saw: the first address that is not a proxy's is the client (what a client wrote to the left of
-        it is not to be believed); if all are proxies, the leftmost."""
-        if not forwarded_for or not self.trusts(peer_host):
+        (each ``X-Forwarded-For`` header's value, in order), as a canonical IP address, or None: the
+        peer is no proxy, there is no header, or an entry is not an address. Read from the right, each
+        proxy appending the address it saw: the first address that is not in a listed network is the
+        client (what a client wrote to the left of it is not to be believed; with ``*``, which lists no
+        network, that is the rightmost: what the nearest proxy saw); if all are, the leftmost read
+        (at most ``MAX_FORWARDED_HOPS``)."""
+        peer = _address(peer_host)
+        if not forwarded_for or peer is None or not (self.any_proxy or self._listed(peer)):
             return None
-        chain = [entry.strip() for value in forwarded_for for entry in value.split(",")]
+        chain = [entry for value in forwarded_for for entry in value.split(",")][-MAX_FORWARDED_HOPS:]
+        address = None
         for entry in reversed(chain):
-            address = entry[1:].split("]", 1)[0] if entry.startswith("[") else entry  # [v6]:port as some write it
-            if address.count(":") == 1:  # v4:port
-                address = address.split(":", 1)[0]
-            try:
-                ipaddress.ip_address(address.split("%", 1)[0])
-            except ValueError:
+            address = _address(entry.strip(), with_port=True)
+            if address is None:
                 return None
-            if not self.trusts(address):
-                return address
-        return address
+            if not self._listed(address):
+                break
+        return None if address is None else str(address)
+
+    def _listed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # a dual-stack socket's IPv4 peer
+        return any(address in network for network in self.networks)
+
+
+def _address(text: str, with_port: bool = False) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as an IP address (an IPv6 zone dropped), or None. ``with_port``: also ``v4:port`` and
+    ``[v6]:port``, as some proxies write them."""
+    if with_port:
+        if text.startswith("["):
+            text = text[1:].split("]", 1)[0]
+        elif text.count(":") == 1:
+            text = text.split(":", 1)[0]
+    try:
+        return ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
 
 
 def presented_token(authorization: str | None, path: str) -> str | None:

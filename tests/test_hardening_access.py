@@ -24,6 +24,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from fillmask_server.access import (
+    MAX_FORWARDED_HOPS,
     HostPolicy,
     OriginPolicy,
     ProxyPolicy,
@@ -291,7 +292,17 @@ def test_the_client_behind_a_trusted_proxy_is_read_from_the_right_of_x_forwarded
     assert proxies.client("127.0.0.1", ["192.0.2.7:5555"]) == "192.0.2.7"
     assert proxies.client("127.0.0.1", ["10.9.9.9, 10.0.0.2"]) == "10.9.9.9"  # all proxies: the leftmost
     assert ProxyPolicy.parse("").client("127.0.0.1", ["203.0.113.9"]) is None  # the default: nobody
-    assert ProxyPolicy.parse("*").client("198.51.100.1", ["203.0.113.9"]) == "203.0.113.9"
+    # "*": any direct peer is a proxy, but no forwarded entry is: the nearest proxy's word, never what
+    # the client wrote before it.
+    assert ProxyPolicy.parse("*").client("198.51.100.1", ["6.6.6.6, 203.0.113.9"]) == "203.0.113.9"
+    # Only a canonical address ever reaches a log line: a zone id's text is dropped, not echoed.
+    assert proxies.client("127.0.0.1", ["fe80::1%\x85 refused from 10.6.6.6"]) == "fe80::1"
+    assert proxies.client("127.0.0.1", ["[fe80::1%eth0]:80"]) == "fe80::1"
+    assert proxies.client("127.0.0.1", [" ", "203.0.113.9"]) == "203.0.113.9"
+    assert proxies.client("127.0.0.1", ["203.0.113.9, "]) is None  # an empty entry where the client should be
+    # However long the header, at most MAX_FORWARDED_HOPS entries are read (from the right).
+    long_chain = ", ".join(["203.0.113.1"] + ["10.0.0.1"] * (MAX_FORWARDED_HOPS + 5))
+    assert proxies.client("127.0.0.1", [long_chain]) == "10.0.0.1"
     for bad in ("10.0.0.0/33", "proxy.example", "10.0.0.1:80"):
         with pytest.raises(ValueError, match="--forwarded-allow-ips entry"):
             ProxyPolicy.parse(bad)
