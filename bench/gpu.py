@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import statistics
 import sys
@@ -216,7 +217,7 @@ def cuda_graph_probe(loaded: Any, sample: list[int], rows: int = 32, width: int 
 
         with torch.no_grad():
             def run() -> Any:
-                return loaded.model(input_ids=ids).logits  # (no mask: checking one syncs, which capture forbids)
+                return loaded.model(input_ids=ids).logits  # (no mask: the launches are what is measured)
 
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -229,7 +230,10 @@ def cuda_graph_probe(loaded: Any, sample: list[int], rows: int = 32, width: int 
             with torch.cuda.graph(graph):
                 run()
             return {"rows": rows, "tokens": width, "eager_ms": eager_ms, "graph_ms": timed(graph.replay)}
-    except Exception as exc:  # (information only: the run goes on)
+    except Exception as exc:  # (information only: the run goes on, on a device left as it was)
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
 
 
@@ -364,17 +368,21 @@ async def sweep(model: str, device: str, dtype: str, corpora: dict[str, list[str
     """One server per flag set, 32 clients x 8 in flight (256 requests waiting) on each corpus: whether
     the default batch cap (64 requests), fitted on CPUs, holds a GPU back, where a batch's overhead
     dominates and a batch of 128 costs about twice one of 32."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for flags in flag_sets:
-        with ServerProcess(Path(model), ["--device", device, "--dtype", dtype, *flags.split()]) as server:
-            for name, texts in corpora.items():
-                await loadgen.settle(server.url)
-                summary = await loadgen.closed_loop(server.url, texts, 32, 8, 1.0, seconds)
-                rows.append({"flags": flags or "defaults", "corpus": name,
-                             "req_per_s": round(summary["throughput_rps"], 1),
-                             "p50_ms": round(summary["latency_ms"]["p50"], 2),
-                             "p99_ms": round(summary["latency_ms"]["p99"], 2),
-                             "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1)})
+        try:
+            with ServerProcess(Path(model), ["--device", device, "--dtype", dtype, *flags.split()]) as server:
+                for name, texts in corpora.items():
+                    await loadgen.settle(server.url)
+                    summary = await loadgen.closed_loop(server.url, texts, 32, 8, 1.0, seconds)
+                    rows.append({"flags": flags or "defaults", "corpus": name,
+                                 "req_per_s": round(summary["throughput_rps"], 1),
+                                 "p50_ms": round(summary["latency_ms"]["p50"], 2),
+                                 "p99_ms": round(summary["latency_ms"]["p99"], 2),
+                                 "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1),
+                                 "errors": summary["errors"], "overloaded": summary["overloaded"]})
+        except Exception as exc:  # (one flag set's failure loses no other's rows)
+            rows.append({"flags": flags or "defaults", "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:300]})
     return rows
 
 
@@ -438,9 +446,12 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for run in runs:
         if run.get("sweep"):
             lines += ["", f"Flag sweep, {run['dtype']}, 32 clients x 8 in flight:", "",
-                      "| flags | corpus | req/s | p50 / p99 ms | rows/batch |", "|---|---|---|---|---|"]
+                      "| flags | corpus | req/s | p50 / p99 ms | rows/batch | errors, overloaded |",
+                      "|---|---|---|---|---|---|"]
             lines += [f"| {row['flags']} | {row['corpus']} | {row['req_per_s']} | {row['p50_ms']} / {row['p99_ms']} | "
-                      f"{row['rows_per_batch']} |" for row in run["sweep"]]
+                      f"{row['rows_per_batch']} | {row.get('errors', 0)}, {row.get('overloaded', 0)} |"
+                      if "error" not in row else f"| {row['flags']} | failed: {row['error']} | | | | |"
+                      for row in run["sweep"]]
     for run in runs:
         if "error" in run:
             lines += ["", f"{run['dtype']} failed:", "", "```", run["error"][-3000:], "```"]
@@ -451,10 +462,11 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 lines.append(f"- {run['dtype']}: a batch of a new shape{label}, first call / again (ms): " + ", ".join(
                     f"{s['rows']}x{s['tokens']} {s['first_ms']:.1f} / {s['again_ms']:.1f}" for s in shapes))
         graph = run["forward"].get("cuda_graph")
-        if graph:
-            lines.append(f"- {run['dtype']}: the whole model on {graph.get('rows')} x {graph.get('tokens')} tokens, "
-                         f"eager / as one CUDA graph (ms): {graph.get('eager_ms')} / {graph.get('graph_ms')}"
-                         + (f" ({graph['error']})" if "error" in graph else ""))
+        if graph and "error" in graph:
+            lines.append(f"- {run['dtype']}: the CUDA graph probe failed: {graph['error']}")
+        elif graph:
+            lines.append(f"- {run['dtype']}: the whole model on {graph['rows']} x {graph['tokens']} tokens, "
+                         f"eager / as one CUDA graph (ms): {graph['eager_ms']} / {graph['graph_ms']}")
         lines.append(f"- {run['dtype']}: server ready in {run['server']['start_s']} s; engine "
                      f"{json.dumps(run['server'].get('engine', {}), sort_keys=True)}; in-process notes "
                      f"{json.dumps(run.get('notes', {}))}")
@@ -467,6 +479,16 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                              f"check (tokens in order, scores within {TOLERANCE.get(run['dtype'], 1e-5)}), e.g. "
                              f"{strict[0]}")
     return "\n".join(lines) + "\n"
+
+
+def save(out: Path, meta: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """``gpu.json`` and ``gpu.md`` for the runs so far, each replaced whole (a time limit that stops the
+    run mid-write leaves the last good ones)."""
+    for name, text in (("gpu.json", json.dumps({"meta": meta, "runs": runs}, indent=2)),
+                       ("gpu.md", markdown(runs, meta))):
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        os.replace(partial, out / name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             run["server"] = asyncio.run(serve_and_load(args.model, args.device, dtype, corpora, args.seconds,
                                                        expected, reference))
             if args.sweep and not runs:
+                save(args.out, meta, [*runs, run])  # (the sweep's failure or a time limit loses none of this)
                 print(f"{time.strftime('%H:%M:%S')} {dtype}: the flag sweep", file=sys.stderr, flush=True)
                 run["sweep"] = asyncio.run(sweep(args.model, args.device, dtype, corpora, args.seconds,
                                                  args.sweep.split("|")))
@@ -534,8 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{dtype} failed: {run['error']}", file=sys.stderr, flush=True)
         run["seconds"] = round(time.perf_counter() - started, 1)
         runs.append(run)
-        (args.out / "gpu.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
-        (args.out / "gpu.md").write_text(markdown(runs, meta))
+        save(args.out, meta, runs)
     print(markdown(runs, meta))
     return 0 if all("error" not in run for run in runs) else 1
 

@@ -461,7 +461,7 @@
   /**
    * The last `max` frames sent and received, oldest first, each as indented JSON (logText) cut to
    * `maxChars` characters, so that one 150 KB result cannot make the log heavy. `dropped` counts entries that
-   * fell off the front. Stats frames (type 'stats', one a second while the live view is open) keep at
+   * fell off the front, and stats frames dropped from the middle. Stats frames (type 'stats', one a second while the live view is open) keep at
    * most a fifth of the places, their oldest dropping first, so that they never push the requests' own
    * frames out of a log that the user may have told to hide them; `removed` lists the seq of each entry
    * dropped from the middle since the caller last took it (takeRemoved), for a view to drop too.
