@@ -3,13 +3,9 @@
 #
 # The machine has torch with CUDA, transformers and most of what the server needs, but not websockets
 # or orjson, and nothing can be fetched there. On this machine, first (Python 3.12 wheels, the versions
-# the suite runs on; .whl is ignored through .git/info/exclude):
+# the suite runs on, into .whl/, which git ignores through .git/info/exclude):
 #
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 -d .whl \
-#     websockets==17.4 orjson==3.13.0 transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3 \
-#     httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 kernels==0.19.1 tomlkit==0.15.3 regex==2026.11.19
+#   bash bench/gpu_device.sh --fetch-wheels
 #
 # then call the device tool's run with command "bash bench/gpu_device.sh", carry [".whl"], and a
 # timeout_s above GPU_BENCH_S (default 450 s). Everything lands in $OUT: machine.txt, gpu.md, gpu.json,
@@ -18,6 +14,16 @@
 #   --model models/tiny --dtypes float32 --texts 20 --timed-texts 64 --seconds 1
 set -u
 cd "$(dirname "$0")/.." || exit 2
+WHEELS="websockets==17.4 orjson==3.13.0 transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3
+    httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 kernels==0.19.1 tomlkit==0.15.3 regex==2026.11.19"
+if [ "${1:-}" = --fetch-wheels ]; then
+    mkdir -p "$(git rev-parse --git-dir)/info"
+    grep -qx /.whl/ "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo /.whl/ >>"$(git rev-parse --git-dir)/info/exclude"
+    # shellcheck disable=SC2086
+    exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d .whl $WHEELS
+fi
 out=${OUT:-/tmp/gpu-out}
 py=${PYTHON:-python3}
 mkdir -p "$out"
