@@ -2,8 +2,8 @@
 # Issue 17 item 6 on a lent GPU machine, as one call: install the carried wheels, then bench/gpu.py.
 #
 # The machine has torch with CUDA, transformers and most of what the server needs, but not websockets
-# or orjson, and nothing can be fetched there. On this machine, first (Python 3.12 wheels, the versions
-# the suite runs on, into .whl/, which git ignores through .git/info/exclude):
+# or orjson, and nothing can be fetched there. On this machine, first (Python 3.12 wheels of the versions
+# in .venv, else those below, into .whl/, which git ignores through .git/info/exclude):
 #
 #   bash bench/gpu_device.sh --fetch-wheels
 #
@@ -17,6 +17,19 @@ cd "$(dirname "$0")/.." || exit 2
 WHEELS="websockets==17.4 orjson==3.13.0 transformers==5.25.0 huggingface_hub==2.4.0 tokenizers==0.23.3
     httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 kernels==0.19.1 tomlkit==0.15.3 regex==2026.11.19"
 if [ "${1:-}" = --fetch-wheels ]; then
+    if [ -x .venv/bin/python ]; then  # the versions this checkout's suite runs on, where it has a venv
+        WHEELS=$(.venv/bin/python - $WHEELS <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+for spec in sys.argv[1:]:
+    name = spec.split("==")[0]
+    try:
+        print(f"{name}=={version(name)}")
+    except PackageNotFoundError:
+        print(spec)
+PY
+        )
+    fi
     mkdir -p "$(git rev-parse --git-dir)/info"
     grep -qx /.whl/ "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null || echo /.whl/ >>"$(git rev-parse --git-dir)/info/exclude"
     # shellcheck disable=SC2086
