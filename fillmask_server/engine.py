@@ -363,11 +363,15 @@ class Engine:
 
         Out of memory splits the batch in halves, recursively down to single items, so a batch too
         big for the device still gets through in smaller pieces; any other failure retries item by
-        item, so one bad input fails only itself. Raises no ``Exception``.
+        item, so one bad input fails only itself. Raises no ``Exception`` but ``DeviceLost``: after an
+        error that leaves the device unusable (``_device_lost``) every later pass would fail too, so
+        the engine stops (``_die``) and the server drains and exits for its supervisor to restart it.
         """
         try:
             return [(indices, self.model.forward([items[i] for i in indices]))], []
         except Exception as exc:
+            if _device_lost(exc):
+                raise DeviceLost(_line_with(exc, _DEVICE_LOST_WORDS)) from exc
             if len(indices) == 1:
                 if _out_of_memory(exc):
                     log.error("out of memory on a single request of %d tokens; answering it internal_error",
@@ -499,11 +503,40 @@ def name_os_thread(name: str) -> None:
         comm.write(name[:15])
 
 
+#: Out of memory in the words of torch's allocators, for the errors that carry no type of their own: the
+#: CPU allocator's failure is a plain RuntimeError, and TorchScript's interpreter raises any error in a
+#: graph (a CUDA out-of-memory too) again as a RuntimeError that quotes it.
+_OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "cublas_status_alloc_failed")
+#: Errors after which a CUDA context is unusable (every later call fails): asynchronous faults.
+_DEVICE_LOST_WORDS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                      "an illegal instruction was encountered", "uncorrectable ecc error", "misaligned address")
+
+
+class DeviceLost(RuntimeError):
+    """The model's device failed for good (``_device_lost``): the model thread ends."""
+
+
 def _out_of_memory(exc: BaseException) -> bool:
-    """True for host or device out-of-memory errors (``MemoryError``, ``torch.OutOfMemoryError``)."""
+    """True for host or device out-of-memory errors: ``MemoryError``, ``torch.OutOfMemoryError``, or a
+    RuntimeError in an allocator's words (``_OUT_OF_MEMORY_WORDS``)."""
     if isinstance(exc, MemoryError):
         return True
     import torch  # already loaded: the model runs on torch
 
     oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-    return isinstance(exc, oom)
+    if isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and any(words in str(exc).lower() for words in _OUT_OF_MEMORY_WORDS)
+
+
+def _device_lost(exc: BaseException) -> bool:
+    """True for a RuntimeError that leaves a CUDA device unusable (``_DEVICE_LOST_WORDS``)."""
+    return isinstance(exc, RuntimeError) and not _out_of_memory(exc) and any(
+        words in str(exc).lower() for words in _DEVICE_LOST_WORDS)
+
+
+def _line_with(exc: BaseException, words: tuple[str, ...]) -> str:
+    """The first line of ``exc``'s message that holds one of ``words`` (TorchScript's interpreter quotes
+    the real error below a line of its own), else its first line."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return next((line.strip() for line in lines if any(word in line.lower() for word in words)), lines[0])

@@ -96,11 +96,27 @@ async def test_an_input_that_makes_the_model_raise_fails_only_that_request(
         assert srv.engine.alive
 
 
-@pytest.mark.parametrize("oom", [torch.OutOfMemoryError, MemoryError])
+#: Out of memory as torch raises it: its own type; Python's; the CPU allocator's plain RuntimeError; and
+#: a CUDA out-of-memory inside a traced graph, which TorchScript's interpreter raises again as a
+#: RuntimeError quoting it (the server's default, traced path).
+OUT_OF_MEMORY = {
+    "torch": lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    "python": lambda: MemoryError(),
+    "cpu-allocator": lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                                          "can't allocate memory: you tried to allocate 40000000000 bytes."),
+    "in-a-graph": lambda: RuntimeError("The following operation failed in the TorchScript interpreter.\n"
+                                       "Traceback of TorchScript (most recent call last):\n  graph(...)\n"
+                                       "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+}
+
+
+@pytest.mark.parametrize("oom", OUT_OF_MEMORY.values(), ids=OUT_OF_MEMORY.keys())
 async def test_out_of_memory_splits_the_batch_in_halves_down_to_one(
-        base_model: FillMaskModel, make_server_for: Any, oom: type[Exception]) -> None:
-    """Batches of more than two rows are "too big"; so is any batch holding the marker text."""
-    model = FaultyModel(base_model, lambda items, marked: oom("out of memory") if marked or len(items) > 2 else None)
+        base_model: FillMaskModel, make_server_for: Any, oom: Callable[[], Exception]) -> None:
+    """Batches of more than two rows are "too big"; so is any batch holding the marker text. Before,
+    only torch's and Python's types were recognised: the CPU's and a traced graph's out of memory were
+    retried one request at a time, and logged as the model failing."""
+    model = FaultyModel(base_model, lambda items, marked: oom() if marked or len(items) > 2 else None)
     async with make_server_for(model) as srv, session(srv.url) as (ws, _):
         await queue_then_release(srv, ws, [fill(i, BAD_TEXT if i == 5 else TEXT) for i in range(8)])
         frames = {frame["id"]: frame for frame in await recv_n(ws, 8)}
@@ -109,6 +125,28 @@ async def test_out_of_memory_splits_the_batch_in_halves_down_to_one(
     assert sorted(model.calls) == [1, 1, 2, 2, 2, 2, 4, 4, 8] and model.calls[0] == 8
     assert_clean_internal_error(frames.pop(5))
     assert {frame["type"] for frame in frames.values()} == {"result"}
+
+
+async def test_a_device_that_failed_for_good_stops_the_engine(
+        base_model: FillMaskModel, make_server_for: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """After an illegal memory access (or a device-side assert) a CUDA context fails every later call. The
+    engine retried each request alone, answered each internal_error, and stayed ready for good. Now the
+    engine stops at once, as when its thread dies: the running batch fails, the rest get 503
+    engine_stopped, and ws_server drains and exits 1 (test_process.py) for the supervisor to restart it."""
+    lost = RuntimeError("The following operation failed in the TorchScript interpreter.\n"
+                        "RuntimeError: CUDA error: an illegal memory access was encountered\n"
+                        "CUDA kernel errors might be asynchronously reported at some other API call")
+    model = FaultyModel(base_model, lambda items, marked: lost if marked else None)
+    async with make_server_for(model, max_batch_size=2) as srv, session(srv.url) as (ws, _):
+        await queue_then_release(srv, ws, [fill(i, BAD_TEXT) for i in range(4)])
+        frames = await recv_n(ws, 4)
+        assert sorted(f["type"] for f in frames) == ["error", "error", "overloaded", "overloaded"]
+        assert model.calls == [2]  # no retries one by one on a lost device
+        assert not srv.engine.alive
+        assert await http_get(srv.http_url + "/readyz") == (503, {"status": "engine_stopped"})
+    assert any("CUDA error: an illegal memory access was encountered" in record.getMessage()
+               or "illegal memory access" in str(record.exc_info[1] if record.exc_info else "")
+               for record in caplog.records)
 
 
 async def test_a_fault_while_decoding_fails_only_that_request_and_the_engine_goes_on(
