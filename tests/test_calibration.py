@@ -3,8 +3,12 @@ may use, within its container's CPU quota) and how one is chosen from timings.""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
+
+import pytest
 
 from fillmask_server.batching import Coefficients
 from fillmask_server.calibration import (
@@ -181,3 +185,25 @@ def test_a_reduced_dtype_far_slower_than_float32_is_reported_above_zero() -> Non
     for ratio, shown in ((0.0002345, 0.000235), (0.19, 0.19), (0.5, 0.5)):
         engine = Calibration(torch_threads=1, threads_from="default", dtype="bfloat16", dtype_speed=ratio).hello()
         assert engine["calibration"]["dtype_speed_vs_float32"] == shown
+
+
+def test_a_float32_copy_that_cannot_be_loaded_leaves_the_reduced_dtype_unchecked_not_the_server_down(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The dtype check loads a float32 copy beside the model: on a full GPU (out of memory) or a model
+    that cannot be loaded twice, start-up crashed with a traceback. Now the check is left out, with one
+    line saying why, and the rest of the calibration stands."""
+    from fillmask_server import model as model_module
+    from fillmask_server.calibration import calibrate
+
+    served = model_module.load_model(str(tiny_model_dir), "cpu", "bfloat16")
+
+    def no_room(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 440.00 MiB\nmore lines")
+
+    monkeypatch.setattr(model_module, "load_model", no_room)
+    with caplog.at_level(logging.WARNING, logger="fillmask_server.calibration"):
+        found = calibrate(served, 0.5, model_name=str(tiny_model_dir))
+    assert found.dtype_speed is None and found.coefficients is not None and found.warning is None
+    said = [record.getMessage() for record in caplog.records]
+    assert said == ["could not measure --dtype bfloat16 against float32 (CUDA out of memory. Tried to allocate "
+                    "440.00 MiB); serving without that check"], said
