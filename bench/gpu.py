@@ -57,6 +57,7 @@ from bench import loadgen  # noqa: E402
 from bench.corpus import make_corpus, make_short_corpus  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 from fillmask_server.batching import Coefficients  # noqa: E402
+from fillmask_server.calibration import batch_items  # noqa: E402
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
 CORPORA = {"short": make_short_corpus, "mixed": make_corpus}
@@ -160,12 +161,11 @@ def torch_settings_kept() -> Iterator[None]:
         torch._C._jit_set_texpr_fuser_enabled(fusion)
 
 
-def forward_ms(model: str, device: str, dtype: str, texts: list[str], sizes: list[int]) -> dict[str, Any]:
+def forward_ms(loaded: Any, texts: list[str], sizes: list[int]) -> dict[str, Any]:
     """The server's ``model.forward`` alone on batches of ``sizes`` texts: the median of 10 calls; and
     under ``notes`` why the model runs eager, the full head or padded rows (None: it does not)."""
-    from fillmask_server.model import Item, load_model
+    from fillmask_server.model import Item
 
-    loaded = load_model(model, device=device, dtype=dtype)
     ids = loaded.tokenize(texts)
     out: dict[str, Any] = {"notes": {"forward": loaded.forward_note, "head": loaded.head_note,
                                      "packing": loaded.packing_note}}
@@ -180,20 +180,20 @@ def forward_ms(model: str, device: str, dtype: str, texts: list[str], sizes: lis
             times.append(time.perf_counter() - start)
         ms = statistics.median(times) * 1000
         out[str(size)] = {"ms_per_batch": round(ms, 3), "req_per_s": round(size / ms * 1000, 1)}
-    out["new_shapes"] = new_shapes(loaded, ids[0], NEW_SHAPES)
+    out["new_shapes"] = new_shapes(loaded, NEW_SHAPES)
     if loaded.device.type == "cuda":  # the same with cuDNN's attention, which the server leaves out
         import torch
 
         torch.backends.cuda.enable_cudnn_sdp(True)
         try:
-            out["new_shapes_cudnn"] = new_shapes(loaded, ids[0], NEW_SHAPES_CUDNN)
+            out["new_shapes_cudnn"] = new_shapes(loaded, NEW_SHAPES_CUDNN)
         finally:
             torch.backends.cuda.enable_cudnn_sdp(False)
-        out["cuda_graph"] = cuda_graph_probe(loaded, ids[0])
+        out["cuda_graph"] = cuda_graph_probe(loaded)
     return out
 
 
-def cuda_graph_probe(loaded: Any, sample: list[int], rows: int = 32, width: int = 16) -> dict[str, Any]:
+def cuda_graph_probe(loaded: Any, rows: int = 32, width: int = 16) -> dict[str, Any]:
     """What a CUDA graph would save: the model's eager forward pass (the whole model, every position's
     logits) on one batch of ``rows`` x ``width`` tokens, milliseconds per call, launched op by op and
     replayed as one captured graph (the median of 10 each). Information for a later design: where the
@@ -201,9 +201,7 @@ def cuda_graph_probe(loaded: Any, sample: list[int], rows: int = 32, width: int 
     import torch
 
     try:
-        first, filler, last = sample[0], sample[1], sample[-1]
-        ids = torch.tensor([[first, *[filler] * (width - 3), loaded.mask_token_id, last]] * rows,
-                           device=loaded.device)
+        ids = torch.tensor([item.input_ids for item in batch_items(loaded, rows, width)], device=loaded.device)
 
         def timed(call: Any) -> float:
             times = []
@@ -243,20 +241,17 @@ NEW_SHAPES = ((7, 23), (13, 37), (19, 51), (29, 17), (41, 29), (53, 61), (11, 97
 NEW_SHAPES_CUDNN = ((5, 31), (17, 43), (31, 19), (43, 57), (9, 71), (37, 27), (47, 39), (3, 89))
 
 
-def new_shapes(loaded: Any, sample: list[int], shapes: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
+def new_shapes(loaded: Any, shapes: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
     """Milliseconds of a batch of a shape the model has not run yet, its first call and again (the
     median of three more): whether a device pays once per new shape (kernel selection, compilation,
     cuDNN's execution plans), which a server whose batches take many shapes pays over and over."""
     import torch
 
-    from fillmask_server.model import Item
-
-    first, filler, last = sample[0], sample[1], sample[-1]
     synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     out = []
     for rows, width in shapes:
         width = min(width, loaded.max_tokens)
-        items = [Item([first, *[filler] * (width - 3), loaded.mask_token_id, last], 5) for _ in range(rows)]
+        items = batch_items(loaded, rows, width)
         times = []
         for _ in range(4):
             synchronize()
@@ -269,20 +264,19 @@ def new_shapes(loaded: Any, sample: list[int], shapes: tuple[tuple[int, int], ..
     return out
 
 
-def in_process(model: str, device: str, dtype: str, corpora: dict[str, list[str]], timed_texts: int
-               ) -> dict[str, Any]:
-    """Per corpus: the pipeline's answers (for the equality check), its req/s at batch sizes 32 and 128
-    and the in-process limit, each over ``timed_texts`` texts of the corpus."""
+def pipeline_figures(model: str, device: str, dtype: str, corpora: dict[str, list[str]], timed_texts: int
+                     ) -> dict[str, Any]:
+    """Per corpus: the pipeline's answers (for the equality check), its own batched-against-single gap,
+    and its req/s at batch sizes 32 and 128 over ``timed_texts`` texts of the corpus."""
     import torch
     from transformers import pipeline
 
-    from bench.pipeline_limits import in_process_limit, timed_rate
-    from bench.server_proc import QuietGate
+    from bench.pipeline_limits import timed_rate
 
     fill = pipeline("fill-mask", model=model, device=device, dtype=getattr(torch, dtype))
     out: dict[str, Any] = {}
     for name, texts in corpora.items():
-        timed = [texts[n % len(texts)] for n in range(timed_texts)]
+        timed = timed_corpus(texts, timed_texts)
         rates = {}
         for size in (32, 128):
             fill(timed[:size], batch_size=size)  # warm-up: this shape's kernels
@@ -294,13 +288,27 @@ def in_process(model: str, device: str, dtype: str, corpora: dict[str, list[str]
         single = [fill(text, top_k=5) for text in texts]
         out[name] = {"answers": single, "batched_vs_single": gaps(single, fill(texts, batch_size=32, top_k=5)),
                      "pipeline_req_per_s": rates}
-    del fill
-    for name, texts in corpora.items():
-        timed = [texts[n % len(texts)] for n in range(timed_texts)]
-        with torch_settings_kept():
-            limit, _ = in_process_limit(model, dtype, timed, 1, QuietGate(0.0, 0.0), device=device)
-        out[name]["limit_req_per_s"] = round(limit[0], 1)
     return out
+
+
+def server_model_figures(model: str, device: str, dtype: str, corpora: dict[str, list[str]], timed_texts: int
+                         ) -> tuple[dict[str, float], dict[str, Any]]:
+    """The server's model, loaded once: the in-process limit per corpus (over ``timed_texts`` texts)
+    and ``forward_ms`` on short texts. Torch's settings are kept for the pipelines measured after."""
+    from bench.pipeline_limits import limit_rates
+    from bench.server_proc import QuietGate
+    from fillmask_server.model import load_model
+
+    with torch_settings_kept():
+        loaded = load_model(model, device=device, dtype=dtype)
+        limits = {name: round(limit_rates(loaded, timed_corpus(texts, timed_texts), 1, QuietGate(0.0, 0.0))[0][0], 1)
+                  for name, texts in corpora.items()}
+        return limits, forward_ms(loaded, make_short_corpus(), [32, 128])
+
+
+def timed_corpus(texts: list[str], count: int) -> list[str]:
+    """``count`` texts: ``texts`` over and over."""
+    return [texts[n % len(texts)] for n in range(count)]
 
 
 def cost_model(url: str) -> dict[str, float]:
@@ -538,9 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         try:
             print(f"{time.strftime('%H:%M:%S')} {dtype}: pipeline and in-process limit", file=sys.stderr, flush=True)
-            run["in_process"] = in_process(args.model, args.device, dtype, corpora, args.timed_texts)
-            with torch_settings_kept():
-                run["forward"] = forward_ms(args.model, args.device, dtype, make_short_corpus(), [32, 128])
+            run["in_process"] = pipeline_figures(args.model, args.device, dtype, corpora, args.timed_texts)
+            limits, run["forward"] = server_model_figures(args.model, args.device, dtype, corpora, args.timed_texts)
+            for name, limit in limits.items():
+                run["in_process"][name]["limit_req_per_s"] = limit
             expected = {name: run["in_process"][name].pop("answers") for name in corpora}
             reference = expected if dtype == "float32" else reference
             run["notes"] = {key: value for key, value in run["forward"].pop("notes").items() if value}

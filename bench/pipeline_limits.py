@@ -86,15 +86,20 @@ def timed_rate(call: Callable[[], None], count: int) -> float:
     return done / (time.perf_counter() - started)
 
 
-def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate,
-                     device: str = "cpu") -> tuple[list[float], list[float]]:
+def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate
+                     ) -> tuple[list[float], list[float]]:
     """req/s of the server's own work without sockets or threads (see the module docstring): with the
-    decoding, and without it; one value per repeat each. ``device``: where the model runs (bench/gpu.py
-    passes cuda)."""
-    from fillmask_server.decode import SequenceDecoder, predictions_json
-    from fillmask_server.model import Item, load_model
+    decoding, and without it; one value per repeat each."""
+    from fillmask_server.model import load_model
 
-    model = load_model(model_dir, device, dtype)
+    return limit_rates(load_model(model_dir, "cpu", dtype), texts, repeats, gate)
+
+
+def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate) -> tuple[list[float], list[float]]:
+    """``in_process_limit`` on a model already loaded (bench/gpu.py's, on CUDA, loaded once per dtype)."""
+    from fillmask_server.decode import SequenceDecoder, predictions_json
+    from fillmask_server.model import Item
+
     decoder = SequenceDecoder(model.decode_tokenizer)
     lengths = [len(ids) for ids in model.tokenize(texts)]
     order = sorted(range(len(texts)), key=lambda i: lengths[i])

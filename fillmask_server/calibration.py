@@ -48,7 +48,7 @@ from . import intake
 from .batching import Coefficients
 from .core import fit
 from .decode import SequenceDecoder, predictions_json
-from .model import FillMaskModel, Item, on_a_thread_that_ends
+from .model import FillMaskModel, Item, _first_line, on_a_thread_that_ends
 from .protocol import FillMaskRequest, Limits, encode_result, parse_frame
 from .tuning import THREAD_TIE
 
@@ -219,7 +219,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             result.dtype_speed = _dtype_speed(model, model_name, device, forward)
         except Exception as exc:  # a float32 copy that does not fit beside the model, say: serve without it
             log.warning("could not measure --dtype %s against float32 (%s); serving without that check",
-                        model.dtype, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                        model.dtype, _first_line(exc))
     result.seconds = time.perf_counter() - started
     return result
 

@@ -47,22 +47,28 @@ def test_traced_and_eager_give_the_same_bits(traced: FillMaskModel, eager: FillM
     assert all(torch.equal(x, y) for i in a.targeted for x, y in zip(a.targeted[i], b.targeted[i], strict=True))
 
 
+def with_head_then(model: FillMaskModel, then: Callable[[Any, Any], Any]) -> FillMaskModel:
+    """A copy of ``model`` whose head is its own followed by ``then(hidden, logits)``: a head that
+    misbehaves the way a test needs."""
+    own = model._head
+
+    class HeadThen(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = own
+
+        def forward(self, hidden: Any) -> Any:
+            return then(hidden, self.head(hidden))
+
+    copied = copy.copy(model)
+    copied._head = HeadThen()
+    return copied
+
+
 def test_a_model_the_tracer_cannot_follow_runs_eager(traced: FillMaskModel) -> None:
     """A head with a Python branch on the number of masks: the tracer bakes in one branch, the start-up
     check (which tries 1 to 32 masks) sees the difference, and the model runs eager, correctly."""
-    base_head = traced._head
-
-    class Branchy(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = base_head
-
-        def forward(self, hidden: Any) -> Any:
-            logits = self.head(hidden)
-            return logits if hidden.shape[0] < 8 else logits.flip(-1)
-
-    model = copy.copy(traced)
-    model._head = Branchy()
+    model = with_head_then(traced, lambda hidden, logits: logits if hidden.shape[0] < 8 else logits.flip(-1))
     model._scores = model._trace()
     assert model._scores is None  # fell back to eager
     model._batch = model._batch_graph()
@@ -83,21 +89,12 @@ def test_a_graph_whose_fused_kernels_round_otherwise_is_traced_again_without_fus
     """
     from fillmask_server import model as model_module
 
-    base_head = traced._head
-
-    class RoundsOtherwiseWhenFused(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = base_head
-
-        def forward(self, hidden: Any) -> Any:
-            logits = self.head(hidden)
-            fused = torch.jit.is_tracing() and torch._C._jit_texpr_fuser_enabled()
-            return logits * (1 + 2 ** -10) if fused else logits
+    def rounds_otherwise_when_fused(hidden: Any, logits: Any) -> Any:
+        fused = torch.jit.is_tracing() and torch._C._jit_texpr_fuser_enabled()
+        return logits * (1 + 2 ** -10) if fused else logits
 
     monkeypatch.setattr(model_module, "_fuses", lambda device_type: fuses and torch._C._jit_texpr_fuser_enabled())
-    model = copy.copy(traced)
-    model._head = RoundsOtherwiseWhenFused()
+    model = with_head_then(traced, rounds_otherwise_when_fused)
     assert torch._C._jit_texpr_fuser_enabled()
     try:
         model._scores = model._trace()
