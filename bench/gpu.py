@@ -149,15 +149,18 @@ def gaps(expected: list[Any], got: list[Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def torch_settings_kept() -> Iterator[None]:
     """The block may load the server's model, which switches settings for the whole process (cuDNN's
-    attention on CUDA, TorchScript's fusion: ``fillmask_server.model``); after it they are torch's
-    again, so that the pipelines measured later run as they would anywhere."""
+    attention and FlashAttention on CUDA, TorchScript's fusion: ``fillmask_server.model``); after it
+    they are torch's again, so that the pipelines measured later run as they would anywhere."""
     import torch
 
-    cudnn, fusion = torch.backends.cuda.cudnn_sdp_enabled(), torch._C._jit_texpr_fuser_enabled()
+    backends = torch.backends.cuda
+    cudnn, flash = backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled()
+    fusion = torch._C._jit_texpr_fuser_enabled()
     try:
         yield
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        backends.enable_cudnn_sdp(cudnn)
+        backends.enable_flash_sdp(flash)
         torch._C._jit_set_texpr_fuser_enabled(fusion)
 
 

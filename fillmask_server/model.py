@@ -955,7 +955,7 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         raise ModelLoadError(f"cannot use --device {device}: {_device_problem(exc)}; choose another --device "
                              "(cpu always works; auto takes cuda only where torch sees a GPU)") from None
     if device.startswith("cuda"):
-        _attention_without_plans_per_shape()
+        _one_attention_kernel()
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         model_config = AutoConfig.from_pretrained(name)
@@ -1040,20 +1040,28 @@ def _quantize_dynamic(model: Any) -> Any:
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
-def _attention_without_plans_per_shape() -> None:
-    """cuDNN's attention out of ``scaled_dot_product_attention``'s choices, for the whole process.
+def _one_attention_kernel() -> None:
+    """cuDNN's attention and FlashAttention out of ``scaled_dot_product_attention``'s choices, for the
+    whole process (one model a process), which leaves the memory-efficient kernel to every batch.
 
-    On recent GPUs torch sends a masked attention in bfloat16 or float16 to cuDNN first, and cuDNN
-    builds an execution plan for each new shape (as reported for torch 2.11). A server's batches take
-    ever new shapes (rows x widest row), so it would pay that build over and over: the suspected cause
-    of the slow bfloat16 and float16 batches of mixed lengths on an H200 (README, "On a GPU"), not yet
-    measured. FlashAttention and the memory-efficient kernel, which torch uses next, build nothing
-    per shape."""
+    - **cuDNN** builds an execution plan for each new shape, and a server's batches never stop taking
+      new shapes (rows x widest row): on an H200 a batch of a new shape in bfloat16 or float16 took
+      several times its repeat (README, "On a GPU").
+    - **FlashAttention** takes only attention without a mask. transformers drops an all-ones mask in
+      eager PyTorch but keeps it in a traced graph, so on a batch with no padding the two ran different
+      kernels, the trace check (the same bits) failed in bfloat16 and float16, and both ran eager.
+      With one kernel, a text's answer also no longer depends on whether its batch had padding."""
     import torch
 
-    if torch.backends.cuda.cudnn_sdp_enabled():
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        log.info("cuDNN attention is off: it builds a plan for every new batch shape")
+    backends = torch.backends.cuda
+    off = []
+    for name, enabled, enable in (("cuDNN", backends.cudnn_sdp_enabled, backends.enable_cudnn_sdp),
+                                  ("FlashAttention", backends.flash_sdp_enabled, backends.enable_flash_sdp)):
+        if enabled():
+            enable(False)
+            off.append(name)
+    if off:
+        log.info("attention runs the memory-efficient kernel for every batch (%s off)", " and ".join(off))
 
 
 def _fuses(device_type: str) -> bool:

@@ -735,16 +735,20 @@ def test_a_token_the_tokenizer_knows_and_the_model_does_not_is_refused_per_reque
         model.target_ids(("zzalpha", "the"))
 
 
-def test_the_attention_switch_takes_cudnn_out_and_a_cpu_load_leaves_it_in(traced: FillMaskModel) -> None:
-    """cuDNN's attention builds an execution plan per new shape, which a server's batches never stop
-    taking: ``_attention_without_plans_per_shape`` (which a load on CUDA calls) takes it out of torch's
-    choices; a load on the CPU, where torch never uses it, leaves torch's settings as they were. (The
-    CUDA branch itself runs only on a GPU: bench/gpu.py's new-shape probe measures it there.)"""
-    from fillmask_server.model import _attention_without_plans_per_shape
+def test_the_attention_switch_leaves_one_kernel_and_a_cpu_load_leaves_torch_as_it_was(traced: FillMaskModel) -> None:
+    """``_one_attention_kernel`` (which a load on CUDA calls) takes cuDNN's attention (a plan built per
+    new shape, which a server's batches never stop taking) and FlashAttention (unmasked batches only, so
+    eager and traced ran different kernels where a batch had no padding) out of torch's choices; a load
+    on the CPU (the fixture's) leaves torch's settings as they were. (The CUDA branch itself runs only on
+    a GPU: bench/gpu.py's new-shape probe and its trace note measure it there.)"""
+    from fillmask_server.model import _one_attention_kernel
 
-    assert traced.device.type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
+    backends = torch.backends.cuda
+    assert traced.device.type == "cpu" and backends.cudnn_sdp_enabled() and backends.flash_sdp_enabled()
     try:
-        _attention_without_plans_per_shape()
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        _one_attention_kernel()
+        assert not backends.cudnn_sdp_enabled() and not backends.flash_sdp_enabled()
+        assert backends.mem_efficient_sdp_enabled()
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        backends.enable_cudnn_sdp(True)
+        backends.enable_flash_sdp(True)
