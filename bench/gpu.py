@@ -337,6 +337,29 @@ def prediction_error(recorder: loadgen.Recorder, coefficients: dict[str, float])
             "runs": [[size, tokens, round(ms, 3), round(predicted, 3)] for size, tokens, ms, predicted in runs[:300]]}
 
 
+def noise_floor(runs: list[list[float]], repeats: int = 3) -> dict[str, Any]:
+    """How well the cost model predicts against how well anything that knows only a batch's shape could:
+    over the batches (``prediction_error``'s ``runs``) whose shape (rows, padded tokens) ran at least
+    ``repeats`` times, |shape's median - measured| / measured (about the noise floor: what a batch's shape
+    cannot tell, such as a CPU that launches the kernels late) beside the cost model's own error on the
+    same batches; median and 90th percentile each. Empty when no shape repeats."""
+    by_shape: dict[tuple[float, float], list[float]] = {}
+    for rows, tokens, ms, _ in runs:
+        by_shape.setdefault((rows, tokens), []).append(ms)
+    medians = {shape: statistics.median(times) for shape, times in by_shape.items() if len(times) >= repeats}
+    kept = [(medians[(rows, tokens)], ms, predicted)
+            for rows, tokens, ms, predicted in runs if (rows, tokens) in medians]
+    if not kept:
+        return {}
+
+    def spread(errors: list[float]) -> list[float]:
+        errors.sort()
+        return [round(statistics.median(errors), 3), round(errors[int(0.9 * (len(errors) - 1))], 3)]
+
+    return {"batches": len(kept), "shape_median": spread([abs(m - ms) / ms for m, ms, _ in kept]),
+            "cost_model": spread([abs(p - ms) / ms for _, ms, p in kept])}
+
+
 async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str, list[str]], seconds: float,
                          expected: dict[str, list[Any]], reference: dict[str, list[Any]]) -> dict[str, Any]:
     """One server for every corpus: its start time and ``hello.engine``, then per corpus the equality
@@ -454,6 +477,19 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                      server.get("vs_float32"), server.get("pipeline_vs_float32")]
             lines.append(f"| {run['dtype']} | {corpus} | " + " | ".join(
                 f"{c['same_order']} of {c['texts']}, {c['max_gap']:.2g}" if c else "" for c in cells) + " |")
+    lines += ["", "The cost model against the noise floor: over the batches whose shape (rows, padded tokens) ran "
+              "three times or more, the error of each shape's median time (about the best that any price of a "
+              "batch's shape can do) and the cost model's, median / p90.", "",
+              "| dtype | corpus | clients x in flight | batches | shape's median | cost model |",
+              "|---|---|---|---|---|---|"]
+    for run in runs:
+        for corpus in run.get("corpora", []) if "error" not in run else []:
+            for load, label in (("closed_32x1", "32x1"), ("closed_32x4", "32x4")):
+                floor = noise_floor(run["server"][corpus][load]["prediction_error"].get("runs", []))
+                if floor:
+                    lines.append(f"| {run['dtype']} | {corpus} | {label} | {floor['batches']} | "
+                                 f"{floor['shape_median'][0]} / {floor['shape_median'][1]} | "
+                                 f"{floor['cost_model'][0]} / {floor['cost_model'][1]} |")
     for run in runs:
         if run.get("sweep"):
             lines += ["", f"Flag sweep, {run['dtype']}, 32 clients x 8 in flight:", "",

@@ -307,6 +307,21 @@ async def test_a_closed_loop_whose_handshakes_are_refused_fails_at_once_with_the
     assert not unread, unread
 
 
+def test_the_gpu_benchmarks_noise_floor_is_what_a_batchs_shape_cannot_tell() -> None:
+    """``noise_floor`` keeps the batches of shapes that ran three times or more, and sets the cost
+    model's error on them beside each shape's median's: a cost model that prices every shape at its
+    median is at the floor, one that is 20% off is 20% above it, and no shape repeated leaves nothing."""
+    from bench import gpu
+
+    runs = [[4, 40, ms, 10.0] for ms in (8.0, 10.0, 12.5)] + [[8, 80, ms, 16.0] for ms in (20.0, 20.0, 20.0)]
+    runs.append([1, 8, 3.0, 3.0])  # a shape that ran once: left out
+    floor = gpu.noise_floor(runs)
+    assert floor["batches"] == 6
+    assert floor["shape_median"] == [0.0, 0.2]  # 0.25, 0, 0.2 and three 0s: median 0, p90 (the 5th of 6) 0.2
+    assert floor["cost_model"] == [0.2, 0.2]  # the same three, and three of 20% off
+    assert gpu.noise_floor([[1, 8, 3.0, 3.0], [2, 8, 3.0, 3.0]]) == {}
+
+
 def test_the_gpu_benchmarks_equality_verdict_is_the_pipelines_own_rounding() -> None:
     """bench/gpu.py (issue 17 item 6): on a GPU a batch's shape picks its kernels, so float32 answers
     differ from ``pipeline(text)`` by as much as ``pipeline(texts, batch_size=32)`` does. The verdict is
