@@ -34,6 +34,8 @@ Not thread-safe: the engine calls it under its lock.
 from __future__ import annotations
 
 import enum
+import itertools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
@@ -78,8 +80,9 @@ class AnswerMemory:
 class CostModel:
     """The forward pass's time fitted online as ``overhead + token·padded + row·rows`` (weighted least
     squares on relative error, older batches forgotten by ``forget`` per batch, no coefficient below
-    zero, the overhead and the token price not below a share of the prior's, the overhead not above the
-    fastest recent batch), and the decode stage's time per byte of answer bound as a moving average.
+    zero and the overhead not above the fastest recent batch, both within the fit; then the overhead and
+    the token price raised to a share of the prior's where below it), and the decode stage's time per
+    byte of answer bound as a moving average.
 
     ``prior`` (the start-up calibration's fit, or the CPU defaults) is kept as a few pseudo-batches of
     small weight that are never forgotten: the fit stays defined when the server runs one shape only,
@@ -138,9 +141,14 @@ class CostModel:
         self._fastest_s = min(seconds, self._fastest_s / self.forget)
         s = [[a + b for a, b in zip(x, y, strict=True)] for x, y in zip(self._s, self._prior_s, strict=True)]
         r = [a + b for a, b in zip(self._r, self._prior_r, strict=True)]
-        theta = _nonnegative_least_squares(s, r, self._yy + self._prior_yy)
+        # The fastest batch bounds the overhead within the fit (a fact about the timings: the price and
+        # the row price then take up what the overhead does not explain; an overhead cut to it after
+        # the fit left every other batch predicted that much too fast). The floors are policy, which
+        # keeps batching worth its while in the model: they raise a coefficient after the fit.
+        high = [self._fastest_s, math.inf, math.inf]
+        theta = _bounded_least_squares(s, r, self._yy + self._prior_yy, [0.0] * 3, high)
         if theta is not None:
-            overhead = min(max(theta[0], self.OVERHEAD_FLOOR * self.prior.overhead_s), self._fastest_s)
+            overhead = max(theta[0], min(self.OVERHEAD_FLOOR * self.prior.overhead_s, self._fastest_s))
             token = max(theta[1], self._token_floor)
             self.coefficients = Coefficients(overhead, token, theta[2], self.coefficients.byte_s)
 
@@ -168,7 +176,7 @@ def fit(samples: Iterable[tuple[int, int, float]], byte_s: float = Coefficients.
             _accumulate(s, r, (1.0, padded, rows), seconds, 1.0)
             yy += 1.0
             count += 1
-    theta = _nonnegative_least_squares(s, r, yy) if count >= 3 else None
+    theta = _bounded_least_squares(s, r, yy, [0.0] * 3, [math.inf] * 3) if count >= 3 else None
     return None if theta is None else Coefficients(theta[0], theta[1], theta[2], byte_s)
 
 
@@ -182,25 +190,35 @@ def _accumulate(s: list[list[float]], r: list[float], x: tuple[float, float, flo
             s[i][j] += w * x[i] * x[j]
 
 
-def _nonnegative_least_squares(s: list[list[float]], r: list[float], yy: float) -> list[float] | None:
-    """argmin over θ ≥ 0 of θᵀSθ − 2θᵀr (+ yy), by trying every subset of free coefficients (three).
+def _bounded_least_squares(s: list[list[float]], r: list[float], yy: float, low: list[float],
+                           high: list[float]) -> list[float] | None:
+    """argmin over ``low`` ≤ θ ≤ ``high`` of θᵀSθ − 2θᵀr (+ yy) (``high`` may be infinite), by trying
+    each coefficient free, at its low bound or at its (finite) high one, the free ones solved with the
+    others held: 3³ cases at most.
 
-    The objective is convex, so when the unconstrained minimum is nonnegative it is the answer: that
-    one solve is the usual case, and the subsets are tried only when it is not (it runs per batch)."""
+    The objective is convex, so when the unconstrained minimum lies within the bounds it is the answer:
+    that one solve is the usual case, and the other cases are tried only when it does not (it runs per
+    batch). None when no case is solvable."""
+    n = len(r)
     whole = _solve(s, r)
-    if whole is not None and all(value >= 0 for value in whole):
+    if whole is not None and all(lo <= value <= hi for lo, value, hi in zip(low, whole, high, strict=True)):
         return whole
     best: tuple[float, list[float]] | None = None
-    for mask in range(1, 7):  # the proper subsets (7, all three, is ``whole``)
-        free = [i for i in range(3) if mask >> i & 1]
-        solved = _solve([[s[i][j] for j in free] for i in free], [r[i] for i in free])
-        if solved is None or any(value < 0 for value in solved):
+    for case in itertools.product(range(3), repeat=n):  # per coefficient: 0 free, 1 at low, 2 at high
+        if all(choice == 0 for choice in case) or any(c == 2 and high[i] == math.inf for i, c in enumerate(case)):
             continue
-        theta = [0.0] * 3
-        for i, value in zip(free, solved, strict=True):
-            theta[i] = value
+        theta = [0.0 if choice == 0 else low[i] if choice == 1 else high[i] for i, choice in enumerate(case)]
+        free = [i for i in range(n) if case[i] == 0]
+        if free:
+            held = [i for i in range(n) if case[i] != 0]
+            solved = _solve([[s[i][j] for j in free] for i in free],
+                            [r[i] - sum(s[i][j] * theta[j] for j in held) for i in free])
+            if solved is None or any(not low[i] <= value <= high[i] for i, value in zip(free, solved, strict=True)):
+                continue
+            for i, value in zip(free, solved, strict=True):
+                theta[i] = value
         error = yy - 2 * sum(t * v for t, v in zip(theta, r, strict=True)) + sum(
-            theta[i] * s[i][j] * theta[j] for i in range(3) for j in range(3))
+            theta[i] * s[i][j] * theta[j] for i in range(n) for j in range(n))
         if best is None or error < best[0]:
             best = (error, theta)
     return None if best is None else best[1]
