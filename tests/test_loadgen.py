@@ -351,16 +351,25 @@ def test_the_gpu_benchmarks_equality_verdict_is_the_pipelines_own_rounding() -> 
 
 
 def test_the_h200_figures_in_bench_results_render_and_hold() -> None:
-    """The committed run on an H200 (bench/results/gpu-h200.json) renders with ``--render`` and every
-    dtype's answers are as near the pipeline's as its own batched ones."""
+    """The committed runs on an H200 (bench/results/gpu-h200*.json) render with ``--render``. Every
+    dtype's answers were as near the pipeline's as its own batched ones in the thirteenth session's
+    run; in the fourteenth's, all but float16 on the mixed corpus were, which the README reports as
+    open (its gap 0.26 against the batched pipeline's 0.09)."""
     import contextlib
     import io
 
     from bench import gpu
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert gpu.main(["--render", str(ROOT / "bench" / "results" / "gpu-h200.json")]) == 0
-    rows = [line for line in out.getvalue().splitlines() if line.startswith(("| float32", "| bfloat16", "| float16"))]
-    table = [row for row in rows if "(packed)" in row or "(padded)" in row]
-    assert len(table) == 6 and all(row.split("|")[3].strip() == "yes" for row in table)
+    def verdicts(name: str) -> dict[str, str]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert gpu.main(["--render", str(ROOT / "bench" / "results" / name)]) == 0
+        rows = [line.split("|") for line in out.getvalue().splitlines()
+                if line.startswith(("| float32 (", "| bfloat16 (", "| float16 ("))]
+        return {f"{row[1].split()[0]} {row[2].strip()}": row[3].strip() for row in rows}
+
+    before = verdicts("gpu-h200.json")
+    assert len(before) == 6 and set(before.values()) == {"yes"}
+    latest = verdicts("gpu-h200-fourteenth.json")
+    assert len(latest) == 6 and latest.pop("float16 mixed") == "**no**: gap 0.26"
+    assert set(latest.values()) == {"yes"}
