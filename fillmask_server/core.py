@@ -125,6 +125,7 @@ class CostModel:
         self._token_floor = self.TOKEN_FLOOR * max(self.prior.token_s, self.TOKEN_FLOOR * Coefficients.token_s)
         self.coefficients = replace(self.prior, token_s=max(self.prior.token_s, self._token_floor))
         self._fastest_s = float("inf")  # the fastest recent batch, slowly forgotten (above)
+        self._case = (0, 0, 0)  # which coefficients the last fit held at a bound (``_bounded_least_squares``)
 
     def observe_forward(self, rows: int, padded_tokens: int, seconds: float) -> None:
         """One forward pass of ``rows`` rows and ``padded_tokens`` padded tokens took ``seconds``."""
@@ -146,11 +147,10 @@ class CostModel:
         # the fit left every other batch predicted that much too fast). The floors are policy, which
         # keeps batching worth its while in the model: they raise a coefficient after the fit.
         high = [self._fastest_s, math.inf, math.inf]
-        theta = _bounded_least_squares(s, r, self._yy + self._prior_yy, [0.0] * 3, high)
-        if theta is not None:
-            overhead = max(theta[0], min(self.OVERHEAD_FLOOR * self.prior.overhead_s, self._fastest_s))
-            token = max(theta[1], self._token_floor)
-            self.coefficients = Coefficients(overhead, token, theta[2], self.coefficients.byte_s)
+        theta, self._case = _bounded_least_squares(s, r, self._yy + self._prior_yy, [0.0] * 3, high, self._case)
+        overhead = max(theta[0], min(self.OVERHEAD_FLOOR * self.prior.overhead_s, self._fastest_s))
+        token = max(theta[1], self._token_floor)
+        self.coefficients = Coefficients(overhead, token, theta[2], self.coefficients.byte_s)
 
     def observe_decode(self, result_bytes: int, seconds: float) -> None:
         """The decode stage turned answers bounded by ``result_bytes`` into JSON in ``seconds``."""
@@ -176,7 +176,7 @@ def fit(samples: Iterable[tuple[int, int, float]], byte_s: float = Coefficients.
             _accumulate(s, r, (1.0, padded, rows), seconds, 1.0)
             yy += 1.0
             count += 1
-    theta = _bounded_least_squares(s, r, yy, [0.0] * 3, [math.inf] * 3) if count >= 3 else None
+    theta = _bounded_least_squares(s, r, yy, [0.0] * 3, [math.inf] * 3)[0] if count >= 3 else None
     return None if theta is None else Coefficients(theta[0], theta[1], theta[2], byte_s)
 
 
@@ -190,22 +190,28 @@ def _accumulate(s: list[list[float]], r: list[float], x: tuple[float, float, flo
             s[i][j] += w * x[i] * x[j]
 
 
-def _bounded_least_squares(s: list[list[float]], r: list[float], yy: float, low: list[float],
-                           high: list[float]) -> list[float] | None:
-    """argmin over ``low`` ≤ θ ≤ ``high`` of θᵀSθ − 2θᵀr (+ yy) (``high`` may be infinite), by trying
-    each coefficient free, at its low bound or at its (finite) high one, the free ones solved with the
-    others held: 3³ cases at most.
+#: ``_bounded_least_squares``' cases, per coefficient 0 (free), 1 (at its low bound) or 2 (at its high
+#: one), fewest held first: the usual answers (within the bounds; one coefficient at a bound) come first.
+_CASES = sorted(itertools.product(range(3), repeat=3), key=lambda case: sum(choice != 0 for choice in case))
 
-    The objective is convex, so when the unconstrained minimum lies within the bounds it is the answer:
-    that one solve is the usual case, and the other cases are tried only when it does not (it runs per
-    batch). None when no case is solvable."""
+
+def _bounded_least_squares(s: list[list[float]], r: list[float], yy: float, low: list[float], high: list[float],
+                           first: tuple[int, ...] = (0, 0, 0)) -> tuple[list[float], tuple[int, ...]]:
+    """argmin over ``low`` ≤ θ ≤ ``high`` of θᵀSθ − 2θᵀr (+ yy), for S positive semidefinite (three
+    coefficients; ``high`` may be infinite; ``low`` finite).
+
+    Each case holds some coefficients at a bound and solves for the others, fewest held first. The
+    objective is convex, so the first case whose solution lies within the bounds and whose held
+    coefficients would not lower it by moving inward (the gradient's sign: the KKT conditions) is the
+    answer: one solve when the unconstrained minimum lies within the bounds, a few of two unknowns when
+    one coefficient is held (it runs per batch). ``first`` is tried before the others: the case of the
+    last answer, which the next batch's fit mostly shares. Where S is singular no case may pass that
+    check; then the case within the bounds of the lowest objective is the answer (every coefficient at
+    its low bound is always one). Returns the answer and its case."""
     n = len(r)
-    whole = _solve(s, r)
-    if whole is not None and all(lo <= value <= hi for lo, value, hi in zip(low, whole, high, strict=True)):
-        return whole
-    best: tuple[float, list[float]] | None = None
-    for case in itertools.product(range(3), repeat=n):  # per coefficient: 0 free, 1 at low, 2 at high
-        if all(choice == 0 for choice in case) or any(c == 2 and high[i] == math.inf for i, c in enumerate(case)):
+    best: tuple[float, list[float], tuple[int, ...]] | None = None
+    for case in (first, *(case for case in _CASES if case != first)):
+        if any(choice == 2 and high[i] == math.inf for i, choice in enumerate(case)):
             continue
         theta = [0.0 if choice == 0 else low[i] if choice == 1 else high[i] for i, choice in enumerate(case)]
         free = [i for i in range(n) if case[i] == 0]
@@ -217,11 +223,18 @@ def _bounded_least_squares(s: list[list[float]], r: list[float], yy: float, low:
                 continue
             for i, value in zip(free, solved, strict=True):
                 theta[i] = value
+        pulls = [[s[i][j] * theta[j] for j in range(n)] for i in range(n)]
+        gradient = [sum(pulls[i]) - r[i] for i in range(n)]
+        slack = [1e-9 * (abs(r[i]) + sum(abs(pull) for pull in pulls[i])) for i in range(n)]
+        if all(choice == 0 or (gradient[i] >= -slack[i] if choice == 1 else gradient[i] <= slack[i])
+               for i, choice in enumerate(case)):
+            return theta, case
         error = yy - 2 * sum(t * v for t, v in zip(theta, r, strict=True)) + sum(
-            theta[i] * s[i][j] * theta[j] for i in range(n) for j in range(n))
+            theta[i] * pull for i in range(n) for pull in pulls[i])
         if best is None or error < best[0]:
-            best = (error, theta)
-    return None if best is None else best[1]
+            best = (error, theta, case)
+    assert best is not None  # (every coefficient at its low bound is always within the bounds)
+    return best[1], best[2]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -299,13 +299,15 @@ def test_the_bounded_fit_is_optimal_whether_or_not_the_free_solution_is_within_i
     """The KKT conditions of min θᵀSθ − 2θᵀr over low ≤ θ ≤ high hold for the fit's solver on random
     problems: those whose unconstrained minimum lies within the bounds (one solve) and those whose does
     not, with nonnegativity alone (the calibration's fit) and with a finite upper bound too (the
-    overhead's: the fastest recent batch)."""
+    overhead's: the fastest recent batch), whichever case is tried first (the last fit's)."""
+    import itertools
     import math
     import random
 
     from fillmask_server.core import _bounded_least_squares
 
     rng = random.Random(7)
+    cases = list(itertools.product(range(3), repeat=3))
     held = {"low": 0, "high": 0}
     for n in range(600):
         a = [[rng.uniform(-1, 1) for _ in range(3)] for _ in range(6)]
@@ -316,8 +318,9 @@ def test_the_bounded_fit_is_optimal_whether_or_not_the_free_solution_is_within_i
         else:
             low = [rng.uniform(0, 0.5) for _ in range(3)]
             high = [low[0] + rng.uniform(0, 1), math.inf, math.inf]
-        theta = _bounded_least_squares(s, r, 1.0, low, high)
-        assert theta is not None
+        theta, case = _bounded_least_squares(s, r, 1.0, low, high, rng.choice(cases))
+        assert case == tuple(0 if lo < value < hi else 1 if value == lo else 2
+                             for value, lo, hi in zip(theta, low, high, strict=True))
         gradient = [sum(s[i][j] * theta[j] for j in range(3)) - r[i] for i in range(3)]
         for value, slope, lo, hi in zip(theta, gradient, low, high, strict=True):
             assert lo <= value <= hi
@@ -332,12 +335,47 @@ def test_the_bounded_fit_is_optimal_whether_or_not_the_free_solution_is_within_i
     assert held["low"] > 100 and held["high"] > 10  # every kind of problem was tried
 
 
+def test_the_bounded_fit_is_the_least_over_the_box_where_the_problem_is_singular() -> None:
+    """Where S is singular (shapes that do not tell two coefficients apart: one shape only, or rows and
+    tokens in proportion) and where a bound is tight (low = high), no case may meet the KKT check on
+    its own; the answer is then the lowest objective within the bounds, which a fine grid never
+    beats."""
+    import math
+    import random
+
+    from fillmask_server.core import _bounded_least_squares
+
+    rng = random.Random(11)
+    grid = [i / 20 for i in range(21)]
+    for n in range(200):
+        rows = [[rng.uniform(-1, 1) for _ in range(3)] for _ in range(rng.choice([1, 2, 4]))]
+        if n % 3 == 0:
+            rows = [[row[0], row[0], row[2]] for row in rows]  # two coefficients told apart by nothing
+        s = [[sum(row[i] * row[j] for row in rows) for j in range(3)] for i in range(3)]
+        r = [rng.uniform(-1, 1) for _ in range(3)]
+        low = [0.0, 0.0, 0.0]
+        high = [rng.choice([0.0, 0.5, 1.0]), math.inf if n % 2 else 1.0, 1.0]
+
+        theta, _ = _bounded_least_squares(s, r, 0.0, low, high)
+        assert all(lo - 1e-12 <= value <= hi + 1e-12 for value, lo, hi in zip(theta, low, high, strict=True))
+        finite = [min(hi, 1.0) for hi in high]
+        best = min(quadratic(s, r, [a * finite[0], b * finite[1], c * finite[2]])
+                   for a in grid for b in grid for c in grid)
+        assert quadratic(s, r, theta) <= best + 1e-9
+
+
+def quadratic(s: list[list[float]], r: list[float], theta: list[float]) -> float:
+    """θᵀSθ − 2θᵀr: what ``_bounded_least_squares`` minimises (less its constant)."""
+    return sum(theta[i] * s[i][j] * theta[j] for i in range(3) for j in range(3)) - 2 * sum(
+        t * v for t, v in zip(theta, r, strict=True))
+
+
 def test_an_overhead_held_at_the_fastest_batch_leaves_the_rest_fitted_to_what_it_does_not_explain() -> None:
     """Where a batch's time hardly follows its shape but varies from call to call (a GPU whose CPU
     launches the kernels, and that CPU busy), an unbounded fit puts it all in the overhead, above the
     fastest batch that bounds it. Before, the overhead was cut to that bound after the fit, which priced
-    every batch at the fastest one's time (on an H200, batches of 64 rows that took 10 ms were priced
-    at 7.8). Held within the fit, the row and token prices take up what the overhead does not explain:
+    every batch at the fastest one's time (on an H200 in float16: README, "On a GPU"). Held within the
+    fit, the row and token prices take up what the overhead does not explain:
     the large batches, which the time bound is for, are priced at their mean or above, and the fit's
     relative error is lower over the batches that ran."""
     model = CostModel(Coefficients(0.006, 1e-7, 1e-5))
