@@ -11,8 +11,9 @@ and prints, per dtype, corpus and load, the relative error |predicted - measured
 - **online**: each batch predicted before the model observes it (from the 51st on), which is what the
   batch choice uses;
 - **final**: every batch predicted by the fit after all of them, as ``bench/gpu.py`` reports it;
-- **floor**: each repeated shape's median time as the prediction (``gpu.noise_floor``), about the
-  best that any price of a batch's shape can do.
+- **final, repeated shapes** and **floor**: over the batches whose shape ran three times or more
+  (``gpu.noise_floor``), the final fit's error and that of each shape's median time as the
+  prediction, about the best that any price of a batch's shape can do.
 
 So a change to the cost model can be measured against recorded GPU timings on any machine: run this
 before and after it. The server's own order and its earlier corpora are not replayed, so the figures
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -37,10 +39,15 @@ WARM = 50  # batches observed before the online error counts
 
 
 def spread(errors: list[float]) -> str:
+    """Median / p90, as ``gpu.noise_floor`` takes them."""
     ordered = sorted(errors)
     if not ordered:
         return "-"
-    return f"{ordered[len(ordered) // 2]:.3f} / {ordered[int(0.9 * (len(ordered) - 1))]:.3f}"
+    return f"{statistics.median(ordered):.3f} / {ordered[int(0.9 * (len(ordered) - 1))]:.3f}"
+
+
+def pair(values: list[float] | None) -> str:
+    return f"{values[0]:.3f} / {values[1]:.3f}" if values else "-"
 
 
 def replay(calibration: dict[str, float], runs: list[list[float]]) -> tuple[list[float], list[float], CostModel]:
@@ -61,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="gpu.json files written by bench/gpu.py")
     args = parser.parse_args(argv)
-    print("| file | dtype | corpus | load | batches | online | final | floor (shape's median) | fitted: overhead ms, "
-          "us per token, us per row |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| file | dtype | corpus | load | batches | online | final | final, repeated shapes | floor (shape's "
+          "median) | fitted: overhead ms, us per token, us per row |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for path in args.runs:
         for run in json.loads(path.read_text())["runs"]:
             if "error" in run:
@@ -75,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                     if not runs:
                         continue
                     online, final, model = replay(calibration, runs)
-                    floor = noise_floor(runs).get("shape_median")
+                    replayed = [[rows, tokens, ms, model.forward_s(int(rows), int(tokens)) * 1e3]
+                                for rows, tokens, ms, _ in runs]
+                    floor = noise_floor(replayed)
                     c = model.coefficients
                     print(f"| {path.name} | {run['dtype']} | {corpus} | {load.removeprefix('closed_')} | {len(runs)} | "
-                          f"{spread(online)} | {spread(final)} | {f'{floor[0]} / {floor[1]}' if floor else '-'} | "
+                          f"{spread(online)} | {spread(final)} | {pair(floor.get('cost_model'))} | "
+                          f"{pair(floor.get('shape_median'))} | "
                           f"{c.overhead_s * 1e3:.2f}, {c.token_s * 1e6:.3f}, {c.row_s * 1e6:.1f} |")
     return 0
 

@@ -1049,8 +1049,7 @@ def _one_attention_kernel() -> None:
       several times its repeat (README, "On a GPU").
     - **FlashAttention** takes only attention without a mask. transformers drops an all-ones mask in
       eager PyTorch but keeps it in a traced graph, so on a batch with no padding the two ran different
-      kernels, the trace check (the same bits) failed in bfloat16 and float16, and both ran eager.
-      With one kernel, a text's answer also no longer depends on whether its batch had padding."""
+      kernels, the trace check (the same bits) failed in bfloat16 and float16, and both ran eager."""
     import torch
 
     backends = torch.backends.cuda

@@ -378,9 +378,9 @@ def test_the_h200_figures_in_bench_results_render_and_hold() -> None:
 def test_the_cost_replay_runs_the_recorded_gpu_batches_through_this_checkouts_cost_model() -> None:
     """``bench/cost_replay.py`` on the committed H200 run: a row per dtype, corpus and load, each with
     the online and final errors of this checkout's ``CostModel`` and the noise floor beside them. The
-    replay is deterministic, so this is the cost model's regression check on real GPU timings: its
-    median error stays within 0.1 of the floor at 32 x 4 and within 0.2 at 32 x 1 (with the overhead
-    cut to the fastest batch after the fit, float16 was 0.12 and 0.23 above it)."""
+    replay is deterministic, so this is the cost model's regression check on real GPU timings: over the
+    batches of repeated shapes, its median error stays within 0.1 of the floor's at 32 x 4 and 0.17 at
+    32 x 1 (with the overhead cut to the fastest batch after the fit, float16 was above both)."""
     import contextlib
     import io
 
@@ -392,7 +392,7 @@ def test_the_cost_replay_runs_the_recorded_gpu_batches_through_this_checkouts_co
     rows = [line.split("|") for line in out.getvalue().splitlines() if line.startswith("| gpu-h200")]
     assert len(rows) == 12  # 3 dtypes x 2 corpora x 2 loads
     for row in rows:
-        load, online, final, floor = (cell.strip() for cell in (row[4], *row[6:9]))
-        assert all(" / " in cell for cell in (online, final, floor)), row
-        above = float(final.split(" / ")[0]) - float(floor.split(" / ")[0])
-        assert above <= (0.1 if load == "32x4" else 0.2), row
+        load, online, final, repeated, floor = (cell.strip() for cell in (row[4], *row[6:10]))
+        assert all(" / " in cell for cell in (online, final, repeated, floor)), row
+        above = float(repeated.split(" / ")[0]) - float(floor.split(" / ")[0])
+        assert above <= (0.1 if load == "32x4" else 0.17), row
