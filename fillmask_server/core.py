@@ -142,7 +142,7 @@ class CostModel:
         self._fastest_s = min(seconds, self._fastest_s / self.forget)
         s = [[a + b for a, b in zip(x, y, strict=True)] for x, y in zip(self._s, self._prior_s, strict=True)]
         r = [a + b for a, b in zip(self._r, self._prior_r, strict=True)]
-        # The fastest batch bounds the overhead within the fit (a fact about the timings: the price and
+        # The fastest batch bounds the overhead within the fit (a fact about the timings: the token and
         # the row price then take up what the overhead does not explain; an overhead cut to it after
         # the fit left every other batch predicted that much too fast). The floors are policy, which
         # keeps batching worth its while in the model: they raise a coefficient after the fit.
