@@ -24,29 +24,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu import noise_floor  # noqa: E402
+from bench.gpu import median_p90, noise_floor  # noqa: E402
 from fillmask_server.batching import Coefficients  # noqa: E402
 from fillmask_server.core import CostModel  # noqa: E402
 
 WARM = 50  # batches observed before the online error counts
 
 
-def spread(errors: list[float]) -> str:
-    """Median / p90, as ``gpu.noise_floor`` takes them."""
-    ordered = sorted(errors)
-    if not ordered:
-        return "-"
-    return f"{statistics.median(ordered):.3f} / {ordered[int(0.9 * (len(ordered) - 1))]:.3f}"
-
-
 def pair(values: list[float] | None) -> str:
+    """``gpu.median_p90``'s two figures as "median / p90", or "-" for none."""
     return f"{values[0]:.3f} / {values[1]:.3f}" if values else "-"
 
 
@@ -87,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     floor = noise_floor(replayed)
                     c = model.coefficients
                     print(f"| {path.name} | {run['dtype']} | {corpus} | {load.removeprefix('closed_')} | {len(runs)} | "
-                          f"{spread(online)} | {spread(final)} | {pair(floor.get('cost_model'))} | "
-                          f"{pair(floor.get('shape_median'))} | "
+                          f"{pair(median_p90(online) if online else None)} | {pair(median_p90(final))} | "
+                          f"{pair(floor.get('cost_model'))} | {pair(floor.get('shape_median'))} | "
                           f"{c.overhead_s * 1e3:.2f}, {c.token_s * 1e6:.3f}, {c.row_s * 1e6:.1f} |")
     return 0
 

@@ -329,12 +329,19 @@ def prediction_error(recorder: loadgen.Recorder, coefficients: dict[str, float])
     forward = Coefficients(coefficients.get("overhead", 0.0), coefficients.get("padded_token", 0.0),
                            coefficients.get("row", 0.0), 0.0)  # the forward pass alone: no output term
     runs = [(size, tokens, ms, forward.batch_s(size, tokens, 0.0) * 1000) for size, tokens, ms in batches]
-    errors = sorted(abs(predicted - ms) / ms for _, _, ms, predicted in runs)
+    errors = [abs(predicted - ms) / ms for _, _, ms, predicted in runs]
     if not errors:
         return {}
-    return {"batches": len(errors), "median": round(statistics.median(errors), 3),
-            "p90": round(errors[int(0.9 * (len(errors) - 1))], 3),
+    median, p90 = median_p90(errors)
+    return {"batches": len(errors), "median": median, "p90": p90,
             "runs": [[size, tokens, round(ms, 3), round(predicted, 3)] for size, tokens, ms, predicted in runs[:300]]}
+
+
+def median_p90(errors: list[float]) -> list[float]:
+    """The median and the 90th percentile (the value at 0.9 of the way up) of ``errors``, to 3 places:
+    how this benchmark and ``bench/cost_replay.py`` sum up prediction errors."""
+    ordered = sorted(errors)
+    return [round(statistics.median(ordered), 3), round(ordered[int(0.9 * (len(ordered) - 1))], 3)]
 
 
 def noise_floor(runs: list[list[float]], repeats: int = 3) -> dict[str, Any]:
@@ -351,13 +358,8 @@ def noise_floor(runs: list[list[float]], repeats: int = 3) -> dict[str, Any]:
             for rows, tokens, ms, predicted in runs if (rows, tokens) in medians]
     if not kept:
         return {}
-
-    def spread(errors: list[float]) -> list[float]:
-        errors.sort()
-        return [round(statistics.median(errors), 3), round(errors[int(0.9 * (len(errors) - 1))], 3)]
-
-    return {"batches": len(kept), "shape_median": spread([abs(m - ms) / ms for m, ms, _ in kept]),
-            "cost_model": spread([abs(p - ms) / ms for _, ms, p in kept])}
+    return {"batches": len(kept), "shape_median": median_p90([abs(m - ms) / ms for m, ms, _ in kept]),
+            "cost_model": median_p90([abs(p - ms) / ms for _, ms, p in kept])}
 
 
 async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str, list[str]], seconds: float,
