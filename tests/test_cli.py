@@ -250,8 +250,12 @@ async def refusing_proxy(status: str, body: bytes) -> asyncio.Server:
 
 
 async def test_every_connection_failure_says_why_in_one_line(server: Any, make_server: Any) -> None:
+    # Bound and never listening, for the whole test: connecting is refused, and none of the servers it
+    # starts can be given that port (a port found free and let go was, once, the 503 proxy's).
+    unlistened = socket.socket()
+    unlistened.bind(("127.0.0.1", 0))
     cases = [(f"wss://127.0.0.1:{server.port}/", "TLS handshake with 127.0.0.1:"),  # TLS against plain
-             (f"ws://127.0.0.1:{free_port()}/", "connection refused: nothing listens on 127.0.0.1:"),
+             (f"ws://127.0.0.1:{unlistened.getsockname()[1]}/", "connection refused: nothing listens on 127.0.0.1:"),
              ("ws://no-such-host.invalid:8765/", "cannot resolve the host name 'no-such-host.invalid'")]
     proxies = [await refusing_proxy("403 Forbidden", b""),
                await refusing_proxy("503 Service Unavailable", b"<html><body>No server is available</body></html>")]
@@ -271,6 +275,7 @@ async def test_every_connection_failure_says_why_in_one_line(server: Any, make_s
                 assert len(err.splitlines()) == 1 and expected in err, err
                 assert "  " not in err and ":  " not in err and not err.rstrip().endswith(":"), err
     finally:
+        unlistened.close()
         for proxy in proxies:
             proxy.close()
 
