@@ -271,7 +271,8 @@ class Scheduled:
     predicted_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     wait_s: float = 0.0  # > 0: nothing was done; schedule again after this long (or on a wake-up)
-    threads: int = 0  # torch threads to run ``batch`` with (``tuning.ThreadTuner``); 0: as they are
+    threads: int = 0  # torch threads to run ``batch`` with (``tuning.ThreadTuner``); 0: as they are (or,
+    # for a batch chosen ahead, not yet decided: ``start`` decides)
 
 
 class EngineCore:
@@ -395,7 +396,8 @@ class EngineCore:
 
         With ``start=False`` the batch is chosen *ahead*, for when the model is free: its requests
         leave the policy's queue but stay QUEUED (a cancel, a closed connection or a drain may still
-        take them out) until ``start``."""
+        take them out) until ``start``, which also picks its thread count: a batch chosen while a
+        thread-count probe's last batch runs would otherwise run at the probe's count after its end."""
         if not self._queue:
             return Scheduled()
         coefficients = self.cost.coefficients
@@ -412,20 +414,25 @@ class EngineCore:
         if start:
             for job in decision.batch:
                 self._move(job, Event.BATCHED)
-        threads = self.threads.count(now) if self.threads is not None and decision.batch else 0
+        threads = self._threads_for(decision.batch, now) if start else 0
         return Scheduled(decision.batch, decision.padded_tokens, decision.predicted_s, outcomes, threads=threads)
 
-    def start(self, ahead: Scheduled) -> Scheduled:
-        """Start a batch chosen ahead (``schedule(start=False)``): its requests still QUEUED move to
-        RUNNING; those that left meanwhile (withdrawn) drop out of it."""
+    def start(self, ahead: Scheduled, now: float) -> Scheduled:
+        """Start a batch chosen ahead (``schedule(start=False)``) at ``now``: its requests still QUEUED
+        move to RUNNING; those that left meanwhile (withdrawn) drop out of it."""
         batch = [job for job in ahead.batch if job.state is State.QUEUED]
         for job in batch:
             self._move(job, Event.BATCHED)
+        threads = self._threads_for(batch, now)
         if len(batch) == len(ahead.batch):
-            return Scheduled(batch, ahead.padded_tokens, ahead.predicted_s, threads=ahead.threads)
+            return Scheduled(batch, ahead.padded_tokens, ahead.predicted_s, threads=threads)
         padded = footprint([job.n_tokens for job in batch], self.policy.pack_width)
         predicted = self.cost.coefficients.batch_s(len(batch), padded, sum(job.result_bytes for job in batch))
-        return Scheduled(batch, padded, predicted if batch else 0.0, threads=ahead.threads if batch else 0)
+        return Scheduled(batch, padded, predicted if batch else 0.0, threads=threads)
+
+    def _threads_for(self, batch: list[Job], now: float) -> int:
+        """The thread count for ``batch``, starting now (0: none to run, or not the core's to choose)."""
+        return self.threads.count(now) if self.threads is not None and batch else 0
 
     def update_from_output(self, batch: list[Job], padded_tokens: int, forwarded: list[int], failed: list[int],
                            seconds: float, now: float, passes: int = 1, threads: int = 0) -> list[Outcome]:

@@ -289,7 +289,7 @@ class Engine:
                 if self._stopping:
                     return
                 ahead, self._next = self._next, None
-                scheduled = self._schedule_locked() if ahead is None else self.core.start(ahead)
+                scheduled = self._schedule_locked() if ahead is None else self.core.start(ahead, self._clock())
                 if ahead is not None and not scheduled.batch:
                     continue  # every request of the batch chosen ahead was withdrawn meanwhile
                 if scheduled.wait_s > 0:

@@ -151,7 +151,7 @@ def test_a_batch_chosen_ahead_stays_queued_until_it_starts_and_loses_what_was_wi
     assert [j.request.id for j in ahead.batch] == [0, 1, 2] and all(j.state is State.QUEUED for j in ahead.batch)
     assert (c.runnable(), c.started(), len(c._queue)) == (4, 0, 1)  # queued, but not the policy's to choose
     assert c.withdraw(ahead.batch[1])
-    started = c.start(ahead)
+    started = c.start(ahead, 0.0)
     assert [j.request.id for j in started.batch] == [0, 2] and started.padded_tokens == 20
     assert (c.runnable(), c.started(), c.reserved_total()) == (1, 2, 2000)
     assert [j.request.id for j in c.schedule(0.0).batch] == [3]
@@ -432,6 +432,32 @@ def test_each_batch_gets_the_tuners_thread_count_and_only_the_count_in_use_teach
     untuned = core()
     queue_up(untuned, [j := job("x")])
     assert untuned.schedule(0.0).threads == 0  # not the core's to choose: left as it is
+
+
+def test_a_batch_chosen_ahead_gets_its_thread_count_when_it_starts_not_when_it_was_chosen() -> None:
+    # The engine chooses the next batch while the model runs one. A batch chosen while a probe's last
+    # batch ran must not run at the probe's count once the probe has ended.
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    c = core(cost=CostModel(Coefficients(0.001, 2e-5, 1e-4)), threads=tuner)
+    now, n, after_a_probe = 0.0, 0, 0
+    queue_up(c, [first := job(n, arrival=now)])
+    running = c.schedule(now)
+    while now < 4 * FIRST_INTERVAL_S:  # two probes, 5 s and 15 s in
+        n += 1
+        queue_up(c, [j := job(n, arrival=now)])
+        ahead = c.schedule(now, start=False)
+        assert ahead.batch == [j] and ahead.threads == 0  # not decided yet
+        probing = tuner.count(now) != tuner.current
+        now += 0.01 if running.threads == 2 else 0.02  # one thread is slower: each probe loses
+        c.update_from_output(running.batch, 10, [0], [], 0.01 if running.threads == 2 else 0.02, now,
+                             threads=running.threads)
+        c.decoded([result(running.batch[0])])
+        c.release(running.batch)
+        started = c.start(ahead, now)
+        assert started.batch == [j] and started.threads == tuner.count(now)
+        after_a_probe += probing and started.threads == tuner.current == 2
+        running = started
+    assert first.state is State.DONE and after_a_probe >= 2
 
 
 def test_fit_recovers_calibration_samples_exactly_and_needs_three() -> None:
