@@ -17,8 +17,15 @@ ratio for the last batches at the current count. The rules:
   count), or is not above it by more than ``THREAD_TIE`` (a smaller count: fewer threads leave cores
   to the server's other stages; the calibration's tie rule). Two wins in a row for the same count
   switch to it (one probe of three batches is one noisy sample).
-- **A probe is short and rare.** A probe batch ``ABORT_RATIO`` times slower than the current count's
-  (its warm-up batch: ``ABORT_RATIO_WARM_UP``) ends the probe at once, lost; a probe that has not
+- **A probe ends as soon as its verdict is known.** Once more than half of its ``PROBE_BATCHES``
+  timed batches win (or lose) by that rule, so does their median: it ends there, with the verdict
+  that all of them would give. A timed batch slower than the current count's beyond their own
+  spread ends it at once, lost: its ratio above their median by ``CLEAR_LOSS_RATIO``, or above their
+  slowest by ``THREAD_TIE`` where that is more, and always when above ``ABORT_RATIO`` times their
+  median (the warm-up batch: ``ABORT_RATIO_WARM_UP``). Under load every probe batch that is slower
+  than the current count's holds up every request queued behind it: a closed loop's p99 on two cores
+  rose by a tenth of its p50 in the seconds around a probe that ran all its batches.
+- **A probe is short and rare.** A probe that has not
   timed its batches after ``PROBE_MAX_BATCHES`` (they failed or were split) ends without a verdict,
   as a loss. Probes take at most about ``PROBE_SHARE`` of the time while serving: a probe starts no
   sooner than the last probe's engine time (before the first: its batches at the recent batch
@@ -42,11 +49,12 @@ from collections import deque
 from dataclasses import dataclass
 
 THREAD_TIE = 0.05  # a larger thread count must be this much faster to win (a smaller one, no slower)
-PROBE_BATCHES = 3  # batches timed per probe, after one warm-up batch
+PROBE_BATCHES = 3  # batches timed per probe at most, after one warm-up batch (odd: a median of one of them)
 REFERENCE_BATCHES = 5  # the current count's latest batches a probe is compared with
 WINS_TO_SWITCH = 2  # probes in a row that a count must win before the engine switches to it
 PROBE_SHARE = 0.02  # probes take at most about this share of the time while serving
 PROBE_MAX_BATCHES = 2 * PROBE_BATCHES + 1  # a probe that has not timed enough batches by then is given up
+CLEAR_LOSS_RATIO = 1.25  # a timed probe batch this much slower than the current count's median loses it
 ABORT_RATIO = 2.0  # a probe batch this many times slower than the current count's ends the probe, lost
 ABORT_RATIO_WARM_UP = 4.0  # the same for its warm-up batch (which may start the count's workers)
 FIRST_INTERVAL_S = 5.0  # the least time between probes (the first comes this long after start)
@@ -113,15 +121,15 @@ class ThreadTuner:
         if count == self._probe:
             self._probe_batches += 1
             self._probe_busy += max(0.0, seconds)
-            reference = statistics.median(self._reference)
-            if ratio is not None and ratio > reference * (ABORT_RATIO_WARM_UP if warm_up else ABORT_RATIO):
-                return Ran(False, self._decide(now, lost=True))  # far slower: no more batches of it
+            if ratio is not None and ratio > self._slower_beyond_doubt(warm_up):
+                return Ran(False, self._decide(now, won=False))  # no more batches of it
             if not warm_up and ratio is not None:
                 self._probe_ratios.append(ratio)
-            if len(self._probe_ratios) >= PROBE_BATCHES:
-                return Ran(False, self._decide(now))
+            verdict = self._verdict()
+            if verdict is not None:
+                return Ran(False, self._decide(now, won=verdict))
             if self._probe_batches >= PROBE_MAX_BATCHES:  # its batches failed or split: no verdict
-                return Ran(False, self._decide(now, lost=None))
+                return Ran(False, self._decide(now, won=False))
             return Ran(False)
         if count == self.current and not warm_up and ratio is not None:
             self._reference.append(ratio)
@@ -132,20 +140,36 @@ class ThreadTuner:
         time."""
         return max(self._probe_s, (PROBE_BATCHES + 1) * self._batch_s)
 
-    def _decide(self, now: float, lost: bool | None = False) -> tuple[int, int] | None:
-        """The probe is over: count a win or a loss (``lost``: a loss already; None: no verdict, as a
-        loss), switch after enough wins, plan the next probe."""
+    def _slower_beyond_doubt(self, warm_up: bool) -> float:
+        """The ratio above which a probe batch loses the probe at once (see the module docstring)."""
+        theirs = statistics.median(self._reference)
+        if warm_up:
+            return theirs * ABORT_RATIO_WARM_UP
+        return min(theirs * ABORT_RATIO, max(theirs * CLEAR_LOSS_RATIO, max(self._reference) * (1 + THREAD_TIE)))
+
+    def _verdict(self) -> bool | None:
+        """Whether the probe wins, once more than half of its ``PROBE_BATCHES`` timed batches agree
+        (then so does their median, whatever the rest); None until then."""
+        theirs = statistics.median(self._reference)
+        assert self._probe is not None
+        if self._probe < self.current:
+            wins = sum(mine <= theirs * (1 + THREAD_TIE) for mine in self._probe_ratios)
+        else:
+            wins = sum(mine * (1 + THREAD_TIE) < theirs for mine in self._probe_ratios)
+        needed = PROBE_BATCHES // 2 + 1
+        if wins >= needed:
+            return True
+        if len(self._probe_ratios) - wins >= needed:
+            return False
+        return None
+
+    def _decide(self, now: float, won: bool) -> tuple[int, int] | None:
+        """The probe is over: count a win or a loss, switch after enough wins, plan the next probe."""
         probe, self._probe = self._probe, None
         assert probe is not None
         self._probe_s = self._probe_busy
-        if lost is False:
-            mine = statistics.median(self._probe_ratios)
-            theirs = statistics.median(self._reference)
-            wins = (mine <= theirs * (1 + THREAD_TIE)) if probe < self.current else (mine * (1 + THREAD_TIE) < theirs)
-        else:
-            wins = False
         switched = None
-        if not wins:
+        if not won:
             self._wins = (0, 0)
             self._interval = min(MAX_INTERVAL_S, self._interval * 2)
         elif self._wins[0] == probe and self._wins[1] + 1 >= WINS_TO_SWITCH:
@@ -157,7 +181,7 @@ class ThreadTuner:
             self._interval = self._first_interval
         else:
             self._wins = (probe, self._wins[1] + 1 if self._wins[0] == probe else 1)
-        self._wait = self._interval if switched or not wins else self._first_interval  # a win is confirmed soon
+        self._wait = self._interval if switched or not won else self._first_interval  # a win is confirmed soon
         self._since = now
         return switched
 

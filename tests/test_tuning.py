@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 
 from fillmask_server.tuning import (
+    ABORT_RATIO,
     ABORT_RATIO_WARM_UP,
+    CLEAR_LOSS_RATIO,
     FIRST_INTERVAL_S,
     MAX_INTERVAL_S,
     PROBE_BATCHES,
@@ -21,10 +23,13 @@ from fillmask_server.tuning import (
 
 
 class Machine:
-    """Batches on a fake clock: each count's time per batch against a prediction of 1 s x ``scale``."""
+    """Batches on a fake clock: each count's time per batch against a prediction of 1 s x ``scale``;
+    ``noise`` (optional) multiplies a count's batches' times by its factors, in turn."""
 
-    def __init__(self, tuner: ThreadTuner, speed: dict[int, float], scale: float = 0.01) -> None:
+    def __init__(self, tuner: ThreadTuner, speed: dict[int, float], scale: float = 0.01,
+                 noise: dict[int, tuple[float, ...]] | None = None) -> None:
         self.tuner, self.speed, self.scale = tuner, speed, scale
+        self.noise = {count: itertools.cycle((noise or {}).get(count, (1.0,))) for count in speed}
         self.now = 0.0
         self.counts: list[int] = []
         self.fits: list[bool] = []
@@ -36,7 +41,7 @@ class Machine:
         until = self.now + seconds
         while self.now < until:
             count = self.tuner.count(self.now)
-            took = self.speed[count] * self.scale
+            took = self.speed[count] * self.scale * next(self.noise[count])
             self.now += took
             self.busy[count] += took
             ran = self.tuner.ran(count, took, self.scale, self.now)
@@ -71,14 +76,41 @@ def test_nothing_is_probed_before_the_first_interval_nor_ever_when_not_adaptive(
     assert set(alone.counts) == {2}
 
 
+def first_probe(speed: dict[int, float], noise: dict[int, tuple[float, ...]] | None = None) -> list[int]:
+    """The counts of the first probe's batches (from 2 threads to 1), warm-up included."""
+    machine = Machine(ThreadTuner([1, 2], 2, 0.0), speed, noise=noise)
+    machine.run(FIRST_INTERVAL_S * 1.5)
+    first = machine.counts.index(1)
+    return machine.counts[first: machine.counts.index(2, first)]
+
+
 def test_a_probe_is_a_warm_up_batch_and_its_timed_batches_none_of_which_feed_the_cost_model() -> None:
     machine = Machine(ThreadTuner([1, 2], 2, 0.0), {1: 1.0, 2: 1.0})
     machine.run(FIRST_INTERVAL_S * 1.5)
     first = machine.counts.index(1)
-    assert machine.counts[first: first + PROBE_BATCHES + 1] == [1] * (PROBE_BATCHES + 1)
-    assert machine.counts[first + PROBE_BATCHES + 1] == 2
-    assert not any(machine.fits[first: first + PROBE_BATCHES + 2])  # and the warm-up batch back at 2
-    assert machine.fits[first + PROBE_BATCHES + 2]
+    timed = PROBE_BATCHES // 2 + 1  # as fast: each timed batch wins, and a majority decides
+    assert machine.counts[first: first + timed + 1] == [1] * (timed + 1)
+    assert machine.counts[first + timed + 1] == 2
+    assert not any(machine.fits[first: first + timed + 2])  # and the warm-up batch back at 2
+    assert machine.fits[first + timed + 2]
+
+
+def test_a_probe_ends_once_most_of_its_timed_batches_agree_and_runs_them_all_only_when_they_split() -> None:
+    assert PROBE_BATCHES == 3
+    beyond_the_tie = 1 + 3 * THREAD_TIE  # slower than a smaller count may be, within CLEAR_LOSS_RATIO
+    assert beyond_the_tie < CLEAR_LOSS_RATIO
+    assert len(first_probe({1: beyond_the_tie, 2: 1.0})) == 1 + 2  # the warm-up, then two lost batches
+    # The current count's batches all at 1.0; the probe's timed ones at 0.9, 1.1 and 1.0: a split.
+    assert first_probe({1: 1.0, 2: 1.0}, noise={1: (1.0, 0.9, 1.1, 1.0)}) == [1] * 4
+
+
+def test_a_probe_batch_slower_beyond_the_current_counts_own_spread_ends_the_probe_at_once() -> None:
+    clearly = CLEAR_LOSS_RATIO * 1.1  # below ABORT_RATIO: the old rule ran every timed batch of it
+    assert clearly < ABORT_RATIO
+    assert first_probe({1: clearly, 2: 1.0}) == [1, 1]  # the warm-up and one timed batch
+    # Where the current count's own batches spread as wide (0.7x to 1.5x of their median), a batch as
+    # slow is not beyond doubt: the probe runs on until a majority decides.
+    assert len(first_probe({1: clearly, 2: 1.0}, noise={2: (0.7, 1.5, 1.0, 0.8, 1.2)})) > 2
 
 
 def test_a_faster_count_is_switched_to_after_two_winning_probes_and_then_kept() -> None:
