@@ -1,6 +1,6 @@
 """The torch thread count measured again while serving (``fillmask_server/tuning.py``), shown end to end.
 
-    .venv/bin/python bench/thread_tuning.py                   # models/families-small/bert, about 2 min
+    .venv/bin/python bench/thread_tuning.py       # models/families-small/bert (written if missing), 2 min
     .venv/bin/python bench/thread_tuning.py --model models/tiny --windows 6
 
 A neighbour keeps one core busy (a Python process that never sleeps) while the server starts and
@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 from bench import loadgen  # noqa: E402
 from bench.corpus import make_short_corpus  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
+from fillmask_server.checkpoint import ensure_family  # noqa: E402
 
 SPIN = "import time\nuntil = time.monotonic() + 600\nwhile time.monotonic() < until:\n    pass\n"
 
@@ -48,14 +49,16 @@ def window(server: ServerProcess, texts: list[str], seconds: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "families-small" / "bert"))
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory (default: models/families-small/bert, written if missing)")
     parser.add_argument("--windows", type=int, default=10, help="closed-loop windows after the start")
     parser.add_argument("--window-s", type=float, default=8.0)
     args = parser.parse_args(argv)
+    model = Path(args.model) if args.model else ensure_family("bert", ROOT / "models" / "families-small", "small")
     texts = make_short_corpus()
     neighbour = subprocess.Popen([sys.executable, "-c", SPIN])
     try:
-        server = ServerProcess(Path(args.model), ["--log-level", "info"])
+        server = ServerProcess(model, ["--log-level", "info"])
         server.__enter__()
     finally:
         neighbour.kill()
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print("switches:", "; ".join(switches) or "none")
     finally:
         server.__exit__(None, None, None)
-    with ServerProcess(Path(args.model), ["--torch-threads", str(last)]) as reference:
+    with ServerProcess(model, ["--torch-threads", str(last)]) as reference:
         rates = [window(reference, texts, args.window_s) for _ in range(2)]
     print(f"reference, --torch-threads {last} on the quiet machine: {max(rates):.1f} req/s (best of 2 windows)")
     return 0
