@@ -27,13 +27,15 @@ ratio for the last batches at the current count. The rules:
   rose by a tenth of its p50 in the seconds around a probe that ran all its batches.
 - **A probe is short and rare.** A probe that has not
   timed its batches after ``PROBE_MAX_BATCHES`` (they failed or were split) ends without a verdict,
-  as a loss. Probes take at most about ``PROBE_SHARE`` of the time while serving: a probe starts no
-  sooner than the last probe's engine time (before the first: its batches at the recent batch
-  time) divided by ``PROBE_SHARE`` after the last one ended (or the engine started), and no sooner
+  as a loss. Probes cost at most about ``PROBE_SHARE`` of the time while serving. A probe's *cost*
+  is the engine time its batches took beyond what the count in use would have taken for them (the
+  current count's median ratio times each batch's prediction), so a probe of a faster count costs
+  nothing; a quiet spell during a probe does not count. A probe starts no sooner than the cost of
+  the last probe of its count (before the first: ``PROBE_BATCHES`` + 1 batches at the recent batch
+  time) divided by ``PROBE_SHARE`` after the last probe ended (or the engine started), and no sooner
   than ``FIRST_INTERVAL_S``; a probe that loses doubles that least wait, up to ``MAX_INTERVAL_S`` (a
   machine whose best count does not change is probed rarely; only probes whose batches are so long
-  that the share asks for more wait longer); a switch starts again from ``FIRST_INTERVAL_S``. The
-  probe's time is its batches' engine time, so a quiet spell during a probe does not count.
+  that the share asks for more wait longer); a switch starts again from ``FIRST_INTERVAL_S``.
 - The first batch after any change of count (to a probe, back, or a switch) is a warm-up: it counts
   for nothing, and like a probe's batches it does not feed the cost model (``Ran.fit``), which stays
   a model of the count in use.
@@ -85,9 +87,9 @@ class ThreadTuner:
         self._interval = first_interval_s
         self._since = now  # when the last probe ended (or the tuner started)
         self._wait = first_interval_s  # the least time from then to the next probe
-        self._probe_s = 0.0  # engine time of the last probe's batches, warm-up included
+        self._cost: dict[int, float] = {}  # each probed count's last probe's cost (seconds)
         self._probe_batches = 0  # batches run in the probe under way
-        self._probe_busy = 0.0  # and their engine time
+        self._probe_excess = 0.0  # and their engine time beyond the current count's (its cost)
         self._probe: int | None = None  # the count being probed
         self._probe_ratios: list[float] = []
         self._wins: tuple[int, int] = (0, 0)  # (count, probes in a row it won)
@@ -97,19 +99,24 @@ class ThreadTuner:
 
     def count(self, now: float) -> int:
         """The thread count for the next batch; starts a probe when one is due."""
-        if self._probe is None and self.adaptive and len(self._reference) >= PROBE_BATCHES \
-                and now >= self._since + max(self._wait, self._probe_cost() / self._share):
-            # Only the neighbouring counts: a probe of 1 thread on a 64-core machine would stall every
-            # queued request behind a batch many times slower.
-            place = self.candidates.index(self.current)
-            others = self.candidates[max(0, place - 1): place] + self.candidates[place + 1: place + 2]
-            pending, won = self._wins
-            self._probe = pending if won and pending in others else others[self._turn % len(others)]
-            self._turn += 1
-            self._probe_ratios = []
-            self._probe_batches = 0
-            self._probe_busy = 0.0
+        if self._probe is None and self.adaptive and len(self._reference) >= PROBE_BATCHES:
+            probe = self._next_probe()
+            if now >= self._since + max(self._wait, self._probe_cost(probe) / self._share):
+                self._probe = probe
+                self._turn += 1
+                self._probe_ratios = []
+                self._probe_batches = 0
+                self._probe_excess = 0.0
         return self._probe if self._probe is not None else self.current
+
+    def _next_probe(self) -> int:
+        """The count the next probe tries: one that won the last probe, or each neighbour in turn. Only
+        the neighbouring counts: a probe of 1 thread on a 64-core machine would stall every queued
+        request behind a batch many times slower."""
+        place = self.candidates.index(self.current)
+        others = self.candidates[max(0, place - 1): place] + self.candidates[place + 1: place + 2]
+        pending, won = self._wins
+        return pending if won and pending in others else others[self._turn % len(others)]
 
     def ran(self, count: int, seconds: float, predicted_s: float, now: float) -> Ran:
         """A batch ran at ``count`` threads in ``seconds``; the cost model predicted ``predicted_s``."""
@@ -120,7 +127,8 @@ class ThreadTuner:
         ratio = seconds / predicted_s if predicted_s > 0 and seconds > 0 else None
         if count == self._probe:
             self._probe_batches += 1
-            self._probe_busy += max(0.0, seconds)
+            if seconds > 0:
+                self._probe_excess += seconds - statistics.median(self._reference) * max(0.0, predicted_s)
             if ratio is not None and ratio > self._slower_beyond_doubt(warm_up):
                 return Ran(False, self._decide(now, won=False))  # no more batches of it
             if not warm_up and ratio is not None:
@@ -135,10 +143,10 @@ class ThreadTuner:
             self._reference.append(ratio)
         return Ran(count == self.current and not warm_up)
 
-    def _probe_cost(self) -> float:
-        """The next probe's expected engine time: the last one's, or its batches at the recent batch
-        time."""
-        return max(self._probe_s, (PROBE_BATCHES + 1) * self._batch_s)
+    def _probe_cost(self, probe: int) -> float:
+        """A probe of ``probe`` threads' expected cost: the last one's, or before the first, its
+        batches at the recent batch time."""
+        return self._cost.get(probe, (PROBE_BATCHES + 1) * self._batch_s)
 
     def _slower_beyond_doubt(self, warm_up: bool) -> float:
         """The ratio above which a probe batch loses the probe at once (see the module docstring)."""
@@ -167,7 +175,7 @@ class ThreadTuner:
         """The probe is over: count a win or a loss, switch after enough wins, plan the next probe."""
         probe, self._probe = self._probe, None
         assert probe is not None
-        self._probe_s = self._probe_busy
+        self._cost[probe] = max(0.0, self._probe_excess)
         switched = None
         if not won:
             self._wins = (0, 0)
