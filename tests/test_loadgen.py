@@ -396,3 +396,25 @@ def test_the_cost_replay_runs_the_recorded_gpu_batches_through_this_checkouts_co
         assert all(" / " in cell for cell in (online, final, repeated, floor)), row
         above = float(repeated.split(" / ")[0]) - float(floor.split(" / ")[0])
         assert above <= (0.1 if load == "32x4" else 0.17), row
+
+
+def test_the_tail_is_split_by_stage_and_its_slowest_requests_by_burst() -> None:
+    from bench.tail import decompose
+
+    recorder = Recorder()
+    for n in range(1000):  # 1,000 requests sent 10 ms apart; ten from 2.0 s and ten from 7.0 s on are slow
+        sent = 100.0 + n * 0.01
+        slow = 200 <= n < 210 or 700 <= n < 710
+        index = recorder.add(sent)
+        latency, queue, inference = ((0.040 if n % 2 else 0.030), 10.0, 15.0) if slow else (0.010, 3.0, 5.0)
+        recorder.answer(index, sent + latency, {"type": RESULT, "queue_ms": queue, "inference_ms": inference})
+    recorder.answer(recorder.add(104.0), 104.5, {"type": "error", "code": "bad_request"})  # not a result
+    recorder.answer(recorder.add(90.0), 90.5, {"type": RESULT, "queue_ms": 1.0, "inference_ms": 1.0})  # before
+    got = decompose(recorder, (100.0, 111.0))
+    assert got["requests"] == 1000
+    assert round(got["p50_ms"], 6) == 10.0 and round(got["p99_ms"], 6) == 40.0
+    assert got["middle"] == pytest.approx({"latency_ms": 10.0, "queue_ms": 3.0, "inference_ms": 5.0, "rest_ms": 2.0})
+    assert got["tail"] == pytest.approx({"latency_ms": 35.0, "queue_ms": 10.0, "inference_ms": 15.0, "rest_ms": 10.0})
+    assert got["bursts"] == [(2.01, 5), (7.01, 5)]  # the slowest 1%: the 40-ms ones of each burst
+    with pytest.raises(ValueError, match="too few"):
+        decompose(recorder, (100.0, 100.5))
