@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
-from bench.adaptive import corpus_texts  # noqa: E402
+from bench.adaptive import _hello_threads, corpus_texts  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 
@@ -74,10 +74,12 @@ async def run(model: Path, size: str, corpus: str, flags: list[str], in_flight: 
     texts = corpus_texts(model, size, corpus)
     with ServerProcess(model, flags) as server:
         await loadgen.settle(server.url)
+        threads = [await _hello_threads(server.url)]
         recorder = loadgen.Recorder()
         started = time.perf_counter()
         await loadgen.closed_loop(server.url, texts, 32, in_flight, warmup, duration, recorder=recorder)
-    return decompose(recorder, (started + warmup, started + warmup + duration))
+        threads.append(await _hello_threads(server.url))
+    return {**decompose(recorder, (started + warmup, started + warmup + duration)), "torch_threads": threads}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         got = asyncio.run(run(model, args.size, args.corpus, shlex.split(args.flags), args.in_flight, args.warmup,
                               args.duration))
         print(f"run {n + 1}: {args.size}, {args.corpus}, flags '{args.flags}': {got['requests']} requests, "
-              f"p50 {got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms ({got['p99_ms'] / got['p50_ms']:.2f}x)")
+              f"p50 {got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms ({got['p99_ms'] / got['p50_ms']:.2f}x); "
+              "torch threads {} before the load, {} after".format(*got["torch_threads"]))
         for name in ("middle", "tail"):
             b = got[name]
             print(f"  {name:6s}: latency {b['latency_ms']:.1f} = queue {b['queue_ms']:.1f} + inference "
