@@ -8,29 +8,33 @@ barrier waits for a worker the other has descheduled) and would run on one threa
 
 So the engine core keeps a ``ThreadTuner`` (when the calibration chose the count; a count the user
 set, or torch's default with the calibration off, is left alone). Now and then it runs a **probe**:
-``PROBE_BATCHES`` batches at a neighbouring candidate count (the next smaller or larger one; after
-one warm-up batch at it, not counted),
-each batch's forward time divided by the cost model's prediction for its shape, against the same
-ratio for the last batches at the current count. The rules:
+up to ``PROBE_BATCHES`` timed batches at a neighbouring candidate count (the next smaller or larger
+one; after one warm-up batch at it, not counted), each batch's forward time divided by the cost
+model's prediction for its shape, against the same ratio for the last batches at the current count.
+The engine asks ``count`` once for each batch, when the batch starts (after the last batch's
+``ran``): a batch whose count was fixed earlier could run at a probe's count after the probe ended.
+The rules:
 
 - A probe **wins** when its median ratio is below the current count's by ``THREAD_TIE`` (a larger
   count), or is not above it by more than ``THREAD_TIE`` (a smaller count: fewer threads leave cores
   to the server's other stages; the calibration's tie rule). Two wins in a row for the same count
-  switch to it (one probe of three batches is one noisy sample).
+  switch to it (one probe is one noisy sample).
 - **A probe ends as soon as its verdict is known.** Once more than half of its ``PROBE_BATCHES``
   timed batches win (or lose) by that rule, so does their median: it ends there, with the verdict
   that all of them would give. A timed batch slower than the current count's beyond their own
   spread ends it at once, lost: its ratio above their median by ``CLEAR_LOSS_RATIO``, or above their
   slowest by ``THREAD_TIE`` where that is more, and always when above ``ABORT_RATIO`` times their
   median (the warm-up batch: ``ABORT_RATIO_WARM_UP``). Under load every probe batch that is slower
-  than the current count's holds up every request queued behind it: a closed loop's p99 on two cores
-  rose by a tenth of its p50 in the seconds around a probe that ran all its batches.
+  than the current count's holds up every request queued behind it, and shows in the closed loop's
+  p99 (docs/performance-log.md, "Probes that stop when they know").
 - **A probe is short and rare.** A probe that has not
   timed its batches after ``PROBE_MAX_BATCHES`` (they failed or were split) ends without a verdict,
   as a loss. Probes cost at most about ``PROBE_SHARE`` of the time while serving. A probe's *cost*
   is the engine time its batches took beyond what the count in use would have taken for them (the
-  current count's median ratio times each batch's prediction), so a probe of a faster count costs
-  nothing; a quiet spell during a probe does not count. A probe starts no sooner than the cost of
+  current count's median ratio times each batch's prediction; a batch with no prediction counts
+  whole), and the same for the warm-up batch back at the count in use after it, so a probe of a
+  faster count costs about nothing; a quiet spell during a probe does not count. The costs are
+  measured against the count in use, so a switch forgets them. A probe starts no sooner than the cost of
   the last probe of its count (before the first: ``PROBE_BATCHES`` + 1 batches at the recent batch
   time) divided by ``PROBE_SHARE`` after the last probe ended (or the engine started), and no sooner
   than ``FIRST_INTERVAL_S``; a probe that loses doubles that least wait, up to ``MAX_INTERVAL_S`` (a
@@ -52,6 +56,7 @@ from dataclasses import dataclass
 
 THREAD_TIE = 0.05  # a larger thread count must be this much faster to win (a smaller one, no slower)
 PROBE_BATCHES = 3  # batches timed per probe at most, after one warm-up batch (odd: a median of one of them)
+assert PROBE_BATCHES % 2 == 1, "a majority of the timed batches must always decide"
 REFERENCE_BATCHES = 5  # the current count's latest batches a probe is compared with
 WINS_TO_SWITCH = 2  # probes in a row that a count must win before the engine switches to it
 PROBE_SHARE = 0.02  # probes take at most about this share of the time while serving
@@ -91,11 +96,17 @@ class ThreadTuner:
         self._probe_batches = 0  # batches run in the probe under way
         self._probe_excess = 0.0  # and their engine time beyond the current count's (its cost)
         self._probe: int | None = None  # the count being probed
+        self._returning: int | None = None  # the count of the probe that just ended, until the batch back
         self._probe_ratios: list[float] = []
         self._wins: tuple[int, int] = (0, 0)  # (count, probes in a row it won)
         self._last = current  # the count of the last batch (the calibration warmed the current one)
         self._batch_s = 0.0  # moving average of a batch's time
         self._turn = 0  # which other candidate the next probe tries
+
+    @property
+    def probing(self) -> int | None:
+        """The count a probe under way runs at, or None."""
+        return self._probe
 
     def count(self, now: float) -> int:
         """The thread count for the next batch; starts a probe when one is due."""
@@ -122,6 +133,7 @@ class ThreadTuner:
         """A batch ran at ``count`` threads in ``seconds``; the cost model predicted ``predicted_s``."""
         warm_up = count != self._last
         self._last = count
+        returning, self._returning = self._returning, None
         if seconds > 0:
             self._batch_s = seconds if not self._batch_s else 0.9 * self._batch_s + 0.1 * seconds
         ratio = seconds / predicted_s if predicted_s > 0 and seconds > 0 else None
@@ -139,6 +151,8 @@ class ThreadTuner:
             if self._probe_batches >= PROBE_MAX_BATCHES:  # its batches failed or split: no verdict
                 return Ran(False, self._decide(now, won=False))
             return Ran(False)
+        if count == self.current and warm_up and returning in self._cost and seconds > 0:
+            self._cost[returning] += max(0.0, seconds - statistics.median(self._reference) * max(0.0, predicted_s))
         if count == self.current and not warm_up and ratio is not None:
             self._reference.append(ratio)
         return Ran(count == self.current and not warm_up)
@@ -176,6 +190,7 @@ class ThreadTuner:
         probe, self._probe = self._probe, None
         assert probe is not None
         self._cost[probe] = max(0.0, self._probe_excess)
+        self._returning = probe
         switched = None
         if not won:
             self._wins = (0, 0)
@@ -184,6 +199,7 @@ class ThreadTuner:
             switched = (self.current, probe)
             self.current = probe
             self.switches += 1
+            self._cost.clear()  # measured against the count that was in use
             self._wins = (0, 0)
             self._reference = deque(self._probe_ratios, maxlen=REFERENCE_BATCHES)
             self._interval = self._first_interval

@@ -447,7 +447,7 @@ def test_a_batch_chosen_ahead_gets_its_thread_count_when_it_starts_not_when_it_w
         queue_up(c, [j := job(n, arrival=now)])
         ahead = c.schedule(now, start=False)
         assert ahead.batch == [j] and ahead.threads == 0  # not decided yet
-        probing = tuner.count(now) != tuner.current
+        probing = tuner.probing is not None
         now += 0.01 if running.threads == 2 else 0.02  # one thread is slower: each probe loses
         c.update_from_output(running.batch, 10, [0], [], 0.01 if running.threads == 2 else 0.02, now,
                              threads=running.threads)

@@ -24,11 +24,12 @@ from fillmask_server.tuning import (
 
 class Machine:
     """Batches on a fake clock: each count's time per batch against a prediction of 1 s x ``scale``;
-    ``noise`` (optional) multiplies a count's batches' times by its factors, in turn."""
+    ``noise`` (optional) multiplies a count's batches' times by its factors, in turn; the first batch
+    after a change of count takes ``change_s`` more."""
 
     def __init__(self, tuner: ThreadTuner, speed: dict[int, float], scale: float = 0.01,
-                 noise: dict[int, tuple[float, ...]] | None = None) -> None:
-        self.tuner, self.speed, self.scale = tuner, speed, scale
+                 noise: dict[int, tuple[float, ...]] | None = None, change_s: float = 0.0) -> None:
+        self.tuner, self.speed, self.scale, self.change_s = tuner, speed, scale, change_s
         self.noise = {count: itertools.cycle((noise or {}).get(count, (1.0,))) for count in speed}
         self.now = 0.0
         self.counts: list[int] = []
@@ -42,6 +43,7 @@ class Machine:
         while self.now < until:
             count = self.tuner.count(self.now)
             took = self.speed[count] * self.scale * next(self.noise[count])
+            took += self.change_s if self.counts and count != self.counts[-1] else 0.0
             self.now += took
             self.busy[count] += took
             ran = self.tuner.ran(count, took, self.scale, self.now)
@@ -222,3 +224,34 @@ def test_the_switch_interval_is_long_for_one_cpu_thread_and_short_for_a_team() -
     interval (fewer forced hand-overs between the server's other threads), a team or a GPU the shorter."""
     assert switch_interval_s(1, "cpu") == SWITCH_ONE_THREAD_S > SWITCH_TEAM_S
     assert switch_interval_s(2, "cpu") == switch_interval_s(0, "cpu") == switch_interval_s(1, "cuda") == SWITCH_TEAM_S
+
+
+def probe_starts(machine: Machine, current: int) -> list[float]:
+    """When each probe from ``current`` started (fake-clock seconds), from the batches' times."""
+    starts, elapsed, before = [], 0.0, current
+    for count in machine.counts:
+        if count != current and before == current:
+            starts.append(elapsed)
+        elapsed += machine.speed[count] * machine.scale
+        before = count
+    return starts
+
+
+def test_a_probes_cost_counts_the_slow_batch_back_and_a_switch_forgets_the_costs() -> None:
+    # One thread is clearly slower, and every change of count costs a second: the probe's cost holds
+    # two such seconds, going to one thread and the batch back at two, and the next probe waits for
+    # both over the share (without the batch back, half as long).
+    machine = Machine(ThreadTuner([1, 2], 2, 0.0), {1: 1.5, 2: 1.0}, change_s=1.0)
+    machine.run(400.0)
+    first, second = probe_starts(machine, 2)[:2]
+    assert second - first >= 1.9 * machine.change_s / PROBE_SHARE
+    # Costs are measured against the count in use: after 1 -> 2 -> 4, a probe of 2 (which cost
+    # nothing against 1) waits for the share of what a probe might cost against 4, not FIRST_INTERVAL_S.
+    tuner = ThreadTuner([1, 2, 4], 1, 0.0)
+    slow = Machine(tuner, {1: 4.0, 2: 2.0, 4: 1.0}, scale=0.5)
+    while tuner.current != 4:
+        slow.run(1.0)
+    switched = slow.now
+    while tuner.probing != 2:
+        slow.run(0.5)
+    assert slow.now - switched >= (PROBE_BATCHES + 1) * slow.scale * 0.9 / PROBE_SHARE
