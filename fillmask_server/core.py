@@ -7,6 +7,8 @@ call, under their one lock:
     take_intake()          -> jobs to tokenize           (tokenizer stage)
     checked(verdicts)      -> outcomes (refusals)        (tokenizer stage)
     schedule(now)          -> Scheduled                  (model thread: the next batch, or how long to wait)
+    schedule(now, start=False), start(ahead, now)        (a stage chooses the next batch while the model
+                           -> Scheduled                   runs one; the model thread starts it)
     update_from_output(..) -> outcomes (failures)        (model thread, after the forward pass)
     decoded(outcomes, ..)  -> outcomes to hand over      (decode stage)
     withdraw / release / forget / stop_all               (the event loop; a dying engine)
@@ -271,8 +273,7 @@ class Scheduled:
     predicted_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     wait_s: float = 0.0  # > 0: nothing was done; schedule again after this long (or on a wake-up)
-    threads: int = 0  # torch threads to run ``batch`` with (``tuning.ThreadTuner``); 0: as they are (or,
-    # for a batch chosen ahead, not yet decided: ``start`` decides)
+    threads: int = 0  # torch threads for ``batch`` (``tuning.ThreadTuner``); 0: as they are, or not yet decided
 
 
 class EngineCore:
