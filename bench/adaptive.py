@@ -78,8 +78,8 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
         await loadgen.settle(server.url)
         recorder = loadgen.Recorder()
         summary = await loadgen.closed_loop(server.url, texts, 32, in_flight, warmup, duration, recorder=recorder)
-        hello_threads = await _hello_threads(server.url) if script == "ws_server.py" else 0  # (the seed has none)
-    summary["torch_threads"] = hello_threads
+        threads = await hello_threads(server.url) if script == "ws_server.py" else 0  # (the seed has none)
+    summary["torch_threads"] = threads
     summary.setdefault("batch", {}).setdefault("mean_rows_per_batch", float("nan"))
     if keep_batches:
         per_batch: dict[tuple[int, int], list[float]] = defaultdict(list)
@@ -91,7 +91,7 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
     return summary
 
 
-async def _hello_threads(url: str) -> int:
+async def hello_threads(url: str) -> int:
     from websockets.asyncio.client import connect
 
     async with connect(url) as ws:

@@ -9,8 +9,7 @@ the client saw it, into the server's ``queue_ms`` and ``inference_ms`` (protocol
 and the rest (tokenizing, decoding, the sockets, the client). It prints those for the middle tenth
 of the latencies and for the slowest 2%, and when the slowest 1% were sent, as bursts: a tail made of
 a few bursts is an event in the server (a slow batch and the ones queued behind it); one spread over
-the window is the machine's jitter. This is how the fifteenth session found that the thread-count
-probes (``fillmask_server/tuning.py``) made tiny's p99 on two cores.
+the window is the machine's jitter (docs/performance-log.md, "Probes that stop when they know").
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
-from bench.adaptive import _hello_threads, corpus_texts  # noqa: E402
+from bench.adaptive import corpus_texts, hello_threads  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 
@@ -74,11 +73,11 @@ async def run(model: Path, size: str, corpus: str, flags: list[str], in_flight: 
     texts = corpus_texts(model, size, corpus)
     with ServerProcess(model, flags) as server:
         await loadgen.settle(server.url)
-        threads = [await _hello_threads(server.url)]
+        threads = [await hello_threads(server.url)]
         recorder = loadgen.Recorder()
         started = time.perf_counter()
         await loadgen.closed_loop(server.url, texts, 32, in_flight, warmup, duration, recorder=recorder)
-        threads.append(await _hello_threads(server.url))
+        threads.append(await hello_threads(server.url))
     return {**decompose(recorder, (started + warmup, started + warmup + duration)), "torch_threads": threads}
 
 
