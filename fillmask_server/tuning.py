@@ -59,7 +59,7 @@ PROBE_BATCHES = 3  # batches timed per probe at most, after one warm-up batch (o
 assert PROBE_BATCHES % 2 == 1, "a majority of the timed batches must always decide"
 REFERENCE_BATCHES = 5  # the current count's latest batches a probe is compared with
 WINS_TO_SWITCH = 2  # probes in a row that a count must win before the engine switches to it
-PROBE_SHARE = 0.02  # probes take at most about this share of the time while serving
+PROBE_SHARE = 0.02  # probes cost at most about this share of the time while serving (see "cost" above)
 PROBE_MAX_BATCHES = 2 * PROBE_BATCHES + 1  # a probe that has not timed enough batches by then is given up
 CLEAR_LOSS_RATIO = 1.25  # a timed probe batch this much slower than the current count's median loses it
 ABORT_RATIO = 2.0  # a probe batch this many times slower than the current count's ends the probe, lost
