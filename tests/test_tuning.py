@@ -33,6 +33,7 @@ class Machine:
         self.noise = {count: itertools.cycle((noise or {}).get(count, (1.0,))) for count in speed}
         self.now = 0.0
         self.counts: list[int] = []
+        self.started: list[float] = []  # when each batch started
         self.fits: list[bool] = []
         self.switches: list[tuple[int, int]] = []
         self.switched_at = 0  # batches run when the last switch was decided
@@ -44,6 +45,7 @@ class Machine:
             count = self.tuner.count(self.now)
             took = self.speed[count] * self.scale * next(self.noise[count])
             took += self.change_s if self.counts and count != self.counts[-1] else 0.0
+            self.started.append(self.now)
             self.now += took
             self.busy[count] += took
             ran = self.tuner.ran(count, took, self.scale, self.now)
@@ -227,14 +229,9 @@ def test_the_switch_interval_is_long_for_one_cpu_thread_and_short_for_a_team() -
 
 
 def probe_starts(machine: Machine, current: int) -> list[float]:
-    """When each probe from ``current`` started (fake-clock seconds), from the batches' times."""
-    starts, elapsed, before = [], 0.0, current
-    for count in machine.counts:
-        if count != current and before == current:
-            starts.append(elapsed)
-        elapsed += machine.speed[count] * machine.scale
-        before = count
-    return starts
+    """When each probe from ``current`` started (fake-clock seconds)."""
+    return [started for started, before, count in zip(machine.started, [current, *machine.counts], machine.counts,
+                                                       strict=False) if count != current == before]
 
 
 def test_a_probes_cost_counts_the_slow_batch_back_and_a_switch_forgets_the_costs() -> None:
