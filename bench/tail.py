@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:
 
 from bench import loadgen  # noqa: E402
 from bench.adaptive import corpus_texts, hello_threads  # noqa: E402
+from bench.run import ensure_checkpoint  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
-from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 
 BURST_GAP_S = 0.1  # slow requests sent closer together than this belong to one burst
 
@@ -91,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=6.0)
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args(argv)
-    model = ROOT / "models" / args.size
-    if args.size in ("tiny", "base") and not is_checkpoint(model):
-        write_checkpoint(args.size, model)
+    models = ROOT / "models"
+    model = ensure_checkpoint(args.size, models) if args.size in ("tiny", "base") else models / args.size
     for n in range(args.runs):
         got = asyncio.run(run(model, args.size, args.corpus, shlex.split(args.flags), args.in_flight, args.warmup,
                               args.duration))
