@@ -140,7 +140,7 @@ class ThreadTuner:
         if count == self._probe:
             self._probe_batches += 1
             if seconds > 0:
-                self._probe_excess += seconds - statistics.median(self._reference) * max(0.0, predicted_s)
+                self._probe_excess += self._beyond_current(seconds, predicted_s)
             if ratio is not None and ratio > self._slower_beyond_doubt(warm_up):
                 return Ran(False, self._decide(now, won=False))  # no more batches of it
             if not warm_up and ratio is not None:
@@ -152,10 +152,15 @@ class ThreadTuner:
                 return Ran(False, self._decide(now, won=False))
             return Ran(False)
         if count == self.current and warm_up and returning in self._cost and seconds > 0:
-            self._cost[returning] += max(0.0, seconds - statistics.median(self._reference) * max(0.0, predicted_s))
+            self._cost[returning] += max(0.0, self._beyond_current(seconds, predicted_s))
         if count == self.current and not warm_up and ratio is not None:
             self._reference.append(ratio)
         return Ran(count == self.current and not warm_up)
+
+    def _beyond_current(self, seconds: float, predicted_s: float) -> float:
+        """How much longer a batch took than the count in use would have (its median ratio times the
+        prediction; a batch with no prediction, all of it)."""
+        return seconds - statistics.median(self._reference) * max(0.0, predicted_s)
 
     def _probe_cost(self, probe: int) -> float:
         """A probe of ``probe`` threads' expected cost: the last one's, or before the first, its
