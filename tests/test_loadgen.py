@@ -197,15 +197,20 @@ def test_the_limit_only_mode_measures_the_limits_on_the_family_corpus(tiny_model
 def test_the_sweep_names_the_flag_sets_ahead_of_the_defaults_on_both_throughput_and_p99() -> None:
     """The goals compare the defaults with the sweep's best req/s and its best p99, which may come from
     two flag sets that each give up the other figure; the sweep also says whether one flag set beat
-    the defaults on both (req/s, p50, p99 medians)."""
+    the defaults on both (req/s, p50, p99 medians), and whether beyond the repeats' spread."""
     from bench import adaptive
 
     rows = {"defaults": (100.0, 30.0, 50.0), "faster, longer tail": (120.0, 30.0, 60.0),
             "tighter tail, slower": (90.0, 35.0, 40.0), "ahead": (110.0, 28.0, 45.0),
             "level": (100.0, 30.0, 50.0)}
-    assert adaptive.ahead_of_defaults(rows) == {"ahead": pytest.approx((1.1, 0.9))}
-    assert adaptive.ahead_line(rows) == ("flag sets ahead of the defaults on both req/s and p99: "
-                                         "ahead (1.10x req/s, 0.90x p99)")
+    assert adaptive.ahead_of_defaults(rows) == {"ahead": (pytest.approx(1.1), pytest.approx(0.9), False)}
+    ahead = ([105.0, 110.0, 111.0], [43.0, 45.0, 47.0])  # each repeat's req/s, each repeat's p99
+    overlapping: adaptive.Repeats = {"defaults": ([95.0, 100.0, 112.0], [44.0, 50.0, 52.0]), "ahead": ahead}
+    apart: adaptive.Repeats = {"defaults": ([95.0, 100.0, 104.0], [48.0, 50.0, 52.0]), "ahead": ahead}
+    assert adaptive.ahead_line(rows, overlapping) == (
+        "flag sets ahead of the defaults on both req/s and p99: ahead (1.10x req/s, 0.90x p99, within the "
+        "repeats' spread)")
+    assert adaptive.ahead_line(rows, apart).endswith("ahead (1.10x req/s, 0.90x p99, beyond the repeats' spread)")
     del rows["ahead"]
     assert adaptive.ahead_line(rows).endswith(": none (the defaults are on the sweep's frontier)")
 
