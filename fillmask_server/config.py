@@ -77,7 +77,8 @@ _HELP: dict[str, str] = {
     "max_wait_ms": "wait at most this long (from the oldest queued request) for a fuller batch; 0 = never wait",
     "anticipate_ms": "after sending answers, wait at most this long (and at most 30%% of the last batch's time) for "
                      "the requests those clients are likely to send back, before starting a batch that is not full; "
-                     "an idle server never waits; 0 = off",
+                     "an idle server never waits; 0 = off. Only for clients that send again as soon as an answer "
+                     "comes: with arrivals that do not follow answers it lengthens the tail",
     "max_length_ratio": "a fixed band: in one batch, the longest text at most this many times the shortest (in "
                         "tokens); a request that has missed --max-missed-batches widens it; 0 = automatic: the "
                         "measured cost model cuts each round of requests into the batches of neighbouring lengths "
