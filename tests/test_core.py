@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -359,9 +360,22 @@ def test_the_bounded_fit_is_the_least_over_the_box_where_the_problem_is_singular
         theta, _ = _bounded_least_squares(s, r, 0.0, low, high)
         assert all(lo - 1e-12 <= value <= hi + 1e-12 for value, lo, hi in zip(theta, low, high, strict=True))
         finite = [min(hi, 1.0) for hi in high]
-        best = min(quadratic(s, r, [a * finite[0], b * finite[1], c * finite[2]])
-                   for a in grid for b in grid for c in grid)
-        assert quadratic(s, r, theta) <= best + 1e-9
+        assert quadratic(s, r, theta) <= grid_minimum(s, r, [[g * hi for g in grid] for hi in finite]) + 1e-9
+
+
+def grid_minimum(s: list[list[float]], r: list[float], axes: list[list[float]]) -> float:
+    """The least ``quadratic(s, r, θ)`` (``s`` symmetric) over every θ whose coordinates are taken from
+    ``axes`` (one list of values per coordinate): every point of the grid, its terms summed axis by
+    axis (``quadratic``'s sums, a point in a fraction of the time)."""
+    best = math.inf
+    for a in axes[0]:
+        qa = a * a * s[0][0] - 2 * a * r[0]
+        for b in axes[1]:
+            qab = qa + b * b * s[1][1] + 2 * a * b * s[0][1] - 2 * b * r[1]
+            linear = 2 * (a * s[0][2] + b * s[1][2]) - 2 * r[2]  # the terms of c alone, less c²'s
+            for c in axes[2]:
+                best = min(best, qab + c * (linear + c * s[2][2]))
+    return best
 
 
 def quadratic(s: list[list[float]], r: list[float], theta: list[float]) -> float:
