@@ -95,33 +95,40 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
 Repeats = dict[str, tuple[list[float], list[float]]]  # flag set -> (each repeat's req/s, each repeat's p99)
 
 
+SPREAD = {True: "beyond the repeats' spread", False: "within the repeats' spread", None: "spread unknown: one repeat"}
+
+
 def ahead_of_defaults(rows: dict[str, tuple[float, float, float]],
-                      repeats: Repeats | None = None) -> dict[str, tuple[float, float, bool]]:
-    """The flag sets that beat the defaults on throughput and on p99 both (``rows``: name -> (req/s, p50,
-    p99), medians, "defaults" among them), each with its req/s and p99 as multiples of the defaults',
-    and whether it is ahead beyond the repeats' spread (``repeats``: its slowest repeat served more
-    than the defaults' fastest, and its worst p99 was below the defaults' best). The goals compare the
+                      repeats: Repeats | None = None) -> dict[str, tuple[float, float, bool | None]]:
+    """The flag sets strictly ahead of the defaults on throughput and on p99 both (``rows``: name ->
+    (req/s, p50, p99), medians, "defaults" among them), each with its req/s and p99 as multiples of the
+    defaults', and whether it is ahead beyond the repeats' spread (``repeats``: its slowest repeat
+    served more than the defaults' fastest, *and* its worst p99 was below the defaults' best), or
+    None where either has fewer than two repeats (no spread measured). The goals compare the
     defaults with the best req/s and the best p99 of the sweep, which may come from two flag sets,
     each giving up the other figure; a flag set ahead on both is one the defaults could have been."""
     d = rows["defaults"]
-    ahead = {}
+    ahead: dict[str, tuple[float, float, bool | None]] = {}
     for name, (rps, _, p99) in rows.items():
         if name != "defaults" and rps > d[0] and p99 < d[2]:
-            beyond = repeats is not None and (min(repeats[name][0]) > max(repeats["defaults"][0])
-                                              and max(repeats[name][1]) < min(repeats["defaults"][1]))
+            beyond: bool | None = None
+            if repeats is not None and min(len(repeats[name][0]), len(repeats["defaults"][0])) >= 2:
+                beyond = (min(repeats[name][0]) > max(repeats["defaults"][0])
+                          and max(repeats[name][1]) < min(repeats["defaults"][1]))
             ahead[name] = (rps / d[0], p99 / d[2], beyond)
     return ahead
 
 
 def ahead_line(rows: dict[str, tuple[float, float, float]], repeats: Repeats | None = None) -> str:
-    """One line for ``ahead_of_defaults``."""
+    """One line naming each flag set of ``ahead_of_defaults``, best p99 first, with its ratios to the
+    defaults (three decimals: a set ahead by a hair shows as such) and where it stands against the
+    repeats' spread; or that there is none."""
     ahead = ahead_of_defaults(rows, repeats)
     if not ahead:
-        return "flag sets ahead of the defaults on both req/s and p99: none (the defaults are on the sweep's frontier)"
+        return "flag sets ahead of the defaults on both req/s and p99: none (none served more with a lower p99)"
     by_p99 = sorted(ahead.items(), key=lambda item: item[1][1])
     return "flag sets ahead of the defaults on both req/s and p99: " + ", ".join(
-        f"{name} ({rps:.2f}x req/s, {p99:.2f}x p99, {'beyond' if beyond else 'within'} the repeats' spread)"
-        for name, (rps, p99, beyond) in by_p99)
+        f"{name} ({rps:.3f}x req/s, {p99:.3f}x p99, {SPREAD[beyond]})" for name, (rps, p99, beyond) in by_p99)
 
 
 async def hello_threads(url: str) -> int:

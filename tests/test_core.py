@@ -302,7 +302,6 @@ def test_the_bounded_fit_is_optimal_whether_or_not_the_free_solution_is_within_i
     not, with nonnegativity alone (the calibration's fit) and with a finite upper bound too (the
     overhead's: the fastest recent batch), whichever case is tried first (the last fit's)."""
     import itertools
-    import math
     import random
 
     from fillmask_server.core import _bounded_least_squares
@@ -341,7 +340,6 @@ def test_the_bounded_fit_is_the_least_over_the_box_where_the_problem_is_singular
     tokens in proportion) and where a bound is tight (low = high), no case may meet the KKT check on
     its own; the answer is then the lowest objective within the bounds, which a fine grid never
     beats."""
-    import math
     import random
 
     from fillmask_server.core import _bounded_least_squares
@@ -364,9 +362,9 @@ def test_the_bounded_fit_is_the_least_over_the_box_where_the_problem_is_singular
 
 
 def grid_minimum(s: list[list[float]], r: list[float], axes: list[list[float]]) -> float:
-    """The least ``quadratic(s, r, θ)`` (``s`` symmetric) over every θ whose coordinates are taken from
-    ``axes`` (one list of values per coordinate): every point of the grid, its terms summed axis by
-    axis (``quadratic``'s sums, a point in a fraction of the time)."""
+    """The least ``quadratic(s, r, θ)`` (three coordinates, ``s`` symmetric) over every θ whose
+    coordinates are taken from ``axes`` (one list of values per coordinate): every point of the
+    grid, its terms summed axis by axis (``quadratic``'s sums, a point in a fraction of the time)."""
     best = math.inf
     for a in axes[0]:
         qa = a * a * s[0][0] - 2 * a * r[0]

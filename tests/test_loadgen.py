@@ -197,22 +197,30 @@ def test_the_limit_only_mode_measures_the_limits_on_the_family_corpus(tiny_model
 def test_the_sweep_names_the_flag_sets_ahead_of_the_defaults_on_both_throughput_and_p99() -> None:
     """The goals compare the defaults with the sweep's best req/s and its best p99, which may come from
     two flag sets that each give up the other figure; the sweep also says whether one flag set beat
-    the defaults on both (req/s, p50, p99 medians), and whether beyond the repeats' spread."""
+    the defaults on both (req/s, p50, p99 medians), and whether beyond the repeats' spread: on both
+    figures, and only where both have repeats to spread."""
     from bench import adaptive
 
     rows = {"defaults": (100.0, 30.0, 50.0), "faster, longer tail": (120.0, 30.0, 60.0),
             "tighter tail, slower": (90.0, 35.0, 40.0), "ahead": (110.0, 28.0, 45.0),
             "level": (100.0, 30.0, 50.0)}
-    assert adaptive.ahead_of_defaults(rows) == {"ahead": (pytest.approx(1.1), pytest.approx(0.9), False)}
+    assert adaptive.ahead_of_defaults(rows) == {"ahead": (pytest.approx(1.1), pytest.approx(0.9), None)}
     ahead = ([105.0, 110.0, 111.0], [43.0, 45.0, 47.0])  # each repeat's req/s, each repeat's p99
-    overlapping: adaptive.Repeats = {"defaults": ([95.0, 100.0, 112.0], [44.0, 50.0, 52.0]), "ahead": ahead}
-    apart: adaptive.Repeats = {"defaults": ([95.0, 100.0, 104.0], [48.0, 50.0, 52.0]), "ahead": ahead}
-    assert adaptive.ahead_line(rows, overlapping) == (
-        "flag sets ahead of the defaults on both req/s and p99: ahead (1.10x req/s, 0.90x p99, within the "
+    cases = {"overlapping": ([95.0, 100.0, 112.0], [44.0, 50.0, 52.0]),  # the defaults' repeats
+             "apart on req/s only": ([95.0, 100.0, 104.0], [44.0, 50.0, 52.0]),
+             "apart on p99 only": ([95.0, 100.0, 112.0], [48.0, 50.0, 52.0]),
+             "apart": ([95.0, 100.0, 104.0], [48.0, 50.0, 52.0])}
+    beyond = {case: adaptive.ahead_of_defaults(rows, {"defaults": defaults, "ahead": ahead})["ahead"][2]
+              for case, defaults in cases.items()}
+    assert beyond == {"overlapping": False, "apart on req/s only": False, "apart on p99 only": False, "apart": True}
+    one_repeat: adaptive.Repeats = {"defaults": ([100.0], [50.0]), "ahead": ([110.0], [45.0])}
+    assert adaptive.ahead_of_defaults(rows, one_repeat)["ahead"][2] is None  # no spread was measured
+    assert adaptive.ahead_line(rows, {"defaults": cases["apart"], "ahead": ahead}) == (
+        "flag sets ahead of the defaults on both req/s and p99: ahead (1.100x req/s, 0.900x p99, beyond the "
         "repeats' spread)")
-    assert adaptive.ahead_line(rows, apart).endswith("ahead (1.10x req/s, 0.90x p99, beyond the repeats' spread)")
+    assert adaptive.ahead_line(rows, one_repeat).endswith("(1.100x req/s, 0.900x p99, spread unknown: one repeat)")
     del rows["ahead"]
-    assert adaptive.ahead_line(rows).endswith(": none (the defaults are on the sweep's frontier)")
+    assert adaptive.ahead_line(rows).endswith(": none (none served more with a lower p99)")
 
 
 def test_the_sweep_stops_at_once_when_the_seed_peer_cannot_run(monkeypatch: pytest.MonkeyPatch,
