@@ -871,6 +871,9 @@ async def test_cli_json_prints_a_line_for_a_text_the_client_refuses_to_send(serv
     assert first["type"] == third["type"] == "result"
     assert refused["type"] == "error" and refused["code"] == "frame_too_large" and refused["source"] == "client"
     assert "max_frame_bytes" in refused["message"]
+    # Every field protocol/schemas/error.json requires (the id null: nothing was sent, so no id).
+    schema = orjson.loads((ROOT / "protocol" / "schemas" / "error.json").read_bytes())
+    assert set(schema["required"]) <= refused.keys() and refused["id"] is None
     assert "text 2" in err and "frame_too_large" in err
 
 

@@ -6,9 +6,9 @@ input is read to its end before anything is sent (in a terminal the command says
 Ctrl-D). Prints one table per text (one per mask when a text has several), or with ``--json`` each
 text's raw terminal frame on one line, in input order (a request the client refuses before sending,
 such as one over the server's ``limits.max_frame_bytes``, gets a line of the same shape as an
-``error`` frame, with ``"source": "client"``). A failed text is named by its number and where it
-came from: ``text 3 (--file texts.txt line 4: '...')``. Texts refused because the server was busy
-end the run with a line saying what to do (``--retry``, a lower ``--concurrency``).
+``error`` frame, with ``"id": null`` and ``"source": "client"``). A failed text is named by its
+number and where it came from: ``text 3 (--file texts.txt line 4: '...')``. Texts refused because
+the server was busy end the run with a line saying what to do (``--retry``, a lower ``--concurrency``).
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
 text, the others still print); 2 for a usage error, said on stderr before anything is sent (a
@@ -482,9 +482,10 @@ def busy_hint(count: int, retried: bool) -> str:
 
 def client_frame(error: FillMaskError) -> dict[str, Any]:
     """``--json``'s line for a request that failed with no server frame (the client refused it before
-    sending): the shape of a §7 ``error`` frame, marked ``"source": "client"``."""
+    sending): a §7 ``error`` frame (every field the schema requires: ``id`` is null, as for a frame
+    that carried no valid id, since none was sent), marked ``"source": "client"``."""
     code = error.code if isinstance(error, RequestError) else failure_reason(error)
-    return {"type": "error", "code": code, "message": error.message, "source": "client"}
+    return {"type": "error", "id": None, "code": code, "message": error.message, "source": "client"}
 
 
 def _dumps(frame: dict[str, Any]) -> str:
