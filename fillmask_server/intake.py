@@ -90,7 +90,8 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
         return Refusal("no_mask", f"the text has no {model.mask_token} token after tokenizing; write "
                        f"{model.mask_token} exactly, with spaces around it")
     if masks > max_masks:
-        return Refusal("too_many_masks", f"the text has {masks} mask tokens; the limit is {max_masks}")
+        return Refusal("too_many_masks", f"the text has {masks} mask tokens after tokenizing; the limit is "
+                       f"{max_masks}: send at most {max_masks} a request")
     target_ids = None
     notes: tuple[TargetNote, ...] = ()
     if request.targets is not None:

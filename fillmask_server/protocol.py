@@ -275,7 +275,7 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
         return ProtocolError("invalid_field", f"\"text\" must be a string, not {_type_name(text)}", frame_id)
     if len(text) > limits.max_text_chars:
         return ProtocolError("text_too_long", f"\"text\" has {len(text)} characters; the limit is "
-                             f"{limits.max_text_chars}", frame_id)
+                             f"{limits.max_text_chars}; shorten it", frame_id)
     if not _encodable(text):
         return ProtocolError("invalid_field", "\"text\" holds an unpaired surrogate; send valid Unicode", frame_id)
     masks = text.count(limits.mask_token)
@@ -285,7 +285,7 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
                              f"{hint} where the missing word goes", frame_id)
     if masks > limits.max_masks:
         return ProtocolError("too_many_masks", f"the text has {masks} {limits.mask_token} tokens; the limit is "
-                             f"{limits.max_masks}", frame_id)
+                             f"{limits.max_masks}: send at most {limits.max_masks} a request", frame_id)
 
     top_k = obj.get("top_k")
     if top_k is None:

@@ -258,6 +258,10 @@ BAD_FRAMES: list[tuple[str | bytes, str, Any]] = [
 ]
 
 
+#: What a refusal of a limit tells the client to do (the limit itself is named before it).
+WHAT_TO_DO = {"too_many_masks": "send at most", "text_too_long": "shorten it"}
+
+
 async def test_every_bad_input_gets_one_clear_error_and_the_connection_stays_open(server: FillMaskServer) -> None:
     before = answers_counted(server)
     async with session(server.url) as (ws, _):
@@ -267,6 +271,7 @@ async def test_every_bad_input_gets_one_clear_error_and_the_connection_stays_ope
             assert (frame["type"], frame["code"], frame["id"]) == ("error", code, frame_id), (data[:60], frame)
             message = frame["message"]
             assert message and "\n" not in message and "Traceback" not in message and "/" not in message, message
+            assert WHAT_TO_DO.get(code, "") in message, message  # §7: what was wrong and what to do
         await assert_answered(server, before, len(BAD_FRAMES), ws)
         good = await request(ws, "still-open", TEXTS[0])
         assert good["type"] == "result"
