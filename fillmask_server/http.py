@@ -164,7 +164,9 @@ class HttpFront:
         static = static_file(path)
         if static is not None:
             return static
-        return json_response(404, {"error": "not found"})
+        return json_response(404, {"error": f"not found: nothing at {_shorten(path)!r}; this server answers "
+                                    "/healthz, /readyz, /metrics and the demo page at /, and WebSocket "
+                                    "connections at /"})
 
     def _answers_for(self, host: str) -> bool:
         authority = parse_host(host)

@@ -379,7 +379,9 @@ async def test_health_ready_and_404(server: FillMaskServer) -> None:
     assert await http_get(server.http_url + "/healthz") == (200, {"status": "ok"})
     assert await http_get(server.http_url + "/readyz") == (200, {"status": "ready"})
     status, body = await http_get(server.http_url + "/no/such/page")
-    assert status == 404 and body == {"error": "not found"}
+    assert status == 404 and body == {"error": "not found: nothing at '/no/such/page'; this server answers "
+                                      "/healthz, /readyz, /metrics and the demo page at /, and WebSocket "
+                                      "connections at /"}  # what was wrong and what to do (§9)
     status, _ = await http_get(server.http_url + "/../pyproject.toml")
     assert status == 404
 
