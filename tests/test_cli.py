@@ -10,6 +10,7 @@ import asyncio
 import os
 import re
 import socket
+import ssl
 import sys
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,13 @@ def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
         "WebSocket, use ws:// instead of wss://")
     assert why(ConnectionResetError()) == (
         "fill.example:8765 reset the connection during the handshake (connection reset)")
+    # OpenSSL's tag and CPython's source line are internals, not words for a person.
+    plain_server = ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)")
+    assert why(plain_server, "wss://fill.example/") == (
+        "the TLS handshake with fill.example:443 failed (the answer was not TLS); if that server speaks plain "
+        "WebSocket, use ws:// instead of wss://")
+    other = ssl.SSLError(1, "[SSL: RECORD_LAYER_FAILURE] record layer failure (_ssl.c:1000)")
+    assert "(record layer failure)" in why(other, "wss://fill.example/")
     assert why(ConnectionRefusedError(111, "Connect call failed")).startswith(
         "connection refused: nothing listens on fill.example:8765")
     assert why(socket.gaierror(-2, "Name or service not known")) == (

@@ -1238,6 +1238,7 @@ async def test_connect_fails_at_once_on_what_waiting_cannot_fix(server: Any, tmp
     tls_to_plain, took = await connect_failure_of(f"wss://127.0.0.1:{server.port}/")
     assert took < 2 and not tls_to_plain.transient, (took, tls_to_plain)
     assert "use ws:// instead of wss://" in str(tls_to_plain) and "still" not in str(tls_to_plain)
+    assert "_ssl.c" not in str(tls_to_plain) and "[SSL" not in str(tls_to_plain), tls_to_plain  # no internals
 
     async with websocket_peer(say_hello_in_protocol_2) as url:
         other_version, took = await connect_failure_of(url)

@@ -226,8 +226,8 @@ def connect_failure(exc: OSError, url: str) -> str:
                 "pass ssl=ssl.create_default_context(cafile=PATH) with its certificate (e.g. the server's cert.pem)")
     tls = parts.scheme == "wss"
     if tls and isinstance(exc, (ssl_module.SSLError, ConnectionResetError, BrokenPipeError)):
-        return (f"the TLS handshake with {where} failed ({detail}); if that server speaks plain WebSocket, "
-                f"use ws:// instead of wss://")
+        return (f"the TLS handshake with {where} failed ({_tls_words(detail)}); if that server speaks plain "
+                f"WebSocket, use ws:// instead of wss://")
     if isinstance(exc, socket.gaierror):
         return f"cannot resolve the host name {parts.hostname!r} ({detail})"
     if isinstance(exc, ConnectionRefusedError) or (exc.errno is None and failure_kind(exc) == "refused"):
@@ -235,6 +235,21 @@ def connect_failure(exc: OSError, url: str) -> str:
     if isinstance(exc, ConnectionResetError):
         return f"{where} reset the connection during the handshake ({detail})"
     return detail
+
+
+#: OpenSSL's tag and the line of CPython's _ssl.c around the words of an ``SSLError``: internals, not words.
+_OPENSSL_TAG = re.compile(r"^\[SSL(?:: [A-Z0-9_]+)?\]\s*")
+_SSL_SOURCE_LINE = re.compile(r"\s*\(_ssl\.c:\d+\)$")
+#: OpenSSL's reasons that have plainer words for a person connecting a WebSocket.
+_TLS_PLAIN_WORDS = {"wrong version number": "the answer was not TLS"}
+
+
+def _tls_words(detail: str) -> str:
+    """An ``SSLError``'s words without OpenSSL's tag and CPython's source line
+    (``[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)`` is "the answer was not TLS");
+    other details as they are."""
+    words = _SSL_SOURCE_LINE.sub("", _OPENSSL_TAG.sub("", detail)).strip()
+    return _TLS_PLAIN_WORDS.get(words, words or detail)
 
 
 def _where(url: str) -> str:
