@@ -118,6 +118,16 @@ def test_a_drain_stops_the_run_with_the_same_words_before_and_after_the_close() 
     assert stop_line(dropped, Tally(1), True) == "stopped: connection to ws://x/ lost (1006 dropped)"
 
 
+def test_everything_after_a_double_dash_is_a_text_even_one_argparse_would_take_for_an_option() -> None:
+    """argparse's intermixed parsing took ``-[MASK]`` for an unknown option even after ``--`` (found by
+    a newcomer's trial: the README's own escape did not work for a text with no space)."""
+    from fillmask_client.cli import build_parser, parse_args
+
+    args = parse_args(build_parser(), ["a [MASK].", "-k", "2", "--", "-[MASK]", "--url", "-"])
+    assert args.texts == ["a [MASK].", "-[MASK]", "--url", "-"] and args.top_k == 2
+    assert parse_args(build_parser(), ["-k", "3", "b [MASK]."]).texts == ["b [MASK]."]
+
+
 def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
     def why(exc: OSError, url: str = "ws://fill.example:8765/") -> str:
         reason = connect_failure(exc, url)

@@ -27,7 +27,8 @@ for a server, it says ``waiting for the server… (Ns)`` on stderr once a second
 changes: a failure, or ``connected, no hello frame yet``). When standard output is closed before the
 run ends (``fillmask-client ... | head -1``), the run stops with exit status 141 (``EXIT_OUTPUT_CLOSED``,
 128 + SIGPIPE, what a shell reports for a command that a closed pipe ended). Options and texts may come
-in any order; a text that begins with ``-`` goes after ``--``.
+in any order; everything after ``--`` is a text, so a text that could be taken for an option
+(``-[MASK]``: a ``-`` and no space) goes there.
 """
 
 from __future__ import annotations
@@ -492,10 +493,22 @@ def _dumps(frame: dict[str, Any]) -> str:
     return orjson.dumps(frame).decode()
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_intermixed_args(argv)``, except that everything after the first ``--`` is a text
+    as it is, after the texts before it: argparse's intermixed parsing took a text there that could
+    be an option (``-[MASK]``, with no space) for an unknown option all the same."""
+    if "--" not in argv:
+        return parser.parse_intermixed_args(argv)
+    cut = argv.index("--")
+    args = parser.parse_intermixed_args(argv[:cut])
+    args.texts = [*args.texts, *argv[cut + 1:]]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fillmask-client`` and ``python -m fillmask_client``; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_intermixed_args(argv)
+    args = parse_args(parser, sys.argv[1:] if argv is None else list(argv))
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
     if args.connections < 1:
