@@ -126,6 +126,11 @@ def test_everything_after_a_double_dash_is_a_text_even_one_argparse_would_take_f
     args = parse_args(build_parser(), ["a [MASK].", "-k", "2", "--", "-[MASK]", "--url", "-"])
     assert args.texts == ["a [MASK].", "-[MASK]", "--url", "-"] and args.top_k == 2
     assert parse_args(build_parser(), ["-k", "3", "b [MASK]."]).texts == ["b [MASK]."]
+    # '--' as an option's own value: argparse made it an empty list, and the run ended in a traceback.
+    for given in (["--targets=--", "a [MASK]."], ["-k--", "a [MASK]."], ["--url=--"]):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(build_parser(), given)
+        assert stopped.value.code == 2, given
 
 
 def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
@@ -144,8 +149,11 @@ def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
     assert why(plain_server, "wss://fill.example/") == (
         "the TLS handshake with fill.example:443 failed (the answer was not TLS); if that server speaks plain "
         "WebSocket, use ws:// instead of wss://")
-    other = ssl.SSLError(1, "[SSL: RECORD_LAYER_FAILURE] record layer failure (_ssl.c:1000)")
-    assert "(record layer failure)" in why(other, "wss://fill.example/")
+    newer = ssl.SSLError(1, "[SSL] record layer failure (_ssl.c:1033)")  # the same, from OpenSSL 3.2 on
+    assert "failed (the answer was not TLS);" in why(newer, "wss://fill.example/")
+    other = ssl.SSLError(1, "[SSL: SSLV3_ALERT_HANDSHAKE_FAILURE] sslv3 alert handshake failure (_ssl.c:1000)")
+    assert "failed (sslv3 alert handshake failure);" in why(other, "wss://fill.example/")
+    assert "failed (no reason given);" in why(ssl.SSLError(1, "(_ssl.c:1006)"), "wss://fill.example/")
     assert why(ConnectionRefusedError(111, "Connect call failed")).startswith(
         "connection refused: nothing listens on fill.example:8765")
     assert why(socket.gaierror(-2, "Name or service not known")) == (

@@ -90,8 +90,8 @@ def build_parser() -> Parser:
         description="Ask a fill-mask server to fill the [MASK] in each text.",
         epilog="exit status: 0 all answered, 1 a request failed, 2 usage error (also a value outside the "
                "server's limits), 3 server unreachable, lost or shutting down, 130 interrupted (Ctrl-C), "
-               "141 standard output closed (e.g. piped into head). A text that begins with '-' goes "
-               "after '--'.",
+               "141 standard output closed (e.g. piped into head). Everything after '--' is a text (a "
+               "text such as '-[MASK]' goes there; '-' still reads standard input).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("texts", nargs="*", metavar="TEXT",
@@ -483,8 +483,9 @@ def busy_hint(count: int, retried: bool) -> str:
 
 def client_frame(error: FillMaskError) -> dict[str, Any]:
     """``--json``'s line for a request that failed with no server frame (the client refused it before
-    sending): a §7 ``error`` frame (every field the schema requires: ``id`` is null, as for a frame
-    that carried no valid id, since none was sent), marked ``"source": "client"``."""
+    sending): a §7 ``error`` frame's fields (``id`` null, as for a frame that carried no valid id,
+    since none was sent), marked ``"source": "client"``; its ``code`` may be the client's own
+    (``frame_too_large``), which is not among the server's codes."""
     code = error.code if isinstance(error, RequestError) else failure_reason(error)
     return {"type": "error", "id": None, "code": code, "message": error.message, "source": "client"}
 
@@ -493,13 +494,20 @@ def _dumps(frame: dict[str, Any]) -> str:
     return orjson.dumps(frame).decode()
 
 
+#: An option given ``--`` as its attached value (``--targets=--``, ``-k--``): argparse makes that value an
+#: empty list, whatever the option's type, and the run then failed on it with a traceback.
+_DASHES_VALUE = re.compile(r"^(--[A-Za-z][\w-]*=|-[A-Za-z])--$")
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """``parser.parse_intermixed_args(argv)``, except that everything after the first ``--`` is a text
     as it is, after the texts before it: argparse's intermixed parsing took a text there that could
-    be an option (``-[MASK]``, with no space) for an unknown option all the same."""
-    if "--" not in argv:
-        return parser.parse_intermixed_args(argv)
-    cut = argv.index("--")
+    be an option (``-[MASK]``, with no space) for an unknown option all the same. An option whose
+    attached value is ``--`` is a usage error."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    for arg in argv[:cut]:
+        if _DASHES_VALUE.match(arg):
+            parser.error(f"{arg[:-2].rstrip('=')}: '--' cannot be its value (it marks the end of the options)")
     args = parser.parse_intermixed_args(argv[:cut])
     args.texts = [*args.texts, *argv[cut + 1:]]
     return args

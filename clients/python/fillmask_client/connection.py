@@ -222,7 +222,8 @@ def connect_failure(exc: OSError, url: str) -> str:
     where = _where(url)
     detail = exc.strerror or str(exc) or _BARE_ERRORS.get(type(exc), type(exc).__name__)
     if isinstance(exc, ssl_module.SSLCertVerificationError):
-        return (f"the server's TLS certificate is not trusted ({exc.verify_message or detail}); to trust it, "
+        why = _tls_words(exc.verify_message or detail)
+        return (f"the server's TLS certificate is not trusted ({why}); to trust it, "
                 "pass ssl=ssl.create_default_context(cafile=PATH) with its certificate (e.g. the server's cert.pem)")
     tls = parts.scheme == "wss"
     if tls and isinstance(exc, (ssl_module.SSLError, ConnectionResetError, BrokenPipeError)):
@@ -240,16 +241,17 @@ def connect_failure(exc: OSError, url: str) -> str:
 #: OpenSSL's tag and the line of CPython's _ssl.c around the words of an ``SSLError``: internals, not words.
 _OPENSSL_TAG = re.compile(r"^\[SSL(?:: [A-Z0-9_]+)?\]\s*")
 _SSL_SOURCE_LINE = re.compile(r"\s*\(_ssl\.c:\d+\)$")
-#: OpenSSL's reasons that have plainer words for a person connecting a WebSocket.
-_TLS_PLAIN_WORDS = {"wrong version number": "the answer was not TLS"}
+#: OpenSSL's reasons that have plainer words for a person connecting a WebSocket: what OpenSSL before 3.2
+#: and from 3.2 on say when a plain (not TLS) server answers a TLS client.
+_TLS_PLAIN_WORDS = {"wrong version number": "the answer was not TLS", "record layer failure": "the answer was not TLS"}
 
 
 def _tls_words(detail: str) -> str:
     """An ``SSLError``'s words without OpenSSL's tag and CPython's source line
     (``[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)`` is "the answer was not TLS");
-    other details as they are."""
+    other details as they are, and "no reason given" where nothing is left."""
     words = _SSL_SOURCE_LINE.sub("", _OPENSSL_TAG.sub("", detail)).strip()
-    return _TLS_PLAIN_WORDS.get(words, words or detail)
+    return _TLS_PLAIN_WORDS.get(words, words or "no reason given")
 
 
 def _where(url: str) -> str:
