@@ -285,7 +285,8 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
                              f"{hint} where the missing word goes", frame_id)
     if masks > limits.max_masks:
         return ProtocolError("too_many_masks", f"the text has {masks} {limits.mask_token} tokens; the limit is "
-                             f"{limits.max_masks}: send at most {limits.max_masks} a request", frame_id)
+                             f"{limits.max_masks} a request: remove some, or split the text over several "
+                             "requests", frame_id)
 
     top_k = obj.get("top_k")
     if top_k is None:

@@ -111,7 +111,8 @@ def test_the_tokenizer_stage_answers_its_checks_and_queues_only_runnable_jobs(
     assert {key: o.code for key, o in outcomes.items() if isinstance(o, Rejected)} == {
         "long": "text_too_long", "many": "too_many_masks", "none": "no_mask"}
     assert "512" in outcomes["long"].message  # type: ignore[union-attr]
-    for key, what_to_do in (("long", "shorten it"), ("many", "send at most")):  # §7: what was wrong, what to do
+    # §7: what was wrong, and what to do.
+    for key, what_to_do in (("long", "shorten it"), ("many", "remove some, or split the text")):
         assert what_to_do in outcomes[key].message, outcomes[key]  # type: ignore[union-attr]
     assert isinstance(collector.wait_for(4)["fine"], Result)
 

@@ -259,7 +259,7 @@ BAD_FRAMES: list[tuple[str | bytes, str, Any]] = [
 
 
 #: What a refusal of a limit tells the client to do (the limit itself is named before it).
-WHAT_TO_DO = {"too_many_masks": "send at most", "text_too_long": "shorten it"}
+WHAT_TO_DO = {"too_many_masks": "remove some, or split the text", "text_too_long": "shorten it"}
 
 
 async def test_every_bad_input_gets_one_clear_error_and_the_connection_stays_open(server: FillMaskServer) -> None:
