@@ -576,6 +576,7 @@ def response(status: int, body: bytes, content_type: str,
         ("Content-Length", str(len(body))),
         ("Content-Type", content_type),
         ("Cache-Control", "no-store"),
+        ("X-Content-Type-Options", "nosniff"),  # a JSON answer that quotes a request's path is never run as a page
     ) if name.lower() not in replaced] + extra_headers)
     return Response(status, http.HTTPStatus(status).phrase, headers, body)
 

@@ -375,6 +375,7 @@ async def test_a_request_with_more_bytes_after_it_is_answered_and_the_rest_disca
             assert (status, orjson.loads(body)) == (200, {"status": "ok"}), rest[:20]
         status, headers, body = await exchange(port, (first.replace("healthz", "nope") + first).encode())
         assert status == 404 and error_line(headers, body).startswith("not found: nothing at '/nope'; ")
+        assert headers["X-Content-Type-Options"] == "nosniff"  # it quotes the path: never sniffed as a page
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
 
