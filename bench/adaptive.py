@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -131,6 +132,23 @@ def ahead_line(rows: dict[str, tuple[float, float, float]], repeats: Repeats | N
         f"{name} ({rps:.3f}x req/s, {p99:.3f}x p99, {SPREAD[beyond]})" for name, (rps, p99, beyond) in by_p99)
 
 
+def configs(text: str) -> list[str]:
+    """The flag sets ``--configs`` names, checked before any server starts: each is ``defaults``, a name
+    of ``SWEEP`` or a string of the server's flags (``flag_set``); empty means all of ``SWEEP``. A set
+    named twice runs once."""
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip())) if text else list(SWEEP)
+    for name in names:
+        if name not in SWEEP and not name.startswith("--"):
+            raise ValueError(f"--configs: {name!r} is neither a name of the sweep ({', '.join(SWEEP)}) nor a set "
+                             "of the server's flags (starting with --)")
+    return names
+
+
+def flag_set(name: str) -> list[str]:
+    """The server's arguments for a flag set of ``configs``."""
+    return SWEEP[name] if name in SWEEP else shlex.split(name)
+
+
 async def hello_threads(url: str) -> int:
     from websockets.asyncio.client import connect
 
@@ -162,11 +180,11 @@ async def main_async(args: argparse.Namespace) -> int:
         model_dir = ROOT / "models" / size
         for corpus in args.corpora.split(","):
             texts = corpus_texts(model_dir, size, corpus)
-            names = [name for name in SWEEP if name in args.configs.split(",")] if args.configs else list(SWEEP)
+            names = list(args.configs)
             runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for repeat in range(args.repeats):
                 for name in names:
-                    runs[name].append(await measure(model_dir, SWEEP[name], texts, args.warmup, args.duration,
+                    runs[name].append(await measure(model_dir, flag_set(name), texts, args.warmup, args.duration,
                                                     keep_batches=name == "defaults" and repeat == 0,
                                                     in_flight=args.in_flight))
                 if args.seed:
@@ -222,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                         "that bench/run.py --families wrote)")
     parser.add_argument("--in-flight", type=int, default=4, help="requests each of the 32 clients keeps in flight")
     parser.add_argument("--corpora", default="short,mixed")
-    parser.add_argument("--configs", default="", help="comma-separated names of SWEEP (default: all)")
+    parser.add_argument("--configs", default="", help="comma-separated flag sets: 'defaults', a name of SWEEP, or "
+                        "any of the server's flags as one string ('--max-batch-size 128 --max-batch-tokens 16384'); "
+                        "default: all of SWEEP")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--duration", type=float, default=8.0)
@@ -231,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.in_flight < 1:
         parser.error("--in-flight must be at least 1")
+    try:
+        args.configs = configs(args.configs)
+    except ValueError as exc:
+        parser.error(str(exc))
     missing = [name for name in ("starlette", "uvicorn") if args.seed and importlib.util.find_spec(name) is None]
     if missing:  # found out now, not after minutes of sweep whose output would be lost
         parser.error(f"the seed design needs {' and '.join(missing)}: run `.venv/bin/pip install -e '.[bench]'`, "

@@ -447,3 +447,20 @@ def test_the_tail_is_split_by_stage_and_its_slowest_requests_by_burst() -> None:
     assert got["bursts"] == [(2.01, 5), (7.01, 5)]  # the slowest 1%: the 40-ms ones of each burst
     with pytest.raises(ValueError, match="too few"):
         decompose(recorder, (100.0, 100.5))
+
+
+def test_the_sweep_takes_any_flag_set_and_refuses_a_name_it_does_not_know(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--configs`` once dropped every set that was not a name of SWEEP without a word, so a sweep of
+    batch caps ran the defaults alone. A set of flags now runs as given; anything else stops the run
+    before a server starts."""
+    from bench import adaptive
+
+    names = adaptive.configs("defaults, --max-batch-size 128 --max-batch-tokens 16384,--torch-threads 1,defaults")
+    assert names == ["defaults", "--max-batch-size 128 --max-batch-tokens 16384", "--torch-threads 1"]
+    assert [adaptive.flag_set(name) for name in names] == [
+        [], ["--max-batch-size", "128", "--max-batch-tokens", "16384"], ["--torch-threads", "1"]]
+    assert adaptive.configs("") == list(adaptive.SWEEP)
+    with pytest.raises(SystemExit) as stopped:
+        adaptive.main(["--configs", "defaults,max-batch-size 128", "--no-seed"])
+    assert stopped.value.code == 2
+    assert "'max-batch-size 128' is neither a name of the sweep" in capsys.readouterr().err
