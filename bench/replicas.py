@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.corpus import make_corpus
 from bench.loadgen import closed_loop, idle_single, settle
+from bench.run import ensure_checkpoint
 from bench.server_proc import ROOT, ServerProcess, machine_cpu_s, process_cpu_s, wait_quiet
 
 _T0 = time.perf_counter()
@@ -163,17 +164,6 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def ensure_model(size: str) -> Path:
-    directory = ROOT / "models" / size
-    from fillmask_server.checkpoint import is_checkpoint
-
-    if not is_checkpoint(directory):
-        log(f"writing the offline '{size}' checkpoint to {directory}")
-        subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", size, str(directory)], cwd=ROOT,
-                       check=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return directory
-
-
 async def proxy_cost(model: Path, texts: list[str], settings: Settings) -> dict[str, dict[str, float]]:
     runs: dict[str, list[dict[str, Any]]] = {}
     with ServerProcess(model, ["--log-level", "warning"]) as server, Balancer([server.port]) as lb:
@@ -256,7 +246,7 @@ async def main_async(settings: Settings, command: str) -> int:
                                "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                                                      capture_output=True, text=True).stdout.strip()}
     for size in settings.sizes:
-        model = ensure_model(size)
+        model = ensure_checkpoint(size, ROOT / "models")
         log(f"{size}: the proxy's cost")
         cost = await proxy_cost(model, texts, settings)
         log(f"{size}: one replica x 2 threads against two x 1 thread")
