@@ -25,8 +25,9 @@ on the ``short`` and ``mixed`` corpora:
    p50, p99, rows per batch; the cost model the server fitted (``/metrics``) and how well it predicts
    the batches it ran (median and 90th percentile of |predicted - measured| / measured over them).
    On a GPU a batch's fixed cost dominates, which is where the cost model has to hold.
-4. **A flag sweep** (``--sweep``, the first dtype only): the defaults against a batch cap of 128, at
-   32 clients x 8 in flight.
+4. **A flag sweep** (``--sweep``, the first dtype only): the defaults against the automatic batch caps
+   (``--max-batch-size 0 --max-batch-tokens 0``: set from the cost model) and a hand-set cap of 256
+   rows and 32,768 tokens (the fourteenth session's best on an H200), at 32 clients x 8 in flight.
 
 A dtype that fails (a server that does not start, say) is recorded with its error, and the next one
 runs. ``gpu.md`` and ``gpu.json`` are written to ``--out`` after every dtype, so a run cut short still
@@ -395,8 +396,8 @@ async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str,
     return result
 
 
-#: Flag sets of the sweep (``--sweep``): the defaults, and batches twice the default cap.
-SWEEP = ("", "--max-batch-size 128 --max-batch-tokens 16384")
+#: Flag sets of the sweep (``--sweep``): the defaults, the automatic caps, and four times the default caps.
+SWEEP = ("", "--max-batch-size 0 --max-batch-tokens 0", "--max-batch-size 256 --max-batch-tokens 32768")
 
 
 async def sweep(model: str, device: str, dtype: str, corpora: dict[str, list[str]], seconds: float,

@@ -63,7 +63,12 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
 - **Limits.** At most ``max_batch_size`` requests and ``max_batch_tokens`` tokens, padding included
-  (the ``footprint``, rows x the widest row: what the encoder's activations take); and a
+  (the ``footprint``, rows x the widest row: what the encoder's activations take). Either cap may be
+  *automatic* (``auto_rows``, ``auto_tokens``; ``--max-batch-size 0``, ``--max-batch-tokens 0``): its
+  default (64 rows, 8,192 tokens) times ``cap_scale``, how many default batches fit before the
+  overhead falls to ``slack`` of a batch's time, between 1 and ``MAX_CAP_SCALE``, set again from the
+  cost model before each round. Where a batch is cheap beside its overhead (a GPU launching kernels)
+  the caps grow; where a default batch already amortises it (a CPU) they stay. And a
   **predicted time** of at most ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
   batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``, nor below
@@ -118,6 +123,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 TIE = 1e-9  # efficiencies this close are equal (floating-point rounding must not split equal requests)
 MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit may put the overhead near 0)
+DEFAULT_BATCH_ROWS = 64  # --max-batch-size's default, and the automatic caps' shape (below)
+DEFAULT_BATCH_TOKENS = 8192  # --max-batch-tokens' default
+MAX_CAP_SCALE = 8  # automatic caps grow to at most this many times the defaults (the activations' memory)
 AUTO_GROWTH = 3.0  # the widest band the cost model may choose (longest ÷ shortest row) when none is set
 FORGOTTEN = 1e-6  # rows: recent service below this is forgotten (as if new) when rescaling
 RESCALE = 1e100  # the scale at which recent service is renormalised
@@ -290,6 +298,19 @@ class Waiting(Generic[J]):
         return sorted(expired, key=self.place) if len(expired) > 1 else expired
 
 
+def cap_scale(cost: Coefficients, slack: float, max_batch_s: float = 0.0) -> float:
+    """How many times the default batch (``DEFAULT_BATCH_ROWS`` rows, ``DEFAULT_BATCH_TOKENS`` tokens)
+    a batch may hold before the per-batch overhead falls to ``slack`` of its time (or, with a time
+    bound set, ``max_batch_s``, before it reaches that bound): at least 1, at most ``MAX_CAP_SCALE``.
+    Where a batch is cheap beside its overhead (a GPU launching kernels), the caps grow; where the
+    default batch already amortises it (a CPU), they stay."""
+    work = cost.token_s * DEFAULT_BATCH_TOKENS + cost.row_s * DEFAULT_BATCH_ROWS
+    room = (max_batch_s or cost.overhead_s / slack) - cost.overhead_s
+    if work <= 0:
+        return float(MAX_CAP_SCALE)
+    return min(float(MAX_CAP_SCALE), max(1.0, room / work))
+
+
 def _waiting(queue: Waiting[J] | Iterable[J]) -> Waiting[J]:
     return queue if isinstance(queue, Waiting) else Waiting(queue)
 
@@ -312,6 +333,8 @@ class BatchPolicy:
     fair_tolerance: float = 0.5  # a connection is eligible while served at most 1 + this x the least
     fair_horizon: int = 32  # requests a connection over which what it was served fades (see the docstring)
     pack_width: int = 0  # the model packs texts into rows of up to this many tokens (``layout``); 0: it pads
+    auto_rows: bool = False  # ``max_batch_size`` follows the cost model (``cap_scale``); its value is the floor
+    auto_tokens: bool = False  # the same for ``max_batch_tokens``
     # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
     # owner -> [tokens, rows, answer bytes] served lately, times _growth (priced when compared: _price)
     _recent: dict[Any, list[float]] = field(default_factory=dict, init=False, repr=False)
@@ -321,6 +344,7 @@ class BatchPolicy:
     _anticipate_until: float = field(default=float("-inf"), init=False, repr=False)
     _last_batch_s: float = field(default=0.0, init=False, repr=False)
     _plan: list[list[Any]] = field(default_factory=list, init=False, repr=False)  # the round's later batches
+    _floor: tuple[int, int] = field(default=(0, 0), init=False, repr=False)  # the caps as given (automatic: floors)
 
     def __post_init__(self) -> None:
         if (self.max_batch_size < 1 or self.max_batch_tokens < 1 or self.max_wait_s < 0
@@ -329,6 +353,18 @@ class BatchPolicy:
                 or self.max_missed < 0 or not 0 <= self.fair_tolerance < math.inf or self.fair_horizon < 1
                 or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1 or self.pack_width < 0):
             raise ValueError("batch limits must be positive")
+        self._floor = (self.max_batch_size, self.max_batch_tokens)
+
+    def follow_cost(self, cost: Coefficients) -> None:
+        """Set the automatic caps (``auto_rows``, ``auto_tokens``) from ``cost``: each floor times
+        ``cap_scale``. The engine calls it between rounds (``take`` does, before a round's window)."""
+        if self.auto_rows or self.auto_tokens:
+            scale = cap_scale(cost, self.slack, self.max_batch_s)
+            rows, tokens = self._floor
+            if self.auto_rows:
+                self.max_batch_size = max(rows, int(rows * scale))
+            if self.auto_tokens:
+                self.max_batch_tokens = max(tokens, int(tokens * scale))
 
     def answered(self, count: int, now: float) -> None:
         """``count`` answers are on their way out at ``now``: their clients may send again soon."""
@@ -415,6 +451,7 @@ class BatchPolicy:
         decision: Decision[J] = Decision(expired=expired)
         planned = [] if self.growth else self._planned(waiting, room)
         if not planned:
+            self.follow_cost(cost)
             self._fade(len(waiting.by_owner()))  # once a round, before its window (with a fixed band, once a batch)
         self._welcome(waiting, cost)
         chosen, passed, plan = self._pick(waiting, now, room, cost, planned)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 from . import __version__
 from .access import HostPolicy, OriginPolicy, ProxyPolicy, tls_context
+from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS
 
 ENV_PREFIX = "FILLMASK_"
 DEFAULT_MODEL = "google-bert/bert-base-uncased"
@@ -30,8 +31,8 @@ class Config:
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 8765
-    max_batch_size: int = 64
-    max_batch_tokens: int = 8192
+    max_batch_size: int = DEFAULT_BATCH_ROWS
+    max_batch_tokens: int = DEFAULT_BATCH_TOKENS
     max_queue: int = 1024
     max_wait_ms: float = 0.0
     anticipate_ms: float = 0.0
@@ -70,8 +71,11 @@ _HELP: dict[str, str] = {
     "model": "fill-mask model: a Hugging Face model id or a local directory",
     "host": "address to listen on (0.0.0.0 for all interfaces)",
     "port": "TCP port for WebSocket and HTTP (0 picks a free port)",
-    "max_batch_size": "most requests in one model batch",
-    "max_batch_tokens": "most tokens one model batch occupies, padding included (rows x widest row)",
+    "max_batch_size": "most requests in one model batch; 0 = automatic: 64, scaled up by the measured cost model "
+                      "(up to 8x) while a batch of the default caps spends more than 5%% of its time on per-batch "
+                      "overhead (a GPU's kernel launches, say); never below 64",
+    "max_batch_tokens": "most tokens one model batch occupies, padding included (rows x widest row); 0 = "
+                        "automatic: 8192, scaled as --max-batch-size 0 is",
     "max_queue": "most requests waiting for the model; beyond it requests are answered 503, and from half of it "
                  "on a connection holding its fair share is answered 429",
     "max_wait_ms": "wait at most this long (from the oldest queued request) for a fuller batch; 0 = never wait",
@@ -291,7 +295,7 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
 
 def _named_source(problem: str, args: dict[str, object], environ: Mapping[str, str]) -> str:
     """``problem`` (which names options as flags), prefixed with the environment variable that set
-    the first option it names that no flag set: ``FILLMASK_MAX_BATCH_SIZE='0': --max-batch-size must
+    the first option it names that no flag set: ``FILLMASK_MAX_QUEUE='0': --max-queue must
     be at least 1``, so that nobody looks for a flag they never passed. Unchanged when flags set them all."""
     named = sorted((found.start(), f.name) for f in fields(Config)
                    if (found := re.search(rf"--{f.name.replace('_', '-')}(?![\w-])", problem)))
@@ -309,7 +313,7 @@ def validate(config: Config) -> str | None:
         value = getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{f.name.replace('_', '-')} must be a finite number, not {value}"
-    positive = ("max_batch_size", "max_batch_tokens", "max_queue", "max_text_chars", "max_masks",
+    positive = ("max_queue", "max_text_chars", "max_masks",
                 "max_top_k", "max_targets", "max_frame_bytes", "max_connections", "max_inflight_per_connection",
                 "max_send_buffer_bytes", "max_result_bytes", "max_answer_bytes")
     for name in positive:
@@ -317,6 +321,9 @@ def validate(config: Config) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1"
     if config.max_length_ratio != 0 and config.max_length_ratio < 1:
         return "--max-length-ratio must be 0 (automatic) or at least 1"
+    for name in ("max_batch_size", "max_batch_tokens"):
+        if getattr(config, name) < 0:
+            return f"--{name.replace('_', '-')} must be 0 (automatic) or at least 1"
     for name in ("max_wait_ms", "anticipate_ms", "shutdown_timeout", "drain_delay", "max_batch_ms",
                  "max_missed_batches", "calibration_s", "torch_threads"):
         if getattr(config, name) < 0:

@@ -77,12 +77,15 @@ class _LiveCollector:
 
 
 class _CostModelCollector:
-    """``fillmask_torch_threads`` and ``fillmask_cost_model_seconds{term}``: the torch thread count in use
-    and the engine's fitted cost model (batching.Coefficients), as they are now."""
+    """``fillmask_torch_threads``, ``fillmask_cost_model_seconds{term}`` and ``fillmask_batch_cap{cap}``:
+    the torch thread count in use, the engine's fitted cost model (batching.Coefficients) and the batch
+    caps (rows, tokens: automatic ones follow the cost model), as they are now."""
 
-    def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients] | None) -> None:
+    def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients] | None,
+                 caps: Callable[[], tuple[int, int]] | None = None) -> None:
         self._threads = torch_threads
         self._coefficients = coefficients
+        self._caps = caps
 
     def describe(self) -> Iterable[Metric]:
         return self._families(None)
@@ -102,7 +105,14 @@ class _CostModelCollector:
             for term, value in (("overhead", c.overhead_s), ("padded_token", c.token_s), ("row", c.row_s),
                                 ("output_byte", c.byte_s)):
                 terms.add_metric([term], value)
-        return [threads, terms]
+        caps = GaugeMetricFamily("fillmask_batch_cap", "The most rows (requests) and padded tokens one batch may "
+                                 "hold now (--max-batch-size, --max-batch-tokens; 0 there: set from the cost model).",
+                                 labels=["cap"])
+        if coefficients is not None and self._caps is not None:
+            rows, tokens = self._caps()
+            caps.add_metric(["rows"], rows)
+            caps.add_metric(["tokens"], tokens)
+        return [threads, terms, caps]
 
 
 class Metrics:
@@ -155,9 +165,11 @@ class Metrics:
         Gauge("fillmask_gc_frozen_objects", "Objects that Python's garbage collector no longer walks (gc.freeze): "
               "what start-up made, frozen before serving.", registry=registry).set_function(gc.get_freeze_count)
 
-    def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients]) -> None:
-        """Export the torch thread count and the cost model's current coefficients (read at scrape time)."""
-        self.registry.register(_CostModelCollector(torch_threads, coefficients))
+    def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
+                           caps: Callable[[], tuple[int, int]] | None = None) -> None:
+        """Export the torch thread count, the cost model's current coefficients and the batch caps (read at
+        scrape time)."""
+        self.registry.register(_CostModelCollector(torch_threads, coefficients, caps))
 
     def answered(self, outcome: str, code: str) -> None:
         """Count one answer handed to a client's socket, labelled by what it was (never by parsing it)."""

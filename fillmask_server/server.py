@@ -38,7 +38,7 @@ from fillmask_client.wire import CLOSE_GOING_AWAY
 
 from . import __version__, allocator
 from .access import WILDCARD_HOSTS, OriginPolicy, tls_context
-from .batching import BatchPolicy
+from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS, BatchPolicy
 from .calibration import Calibration, uncalibrated
 from .config import Config
 from .connection import Connection, UnsentBytes
@@ -122,11 +122,15 @@ class FillMaskServer:
         self.origins = OriginPolicy.parse(config.allowed_origins)
         self._tls: ssl.SSLContext | None = (
             tls_context(config.certfile, config.keyfile) if config.certfile else None)
-        policy = BatchPolicy(config.max_batch_size, config.max_batch_tokens, config.max_wait_ms / 1000,
-                             config.max_length_ratio, anticipate_s=config.anticipate_ms / 1000,
-                             max_batch_s=config.max_batch_ms / 1000, max_missed=config.max_missed_batches,
-                             pack_width=model.pack_width)
+        policy = BatchPolicy(config.max_batch_size or DEFAULT_BATCH_ROWS,
+                             config.max_batch_tokens or DEFAULT_BATCH_TOKENS, config.max_wait_ms / 1000,
+                             config.max_length_ratio,
+                             anticipate_s=config.anticipate_ms / 1000, max_batch_s=config.max_batch_ms / 1000,
+                             max_missed=config.max_missed_batches, pack_width=model.pack_width,
+                             auto_rows=not config.max_batch_size, auto_tokens=not config.max_batch_tokens)
         cost = CostModel(self.calibration.coefficients)
+        policy.follow_cost(cost.coefficients)  # the calibration's caps, before the first batch
+        self._policy = policy
         self.metrics = Metrics(LiveValues(
             queue_depth=lambda: self.engine.queued(),
             open_connections=lambda: len(self.connections),
@@ -146,17 +150,19 @@ class FillMaskServer:
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
                              cost=cost, threads=tuner, on_threads=self._follow_thread_count)
         self._switch_before: float | None = None  # the process's switch interval before start() set it
-        self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients)
+        self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
+                                        lambda: (policy.max_batch_size, policy.max_batch_tokens))
         self._hello_threads = self._torch_threads()
-        self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
-            "max_batch_size": config.max_batch_size,
-            "max_batch_tokens": config.max_batch_tokens,
+        self._hello_limits: dict[str, int] = {
+            "max_batch_size": policy.max_batch_size,
+            "max_batch_tokens": policy.max_batch_tokens,
             "max_queue": config.max_queue,
             "max_tokens": model.max_tokens,
             "max_frame_bytes": config.max_frame_bytes,
             "max_result_bytes": config.max_result_bytes,
             "max_inflight_per_connection": config.max_inflight_per_connection,
-        })
+        }
+        self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits)
         self._hello = self._encode_hello()
         self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
         self.http = HttpFront(config, self.origins, self._tls is not None, self.metrics, FrontState(
@@ -290,13 +296,17 @@ class FillMaskServer:
 
     def _encode_hello(self) -> bytes:
         engine = {**self.model.engine_facts(), **self.calibration.hello(), "torch_threads": self._hello_threads}
-        return encode_hello(*self._hello_args, engine)
+        return encode_hello(*self._hello_args, self._hello_limits, engine)
 
     def _current_hello(self) -> bytes:
-        """The hello frame, encoded again only when the thread count changed since the last one."""
+        """The hello frame, encoded again only when the thread count or an automatic batch cap
+        (``--max-batch-size 0``, ``--max-batch-tokens 0``) changed since the last one."""
         threads = self._torch_threads()
-        if threads != self._hello_threads:
+        limits = self._hello_limits
+        caps = (self._policy.max_batch_size, self._policy.max_batch_tokens)  # (each one int, read whole)
+        if threads != self._hello_threads or caps != (limits["max_batch_size"], limits["max_batch_tokens"]):
             self._hello_threads = threads
+            limits["max_batch_size"], limits["max_batch_tokens"] = caps
             self._hello = self._encode_hello()
         return self._hello
 

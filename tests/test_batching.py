@@ -439,6 +439,55 @@ def test_a_fit_with_no_overhead_still_runs_a_full_batch_of_plain_requests() -> N
     assert len(decision.batch) == 32 and decision.predicted_s > MIN_AUTO_BATCH_S
 
 
+# Coefficients the start-up calibration fitted: tiny on the 2-core EPYC, and bert-base in float32 and
+# bfloat16 on an H200 (bench/results/gpu-h200-fourteenth.md).
+TINY_ON_A_CPU = Coefficients(overhead_s=2.33e-3, token_s=7.42e-6, row_s=0.0, byte_s=4.3e-8)
+FLOAT32_ON_A_GPU = Coefficients(overhead_s=3.90e-3, token_s=5.31e-6, row_s=0.0, byte_s=7.9e-8)
+BFLOAT16_ON_A_GPU = Coefficients(overhead_s=4.80e-3, token_s=0.0, row_s=35.7e-6, byte_s=8.3e-8)
+
+
+def test_automatic_caps_grow_only_where_a_default_batch_spends_more_than_the_slack_on_overhead() -> None:
+    """The scale is how many default batches (64 rows, 8,192 tokens) fit in the time at which the
+    overhead is ``slack`` of a batch: (overhead / slack - overhead) / a default batch's own work."""
+    assert batching.cap_scale(TINY_ON_A_CPU, 0.05) == 1.0  # 8,192 tokens take 61 ms > 20 x 2.33 ms
+    assert batching.cap_scale(FLOAT32_ON_A_GPU, 0.05) == pytest.approx(19 * 3.90e-3 / (8192 * 5.31e-6))  # 1.70
+    assert batching.cap_scale(BFLOAT16_ON_A_GPU, 0.05) == batching.MAX_CAP_SCALE  # 39.9, bounded
+    assert batching.cap_scale(Coefficients(0.01, 0.0, 0.0, 0.0), 0.05) == batching.MAX_CAP_SCALE  # no price at all
+    # a stated time bound (--max-batch-ms) is the time to fill: 10 ms holds 0.14 default batches, so 1
+    assert batching.cap_scale(FLOAT32_ON_A_GPU, 0.05, max_batch_s=0.010) == 1.0
+    assert batching.cap_scale(FLOAT32_ON_A_GPU, 0.05, max_batch_s=0.200) == pytest.approx(
+        (0.200 - 3.90e-3) / (8192 * 5.31e-6))
+
+
+def test_automatic_caps_follow_the_cost_model_between_rounds_and_fixed_ones_never_move() -> None:
+    """--max-batch-size 0 and --max-batch-tokens 0: the floors times ``cap_scale``, set again before each
+    round's window; a round planned under the old caps runs out under them."""
+    def short(count: int) -> deque[FakeJob]:
+        return queue(*(FakeJob(str(i), n_tokens=12, owner=str(i % 8)) for i in range(count)))
+
+    fixed = policy(size=64, tokens=8192, cost=BFLOAT16_ON_A_GPU)
+    assert len(fixed.take(short(600), now=0).batch) == 64
+    auto = policy(size=64, tokens=8192, cost=BFLOAT16_ON_A_GPU, auto_rows=True, auto_tokens=True)
+    assert (auto.max_batch_size, auto.max_batch_tokens) == (64, 8192)  # until the engine core's first call
+    auto.follow_cost(BFLOAT16_ON_A_GPU)
+    assert (auto.max_batch_size, auto.max_batch_tokens) == (512, 65536)
+    assert len(auto.take(short(600), now=0).batch) == 512
+    q = short(600)
+    assert len(auto.take(q, now=0, cost=TINY_ON_A_CPU).batch) == 64  # a new round under a CPU's prices
+    assert (auto.max_batch_size, auto.max_batch_tokens) == (64, 8192)
+    rows_only = policy(size=64, tokens=8192, auto_rows=True)
+    rows_only.follow_cost(FLOAT32_ON_A_GPU)
+    assert (rows_only.max_batch_size, rows_only.max_batch_tokens) == (109, 8192)  # 64 x 1.70; tokens as given
+
+    # Between a round's batches the caps stay: lengths far apart on a CPU make a round of several batches.
+    mixed = queue(*(FakeJob(str(i), n_tokens=(8 if i % 2 else 120), owner=str(i)) for i in range(64)))
+    cpu = policy(size=64, tokens=8192, cost=CPU, auto_rows=True, auto_tokens=True)
+    first = cpu.take(mixed, now=0)
+    assert cpu.in_round() and len(first.batch) < 64
+    cpu.take(mixed, now=0, cost=BFLOAT16_ON_A_GPU)  # the round's next batch, under new prices
+    assert (cpu.max_batch_size, cpu.max_batch_tokens) == (64, 8192)
+
+
 def test_a_stated_limit_and_a_tight_deadline_bound_the_batch_and_one_request_always_runs() -> None:
     q = queue(*(FakeJob(str(i), n_tokens=10) for i in range(32)))  # 0.302 ms each over a 1 ms overhead
     assert len(policy(size=64, cost=CPU, max_batch_s=0.0041).take(q, now=0).batch) == 10

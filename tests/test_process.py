@@ -92,10 +92,11 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_resembles(tmp_path: Pa
 
 
 def test_a_bad_value_from_the_environment_names_the_variable_not_a_flag(capsys: pytest.CaptureFixture) -> None:
-    """FILLMASK_MAX_BATCH_SIZE=0 was reported as '--max-batch-size must be at least 1', a flag nobody
-    passed; a flag that sets the value is named as the flag (it wins over the variable)."""
-    cases = [([], {"FILLMASK_MAX_BATCH_SIZE": "0"}, "error: FILLMASK_MAX_BATCH_SIZE='0': --max-batch-size must be"),
-             (["--max-batch-size", "0"], {"FILLMASK_MAX_BATCH_SIZE": "0"}, "error: --max-batch-size must be"),
+    """FILLMASK_MAX_BATCH_SIZE=0 (then a bad value) was reported as '--max-batch-size must be at least
+    1', a flag nobody passed; a flag that sets the value is named as the flag (it wins over the variable)."""
+    cases = [([], {"FILLMASK_MAX_QUEUE": "0"}, "error: FILLMASK_MAX_QUEUE='0': --max-queue must be"),
+             (["--max-queue", "0"], {"FILLMASK_MAX_QUEUE": "0"}, "error: --max-queue must be"),
+             ([], {"FILLMASK_MAX_BATCH_SIZE": "-1"}, "error: FILLMASK_MAX_BATCH_SIZE='-1': --max-batch-size must be"),
              ([], {"FILLMASK_TOKEN": "a b"}, "error: FILLMASK_TOKEN=(hidden): --token must be"),  # never shown
              ([], {"FILLMASK_KEYFILE": "key.pem"}, "error: FILLMASK_KEYFILE='key.pem': --keyfile needs --certfile"),
              (["--certfile", "/nonexistent/cert.pem"], {"FILLMASK_KEYFILE": "/nonexistent/key.pem"},
@@ -132,8 +133,8 @@ def test_a_number_that_is_not_finite_is_refused(flag: str, value: str, capsys: p
 
 
 def test_bad_flag_values_are_refused() -> None:
-    result = run_server("--max-batch-size", "0")
-    assert result.returncode == 2 and "--max-batch-size must be at least 1" in result.stderr
+    result = run_server("--max-batch-size", "-1")
+    assert result.returncode == 2 and "--max-batch-size must be 0 (automatic) or at least 1" in result.stderr
 
 
 @pytest.mark.parametrize(
