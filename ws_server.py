@@ -7,9 +7,9 @@ The whole life of the server, in order:
    saying why; calibrate the engine to this machine (``calibration.py``: torch threads, the cost model,
    a reduced dtype's speed), with one log line, and a warning when a reduced dtype is slower;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
-4. on SIGINT/SIGTERM, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with ``/readyz`` at 503)
-   and exit 0; a second signal stops at once (exit 130). A signal before the server is ready stops it at
-   once (exit 128 + the signal's number);
+4. on SIGINT/SIGTERM/SIGHUP, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with
+   ``/readyz`` at 503) and exit 0; a second signal (``SAME_SIGNAL_S`` or more after the first) stops at
+   once (exit 130). A signal before the server is ready stops it at once (exit 128 + the signal's number);
 5. if the model thread stops by a fault (§6 ``engine_stopped``), drain at once and exit 1, so that a
    supervisor (Kubernetes, systemd, ``docker --restart``) starts a fresh server.
 """
@@ -24,7 +24,7 @@ import sys
 
 from fillmask_server.allocator import freeze_start_up_heap
 from fillmask_server.calibration import calibrate
-from fillmask_server.config import Config, load_config, unknown_variables
+from fillmask_server.config import Config, load_config, named_source, unknown_variables
 from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
 from fillmask_server.startup import StartupLines
@@ -33,6 +33,8 @@ log = logging.getLogger("fillmask_server")
 
 #: The exit status after the model thread stopped by a fault (the drain's is 0).
 EXIT_ENGINE_STOPPED = 1
+#: A signal this soon after the first is the first delivered twice, not a second one (protocol.md §10).
+SAME_SIGNAL_S = 0.25
 
 
 async def serve_until_signalled(config: Config) -> int:
@@ -54,13 +56,21 @@ async def serve_until_signalled(config: Config) -> int:
     await server.start()
     received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
+    taken: list[float] = []  # when the first signal was taken (the loop's clock)
+    drained = False
 
-    def on_signal(signum: int) -> None:  # a second one before the drain's handlers are in: stop now, too
-        if received.done():
-            _stop_now()
+    def on_signal(signum: int) -> None:
+        now = loop.time()
+        if drained:
+            return  # nothing left to stop: the exit status stays the drain's
+        if taken and now - taken[0] < SAME_SIGNAL_S:
+            return  # the first one again, delivered twice (GNU timeout signals the process and its group)
+        if taken or received.done():  # a second signal, or one during the drain after an engine fault
+            _stop_now(server)
+        taken.append(now)
         received.set_result(signum)
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in _signals_handled():
         loop.add_signal_handler(signum, on_signal, signum)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
@@ -71,47 +81,63 @@ async def serve_until_signalled(config: Config) -> int:
         signum = received.result()
         log.info("%s received: draining (a second signal stops at once)", signal.Signals(signum).name)
         # An orchestrator stops a replica with SIGTERM: give its load balancer time to notice /readyz
-        # first. A person's Ctrl-C (SIGINT) wants the drain now.
+        # first. A person's Ctrl-C (SIGINT), or a closed terminal (SIGHUP), wants the drain now.
         delay, status = (config.drain_delay if signum == signal.SIGTERM else 0.0), 0
     else:
         log.critical("the model thread stopped: draining, then exiting with status %d so that a supervisor "
                      "starts a fresh server", EXIT_ENGINE_STOPPED)
         delay, status = 0.0, EXIT_ENGINE_STOPPED
-    for signum_ in (signal.SIGINT, signal.SIGTERM):  # draining: a signal now stops at once
-        loop.add_signal_handler(signum_, _stop_now)
+        received.cancel()  # draining: a signal now stops at once
     await server.drain(delay=delay)
+    drained = True
     return status
 
 
-def _stop_now() -> None:
-    """A second SIGINT/SIGTERM during the drain: leave at once, without waiting for accepted work."""
-    print("error: stopped before the drain finished; accepted requests were not all answered", file=sys.stderr)
+def _signals_handled() -> list[signal.Signals]:
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal), unless SIGHUP was ignored when the process
+    started (``nohup``): the server then goes on after its terminal closes, as asked."""
+    hangup = getattr(signal, "SIGHUP", None)
+    ignored = hangup is None or signal.getsignal(hangup) == signal.SIG_IGN
+    return [signal.SIGINT, signal.SIGTERM] + ([] if ignored else [hangup])
+
+
+def _stop_now(server: FillMaskServer) -> None:
+    """A second signal during the drain: leave at once, without waiting for accepted work."""
+    if server.settled():
+        print("stopped at a second signal during the drain; every accepted request had been answered",
+              file=sys.stderr)
+    else:
+        print("error: stopped before the drain finished; accepted requests were not all answered", file=sys.stderr)
     os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = load_config(argv)
-    for line in unknown_variables():
+    for line in unknown_variables():  # first: a misspelt variable may be why another setting is refused
         print(line, file=sys.stderr, flush=True)
+    config = load_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
-    signal.signal(signal.SIGTERM, _interrupted_while_starting)  # as PID 1 (a container) it is otherwise ignored
+    handled = _signals_handled()
+    for signum in handled:  # SIGTERM: as PID 1 (a container) it is otherwise ignored
+        signal.signal(signum, _interrupted_while_starting)
     try:
         return asyncio.run(serve_until_signalled(config))
     except ModelLoadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {named_source(str(exc), argv)}", file=sys.stderr)
         return 1
     except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
         print(f"error: {listen_problem(config.host, config.port, exc)}", file=sys.stderr)
         return 1
+    finally:  # done (or failed): a late signal must not turn the exit status into its own
+        for signum in handled:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
     """Ctrl-C or SIGTERM before the server is ready: leave at once, with 128 + the signal's number. The
     model loads on its own thread, inside native code, and asyncio's own handler would only act once
     it had loaded. Serving replaces this handler with the drain's."""
-    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    what = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}.get(signum, "hung up")
     print(f"error: {what} before the server was ready", file=sys.stderr, flush=True)
     os._exit(128 + signum)
 

@@ -293,6 +293,14 @@ def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     return lines
 
 
+def named_source(problem: str, argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """``problem`` with the environment variable named that set the first option it names, when no flag
+    in ``argv`` set it (``_named_source``): for problems found after the configuration was read, such
+    as a ``--device`` that torch does not know, from ``FILLMASK_DEVICE``."""
+    args = vars(build_parser().parse_args(argv))
+    return _named_source(problem, args, os.environ if environ is None else environ)
+
+
 def _named_source(problem: str, args: dict[str, object], environ: Mapping[str, str]) -> str:
     """``problem`` (which names options as flags), prefixed with the environment variable that set
     the first option it names that no flag set: ``FILLMASK_MAX_QUEUE='0': --max-queue must

@@ -1129,6 +1129,8 @@ def _device_problem(exc: BaseException) -> str:
     if isinstance(exc, NotImplementedError):  # a backend this torch build does not include
         return "this build of torch does not support it"
     line = _first_line(exc)
+    if line.startswith("Expected one of"):  # torch's list of every device type it has a name for
+        return "torch knows no device of that name (cpu, cuda, cuda:N, mps, xpu, ...)"
     if "not compiled with CUDA" in line:
         return f"this build of torch has no CUDA support ({line})"
     return line
