@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -114,3 +115,29 @@ async def test_every_series_is_there_at_0_before_it_happens(make_server: Any) ->
             assert samples[("fillmask_requests_total", (("code", code), ("outcome", kind)))] == 0, (kind, code)
     refused = {labels[0][1] for name, labels in samples if name == "fillmask_handshakes_refused_total"}
     assert refused == {"bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections"}
+
+
+async def test_every_series_served_is_one_that_protocol_md_lists(server: FillMaskServer) -> None:
+    """A newcomer found 30 families where §11 lists fewer: prometheus_client's ``*_created`` series (each
+    counter's start time, as a gauge) were served too, and ``fillmask_requests_created`` reads like a
+    count of requests. Every family served must be in §11's table, in both formats."""
+    import re
+
+    spec = (Path(__file__).resolve().parent.parent / "protocol.md").read_text()
+    section = spec[spec.index("## §11"):spec.index("## §12")]
+    def family(name: str) -> str:
+        return re.sub(r"_(total|bucket|sum|count)$", "", name)
+
+    listed = {family(name) for name in re.findall(r"`((?:fillmask|python)_[a-z_]+)", section)}
+    _, samples = await scrape(server)
+    served = {family(name) for name, _ in samples}
+    assert not {name for name in served if name.endswith("_created")}
+    assert served <= listed, served - listed
+
+    def openmetrics() -> str:
+        request = urllib.request.Request(server.http_url + "/metrics",
+                                         headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.read().decode()
+
+    assert "_created" not in await asyncio.to_thread(openmetrics)
