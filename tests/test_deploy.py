@@ -72,7 +72,12 @@ def env_values(deployment: dict[str, Any]) -> dict[str, Any]:
 def test_deployment_settings_are_real_server_settings_with_valid_values() -> None:
     env = env_values(load("deployment.yaml"))
     known = {env_name(f.name): f for f in fields(Config)}
+    referenced = {name for value in env.values() if isinstance(value, str)
+                  for name in re.findall(r"\$\((\w+)\)", value)}  # what Kubernetes expands in them
     for name, value in env.items():
+        if name in referenced:
+            assert not name.startswith("FILLMASK_") and isinstance(value, dict), name
+            continue
         assert name in known, f"{name} is not a server setting (see fillmask-server --help)"
         if isinstance(value, str):
             type(known[name].default)(value)  # parses as the setting's type, as load_config would
@@ -81,16 +86,21 @@ def test_deployment_settings_are_real_server_settings_with_valid_values() -> Non
 
 def test_the_names_the_manifests_tell_clients_to_use_are_answered() -> None:
     """The Deployment told clients to use ws://fillmask-server:8765/ and its replicas refused that Host
-    with 421 (the default --allowed-hosts is localhost and IP addresses only)."""
+    with 421 (the default --allowed-hosts is localhost and IP addresses only). NAME.NAMESPACE, what a
+    client in another namespace writes, was refused too (found by an operator's trial): the pod's
+    namespace comes from the downward API, expanded here as the kubelet does, for a pod in "ml"."""
     from fillmask_server.access import HostPolicy, parse_host
 
     env = env_values(load("deployment.yaml"))
-    policy = HostPolicy.parse(env["FILLMASK_ALLOWED_HOSTS"])
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    names = list(env)
+    assert names.index("POD_NAMESPACE") < names.index("FILLMASK_ALLOWED_HOSTS")  # expanded only if defined before
+    policy = HostPolicy.parse(env["FILLMASK_ALLOWED_HOSTS"].replace("$(POD_NAMESPACE)", "ml"))
     service = load("service.yaml")["metadata"]["name"]
     port = env["FILLMASK_PORT"]
     assert f"ws://{service}:{port}/" in (K8S / "deployment.yaml").read_text()  # what clients are told
-    for host in (f"{service}:{port}", f"{service}.default.svc:{port}", f"{service}.ml.svc.cluster.local:{port}",
-                 f"10.1.2.3:{port}"):
+    for host in (f"{service}:{port}", f"{service}.ml:{port}", f"{service}.default.svc:{port}",
+                 f"{service}.ml.svc.cluster.local:{port}", f"10.1.2.3:{port}"):
         authority = parse_host(host)
         assert authority is not None and policy.allows(authority, tls=False), host
     assert not policy.allows(parse_host(f"evil.example.com:{port}"), tls=False)  # type: ignore[arg-type]
