@@ -139,8 +139,8 @@ class HttpFront:
         if host is not None and path not in PROBE_PATHS and not self._answers_for(host):
             if handshake:
                 self.metrics.handshakes_refused.labels("host").inc()
-            self.log.warning("host", "refused %s from %s with 421: Host %r is not in --allowed-hosts",
-                             request.method, self.peer(connection), _shorten(host))
+            self.log.warning("host", "refused %s %s from %s with 421: Host %r is not in --allowed-hosts",
+                             request.method, _shorten(path), self.peer(connection), _shorten(host))
             return json_response(421, {"error": f"this server does not answer for the host {_shorten(host)!r}; use "
                                         "its address or an allowed name, or its operator can allow this one with "
                                         "--allowed-hosts"})

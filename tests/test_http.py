@@ -173,12 +173,16 @@ async def test_allowed_hosts_on_ipv6_loopback(make_server: Any) -> None:
         assert (await get(port, "/", address="::1", host=f"{ATTACKER}:{port}"))[0] == 421
 
 
-async def test_allowed_hosts_setting(make_server: Any) -> None:
+async def test_allowed_hosts_setting(make_server: Any, caplog: pytest.LogCaptureFixture) -> None:
     async with make_server(allowed_hosts="fill.example.com") as srv:
         port = srv.port
         ok = f"fill.example.com:{port}"
         assert (await get(port, "/", host=ok, extra=[f"Origin: http://{ok}", *handshake_headers()]))[0] == 101
         assert (await get(port, "/", host=f"127.0.0.1:{port}", extra=handshake_headers()))[0] == 101  # --host
+        with caplog.at_level(logging.WARNING):  # its log line names the path, as the 401 one does
+            assert (await get(port, "/metrics", host=f"{ATTACKER}:{port}"))[0] == 421
+        assert any(r.getMessage().startswith("refused GET /metrics from ") and "with 421" in r.getMessage()
+                   for r in caplog.records)
         for host in (f"localhost:{port}", f"10.1.2.3:{port}", f"{ATTACKER}:{port}"):
             assert (await get(port, "/", host=host, extra=handshake_headers()))[0] == 421, host
     async with make_server(allowed_hosts="*") as srv:  # behind a proxy that rewrites Host: the token's job then
