@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import itertools
 import socket
 import struct
 import termios
@@ -99,6 +100,7 @@ class Connection:
         self._uncongested.set()
         self._writer: asyncio.Task[None] | None = None
         self._writing = False  # the writer task is handing frames to websockets (flush must not)
+        self._handed = 0  # the outbox's first frames the writer wrote to the transport, before flow control's wait
         self._unsent_seen = 0
         self.closing: asyncio.Task[None] | None = None  # the server's own close, once it decided on one
         self.watchdog: asyncio.Task[None] | None = None  # FillMaskServer._watch_reader, while anything waits
@@ -191,17 +193,22 @@ class Connection:
     def _written(self, count: int, size: int) -> None:
         """The first ``count`` frames (``size`` bytes) were handed to the socket: out of the outbox and its counts."""
         self.last_progress = time.monotonic()
+        self._answered(count, size)
+        if not self.congested:
+            self._uncongested.set()
+        transport = self.ws.transport
+        if transport is not None and transport.get_write_buffer_size():  # the kernel took only part
+            self._watch_backlog()
+
+    def _answered(self, count: int, size: int) -> None:
+        """The first ``count`` frames (``size`` bytes) are in the socket's buffers: each answer among them
+        is counted under its outcome (§11), never as dropped, whatever happens to the connection next."""
         self.pending_bytes -= size
         self._unsent.total -= size
         for _ in range(count):
             label = self._outbox.popleft()[1]
             if label is not None:
                 self._metrics.answered(*label)
-        if not self.congested:
-            self._uncongested.set()
-        transport = self.ws.transport
-        if transport is not None and transport.get_write_buffer_size():  # the kernel took only part
-            self._watch_backlog()
 
     def _watch_backlog(self) -> None:
         """Have the server watch this connection's backlog (``on_backlog``), unless a watchdog does."""
@@ -234,6 +241,10 @@ class Connection:
                     async with ws.send_context():
                         for n in range(count):
                             ws.protocol.send_text(self._outbox[n][0])
+                        # The context's exit writes them to the transport, then waits for flow control,
+                        # where a close may cancel this task (``stop``) or end it (ConnectionClosed).
+                        self._handed = count
+                    self._handed = 0
                     self._written(count, size)
                 self._writing = False
         except ConnectionClosed:
@@ -241,6 +252,11 @@ class Connection:
             self._drop_outbox()
 
     def _drop_outbox(self) -> None:
+        """Drop what was never handed to the socket, each answer counted as dropped (§11); frames the
+        writer had written to the transport when the connection closed count as sent."""
+        handed, self._handed = self._handed, 0
+        if handed:
+            self._answered(handed, sum(len(frame) for frame, _ in itertools.islice(self._outbox, handed)))
         dropped = sum(1 for _, label in self._outbox if label is not None)
         self._metrics.dropped(dropped)
         self._outbox.clear()
