@@ -326,9 +326,12 @@ class EngineCore:
         return self._reserved_total
 
     def retry_after_ms(self) -> int:
-        """Estimate of how long the current queue takes to clear, for 503/504 answers."""
+        """Estimate of how long the current queue takes to clear, for 503/504 answers: its rows at the
+        recent time per row, and with ``--max-wait-ms`` that wait too (the queue's last batch, not
+        full, waits for company up to that long)."""
         pending = self.waiting() + len(self._jobs[State.RUNNING])
-        return int(min(30_000, max(10, pending * self._seconds_per_row * 1000)))
+        seconds = pending * self._seconds_per_row + (self.policy.max_wait_s if pending else 0.0)
+        return int(min(30_000, max(10, seconds * 1000)))
 
     # --- calls ---------------------------------------------------------------------------------------
 

@@ -504,3 +504,15 @@ def test_a_batch_stays_within_the_time_bound_the_fitted_model_predicts() -> None
     scheduled = c.schedule(1.0)
     limit = cost.coefficients.overhead_s / c.policy.slack
     assert 1 <= len(scheduled.batch) < 64 and scheduled.predicted_s <= limit
+
+
+def test_retry_after_counts_the_batch_wait_a_user_set() -> None:
+    """§6: retry_after_ms estimates how long the queue takes to clear. With --max-wait-ms 4000 a review
+    was told 40 ms six times in a row while four requests waited the four seconds for company."""
+    plain, waiting = core(max_queue=4), core(max_queue=4, max_wait_s=4.0)
+    assert plain.retry_after_ms() == waiting.retry_after_ms() == 10  # nothing waits: the floor
+    for c in (plain, waiting):
+        queue_up(c, [job(i, owner=i) for i in range(4)])  # four connections: within each one's share
+        assert c.submit(job("late", owner="late")) is Admission.QUEUE_FULL
+    assert plain.retry_after_ms() == 40  # 4 rows at the first estimate, 10 ms a row
+    assert waiting.retry_after_ms() == 4040
