@@ -55,6 +55,15 @@ def test_invalid_ids(frame_id: object) -> None:
     assert isinstance(got, ProtocolError) and got.code == "invalid_id" and got.id is None
 
 
+def test_a_key_given_twice_takes_its_last_value_and_minus_zero_is_the_id_0() -> None:
+    """§1 and §14, where JSON leaves the reader to choose (found by a conformance review)."""
+    twice = '{"type": "fill_mask", "id": 14, "text": "a [MASK]", "type": "cancel"}'
+    assert parse_frame(twice, LIMITS) == CancelRequest(14)
+    got = parse_frame('{"type": "fill_mask", "id": -0, "text": "[MASK]"}', LIMITS)
+    assert isinstance(got, FillMaskRequest) and got.id == 0 and type(got.id) is int
+    assert orjson.loads(encode_error(got.id, "no_mask", "x"))["id"] == 0
+
+
 def test_cancel() -> None:
     assert parse({"type": "cancel", "id": "r1"}) == CancelRequest("r1")
     missing = parse({"type": "cancel"})

@@ -245,6 +245,7 @@ BAD_FRAMES: list[tuple[str | bytes, str, Any]] = [
     ('{"type": "fill_mask", "id": 4.5, "text": "a [MASK]"}', "invalid_id", None),
     ('{"type": "fill_mask", "id": true, "text": "a [MASK]"}', "invalid_id", None),
     ('{"type": "fill_mask", "id": 5, "text": "no mask here"}', "no_mask", 5),
+    ('{"type": "fill_mask", "id": "empty", "text": ""}', "no_mask", "empty"),  # §3: an empty text has no mask
     ('{"type": "fill_mask", "id": 6, "text": "' + "[MASK] " * 9 + '"}', "too_many_masks", 6),
     ('{"type": "fill_mask", "id": 7, "text": "[MASK]' + "a" * 2000 + '"}', "text_too_long", 7),
     ('{"type": "fill_mask", "id": 8, "text": "[MASK]' + " a" * 600 + '"}', "text_too_long", 8),
