@@ -66,9 +66,12 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   (the ``footprint``, rows x the widest row: what the encoder's activations take). Either cap may be
   *automatic* (``auto_rows``, ``auto_tokens``; ``--max-batch-size 0``, ``--max-batch-tokens 0``): its
   default (64 rows, 8,192 tokens) times ``cap_scale``, how many default batches fit before the
-  overhead falls to ``slack`` of a batch's time, between 1 and ``MAX_CAP_SCALE``, set again from the
-  cost model before each round. Where a batch is cheap beside its overhead (a GPU launching kernels)
-  the caps grow; where a default batch already amortises it (a CPU) they stay. And a
+  overhead falls to ``slack`` of a batch's time, between 1 and ``MAX_CAP_SCALE``, set once from the
+  start-up calibration's fit, whose shapes vary rows and tokens apart. (Not from the online fit: a
+  load of one shape, 64 short texts a batch, cannot tell the overhead from the row price, and a fit
+  that put 10 ms in the overhead where a batch's is 2 ms grew tiny's caps 8x on a CPU.) Where a batch
+  is cheap beside its overhead (a GPU launching kernels) the caps grow; where a default batch already
+  amortises it (a CPU) they stay. And a
   **predicted time** of at most ``max_batch_s``, by default the overhead
   divided by ``slack`` (a batch that long spends at most ``slack`` of its time on overhead, so cutting
   batches there costs at most that share of throughput; never below ``MIN_AUTO_BATCH_S``, nor below
@@ -357,7 +360,7 @@ class BatchPolicy:
 
     def follow_cost(self, cost: Coefficients) -> None:
         """Set the automatic caps (``auto_rows``, ``auto_tokens``) from ``cost``: each floor times
-        ``cap_scale``. The engine calls it between rounds (``take`` does, before a round's window)."""
+        ``cap_scale``. The server calls it once, with the start-up calibration's fit (see the module doc)."""
         if self.auto_rows or self.auto_tokens:
             scale = cap_scale(cost, self.slack, self.max_batch_s)
             rows, tokens = self._floor
@@ -451,7 +454,6 @@ class BatchPolicy:
         decision: Decision[J] = Decision(expired=expired)
         planned = [] if self.growth else self._planned(waiting, room)
         if not planned:
-            self.follow_cost(cost)
             self._fade(len(waiting.by_owner()))  # once a round, before its window (with a fixed band, once a batch)
         self._welcome(waiting, cost)
         chosen, passed, plan = self._pick(waiting, now, room, cost, planned)

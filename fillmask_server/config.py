@@ -71,9 +71,9 @@ _HELP: dict[str, str] = {
     "model": "fill-mask model: a Hugging Face model id or a local directory",
     "host": "address to listen on (0.0.0.0 for all interfaces)",
     "port": "TCP port for WebSocket and HTTP (0 picks a free port)",
-    "max_batch_size": "most requests in one model batch; 0 = automatic: 64, scaled up by the measured cost model "
-                      "(up to 8x) while a batch of the default caps spends more than 5%% of its time on per-batch "
-                      "overhead (a GPU's kernel launches, say); never below 64",
+    "max_batch_size": "most requests in one model batch; 0 = automatic: 64, scaled up at start-up by the "
+                      "calibration's cost model (up to 8x) while a batch of the default caps spends more than 5%% of "
+                      "its time on per-batch overhead (a GPU's kernel launches, say); never below 64",
     "max_batch_tokens": "most tokens one model batch occupies, padding included (rows x widest row); 0 = "
                         "automatic: 8192, scaled as --max-batch-size 0 is",
     "max_queue": "most requests waiting for the model; beyond it requests are answered 503, and from half of it "

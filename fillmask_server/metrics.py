@@ -84,7 +84,7 @@ class _LiveCollector:
 class _CostModelCollector:
     """``fillmask_torch_threads``, ``fillmask_cost_model_seconds{term}`` and ``fillmask_batch_cap{cap}``:
     the torch thread count in use, the engine's fitted cost model (batching.Coefficients) and the batch
-    caps (rows, tokens: automatic ones follow the cost model), as they are now."""
+    caps (rows, tokens), as they are now."""
 
     def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients] | None,
                  caps: Callable[[], tuple[int, int]] | None = None) -> None:
@@ -111,7 +111,8 @@ class _CostModelCollector:
                                 ("output_byte", c.byte_s)):
                 terms.add_metric([term], value)
         caps = GaugeMetricFamily("fillmask_batch_cap", "The most rows (requests) and padded tokens one batch may "
-                                 "hold now (--max-batch-size, --max-batch-tokens; 0 there: set from the cost model).",
+                                 "hold (--max-batch-size, --max-batch-tokens; 0 there: set at start-up from the "
+                                 "calibration's cost model).",
                                  labels=["cap"])
         if coefficients is not None and self._caps is not None:
             rows, tokens = self._caps()

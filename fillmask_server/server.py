@@ -129,8 +129,7 @@ class FillMaskServer:
                              max_missed=config.max_missed_batches, pack_width=model.pack_width,
                              auto_rows=not config.max_batch_size, auto_tokens=not config.max_batch_tokens)
         cost = CostModel(self.calibration.coefficients)
-        policy.follow_cost(cost.coefficients)  # the calibration's caps, before the first batch
-        self._policy = policy
+        policy.follow_cost(cost.coefficients)  # automatic caps: from the calibration's fit, once (batching.py)
         self.metrics = Metrics(LiveValues(
             queue_depth=lambda: self.engine.queued(),
             open_connections=lambda: len(self.connections),
@@ -153,7 +152,7 @@ class FillMaskServer:
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
                                         lambda: (policy.max_batch_size, policy.max_batch_tokens))
         self._hello_threads = self._torch_threads()
-        self._hello_limits: dict[str, int] = {
+        self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": policy.max_batch_size,
             "max_batch_tokens": policy.max_batch_tokens,
             "max_queue": config.max_queue,
@@ -161,8 +160,7 @@ class FillMaskServer:
             "max_frame_bytes": config.max_frame_bytes,
             "max_result_bytes": config.max_result_bytes,
             "max_inflight_per_connection": config.max_inflight_per_connection,
-        }
-        self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits)
+        })
         self._hello = self._encode_hello()
         self._going_away = encode_going_away("shutting_down", RECONNECT_WITHIN_MS)
         self.http = HttpFront(config, self.origins, self._tls is not None, self.metrics, FrontState(
@@ -296,17 +294,13 @@ class FillMaskServer:
 
     def _encode_hello(self) -> bytes:
         engine = {**self.model.engine_facts(), **self.calibration.hello(), "torch_threads": self._hello_threads}
-        return encode_hello(*self._hello_args, self._hello_limits, engine)
+        return encode_hello(*self._hello_args, engine)
 
     def _current_hello(self) -> bytes:
-        """The hello frame, encoded again only when the thread count or an automatic batch cap
-        (``--max-batch-size 0``, ``--max-batch-tokens 0``) changed since the last one."""
+        """The hello frame, encoded again only when the thread count changed since the last one."""
         threads = self._torch_threads()
-        limits = self._hello_limits
-        caps = (self._policy.max_batch_size, self._policy.max_batch_tokens)  # (each one int, read whole)
-        if threads != self._hello_threads or caps != (limits["max_batch_size"], limits["max_batch_tokens"]):
+        if threads != self._hello_threads:
             self._hello_threads = threads
-            limits["max_batch_size"], limits["max_batch_tokens"] = caps
             self._hello = self._encode_hello()
         return self._hello
 

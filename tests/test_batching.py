@@ -459,33 +459,26 @@ def test_automatic_caps_grow_only_where_a_default_batch_spends_more_than_the_sla
         (0.200 - 3.90e-3) / (8192 * 5.31e-6))
 
 
-def test_automatic_caps_follow_the_cost_model_between_rounds_and_fixed_ones_never_move() -> None:
-    """--max-batch-size 0 and --max-batch-tokens 0: the floors times ``cap_scale``, set again before each
-    round's window; a round planned under the old caps runs out under them."""
+def test_automatic_caps_are_set_from_a_fit_and_fixed_ones_never_move() -> None:
+    """--max-batch-size 0 and --max-batch-tokens 0: each floor times ``cap_scale``, set by
+    ``follow_cost`` (the server calls it once, with the calibration's fit); caps the user set stay."""
     def short(count: int) -> deque[FakeJob]:
         return queue(*(FakeJob(str(i), n_tokens=12, owner=str(i % 8)) for i in range(count)))
 
     fixed = policy(size=64, tokens=8192, cost=BFLOAT16_ON_A_GPU)
+    fixed.follow_cost(BFLOAT16_ON_A_GPU)
     assert len(fixed.take(short(600), now=0).batch) == 64
     auto = policy(size=64, tokens=8192, cost=BFLOAT16_ON_A_GPU, auto_rows=True, auto_tokens=True)
-    assert (auto.max_batch_size, auto.max_batch_tokens) == (64, 8192)  # until the engine core's first call
+    assert (auto.max_batch_size, auto.max_batch_tokens) == (64, 8192)  # until follow_cost
     auto.follow_cost(BFLOAT16_ON_A_GPU)
     assert (auto.max_batch_size, auto.max_batch_tokens) == (512, 65536)
     assert len(auto.take(short(600), now=0).batch) == 512
-    q = short(600)
-    assert len(auto.take(q, now=0, cost=TINY_ON_A_CPU).batch) == 64  # a new round under a CPU's prices
-    assert (auto.max_batch_size, auto.max_batch_tokens) == (64, 8192)
+    assert len(auto.take(short(600), now=0, cost=TINY_ON_A_CPU).batch) == 512  # taking a batch moves no cap
+    auto.follow_cost(TINY_ON_A_CPU)
+    assert (auto.max_batch_size, auto.max_batch_tokens) == (64, 8192)  # never below the floors
     rows_only = policy(size=64, tokens=8192, auto_rows=True)
     rows_only.follow_cost(FLOAT32_ON_A_GPU)
     assert (rows_only.max_batch_size, rows_only.max_batch_tokens) == (109, 8192)  # 64 x 1.70; tokens as given
-
-    # Between a round's batches the caps stay: lengths far apart on a CPU make a round of several batches.
-    mixed = queue(*(FakeJob(str(i), n_tokens=(8 if i % 2 else 120), owner=str(i)) for i in range(64)))
-    cpu = policy(size=64, tokens=8192, cost=CPU, auto_rows=True, auto_tokens=True)
-    first = cpu.take(mixed, now=0)
-    assert cpu.in_round() and len(first.batch) < 64
-    cpu.take(mixed, now=0, cost=BFLOAT16_ON_A_GPU)  # the round's next batch, under new prices
-    assert (cpu.max_batch_size, cpu.max_batch_tokens) == (64, 8192)
 
 
 def test_a_stated_limit_and_a_tight_deadline_bound_the_batch_and_one_request_always_runs() -> None:
