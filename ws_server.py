@@ -8,8 +8,9 @@ The whole life of the server, in order:
    a reduced dtype's speed), with one log line, and a warning when a reduced dtype is slower;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
 4. on SIGINT/SIGTERM/SIGHUP, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with
-   ``/readyz`` at 503) and exit 0; a second signal (``SAME_SIGNAL_S`` or more after the first) stops at
-   once (exit 130). A signal before the server is ready stops it at once (exit 128 + the signal's number);
+   ``/readyz`` at 503) and exit 0; a second signal stops at once (exit 130), but not the first one
+   delivered twice (``signals.SignalGate``). A signal before the server is ready stops it at once
+   (exit 128 + the signal's number);
 5. if the model thread stops by a fault (§6 ``engine_stopped``), drain at once and exit 1, so that a
    supervisor (Kubernetes, systemd, ``docker --restart``) starts a fresh server.
 """
@@ -17,6 +18,7 @@ The whole life of the server, in order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -27,14 +29,13 @@ from fillmask_server.calibration import calibrate
 from fillmask_server.config import Config, load_config, named_source, unknown_variables
 from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
+from fillmask_server.signals import SignalGate, Verdict
 from fillmask_server.startup import StartupLines
 
 log = logging.getLogger("fillmask_server")
 
 #: The exit status after the model thread stopped by a fault (the drain's is 0).
 EXIT_ENGINE_STOPPED = 1
-#: A signal this soon after the first is the first delivered twice, not a second one (protocol.md §10).
-SAME_SIGNAL_S = 0.25
 
 
 async def serve_until_signalled(config: Config) -> int:
@@ -54,23 +55,19 @@ async def serve_until_signalled(config: Config) -> int:
     freeze_start_up_heap()  # full collections while serving skip what start-up made (allocator.py)
     server = FillMaskServer(config, model, calibration)
     await server.start()
-    received: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     loop = asyncio.get_running_loop()
-    taken: list[float] = []  # when the first signal was taken (the loop's clock)
-    drained = False
+    received: asyncio.Future[int] = loop.create_future()
+    gate = SignalGate()
 
     def on_signal(signum: int) -> None:
-        now = loop.time()
-        if drained:
-            return  # nothing left to stop: the exit status stays the drain's
-        if taken and now - taken[0] < SAME_SIGNAL_S:
-            return  # the first one again, delivered twice (GNU timeout signals the process and its group)
-        if taken or received.done():  # a second signal, or one during the drain after an engine fault
+        verdict = gate.take(signum, loop.time())
+        if verdict is Verdict.DRAIN:
+            received.set_result(signum)
+        elif verdict is Verdict.STOP:
             _stop_now(server)
-        taken.append(now)
-        received.set_result(signum)
 
-    for signum in _signals_handled():
+    handled = _signals_handled()
+    for signum in handled:
         loop.add_signal_handler(signum, on_signal, signum)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
@@ -87,9 +84,11 @@ async def serve_until_signalled(config: Config) -> int:
         log.critical("the model thread stopped: draining, then exiting with status %d so that a supervisor "
                      "starts a fresh server", EXIT_ENGINE_STOPPED)
         delay, status = 0.0, EXIT_ENGINE_STOPPED
-        received.cancel()  # draining: a signal now stops at once
+        gate.draining_without_signal()
     await server.drain(delay=delay)
-    drained = True
+    for signum in handled:  # drained: a signal from now on only hurries the exit, with the drain's status
+        loop.remove_signal_handler(signum)
+        signal.signal(signum, lambda *_: os._exit(status))
     return status
 
 
@@ -103,12 +102,17 @@ def _signals_handled() -> list[signal.Signals]:
 
 def _stop_now(server: FillMaskServer) -> None:
     """A second signal during the drain: leave at once, without waiting for accepted work."""
-    if server.settled():
-        print("stopped at a second signal during the drain; every accepted request had been answered",
-              file=sys.stderr)
-    else:
-        print("error: stopped before the drain finished; accepted requests were not all answered", file=sys.stderr)
+    answered = server.settled() and not any(conn.backlogged for conn in server.connections)
+    _last_words("stopped at a second signal during the drain; every accepted request had been answered"
+                if answered else "error: stopped before the drain finished; accepted requests were not all answered")
     os._exit(130)
+
+
+def _last_words(line: str) -> None:
+    """One line on stderr before ``os._exit``, if stderr can take it: after SIGHUP its terminal may be
+    gone, and a failed write must not keep the process from leaving."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,17 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
         print(f"error: {listen_problem(config.host, config.port, exc)}", file=sys.stderr)
         return 1
-    finally:  # done (or failed): a late signal must not turn the exit status into its own
-        for signum in handled:
-            signal.signal(signum, signal.SIG_IGN)
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    """Ctrl-C or SIGTERM before the server is ready: leave at once, with 128 + the signal's number. The
-    model loads on its own thread, inside native code, and asyncio's own handler would only act once
-    it had loaded. Serving replaces this handler with the drain's."""
+    """Ctrl-C, SIGTERM or SIGHUP before the server is ready: leave at once, with 128 + the signal's
+    number. The model loads on its own thread, inside native code, and asyncio's own handler would
+    only act once it had loaded. Serving replaces this handler with the drain's."""
     what = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}.get(signum, "hung up")
-    print(f"error: {what} before the server was ready", file=sys.stderr, flush=True)
+    _last_words(f"error: {what} before the server was ready")
     os._exit(128 + signum)
 
 

@@ -73,7 +73,8 @@ _HELP: dict[str, str] = {
     "port": "TCP port for WebSocket and HTTP (0 picks a free port)",
     "max_batch_size": "most requests in one model batch; 0 = automatic: 64, scaled up at start-up by the "
                       "calibration's cost model (up to 8x) while a batch of the default caps spends more than 5%% of "
-                      "its time on per-batch overhead (a GPU's kernel launches, say); never below 64",
+                      "its time on per-batch overhead (a GPU's kernel launches, say), or with --max-batch-ms set, "
+                      "while it takes less than that; never below 64",
     "max_batch_tokens": "most tokens one model batch occupies, padding included (rows x widest row); 0 = "
                         "automatic: 8192, scaled as --max-batch-size 0 is",
     "max_queue": "most requests waiting for the model; beyond it requests are answered 503, and from half of it "
@@ -116,10 +117,10 @@ _HELP: dict[str, str] = {
     "forward": "traced: run encoder, head and softmax as one TorchScript graph, which holds the GIL once per "
                "batch instead of once per operator, so other threads' Python work cannot stall the model (checked "
                "bit for bit against eager at start-up, which it falls back to); eager: plain PyTorch modules",
-    "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM/SIGINT",
+    "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM, SIGINT or SIGHUP",
     "drain_delay": "on SIGTERM, seconds to go on serving with /readyz answering 503 before the drain starts, so "
                    "that a load balancer's health check takes this server out first (the Kubernetes preStop "
-                   "pattern); SIGINT (Ctrl-C) skips it",
+                   "pattern); SIGINT (Ctrl-C) and SIGHUP (a closed terminal) skip it",
     "log_level": "debug, info, warning or error",
     "gil_switch_ms": "the interpreter's switch interval: how long a thread running Python may keep the GIL while "
                      "another waits for it. Shorter hands it to the model thread sooner after its forward pass "
