@@ -327,10 +327,11 @@ class EngineCore:
 
     def retry_after_ms(self) -> int:
         """Estimate of how long the current queue takes to clear, for 503/504 answers: its rows at the
-        recent time per row, and with ``--max-wait-ms`` that wait too (the queue's last batch, not
-        full, waits for company up to that long)."""
+        recent time per row, or with ``--max-wait-ms`` that wait where it is longer (a batch that is
+        not full waits for company up to that long, counted from its oldest request, which runs while
+        earlier rows do)."""
         pending = self.waiting() + len(self._jobs[State.RUNNING])
-        seconds = pending * self._seconds_per_row + (self.policy.max_wait_s if pending else 0.0)
+        seconds = max(pending * self._seconds_per_row, self.policy.max_wait_s if pending else 0.0)
         return int(min(30_000, max(10, seconds * 1000)))
 
     # --- calls ---------------------------------------------------------------------------------------
