@@ -18,7 +18,7 @@ import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -26,11 +26,6 @@ from fillmask_client.wire import OVERLOADED_REASONS
 
 from .batching import Coefficients
 from .protocol import ERROR_CODES
-
-# No ``*_created`` series (each counter's and histogram's start time, as a gauge): §11 does not list
-# them, and ``fillmask_requests_created`` reads like a count of requests. The library's one switch is
-# process-wide; nothing else in the server uses prometheus_client.
-disable_created_metrics()
 
 OUTCOMES = ("result", "error", "overloaded", "cancelled", "dropped")
 #: ``fillmask_handshakes_refused_total``'s reasons (§11).
@@ -121,11 +116,23 @@ class _CostModelCollector:
         return [threads, terms, caps]
 
 
+class _Registry(CollectorRegistry):
+    """The server's registry, without prometheus_client's ``*_created`` series (each counter's and
+    histogram's start time, as a gauge): §11 does not list them, and ``fillmask_requests_created``
+    reads like a count of requests. (The library's own switch, ``disable_created_metrics``, would
+    change every registry of the process, a program's that embeds the server included.)"""
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in super().collect():
+            metric.samples = [sample for sample in metric.samples if not sample.name.endswith("_created")]
+            yield metric
+
+
 class Metrics:
     """The metrics of one server; ``render`` gives the ``/metrics`` body and its content type."""
 
     def __init__(self, live: LiveValues, engine: Mapping[str, str] | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = _Registry(auto_describe=True)
         registry = self.registry
         if engine is not None:  # an info-style gauge: always 1, the facts are its labels (hello.engine, §2)
             labels = ("forward", "head", "layout", "device", "dtype")
