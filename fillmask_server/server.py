@@ -130,6 +130,10 @@ class FillMaskServer:
                              auto_rows=not config.max_batch_size, auto_tokens=not config.max_batch_tokens)
         cost = CostModel(self.calibration.coefficients)
         policy.follow_cost(cost.coefficients)  # automatic caps: from the calibration's fit, once (batching.py)
+        if policy.auto_rows or policy.auto_tokens:
+            log.info("batch caps %d rows, %d tokens (automatic: %s)", policy.max_batch_size, policy.max_batch_tokens,
+                     "from the calibration's cost model" if self.calibration.coefficients is not None
+                     else "the defaults, with no calibration to scale them from")
         self.metrics = Metrics(LiveValues(
             queue_depth=lambda: self.engine.queued(),
             open_connections=lambda: len(self.connections),
