@@ -141,7 +141,32 @@ def configs(text: str) -> list[str]:
         if name not in SWEEP and not name.startswith("--"):
             raise ValueError(f"--configs: {name!r} is neither a name of the sweep ({', '.join(SWEEP)}) nor a set "
                              "of the server's flags (starting with --)")
+        if name not in SWEEP:
+            problem = _flag_problem(shlex.split(name))
+            if problem:
+                raise ValueError(f"--configs: {name!r}: {problem}")
     return names
+
+
+def _flag_problem(flags: list[str]) -> str | None:
+    """What the server would refuse in ``flags`` (its own parser and checks), or None."""
+    import contextlib
+    import io
+
+    from fillmask_server.config import build_parser, validate
+
+    parser = build_parser()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = vars(parser.parse_args(flags))
+    except SystemExit:
+        return err.getvalue().strip().splitlines()[-1].removeprefix(f"{parser.prog}: ")
+    from dataclasses import replace
+
+    from fillmask_server.config import Config
+
+    return validate(replace(Config(), **args))
 
 
 def flag_set(name: str) -> list[str]:

@@ -464,3 +464,8 @@ def test_the_sweep_takes_any_flag_set_and_refuses_a_name_it_does_not_know(capsys
         adaptive.main(["--configs", "defaults,max-batch-size 128", "--no-seed"])
     assert stopped.value.code == 2
     assert "'max-batch-size 128' is neither a name of the sweep" in capsys.readouterr().err
+    for flags, said in (("--max-bach-size 128", "unrecognized arguments: --max-bach-size 128"),
+                        ("--max-batch-size -1", "--max-batch-size must be 0 (automatic) or at least 1")):
+        with pytest.raises(SystemExit):  # found before any server starts, not partway through a sweep
+            adaptive.main(["--configs", f"defaults,{flags}", "--no-seed"])
+        assert said in capsys.readouterr().err
