@@ -540,3 +540,63 @@ async def test_answers_routed_together_go_out_at_once_in_order_or_wait_for_the_w
             assert conn.pending_bytes == len(after)  # the socket is behind: left to the writer task
             assert [orjson.loads(await slow.recv())["id"] for _ in range(2)] == [0, 1]
             await wait_until(lambda: conn.pending_bytes == 0)
+
+
+class _FakeMetrics:
+    def __init__(self) -> None:
+        self.answered_n = 0
+        self.dropped_n = 0
+
+    def answered(self, outcome: str, code: str) -> None:
+        self.answered_n += 1
+
+    def dropped(self, count: int = 1) -> None:
+        self.dropped_n += count
+
+
+class _StalledSocket:
+    """A websockets connection whose writes reach the transport and then wait on flow control for good
+    (a client that stopped reading), or end with ConnectionClosed there (a client that reset)."""
+
+    def __init__(self, reset: bool) -> None:
+        self.written: list[bytes] = []
+        self.reset = reset
+        self.waiting = asyncio.Event()
+        self.transport = None
+        self.protocol = self
+
+    def send_text(self, frame: bytes) -> None:
+        self.written.append(frame)
+
+    @contextlib.asynccontextmanager
+    async def send_context(self) -> AsyncIterator[None]:
+        yield  # the frames go to the transport here, before flow control's wait
+        self.waiting.set()
+        if self.reset:
+            from websockets.frames import Close
+            raise ConnectionClosed(Close(1006, ""), None)
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["closed-by-the-server", "reset-by-the-client"])
+async def test_frames_written_before_flow_control_waited_count_as_answered_whatever_ends_the_wait(
+        reset: bool) -> None:
+    """§11: an answer handed to the socket counts under its outcome, one never handed to it as dropped.
+    A review saw 3 results reach a client that the metrics counted 2 and 1 dropped: the writer's last
+    write had reached the transport, and the close cut its wait for flow control before the count."""
+    ws = _StalledSocket(reset)
+    metrics = _FakeMetrics()
+    conn = Connection(ws, metrics, 1 << 20, lambda _: None)  # type: ignore[arg-type]
+    for n in range(3):
+        conn.send(b'{"type": "result", "id": %d}' % n, ("result", ""), defer=True)
+    conn.start()
+    conn.send(b'{"type": "result", "id": 3}', ("result", ""))  # the writer's first write takes all four
+    await asyncio.wait_for(ws.waiting.wait(), 5)
+    conn.send(b'{"type": "result", "id": 4}', ("result", ""))  # queued behind, never written
+    conn.stop()  # the watchdog's close; after a reset, the server's end of the connection
+    await asyncio.sleep(0.01)
+    assert len(ws.written) == 4
+    assert (metrics.answered_n, metrics.dropped_n) == (4, 1)
+    assert conn.pending_bytes == 0
+    conn.stop()  # again: counts nothing twice
+    assert (metrics.answered_n, metrics.dropped_n) == (4, 1)
