@@ -299,10 +299,12 @@ async def test_under_nohup_sighup_is_left_ignored_and_a_signal_after_the_drain_k
             assert line, "stderr ended before the drain said it stopped"
         while process.returncode is None:  # signals from the end of the drain until the process is gone
             with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
+                # os.kill, not send_signal: Popen.send_signal polls first, and a poll that reaps the
+                # child leaves asyncio's watcher to report 255 ("Unknown child process pid").
+                os.kill(process.pid, signal.SIGTERM)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(process.wait(), 0.005)
-        assert process.returncode == 0
+        assert process.returncode == 0, (await process.stderr.read()).decode()[-2000:]
     finally:
         if process.returncode is None:
             process.kill()
