@@ -336,7 +336,7 @@ class BatchPolicy:
     fair_tolerance: float = 0.5  # a connection is eligible while served at most 1 + this x the least
     fair_horizon: int = 32  # requests a connection over which what it was served fades (see the docstring)
     pack_width: int = 0  # the model packs texts into rows of up to this many tokens (``layout``); 0: it pads
-    auto_rows: bool = False  # ``max_batch_size`` follows the cost model (``cap_scale``); its value is the floor
+    auto_rows: bool = False  # ``max_batch_size`` is set by ``follow_cost`` (``cap_scale``); its value is the floor
     auto_tokens: bool = False  # the same for ``max_batch_tokens``
     # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
     # owner -> [tokens, rows, answer bytes] served lately, times _growth (priced when compared: _price)
