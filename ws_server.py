@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
         print(f"error: {listen_problem(config.host, config.port, exc)}", file=sys.stderr)
         return 1
+    finally:  # leaving: a late signal must not make the exit status its own. (Ignored, not handled:
+        # Python's finalization puts SIG_DFL back where a Python handler was.)
+        for signum in handled:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
