@@ -41,7 +41,7 @@ EXIT_ENGINE_STOPPED = 1
 async def serve_until_signalled(config: Config) -> int:
     """Load, calibrate, serve until a signal or the engine's fault, drain; the exit status."""
     check_can_listen(config.host, config.port)
-    lines = StartupLines()
+    lines = StartupLines(quiet=config.log_level in ("warning", "error"))
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
     if config.calibration_s > 0:
         lines("calibration of threads and the cost model")

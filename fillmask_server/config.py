@@ -121,7 +121,8 @@ _HELP: dict[str, str] = {
     "drain_delay": "on SIGTERM, seconds to go on serving with /readyz answering 503 before the drain starts, so "
                    "that a load balancer's health check takes this server out first (the Kubernetes preStop "
                    "pattern); SIGINT (Ctrl-C) and SIGHUP (a closed terminal) skip it",
-    "log_level": "debug, info, warning or error",
+    "log_level": "debug, info, warning or error (warning and error also leave out the start-up's progress "
+                 "lines)",
     "gil_switch_ms": "the interpreter's switch interval: how long a thread running Python may keep the GIL while "
                      "another waits for it. Shorter hands it to the model thread sooner after its forward pass "
                      "(while it waits, its torch threads idle); longer spends less CPU on hand-overs between the "

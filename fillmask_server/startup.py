@@ -7,7 +7,8 @@ scripts wait for):
 - the first call, ``loading NAME on DEVICE, DTYPE``, is written at once, with an ellipsis;
 - every later call ends the stage before it, and a stage that took at least ``threshold_s`` gets one
   step line with its duration (``  tokenizer and weights: 2.1 s``); quick stages stay silent;
-- ``done`` ends the last stage the same way.
+- ``done`` ends the last stage the same way;
+- ``quiet`` (``--log-level warning`` or ``error``) writes none of them: they are information.
 
 Invariant: each stage is written at most once, and only after it ended, so a line never claims a
 duration that was not measured. No torch, no threads: calls come from one thread at a time (the
@@ -29,8 +30,9 @@ class StartupLines:
     """The ``progress`` callback of ``load_model`` that writes the start-up's lines (see above)."""
 
     def __init__(self, out: TextIO | None = None, threshold_s: float = STEP_THRESHOLD_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, quiet: bool = False) -> None:
         self._out = out
+        self._quiet = quiet
         self._threshold_s = threshold_s
         self._clock = clock
         self._headed = False
@@ -59,5 +61,7 @@ class StartupLines:
         self._since = now
 
     def _write(self, line: str) -> None:
+        if self._quiet:
+            return
         out = self._out if self._out is not None else sys.stderr  # looked up late: tests swap sys.stderr
         print(line, file=out, flush=True)

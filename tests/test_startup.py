@@ -94,6 +94,10 @@ def test_the_torch_refusal_bites_once_the_checks_pass(tiny_model_dir: Path) -> N
     result = run_without_torch("--model", str(tiny_model_dir), "--port", "0", "--device", "cpu")
     assert result.returncode != 0 and "was imported" in result.stderr
     assert result.stderr.startswith(f"loading {tiny_model_dir} on cpu, float32…\n")  # said before torch
+    # --log-level warning: no progress lines (an operator's trial saw them at every level)
+    quiet = run_without_torch("--model", str(tiny_model_dir), "--port", "0", "--device", "cpu",
+                              "--log-level", "warning")
+    assert quiet.returncode != 0 and "was imported" in quiet.stderr and "loading" not in quiet.stderr
 
 
 def test_device_errors_name_the_device_not_the_dtype(tiny_model_dir: Path) -> None:
