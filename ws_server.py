@@ -38,8 +38,9 @@ log = logging.getLogger("fillmask_server")
 EXIT_ENGINE_STOPPED = 1
 
 
-async def serve_until_signalled(config: Config) -> int:
-    """Load, calibrate, serve until a signal or the engine's fault, drain; the exit status."""
+async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -> int:
+    """Load, calibrate, serve until one of the ``handled`` signals or the engine's fault, drain; the exit
+    status."""
     check_can_listen(config.host, config.port)
     lines = StartupLines(quiet=config.log_level in ("warning", "error"))
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
@@ -66,7 +67,6 @@ async def serve_until_signalled(config: Config) -> int:
         elif verdict is Verdict.STOP:
             _stop_now(server)
 
-    handled = _signals_handled()
     for signum in handled:
         loop.add_signal_handler(signum, on_signal, signum)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in handled:  # SIGTERM: as PID 1 (a container) it is otherwise ignored
         signal.signal(signum, _interrupted_while_starting)
     try:
-        return asyncio.run(serve_until_signalled(config))
+        return asyncio.run(serve_until_signalled(config, handled))
     except ModelLoadError as exc:
         print(f"error: {named_source(str(exc), argv)}", file=sys.stderr)
         return 1

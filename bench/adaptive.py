@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
+import io
 import json
 import shlex
 import statistics
@@ -149,24 +151,16 @@ def configs(text: str) -> list[str]:
 
 
 def _flag_problem(flags: list[str]) -> str | None:
-    """What the server would refuse in ``flags`` (its own parser and checks), or None."""
-    import contextlib
-    import io
+    """What the server would refuse in ``flags`` (its own ``load_config``, without the environment), or None."""
+    from fillmask_server.config import load_config
 
-    from fillmask_server.config import build_parser, validate
-
-    parser = build_parser()
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = vars(parser.parse_args(flags))
+            load_config(flags, environ={})
     except SystemExit:
-        return err.getvalue().strip().splitlines()[-1].removeprefix(f"{parser.prog}: ")
-    from dataclasses import replace
-
-    from fillmask_server.config import Config
-
-    return validate(replace(Config(), **args))
+        return err.getvalue().strip().splitlines()[-1].removeprefix("error: ").split("; see ")[0]
+    return None
 
 
 def flag_set(name: str) -> list[str]:

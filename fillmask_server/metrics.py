@@ -81,8 +81,8 @@ class _CostModelCollector:
     the torch thread count in use, the engine's fitted cost model (batching.Coefficients) and the batch
     caps (rows, tokens), as they are now."""
 
-    def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients] | None,
-                 caps: Callable[[], tuple[int, int]] | None = None) -> None:
+    def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
+                 caps: Callable[[], tuple[int, int]]) -> None:
         self._threads = torch_threads
         self._coefficients = coefficients
         self._caps = caps
@@ -109,7 +109,7 @@ class _CostModelCollector:
                                  "hold (--max-batch-size, --max-batch-tokens; 0 there: set at start-up from the "
                                  "calibration's cost model).",
                                  labels=["cap"])
-        if coefficients is not None and self._caps is not None:
+        if coefficients is not None:
             rows, tokens = self._caps()
             caps.add_metric(["rows"], rows)
             caps.add_metric(["tokens"], tokens)
@@ -179,7 +179,7 @@ class Metrics:
               "what start-up made, frozen before serving.", registry=registry).set_function(gc.get_freeze_count)
 
     def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
-                           caps: Callable[[], tuple[int, int]] | None = None) -> None:
+                           caps: Callable[[], tuple[int, int]]) -> None:
         """Export the torch thread count, the cost model's current coefficients and the batch caps (read at
         scrape time)."""
         self.registry.register(_CostModelCollector(torch_threads, coefficients, caps))
