@@ -12,7 +12,8 @@ The whole life of the server, in order:
    delivered twice (``signals.SignalGate``). A signal before the server is ready stops it at once
    (exit 128 + the signal's number);
 5. if the model thread stops by a fault (§6 ``engine_stopped``), drain at once and exit 1, so that a
-   supervisor (Kubernetes, systemd, ``docker --restart``) starts a fresh server.
+   supervisor (Kubernetes, systemd, ``docker --restart``) starts a fresh server; a fault during a
+   signal's drain also ends in exit 1.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         delay, status = 0.0, EXIT_ENGINE_STOPPED
         gate.draining_without_signal()
     await server.drain(delay=delay)
+    if status == 0 and server.engine.faulted:  # the model thread stopped during a signal's drain
+        log.critical("the model thread stopped during the drain: exiting with status %d", EXIT_ENGINE_STOPPED)
+        status = EXIT_ENGINE_STOPPED
     for signum in handled:  # drained: a signal from now on only hurries the exit, with the drain's status
         loop.remove_signal_handler(signum)
         signal.signal(signum, lambda *_: os._exit(status))

@@ -133,6 +133,7 @@ class Engine:
                                             ("fillmask-model", self._model_loop),
                                             ("fillmask-decode", self._decode_loop))]
         self.alive = False
+        self.faulted = False  # a stage thread ended abnormally (``_die``); ``stop`` leaves it False
         self.started_at = clock()
 
     # --- called from the event loop (cheap, never blocks on the model) -------------------------
@@ -481,6 +482,7 @@ class Engine:
                      type(exc).__name__, exc_info=exc)
         with self._lock:
             self.alive = False
+            self.faulted = True
             self._stopping = True
             for wake in (self._intake_wake, self._model_wake, self._decode_wake):
                 wake.notify_all()

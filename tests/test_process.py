@@ -334,7 +334,7 @@ async def test_what_start_up_made_is_frozen_out_of_the_garbage_collectors_walks(
 
 #: ``ws_server.py`` whose model thread dies (an exception no stage catches) on a request with top_k 13.
 DYING_SERVER = """
-import sys
+import pathlib, sys, time
 sys.path.insert(0, {root!r})
 from fillmask_server.model import FillMaskModel
 import ws_server
@@ -345,6 +345,10 @@ class Killer(BaseException):
 forward = FillMaskModel.forward
 
 def dying(self, items):
+    if any(item.top_k == 14 for item in items):  # dies slowly: a signal can come while it runs
+        pathlib.Path({started!r}).touch()
+        time.sleep(1.0)
+        raise Killer("the model thread is gone")
     if any(item.top_k == 13 for item in items):
         raise Killer("the model thread is gone")
     return forward(self, items)
@@ -359,7 +363,7 @@ async def test_a_server_whose_model_thread_stopped_drains_and_exits_1(tiny_model
     for good, its /healthz at 200, so Kubernetes never restarted it (found by an operator's review). Now
     it drains at once (going_away, then 1001) and exits 1, for its supervisor to start a fresh one."""
     script = tmp_path / "dying_server.py"
-    script.write_text(DYING_SERVER.format(root=str(ROOT)))
+    script.write_text(DYING_SERVER.format(root=str(ROOT), started=str(tmp_path / "started")))
     process = await asyncio.create_subprocess_exec(
         sys.executable, str(script), "--model", str(tiny_model_dir), "--port", "0", "--drain-delay", "30",
         cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -379,6 +383,43 @@ async def test_a_server_whose_model_thread_stopped_drains_and_exits_1(tiny_model
         assert await asyncio.wait_for(process.wait(), 30) == 1  # at once: not after the 30 s drain delay
         said = (await process.stderr.read()).decode()  # type: ignore[union-attr]
         assert "the model thread stopped: draining, then exiting with status 1" in said
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_a_model_thread_that_stops_during_a_signals_drain_still_exits_1(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    """A fault during the drain that a signal started answered the running batch with internal_error
+    and then exited 0, as if all had gone well, leaving a supervisor no record of the fault: the exit
+    status now says the model thread stopped."""
+    script = tmp_path / "dying_server.py"
+    started = tmp_path / "started"
+    script.write_text(DYING_SERVER.format(root=str(ROOT), started=str(started)))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), "--model", str(tiny_model_dir), "--port", "0", "--drain-delay", "0",
+        cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
+        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+        async with session(url) as (ws, _):
+            await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK] day.", "top_k": 14})
+            for _ in range(300):  # the batch is in its forward pass (bounded: 30 s)
+                if started.exists():
+                    break
+                await asyncio.sleep(0.1)
+            assert started.exists()
+            process.send_signal(signal.SIGTERM)
+            frames = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    frames.append(await recv(ws, timeout=30))
+        assert [frame["type"] for frame in frames] == ["going_away", "error"]
+        assert frames[1]["id"] == 1 and frames[1]["code"] == "internal_error"  # the batch that was running
+        assert await asyncio.wait_for(process.wait(), 30) == 1
+        said = (await process.stderr.read()).decode()  # type: ignore[union-attr]
+        assert "the model thread stopped during the drain: exiting with status 1" in said
     finally:
         if process.returncode is None:
             process.kill()
