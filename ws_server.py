@@ -31,7 +31,7 @@ from fillmask_server.config import Config, load_config, named_source, unknown_va
 from fillmask_server.model import ModelLoadError, load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
 from fillmask_server.signals import SignalGate, Verdict
-from fillmask_server.startup import StartupLines
+from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines
 
 log = logging.getLogger("fillmask_server")
 
@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in unknown_variables():  # first: a misspelt variable may be why another setting is refused
         print(line, file=sys.stderr, flush=True)
     config = load_config(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    to_stderr = logging.StreamHandler()
+    to_stderr.setFormatter(LogTimes(LOG_FORMAT))
+    logging.basicConfig(level=config.log_level.upper(), handlers=[to_stderr])
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLogger().level))
     handled = _signals_handled()
     for signum in handled:  # SIGTERM: as PID 1 (a container) it is otherwise ignored

@@ -17,10 +17,15 @@ loading thread, then the caller of ``done`` after it has joined it).
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import TextIO
+
+#: The log lines' layout: an ISO 8601 time with its UTC offset (``LogTimes``), the level, the logger.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 #: A stage that takes less than this says nothing: most stages of a small model are quick.
 STEP_THRESHOLD_S = 1.0
@@ -65,3 +70,12 @@ class StartupLines:
             return
         out = self._out if self._out is not None else sys.stderr  # looked up late: tests swap sys.stderr
         print(line, file=out, flush=True)
+
+
+class LogTimes(logging.Formatter):
+    """Log lines whose time is ISO 8601 to the millisecond with its UTC offset
+    (``2026-12-05T01:53:49.181+00:00``): logging's default has neither the ``T`` nor the offset, so the
+    lines of replicas in other time zones, or read after a change of zone, could not be put in order."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="milliseconds")

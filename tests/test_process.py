@@ -420,6 +420,7 @@ async def test_a_model_thread_that_stops_during_a_signals_drain_still_exits_1(ti
         assert await asyncio.wait_for(process.wait(), 30) == 1
         said = (await process.stderr.read()).decode()  # type: ignore[union-attr]
         assert "the model thread stopped during the drain: exiting with status 1" in said
+        assert re.search(r"^\d{4}-\d\d-\d\dT[\d:.]+[+-]\d\d:\d\d CRITICAL ", said, re.MULTILINE), said  # ISO times
     finally:
         if process.returncode is None:
             process.kill()

@@ -7,7 +7,9 @@ the one-line error into an ImportError traceback; a control run shows the refusa
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fillmask_server.model import ModelLoadError, load_model
-from fillmask_server.startup import StartupLines
+from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -168,3 +170,12 @@ def test_a_slow_last_stage_is_written_when_loading_is_done() -> None:
     clock.now += 12.0
     lines.done()
     assert out.text.splitlines() == ["loading m on cuda, bfloat16…", "  forward pass traced and checked: 12.0 s"]
+
+
+def test_log_lines_carry_an_iso_time_with_its_utc_offset() -> None:
+    """Logging's default time (``2026-12-05 01:53:49,181``) has no zone: replicas' lines could not be
+    put in order across zones."""
+    record = logging.LogRecord("fillmask_server", logging.INFO, __file__, 1, "ready", None, None)
+    record.created = 1_780_000_000.25
+    line = LogTimes(LOG_FORMAT).format(record)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.250[+-]\d\d:\d\d INFO fillmask_server: ready", line), line
