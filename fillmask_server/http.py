@@ -209,9 +209,7 @@ class HttpFront:
                    "connect with ws:// or http://, or serve TLS with --certfile")
         self.metrics.handshakes_refused.labels("bad_request").inc()
         self.log.warning("bad_request", "refused a request from %s with 400: %s", self.peer(connection), message)
-        body = orjson.dumps({"error": message})
-        connection.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
-                                   b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        connection.transport.write(json_response(400, {"error": message}).serialize())
         connection.transport.close()
 
     def _refuse_bad_request(self, connection: ServerConnection, status: int, message: str,

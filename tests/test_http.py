@@ -264,6 +264,12 @@ async def test_a_tls_handshake_on_a_plain_server_is_named_in_the_log(make_server
         assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
         refused = srv.metrics.registry.get_sample_value("fillmask_handshakes_refused_total", {"reason": "bad_request"})
         assert refused == 1
+        # What a raw reader sees: the headers of every other answer (README: "every answer ... nosniff").
+        status, headers, body = await exchange(srv.port, b"\x16\x03\x01\x00\x05hello")
+        assert status == 400 and "--certfile" in orjson.loads(body)["error"]
+        assert (headers["X-Content-Type-Options"], headers["Cache-Control"], headers["Connection"]) == (
+            "nosniff", "no-store", "close")
+        assert headers["Content-Type"] == "application/json" and "Date" in headers
 
 
 async def test_only_get_and_head(server: FillMaskServer) -> None:
