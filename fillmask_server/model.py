@@ -218,12 +218,8 @@ class FillMaskModel:
         self._targets: dict[tuple[str, ...], tuple[tuple[int, ...], tuple[TargetNote, ...]]] = {}
         # Each token's JSON length without quotes, plus the space that may join it (for result bounds,
         # intake.result_bound), and the longest: the most one candidate adds to a decoded text.
-        sizes = [0] * len(tokenizer)
-        for token, id_ in tokenizer.get_vocab().items():
-            if 0 <= id_ < len(sizes):
-                sizes[id_] = len(orjson.dumps(token)) - 1
-        self.token_json_bytes = sizes
-        self.longest_token_json = max(sizes) + 2
+        self.token_json_bytes = _token_json_bytes(tokenizer)
+        self.longest_token_json = max(self.token_json_bytes) + 2
         #: Why the head does not run at the masks alone, or why the graph is not traced (None: it is).
         self.head_note: str | None = None
         self.forward_note: str | None = None
@@ -994,6 +990,28 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
              "at the masks" if facts["head"] == "masks" else "at every position (full model)")
     return loaded
+
+
+def _token_json_bytes(tokenizer: Any) -> list[int]:
+    """For each id of ``tokenizer``, the most JSON bytes (without quotes) its token adds to a decoded text,
+    plus one for a joining space: the larger of its vocabulary string's and of its text decoded alone.
+
+    The string alone is not enough: a byte-level BPE vocabulary (RoBERTa, ModernBERT) writes a control
+    byte as a letter (``\\x01`` as ``ā``, two bytes) that decodes to a character JSON escapes in six
+    (``\\u0001``), and a byte that is part of a character as a letter that, decoded alone, is U+FFFD
+    (three bytes for two). Decoded among its neighbours a token never takes more than alone: its whole
+    characters are the same, and its broken ones become at most as many U+FFFD, or whole characters of
+    no more bytes."""
+    count = len(tokenizer)
+    sizes = [0] * count
+    for token, id_ in tokenizer.get_vocab().items():
+        if 0 <= id_ < count:
+            sizes[id_] = len(orjson.dumps(token)) - 1
+    each = [[id_] for id_ in range(count)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    alone = (backend.decode_batch(each, skip_special_tokens=False) if backend is not None
+             else [tokenizer.decode(one) for one in each])  # a tokenizer in Python (ESM's: a small vocabulary)
+    return [max(size, len(orjson.dumps(text)) - 1) for size, text in zip(sizes, alone, strict=True)]
 
 
 def _unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:

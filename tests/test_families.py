@@ -21,11 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from fillmask_server.checkpoint import FAMILIES, FAMILY_MAX_TOKENS, ensure_family
 from fillmask_server.config import Config
+from fillmask_server.intake import Checked
+from fillmask_server.intake import check as check_request
 from fillmask_server.model import load_model
+from fillmask_server.protocol import FillMaskRequest
 from fillmask_server.server import FillMaskServer
 from tests.wire import assert_same_predictions, recv_n, send, session
 
@@ -139,6 +143,22 @@ def check(family: Family, frames: list[dict[str, Any]], requests: list[tuple[str
     for frame, (text, options) in zip(frames, requests, strict=True):
         assert frame["type"] == "result", (family.name, text, frame)
         assert_same_predictions(frame["predictions"], family.ask(text, **options), TOLERANCE)
+
+
+async def test_the_result_bound_holds_for_control_characters(family: Family) -> None:
+    """§3/§14: the bound checked against max_result_bytes is never below the answer. A byte-level BPE
+    vocabulary (RoBERTa, ModernBERT) writes a control byte as a two-byte letter that JSON escapes in six:
+    the bound said 32,300 bytes for a 44,495-byte answer, so a client whose read limit followed §14 was
+    closed with 1009 (a helper's audit)."""
+    m, model = family.mask, family.server.model
+    top_k = min(100, model.vocab_size)
+    texts = [m + "\x01" * 40, f"a {m} \x02\x1f\x7f\x00 \\ \" é 東京 🙂\u200d", f"{m}\t\n\x0b\x0c\r {m}"]
+    frames = await ask_server(family, [(text, {"top_k": top_k}) for text in texts])
+    for text, frame in zip(texts, frames, strict=True):
+        assert frame["type"] == "result", (family.name, text, frame)
+        bound = check_request(model, FillMaskRequest(0, text, top_k), model.tokenize([text])[0], 8, 1 << 40)
+        assert isinstance(bound, Checked)
+        assert len(orjson.dumps(frame["predictions"])) <= bound.result_bytes, (family.name, text)
 
 
 #: Families whose texts get a padded row each: their attention is built inside the model from a 2-d
