@@ -49,9 +49,21 @@ def trim() -> None:
         _LIBC.malloc_trim(0)
 
 
+_frozen = 0  # what the last ``freeze_start_up_heap`` froze (``frozen_objects``)
+
+
 def freeze_start_up_heap() -> int:
     """Collect, then exempt every object alive now from later collections (``gc.freeze``); call it
     once, when start-up is done and before serving. Returns how many objects are now exempt."""
+    global _frozen
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    _frozen = gc.get_freeze_count()
+    return _frozen
+
+
+def frozen_objects() -> int:
+    """How many objects ``freeze_start_up_heap`` froze (0 before it ran), counted once then: CPython's
+    ``gc.get_freeze_count`` walks the whole frozen list, hundreds of thousands of objects, holding the
+    GIL, and a ``/metrics`` scrape that called it stalled every connection for as long."""
+    return _frozen

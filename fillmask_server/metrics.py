@@ -14,7 +14,6 @@ Served by ``GET /metrics`` (protocol.md §9, §11) in the Prometheus text format
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from fillmask_client.wire import OVERLOADED_REASONS
 
+from .allocator import frozen_objects
 from .batching import Coefficients
 from .protocol import ERROR_CODES
 
@@ -176,7 +176,7 @@ class Metrics:
         registry.register(_LiveCollector(live))
         GCCollector(registry=registry)  # python_gc_*: collections by generation, and what they collected
         Gauge("fillmask_gc_frozen_objects", "Objects that Python's garbage collector no longer walks (gc.freeze): "
-              "what start-up made, frozen before serving.", registry=registry).set_function(gc.get_freeze_count)
+              "what start-up made, frozen before serving.", registry=registry).set_function(frozen_objects)
 
     def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
                            caps: Callable[[], tuple[int, int]]) -> None:
