@@ -92,7 +92,7 @@ class FrontState:
     accepting: Callable[[], bool]  # loaded and not draining: new connections are welcome
     unready: Callable[[], bool]  # a drain has begun: /readyz answers 503
     engine_alive: Callable[[], bool]
-    connections: Callable[[], int]  # open WebSocket connections, handshakes in progress included
+    connections: Callable[[], int]  # WebSocket connections open or closing (not handshakes in progress)
 
 
 class HttpFront:
@@ -310,6 +310,7 @@ class FrontConnection(ServerConnection):
     _unhold: Callable[[], None] | None = None  # puts the parser's own reading back (``hold_frames_until_answered``)
     on_backed_up: Callable[[], None] | None = None  # set by the server: called each time ``backed_up`` turns True
     on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
+    on_close_frame: Callable[[], None] | None = None  # set by the server: called when the client's close frame comes
     opening = b""  # the connection's first byte (a TLS handshake's is ``TLS_HANDSHAKE``)
 
     def connection_made(self, transport: Any) -> None:
@@ -394,6 +395,8 @@ class FrontConnection(ServerConnection):
             if event.fin:
                 self.queued += 1
         super().process_event(event)
+        if isinstance(event, Frame) and event.opcode is Opcode.CLOSE and self.on_close_frame is not None:
+            self.on_close_frame()  # (its TCP connection may stay open for websockets' close timeout)
 
     def taken(self) -> None:
         """The handler took one message from websockets' queue (``recv``)."""

@@ -33,6 +33,7 @@ from pathlib import Path
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
+from websockets.protocol import State
 
 from fillmask_client.wire import CLOSE_GOING_AWAY
 
@@ -171,7 +172,7 @@ class FillMaskServer:
             accepting=lambda: self.ready.loaded and not self.ready.draining,
             unready=lambda: self.ready.unready,
             engine_alive=lambda: self.engine.alive,
-            connections=lambda: len(self._server.connections) if self._server is not None else 0,
+            connections=self._connections_held,
         ))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Server | None = None
@@ -308,6 +309,13 @@ class FillMaskServer:
             self._hello = self._encode_hello()
         return self._hello
 
+    def _connections_held(self) -> int:
+        """WebSocket connections open or closing (a client's close frame is answered at once, but its TCP
+        connection, and its slot, last until the client ends it or websockets' close timeout)."""
+        if self._server is None:
+            return 0
+        return sum(1 for ws in self._server.all_connections if ws.protocol.state in (State.OPEN, State.CLOSING))
+
     async def _handle(self, ws: ServerConnection) -> None:
         conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested, self.unsent,
                           self._watch)
@@ -325,6 +333,7 @@ class FillMaskServer:
         if front is not None:
             front.on_message = read_at_once
             front.on_backed_up, front.on_drained = conn.socket_backed_up, conn.socket_drained  # (unread pongs)
+            front.on_close_frame = functools.partial(self._let_go, session)
         try:
             # Messages that went through websockets' queue (see FrontConnection.process_event). While the
             # handler holds one, later ones queue behind it; it hands the fast path back once caught up.
@@ -343,15 +352,22 @@ class FillMaskServer:
             pass
         finally:
             if front is not None:
-                front.on_message = None
+                front.on_message = front.on_close_frame = None
             conn.stop()
             self.connections.discard(conn)
-            withdrawn = session.close()
-            self.metrics.dropped(withdrawn)
-            self.engine.forget(session)
+            self._let_go(session)
             self._trim_soon()
-            if withdrawn:
-                log.debug("connection closed with %d requests not yet started; discarded", withdrawn)
+
+    def _let_go(self, session: Session) -> None:
+        """The client's close frame came (no answer can follow the close echoed to it), or the connection
+        ended: withdraw what the engine has not started (§8 dropped). Once: ``Session.close`` is idempotent."""
+        if session.closed:
+            return
+        withdrawn = session.close()
+        self.metrics.dropped(withdrawn)
+        self.engine.forget(session)
+        if withdrawn:
+            log.debug("connection closed with %d requests not yet started; discarded", withdrawn)
 
     def _on_message(self, conn: Connection, message: str | bytes) -> None:
         """One message from ``conn``'s client: its session's answers, then the session's deadline timer,

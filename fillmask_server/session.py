@@ -123,7 +123,11 @@ class Session:
     # --- input: one message from the client ----------------------------------------------------------
 
     def receive(self, data: str | bytes) -> list[Answer]:
-        """Handle one incoming message; the answers to send now (none for an accepted request)."""
+        """Handle one incoming message; the answers to send now (none for an accepted request). Once
+        closed, none: messages read before the client's close frame but handled after it (websockets'
+        queue) are discarded, as its requests were (§8)."""
+        if self.closed:
+            return []
         parsed = parse_frame(data, self.limits)
         if isinstance(parsed, StatsSubscription):
             self.stats_interval_ms = parsed.interval_ms

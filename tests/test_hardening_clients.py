@@ -114,6 +114,35 @@ async def test_handshakes_beyond_max_connections_get_503(make_server: Any) -> No
         await opened[1].close()
 
 
+async def test_a_close_frame_withdraws_its_requests_at_once_and_its_connection_keeps_its_slot(
+        make_server: Any) -> None:
+    """§8, §12: a client that sent requests and then its close frame, keeping its TCP connection open, had
+    its requests run for websockets' close timeout (10 s) after the close was echoed (no answer could
+    reach it), and its connection stopped counting against --max-connections at once, so such clients
+    could hold any number (a helper's audit: 30 open at a limit of 5)."""
+    count = 20
+    async with make_server(max_connections=1) as srv:
+        before = sample(srv, "fillmask_requests_total", outcome="dropped", code="")
+        raw = socket.create_connection(("127.0.0.1", srv.port))
+        try:
+            with srv.engine.paused():  # so the requests are still waiting when the close frame comes
+                send_raw_requests(raw, srv, [fill(i) for i in range(count)])
+                await wait_until(lambda: sum(len(c.session.inflight) for c in srv.connections) == count)
+                raw.setblocking(True)
+                mask = os.urandom(4)
+                code = (1000).to_bytes(2, "big")
+                raw.sendall(bytes([0x88, 0x80 | 2]) + mask + bytes(b ^ mask[i] for i, b in enumerate(code)))
+                # Before websockets' close timeout could end the connection (10 s): withdrawn at the close.
+                await wait_until(lambda: sample(srv, "fillmask_requests_total", outcome="dropped", code="")
+                                 == before + count, timeout=5)
+                assert [c for c in srv.connections if c.session.inflight] == []
+                with pytest.raises(InvalidStatus) as refused:  # the closing connection still holds the slot
+                    await connect(srv.url)
+                assert refused.value.response.status_code == 503
+        finally:
+            raw.close()
+
+
 # --- clients that do not read ------------------------------------------------------------------------
 
 

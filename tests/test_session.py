@@ -197,6 +197,9 @@ def test_close_withdraws_what_waits_and_drops_later_outcomes_once() -> None:
         session.on_outcome(result(running))
     with pytest.raises(DoubleAnswer):
         session.on_outcome(Stopped(waiting, "shutting_down", 1))
+    # A message read before the client's close frame but handled after it submits nothing (its outcome
+    # would have no claim to an answer) and answers nothing.
+    assert session.receive(fill(3)) == [] and len(engine.jobs) == 2
 
 
 def test_garbage_gets_one_error_with_a_null_id_and_costs_nothing() -> None:
