@@ -1075,6 +1075,45 @@ async def test_without_reconnect_a_lone_connection_going_away_fails_calls_at_onc
         await asyncio.wait_for(drain, 5)
 
 
+async def test_without_reconnect_a_client_whose_connection_ended_says_so_and_how_to_go_on(make_server: Any) -> None:
+    """A newcomer's trial: after the server drained, ``connect()`` returned None and did nothing, and each
+    call failed with "lost (1001 going away ...)" even with a new server up, without saying that this
+    client never redials."""
+    async with make_server() as srv:
+        client = FillMaskClient(srv.url)
+        await client.connect()
+        await asyncio.wait_for(srv.drain(timeout=5), 10)
+        await wait_until(lambda: client.usable_connections == 0 and client.in_flight == 0)
+        for attempt in (client.connect(), client.fill_mask(TEXT), client.fill_mask(TEXT)):
+            with pytest.raises(ConnectionLostError) as lost:
+                await asyncio.wait_for(attempt, 10)
+            assert "reconnect=True" in lost.value.message and lost.value.code == 1001, lost.value.message
+        await client.close()
+        with pytest.raises(ConnectionLostError) as closed:  # closed by its owner: no advice to redial
+            await client.fill_mask(TEXT)
+        assert "reconnect=True" not in closed.value.message
+
+
+async def test_a_client_used_on_another_event_loop_says_so_at_once(server: Any) -> None:
+    """A newcomer's trial: a client fixture on a module-scoped loop, used by tests on their own loops,
+    waited for ever (its connection's reader runs only on the loop it connected on)."""
+    other = asyncio.new_event_loop()
+    client = FillMaskClient(server.url)
+
+    async def iterate() -> list[Any]:
+        return [outcome async for outcome in client.fill_mask_iter([TEXT])]
+
+    try:
+        await asyncio.to_thread(other.run_until_complete, client.connect())
+        for attempt in (client.fill_mask(TEXT), client.fill_mask_many([TEXT]), iterate(), client.connect(),
+                        client.close()):
+            with pytest.raises(UsageError, match="another event loop"):
+                await asyncio.wait_for(attempt, 10)  # (at once; the old client waited for ever)
+    finally:
+        await asyncio.to_thread(other.run_until_complete, client.close())
+        other.close()
+
+
 async def test_redial_waits_a_random_share_of_the_servers_reconnect_window(make_server: Any) -> None:
     windows: list[tuple[int, float | None]] = []
 

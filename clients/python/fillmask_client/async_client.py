@@ -177,6 +177,9 @@ class FillMaskClient:
 
     async def connect(self, *, wait: float | None = None) -> None:
         """Open the connection(s) and read ``hello``; ``ConnectError`` when no server can be used.
+        Once connected, it returns at once while a connection is usable (or, with ``reconnect``, may be
+        opened again); a client whose every connection ended without ``reconnect`` raises why (make a
+        new client). ``UsageError`` on another event loop than the one it connected on.
 
         With several connections, it is enough that one opens: the others are dialled again in the
         background with ``reconnect``, or stay closed without it (a warning is logged).
@@ -190,9 +193,13 @@ class FillMaskClient:
         would never end).
         """
         wait = self.connect_wait if wait is None else check_seconds("wait", wait)
+        self._pool.check_loop()
         if self._pool.closed:
             raise ConnectionLostError(f"the client for {redact(self.url)} was closed", url=redact(self.url))
         if self._pool.opened:
+            lost = self._pool.lost_for_good()
+            if lost is not None:  # without reconnect, nothing would ever connect it again: say so
+                raise lost
             return
         loop = asyncio.get_running_loop()
         give_up = loop.time() + wait
@@ -399,6 +406,7 @@ class FillMaskClient:
         if isinstance(texts, (str, bytes, bytearray)):
             raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
                              "or call fill_mask")
+        self._pool.check_loop()  # (raised, not yielded: no text could ever get through)
         items = list(texts)
         width = concurrency
         if width is None:  # enough to fill each connection's server batches

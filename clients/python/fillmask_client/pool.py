@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from .connection import RECONNECT_CODES, REDIAL_CODES, Connection, redact
-from .errors import ConnectError, ConnectionLostError, OverloadedError
+from .errors import ConnectError, ConnectionLostError, OverloadedError, UsageError
 from .retry import ReconnectBackoff
 from .state import ConnState
 
@@ -109,6 +109,16 @@ class Pool:
         self._last_failure: ConnectError | None = None  # of the latest dial, until a connection is installed
         #: Calls in ``acquire`` waiting for a connection to be (re)opened.
         self.waiting = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop ``open`` first ran on
+
+    def check_loop(self) -> None:
+        """``UsageError`` unless called on the event loop the pool opened on (or before it opened): on
+        another loop its connections' readers never run, and a call would wait for ever."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise UsageError("this client was connected on another event loop, and a client works only on the "
+                             "loop it connected on: make a client on this loop (with pytest-asyncio, give a "
+                             "client fixture the same loop_scope as the tests that use it), or use "
+                             "SyncFillMaskClient from threads")
 
     # --- the choice ------------------------------------------------------------------------------
 
@@ -146,6 +156,7 @@ class Pool:
         ``OverloadedError``) for a connection that is going away, ``ConnectionLostError`` for one that
         is lost, the final refusal of a redial, or ``ConnectError`` once ``timeout`` has passed.
         """
+        self.check_loop()
         loop = asyncio.get_running_loop()
         give_up: float | None = None
         while True:
@@ -184,6 +195,13 @@ class Pool:
         url = redact(self.slots[0].url)
         return ConnectionLostError(f"the client for {url} was closed{when}", url=url)
 
+    def lost_for_good(self) -> ConnectionLostError | OverloadedError | None:
+        """Once opened: why no connection takes calls and none will be opened again (without
+        ``reconnect``), or None (one is usable, or may be redialled)."""
+        if not self.opened or self.reconnect or self.usable:
+            return None
+        return self._why_none()
+
     def _why_none(self) -> ConnectionLostError | OverloadedError:
         """The most telling reason why no connection takes calls, as a fresh exception."""
         for slot in self.slots:
@@ -194,7 +212,12 @@ class Pool:
                 return slot.conn.gone_error()  # going away: what the server said
         for slot in self.slots:
             if slot.conn is not None:
-                return slot.conn.lost_error()
+                lost = slot.conn.lost_error()
+                if self.reconnect or lost.code == 1000:  # redialling, or closed by this client
+                    return lost
+                return ConnectionLostError(f"{lost.message}; this client does not open a new connection: pass "
+                                           "reconnect=True to FillMaskClient, or make a new client",
+                                           url=lost.url, code=lost.code, reason=lost.reason)
         for slot in self.slots:
             if slot.failure is not None:
                 return _copy(slot.failure)
@@ -222,6 +245,7 @@ class Pool:
     async def open(self) -> None:
         """Open every slot's connection at once. Raises the first failure when none opened; otherwise the
         failed slots are dialled again in the background (with ``reconnect``) or stay empty."""
+        self.check_loop()
         tasks = [asyncio.ensure_future(self._opener(slot.url, functools.partial(self._on_change, slot)))
                  for slot in self.slots]
         self._opening.update(tasks)  # close() cancels them
@@ -257,6 +281,7 @@ class Pool:
             await asyncio.gather(*(conn.close() for conn in opened))
             raise (unexpected or failures)[0]
         self.opened = True
+        self._loop = asyncio.get_running_loop()
         if failures:
             log.warning("%d of %d connections could not be opened: %s", len(failures), len(self.slots),
                         failures[0])
@@ -362,6 +387,7 @@ class Pool:
 
     async def close(self) -> None:
         """Stop dialling and close every connection; calls still waiting fail promptly."""
+        self.check_loop()
         self.closed = True
         self.closed_event.set()
         for opening in self._opening:  # a connect() under way: it raises "closed while it connected"
