@@ -115,6 +115,7 @@ async def test_client_alone_has_no_torch_and_passes_its_tests_against_a_live_ser
     importable, location, requires = out.splitlines()
     assert importable == "[]"  # no torch, no transformers, no server package
     assert location.startswith(str(client_venv)), location  # the installed copy, not this checkout
+    assert (Path(location).parent / "py.typed").is_file()  # PEP 561: mypy reads its hints (a newcomer's trial)
     assert [re.split(r"[<>=!~ ;]", r)[0] for r in json.loads(requires)] == ["orjson", "websockets"]
 
     code, out, err = await run(str(client_venv / "bin" / "pytest"), "-q", "-p", "no:cacheprovider",

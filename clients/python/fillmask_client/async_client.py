@@ -379,6 +379,10 @@ class FillMaskClient:
             tries += 1
             again = type(answer) is OverloadedError and retryable(answer.reason)  # §14: unknown reasons too
             if not (self.retry and tries < self.retry.attempts and again):
+                if again:  # busy (queue_full, queue_share): what to do, in the traceback (str() stays §6's words)
+                    answer.add_note("the server was busy: send fewer requests at once (a lower concurrency)"
+                                    + (f"; refused {tries} times in a row" if self.retry
+                                       else ", or let the client wait and resend (retry=True)"))
                 raise answer
             wait = self.retry.delay(tries, answer.retry_after_ms)
             if isinstance(deadline_ms, (int, float)) and (loop.time() + wait - started) * 1000.0 >= deadline_ms:
@@ -491,13 +495,17 @@ class FillMaskClient:
         ``concurrency`` defaults to the server's ``max_batch_size`` per connection.
         """
         results: list[Predictions | FillMaskError] = []
+        items = texts if isinstance(texts, (str, bytes, bytearray)) else list(texts)  # (one text: refused below)
         outcomes = self.fill_mask_iter(
-            texts, concurrency=concurrency, top_k=top_k, targets=targets, deadline_ms=deadline_ms
+            items, concurrency=concurrency, top_k=top_k, targets=targets, deadline_ms=deadline_ms
         )
         async with contextlib.aclosing(outcomes):
             async for item in outcomes:
                 if isinstance(item, FillMaskError):
                     if not return_exceptions:
+                        text = items[len(results)]
+                        item.add_note(f"fill_mask_many: text {len(results)} of {len(items)} (from 0): "
+                                      f"{text[:80]!r}{'...' if len(text) > 80 else ''}")
                         raise item
                     results.append(item)
                 else:
