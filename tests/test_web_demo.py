@@ -572,6 +572,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                 {reachable: true, ready: 'ready'},
                 {reachable: true, ready: 'draining'},
                 {reachable: true, restarting: true},
+                {reachable: false, everConnected: true, attempts: 4},
+                {reachable: false, everConnected: true, attempts: 5},
             ].map(f => L.diagnose(Object.assign({url: 'ws://127.0.0.1:8765/', pageProtocol: 'http:',
                                                  pageOrigin: 'http://127.0.0.1:8765'}, f))),
         };
@@ -610,12 +612,16 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     # fall off the front as before.
     assert got["frameLog"]["removed"] == [4, 5, 6] and got["frameLog"]["again"] == []
     assert got["frameLog"]["types"] == " ".join(["stats"] + ["fill_mask"] * 9) and got["frameLog"]["dropped"] == 7
-    from_disk, down, token, draining, restarting = got["diagnosis"]
+    from_disk, down, token, draining, restarting, lost_lately, lost_for_a_while = got["diagnosis"]
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
     assert token["kind"] == "refused" and "--token" in token["notice"] and "?token=" in token["notice"]
     assert draining["kind"] == "reconnecting" and "shutting down" in draining["notice"]
     assert restarting == {"kind": "reconnecting", "label": "Server is restarting; reconnecting", "notice": ""}
+    # A page that was connected: "Reconnecting" at first, then (a newcomer's trial saw it say nothing
+    # more for good) that the server does not answer.
+    assert lost_lately == {"kind": "reconnecting", "label": "Reconnecting", "notice": ""}
+    assert lost_for_a_while["kind"] == "offline" and "Lost the connection" in lost_for_a_while["notice"]
 
     # Snippets survive any text: the shell and Python read back exactly what was typed, and the
     # command's own parser reads every value, one that starts with '-' too (found by a review).

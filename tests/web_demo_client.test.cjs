@@ -91,7 +91,21 @@ test('transition: one table, final close, events that mean nothing leave the sta
   assert.throws(() => transition('half-open', 'close'));
 });
 
-test('backoff doubles from 500 ms to a 15 s cap, with +-20% jitter', () => {
+test('a page whose server stays down tries again at least every 5 s (+20%)', () => {
+  const { client, socket, timers, runTimers } = harness();
+  client.connect();
+  socket().hello();
+  socket().drop(1006);
+  const delays = [];
+  for (let i = 0; i < 8; i++) {  // bounded: eight refused attempts
+    delays.push(timers[0].ms);
+    runTimers();
+    socket().drop(1006);
+  }
+  assert.deepEqual(delays, [500, 1000, 2000, 4000, 5000, 5000, 5000, 5000]);
+});
+
+test('backoff doubles from 500 ms to a cap, with +-20% jitter', () => {
   assert.deepEqual([0, 1, 2, 5, 10].map((a) => backoffMs(a, 500, 15000, () => 0.5)), [500, 1000, 2000, 15000, 15000]);
   assert.equal(backoffMs(0, 500, 15000, () => 0), 400);
   assert.ok(Math.abs(backoffMs(0, 500, 15000, () => 1) - 600) < 1e-9);
@@ -186,7 +200,7 @@ test('going_away right after every hello backs off; a huge hint is held to a min
     delays.push(timers[0].ms);
     runTimers();
   }
-  assert.deepEqual(delays, [500, 1000, 2000, 4000, 8000]);
+  assert.deepEqual(delays, [500, 1000, 2000, 4000, 5000]);  // (the cap: 5 s)
   socket().hello();
   clock.t += 6000;  // a connection that lasted: the hint alone, from the start again
   socket().frame({ type: 'going_away', reconnect_within_ms: 1e11 });

@@ -249,7 +249,7 @@
     const s = client.status();
     const verdict = lib.diagnose(Object.assign({
       url, pageProtocol: window.location.protocol, pageOrigin: window.location.origin,
-      restarting: s.restarting, everConnected: s.everConnected,
+      restarting: s.restarting, everConnected: s.everConnected, attempts: attempt,
     }, probe));
     state.diagnosis = { kind: verdict.kind, text: verdict.label };
     showStatus();

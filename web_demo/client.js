@@ -136,7 +136,9 @@
       this.random = options.random || Math.random;
       this.now = options.now || Date.now;
       this.backoffFirstMs = options.backoffFirstMs || 500;
-      this.backoffMaxMs = options.backoffMaxMs || 15000;
+      // At most 5 s (+20%) between attempts: a restart takes a server 8-20 s to load its model, and a
+      // longer wait after it is ready is what a person watching the page sees.
+      this.backoffMaxMs = options.backoffMaxMs || 5000;
       this.lastedMs = options.lastedMs || 5000;  // a connection this long resets the backoff
       // An attempt without a hello by then is given up and retried with the backoff (0: never): a
       // server that accepts TCP but never answers the handshake, or never says hello, would

@@ -363,16 +363,30 @@
    * /healthz to anyone (no Origin rule): if it answers, the server is up and refused this page.
    *
    * facts: {url, pageProtocol, pageOrigin, reachable, ready ('ready', 'draining', 'engine_stopped'
-   * or null when unknown), restarting (a going_away came), everConnected}
+   * or null when unknown), restarting (a going_away came), everConnected, attempts (failed since the
+   * last connection; a page that was connected says "not reachable" only after UNREACHABLE_ATTEMPTS)}
    * returns {kind: 'reconnecting'|'refused'|'offline', label, notice (or '' for none)}
    */
+  /** Failed attempts after which a page that was connected says the server is not reachable (with the
+   *  backoff from 0.5 s, about 8 s after the connection was lost). */
+  const UNREACHABLE_ATTEMPTS = 5;
+
   function diagnose(facts) {
     const url = facts.url;
     if (facts.restarting) {
       return { kind: 'reconnecting', label: 'Server is restarting; reconnecting', notice: '' };
     }
     if (!facts.reachable) {
-      if (facts.everConnected) return { kind: 'reconnecting', label: 'Reconnecting', notice: '' };
+      if (facts.everConnected && (facts.attempts || 0) < UNREACHABLE_ATTEMPTS) {
+        return { kind: 'reconnecting', label: 'Reconnecting', notice: '' };
+      }
+      if (facts.everConnected) {
+        return {
+          kind: 'offline', label: 'Server not reachable',
+          notice: 'Lost the connection to the server at ' + url + ', and it does not answer. Is it still ' +
+            'running? The page keeps trying.',
+        };
+      }
       return {
         kind: 'offline', label: 'Server not reachable',
         notice: 'Cannot reach the server at ' + url + '. Is it running? The page keeps trying; ' +
