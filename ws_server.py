@@ -2,7 +2,8 @@
 
 The whole life of the server, in order:
 1. read the configuration (flags over environment over defaults; ``--help`` lists them);
-2. check what needs no torch (the port is free, ``--model`` names a model), then load the model once,
+2. check what needs no torch (the port is free, ``--model`` names a model), raise the open-files limit
+   (a warning line if it stays below what ``--max-connections`` needs), then load the model once,
    saying on stderr what it loads and each stage that takes a second or more; or exit 1 with one line
    saying why; calibrate the engine to this machine (``calibration.py``: torch threads, the cost model,
    a reduced dtype's speed), with one log line, and a warning when a reduced dtype is slower;
@@ -29,9 +30,9 @@ from fillmask_server.allocator import freeze_start_up_heap
 from fillmask_server.calibration import calibrate
 from fillmask_server.config import Config, load_config, named_source, unknown_variables
 from fillmask_server.model import ModelLoadError, load_model, resolve_device
-from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem
+from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem, quiet_accept_failures
 from fillmask_server.signals import SignalGate, Verdict
-from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines
+from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines, raise_open_files_limit
 
 log = logging.getLogger("fillmask_server")
 
@@ -43,6 +44,10 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
     """Load, calibrate, serve until one of the ``handled`` signals or the engine's fault, drain; the exit
     status."""
     check_can_listen(config.host, config.port)
+    quiet_accept_failures(asyncio.get_running_loop())
+    too_few_files = raise_open_files_limit(config.max_connections)
+    if too_few_files:
+        print(too_few_files, file=sys.stderr, flush=True)
     lines = StartupLines(quiet=config.log_level in ("warning", "error"))
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
     if config.calibration_s > 0:

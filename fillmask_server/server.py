@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -45,7 +46,7 @@ from .config import Config
 from .connection import Connection, UnsentBytes
 from .core import CostModel
 from .engine import AnswerMemory, Engine
-from .http import FrontConnection, FrontState, HttpFront
+from .http import FrontConnection, FrontState, HttpFront, LogThrottle
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
@@ -101,6 +102,31 @@ def serving_line(model: str, host: str, port: int, url: str, token: bool) -> str
     else:
         where, open_to = url, "no token: whoever reaches the port may use it"
     return f"{model} on {where} ({'clients must present the token' if token else open_to})"
+
+
+#: asyncio's words when accepting a connection failed for want of a resource (EMFILE, ENFILE,
+#: ENOBUFS, ENOMEM): it then stops accepting for a second, and logs a traceback each time.
+ACCEPT_FAILED = "socket.accept() out of system resource"
+ACCEPT_FAILED_LOG_S = 10.0
+
+
+def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
+    """Make ``loop`` log a failed accept as one line at most every ``ACCEPT_FAILED_LOG_S`` (with how many
+    were left out), without the traceback; anything else goes to the default handler. Out of file
+    descriptors, asyncio logged a traceback for every failure, thousands a second (a helper's audit:
+    18 MB of log in 30 s). For the process's own loop (``ws_server``), not for a program embedding the
+    server, whose loop is its own."""
+    throttle = LogThrottle(log, ACCEPT_FAILED_LOG_S)
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if str(context.get("message", "")).startswith(ACCEPT_FAILED):
+            exc = context.get("exception")
+            throttle.warning("accept", "could not accept a connection (%s): this process has too many files "
+                             "open; raise its limit (ulimit -n) or lower --max-connections", exc)
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 class FillMaskServer:

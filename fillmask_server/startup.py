@@ -79,3 +79,34 @@ class LogTimes(logging.Formatter):
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="milliseconds")
+
+
+#: File descriptors the server holds beside its connections: the model's files, the event loop's own,
+#: pipes, the listening sockets, log files.
+OPEN_FILES_RESERVE = 64
+
+
+def raise_open_files_limit(max_connections: int) -> str | None:
+    """Raise this process's soft limit on open files (``ulimit -n``) to its hard limit: each connection
+    holds a descriptor, and so does each handshake under way, and a soft limit of 1,024 (a common
+    default, far below the hard one) is reached before ``--max-connections`` (1,000) plus the rest.
+    Past the limit the kernel refuses new connections at accept. Returns one warning line when even
+    the limit now in force leaves fewer than ``max_connections + OPEN_FILES_RESERVE``, else None."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: nothing to raise
+        return None
+    needed = max_connections + OPEN_FILES_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):  # (a hard limit above the kernel's nr_open)
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    return (f"warning: this process may open {soft} files (ulimit -n), and --max-connections {max_connections} "
+            f"needs about {needed}: raise the limit (ulimit -n, or the container's nofile) or lower "
+            "--max-connections; past it, new connections are refused")

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -218,15 +219,75 @@ async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_mo
             await process.wait()
 
 
-async def start_server(*args: str, nohup: bool = False) -> tuple[asyncio.subprocess.Process, str]:
+async def start_server(*args: str, nohup: bool = False,
+                       open_files: int = 0) -> tuple[asyncio.subprocess.Process, str]:
     """``ws_server.py`` in a subprocess, once it printed its ready line: (process, WebSocket URL).
-    ``nohup``: started with SIGHUP ignored, as ``nohup`` starts it."""
+    ``nohup``: started with SIGHUP ignored, as ``nohup`` starts it; ``open_files``: with that limit
+    (soft and hard) on its file descriptors."""
+
+    def before() -> None:
+        if nohup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if open_files:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     process = await asyncio.create_subprocess_exec(
         sys.executable, "ws_server.py", "--port", "0", *args, cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
+        stderr=asyncio.subprocess.PIPE, preexec_fn=before)
     line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
     return process, re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
+
+
+async def test_out_of_file_descriptors_accepts_fail_with_a_line_now_and_then_and_service_resumes(
+        tiny_model_dir: Path) -> None:
+    """A helper's audit: with the open-files limit reached, asyncio logged a traceback for each failed
+    accept, thousands a second (18 MB in 30 s). Now: a warning at start that the limit is too low for
+    --max-connections, one line per 10 s while accepts fail, no traceback, and service once the
+    descriptors are free again."""
+    process, url = await start_server("--model", str(tiny_model_dir), "--calibration-s", "0", open_files=256)
+    said: list[bytes] = []
+    reader = asyncio.ensure_future(_collect(process.stderr, said))  # (a flood must not fill the pipe)
+    port = int(url.rsplit(":", 1)[1].strip("/"))
+    held: list[socket.socket] = []
+    try:
+        for _ in range(400):  # bounded: well past what the server may open
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+            held.append(sock)
+        await asyncio.sleep(3.0)  # asyncio retries a failed accept every second
+        for sock in held:
+            sock.close()
+        held.clear()
+        async with asyncio.timeout(30):
+            while True:  # bounded by the timeout: the server takes connections again
+                with contextlib.suppress(OSError, TimeoutError, ConnectionClosed):
+                    async with session(url) as (ws, _):
+                        assert (await request(ws, 1, "a [MASK] day."))["type"] == "result"
+                        break
+                await asyncio.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        for sock in held:
+            sock.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await reader
+    text = b"".join(said).decode()
+    assert "warning: this process may open 256 files (ulimit -n), and --max-connections 1000" in text
+    assert 1 <= text.count("could not accept a connection") <= 3, text[-3000:]  # (one each 10 s at most)
+    assert "Traceback" not in text, text[-3000:]
+
+
+async def _collect(stream: asyncio.StreamReader | None, into: list[bytes]) -> None:
+    assert stream is not None
+    while chunk := await stream.read(65536):
+        into.append(chunk)
 
 
 async def wait_for_readyz(url: str, status: int, timeout: float = 10.0) -> None:

@@ -179,3 +179,29 @@ def test_log_lines_carry_an_iso_time_with_its_utc_offset() -> None:
     record.created = 1_780_000_000.25
     line = LogTimes(LOG_FORMAT).format(record)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.250[+-]\d\d:\d\d INFO fillmask_server: ready", line), line
+
+
+@pytest.mark.parametrize(("soft", "hard", "after"), [(256, 4096, 4096), (256, 256, 256)],
+                         ids=["raised-to-the-hard-limit", "a-hard-limit-too-low-is-named"])
+def test_the_open_files_limit_is_raised_or_named(soft: int, hard: int, after: int) -> None:
+    """Each connection and handshake holds a file descriptor, and a soft limit of 1,024 is reached before
+    --max-connections (1,000) and the rest: out of them, accepts failed (a helper's audit). The server
+    raises the soft limit to the hard one, and names a hard limit that is too low."""
+    import resource
+
+    top = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    hard = hard if top == resource.RLIM_INFINITY else min(hard, top)  # (never above this process's own)
+    after = min(after, hard)
+    if soft > hard:
+        pytest.skip(f"this process may open only {hard} files")
+    code = ("import resource\nfrom fillmask_server.startup import raise_open_files_limit\n"
+            "print(raise_open_files_limit(1000))\nprint(resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    line, limit = done.stdout.splitlines()
+    assert int(limit) == after, done
+    if after < 1000 + 64:
+        assert line.startswith(f"warning: this process may open {after} files (ulimit -n), and --max-connections "
+                               "1000 needs about 1064"), line
+    else:
+        assert line == "None"
