@@ -320,14 +320,8 @@ def cut(transport: asyncio.BaseTransport) -> None:
     its whole send buffer, still trying to deliver it to a client that does not read, for minutes,
     while it no longer counts against ``--max-connections`` (§12's bound on what a client can hold).
     """
-    reset_on_close(transport)
-    transport.abort()
-
-
-def reset_on_close(transport: asyncio.BaseTransport) -> None:
-    """``SO_LINGER`` 0 on ``transport``'s socket: closing it resets the connection and throws its unsent
-    bytes away (see ``cut``)."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import functools
 import http
 import logging
 import mimetypes
@@ -60,7 +59,6 @@ from websockets.server import ServerProtocol
 
 from .access import HostPolicy, OriginPolicy, ProxyPolicy, parse_host, presented_token, token_matches
 from .config import Config
-from .connection import reset_on_close
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -317,12 +315,6 @@ class FrontConnection(ServerConnection):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        # websockets aborts a connection that did not finish its handshake, or take its HTTP answer, within
-        # its open timeout: a bare abort left the kernel an orphan holding the unsent answer (a page of
-        # 248 KB for a client that never read), for as long as the client kept its end open. Every abort
-        # here is a cut (a reset), as for a WebSocket connection (``connection.cut``).
-        abort = transport.abort
-        transport.abort = functools.partial(_reset_then, transport, abort)
         self._unhold = hold_frames_until_answered(self.protocol)
         self.recv_messages.resume = self._resume_reading  # (websockets' queue resumes through the same rule)
         bound = self.front.config.max_send_buffer_bytes
@@ -479,12 +471,6 @@ def hold_frames_until_answered(protocol: ServerProtocol) -> Callable[[], None]:
         del reader.at_eof, reader.read_exact
 
     return unhold
-
-
-def _reset_then(transport: Any, abort: Callable[[], None]) -> None:
-    """``abort`` ``transport`` with a reset (``connection.cut``), not an orphan in the kernel."""
-    reset_on_close(transport)
-    abort()
 
 
 class LogThrottle:

@@ -104,10 +104,6 @@ def serving_line(model: str, host: str, port: int, url: str, token: bool) -> str
     return f"{model} on {where} ({'clients must present the token' if token else open_to})"
 
 
-#: How long a connection may take to finish its handshake, or to take an HTTP answer (websockets'
-#: ``open_timeout``): then it is cut (``FrontConnection``: a reset, not an orphan in the kernel).
-OPEN_TIMEOUT_S = 10.0
-
 #: asyncio's words when accepting a connection failed for want of a resource (EMFILE, ENFILE,
 #: ENOBUFS, ENOMEM): it then stops accepting for a second, and logs a traceback each time.
 ACCEPT_FAILED = "socket.accept() out of system resource"
@@ -229,7 +225,6 @@ class FillMaskServer:
             server_header=SERVER_NAME,
             ssl=self._tls,
             backlog=max(MIN_LISTEN_BACKLOG, self.config.max_connections),
-            open_timeout=OPEN_TIMEOUT_S,
         )
         for listener in self._server.sockets:  # accepted sockets inherit it
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
