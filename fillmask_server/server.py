@@ -386,9 +386,9 @@ class FillMaskServer:
 
     def _let_go(self, session: Session) -> None:
         """The client's close frame came (no answer can follow the close echoed to it), or the connection
-        ended: withdraw what the engine has not started (§8 dropped). Once: ``Session.close`` is idempotent."""
-        if session.closed:
-            return
+        ended: withdraw what the engine has not started (§8 dropped: ``Session.close`` withdraws once,
+        whoever closed the session first: the watchdog, the resender rule), and the batching policy
+        forgets the connection (each time: a batch that was running may have reminded it since)."""
         withdrawn = session.close()
         self.metrics.dropped(withdrawn)
         self.engine.forget(session)

@@ -355,6 +355,9 @@ async def test_a_client_that_does_not_read_for_send_timeout_is_closed_with_1008(
             assert hog.close_code == 1008
             assert "read the server's messages" in hog.close_reason
         await wait_until(lambda: hog_conn not in srv.connections)
+        # Nothing of it is kept: the batching policy forgot it too (a review found it kept the connection,
+        # and all it holds, once the watchdog had closed its session first).
+        assert hog_conn.session not in srv.engine.core.policy._recent
         if count == 8:  # every request it sent is counted once: sent before the close, or dropped (§11)
             await assert_answered(srv, 0, 8)
             assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") >= 1

@@ -363,12 +363,13 @@
    * /healthz to anyone (no Origin rule): if it answers, the server is up and refused this page.
    *
    * facts: {url, pageProtocol, pageOrigin, reachable, ready ('ready', 'draining', 'engine_stopped'
-   * or null when unknown), restarting (a going_away came), everConnected, attempts (failed since the
-   * last connection; a page that was connected says "not reachable" only after UNREACHABLE_ATTEMPTS)}
+   * or null when unknown), restarting (a going_away came), everConnected, attempts (the client's
+   * attempt count: 1 once the connection dropped, one more for each reconnection that failed; a page
+   * that was connected says "not reachable" only from UNREACHABLE_ATTEMPTS on)}
    * returns {kind: 'reconnecting'|'refused'|'offline', label, notice (or '' for none)}
    */
-  /** Failed attempts after which a page that was connected says the server is not reachable (with the
-   *  backoff from 0.5 s, about 8 s after the connection was lost). */
+  /** The attempt count from which a page that was connected says the server is not reachable: four
+   *  failed reconnections, about 8 s after the connection dropped (the backoff starts at 0.5 s). */
   const UNREACHABLE_ATTEMPTS = 5;
 
   function diagnose(facts) {
