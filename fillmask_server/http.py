@@ -59,6 +59,7 @@ from websockets.server import ServerProtocol
 
 from .access import HostPolicy, OriginPolicy, ProxyPolicy, parse_host, presented_token, token_matches
 from .config import Config
+from .connection import cut
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,15 @@ class FrontState:
     connections: Callable[[], int]  # WebSocket connections open or closing (not handshakes in progress)
 
 
+#: Connections accepted whose WebSocket handshake is not done, or whose HTTP answer is not taken yet,
+#: each hold memory (up to websockets' 128 header lines of 8 KiB) for up to its open timeout (10 s), and
+#: nothing else bounds how many there are (``--max-connections`` counts open WebSocket connections):
+#: at most this many, or a quarter of ``--max-connections`` where that is more; one past it is reset at
+#: once (§12). A burst of clients reconnecting after a drain finishes each handshake in about a
+#: millisecond, far below it.
+MIN_UNFINISHED = 256
+
+
 class HttpFront:
     """Answers plain HTTP and decides WebSocket handshakes for one server (see the module docstring)."""
 
@@ -108,6 +118,8 @@ class HttpFront:
         self.metrics = metrics
         self.state = state
         self.log = LogThrottle(log, LOG_INTERVAL_S)
+        self.unfinished = 0  # connections accepted and not yet upgraded or ended (``FrontConnection``)
+        self.max_unfinished = max(MIN_UNFINISHED, config.max_connections // 4)
 
     def peer(self, connection: ServerConnection) -> str:
         """``connection``'s client for a log line (``peer``, with this server's ``--forwarded-allow-ips``)."""
@@ -199,6 +211,15 @@ class HttpFront:
                 extra_headers: list[tuple[str, str]] | None = None) -> Response:
         self.metrics.handshakes_refused.labels(reason).inc()
         return json_response(status, {"error": message}, extra_headers)
+
+    def refuse_unfinished(self, connection: ServerConnection) -> None:
+        """A connection accepted while ``max_unfinished`` others have not finished their handshake (or
+        taken their answer): reset at once, before it may hold anything."""
+        self.metrics.handshakes_refused.labels("unfinished").inc()
+        self.log.warning("unfinished", "reset a new connection from %s: %d connections have not finished their "
+                         "handshake or taken their answer (a client opening connections it does not use?)",
+                         self.peer(connection), self.unfinished)
+        cut(connection.transport)
 
     def refuse_tls(self, connection: ServerConnection) -> None:
         """A TLS handshake on this plain server (a client that said wss:// or https://): answered at once
@@ -311,6 +332,7 @@ class FrontConnection(ServerConnection):
     on_backed_up: Callable[[], None] | None = None  # set by the server: called each time ``backed_up`` turns True
     on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
     on_close_frame: Callable[[], None] | None = None  # set by the server: called when the client's close frame comes
+    _unfinished = False  # counted in the front's ``unfinished`` (until ``finished``)
     opening = b""  # the connection's first byte (a TLS handshake's is ``TLS_HANDSHAKE``)
 
     def connection_made(self, transport: Any) -> None:
@@ -320,6 +342,22 @@ class FrontConnection(ServerConnection):
         bound = self.front.config.max_send_buffer_bytes
         if bound < self.write_limit_high:  # so that a socket backed up past the bound always gets resume_writing
             transport.set_write_buffer_limits(bound)
+        if self.front.unfinished >= self.front.max_unfinished:
+            self.front.refuse_unfinished(self)
+            return
+        self.front.unfinished += 1
+        self._unfinished = True
+
+    def finished(self) -> None:
+        """The handshake is done (the server's handler runs) or the connection ended: it no longer counts
+        in the front's ``unfinished``. Idempotent."""
+        if self._unfinished:
+            self._unfinished = False
+            self.front.unfinished -= 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.finished()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if not self.opening:

@@ -29,7 +29,8 @@ from .protocol import ERROR_CODES
 
 OUTCOMES = ("result", "error", "overloaded", "cancelled", "dropped")
 #: ``fillmask_handshakes_refused_total``'s reasons (§11).
-REFUSED_REASONS = ("bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections")
+REFUSED_REASONS = ("bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections",
+                   "unfinished")
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _BATCH_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -162,7 +163,8 @@ class Metrics:
         self.handshakes_refused = Counter("fillmask_handshakes_refused", "WebSocket handshakes refused, by reason: "
                                           "bad_request (400, 405, 426, 505; also 414 and 431, and any request that "
                                           "could not be read), not_found (404), host (421), "
-                                          "origin (403), token (401), max_connections or unavailable (503).",
+                                          "origin (403), token (401), max_connections or unavailable (503), "
+                                          "unfinished (reset at accept: too many handshakes under way).",
                                           ["reason"], registry=registry)
         for reason in REFUSED_REASONS:
             self.handshakes_refused.labels(reason)

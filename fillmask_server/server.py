@@ -343,6 +343,8 @@ class FillMaskServer:
         return sum(1 for ws in self._server.all_connections if ws.protocol.state in (State.OPEN, State.CLOSING))
 
     async def _handle(self, ws: ServerConnection) -> None:
+        if isinstance(ws, FrontConnection):
+            ws.finished()  # upgraded: counted against --max-connections from now on, not as unfinished
         conn = Connection(ws, self.metrics, self.config.max_send_buffer_bytes, self._on_congested, self.unsent,
                           self._watch)
         session = Session(self.limits, self.engine, self.config.max_inflight_per_connection, time.monotonic,

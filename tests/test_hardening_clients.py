@@ -143,6 +143,34 @@ async def test_a_close_frame_withdraws_its_requests_at_once_and_its_connection_k
             raw.close()
 
 
+async def test_connections_that_never_finish_a_handshake_are_bounded(make_server: Any, monkeypatch: Any) -> None:
+    """§12: nothing bounded connections that had not finished their handshake (--max-connections counts
+    open WebSocket connections), and each may hold about a megabyte of headers for 10 s (a helper's
+    audit: 400 of them took 340 MB). One past the bound is reset as it is accepted, and counted."""
+    from fillmask_server import http as http_module
+
+    monkeypatch.setattr(http_module, "MIN_UNFINISHED", 4)
+    async with make_server(max_connections=8) as srv:  # (a quarter of 8 is below 4: the bound is 4)
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4)]  # they send nothing
+        try:
+            await wait_until(lambda: srv.http.unfinished == 4)
+            extra = socket.create_connection(("127.0.0.1", srv.port))
+            extra.settimeout(5)  # (less than the open timeout: a reset, not the timeout's close)
+            try:
+                with contextlib.suppress(ConnectionResetError):  # (read on a thread: the server is on this loop)
+                    assert await asyncio.to_thread(extra.recv, 1) == b""
+            finally:
+                extra.close()
+            assert sample(srv, "fillmask_handshakes_refused_total", reason="unfinished") == 1
+        finally:
+            for sock in idle:
+                sock.close()
+        await wait_until(lambda: srv.http.unfinished == 0)
+        async with session(srv.url) as (ws, _):  # upgraded: it no longer counts as unfinished
+            assert (await request(ws, 1, TEXT))["type"] == "result"
+            assert srv.http.unfinished == 0
+
+
 # --- clients that do not read ------------------------------------------------------------------------
 
 

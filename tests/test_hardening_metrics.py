@@ -114,7 +114,8 @@ async def test_every_series_is_there_at_0_before_it_happens(make_server: Any) ->
         for code in codes:
             assert samples[("fillmask_requests_total", (("code", code), ("outcome", kind)))] == 0, (kind, code)
     refused = {labels[0][1] for name, labels in samples if name == "fillmask_handshakes_refused_total"}
-    assert refused == {"bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections"}
+    assert refused == {"bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections",
+                       "unfinished"}
 
 
 async def test_every_series_served_is_one_that_protocol_md_lists(server: FillMaskServer) -> None:
