@@ -121,8 +121,8 @@ def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         if str(context.get("message", "")).startswith(ACCEPT_FAILED):
             exc = context.get("exception")
-            throttle.warning("accept", "could not accept a connection (%s): this process has too many files "
-                             "open; raise its limit (ulimit -n) or lower --max-connections", exc)
+            throttle.warning("accept", "could not accept a connection (%s): out of file descriptors (or "
+                             "memory); raise the open-files limit (ulimit -n) or lower --max-connections", exc)
             return
         loop.default_exception_handler(context)
 
