@@ -219,11 +219,11 @@ async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_mo
             await process.wait()
 
 
-async def start_server(*args: str, nohup: bool = False,
-                       open_files: int = 0) -> tuple[asyncio.subprocess.Process, str]:
-    """``ws_server.py`` in a subprocess, once it printed its ready line: (process, WebSocket URL).
-    ``nohup``: started with SIGHUP ignored, as ``nohup`` starts it; ``open_files``: with that limit
-    (soft and hard) on its file descriptors."""
+async def start_server(*args: str, nohup: bool = False, open_files: int = 0,
+                       script: str = "ws_server.py") -> tuple[asyncio.subprocess.Process, str]:
+    """``ws_server.py`` (or ``script``, which runs it) in a subprocess, once it printed its ready line:
+    (process, WebSocket URL). ``nohup``: started with SIGHUP ignored, as ``nohup`` starts it;
+    ``open_files``: with that limit (soft and hard) on its file descriptors."""
 
     def before() -> None:
         if nohup:
@@ -234,7 +234,7 @@ async def start_server(*args: str, nohup: bool = False,
             resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "ws_server.py", "--port", "0", *args, cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE,
+        sys.executable, script, "--port", "0", *args, cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, preexec_fn=before)
     line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
     return process, re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
@@ -423,18 +423,19 @@ sys.exit(ws_server.main())
 """
 
 
+async def start_dying_server(tmp_path: Path, *args: str) -> tuple[asyncio.subprocess.Process, str]:
+    """``DYING_SERVER`` in a subprocess (its marker file ``tmp_path / "started"``), once it is ready."""
+    script = tmp_path / "dying_server.py"
+    script.write_text(DYING_SERVER.format(root=str(ROOT), started=str(tmp_path / "started")))
+    return await start_server(*args, script=str(script))
+
+
 async def test_a_server_whose_model_thread_stopped_drains_and_exits_1(tiny_model_dir: Path, tmp_path: Path) -> None:
     """§6: a server whose model thread stopped can answer nothing but 503 engine_stopped. It stayed up
     for good, its /healthz at 200, so Kubernetes never restarted it (found by an operator's review). Now
     it drains at once (going_away, then 1001) and exits 1, for its supervisor to start a fresh one."""
-    script = tmp_path / "dying_server.py"
-    script.write_text(DYING_SERVER.format(root=str(ROOT), started=str(tmp_path / "started")))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), "--model", str(tiny_model_dir), "--port", "0", "--drain-delay", "30",
-        cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    process, url = await start_dying_server(tmp_path, "--model", str(tiny_model_dir), "--drain-delay", "30")
     try:
-        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
-        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
         async with session(url) as (ws, _):
             assert (await request(ws, 1, "a [MASK] day."))["type"] == "result"
             await send(ws, {"type": "fill_mask", "id": 2, "text": "a [MASK] day.", "top_k": 13})
@@ -459,15 +460,9 @@ async def test_a_model_thread_that_stops_during_a_signals_drain_still_exits_1(ti
     """A fault during the drain that a signal started answered the running batch with internal_error
     and then exited 0, as if all had gone well, leaving a supervisor no record of the fault: the exit
     status now says the model thread stopped."""
-    script = tmp_path / "dying_server.py"
     started = tmp_path / "started"
-    script.write_text(DYING_SERVER.format(root=str(ROOT), started=str(started)))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, str(script), "--model", str(tiny_model_dir), "--port", "0", "--drain-delay", "0",
-        cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    process, url = await start_dying_server(tmp_path, "--model", str(tiny_model_dir), "--drain-delay", "0")
     try:
-        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
-        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
         async with session(url) as (ws, _):
             await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK] day.", "top_k": 14})
             for _ in range(300):  # the batch is in its forward pass (bounded: 30 s)
