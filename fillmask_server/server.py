@@ -119,10 +119,15 @@ def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
     throttle = LogThrottle(log, ACCEPT_FAILED_LOG_S)
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
         if str(context.get("message", "")).startswith(ACCEPT_FAILED):
-            exc = context.get("exception")
             throttle.warning("accept", "could not accept a connection (%s): out of file descriptors (or "
                              "memory); raise the open-files limit (ulimit -n) or lower --max-connections", exc)
+            return
+        if isinstance(exc, ValueError) and "_start_serving" in repr(context.get("handle")):
+            # asyncio's retry of such an accept, come after the server closed its socket (each failure
+            # schedules one, CPython 3.11): nothing is lost, the server is gone.
+            log.debug("a retry of a failed accept came after the server closed (%s)", exc)
             return
         loop.default_exception_handler(context)
 
