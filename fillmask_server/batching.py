@@ -384,6 +384,20 @@ class BatchPolicy:
         self._recent.pop(owner, None)
         self._plan = [kept for group in self._plan if (kept := [job for job in group if job.owner is not owner])]
 
+    def untaken(self, jobs: Iterable[J]) -> None:
+        """``jobs``, of the batch ``take`` returned last, will not run (withdrawn before it started: a
+        batch chosen ahead): take back what ``take`` charged their connections' shares for them, so a
+        connection whose client cancelled is not served later for work it never got. (No ``take`` runs
+        between that one and this call, so the fade's scale is the one they were charged at.)"""
+        growth = self._growth
+        for job in jobs:
+            self._unfaded = max(0, self._unfaded - 1)
+            served = self._recent.get(job.owner)
+            if served is not None:  # (a closed connection is forgotten already)
+                served[0] = max(0.0, served[0] - job.n_tokens * growth)
+                served[1] = max(0.0, served[1] - growth)
+                served[2] = max(0.0, served[2] - job.result_bytes * growth)
+
     def in_round(self) -> bool:
         """A round has batches left to run (the cost model's; never with a fixed band)."""
         return bool(self._plan)

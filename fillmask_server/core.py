@@ -424,8 +424,11 @@ class EngineCore:
 
     def start(self, ahead: Scheduled, now: float) -> Scheduled:
         """Start a batch chosen ahead (``schedule(start=False)``) at ``now``: its requests still QUEUED
-        move to RUNNING; those that left meanwhile (withdrawn) drop out of it."""
+        move to RUNNING; those that left meanwhile (withdrawn) drop out of it, and their connections'
+        fair shares are no longer charged for them."""
         batch = [job for job in ahead.batch if job.state is State.QUEUED]
+        if len(batch) < len(ahead.batch):
+            self.policy.untaken(job for job in ahead.batch if job.state is not State.QUEUED)
         for job in batch:
             self._move(job, Event.BATCHED)
         threads = self._threads_for(batch, now)

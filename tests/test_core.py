@@ -158,6 +158,28 @@ def test_a_batch_chosen_ahead_stays_queued_until_it_starts_and_loses_what_was_wi
     assert [j.request.id for j in c.schedule(0.0).batch] == [3]
 
 
+def test_requests_withdrawn_from_a_batch_chosen_ahead_are_not_charged_to_their_connection() -> None:
+    def served(sent: int, cancelled: int) -> tuple[dict[object, list[float]], int]:
+        """What the policy remembers after b was served once and a sent ``sent`` requests into a batch
+        chosen ahead, of which ``cancelled`` were withdrawn before it started."""
+        c = core(size=3)
+        queue_up(c, [job("b0", owner="b")])
+        assert [j.request.id for j in c.schedule(0.0).batch] == ["b0"]
+        queue_up(c, [job(f"a{i}", owner="a", arrival=1.0) for i in range(sent)])
+        ahead = c.schedule(1.0, start=False)
+        assert len(ahead.batch) == sent
+        for j in ahead.batch[sent - cancelled:]:
+            assert c.withdraw(j)
+        assert len(c.start(ahead, 1.0).batch) == sent - cancelled
+        return {o: list(v) for o, v in c.policy._recent.items()}, c.policy._unfaded
+
+    def same(x: tuple[dict[object, list[float]], int], y: tuple[dict[object, list[float]], int]) -> bool:
+        return x[1] == y[1] and x[0].keys() == y[0].keys() and all(x[0][o] == pytest.approx(y[0][o]) for o in x[0])
+
+    assert same(served(3, 2), served(1, 0))  # as if the two cancelled had never been sent
+    assert not same(served(3, 0), served(1, 0))
+
+
 def test_admission_refuses_a_full_queue_and_keeps_a_newcomers_share() -> None:
     c = core(max_queue=4)
     assert [c.submit(job(i, owner="busy")) for i in range(3)] == [Admission.ACCEPTED] * 2 + [Admission.QUEUE_SHARE]
