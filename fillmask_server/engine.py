@@ -276,7 +276,9 @@ class Engine:
         for job, ids in zip(fresh, token_ids, strict=True):
             try:
                 verdicts.append(intake.check(self.model, job.request, ids, self.max_masks, self.max_result_bytes))
-            except Exception:  # a fault in one request's checks fails that request only
+            except BaseException as exc:  # a fault in one request's checks fails that request only
+                if not intake.request_fault(exc):
+                    raise
                 log.exception("checking a new request failed; answering it internal_error")
                 verdicts.append(None)
         return verdicts
@@ -461,7 +463,9 @@ class Engine:
                 decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
                 chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, len(work.jobs),
                                     work.padded_tokens, work.batch_id))
-            except Exception:
+            except BaseException as exc:
+                if not intake.request_fault(exc):
+                    raise
                 log.exception("decoding a result failed; answering it internal_error")
                 chunk.append(Failed(job, SERVER_FAILED))
             left[work.batch_id] -= 1

@@ -40,18 +40,30 @@ class Refusal:
     message: str
 
 
+def request_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by one request's work (tokenizing, checking, decoding), fails only that
+    request: any ``Exception``, and a panic in a Rust library such as ``tokenizers``. pyo3 raises a
+    panic as its own ``PanicException``, a ``BaseException`` (not importable by name), which an
+    ``except Exception`` lets through: it would end the stage's thread, and the engine with it."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
+
+
 def tokenize_all(model: FillMaskModel, texts: list[str]) -> list[list[int] | None]:
     """Token ids of each text in one batched call; if that fails, text by text (None for a text that
     cannot be tokenized), so one bad text fails only itself."""
     try:
         return list(model.tokenize(texts))
-    except Exception:
+    except BaseException as exc:
+        if not request_fault(exc):
+            raise
         log.exception("the tokenizer failed on a batch of %d texts; retrying them one by one", len(texts))
     out: list[list[int] | None] = []
     for text in texts:
         try:
             out.append(model.tokenize([text])[0])
-        except Exception:
+        except BaseException as exc:
+            if not request_fault(exc):
+                raise
             out.append(None)
     return out
 
@@ -76,7 +88,8 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
           max_result_bytes: int) -> Checked | Refusal:
     """The §3 checks that need the tokenizer, in this order: tokenizable, length, masks, targets, result size."""
     if ids is None:
-        return Refusal("invalid_field", "the text could not be tokenized; send plain text")
+        return Refusal("internal_error", "the model's tokenizer failed on this text (logged on the server); other "
+                       "requests are unaffected; this text will fail the same way again")
     highest = max(ids, default=0)
     if highest >= model.vocab_size:  # a tokenizer that knows more tokens than its model
         token = model.tokenizer.convert_ids_to_tokens(highest)

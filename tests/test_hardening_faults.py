@@ -34,6 +34,17 @@ class EngineKiller(BaseException):
     """Not an ``Exception``: nothing in the engine is meant to catch it, so the thread ends."""
 
 
+class PanicException(BaseException):
+    """A panic in a Rust library (``tokenizers``), as pyo3 raises it: a ``BaseException`` of this name."""
+
+
+#: What one request's tokenizing, checks or decoding may raise and fail that request only.
+REQUEST_FAULTS = {
+    "exception": lambda: RuntimeError("broke at /secret/path.py"),
+    "rust-panic": lambda: PanicException("called `Option::unwrap()` on a `None` value at src/lib.rs:1"),
+}
+
+
 class FaultyModel(FillMaskModel):
     """The tiny model, except that ``forward`` first asks ``fault(items, has_marker)`` for an exception.
 
@@ -149,16 +160,18 @@ async def test_a_device_that_failed_for_good_stops_the_engine(
                for record in caplog.records)
 
 
+@pytest.mark.parametrize("fault", REQUEST_FAULTS)
 async def test_a_fault_while_decoding_fails_only_that_request_and_the_engine_goes_on(
-        base_model: FillMaskModel, make_server_for: Any) -> None:
-    """The decode stage cannot turn one request's top-k into predictions (a bug in the server's own path):
-    that request gets internal_error, the rest of its batch their results."""
+        base_model: FillMaskModel, make_server_for: Any, fault: str) -> None:
+    """The decode stage cannot turn one request's top-k into predictions (a bug in the server's own path,
+    or a panic in the tokenizer that decodes): that request gets internal_error, the rest of its batch
+    their results."""
     marker_id = base_model.tokenizer.convert_tokens_to_ids(MARKER)
 
     class BrokenTopK(TopK):
         def candidates(self, i: int, item: Item) -> Any:
             if marker_id in item.input_ids:
-                raise ValueError("cannot decode at /secret/path.py")
+                raise REQUEST_FAULTS[fault]()
             return super().candidates(i, item)
 
     class UndecodableModel(FaultyModel):
@@ -275,18 +288,23 @@ async def test_a_deadline_or_cancel_while_the_engine_tokenizes_is_answered_once(
 
 
 class FaultyTargets(FaultyModel):
-    """The tiny model, except that resolving the target ``boom`` raises (a fault in the intake checks)."""
+    """The tiny model, except that resolving the target ``boom`` raises ``error()`` (a fault in the
+    intake checks)."""
+
+    error: Callable[[], BaseException] = REQUEST_FAULTS["exception"]
 
     def target_ids(self, targets: tuple[str, ...]) -> tuple[int, ...]:
         if "boom" in targets:
-            raise RuntimeError("target lookup broke at /secret/path.py")
+            raise self.error()
         return super().target_ids(targets)
 
 
+@pytest.mark.parametrize("fault", REQUEST_FAULTS)
 async def test_a_fault_in_one_requests_checks_fails_only_that_request(
-        base_model: FillMaskModel, make_server_for: Any) -> None:
+        base_model: FillMaskModel, make_server_for: Any, fault: str) -> None:
     """Requests checked in the same intake keep their own answers: rejected, failed, or run."""
     model = FaultyTargets(base_model, lambda items, marked: None)
+    model.error = REQUEST_FAULTS[fault]
     too_long = "[MASK]" + " a" * 600  # under the character limit, over 512 tokens
     async with make_server_for(model) as srv, session(srv.url) as (ws, _):
         await queue_then_release(srv, ws, [
@@ -299,6 +317,36 @@ async def test_a_fault_in_one_requests_checks_fails_only_that_request(
     assert frames["long"]["code"] == "text_too_long"
     assert_clean_internal_error(frames["boom"])
     assert frames["fine"]["type"] == "result"
+
+
+class FaultyTokenizer(FaultyModel):
+    """The tiny model, except that tokenizing a text with the marker raises ``error()``."""
+
+    error: Callable[[], BaseException] = REQUEST_FAULTS["exception"]
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        if any(MARKER in text for text in texts):
+            raise self.error()
+        return super().tokenize(texts)
+
+
+@pytest.mark.parametrize("fault", REQUEST_FAULTS)
+async def test_a_text_the_tokenizer_fails_on_fails_only_itself(
+        base_model: FillMaskModel, make_server_for: Any, fault: str) -> None:
+    """The tokenizer raises (or panics) on one text of an intake's batched call: the others are
+    tokenized again one by one and run; that one gets internal_error (§7: the server failed, not the
+    frame's form), and the engine goes on."""
+    model = FaultyTokenizer(base_model, lambda items, marked: None)
+    model.error = REQUEST_FAULTS[fault]
+    async with make_server_for(model) as srv, session(srv.url) as (ws, _):
+        await queue_then_release(srv, ws, [fill(0, TEXT), fill(1, BAD_TEXT), fill(2, TEXT)], runnable=2)
+        frames = {frame["id"]: frame for frame in await recv_n(ws, 3)}
+        await assert_answered(srv, 0, 3, ws)
+        assert_clean_internal_error(frames[1])
+        assert "tokenizer failed on this text" in frames[1]["message"]
+        assert frames[0]["type"] == frames[2]["type"] == "result" and frames[0]["batch_size"] == 2
+        assert srv.engine.alive
+        assert (await request(ws, "after", TEXT))["type"] == "result"
 
 
 async def test_drain_timeout_waits_for_the_batch_already_running(
