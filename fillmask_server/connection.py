@@ -71,7 +71,7 @@ class UnsentBytes:
     """The bytes of answers queued and not yet handed to a socket, over every connection of a server.
 
     Written on the event loop only (each ``Connection`` adds and subtracts its own), read by the engine's
-    model thread to keep answers within ``--max-answer-bytes``: a single integer, so a read is atomic.
+    stage threads to keep answers within ``--max-answer-bytes``: a single integer, so a read is atomic.
     """
 
     def __init__(self) -> None:

@@ -27,7 +27,7 @@ Invariants:
   batch, not the queue; all of them but a batch chosen ahead), the owner's count of waiting requests
   and the answer-memory ledger. No second copy of the states is kept by hand.
 - Whoever moves a job to DONE creates its outcome, so each accepted request gets exactly one.
-- ``reserved`` bytes are taken when a job's batch is scheduled and given back only by ``release``
+- ``reserved`` bytes are taken when a job starts (moves to RUNNING) and given back only by ``release``
   (its answer has left the engine), whatever the job's end.
 
 Not thread-safe: the engine calls it under its lock.
@@ -66,7 +66,7 @@ class Admission(enum.Enum):
 @dataclass(frozen=True)
 class AnswerMemory:
     """The answer budgets (protocol.md §12): bytes of answers per connection and in all, counting the
-    answers the shell holds unsent (``unsent``, ``unsent_total``, read from the model thread: each a
+    answers the shell holds unsent (``unsent``, ``unsent_total``, read from the stage threads: each a
     single integer the event loop writes) and those the engine computes (reserved when a request
     starts, for its ``result_bytes``, until ``release``)."""
 

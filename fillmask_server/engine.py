@@ -76,7 +76,8 @@ DECODE_BACKLOG = 2  # the model thread runs at most this many batches ahead of t
 
 @dataclass
 class EngineStats:
-    """Counters read by tests and logs; each written by one stage thread only (reads may lag)."""
+    """Counters read by tests and logs; each written under the engine's lock, or by one stage thread only
+    (reads may lag)."""
 
     batches: int = 0
     rows: int = 0
