@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 from fillmask_server.allocator import freeze_start_up_heap
 from fillmask_server.calibration import calibrate
@@ -40,10 +41,17 @@ log = logging.getLogger("fillmask_server")
 EXIT_ENGINE_STOPPED = 1
 
 
+class CannotListen(Exception):
+    """``host:port`` cannot be listened on: the one line that says why (``listen_problem``). Only the
+    check before the model loads and the listen itself raise it: any other ``OSError`` is not about the
+    port, and must not be reported as if it were."""
+
+
 async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -> int:
     """Load, calibrate, serve until one of the ``handled`` signals or the engine's fault, drain; the exit
     status."""
-    check_can_listen(config.host, config.port)
+    with _listening(config):
+        check_can_listen(config.host, config.port)
     quiet_accept_failures(asyncio.get_running_loop())
     too_few_files = raise_open_files_limit(config.max_connections)
     if too_few_files:
@@ -61,7 +69,8 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         print(calibration.warning, file=sys.stderr, flush=True)
     freeze_start_up_heap()  # full collections while serving skip what start-up made (allocator.py)
     server = FillMaskServer(config, model, calibration)
-    await server.start()
+    with _listening(config):
+        await server.start()
     loop = asyncio.get_running_loop()
     received: asyncio.Future[int] = loop.create_future()
     gate = SignalGate()
@@ -76,7 +85,7 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
     for signum in handled:
         loop.add_signal_handler(signum, on_signal, signum)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
-    print(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)", flush=True)
+    _say_ready(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)")
     stopped = asyncio.ensure_future(server.engine_stopped())
     await asyncio.wait({received, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if received.done():
@@ -99,6 +108,29 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         loop.remove_signal_handler(signum)
         signal.signal(signum, lambda *_: os._exit(status))
     return status
+
+
+@contextlib.contextmanager
+def _listening(config: Config) -> Iterator[None]:
+    """An ``OSError`` inside is ``host:port`` that cannot be listened on: ``CannotListen``, saying why."""
+    try:
+        yield
+    except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
+        raise CannotListen(listen_problem(config.host, config.port, exc)) from exc
+
+
+def _say_ready(line: str) -> None:
+    """The ready line on stdout. A stdout nobody reads any more (``ws_server.py | head -1`` that has
+    read enough, a closed pipe) must not stop a server that is serving: the line is then logged, and
+    stdout goes to /dev/null, so that no later write (the interpreter's own flush at exit) fails."""
+    try:
+        print(line, flush=True)
+    except OSError as exc:
+        log.warning("%s (stdout is gone: %s; serving on)", line, exc.strerror or exc)
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
 
 
 def _signals_handled() -> list[signal.Signals]:
@@ -140,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     except ModelLoadError as exc:
         print(f"error: {named_source(str(exc), argv)}", file=sys.stderr)
         return 1
-    except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
-        print(f"error: {listen_problem(config.host, config.port, exc)}", file=sys.stderr)
+    except CannotListen as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:  # leaving: a late signal must not make the exit status its own. (Ignored, not handled:
         # Python's finalization puts SIG_DFL back where a Python handler was.)

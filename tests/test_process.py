@@ -284,6 +284,39 @@ async def test_out_of_file_descriptors_accepts_fail_with_a_line_now_and_then_and
     assert "Traceback" not in text, text[-3000:]
 
 
+async def test_a_stdout_nobody_reads_does_not_stop_a_server_that_serves(tiny_model_dir: Path) -> None:
+    """An operator's audit: with stdout a closed pipe (``ws_server.py | true``), writing the ready line
+    failed, and the whole run's ``except OSError`` reported it as ``cannot listen on ...: Broken pipe``
+    and exited 1, without draining, from a server that was listening. Now the line is logged instead,
+    the server serves, and a signal drains it to exit 0."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will ever read the server's stdout
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--calibration-s", "0",
+            cwd=ROOT, env=ENV, stdout=write_end, stderr=asyncio.subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    said: list[bytes] = []
+    try:
+        async with asyncio.timeout(60):
+            while not (found := re.search(rb"ready: (ws://\S+)", b"".join(said))):  # bounded by the timeout
+                line = await process.stderr.readline()  # type: ignore[union-attr]
+                assert line, b"".join(said).decode()[-3000:]
+                said.append(line)
+        async with session(found.group(1).decode()) as (ws, _):
+            assert (await request(ws, 1, "a [MASK] day."))["type"] == "result"
+        process.send_signal(signal.SIGTERM)
+        said.append(await process.stderr.read())  # type: ignore[union-attr]
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    text = b"".join(said).decode()
+    assert "stdout is gone" in text and "cannot listen" not in text and "Traceback" not in text, text[-3000:]
+
+
 async def _collect(stream: asyncio.StreamReader | None, into: list[bytes]) -> None:
     assert stream is not None
     while chunk := await stream.read(65536):
