@@ -524,6 +524,12 @@ class LogThrottle:
         self._left_out: dict[str, int] = {}
 
     def warning(self, kind: str, message: str, *args: object) -> None:
+        self.line(logging.WARNING, kind, message, *args)
+
+    def info(self, kind: str, message: str, *args: object) -> None:
+        self.line(logging.INFO, kind, message, *args)
+
+    def line(self, level: int, kind: str, message: str, *args: object) -> None:
         now = self.clock()
         since = now - self._last.get(kind, -float("inf"))
         if since < self.interval_s:
@@ -533,7 +539,7 @@ class LogThrottle:
         left_out = self._left_out.pop(kind, 0)
         if left_out:
             message += f" (and {left_out} more like it in the last {since:.0f} s, not logged)"
-        self.logger.warning(message, *args)
+        self.logger.log(level, message, *args)
 
 
 def header_problem(request: Request) -> str | None:

@@ -46,7 +46,7 @@ from .config import Config
 from .connection import Connection, UnsentBytes
 from .core import CostModel
 from .engine import AnswerMemory, Engine
-from .http import FrontConnection, FrontState, HttpFront, LogThrottle
+from .http import LOG_INTERVAL_S, FrontConnection, FrontState, HttpFront, LogThrottle
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
@@ -175,6 +175,7 @@ class FillMaskServer:
         ), engine=model.engine_facts())
         self.stats = LiveStats()
         self.unsent = UnsentBytes()
+        self._closing_log = LogThrottle(log, LOG_INTERVAL_S)  # lines about a connection it closes, each kind
         memory = AnswerMemory(config.max_send_buffer_bytes, config.max_answer_bytes,
                               unsent=lambda session: session.peer.pending_bytes,
                               unsent_total=lambda: self.unsent.total)
@@ -414,8 +415,8 @@ class FillMaskServer:
             self._follow_stats(conn)
         if session.close_request is not None:  # it kept sending before its retry_after_ms (§12)
             self.metrics.resenders_closed.inc()
-            log.info("closing a connection whose client kept sending before its retry_after_ms (%s)",
-                     self.http.peer(conn.ws))
+            self._closing_log.info("resender", "closing a connection whose client kept sending before its "
+                                   "retry_after_ms (%s)", self.http.peer(conn.ws))
             conn.close_soon(*session.close_request)
             self.metrics.dropped(session.close())
 
@@ -577,8 +578,8 @@ class FillMaskServer:
             conn.note_progress()
             if time.monotonic() - conn.last_progress >= timeout:
                 self.metrics.slow_clients_closed.inc()
-                log.info("closing a connection whose client read nothing for %gs (%d bytes of answers unsent, %s)",
-                         timeout, conn.pending_bytes, self.http.peer(conn.ws))
+                self._closing_log.info("slow", "closing a connection whose client read nothing for %gs (%d bytes "
+                                       "of answers unsent, %s)", timeout, conn.pending_bytes, self.http.peer(conn.ws))
                 # In a task: the handler goes on reading (and discarding) so that websockets can see the
                 # client's answering close frame behind the requests still in the socket.
                 conn.close_soon(POLICY_VIOLATION, SLOW_READER_REASON)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import os
 import re
 import select
@@ -394,6 +395,22 @@ async def test_a_client_that_does_not_read_for_send_timeout_is_closed_with_1008(
             assert sample(srv, "fillmask_requests_total", outcome="result", code="") >= results
         async with session(srv.url) as (ws, _):
             assert (await request(ws, 1, TEXT))["type"] == "result"
+
+
+async def test_closing_many_clients_that_read_nothing_is_one_log_line_per_interval(
+        make_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """An operator's audit: 150 clients closed by the server's rules wrote 147 log lines in one burst,
+    while handshake refusals were already one line per 10 s. Now each kind of close is one line per
+    ``LOG_INTERVAL_S``; the metric still counts every one."""
+    caplog.set_level(logging.INFO, logger="fillmask_server")
+    async with make_server(max_send_buffer_bytes=SMALL_BOUND, max_inflight_per_connection=8, send_timeout=0.3) as srv, \
+            contextlib.AsyncExitStack() as stack:
+        hogs = [await stack.enter_async_context(non_reading_client(srv)) for _ in range(3)]
+        senders = [asyncio.create_task(flood(hog, 8)) for hog in hogs]
+        await wait_until(lambda: sample(srv, "fillmask_slow_clients_closed_total") == 3)
+        await asyncio.gather(*senders)
+    said = [r.getMessage() for r in caplog.records if "read nothing for" in r.getMessage()]
+    assert len(said) == 1 and "127.0.0.1:" in said[0], said
 
 
 async def test_answers_a_drain_cannot_deliver_are_counted_as_dropped(make_server: Any) -> None:
