@@ -109,4 +109,4 @@ def raise_open_files_limit(max_connections: int) -> str | None:
         return None
     return (f"warning: this process may open {soft} files (ulimit -n), and --max-connections {max_connections} "
             f"needs about {needed}: raise the limit (ulimit -n, or the container's nofile) or lower "
-            "--max-connections; past it, new connections are refused")
+            "--max-connections; past it, new connections wait in the kernel's queue until descriptors free up")
