@@ -317,6 +317,21 @@ def _named_source(problem: str, args: dict[str, object], environ: Mapping[str, s
     return f"{env_name(name)}={shown}: {problem}"
 
 
+#: The least ``--max-frame-bytes`` and ``--max-result-bytes``: below it no request with a short text
+#: fits (its frame, or its predictions' bound at one candidate), and a server that refuses everything
+#: is a mistake better reported at start.
+MIN_MESSAGE_BYTES = 1024
+#: ``--torch-threads`` above this many per CPU the process may use is refused: past the CPUs, more
+#: threads only slow the forward pass, and thousands fail to start at all.
+MAX_THREADS_PER_CPU = 4
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the platform has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def validate(config: Config) -> str | None:
     """Return a one-line description of the first nonsensical value, or None."""
     for f in fields(Config):  # NaN passes every comparison below (all are false), and no duration is endless
@@ -329,6 +344,14 @@ def validate(config: Config) -> str | None:
     for name in positive:
         if getattr(config, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    for name in ("max_frame_bytes", "max_result_bytes"):
+        if getattr(config, name) < MIN_MESSAGE_BYTES:
+            return (f"--{name.replace('_', '-')} must be at least {MIN_MESSAGE_BYTES}: below it no request with a "
+                    "short text fits")
+    cpus = usable_cpus()
+    if config.torch_threads > MAX_THREADS_PER_CPU * cpus:
+        return (f"--torch-threads {config.torch_threads} is far more than the {cpus} CPUs this process may use; "
+                f"more threads than CPUs only slow the forward pass: use at most {cpus}, or 0 to measure")
     if config.max_length_ratio != 0 and config.max_length_ratio < 1:
         return "--max-length-ratio must be 0 (automatic) or at least 1"
     for name in ("max_batch_size", "max_batch_tokens"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from fillmask_server.config import Config, load_config
+from fillmask_server.config import MIN_MESSAGE_BYTES, Config, load_config, usable_cpus, validate
 from tests.wire import recv, request, send, session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,6 +153,21 @@ def test_a_misspelt_variable_is_named_even_when_another_setting_is_refused(tiny_
 def test_bad_flag_values_are_refused() -> None:
     result = run_server("--max-batch-size", "-1")
     assert result.returncode == 2 and "--max-batch-size must be 0 (automatic) or at least 1" in result.stderr
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"max_frame_bytes": 10}, "--max-frame-bytes must be at least 1024"),
+    ({"max_result_bytes": 1}, "--max-result-bytes must be at least 1024"),
+    ({"torch_threads": 100_000}, "--torch-threads 100000 is far more than the"),
+])
+def test_values_that_would_make_the_server_useless_are_refused(overrides: dict[str, int], message: str) -> None:
+    """An operator's audit: a frame limit of 10 bytes closed every connection at its first request, a
+    result limit of 1 byte refused every request, and 100,000 torch threads crashed the server with a
+    line that blamed the model (5,000 never got ready). Each is now one line at start."""
+    problem = validate(Config(**overrides))  # type: ignore[arg-type]
+    assert problem is not None and message in problem and "\n" not in problem, problem
+    at_the_floor = {name: MIN_MESSAGE_BYTES for name in ("max_frame_bytes", "max_result_bytes")}
+    assert validate(Config(**at_the_floor, torch_threads=usable_cpus())) is None
 
 
 @pytest.mark.parametrize(
