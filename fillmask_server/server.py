@@ -97,7 +97,10 @@ def serving_line(model: str, host: str, port: int, url: str, token: bool) -> str
     listening on every interface says so (``url`` is then the loopback one, for this machine), and
     without a token it says the port is open to the network."""
     if host in WILDCARD_HOSTS:
-        where = f"every interface, port {port} (here: {url})"
+        # (asyncio makes an IPv6 listener IPv6-only: "::" takes no IPv4 client; "" listens on both.)
+        family = {"0.0.0.0": "every IPv4 interface", "::": "every IPv6 interface (no IPv4)"}.get(
+            host, "every interface, IPv4 and IPv6")
+        where = f"{family}, port {port} (here: {url})"
         open_to = f"no token: anyone who reaches this machine's port {port} may use it; set --token"
     else:
         where, open_to = url, "no token: whoever reaches the port may use it"
@@ -616,7 +619,8 @@ def listen_problem(host: str, port: int, exc: OSError) -> str:
     """The one line that says why ``host:port`` cannot be listened on, naming the flag to change: the
     host's for a name that does not resolve or an address no interface has, the port's otherwise."""
     where = f"cannot listen on {host}:{port}"
-    hosts = "choose another --host (127.0.0.1: this machine only; 0.0.0.0: every interface)"
+    hosts = ("choose another --host (127.0.0.1: this machine only; 0.0.0.0: every IPv4 interface; '': every "
+             "interface, IPv4 and IPv6)")
     if isinstance(exc, socket.gaierror):
         return f"{where}: the host name does not resolve ({exc.strerror or exc}); {hosts}"
     if exc.errno == errno.EADDRNOTAVAIL:

@@ -345,9 +345,13 @@ def test_a_server_on_every_interface_says_so_and_that_it_is_open_to_the_network(
     from fillmask_server.server import serving_line
 
     line = serving_line("m", "0.0.0.0", 8765, "ws://127.0.0.1:8765/", token=False)
-    assert line == ("m on every interface, port 8765 (here: ws://127.0.0.1:8765/) (no token: anyone who reaches "
-                    "this machine's port 8765 may use it; set --token)")
-    assert serving_line("m", "::", 8765, "ws://[::1]:8765/", token=True).endswith("(clients must present the token)")
+    assert line == ("m on every IPv4 interface, port 8765 (here: ws://127.0.0.1:8765/) (no token: anyone who "
+                    "reaches this machine's port 8765 may use it; set --token)")
+    # An operator's audit: "::" took no IPv4 client (asyncio makes it IPv6-only), yet said "every interface".
+    six = serving_line("m", "::", 8765, "ws://[::1]:8765/", token=True)
+    assert six.startswith("m on every IPv6 interface (no IPv4)") and six.endswith("(clients must present the token)")
+    assert serving_line("m", "", 8765, "ws://127.0.0.1:8765/", token=True).startswith(
+        "m on every interface, IPv4 and IPv6, port 8765")
     local = serving_line("m", "127.0.0.1", 8765, "ws://127.0.0.1:8765/", token=False)
     assert local == "m on ws://127.0.0.1:8765/ (no token: whoever reaches the port may use it)"
 
