@@ -62,13 +62,13 @@ MAX_RETRY_AFTER_MS = 30_000
 # less than QUIET_S between them; a refusal after the client waited as told starts one too, since a
 # client that held its requests back sends them together), since those requests were on their way
 # before the client could know.
-# Each early refusal doubles the retry_after_ms told (a refusal after waiting as told starts over);
-# EARLY_RESENDS_LIMIT early refusals within EARLY_WINDOW_S close the connection with 1008.
+# Each early refusal is told twice what the connection was last told (a refusal after waiting as told
+# starts over from the engine's estimate); EARLY_RESENDS_LIMIT early refusals within EARLY_WINDOW_S close
+# the connection with 1008.
 EARLY_GRACE_S = 0.2
 QUIET_S = 1.0
 EARLY_RESENDS_LIMIT = 200
 EARLY_WINDOW_S = 10.0
-MAX_BACK_OFF_DOUBLINGS = 12
 POLICY_VIOLATION = CLOSE_POLICY_VIOLATION  # the close code of §12's policy violations
 
 
@@ -112,9 +112,9 @@ class Session:
         self.closed = False
         self.stats_interval_ms: int | None = None  # set while the client subscribes to stats frames (§13)
         self.close_request: tuple[int, str] | None = None  # set when the session wants the connection closed
-        self._doublings = 0  # how far this connection's retry_after_ms has been doubled (early resends)
+        self._told_ms = 0  # the retry_after_ms this connection was last told
         self._burst_start = self._last_refusal = float("-inf")
-        self._wait_until = float("-inf")  # the latest time this client was told to wait until
+        self._wait_until = float("-inf")  # the time this connection was last told to wait until
         self._early: deque[float] = deque()  # times of early refusals within EARLY_WINDOW_S
         self._deadlines: list[tuple[float, int, Job]] = []
         self._order = itertools.count()
@@ -164,23 +164,32 @@ class Session:
         return []
 
     def _back_off(self, now: float) -> int:
-        """The retry_after_ms of an overload refusal (§6): the engine's estimate, doubled once for every
-        early resend in a row (see ``EARLY_GRACE_S``), up to 30 s, back to the estimate once the client
-        waits as told; and the 1008 close (§12) of a client that keeps resending early."""
-        if now - self._last_refusal > QUIET_S or now >= self._wait_until:
-            self._burst_start = now  # a new burst: after a quiet spell, or once the client waited as told
+        """The retry_after_ms of an overload refusal (§6), at most 30 s and never below the engine's
+        estimate: the estimate once the client waited as it was last told; twice what it was last told
+        for an early resend (see ``EARLY_GRACE_S``); what it was last told for a request of a burst's
+        first moments. And the 1008 close (§12) of a client that keeps resending early.
+
+        Early is measured against the *last* answer, as §6 says: a client that waits as that answer
+        said has waited as told, even where an earlier answer told it to wait longer."""
+        estimate = self.scheduler.retry_after_ms()
+        waited = now >= self._wait_until
+        if waited or now - self._last_refusal > QUIET_S:
+            self._burst_start = now  # a new burst: once the client waited as told, or after a quiet spell
         self._last_refusal = now
-        if now < self._wait_until and now - self._burst_start > EARLY_GRACE_S:
-            self._doublings = min(MAX_BACK_OFF_DOUBLINGS, self._doublings + 1)
+        if waited:
+            retry = estimate
+        elif now - self._burst_start > EARLY_GRACE_S:
+            retry = max(estimate, 2 * self._told_ms)
             self._early.append(now)
             while self._early and self._early[0] < now - EARLY_WINDOW_S:
                 self._early.popleft()
             if len(self._early) >= EARLY_RESENDS_LIMIT and self.close_request is None:
                 self.close_request = (POLICY_VIOLATION, RESENDER_REASON)
-        elif now >= self._wait_until:
-            self._doublings = 0
-        retry = min(MAX_RETRY_AFTER_MS, self.scheduler.retry_after_ms() * 2 ** self._doublings)
-        self._wait_until = max(self._wait_until, now + retry / 1000)
+        else:  # on its way before the client could know
+            retry = max(estimate, self._told_ms)
+        retry = min(MAX_RETRY_AFTER_MS, retry)
+        self._told_ms = retry
+        self._wait_until = now + retry / 1000
         return retry
 
     def _cancel(self, request_id: RequestId) -> list[Answer]:

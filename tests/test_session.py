@@ -53,8 +53,10 @@ class Engine:
         advance(job, Event.WITHDRAWN)
         return True
 
+    estimate_ms = 42
+
     def retry_after_ms(self) -> int:
-        return 42
+        return self.estimate_ms
 
     def take(self, job: Job) -> Job:
         advance(job, Event.CHECKED)
@@ -236,6 +238,37 @@ def test_retry_after_grows_only_for_a_client_that_does_not_wait() -> None:
     clock.now += 60.0  # waited as told: back to the estimate
     assert frames(session.receive(fill("waited")))[0]["retry_after_ms"] == 42
     assert session.close_request is None
+
+
+def test_early_is_measured_against_the_last_answer_and_each_early_one_doubles_it() -> None:
+    """§6, found by a conformance audit: the session measured "early" against the latest of every time it
+    had told, so a client that waited as the last answer said was still early (and counted toward the
+    1008 close); and it doubled the engine's estimate, not what it had told, so the wait it told after
+    an early resend could be shorter than the one before."""
+    session, engine, clock = make(room=0)
+    engine.estimate_ms = 1000
+    clock.now = 100.0
+    assert frames(session.receive(fill(0)))[0]["retry_after_ms"] == 1000
+    engine.estimate_ms = 100  # the queue clears faster now
+    clock.now += 0.3  # early: told 1000 ms, 0.3 s ago
+    assert frames(session.receive(fill(1)))[0]["retry_after_ms"] == 2000  # twice what it was told, not 2 x 100
+    clock.now += 0.9  # waited 0.9 s of the 2 s it was last told: early again
+    assert frames(session.receive(fill(2)))[0]["retry_after_ms"] == 4000
+    assert len(session._early) == 2
+    clock.now += 4.0  # waited as the last answer said
+    assert frames(session.receive(fill(3)))[0]["retry_after_ms"] == 100  # back to the estimate
+    assert len(session._early) == 2  # not early
+    engine.estimate_ms = 1000
+    clock.now += 0.5
+    assert frames(session.receive(fill(4)))[0]["retry_after_ms"] == 1000
+    engine.estimate_ms = 50
+    clock.now += 0.1  # within a burst's first 0.2 s: on its way, not early; told what it was told
+    assert frames(session.receive(fill(5)))[0]["retry_after_ms"] == 1000
+    clock.now += 0.2  # early
+    assert frames(session.receive(fill(6)))[0]["retry_after_ms"] == 2000
+    clock.now += 2.0  # waited as the last answer said
+    assert frames(session.receive(fill(7)))[0]["retry_after_ms"] == 50
+    assert len(session._early) == 3 and session.close_request is None
 
 
 def test_a_burst_already_on_its_way_is_not_counted_against_the_client() -> None:
