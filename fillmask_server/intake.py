@@ -104,7 +104,7 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
                        f"{model.mask_token} exactly, with spaces around it")
     if masks > max_masks:
         return Refusal("too_many_masks", f"the text has {masks} mask tokens after tokenizing; the limit is "
-                       f"{max_masks} a request: remove some, or split the text over several requests")
+                       f"{max_masks} per request: remove some, or split the text over several requests")
     target_ids = None
     notes: tuple[TargetNote, ...] = ()
     if request.targets is not None:

@@ -249,7 +249,9 @@ def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
         return StatsSubscription(interval)
     if kind == "unsubscribe_stats":
         return StatsSubscription(None)
-    shown = _type_name(kind) if not isinstance(kind, str) else repr(kind if len(kind) <= 32 else kind[:32] + "…")
+    if not isinstance(kind, str):
+        return ProtocolError("unknown_type", f"\"type\" is {_type_name(kind)}, not a string; use {_TYPES}", frame_id)
+    shown = repr(kind if len(kind) <= 32 else kind[:32] + "…")
     return ProtocolError("unknown_type", f"unknown frame type {shown}; use {_TYPES}", frame_id)
 
 
@@ -285,7 +287,7 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
                              f"{hint} where the missing word goes", frame_id)
     if masks > limits.max_masks:
         return ProtocolError("too_many_masks", f"the text has {masks} {limits.mask_token} tokens; the limit is "
-                             f"{limits.max_masks} a request: remove some, or split the text over several "
+                             f"{limits.max_masks} per request: remove some, or split the text over several "
                              "requests", frame_id)
 
     top_k = obj.get("top_k")

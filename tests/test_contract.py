@@ -97,7 +97,7 @@ def default_hello(**limits: Any) -> dict[str, Any]:
     return orjson.loads(encode_hello("fillmask-server/0.1.0", "tiny", True, Limits("[MASK]", **limits), {
         "max_batch_size": 32, "max_batch_tokens": 8192, "max_queue": 1024, "max_tokens": 512,
         "max_frame_bytes": 65536, "max_result_bytes": 1_048_576, "max_inflight_per_connection": 256},
-        {"forward": "traced", "head": "masks", "device": "cpu", "dtype": "float32"}))
+        {"forward": "traced", "head": "masks", "layout": "packed", "device": "cpu", "dtype": "float32"}))
 
 
 _CONTRACT = Contract(default_hello())  # one for the tests that only read it (building one takes a while)

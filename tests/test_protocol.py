@@ -225,6 +225,11 @@ def test_an_unknown_type_is_quoted_whole_or_cut_with_an_ellipsis() -> None:
     short, long = parse({"type": "fill", "id": 1}), parse({"type": "x" * 500, "id": 1})
     assert isinstance(short, ProtocolError) and short.message.startswith("unknown frame type 'fill';")
     assert isinstance(long, ProtocolError) and long.message.startswith(f"unknown frame type '{'x' * 32}…';")
+    # Not a string: said so, not "unknown frame type a number" (a conformance audit's find).
+    for kind, said in ((5, "a number"), (None, "null"), ([], "a list")):
+        got = parse({"type": kind, "id": 1})
+        assert isinstance(got, ProtocolError) and got.code == "unknown_type", got
+        assert got.message.startswith(f'"type" is {said}, not a string; use "fill_mask"'), got.message
 
 
 def test_a_lower_case_mask_gets_a_hint() -> None:
