@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -177,6 +177,7 @@ class Metrics:
                                            "their client did not read for --send-timeout.", registry=registry)
         registry.register(_LiveCollector(live))
         GCCollector(registry=registry)  # python_gc_*: collections by generation, and what they collected
+        ProcessCollector(registry=registry)  # process_*: memory, CPU, file descriptors (Linux's /proc; none elsewhere)
         Gauge("fillmask_gc_frozen_objects", "Objects that Python's garbage collector no longer walks (gc.freeze): "
               "what start-up made, frozen before serving.", registry=registry).set_function(frozen_objects)
 

@@ -129,7 +129,7 @@ async def test_every_series_served_is_one_that_protocol_md_lists(server: FillMas
     def family(name: str) -> str:
         return re.sub(r"_(total|bucket|sum|count)$", "", name)
 
-    listed = {family(name) for name in re.findall(r"`((?:fillmask|python)_[a-z_]+)", section)}
+    listed = {family(name) for name in re.findall(r"`((?:fillmask|python|process)_[a-z_]+)", section)}
     _, samples = await scrape(server)
     served = {family(name) for name, _ in samples}
     assert not {name for name in served if name.endswith("_created")}
@@ -142,6 +142,15 @@ async def test_every_series_served_is_one_that_protocol_md_lists(server: FillMas
             return response.read().decode()
 
     assert "_created" not in await asyncio.to_thread(openmetrics)
+
+
+async def test_the_process_memory_and_file_descriptors_are_served(server: FillMaskServer) -> None:
+    """An operator's audit: the README sizes replicas by memory and file descriptors, and /metrics had
+    neither. Prometheus' standard process metrics now come with the rest (on Linux, where CI runs)."""
+    _, samples = await scrape(server)
+    assert samples[("process_resident_memory_bytes", ())] > 10 * 2**20  # (torch alone is more)
+    assert 3 <= samples[("process_open_fds", ())] <= samples[("process_max_fds", ())]
+    assert samples[("process_cpu_seconds_total", ())] > 0
 
 
 async def test_a_scrape_does_not_walk_the_frozen_heap(make_server: Any, monkeypatch: Any) -> None:
