@@ -120,8 +120,8 @@ def _listening(config: Config) -> Iterator[None]:
 
 
 def _say_ready(line: str) -> None:
-    """The ready line on stdout. A stdout nobody reads any more (``ws_server.py | head -1`` that has
-    read enough, a closed pipe) must not stop a server that is serving: the line is then logged, and
+    """The ready line on stdout. A stdout nobody reads any more (a pipe whose reader has gone, as in
+    ``ws_server.py | true``) must not stop a server that is serving: the line is then logged, and
     stdout goes to /dev/null, so that no later write (the interpreter's own flush at exit) fails."""
     try:
         print(line, flush=True)
