@@ -330,6 +330,14 @@ def token_matches(expected: str, presented: str | None) -> bool:
     return hmac.compare_digest(expected.encode("utf-8", "surrogatepass"), presented.encode("utf-8", "surrogatepass"))
 
 
+class _EncryptedKey(Exception):
+    """The TLS key needs a passphrase."""
+
+
+def _no_passphrase() -> str:
+    raise _EncryptedKey
+
+
 def tls_context(certfile: str, keyfile: str = "") -> ssl.SSLContext:
     """A server-side TLS context (TLS 1.2 or later) with the certificate chain and key loaded.
 
@@ -341,7 +349,13 @@ def tls_context(certfile: str, keyfile: str = "") -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        context.load_cert_chain(certfile, keyfile or None)
+        # A key that needs a passphrase: refused in one line. Without a callback OpenSSL would ask for it
+        # on the terminal, and a server started by a supervisor would wait for ever (an audit's find).
+        context.load_cert_chain(certfile, keyfile or None, password=_no_passphrase)
+    except _EncryptedKey:
+        raise ValueError(f"the TLS key {keyfile or certfile!r} is encrypted and the server asks for no passphrase; "
+                         "give it an unencrypted key (openssl pkey -in KEY -out PLAIN_KEY), readable by this "
+                         "server's user only") from None
     except ssl.SSLError:
         raise ValueError(f"cannot load the TLS certificate {certfile!r}" + (f" and key {keyfile!r}" if keyfile else "")
                          + ": not PEM, or the key does not match the certificate") from None

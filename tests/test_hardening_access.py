@@ -457,3 +457,15 @@ def test_tls_files_that_do_not_load_are_one_line_errors(certificate: tuple[Path,
     (tmp_path / "junk.pem").write_text("junk")
     problem = validate(Config(certfile=str(tmp_path / "junk.pem")))
     assert problem is not None and problem.startswith("--certfile/--keyfile: ") and "\n" not in problem
+    # An encrypted key: one line, never OpenSSL's passphrase prompt (an audit saw the server stop and ask,
+    # twice, then blame the certificate). stdin is a pipe here, as under a supervisor.
+    locked = tmp_path / "locked.pem"
+    made = subprocess.run(["openssl", "pkey", "-in", str(key), "-aes256", "-passout", "pass:secret", "-out",
+                           str(locked)], capture_output=True, text=True, timeout=30)
+    assert made.returncode == 0, made.stderr
+    refused = subprocess.run([sys.executable, "-c", "import sys; from fillmask_server.access import tls_context\n"
+                              f"try: tls_context({str(cert)!r}, {str(locked)!r})\n"
+                              "except ValueError as exc: print(exc)"],
+                             capture_output=True, text=True, timeout=60, input="")
+    assert refused.stdout.startswith(f"the TLS key {str(locked)!r} is encrypted"), refused.stdout + refused.stderr
+    assert "pass phrase" not in refused.stdout + refused.stderr
