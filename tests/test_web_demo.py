@@ -1350,7 +1350,9 @@ async def test_page_opened_from_disk_says_why_it_is_refused(make_server: Any, op
 
 async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: Any, open_page: Any) -> None:
     """The page served by a server with --token cannot connect without it: the page says so (it can
-    read /readyz on its own origin), and the address with ?token= set on the page connects."""
+    read /readyz on its own origin), and the address with ?token= set on the page connects. The token
+    then stays in memory: not in the page's address (history, a reload's request line), the status
+    tooltip or the frame log (a TLS audit found it in all three)."""
     from playwright.async_api import expect
 
     async with make_server(token="s3cret") as guarded:
@@ -1363,6 +1365,10 @@ async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: A
         await expect(page.by("notice")).to_be_hidden()
         await page.ask("With the [MASK].")
         await expect(page.card(1)).to_have_attribute("data-state", "done")
+        assert "s3cret" not in page.page.url and "ws=" in page.page.url, page.page.url
+        assert "s3cret" not in (await page.by("conn-status").get_attribute("title") or "")
+        assert "s3cret" not in await page.page.evaluate("document.body.innerText + JSON.stringify(localStorage) + "
+                                                   "JSON.stringify(sessionStorage)")
 
 
 # ---------------------------------------------------------------------------- pictures

@@ -8,7 +8,7 @@ const path = require('node:path');
 const test = require('node:test');
 
 const ROOT = path.resolve(__dirname, '..');
-const { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText } =
+const { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, redactToken } =
   require(path.join(ROOT, 'web_demo', 'client.js'));
 
 function schema(name) {
@@ -77,6 +77,21 @@ test('the reasons and codes table matches protocol/schemas', () => {
   assert.match(overloadText('queue_share'), /share/);
   assert.equal(overloadText('something_new'), 'The server is overloaded');
   assert.equal(overloadText('constructor'), 'The server is overloaded');
+});
+
+test('the token in an address is hidden, or left out, for everything the page shows or keeps', () => {
+  assert.equal(redactToken('wss://h:1/?token=s3cret'), 'wss://h:1/?token=***');
+  assert.equal(redactToken('wss://h:1/?token=s3cret', false), 'wss://h:1/');
+  assert.equal(redactToken('ws://h/?a=1&token=x%20y&b=2', false), 'ws://h/?a=1&b=2');
+  assert.equal(redactToken('ws://h/?tok%65n=s3cret'), 'ws://h/?token=***');  // the server decodes names too
+  assert.equal(redactToken('ws://h/'), 'ws://h/');
+  assert.equal(redactToken('not a url'), 'not a url');
+  const { client, events, socket } = harness('ws://h/?token=s3cret');
+  client.connect();
+  const logged = events.filter((e) => e[0] === 'log').map((e) => e[2]);
+  assert.ok(logged.some((text) => text.includes('token=***')), logged);
+  assert.ok(!logged.some((text) => text.includes('s3cret')), logged);  // (status events carry it, for the page)
+  assert.equal(socket().url, 'ws://h/?token=s3cret');  // the socket itself still presents it
 });
 
 test('transition: one table, final close, events that mean nothing leave the state', () => {

@@ -18,7 +18,7 @@
   const FillMask = window.FillMask;
   const lib = FillMask.lib;
   const live = FillMask.live;
-  const { State, Client, overloadText, ERROR_CODES, hintMs } = FillMask.client;
+  const { State, Client, overloadText, ERROR_CODES, hintMs, redactToken } = FillMask.client;
   const { formatScore, formatMs, plural } = lib;
 
   const MAX_ITEMS = 100;           // top-level cards kept (a burst is one); unanswered ones always stay
@@ -192,7 +192,7 @@
     el.conn.dataset.state = kind;
     if (el.connText.textContent !== text) el.connText.textContent = text;
     el.connDetail.textContent = detail || '';
-    el.conn.title = kind === 'connected' ? 'Connected to ' + client.url : client.url;
+    el.conn.title = (kind === 'connected' ? 'Connected to ' : '') + redactToken(client.url);
     el.reconnectNow.hidden = kind === 'connected' || kind === 'connecting';
     const usable = kind === 'connected';
     el.submit.disabled = !usable;
@@ -248,7 +248,7 @@
     if (attempt !== client.attempt || url !== client.url || client.hello) return;  // a newer attempt, or connected
     const s = client.status();
     const verdict = lib.diagnose(Object.assign({
-      url, pageProtocol: window.location.protocol, pageOrigin: window.location.origin,
+      url: redactToken(url), pageProtocol: window.location.protocol, pageOrigin: window.location.origin,
       restarting: s.restarting, everConnected: s.everConnected, attempts: attempt,
     }, probe));
     state.diagnosis = { kind: verdict.kind, text: verdict.label };
@@ -302,7 +302,7 @@
 
   function onBadUrl(url) {
     setConn('offline', 'Cannot connect');
-    showNotice('"' + url + '" is not a WebSocket URL. Enter one like ws://127.0.0.1:8765 under "Server and limits".');
+    showNotice('"' + redactToken(url) + '" is not a WebSocket URL. Enter one like ws://127.0.0.1:8765 under "Server and limits".');
     el.serverInfo.open = true;
   }
 
@@ -1167,7 +1167,9 @@
     if (!raw) return;
     const url = normaliseUrl(raw);
     const params = new URLSearchParams(window.location.search);
-    params.set('ws', url);
+    // The page's own address keeps no token (history, bookmarks, a reload's request line): after a
+    // reload it must be given again.
+    params.set('ws', redactToken(url, false));
     try {
       window.history.replaceState(null, '', '?' + params.toString() + window.location.hash);
     } catch (err) {

@@ -217,7 +217,7 @@
       if (this.helloTimeoutMs > 0) {
         conn.helloTimer = this.setTimeout(() => this.onNoHello(conn), this.helloTimeoutMs);
       }
-      this.emit('log', 'event', 'connecting to ' + conn.url, 'connection');
+      this.emit('log', 'event', 'connecting to ' + redactToken(conn.url), 'connection');
       conn.ws.onopen = () => { conn.opened = true; };
       conn.ws.onmessage = (event) => this.onMessage(conn, event.data);
       conn.ws.onclose = (event) => this.onSocketClose(conn, event);
@@ -440,7 +440,22 @@
     }
   }
 
-  const api = { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS, hintMs, PROTOCOL_VERSION };
+  /**
+   * `url` with the value of its `token` query parameter (the server's access token, §9) written as ***,
+   * or with the parameter left out when `keep` is false: for everything the page shows or keeps (the
+   * frame log, tooltips, notices, its own address and history), so that the secret stays in memory.
+   * A `url` that does not parse, or has no token, comes back unchanged.
+   */
+  function redactToken(url, keep = true) {
+    let parsed;
+    try { parsed = new URL(url); } catch (err) { return url; }
+    if (!parsed.searchParams.has('token')) return url;
+    if (keep) parsed.searchParams.set('token', '***');
+    else parsed.searchParams.delete('token');
+    return parsed.toString();
+  }
+
+  const api = { redactToken, State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS, hintMs, PROTOCOL_VERSION };
   if (typeof module === 'object' && module.exports) module.exports = api;
   else (root.FillMask = root.FillMask || {}).client = api;
 })(typeof window !== 'undefined' ? window : globalThis);
