@@ -81,6 +81,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import shlex
 import sys
 import threading
@@ -962,12 +963,13 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
                              "it cannot fill masks; point --model at a fill-mask model such as "
                              "google-bert/bert-base-uncased")
     progress("tokenizer and weights")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model, loading = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype,
-                                                              output_loading_info=True)
-    except Exception as exc:  # corrupt files raise library-specific errors: all become one line
-        raise ModelLoadError(_explain_load_failure(name, exc)) from None
+    with _library_warnings() as said:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model, loading = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype,
+                                                                  output_loading_info=True)
+        except Exception as exc:  # corrupt files raise library-specific errors: all become one line
+            raise ModelLoadError(_explain_load_failure(name, exc, said)) from None
     if getattr(tokenizer, "mask_token_id", None) is None:
         raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
                              "use a fill-mask model such as google-bert/bert-base-uncased")
@@ -1154,12 +1156,62 @@ def _device_problem(exc: BaseException) -> str:
     return line
 
 
-def _explain_load_failure(name: str, exc: BaseException) -> str:
+@contextmanager
+def _library_warnings() -> Iterator[list[str]]:
+    """transformers' warnings while the block runs, kept (in the list it gives) instead of printed.
+
+    Start-up keeps the library quiet, but some of its failures say only "look at the above report"
+    or name a fallback's problem (tiktoken) instead of the cause, which it gave as a warning just
+    before (a checkpoint audit's find): ``_explain_load_failure`` reads them."""
+    import transformers
+
+    library = transformers.utils.logging.get_logger()  # the library's root logger: it does not propagate
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handlers, level = library.handlers[:], library.level
+    library.handlers = [Keep(logging.WARNING)]
+    library.setLevel(logging.WARNING)
+    try:
+        yield said
+    finally:
+        library.handlers = handlers
+        library.setLevel(level)
+
+
+_SHAPE_MISMATCH = re.compile(r"^(\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
+                             r"model:\s*torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
+
+
+def _warned_cause(said: Sequence[str]) -> str | None:
+    """The cause of a load failure that transformers gave as a warning (``_library_warnings``), if it is
+    one this knows to read: a tokenizer that needs the sentencepiece package, or a weight whose shape
+    is not the one config.json makes."""
+    text = "\n".join(said)
+    if "SentencePiece library but it was not found" in text:
+        return ("its tokenizer is a sentencepiece model, and the sentencepiece package is not installed: install "
+                "it (pip install sentencepiece), or give --model a directory with the tokenizer as tokenizer.json")
+    mismatch = _SHAPE_MISMATCH.search(text)
+    if mismatch:
+        return (f"the checkpoint's {mismatch[1]} has the shape {mismatch[2]}, where its config.json makes it "
+                f"{mismatch[3]}: the weights and config.json do not belong together (a vocab_size changed?); give "
+                "--model a directory whose config.json was saved with its weights")
+    return None
+
+
+def _explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
-        return f"cannot load model from directory {name!r}: {_first_line(exc)}; {_HINT}"
+        cause = _warned_cause(said)
+        if cause is not None:
+            return f"cannot load model from directory {name!r}: {cause}"
+        return (f"cannot load model from directory {name!r}: {_first_line(exc)}; check the files --model names "
+                "(incomplete, or written for another model or version of transformers?)")
     return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
             f"Hugging Face Hub (offline, or no such model); {_HINT}")
 

@@ -178,18 +178,38 @@ def test_values_that_would_make_the_server_useless_are_refused(overrides: dict[s
         ("{empty}", "has no config.json"),
         ("{gpt2}", "has no masked-language-model head"),
         ("{corrupt}", "cannot load model from directory"),
+        # A checkpoint audit: these said "look at the above report" (hidden) and "install tiktoken".
+        ("{resized}", "where its config.json makes it [30722]: the weights and config.json do not belong together"),
+        ("{sentencepiece}", "the sentencepiece package is not installed: install it (pip install sentencepiece)"),
     ],
 )
 def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_model_dir: Path, model: str,
                                                            expected: str) -> None:
+    import importlib.util
+    import json
+
+    if model == "{sentencepiece}" and importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed here: the tokenizer below fails another way")
     (tmp_path / "empty").mkdir()
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
     corrupt = tmp_path / "corrupt"
     shutil.copytree(tiny_model_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)  # truncated weights
-    result = run_server("--model", model.format(empty=tmp_path / "empty", gpt2=tmp_path / "gpt2", corrupt=corrupt),
-                        "--port", "0")
+    resized = tmp_path / "resized"  # config.json's vocabulary larger than the weights'
+    shutil.copytree(tiny_model_dir, resized)
+    config = json.loads((resized / "config.json").read_text())
+    assert config["vocab_size"] == 30522, config["vocab_size"]  # (bert-base-uncased's vocabulary)
+    (resized / "config.json").write_text(json.dumps({**config, "vocab_size": 30722}))
+    sentencepiece = tmp_path / "sentencepiece"  # an older checkpoint's tokenizer: spiece.model, no tokenizer.json
+    shutil.copytree(tiny_model_dir, sentencepiece)
+    for leftover in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
+        (sentencepiece / leftover).unlink(missing_ok=True)
+    (sentencepiece / "tokenizer_config.json").write_text('{"tokenizer_class": "AlbertTokenizer"}')
+    (sentencepiece / "spiece.model").write_bytes(b"\x00" * 64)
+    dirs = {"empty": tmp_path / "empty", "gpt2": tmp_path / "gpt2", "corrupt": corrupt, "resized": resized,
+            "sentencepiece": sentencepiece}
+    result = run_server("--model", model.format(**dirs), "--port", "0")
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     *said, error = lines  # what start-up said it loads, then one error line
