@@ -26,6 +26,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 import pytest
@@ -1369,6 +1370,9 @@ async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: A
         assert "s3cret" not in (await page.by("conn-status").get_attribute("title") or "")
         assert "s3cret" not in await page.page.evaluate("document.body.innerText + JSON.stringify(localStorage) + "
                                                    "JSON.stringify(sessionStorage)")
+        # An address that holds it (a bookmark made before): used once, then no longer kept.
+        kept = await open_page(f"{guarded.http_url}/?ws={quote(guarded.url + '?token=s3cret', safe='')}")
+        assert "s3cret" not in kept.page.url and "ws=" in kept.page.url, kept.page.url
 
 
 # ---------------------------------------------------------------------------- pictures

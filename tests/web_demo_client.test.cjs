@@ -86,6 +86,9 @@ test('the token in an address is hidden, or left out, for everything the page sh
   assert.equal(redactToken('ws://h/?tok%65n=s3cret'), 'ws://h/?token=***');  // the server decodes names too
   assert.equal(redactToken('ws://h/'), 'ws://h/');
   assert.equal(redactToken('not a url'), 'not a url');
+  // An address the URL parser refuses (the page's "not a WebSocket URL" notice shows it) still hides it.
+  assert.equal(redactToken('ws://h:70000/?token=s3cret'), 'ws://h:70000/?token=***');
+  assert.equal(redactToken('ws://my host/?a=1&token=s3cret&b=2', false), 'ws://my host/?a=1&b=2');
   const { client, events, socket } = harness('ws://h/?token=s3cret');
   client.connect();
   const logged = events.filter((e) => e[0] === 'log').map((e) => e[2]);

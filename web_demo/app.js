@@ -171,7 +171,12 @@
   // ---------------------------------------------------------------- connection
 
   function resolveUrl() {
-    const param = new URLSearchParams(window.location.search).get('ws');
+    const params = new URLSearchParams(window.location.search);
+    const param = params.get('ws');
+    if (param && redactToken(param, false) !== param) {  // an address (a bookmark, history) that holds a token:
+      params.set('ws', redactToken(param, false));       // used once, no longer kept (see the form below)
+      try { window.history.replaceState(null, '', '?' + params.toString() + window.location.hash); } catch (err) { /* file:// */ }
+    }
     if (param) return normaliseUrl(param);
     if (window.location.protocol === 'http:' || window.location.protocol === 'https:') {
       return (window.location.protocol === 'https:' ? 'wss://' : 'ws://') + window.location.host + '/';

@@ -444,11 +444,17 @@
    * `url` with the value of its `token` query parameter (the server's access token, §9) written as ***,
    * or with the parameter left out when `keep` is false: for everything the page shows or keeps (the
    * frame log, tooltips, notices, its own address and history), so that the secret stays in memory.
-   * A `url` that does not parse, or has no token, comes back unchanged.
+   * A `url` without a token comes back unchanged; one that does not parse has its `token=` values
+   * hidden (or cut) as text.
    */
   function redactToken(url, keep = true) {
     let parsed;
-    try { parsed = new URL(url); } catch (err) { return url; }
+    try {
+      parsed = new URL(url);
+    } catch (err) {
+      return String(url).replace(/([?&])tok(?:en|%65n)=[^&#]*(&?)/gi,
+        (all, before, after) => (keep ? before + 'token=***' + after : (after ? before : '')));
+    }
     if (!parsed.searchParams.has('token')) return url;
     if (keep) parsed.searchParams.set('token', '***');
     else parsed.searchParams.delete('token');
