@@ -963,12 +963,16 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
                              "it cannot fill masks; point --model at a fill-mask model such as "
                              "google-bert/bert-base-uncased")
     progress("tokenizer and weights")
-    with _library_warnings() as said:
+    with _library_warnings() as said:  # (each load's own warnings explain its own failure)
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as exc:  # corrupt files raise library-specific errors: all become one line
+            raise ModelLoadError(_explain_load_failure(name, exc, said)) from None
+    with _library_warnings() as said:
+        try:
             model, loading = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype,
                                                                   output_loading_info=True)
-        except Exception as exc:  # corrupt files raise library-specific errors: all become one line
+        except Exception as exc:
             raise ModelLoadError(_explain_load_failure(name, exc, said)) from None
     if getattr(tokenizer, "mask_token_id", None) is None:
         raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
@@ -1167,12 +1171,15 @@ def _library_warnings() -> Iterator[list[str]]:
 
     library = transformers.utils.logging.get_logger()  # the library's root logger: it does not propagate
     said: list[str] = []
+    handlers, level, shown = library.handlers[:], library.level, library.getEffectiveLevel()
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             said.append(record.getMessage())
+            if record.levelno >= shown:  # what the library says at the level it was left at still shows
+                for handler in handlers:
+                    handler.handle(record)
 
-    handlers, level = library.handlers[:], library.level
     library.handlers = [Keep(logging.WARNING)]
     library.setLevel(logging.WARNING)
     try:
