@@ -69,8 +69,8 @@ class Config:
 
 _HELP: dict[str, str] = {
     "model": "fill-mask model: a Hugging Face model id or a local directory",
-    "host": "address to listen on (0.0.0.0: every IPv4 interface; '' (empty): every interface, IPv4 and IPv6; "
-            ":: is IPv6 only)",
+    "host": "address to listen on (0.0.0.0: every IPv4 interface; '' (empty, as a flag: an empty variable counts "
+            "as unset): every interface, IPv4 and IPv6; :: is IPv6 only)",
     "port": "TCP port for WebSocket and HTTP (0 picks a free port)",
     "max_batch_size": "most requests in one model batch; 0 = automatic: 64, scaled up at start-up by the "
                       "calibration's cost model (up to 8x) while a batch of the default caps spends more than 5%% of "

@@ -618,7 +618,7 @@ def check_can_listen(host: str, port: int) -> None:
 def listen_problem(host: str, port: int, exc: OSError) -> str:
     """The one line that says why ``host:port`` cannot be listened on, naming the flag to change: the
     host's for a name that does not resolve or an address no interface has, the port's otherwise."""
-    where = f"cannot listen on {host}:{port}"
+    where = f"cannot listen on {host or '(every interface)'}:{port}"
     hosts = ("choose another --host (127.0.0.1: this machine only; 0.0.0.0: every IPv4 interface; '': every "
              "interface, IPv4 and IPv6)")
     if isinstance(exc, socket.gaierror):
