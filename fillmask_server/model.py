@@ -1169,9 +1169,10 @@ def _library_warnings() -> Iterator[list[str]]:
     before (a checkpoint audit's find): ``_explain_load_failure`` reads them."""
     import transformers
 
-    library = transformers.utils.logging.get_logger()  # the library's root logger: it does not propagate
+    library = transformers.utils.logging.get_logger()  # the library's root logger
     said: list[str] = []
     handlers, level, shown = library.handlers[:], library.level, library.getEffectiveLevel()
+    propagates = library.propagate  # (transformers lets it propagate where the environment says CI=true)
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -1182,11 +1183,13 @@ def _library_warnings() -> Iterator[list[str]]:
 
     library.handlers = [Keep(logging.WARNING)]
     library.setLevel(logging.WARNING)
+    library.propagate = False
     try:
         yield said
     finally:
         library.handlers = handlers
         library.setLevel(level)
+        library.propagate = propagates
 
 
 _SHAPE_MISMATCH = re.compile(r"^(\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
