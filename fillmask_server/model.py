@@ -275,7 +275,7 @@ class FillMaskModel:
         except Exception as exc:
             return _first_line(exc)
         if not bool(torch.isfinite(top.values).all()):
-            return "its scores are not numbers (NaN or infinite weights?)"
+            return NOT_NUMBERS
         return None
 
     def engine_facts(self) -> dict[str, str]:
@@ -988,7 +988,15 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     progress("forward pass traced and checked" if forward == "traced" else "model set-up")
     loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized)
     del unquantized
+    shortest = len(loaded.tokenize([loaded.mask_token])[0])
+    if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)
+        raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens (its tokenizer's "
+                             f"model_max_length, or its position table), and a text of one mask takes {shortest}: "
+                             "no request could run; fix model_max_length in its tokenizer_config.json")
     failure = loaded.fails_a_batch()
+    if failure == NOT_NUMBERS and dtype in ("float16", "bfloat16"):  # (an audit: it blamed weights and tokenizer)
+        raise ModelLoadError(f"model {name!r} gives scores that are not numbers in {dtype} (its activations "
+                             "overflow, or its weights hold NaN); use --dtype float32, or bfloat16 for float16")
     if failure is not None:
         raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
                              "cannot serve requests: check that its tokenizer and its weights belong together")
@@ -996,6 +1004,10 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
              "at the masks" if facts["head"] == "masks" else "at every position (full model)")
     return loaded
+
+
+#: ``FillMaskModel.fails_a_batch``'s answer for scores that are not finite.
+NOT_NUMBERS = "its scores are not numbers (NaN or infinite weights?)"
 
 
 def _token_json_bytes(tokenizer: Any) -> list[int]:

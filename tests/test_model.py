@@ -660,6 +660,10 @@ def odd_bert(tmp_path: Path, name: str, edit: Any) -> Path:
     ("no token type embeddings", "fails on a batch of two short texts with a mask"),
     ("NaN weights", "its scores are not numbers"),
     ("no tokenizer files", "has a tokenizer of 5 special tokens and no others"),
+    # A checkpoint audit: these said "check that its tokenizer and its weights belong together", and started.
+    ("a float16 overflow", "gives scores that are not numbers in float16 (its activations overflow"),
+    ("a model_max_length of 2", "accepts at most 2 tokens (its tokenizer's model_max_length, or its position "
+                                "table), and a text of one mask takes 3"),
 ])
 def test_a_checkpoint_that_would_fail_every_request_is_refused_at_start_up(tmp_path: Path, case: str,
                                                                            expected: str) -> None:
@@ -688,6 +692,13 @@ def test_a_checkpoint_that_would_fail_every_request_is_refused_at_start_up(tmp_p
                 model.bert.encoder.layer[0].attention.self.query.weight.fill_(float("nan"))
             model.save_pretrained(directory)
             return
+        elif case == "a float16 overflow":  # finite in float32 and bfloat16, past float16's 65,504
+            with torch.no_grad():
+                model.bert.encoder.layer[0].intermediate.dense.weight.mul_(1e5)
+            model.save_pretrained(directory)
+            return
+        elif case == "a model_max_length of 2":
+            tokenizer.model_max_length = 2
         else:
             config = BertConfig.from_pretrained(directory, type_vocab_size=0)
             BertForMaskedLM(config).save_pretrained(directory)
@@ -696,7 +707,7 @@ def test_a_checkpoint_that_would_fail_every_request_is_refused_at_start_up(tmp_p
 
     directory = odd_bert(tmp_path, "odd", edit)
     with pytest.raises(ModelLoadError) as refused:
-        load_model(str(directory))
+        load_model(str(directory), dtype="float16" if case == "a float16 overflow" else "float32")
     assert expected in str(refused.value) and "\n" not in str(refused.value)
 
 
