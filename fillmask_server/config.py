@@ -279,6 +279,20 @@ OTHER_VARIABLES = ("FILLMASK_URL", "FILLMASK_REPLICA_", "FILLMASK_LB_", "FILLMAS
                    "FILLMASK_UPDATE_SCREENSHOT")
 
 
+#: A ``--token`` shorter than this gets a warning at start: the server does not slow down guessing.
+MIN_TOKEN_CHARS = 16
+
+
+def setting_warnings(config: Config) -> list[str]:
+    """One warning line for each setting that works but is unwise (start-up prints them): a short
+    ``--token``, which a client could guess (the server answers wrong tokens at full speed)."""
+    if config.token and len(config.token) < MIN_TOKEN_CHARS:
+        return [f"warning: --token is {len(config.token)} characters long, and the server does not slow down "
+                f"clients that guess: use {MIN_TOKEN_CHARS} or more random characters (python -c \"import secrets; "
+                "print(secrets.token_urlsafe(24))\")"]
+    return []
+
+
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """One warning line for each ``FILLMASK_*`` variable set in ``environ`` that is no setting of the
     server (a misspelling is otherwise ignored without a word), naming the nearest setting."""

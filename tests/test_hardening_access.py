@@ -34,7 +34,7 @@ from fillmask_server.access import (
     tls_context,
     token_matches,
 )
-from fillmask_server.config import Config, load_config, validate
+from fillmask_server.config import Config, load_config, setting_warnings, validate
 from fillmask_server.server import FillMaskServer
 from tests.wire import request, session
 
@@ -158,6 +158,17 @@ def test_token_from_header_or_query() -> None:
 def test_bad_hardening_settings_are_refused_with_one_line(overrides: dict[str, Any], message: str) -> None:
     problem = validate(Config(**overrides))
     assert problem is not None and message in problem and "\n" not in problem
+
+
+def test_a_short_token_gets_a_warning_at_start(tmp_path: Path) -> None:
+    """A TLS audit guessed 2,700 tokens a second, all answered at once: nothing slows guessing down, so
+    a short token is worth a word at start (before the model loads: here, one that does not exist)."""
+    result = subprocess.run([sys.executable, "ws_server.py", "--model", str(tmp_path / "none"), "--token", "abc"],
+                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60)
+    warned = [line for line in result.stderr.splitlines() if line.startswith("warning: --token")]
+    assert len(warned) == 1 and "3 characters long" in warned[0] and "abc" not in warned[0], result.stderr
+    assert setting_warnings(Config(token=TOKEN * (16 // len(TOKEN) + 1))) == []
+    assert setting_warnings(Config()) == []
 
 
 def test_hardening_flags_have_environment_variables() -> None:
