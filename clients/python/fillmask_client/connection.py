@@ -91,8 +91,14 @@ class NotSentError(Exception):
 
 
 def redact(url: str) -> str:
-    """``url`` with the value of a ``token`` query parameter hidden, for messages and logs (§12)."""
-    return re.sub(r"(?i)([?&]token=)[^&#]*", r"\1***", url)
+    """``url`` with the value of a ``token`` query parameter hidden, for messages and logs (§12): its name
+    read as the server reads it, percent-decoded (``tok%65n`` is ``token`` too)."""
+
+    def hide(parameter: re.Match[str]) -> str:
+        named = urllib.parse.unquote_plus(parameter[2]).lower() == "token"
+        return f"{parameter[1]}{parameter[2]}=***" if named else parameter[0]
+
+    return re.sub(r"([?&])([^=&#]*)=[^&#]*", hide, url)
 
 
 def url_problem(url: str) -> str | None:
