@@ -133,6 +133,24 @@ def test_everything_after_a_double_dash_is_a_text_even_one_argparse_would_take_f
         assert stopped.value.code == 2, given
 
 
+def test_an_untrusted_certificate_gets_the_advice_its_reason_calls_for() -> None:
+    """A TLS audit: "pass --cafile" came for every reason, even an expired certificate, which no
+    trust can fix, and a certificate for another host name."""
+
+    def refused(code: int, words: str) -> str:
+        exc = ssl.SSLCertVerificationError(1, f"[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: {words}")
+        exc.verify_code, exc.verify_message = code, words
+        return connect_failure(exc, "wss://fill.example:8765/")
+
+    expired = refused(10, "certificate has expired")
+    assert expired.endswith(": renew the certificate on the server, or check this machine's clock"), expired
+    other_host = refused(62, "Hostname mismatch, certificate is not valid for 'fill.example'.")
+    assert "it is not for 'fill.example'; connect with a host name it was issued for" in other_host, other_host
+    self_signed = refused(18, "self-signed certificate")
+    assert "to trust it, pass ssl=ssl.create_default_context(cafile=PATH)" in self_signed, self_signed
+    assert "cafile" not in expired + other_host
+
+
 def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
     def why(exc: OSError, url: str = "ws://fill.example:8765/") -> str:
         reason = connect_failure(exc, url)

@@ -331,9 +331,10 @@ def message_for(error: FillMaskError) -> str:
     if isinstance(error, ConnectError) and error.http_status == 401:
         return (f"{error.url} refused the connection (HTTP 401): missing or wrong token; pass the server's "
                 f"token as --token TOKEN or in the {TOKEN_ENV} environment variable")
-    if isinstance(error, ConnectError) and error.kind == "certificate":
+    if isinstance(error, ConnectError) and error.kind == "certificate" and "; to trust it" in error.message:
         head = error.message.split("; to trust it", 1)[0]
-        return f"{head}; to trust it, pass --cafile PATH with its certificate (e.g. the server's cert.pem)"
+        return (f"{head}; to trust it, pass --cafile PATH with its certificate (e.g. the server's cert.pem), or "
+                "with the certificate of the authority that issued it")
     return error.message
 
 

@@ -229,8 +229,15 @@ def connect_failure(exc: OSError, url: str) -> str:
     detail = exc.strerror or str(exc) or _BARE_ERRORS.get(type(exc), type(exc).__name__)
     if isinstance(exc, ssl_module.SSLCertVerificationError):
         why = _tls_words(exc.verify_message or detail)
-        return (f"the server's TLS certificate is not trusted ({why}); to trust it, "
-                "pass ssl=ssl.create_default_context(cafile=PATH) with its certificate (e.g. the server's cert.pem)")
+        head = f"the server's TLS certificate is not trusted ({why})"
+        code = getattr(exc, "verify_code", None)
+        if code in _CERT_OUT_OF_DATE:  # trusting it more would not help (a TLS audit's find)
+            return f"{head}: renew the certificate on the server, or check this machine's clock"
+        if code == _HOSTNAME_MISMATCH:
+            return (f"{head}: it is not for {parts.hostname!r}; connect with a host name it was issued for, or "
+                    "give the server a certificate for this name")
+        return (f"{head}; to trust it, pass ssl=ssl.create_default_context(cafile=PATH) with its certificate "
+                "(e.g. the server's cert.pem), or with the certificate of the authority that issued it")
     tls = parts.scheme == "wss"
     if tls and isinstance(exc, (ssl_module.SSLError, ConnectionResetError, BrokenPipeError)):
         return (f"the TLS handshake with {where} failed ({_tls_words(detail)}); if that server speaks plain "
@@ -250,6 +257,12 @@ _SSL_SOURCE_LINE = re.compile(r"\s*\(_ssl\.c:\d+\)$")
 #: OpenSSL's reasons that have plainer words for a person connecting a WebSocket: what OpenSSL before 3.2
 #: and from 3.2 on say when a plain (not TLS) server answers a TLS client.
 _TLS_PLAIN_WORDS = {"wrong version number": "the answer was not TLS", "record layer failure": "the answer was not TLS"}
+
+
+#: OpenSSL's verification codes (X509_V_ERR_*) after which trusting the certificate cannot help: not yet
+#: valid, expired; and a certificate issued for another host name.
+_CERT_OUT_OF_DATE = frozenset({9, 10})
+_HOSTNAME_MISMATCH = 62
 
 
 def _tls_words(detail: str) -> str:
