@@ -82,8 +82,8 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         elif verdict is Verdict.STOP:
             _stop_now(server)
 
-    for signum in handled:
-        loop.add_signal_handler(signum, on_signal, signum)
+    for signum in handled:  # (not loop.add_signal_handler: its removal puts SIG_DFL back for a moment, below)
+        signal.signal(signum, lambda signum, frame: loop.call_soon_threadsafe(on_signal, signum))
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     _say_ready(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)")
     stopped = asyncio.ensure_future(server.engine_stopped())
@@ -105,7 +105,9 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         log.critical("the model thread stopped during the drain: exiting with status %d", EXIT_ENGINE_STOPPED)
         status = EXIT_ENGINE_STOPPED
     for signum in handled:  # drained: a signal from now on only hurries the exit, with the drain's status
-        loop.remove_signal_handler(signum)
+        # One call, so that there is no moment without a handler: asyncio's remove_signal_handler set
+        # SIG_DFL before this replaced it, and a SIGTERM in between ended the process with -15 (the
+        # fresh clone's CI run caught it once, in the test that signals in a tight loop).
         signal.signal(signum, lambda *_: os._exit(status))
     return status
 
