@@ -82,8 +82,15 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         elif verdict is Verdict.STOP:
             _stop_now(server)
 
-    for signum in handled:  # (not loop.add_signal_handler: its removal puts SIG_DFL back for a moment, below)
-        signal.signal(signum, lambda signum, frame: loop.call_soon_threadsafe(on_signal, signum))
+    def hand_over(signum: int, frame: object) -> None:
+        with contextlib.suppress(RuntimeError):  # (a loop already closed: the process is leaving)
+            loop.call_soon_threadsafe(on_signal, signum)
+
+    # Not loop.add_signal_handler: its removal puts SIG_DFL back for a moment (below). Python runs the
+    # handler on the main thread, which the kernel interrupts first; a signal another thread took is
+    # seen when the loop next wakes, at the latest at the engine watch's next look (ENGINE_WATCH_S).
+    for signum in handled:
+        signal.signal(signum, hand_over)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     _say_ready(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)")
     stopped = asyncio.ensure_future(server.engine_stopped())
