@@ -103,6 +103,8 @@ T = TypeVar("T")
 #: The check inputs' shapes: (rows, width, padded rows, masks); widths are capped at ``max_tokens``,
 #: and one more check runs at ``max_tokens`` itself.
 _CHECK_SHAPES = ((1, 5, 0, 1), (3, 9, 2, 3), (32, 11, 0, 32), (4, 40, 3, 9))
+#: ``FillMaskModel.fails_a_batch``'s answer for scores that are not finite.
+NOT_NUMBERS = "its scores are not numbers (NaN or infinite weights?)"
 #: Rows of packed texts hold up to this many tokens (or the batch's longest text): wide enough that the
 #: texts of a batch share a few rows with little padding, narrow enough that attention across a row
 #: (quadratic in its width, masked to each text) stays a small part of the encoder's work.
@@ -269,7 +271,7 @@ class FillMaskModel:
         mask = self.mask_token
         try:
             texts = [ids for ids in self.tokenize([f"{mask}", f"{mask} {mask}. {mask}"]) if len(ids) <= self.max_tokens]
-            if not texts:  # a position table too short for any text: every request is refused as too long
+            if not texts:  # a position table too short for any text (``_load_model`` refuses such a model)
                 return None
             top = self.forward([Item(ids, n + 1) for n, ids in enumerate(texts)])
         except Exception as exc:
@@ -1004,10 +1006,6 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
              "at the masks" if facts["head"] == "masks" else "at every position (full model)")
     return loaded
-
-
-#: ``FillMaskModel.fails_a_batch``'s answer for scores that are not finite.
-NOT_NUMBERS = "its scores are not numbers (NaN or infinite weights?)"
 
 
 def _token_json_bytes(tokenizer: Any) -> list[int]:

@@ -90,8 +90,9 @@ def raise_open_files_limit(max_connections: int) -> str | None:
     """Raise this process's soft limit on open files (``ulimit -n``) to its hard limit: each connection
     holds a descriptor, and so does each handshake under way, and a soft limit of 1,024 (a common
     default, far below the hard one) is reached before ``--max-connections`` (1,000) plus the rest.
-    Past the limit accepts fail, and new connections wait in the kernel's queue. Returns one warning line when even
-    the limit now in force leaves fewer than ``max_connections + OPEN_FILES_RESERVE``, else None."""
+    Past the limit accepts fail, and new connections wait in the kernel's queue. Returns one warning
+    line when even the limit now in force leaves fewer than ``max_connections + OPEN_FILES_RESERVE``,
+    else None."""
     try:
         import resource
     except ImportError:  # not a Unix: nothing to raise

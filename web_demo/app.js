@@ -171,17 +171,29 @@
   // ---------------------------------------------------------------- connection
 
   function resolveUrl() {
-    const params = new URLSearchParams(window.location.search);
-    const param = params.get('ws');
-    if (param && redactToken(param, false) !== param) {  // an address (a bookmark, history) that holds a token:
-      params.set('ws', redactToken(param, false));       // used once, no longer kept (see the form below)
-      try { window.history.replaceState(null, '', '?' + params.toString() + window.location.hash); } catch (err) { /* file:// */ }
-    }
+    const param = new URLSearchParams(window.location.search).get('ws');
+    // An address (a bookmark, history) that holds a token: used once, no longer kept.
+    if (param && redactToken(param, false) !== param) keepInAddress(param);
     if (param) return normaliseUrl(param);
     if (window.location.protocol === 'http:' || window.location.protocol === 'https:') {
       return (window.location.protocol === 'https:' ? 'wss://' : 'ws://') + window.location.host + '/';
     }
     return DEFAULT_WS_FROM_DISK;
+  }
+
+  /**
+   * Write `url` as the page's own ?ws= (so a reload connects there again), without its token: the
+   * address, history and bookmarks keep no secret (a reload's request line would carry it too), and
+   * after a reload the token must be given again.
+   */
+  function keepInAddress(url) {
+    const params = new URLSearchParams(window.location.search);
+    params.set('ws', redactToken(url, false));
+    try {
+      window.history.replaceState(null, '', '?' + params.toString() + window.location.hash);
+    } catch (err) {
+      // Some browsers refuse history changes on file:// pages; the connection works regardless.
+    }
   }
 
   /** Accept ws://h:p, wss://..., http(s)://... (mapped to ws(s)) or a bare host:port. */
@@ -1171,15 +1183,7 @@
     const raw = el.wsUrl.value.trim();
     if (!raw) return;
     const url = normaliseUrl(raw);
-    const params = new URLSearchParams(window.location.search);
-    // The page's own address keeps no token (history, bookmarks, a reload's request line): after a
-    // reload it must be given again.
-    params.set('ws', redactToken(url, false));
-    try {
-      window.history.replaceState(null, '', '?' + params.toString() + window.location.hash);
-    } catch (err) {
-      // Some browsers refuse history changes on file:// pages; the connection works regardless.
-    }
+    keepInAddress(url);
     showNotice('');
     connectTo(url);
   });
