@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from fillmask_server.allocator import freeze_start_up_heap
 from fillmask_server.calibration import calibrate
 from fillmask_server.config import Config, load_config, named_source, setting_warnings, unknown_variables
-from fillmask_server.model import ModelLoadError, load_model, resolve_device
+from fillmask_server.diagnosis import ModelLoadError
+from fillmask_server.loading import load_model, resolve_device
 from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem, quiet_accept_failures
 from fillmask_server.signals import SignalGate, Verdict
 from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines, raise_open_files_limit

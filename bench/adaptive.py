@@ -55,7 +55,7 @@ SWEEP = {
 INPROCESS = r"""
 import json, sys, time
 import torch
-from fillmask_server.model import load_model
+from fillmask_server.loading import load_model
 from fillmask_server.calibration import batch_items
 model_dir, threads, shapes = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 torch.set_num_threads(threads)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from fillmask_server.calibration import batch_items
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
     from fillmask_server.tuning import switch_interval_s
 
     print(f"{args.model}, one batch of {args.rows} x {args.width} tokens, median of {args.passes} passes, ms")

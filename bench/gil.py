@@ -32,7 +32,8 @@ TEXT = "the old farmer bought a red [MASK] near the river."
 def child(model_dir: str, forward: str, threads: int, switch: float, repeats: int) -> str:
     """One configuration: 'alone_ms busy_ms' (mean forward time without and with a busy Python thread)."""
     sys.setswitchinterval(switch)
-    from fillmask_server.model import Item, load_model
+    from fillmask_server.items import Item
+    from fillmask_server.loading import load_model
 
     model = load_model(model_dir, "cpu", threads=threads, forward=forward)
     items = [Item(ids, 5) for ids in model.tokenize([TEXT] * 32)]

@@ -150,7 +150,8 @@ def gaps(expected: list[Any], got: list[Any]) -> dict[str, Any]:
 @contextlib.contextmanager
 def torch_settings_kept() -> Iterator[None]:
     """The block may load the server's model, which switches settings for the whole process (cuDNN's
-    attention and FlashAttention on CUDA, TorchScript's fusion: ``fillmask_server.model``); after it
+    attention and FlashAttention on CUDA: ``fillmask_server.loading``; TorchScript's fusion:
+    ``fillmask_server.model``); after it
     they are torch's again, so that the pipelines measured later run as they would anywhere."""
     import torch
 
@@ -168,7 +169,7 @@ def torch_settings_kept() -> Iterator[None]:
 def forward_ms(loaded: Any, texts: list[str], sizes: list[int]) -> dict[str, Any]:
     """The server's ``model.forward`` alone on batches of ``sizes`` texts: the median of 10 calls; and
     under ``notes`` why the model runs eager, the full head or padded rows (None: it does not)."""
-    from fillmask_server.model import Item
+    from fillmask_server.items import Item
 
     ids = loaded.tokenize(texts)
     out: dict[str, Any] = {"notes": {"forward": loaded.forward_note, "head": loaded.head_note,
@@ -301,7 +302,7 @@ def server_model_figures(model: str, device: str, dtype: str, corpora: dict[str,
     and ``forward_ms`` on short texts. Torch's settings are kept for the pipelines measured after."""
     from bench.pipeline_limits import limit_rates
     from bench.server_proc import QuietGate
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
 
     with torch_settings_kept():
         loaded = load_model(model, device=device, dtype=dtype)

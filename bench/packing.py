@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
 
-    from fillmask_server.model import Item, load_model
+    from fillmask_server.items import Item
+    from fillmask_server.loading import load_model
 
     model = load_model(args.model, "cpu", args.dtype)
     texts = family_texts(args.corpus, args.family, model.mask_token)  # (any family but esm: the corpus, its mask)

@@ -90,7 +90,7 @@ def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int,
                      ) -> tuple[list[float], list[float]]:
     """req/s of the server's own work without sockets or threads (see the module docstring): with the
     decoding, and without it; one value per repeat each."""
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
 
     return limit_rates(load_model(model_dir, "cpu", dtype), texts, repeats, gate)
 
@@ -98,7 +98,7 @@ def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int,
 def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate) -> tuple[list[float], list[float]]:
     """``in_process_limit`` on a model already loaded (bench/gpu.py's, on CUDA, loaded once per dtype)."""
     from fillmask_server.decode import SequenceDecoder, predictions_json
-    from fillmask_server.model import Item
+    from fillmask_server.items import Item
 
     decoder = SequenceDecoder(model.decode_tokenizer)
     lengths = [len(ids) for ids in model.tokenize(texts)]

@@ -5,13 +5,20 @@ Modules, each one idea:
 - ``session``: one connection's conversation, sans I/O (admission, in-flight table, cancel, deadlines).
 - ``batching``: the batching policy, pure (queue in, next batch out).
 - ``jobs``: an accepted request's states, the one table of legal moves, and its typed outcomes.
-- ``model``: loading, tokenizing, and the batched forward pass (top-k tensors).
+- ``items``: the values a batch is made of and gives back (``Item`` in, ``TopK`` out), no torch.
+- ``model``: tokenizing, and the batched forward pass (top-k tensors) on the fast path proved at load.
+- ``graph``: a batch's whole forward pass as one TorchScript call (lists in, top-k out).
+- ``loading``: ``--model`` to a checked ``FillMaskModel``; ``diagnosis``: why a model cannot load or
+  serve, in one line for the operator.
+- ``tokenizing``: a checked fast equivalent of a pure-Python tokenizer.
 - ``intake``: the tokenizer stage's checks; ``decode``: top-k into the pipeline's predictions (JSON).
 - ``core``: the engine's decisions, thread-free (admission, job containers, ledgers, the cost model).
 - ``engine``: the stages' threads (tokenizer, model, decode) around the core, and the hand-over.
-- ``calibration``: what the engine measures at start-up (torch threads, cost model, a dtype's speed).
+- ``calibration``: what the engine measures at start-up (torch threads, cost model, a dtype's speed);
+  ``tuning``: the torch thread count measured again while serving, pure.
 - ``connection``: one socket's ordered, byte-counted outbox.
-- ``server``: the thin websockets shell (wiring, watchdog, drain).
+- ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines;
+  ``signals``: what a shutdown signal means when it comes, pure.
 - ``http``: the HTTP routes and the decision on each WebSocket handshake.
 - ``access``: the handshake's Origin rule, shared token and TLS context, pure.
 - ``metrics``: the Prometheus metrics of one server; ``stats``: the live figures of ``stats`` frames.

@@ -30,14 +30,15 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   has been served more than that over a connection still waiting (past the one request that crossed
   the line), and connections served alike run in arrival order. Strict fair queuing (tolerance 0)
   reorders alike clients by every small difference in what their requests cost: whoever falls behind
-  misses a round, which doubled the closed loop's p99 on mixed lengths. A connection that has used
+  misses a round, which raised the closed loop's p99 on mixed lengths by far. A connection that has used
   little lately (one that comes and goes) runs ahead of a backlog every time. A *newcomer* (no share
   kept: new, or forgotten when it closed) is given one when first seen, as much as the least-served
   connection waiting had: no credit for being new and no debt, so it runs within their band in
   arrival order, and a backlog runs ahead of it by at most the backlog's band. Reconnecting starts a
   connection afresh within the band, so a client that reconnects often can take up to the band's
-  1 + ``fair_tolerance`` of the least-served connection's work and a little more (simulated: 3.3x
-  reconnecting every 16 requests, 1.8x every 64, 1.0x every 256). The first request in fair order
+  1 + ``fair_tolerance`` of the least-served connection's work and a little more, the more the more
+  often it reconnects (README, "Cost model, tail bound and calibration", has a simulation's figures).
+  The first request in fair order
   (the *head*) is always in the batch.
 - **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
   the fair order's first ``max_batch_size`` requests, as long as their tokens fit
@@ -69,7 +70,7 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   overhead falls to ``slack`` of a batch's time, between 1 and ``MAX_CAP_SCALE``, set once from the
   start-up calibration's fit, whose shapes vary rows and tokens apart. (Not from the online fit: a
   load of one shape, 64 short texts a batch, cannot tell the overhead from the row price, and a fit
-  that put 10 ms in the overhead where a batch's is 2 ms grew tiny's caps 8x on a CPU.) Where a batch
+  that put several times a batch's real overhead in it grew tiny's caps to the most on a CPU.) Where a batch
   is cheap beside its overhead (a GPU launching kernels) the caps grow; where a default batch already
   amortises it (a CPU) they stay. And a
   **predicted time** of at most ``max_batch_s``, by default the overhead

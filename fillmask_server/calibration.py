@@ -27,7 +27,7 @@ own tokens around its mask token), all within ``--calibration-s``:
 
 It all runs on a thread of its own that ends when it is done, like the model's loading: the OpenMP
 worker pool each thread's first parallel operator creates goes with that thread (see
-``model.load_model``). Test hook: ``FILLMASK_TEST_DTYPE_SLOWDOWN=F`` multiplies the reduced dtype's
+``loading.load_model``). Test hook: ``FILLMASK_TEST_DTYPE_SLOWDOWN=F`` multiplies the reduced dtype's
 measured time by ``F`` (the measurement still runs), so a test can see the warning on any CPU.
 """
 
@@ -48,7 +48,10 @@ from . import intake
 from .batching import Coefficients
 from .core import fit
 from .decode import SequenceDecoder, predictions_json
-from .model import FillMaskModel, Item, _first_line, on_a_thread_that_ends
+from .diagnosis import first_line
+from .items import Item
+from .loading import on_a_thread_that_ends
+from .model import FillMaskModel
 from .protocol import FillMaskRequest, Limits, encode_result, parse_frame
 from .tuning import THREAD_TIE
 
@@ -219,14 +222,14 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             result.dtype_speed = _dtype_speed(model, model_name, device, forward)
         except Exception as exc:  # a float32 copy that does not fit beside the model, say: serve without it
             log.warning("could not measure --dtype %s against float32 (%s); serving without that check",
-                        model.dtype, _first_line(exc))
+                        model.dtype, first_line(exc))
     result.seconds = time.perf_counter() - started
     return result
 
 
 def _dtype_speed(model: FillMaskModel, model_name: str, device: str, forward: str) -> float:
     """float32's time for one batch divided by ``model``'s (its reduced precision's)."""
-    from .model import load_model
+    from .loading import load_model
 
     items = batch_items(model, *THREAD_SHAPE)
     reference = load_model(model_name, device, "float32", forward=forward)

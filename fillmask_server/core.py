@@ -96,10 +96,9 @@ class CostModel:
     # The fitted per-batch overhead and per-token price never go below these shares of the prior's.
     # Timings of a slow or busy machine are noisy, and a fit of no overhead made every batch of mixed
     # lengths look less efficient than its rows run alone; a fit of no token price made every request's
-    # output (priced in tokens: byte / token) too large for any batch but its own, when output still
-    # counted against the token budget. Either way the server ran batches of one row. (The token
-    # price's floor is low: a small model's real price is far below the CPU prior's; a prior of next to
-    # no token price is floored itself, in ``__init__``.)
+    # output (priced in tokens: byte / token) too large for any batch but its own. Either way the
+    # server ran batches of one row. (The token price's floor is low: a small model's real price is far
+    # below the CPU prior's; a prior of next to no token price is floored itself, in ``__init__``.)
     OVERHEAD_FLOOR = 0.5
     TOKEN_FLOOR = 0.01
     # ... but the overhead never above the fastest recent batch, which wins over its floor (every

@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-from .model import Item, TopK
+from .items import Item, TopK
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@
 Every decision (admission, fair share, answer memory, prices, the cost model, the batch choice, which
 job is where) is the thread-free ``core.EngineCore``'s; this module keeps only the three loops, the
 out-of-memory split and the hand-over of outcomes. The event loop only calls the cheap methods
-``submit``, ``withdraw``, ``withdraw_all``, ``release`` and the counters; finished work reaches it as
+``submit``, ``withdraw``, ``withdraw_all``, ``forget``, ``release`` and the counters; finished work reaches it as
 typed ``Outcome``\\ s through ``deliver``, called on a stage thread under the engine's lock (the server
 makes it thread-safe and non-blocking with ``call_soon_threadsafe``).
 
@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from . import intake
 from .batching import BatchPolicy
 from .core import (
-    ENGINE_STOPPED_RETRY_MS,
     INTAKE_BATCH,
     SERVER_FAILED,
     Admission,
@@ -57,11 +56,12 @@ from .core import (
     Scheduled,
 )
 from .decode import SequenceDecoder, predictions_json
+from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
-from .model import FillMaskModel, Item, TopK
+from .model import FillMaskModel
 from .tuning import WINS_TO_SWITCH, ThreadTuner
 
-__all__ = ["ENGINE_STOPPED_RETRY_MS", "Admission", "AnswerMemory", "Engine", "EngineStats"]
+__all__ = ["Engine", "EngineStats"]
 
 log = logging.getLogger(__name__)
 

@@ -116,5 +116,5 @@ def script(scores: torch.nn.Module, device: str, packed: Optional[torch.nn.Modul
            ) -> torch.jit.ScriptModule:
     """``BatchGraph`` around ``scores`` (and ``packed``), compiled (raises what ``torch.jit.script`` raises)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TorchScript's deprecation notice, as the tracer's in model._trace
+        warnings.simplefilter("ignore")  # TorchScript's deprecation notice (the tracer's: model.py)
         return torch.jit.script(BatchGraph(scores, device, packed))

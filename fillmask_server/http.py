@@ -100,8 +100,8 @@ class FrontState:
 #: each hold memory (up to websockets' 128 header lines of 8 KiB) for up to its open timeout (10 s), and
 #: nothing else bounds how many there are (``--max-connections`` counts open WebSocket connections):
 #: at most this many, or a quarter of ``--max-connections`` where that is more; one past it is reset at
-#: once (§12). A burst of clients reconnecting after a drain finishes each handshake in about a
-#: millisecond, far below it.
+#: once (§12). A burst of clients reconnecting after a drain finishes each handshake far sooner than
+#: the open timeout, so it stays far below it.
 MIN_UNFINISHED = 256
 
 

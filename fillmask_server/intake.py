@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .model import FillMaskModel, TargetError
+from .items import TargetError
 from .protocol import FillMaskRequest, TargetNote, targets_field
+
+if TYPE_CHECKING:  # (the engine core imports this module and needs no model)
+    from .model import FillMaskModel
 
 log = logging.getLogger(__name__)
 

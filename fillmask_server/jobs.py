@@ -23,7 +23,7 @@ protocol's rule that a request whose batch has started is never cut short (§5, 
 VALUES: the outcomes here, like the parsed frames (``protocol``), the tokenizer stage's verdicts
 (``intake``), the session's answers and the model's ``Item``, are values: made once, never changed
 after. They are plain slotted dataclasses, not frozen ones, because several are made for every
-request and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) takes about four
+request and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) takes several
 times as long; ``unsafe_hash`` keeps them hashable by value, as frozen ones were.
 """
 

@@ -27,7 +27,6 @@ from .allocator import frozen_objects
 from .batching import Coefficients
 from .protocol import ERROR_CODES
 
-OUTCOMES = ("result", "error", "overloaded", "cancelled", "dropped")
 #: ``fillmask_handshakes_refused_total``'s reasons (§11).
 REFUSED_REASONS = ("bad_request", "not_found", "host", "origin", "token", "unavailable", "max_connections",
                    "unfinished")
@@ -199,8 +198,7 @@ class Metrics:
         if count:
             self.requests.labels("dropped", "").inc(count)
 
-    def observe_batch(self, batch_id: int, size: int, padded_tokens: int, queue_waits_s: Sequence[float],
-                      inference_s: float) -> None:
+    def observe_batch(self, size: int, padded_tokens: int, queue_waits_s: Sequence[float], inference_s: float) -> None:
         """Record one batch (called on the engine thread; prometheus_client is thread-safe)."""
         self.batch_size.observe(size)
         self.batch_tokens.observe(padded_tokens)

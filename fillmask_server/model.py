@@ -1,5 +1,7 @@
-"""The fill-mask model: loading, tokenizing, and the batched forward pass whose top-k the decode stage
-turns into exactly what the transformers pipeline returns.
+"""The fill-mask model: tokenizing, and the batched forward pass whose top-k the decode stage turns
+into exactly what the transformers pipeline returns, on the fastest path proved at load (the head at
+the masks, packed rows, a traced graph). Loading it is ``loading``'s work; the values a batch is made
+of are in ``items``.
 
 ``FillMaskModel`` is shared by stages with one owner each: the tokenizer stage calls ``tokenize`` and
 ``target_ids`` (the tokenizer), the model thread calls ``forward`` (torch), and the decode stage reads
@@ -20,10 +22,10 @@ It returns the top-k as tensors (``TopK``); turning them into Python lists and s
 
 **Traced forward.** In eager PyTorch every operator releases the GIL and takes it back, hundreds of
 times per forward pass; whenever another thread runs Python (the event loop, the decode stage) the
-model thread waits for the GIL after each of them. Measured on a 2-core machine with one torch thread
-(``bench/gil.py``): a tiny-model encoder pass went from 4.6 ms to 251 ms while another thread ran
-Python. So by default (``forward="traced"``) the encoder, the head at the masks and the softmax run as
-one TorchScript graph: one call, one GIL hand-over per batch (4.6 ms → 4.4 ms in the same test). The
+model thread waits for the GIL after each of them: with one torch thread, a tiny model's encoder pass
+took many times as long while another thread ran Python (``bench/gil.py``; docs/performance-log.md,
+"The benchmark"). So by default (``forward="traced"``) the encoder, the head at the masks and the
+softmax run as one TorchScript graph: one call, one GIL hand-over per batch. The
 graph is traced at load time and checked against eager PyTorch on several shapes, padding patterns
 and mask counts; if tracing fails or any output differs by a single bit, the eager path is used.
 
@@ -47,14 +49,14 @@ padding and masks, two things are verified, and if either fails the full model r
   its own range, so there every layer's answer (the encoder's too) depends on what else is in the
   batch, and the head at the masks is no different.
 
-**Packed rows.** A batch of texts of different lengths, padded to its longest, spends work on padding:
-a quarter of its tokens on short texts of 8-16 tokens, two thirds on mixed ones. Where the model
+**Packed rows.** A batch of texts of different lengths, padded to its longest, spends work on padding,
+the more the further apart its lengths are. Where the model
 allows it, the texts share rows instead (``batching.layout``: longest first, each into the first row
 with room, rows of ``PACK_WIDTH`` tokens or the longest text): each token attends to its own text's
 tokens only (a 4-d mask, built in ``graph.BatchGraph`` from each token's text) and takes its
 position within its text (RoBERTa's positions start after the padding index: ``_first_position``),
-so that a batch costs about its tokens, whatever the lengths in it. The batching policy reads the
-same layout (``batching.footprint``) and no longer cuts batches to keep lengths together. At load,
+so that a batch costs about its tokens, whatever the lengths in it. The batching policy prices a
+batch by the same layout (``batching.footprint``), so texts of any lengths may share one. At load,
 ``_check_packing`` runs six texts of different lengths, one of them longer than a row, packed into
 one row and padded, and packs only when every logit at the masks agrees within ``_PACK_TOLERANCE``
 of the largest (a wrong first position or a mask the model replaces moves them by far more). A model
@@ -64,7 +66,7 @@ be replaced) and one whose logits differ keep one padded row per text, and ``pac
 why. In a reduced ``dtype`` rounding alone moves logits as far as a wrong position does, so there the
 check runs in float32 on the same weights (``FillMaskModel._as_float32``: bfloat16 and float16
 tensors made float32 and put back bit for bit; for int8, whose quantisation cannot be undone, the
-float32 model it was quantised from, which ``_load_model`` passes in and nothing keeps), and then
+float32 model it was quantised from, which ``loading`` passes in and nothing keeps), and then
 packed rows in the dtype must be no more than ``_PACK_ROUNDING`` times as far from float32's logits
 as padded rows are (a kernel that fails a 4-d mask in that dtype only is further, or NaN), a bound
 that must itself be nearer than packed rows with no mask at all are: where rounding is as coarse as
@@ -80,25 +82,20 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import re
-import shlex
-import sys
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 
 from . import batching, tokenizing
+from .checkpoint import RANDOM_WEIGHTS_KEY
+from .diagnosis import first_line
+from .items import Item, TargetError, TopK
 from .protocol import TargetNote
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: The check inputs' shapes: (rows, width, padded rows, masks); widths are capped at ``max_tokens``,
 #: and one more check runs at ``max_tokens`` itself.
@@ -111,76 +108,18 @@ NOT_NUMBERS = "its scores are not numbers (NaN or infinite weights?)"
 PACK_WIDTH = 64
 #: Config fields of an attention with a local window (ModernBERT's ``local_attention``, Longformer's ...).
 _LOCAL_WINDOWS = ("local_attention", "sliding_window", "attention_window")
-#: Packed rows may move a logit by this share of the largest, at most, against padded rows (in float32:
-#: rounding moves it by about 1e-7 to 1e-5 of it on this project's checkpoints; a wrong position or a
-#: mask the model overrides, by 0.06 to 1).
+#: Packed rows may move a logit by this share of the largest, at most, against padded rows (in float32,
+#: rounding moves it by orders of magnitude less on this project's checkpoints, and a wrong position or
+#: a mask the model overrides by orders of magnitude more: docs/performance-log.md, "Packed rows").
 _PACK_TOLERANCE = 1e-3
 #: In a reduced dtype, packed rows' logits may be this many times as far from float32's as padded rows'
-#: are (both differ by rounding alone once the float32 check passed: 0.5 to 1.3 times on this project's
-#: checkpoints in bfloat16, float16 and int8; a kernel that breaks on a 4-d mask in that dtype, by far
-#: more, or not finite).
+#: are (both differ by rounding alone once the float32 check passed, and by about as much on this
+#: project's checkpoints in bfloat16, float16 and int8; a kernel that breaks on a 4-d mask in that dtype,
+#: by far more, or not finite).
 _PACK_ROUNDING = 2
 #: Tries of the bit-for-bit head check before the full model is taken: a head that reads more than the
 #: encoder's output fails each one; a kernel that gives other bits once passes on the next.
 _HEAD_ATTEMPTS = 3
-
-
-class ModelLoadError(Exception):
-    """The model could not be loaded; ``str(error)`` is one line for the operator."""
-
-
-@dataclass(slots=True, unsafe_hash=True)  # a value, never changed (not frozen: see jobs.VALUES)
-class Item:
-    """One text of a batch: its token ids (with special tokens), top_k, and target ids or None."""
-
-    input_ids: Sequence[int]
-    top_k: int
-    target_ids: tuple[int, ...] | None = None
-
-
-class TargetError(ValueError):
-    """No target of a request maps to a vocabulary token."""
-
-
-@dataclass
-class TopK:
-    """The forward pass's answer for a batch, in the items' order: Python lists and CPU tensors.
-
-    For item ``i``: ``spans[i]`` is the [first, last) range of its mask rows; ``columns[first:last]``
-    are the mask positions in its ``input_ids``. Items without targets share one top-k over the
-    vocabulary (``values``/``indices``, row ``plain_rows[i] + j`` for its ``j``-th mask, as wide as the
-    largest ``top_k`` among them; each row's first ``top_k`` columns are its own top-k, taken at its
-    item's ``top_k``, and each item keeps those). An item with
-    targets has its own ``targeted[i] = (values, picks)`` where ``picks`` index its ``target_ids``.
-    ``candidates`` (the decode stage) turns the shared top-k into lists once, on its first call.
-    """
-
-    spans: list[tuple[int, int]]
-    columns: list[int]
-    values: Any = None
-    indices: Any = None
-    plain_rows: dict[int, int] | None = None
-    targeted: dict[int, tuple[Any, Any]] | None = None
-    lists: tuple[list[list[float]], list[list[int]]] | None = field(default=None, repr=False, compare=False)
-
-    def candidates(self, i: int, item: Item) -> tuple[list[int], list[list[float]], list[list[int]]]:
-        """Item ``i``'s mask positions, and per mask its scores and token ids, best first (Python lists)."""
-        first, last = self.spans[i]
-        positions = self.columns[first:last]
-        if self.targeted is not None and i in self.targeted:
-            values, picks = self.targeted[i]
-            targets = item.target_ids or ()
-            return positions, values.tolist(), [[targets[p] for p in row] for row in picks.tolist()]
-        assert self.plain_rows is not None and self.values is not None
-        if self.lists is None:  # one conversion per batch, not three tensor operations per item
-            self.lists = (self.values.tolist(), self.indices.tolist())
-        values, indices = self.lists
-        row = self.plain_rows[i]
-        count = last - first
-        top_k = item.top_k
-        scores = [line[:top_k] for line in values[row: row + count]]
-        tokens = [line[:top_k] for line in indices[row: row + count]]
-        return positions, scores, tokens
 
 
 class FillMaskModel:
@@ -194,7 +133,7 @@ class FillMaskModel:
 
         self.name = name
         # A checkpoint made by ``fillmask_server.checkpoint`` says its weights are random (hello tells clients).
-        self.random_weights = getattr(model.config, "fillmask_random_weights", False) is True
+        self.random_weights = getattr(model.config, RANDOM_WEIGHTS_KEY, False) is True
         self.tokenizer = tokenizer
         self.decode_tokenizer = copy.deepcopy(tokenizer)
         # A pure-Python tokenizer holds the GIL for every text: split with its checked fast equivalent. A
@@ -271,11 +210,11 @@ class FillMaskModel:
         mask = self.mask_token
         try:
             texts = [ids for ids in self.tokenize([f"{mask}", f"{mask} {mask}. {mask}"]) if len(ids) <= self.max_tokens]
-            if not texts:  # a position table too short for any text (``_load_model`` refuses such a model)
+            if not texts:  # a position table too short for any text (``loading`` refuses such a model)
                 return None
             top = self.forward([Item(ids, n + 1) for n, ids in enumerate(texts)])
         except Exception as exc:
-            return _first_line(exc)
+            return first_line(exc)
         if not bool(torch.isfinite(top.values).all()):
             return NOT_NUMBERS
         return None
@@ -459,7 +398,7 @@ class FillMaskModel:
                         break
                 at_masks = self._head(hidden[rows, cols])
         except Exception as exc:  # an encoder or forward pass this split does not fit
-            return f"the MLM head cannot run on the encoder's output alone ({_first_line(exc)})"
+            return f"the MLM head cannot run on the encoder's output alone ({first_line(exc)})"
         if not same:
             return "the MLM head on the encoder's output differs from the model's own forward pass"
         if tries > 1:
@@ -498,9 +437,9 @@ class FillMaskModel:
                     return self._packing_differs(self._logits(*padded).float(), packed)
                 note = self._reduced_packing_differs(padded, packed, unquantized)
         except torch.OutOfMemoryError as exc:  # (the float32 weights of a reduced dtype's check)
-            note = f"not enough memory to check packed rows against float32 ({_first_line(exc)})"
+            note = f"not enough memory to check packed rows against float32 ({first_line(exc)})"
         except Exception as exc:  # a model that builds its own attention from a 2-d mask, or none
-            note = f"the model does not take a mask of which token attends to which ({_first_line(exc)})"
+            note = f"the model does not take a mask of which token attends to which ({first_line(exc)})"
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # (what the check's float32 weights held)
@@ -619,7 +558,7 @@ class FillMaskModel:
                 _stop_fusing(f"the fused graph {differs} in {self.dtype}")
                 traced, differs = self._traced_and_checked(module, check, shapes, 1)
         except Exception as exc:  # an architecture the tracer cannot follow: eager still works
-            return self._untraced(packed, f"cannot trace the forward pass ({_first_line(exc)})")
+            return self._untraced(packed, f"cannot trace the forward pass ({first_line(exc)})")
         if differs is not None:
             return self._untraced(packed, f"the traced forward pass {differs}")
         return traced
@@ -691,7 +630,7 @@ class FillMaskModel:
             scripted = graph.script(self._scores, device, self._packed_scores)
             problem = self._differs(scripted, plain)
         except Exception as exc:
-            problem = f"cannot script it ({_first_line(exc)})"
+            problem = f"cannot script it ({first_line(exc)})"
         if problem is None:
             return scripted
         log.warning("the batch around the traced graph runs its inputs through eager torch calls: the scripted "
@@ -868,146 +807,6 @@ def _max_tokens(tokenizer: Any, model: Any) -> int:
     return positions
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` picks cuda when available, else cpu; anything else is passed to torch as is."""
-    import torch
-
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_model(name: str, device: str = "auto", dtype: str = "float32", threads: int = 0,
-               forward: str = "traced", progress: Callable[[str], None] | None = None) -> FillMaskModel:
-    """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line.
-
-    ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
-    ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
-    with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
-    yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
-
-    The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
-    start-up checks run forward passes, and the first parallel operator on a thread gives that thread
-    a pool of OpenMP workers for good. GNU OpenMP counts the workers of every pool, and once they
-    outnumber the CPUs its workers stop spinning between operators and sleep after a few microseconds
-    (its "throttled" mode), so each of the hundreds of operators in a forward pass waits for a sleeping
-    worker to be woken. A pool left on the loading thread put the model thread's own pool in that mode
-    (tiny model, 32 x 4 in flight: 2,700 against 3,190 req/s, idle p50 2.5 against 2.2 ms); the pool
-    of a thread that has ended is freed.
-    """
-    check_source(name)
-    progress = progress or _quiet
-    progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
-    progress("torch import and device check")
-    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress),
-                                 "fillmask-load")
-
-
-def on_a_thread_that_ends(work: Callable[[], T], name: str) -> T:
-    """``work()`` on a new thread that ends when it returns; its result, or its exception raised here.
-
-    For work that runs forward passes before the model thread starts (loading, calibration): the
-    OpenMP worker pool such a thread gets goes with it (see ``load_model``)."""
-    done: list[T] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            done.append(work())
-        except BaseException as exc:  # raised again on the caller's thread
-            failed.append(exc)
-
-    worker = threading.Thread(target=run, name=name, daemon=True)
-    worker.start()
-    worker.join()
-    if failed:
-        raise failed[0]
-    return done[0]
-
-
-def _quiet(stage: str) -> None:
-    """The ``progress`` of a caller that wants no start-up lines."""
-
-
-def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
-                progress: Callable[[str], None]) -> FillMaskModel:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    if threads:
-        torch.set_num_threads(threads)
-    device = resolve_device(device)
-    if dtype == "int8" and not device.startswith("cpu"):
-        raise ModelLoadError("--dtype int8 (dynamic quantisation) runs on the CPU only; use --device cpu")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                   "int8": torch.float32}.get(dtype)
-    if torch_dtype is None:
-        raise ModelLoadError(f"cannot use --dtype {dtype}: choose float32, bfloat16, float16 or int8")
-    try:
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
-        raise ModelLoadError(f"cannot use --device {device}: {_device_problem(exc)}; choose another --device "
-                             "(cpu always works; auto takes cuda only where torch sees a GPU)") from None
-    if device.startswith("cuda"):
-        _one_attention_kernel()
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-    try:
-        model_config = AutoConfig.from_pretrained(name)
-    except Exception as exc:  # corrupt files raise library-specific errors: all become one line
-        raise ModelLoadError(_explain_load_failure(name, exc)) from None
-    if type(model_config) not in MODEL_FOR_MASKED_LM_MAPPING:
-        raise ModelLoadError(f"model {name!r} ({model_config.model_type}) has no masked-language-model head, so "
-                             "it cannot fill masks; point --model at a fill-mask model such as "
-                             "google-bert/bert-base-uncased")
-    progress("tokenizer and weights")
-    with _library_warnings() as said:  # (each load's own warnings explain its own failure)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(name)
-        except Exception as exc:  # corrupt files raise library-specific errors: all become one line
-            raise ModelLoadError(_explain_load_failure(name, exc, said)) from None
-    with _library_warnings() as said:
-        try:
-            model, loading = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype,
-                                                                  output_loading_info=True)
-        except Exception as exc:
-            raise ModelLoadError(_explain_load_failure(name, exc, said)) from None
-    if getattr(tokenizer, "mask_token_id", None) is None:
-        raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
-                             "use a fill-mask model such as google-bert/bert-base-uncased")
-    problem = _unservable(tokenizer, model, sorted(loading.get("missing_keys") or ()))
-    if problem is not None:
-        raise ModelLoadError(f"model {name!r} {problem}")
-    model = model.to(device).eval()
-    unquantized = None
-    if dtype == "int8":
-        progress("int8 quantisation")
-        unquantized, model = model, _quantize_dynamic(model)  # (a copy: the float32 model is checked against)
-    progress("forward pass traced and checked" if forward == "traced" else "model set-up")
-    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized)
-    del unquantized
-    shortest = len(loaded.tokenize([loaded.mask_token])[0])
-    if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)
-        raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens (its tokenizer's "
-                             f"model_max_length, or its position table), and a text of one mask takes {shortest}: "
-                             "no request could run; fix model_max_length in its tokenizer_config.json")
-    failure = loaded.fails_a_batch()
-    if failure == NOT_NUMBERS and dtype in ("float16", "bfloat16"):  # (an audit: it blamed weights and tokenizer)
-        raise ModelLoadError(f"model {name!r} gives scores that are not numbers in {dtype} (its activations "
-                             "overflow, or its weights hold NaN); use --dtype float32, or bfloat16 for float16")
-    if failure is not None:
-        raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
-                             "cannot serve requests: check that its tokenizer and its weights belong together")
-    facts = loaded.engine_facts()
-    log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
-             "at the masks" if facts["head"] == "masks" else "at every position (full model)")
-    return loaded
-
-
 def _token_json_bytes(tokenizer: Any) -> list[int]:
     """For each id of ``tokenizer``, the most JSON bytes (without quotes) its token adds to a decoded text,
     plus one for a joining space: the larger of its vocabulary string's and of its text decoded alone.
@@ -1030,73 +829,6 @@ def _token_json_bytes(tokenizer: Any) -> list[int]:
     return [max(size, len(orjson.dumps(text)) - 1) for size, text in zip(sizes, alone, strict=True)]
 
 
-def _unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
-    """Why a loaded checkpoint cannot be served (the end of a one-line ``ModelLoadError``), or None.
-
-    - Weights of the model missing from the checkpoint (an encoder saved without its MLM head): the
-      library fills them with random values, and predictions would be noise that changes with every
-      start. Missing biases alone are only logged (some checkpoints leave a tied bias out).
-    - The mask or padding token's id beyond the model's token embeddings (a tokenizer given a new
-      special token, the model not resized): every request, or every padded batch, would fail.
-    - A tokenizer of special tokens only (transformers 5 makes one when the directory has no tokenizer
-      files): every word would be the unknown token.
-    """
-    weights = [key for key in missing if key.endswith(".weight")]
-    if weights:
-        return (f"has no weights for {weights[0]}" + (f" and {len(weights) - 1} more" if len(weights) > 1 else "")
-                + " in its checkpoint (an encoder saved without its masked-language-model head?): they would "
-                "be random, and so would its predictions; use a checkpoint saved with its fill-mask head")
-    if missing:
-        log.warning("the checkpoint has no %s (and %d more); they start at the library's initial values",
-                    missing[0], len(missing) - 1)
-    if set(tokenizer.get_vocab()) <= set(tokenizer.all_special_tokens):
-        return (f"has a tokenizer of {len(tokenizer)} special tokens and no others (are its tokenizer files "
-                "missing?): every word would be unknown to it; add the tokenizer files the model was trained with")
-    rows = model.get_input_embeddings().num_embeddings
-    for role in ("mask", "pad"):
-        token, token_id = getattr(tokenizer, f"{role}_token", None), getattr(tokenizer, f"{role}_token_id", None)
-        if isinstance(token_id, int) and not 0 <= token_id < rows:
-            return (f"has a tokenizer whose {role} token {token!r} is id {token_id}, but the model has token "
-                    f"embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
-                    "(resize_token_embeddings) or use the tokenizer it was trained with")
-    return None
-
-
-def _quantize_dynamic(model: Any) -> Any:
-    """int8 weights for every Linear layer, activations quantised on the fly (CPU)."""
-    import warnings
-
-    import torch
-    from torch.ao.quantization import quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao.quantization announces its own deprecation
-        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-
-
-def _one_attention_kernel() -> None:
-    """cuDNN's attention and FlashAttention out of ``scaled_dot_product_attention``'s choices, for the
-    whole process (one model a process), which leaves the memory-efficient kernel to every batch.
-
-    - **cuDNN** builds an execution plan for each new shape, and a server's batches never stop taking
-      new shapes (rows x widest row): on an H200 a batch of a new shape in bfloat16 or float16 took
-      several times its repeat (README, "On a GPU").
-    - **FlashAttention** takes only attention without a mask. transformers drops an all-ones mask in
-      eager PyTorch but keeps it in a traced graph, so on a batch with no padding the two ran different
-      kernels, the trace check (the same bits) failed in bfloat16 and float16, and both ran eager."""
-    import torch
-
-    backends = torch.backends.cuda
-    off = []
-    for name, enabled, enable in (("cuDNN", backends.cudnn_sdp_enabled, backends.enable_cudnn_sdp),
-                                  ("FlashAttention", backends.flash_sdp_enabled, backends.enable_flash_sdp)):
-        if enabled():
-            enable(False)
-            off.append(name)
-    if off:
-        log.info("attention runs the memory-efficient kernel for every batch (%s off)", " and ".join(off))
-
-
 def _fuses(device_type: str) -> bool:
     """Whether TorchScript fuses operators of a graph on ``device_type`` in this process."""
     import torch
@@ -1114,147 +846,3 @@ def _stop_fusing(why: str) -> None:
     log.info("%s: TorchScript's operator fusion is off, and the graph runs eager PyTorch's kernels", why)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-_HINT = ("point --model at a local directory holding config.json, the weights and the tokenizer files "
-         f"(make an offline test model with: {shlex.quote(sys.executable)} -m fillmask_server.checkpoint tiny "
-         "models/tiny)")
-
-
-def check_source(name: str) -> None:
-    """The checks of ``--model`` that need no torch, or raise ``ModelLoadError``: a local directory must
-    hold config.json; a path-like name must be a directory; any other name is a Hub model id, which
-    needs the Hub in reach, or (offline) a copy in the local cache."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"cannot load model from directory {name!r}: it has no config.json; {_HINT}")
-        return
-    if path.exists():
-        raise ModelLoadError(f"cannot load model {name!r}: it is a file, not a directory; {_HINT}")
-    if name.startswith(("/", "./", "../", "~")):
-        raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
-    if not _hub_reachable():
-        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
-                             f"cannot be reached from here; {_HINT}")
-    if not _in_hub_cache_if_offline(name):
-        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory, and with the Hugging Face "
-                             f"Hub off (HF_HUB_OFFLINE) it is not in the local cache either; {_HINT}")
-
-
-def _in_hub_cache_if_offline(name: str) -> bool:
-    """Online: True (the Hub decides). Offline: whether the local cache holds the model's config."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if not constants.HF_HUB_OFFLINE:
-        return True
-    try:
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # not a valid repo id: from_pretrained will say so
-        return True
-
-
-def _device_problem(exc: BaseException) -> str:
-    """Why torch cannot put a tensor on a device, in the operator's terms."""
-    if isinstance(exc, NotImplementedError):  # a backend this torch build does not include
-        return "this build of torch does not support it"
-    line = _first_line(exc)
-    if line.startswith("Expected one of"):  # torch's list of every device type it has a name for
-        return "torch knows no device of that name (cpu, cuda, cuda:N, mps, xpu, ...)"
-    if "not compiled with CUDA" in line:
-        return f"this build of torch has no CUDA support ({line})"
-    return line
-
-
-@contextmanager
-def _library_warnings() -> Iterator[list[str]]:
-    """transformers' warnings while the block runs, kept (in the list it gives) instead of printed.
-
-    Start-up keeps the library quiet, but some of its failures say only "look at the above report"
-    or name a fallback's problem (tiktoken) instead of the cause, which it gave as a warning just
-    before (a checkpoint audit's find): ``_explain_load_failure`` reads them."""
-    import transformers
-
-    library = transformers.utils.logging.get_logger()  # the library's root logger
-    said: list[str] = []
-    handlers, level, shown = library.handlers[:], library.level, library.getEffectiveLevel()
-    propagates = library.propagate  # (transformers lets it propagate where the environment says CI=true)
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            said.append(record.getMessage())
-            if record.levelno >= shown:  # what the library says at the level it was left at still shows
-                for handler in handlers:
-                    handler.handle(record)
-
-    library.handlers = [Keep(logging.WARNING)]
-    library.setLevel(logging.WARNING)
-    library.propagate = False
-    try:
-        yield said
-    finally:
-        library.handlers = handlers
-        library.setLevel(level)
-        library.propagate = propagates
-
-
-_SHAPE_MISMATCH = re.compile(r"^(\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
-                             r"model:\s*torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
-
-
-def _warned_cause(said: Sequence[str]) -> str | None:
-    """The cause of a load failure that transformers gave as a warning (``_library_warnings``), if it is
-    one this knows to read: a tokenizer that needs the sentencepiece package, or a weight whose shape
-    is not the one config.json makes."""
-    text = "\n".join(said)
-    if "SentencePiece library but it was not found" in text:
-        return ("its tokenizer is a sentencepiece model, and the sentencepiece package is not installed: install "
-                "it (pip install sentencepiece), or give --model a directory with the tokenizer as tokenizer.json")
-    mismatch = _SHAPE_MISMATCH.search(text)
-    if mismatch:
-        return (f"the checkpoint's {mismatch[1]} has the shape {mismatch[2]}, where its config.json makes it "
-                f"{mismatch[3]}: the weights and config.json do not belong together (a vocab_size changed?); give "
-                "--model a directory whose config.json was saved with its weights")
-    return None
-
-
-def _explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()) -> str:
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
-        cause = _warned_cause(said)
-        if cause is not None:
-            return f"cannot load model from directory {name!r}: {cause}"
-        return (f"cannot load model from directory {name!r}: {_first_line(exc)}; check the files --model names "
-                "(incomplete, or written for another model or version of transformers?)")
-    return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
-            f"Hugging Face Hub (offline, or no such model); {_HINT}")
-
-
-def _hub_reachable() -> bool:
-    """False when the Hub is surely out of reach: offline mode, or its host name does not resolve.
-
-    Without this check an offline machine spends most of a minute in the Hub client's retries before
-    failing. A model already in the local cache still loads in offline mode, so offline mode only
-    skips the probe.
-    """
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return True  # from_pretrained looks in the cache only, and fails fast if it is not there
-    host = urlparse(constants.ENDPOINT).hostname
-    if not host:
-        return True
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError:
-        return False
-    return True

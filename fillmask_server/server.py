@@ -44,8 +44,8 @@ from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS, BatchPolicy
 from .calibration import Calibration, uncalibrated
 from .config import Config
 from .connection import Connection, UnsentBytes
-from .core import CostModel
-from .engine import AnswerMemory, Engine
+from .core import AnswerMemory, CostModel
+from .engine import Engine
 from .http import LOG_INTERVAL_S, FrontConnection, FrontState, HttpFront, LogThrottle
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
@@ -116,9 +116,8 @@ ACCEPT_FAILED_LOG_S = 10.0
 def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
     """Make ``loop`` log a failed accept as one line at most every ``ACCEPT_FAILED_LOG_S`` (with how many
     were left out), without the traceback; anything else goes to the default handler. Out of file
-    descriptors, asyncio logged a traceback for every failure, thousands a second (a helper's audit:
-    18 MB of log in 30 s). For the process's own loop (``ws_server``), not for a program embedding the
-    server, whose loop is its own."""
+    descriptors, asyncio logged a traceback for every failure, thousands a second. For the process's
+    own loop (``ws_server``), not for a program embedding the server, whose loop is its own."""
     throttle = LogThrottle(log, ACCEPT_FAILED_LOG_S)
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -471,7 +470,7 @@ class FillMaskServer:
                        seconds: float) -> None:
         """Called on the decode stage's thread for each batch the model ran, before its answers are
         decoded: the metrics and the live figures."""
-        self.metrics.observe_batch(batch_id, size, padded_tokens, queue_waits_s, seconds)
+        self.metrics.observe_batch(size, padded_tokens, queue_waits_s, seconds)
         self.stats.batch_ran(batch_id, size, padded_tokens, seconds)
 
     def _deliver_from_engine(self, outcomes: list[Outcome]) -> None:

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from fillmask_client.wire import CLOSE_POLICY_VIOLATION
 
-from .engine import ENGINE_STOPPED_RETRY_MS, Admission
+from .core import ENGINE_STOPPED_RETRY_MS, Admission
 from .jobs import Expired, Failed, Job, Outcome, Rejected, Result, Stopped
 from .protocol import (
     RESENDER_REASON,

@@ -3,7 +3,7 @@
 The start-up calibration times the candidate counts before any load, within about a second; what
 suits the machine can change after it, or was not what it measured: a neighbour (another replica,
 another tenant) that starts, stops, or was busy during the calibration itself. Two replicas that
-start together on two cores each measure two threads at 100x their real time (each one's OpenMP
+start together on two cores each measure two threads at many times their real time (each one's OpenMP
 barrier waits for a worker the other has descheduled) and would run on one thread for good.
 
 So the engine core keeps a ``ThreadTuner`` (when the calibration chose the count; a count the user

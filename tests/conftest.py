@@ -32,7 +32,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(CLIENT_DIR), *filter(None, [os.e
 
 from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 from fillmask_server.config import Config  # noqa: E402
-from fillmask_server.model import FillMaskModel, load_model  # noqa: E402
+from fillmask_server.loading import load_model  # noqa: E402
+from fillmask_server.model import FillMaskModel  # noqa: E402
 from fillmask_server.server import FillMaskServer  # noqa: E402
 from tests.contract import WireMonitor  # noqa: E402
 

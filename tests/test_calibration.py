@@ -192,15 +192,15 @@ def test_a_float32_copy_that_cannot_be_loaded_leaves_the_reduced_dtype_unchecked
     """The dtype check loads a float32 copy beside the model: on a full GPU (out of memory) or a model
     that cannot be loaded twice, start-up crashed with a traceback. Now the check is left out, with one
     line saying why, and the rest of the calibration stands."""
-    from fillmask_server import model as model_module
+    from fillmask_server import loading
     from fillmask_server.calibration import calibrate
 
-    served = model_module.load_model(str(tiny_model_dir), "cpu", "bfloat16")
+    served = loading.load_model(str(tiny_model_dir), "cpu", "bfloat16")
 
     def no_room(*args: object, **kwargs: object) -> None:
         raise RuntimeError("CUDA out of memory. Tried to allocate 440.00 MiB\nmore lines")
 
-    monkeypatch.setattr(model_module, "load_model", no_room)
+    monkeypatch.setattr(loading, "load_model", no_room)
     with caplog.at_level(logging.WARNING, logger="fillmask_server.calibration"):
         found = calibrate(served, 0.5, model_name=str(tiny_model_dir))
     assert found.dtype_speed is None and found.coefficients is not None and found.warning is None

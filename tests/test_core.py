@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +41,22 @@ def queue_up(c: EngineCore, jobs: list[Job], n_tokens: int = 10, result_bytes: i
 
 def result(j: Job) -> Result:
     return Result(j, b"[]", 0.0, 1.0, 1, 10, 1)
+
+
+# --- layering ----------------------------------------------------------------------------------------------
+
+
+def test_the_core_and_the_session_load_no_model_no_engine_threads_and_no_torch() -> None:
+    """The layering the style guide asks for, checked in a fresh interpreter: the thread-free core (and the
+    batching policy, the tuner and the tokenizer stage's checks it uses) and the sans-I/O session import
+    neither the model (``model``, ``loading``, torch, transformers) nor the engine's threads (``engine``).
+    The session once took two constants through ``engine``, and the core the model through ``intake``."""
+    probe = ("import sys; import fillmask_server.core, fillmask_server.session; "
+             "print(' '.join(m for m in ('torch', 'transformers', 'fillmask_server.model', "
+             "'fillmask_server.loading', 'fillmask_server.engine') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.stdout.strip() == "", done.stdout
 
 
 # --- the job containers are the jobs' states ---------------------------------------------------------

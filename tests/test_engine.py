@@ -12,9 +12,12 @@ import orjson
 import pytest
 
 from fillmask_server.batching import BatchPolicy
-from fillmask_server.engine import Admission, Engine
+from fillmask_server.core import Admission
+from fillmask_server.engine import Engine
+from fillmask_server.items import Item
 from fillmask_server.jobs import Expired, Job, Outcome, Rejected, Result, State
-from fillmask_server.model import FillMaskModel, Item, load_model
+from fillmask_server.loading import load_model
+from fillmask_server.model import FillMaskModel
 from fillmask_server.protocol import FillMaskRequest
 from fillmask_server.tuning import ThreadTuner
 
@@ -295,7 +298,7 @@ def test_the_decode_stage_serves_a_light_result_before_an_earlier_batchs_heavy_o
     import itertools
 
     from fillmask_server.engine import _Forwarded
-    from fillmask_server.model import Item
+    from fillmask_server.items import Item
 
     engine = Engine(model, BatchPolicy(1, 4096), max_queue=10, max_masks=8, deliver=collector)  # not started
     core = engine.core

@@ -28,7 +28,7 @@ from fillmask_server.checkpoint import FAMILIES, FAMILY_MAX_TOKENS, ensure_famil
 from fillmask_server.config import Config
 from fillmask_server.intake import Checked
 from fillmask_server.intake import check as check_request
-from fillmask_server.model import load_model
+from fillmask_server.loading import load_model
 from fillmask_server.protocol import FillMaskRequest
 from fillmask_server.server import FillMaskServer
 from tests.wire import assert_same_predictions, recv_n, send, session

@@ -20,7 +20,9 @@ import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from fillmask_server.model import FillMaskModel, Item, TopK, load_model
+from fillmask_server.items import Item, TopK
+from fillmask_server.loading import load_model
+from fillmask_server.model import FillMaskModel
 from fillmask_server.server import FillMaskServer
 from tests.test_server import http_get
 from tests.wire import assert_answered, assert_same_predictions, recv, recv_n, request, send, session, wait_until

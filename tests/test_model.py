@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from fillmask_server import batching
-from fillmask_server.model import PACK_WIDTH, FillMaskModel, Item, load_model
+from fillmask_server.items import Item
+from fillmask_server.loading import load_model
+from fillmask_server.model import PACK_WIDTH, FillMaskModel
 
 TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
          "[MASK] is a word.", "A much longer sentence, about the old [MASK] who lived by the river in a small house."]
@@ -117,7 +119,7 @@ def test_a_graph_whose_fused_kernels_round_otherwise_is_traced_again_without_fus
 LEAVES_NO_THREAD = """
 import os, sys, time
 import torch
-from fillmask_server.model import load_model
+from fillmask_server.loading import load_model
 before = len(os.listdir("/proc/self/task"))
 model = load_model(sys.argv[1])
 if torch.get_num_threads() < 2:  # one torch thread: no worker pool to leave behind, nothing to test
@@ -409,7 +411,7 @@ def test_int8_packs_when_checked_against_the_float32_model_it_was_quantised_from
     import gc
     import weakref
 
-    from fillmask_server.model import _quantize_dynamic
+    from fillmask_server.loading import _quantize_dynamic
 
     tokenizer, model = residue_model(positions=64)
     quantized = _quantize_dynamic(model)  # a copy: the original is left as it was
@@ -523,7 +525,7 @@ def test_a_forward_pass_that_gives_other_bits_once_keeps_the_head_at_the_masks(
 
 
 def test_the_start_up_line_names_the_path(tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="fillmask_server.model"):
+    with caplog.at_level("INFO", logger="fillmask_server.loading"):
         load_model(str(tiny_model_dir), "cpu", forward="eager")
     assert any(record.getMessage().endswith("on cpu (float32): forward eager, head at the masks")
                for record in caplog.records), [record.getMessage() for record in caplog.records]
@@ -672,7 +674,7 @@ def test_a_checkpoint_that_would_fail_every_request_is_refused_at_start_up(tmp_p
     start."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from fillmask_server.model import ModelLoadError
+    from fillmask_server.diagnosis import ModelLoadError
 
     def edit(tokenizer: Any, model: Any, directory: Path) -> None:
         if case == "a mask token beyond the embeddings":
@@ -727,7 +729,7 @@ def test_a_token_the_tokenizer_knows_and_the_model_does_not_is_refused_per_reque
     """Added tokens beyond the model's vocabulary reached the model: internal_error, a traceback, and the
     whole batch run again one request at a time. Now the request alone is refused, with §7's codes."""
     from fillmask_server.intake import Checked, Refusal, check
-    from fillmask_server.model import TargetError
+    from fillmask_server.items import TargetError
     from fillmask_server.protocol import FillMaskRequest
 
     def edit(tokenizer: Any, model: Any, directory: Path) -> None:
@@ -752,7 +754,7 @@ def test_the_attention_switch_leaves_one_kernel_and_a_cpu_load_leaves_torch_as_i
     eager and traced ran different kernels where a batch had no padding) out of torch's choices; a load
     on the CPU (the fixture's) leaves torch's settings as they were. (The CUDA branch itself runs only on
     a GPU: bench/gpu.py's new-shape probe and its trace note measure it there.)"""
-    from fillmask_server.model import _one_attention_kernel
+    from fillmask_server.loading import _one_attention_kernel
 
     backends = torch.backends.cuda
     assert traced.device.type == "cpu" and backends.cudnn_sdp_enabled() and backends.flash_sdp_enabled()

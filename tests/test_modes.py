@@ -71,7 +71,8 @@ async def test_int8_stays_close_to_float32(make_server: Any, reference_pipeline:
 
 
 def test_int8_refuses_a_gpu_device(tiny_model_dir: Any) -> None:
-    from fillmask_server.model import ModelLoadError, load_model
+    from fillmask_server.diagnosis import ModelLoadError
+    from fillmask_server.loading import load_model
 
     with pytest.raises(ModelLoadError, match="CPU only"):
         load_model(str(tiny_model_dir), device="cuda", dtype="int8")
@@ -79,7 +80,8 @@ def test_int8_refuses_a_gpu_device(tiny_model_dir: Any) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so --device cuda is valid here")
 def test_unavailable_device_is_a_clear_load_error(tiny_model_dir: Any) -> None:
-    from fillmask_server.model import ModelLoadError, load_model
+    from fillmask_server.diagnosis import ModelLoadError
+    from fillmask_server.loading import load_model
 
     with pytest.raises(ModelLoadError, match="cannot use --device cuda"):
         load_model(str(tiny_model_dir), device="cuda")

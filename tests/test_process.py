@@ -655,7 +655,7 @@ def test_a_checkpoint_without_the_random_weights_mark_is_reported_as_trained(tmp
     such as one from the Hub, is taken as trained."""
     import json
 
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
 
     trained = tmp_path / "trained"
     shutil.copytree(tiny_model_dir, trained)

@@ -15,7 +15,9 @@ from websockets.exceptions import ConnectionClosed
 
 from fillmask_server.decode import SequenceDecoder, predictions_json
 from fillmask_server.intake import CANDIDATE_OVERHEAD_BYTES, Checked, Refusal, check, result_bound
-from fillmask_server.model import FillMaskModel, Item, load_model
+from fillmask_server.items import Item
+from fillmask_server.loading import load_model
+from fillmask_server.model import FillMaskModel
 from fillmask_server.protocol import FillMaskRequest, targets_field
 from tests.wire import recv, recv_n, send, session, wait_until
 

@@ -479,7 +479,7 @@ async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_
     import sys
 
     from fillmask_server.calibration import Calibration
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
     from fillmask_server.tuning import SWITCH_ONE_THREAD_S, SWITCH_TEAM_S
 
     model = load_model(tiny_config.model)
@@ -509,7 +509,7 @@ async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_
 
 async def test_hello_and_metrics_give_the_thread_count_in_use_after_the_engine_switches(tiny_config: Any) -> None:
     from fillmask_server.calibration import Calibration
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
 
     measured = Calibration(2, "calibration", {1: 1.0, 2: 0.5})  # as if the calibration had chosen 2 threads
     server = FillMaskServer(tiny_config, load_model(tiny_config.model), measured)
@@ -543,7 +543,7 @@ async def test_automatic_batch_caps_come_from_the_calibration_and_hello_and_metr
 
     from fillmask_server.batching import Coefficients
     from fillmask_server.calibration import Calibration
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
 
     launch_bound = Coefficients(overhead_s=4.8e-3, token_s=1e-8, row_s=3.6e-5, byte_s=8e-8)
     model = load_model(tiny_config.model)

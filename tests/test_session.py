@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fillmask_server.engine import Admission
+from fillmask_server.core import Admission
 from fillmask_server.jobs import Event, Expired, Failed, Job, Rejected, Result, Stopped, advance, can
 from fillmask_server.protocol import RESENDER_REASON, SLOW_READER_REASON, Limits
 from fillmask_server.session import Answer, DoubleAnswer, Session

@@ -89,7 +89,7 @@ def test_a_tokenizer_that_is_fast_already_keeps_its_own() -> None:
 
 
 def test_the_model_splits_with_the_fast_equivalent(esm: Any) -> None:
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
 
     model = load_model(str(ensure_family("esm", FAMILY_DIR)))
     assert model._fast_tokenizer is not None
@@ -116,7 +116,7 @@ def test_a_fast_tokenizers_backend_gives_the_same_ids(family: str) -> None:
 def test_the_model_splits_a_fast_tokenizers_texts_with_its_backend() -> None:
     from tokenizers import Tokenizer
 
-    from fillmask_server.model import load_model
+    from fillmask_server.loading import load_model
 
     model = load_model(str(ensure_family("roberta", FAMILY_DIR)))
     assert isinstance(model._fast_tokenizer, Tokenizer)  # the backend, not transformers' call

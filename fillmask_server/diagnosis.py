@@ -1,0 +1,200 @@
+"""Why a model cannot be loaded or served, as one line for the operator: the checks of ``--model`` that
+need no torch (``check_source``), the reasons a loaded checkpoint cannot serve (``unservable``), and the
+explanation of a library's failure (``explain_load_failure``, reading the warnings it gave just before:
+``library_warnings``). Every such line ends as the text of a ``ModelLoadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadError(Exception):
+    """The model could not be loaded; ``str(error)`` is one line for the operator."""
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+_HINT = ("point --model at a local directory holding config.json, the weights and the tokenizer files "
+         f"(make an offline test model with: {shlex.quote(sys.executable)} -m fillmask_server.checkpoint tiny "
+         "models/tiny)")
+
+
+def check_source(name: str) -> None:
+    """The checks of ``--model`` that need no torch, or raise ``ModelLoadError``: a local directory must
+    hold config.json; a path-like name must be a directory; any other name is a Hub model id, which
+    needs the Hub in reach, or (offline) a copy in the local cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"cannot load model from directory {name!r}: it has no config.json; {_HINT}")
+        return
+    if path.exists():
+        raise ModelLoadError(f"cannot load model {name!r}: it is a file, not a directory; {_HINT}")
+    if name.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
+    if not _hub_reachable():
+        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
+                             f"cannot be reached from here; {_HINT}")
+    if not _in_hub_cache_if_offline(name):
+        raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory, and with the Hugging Face "
+                             f"Hub off (HF_HUB_OFFLINE) it is not in the local cache either; {_HINT}")
+
+
+def _in_hub_cache_if_offline(name: str) -> bool:
+    """Online: True (the Hub decides). Offline: whether the local cache holds the model's config."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # not a valid repo id: from_pretrained will say so
+        return True
+
+
+def device_problem(exc: BaseException) -> str:
+    """Why torch cannot put a tensor on a device, in the operator's terms."""
+    if isinstance(exc, NotImplementedError):  # a backend this torch build does not include
+        return "this build of torch does not support it"
+    line = first_line(exc)
+    if line.startswith("Expected one of"):  # torch's list of every device type it has a name for
+        return "torch knows no device of that name (cpu, cuda, cuda:N, mps, xpu, ...)"
+    if "not compiled with CUDA" in line:
+        return f"this build of torch has no CUDA support ({line})"
+    return line
+
+
+@contextmanager
+def library_warnings() -> Iterator[list[str]]:
+    """transformers' warnings while the block runs, kept (in the list it gives) instead of printed.
+
+    Start-up keeps the library quiet, but some of its failures say only "look at the above report"
+    or name a fallback's problem (tiktoken) instead of the cause, which it gave as a warning just
+    before (a checkpoint audit's find): ``explain_load_failure`` reads them."""
+    import transformers
+
+    library = transformers.utils.logging.get_logger()  # the library's root logger
+    said: list[str] = []
+    handlers, level, shown = library.handlers[:], library.level, library.getEffectiveLevel()
+    propagates = library.propagate  # (transformers lets it propagate where the environment says CI=true)
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+            if record.levelno >= shown:  # what the library says at the level it was left at still shows
+                for handler in handlers:
+                    handler.handle(record)
+
+    library.handlers = [Keep(logging.WARNING)]
+    library.setLevel(logging.WARNING)
+    library.propagate = False
+    try:
+        yield said
+    finally:
+        library.handlers = handlers
+        library.setLevel(level)
+        library.propagate = propagates
+
+
+_SHAPE_MISMATCH = re.compile(r"^(\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
+                             r"model:\s*torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
+
+
+def _warned_cause(said: Sequence[str]) -> str | None:
+    """The cause of a load failure that transformers gave as a warning (``library_warnings``), if it is
+    one this knows to read: a tokenizer that needs the sentencepiece package, or a weight whose shape
+    is not the one config.json makes."""
+    text = "\n".join(said)
+    if "SentencePiece library but it was not found" in text:
+        return ("its tokenizer is a sentencepiece model, and the sentencepiece package is not installed: install "
+                "it (pip install sentencepiece), or give --model a directory with the tokenizer as tokenizer.json")
+    mismatch = _SHAPE_MISMATCH.search(text)
+    if mismatch:
+        return (f"the checkpoint's {mismatch[1]} has the shape {mismatch[2]}, where its config.json makes it "
+                f"{mismatch[3]}: the weights and config.json do not belong together (a vocab_size changed?); give "
+                "--model a directory whose config.json was saved with its weights")
+    return None
+
+
+def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()) -> str:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
+        cause = _warned_cause(said)
+        if cause is not None:
+            return f"cannot load model from directory {name!r}: {cause}"
+        return (f"cannot load model from directory {name!r}: {first_line(exc)}; check the files --model names "
+                "(incomplete, or written for another model or version of transformers?)")
+    return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub (offline, or no such model); {_HINT}")
+
+
+def _hub_reachable() -> bool:
+    """False when the Hub is surely out of reach: offline mode, or its host name does not resolve.
+
+    Without this check an offline machine spends most of a minute in the Hub client's retries before
+    failing. A model already in the local cache still loads in offline mode, so offline mode only
+    skips the probe.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return True  # from_pretrained looks in the cache only, and fails fast if it is not there
+    host = urlparse(constants.ENDPOINT).hostname
+    if not host:
+        return True
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return False
+    return True
+
+
+def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
+    """Why a loaded checkpoint cannot be served (the end of a one-line ``ModelLoadError``), or None.
+
+    - Weights of the model missing from the checkpoint (an encoder saved without its MLM head): the
+      library fills them with random values, and predictions would be noise that changes with every
+      start. Missing biases alone are only logged (some checkpoints leave a tied bias out).
+    - The mask or padding token's id beyond the model's token embeddings (a tokenizer given a new
+      special token, the model not resized): every request, or every padded batch, would fail.
+    - A tokenizer of special tokens only (transformers 5 makes one when the directory has no tokenizer
+      files): every word would be the unknown token.
+    """
+    weights = [key for key in missing if key.endswith(".weight")]
+    if weights:
+        return (f"has no weights for {weights[0]}" + (f" and {len(weights) - 1} more" if len(weights) > 1 else "")
+                + " in its checkpoint (an encoder saved without its masked-language-model head?): they would "
+                "be random, and so would its predictions; use a checkpoint saved with its fill-mask head")
+    if missing:
+        log.warning("the checkpoint has no %s (and %d more); they start at the library's initial values",
+                    missing[0], len(missing) - 1)
+    if set(tokenizer.get_vocab()) <= set(tokenizer.all_special_tokens):
+        return (f"has a tokenizer of {len(tokenizer)} special tokens and no others (are its tokenizer files "
+                "missing?): every word would be unknown to it; add the tokenizer files the model was trained with")
+    rows = model.get_input_embeddings().num_embeddings
+    for role in ("mask", "pad"):
+        token, token_id = getattr(tokenizer, f"{role}_token", None), getattr(tokenizer, f"{role}_token_id", None)
+        if isinstance(token_id, int) and not 0 <= token_id < rows:
+            return (f"has a tokenizer whose {role} token {token!r} is id {token_id}, but the model has token "
+                    f"embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
+                    "(resize_token_embeddings) or use the tokenizer it was trained with")
+    return None

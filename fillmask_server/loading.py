@@ -1,0 +1,201 @@
+"""Turning ``--model`` into a checked ``FillMaskModel``: the torch import, the device and dtype, the
+tokenizer and weights, quantisation, the model's own load-time checks, and the refusals of a model that
+could serve no request, each a one-line ``ModelLoadError`` (``diagnosis``). It all runs on a thread
+that ends (``on_a_thread_that_ends``), for the reason ``load_model`` gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .diagnosis import (
+    ModelLoadError,
+    check_source,
+    device_problem,
+    explain_load_failure,
+    library_warnings,
+    unservable,
+)
+from .model import NOT_NUMBERS, FillMaskModel
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` picks cuda when available, else cpu; anything else is passed to torch as is."""
+    import torch
+
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(name: str, device: str = "auto", dtype: str = "float32", threads: int = 0,
+               forward: str = "traced", progress: Callable[[str], None] | None = None) -> FillMaskModel:
+    """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line.
+
+    ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
+    ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
+    with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
+    yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
+
+    The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
+    start-up checks run forward passes, and the first parallel operator on a thread gives that thread
+    a pool of OpenMP workers for good. GNU OpenMP counts the workers of every pool, and once they
+    outnumber the CPUs its workers stop spinning between operators and sleep after a few microseconds
+    (its "throttled" mode), so each of the hundreds of operators in a forward pass waits for a sleeping
+    worker to be woken. A pool left on the loading thread put the model thread's own pool in that mode,
+    which cost throughput and idle latency (docs/performance-log.md, "OpenMP's throttled mode"); the
+    pool of a thread that has ended is freed.
+    """
+    check_source(name)
+    progress = progress or _quiet
+    progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
+    progress("torch import and device check")
+    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress),
+                                 "fillmask-load")
+
+
+def on_a_thread_that_ends(work: Callable[[], T], name: str) -> T:
+    """``work()`` on a new thread that ends when it returns; its result, or its exception raised here.
+
+    For work that runs forward passes before the model thread starts (loading, calibration): the
+    OpenMP worker pool such a thread gets goes with it (see ``load_model``)."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(work())
+        except BaseException as exc:  # raised again on the caller's thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return done[0]
+
+
+def _quiet(stage: str) -> None:
+    """The ``progress`` of a caller that wants no start-up lines."""
+
+
+def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
+                progress: Callable[[str], None]) -> FillMaskModel:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if threads:
+        torch.set_num_threads(threads)
+    device = resolve_device(device)
+    if dtype == "int8" and not device.startswith("cpu"):
+        raise ModelLoadError("--dtype int8 (dynamic quantisation) runs on the CPU only; use --device cpu")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "int8": torch.float32}.get(dtype)
+    if torch_dtype is None:
+        raise ModelLoadError(f"cannot use --dtype {dtype}: choose float32, bfloat16, float16 or int8")
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as exc:  # torch asserts when built without CUDA
+        raise ModelLoadError(f"cannot use --device {device}: {device_problem(exc)}; choose another --device "
+                             "(cpu always works; auto takes cuda only where torch sees a GPU)") from None
+    if device.startswith("cuda"):
+        _one_attention_kernel()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        model_config = AutoConfig.from_pretrained(name)
+    except Exception as exc:  # corrupt files raise library-specific errors: all become one line
+        raise ModelLoadError(explain_load_failure(name, exc)) from None
+    if type(model_config) not in MODEL_FOR_MASKED_LM_MAPPING:
+        raise ModelLoadError(f"model {name!r} ({model_config.model_type}) has no masked-language-model head, so "
+                             "it cannot fill masks; point --model at a fill-mask model such as "
+                             "google-bert/bert-base-uncased")
+    progress("tokenizer and weights")
+    with library_warnings() as said:  # (each load's own warnings explain its own failure)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as exc:  # corrupt files raise library-specific errors: all become one line
+            raise ModelLoadError(explain_load_failure(name, exc, said)) from None
+    with library_warnings() as said:
+        try:
+            model, loading = AutoModelForMaskedLM.from_pretrained(name, config=model_config, dtype=torch_dtype,
+                                                                  output_loading_info=True)
+        except Exception as exc:
+            raise ModelLoadError(explain_load_failure(name, exc, said)) from None
+    if getattr(tokenizer, "mask_token_id", None) is None:
+        raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
+                             "use a fill-mask model such as google-bert/bert-base-uncased")
+    problem = unservable(tokenizer, model, sorted(loading.get("missing_keys") or ()))
+    if problem is not None:
+        raise ModelLoadError(f"model {name!r} {problem}")
+    model = model.to(device).eval()
+    unquantized = None
+    if dtype == "int8":
+        progress("int8 quantisation")
+        unquantized, model = model, _quantize_dynamic(model)  # (a copy: the float32 model is checked against)
+    progress("forward pass traced and checked" if forward == "traced" else "model set-up")
+    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized)
+    del unquantized
+    shortest = len(loaded.tokenize([loaded.mask_token])[0])
+    if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)
+        raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens (its tokenizer's "
+                             f"model_max_length, or its position table), and a text of one mask takes {shortest}: "
+                             "no request could run; fix model_max_length in its tokenizer_config.json")
+    failure = loaded.fails_a_batch()
+    if failure == NOT_NUMBERS and dtype in ("float16", "bfloat16"):  # (an audit: it blamed weights and tokenizer)
+        raise ModelLoadError(f"model {name!r} gives scores that are not numbers in {dtype} (its activations "
+                             "overflow, or its weights hold NaN); use --dtype float32, or bfloat16 for float16")
+    if failure is not None:
+        raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
+                             "cannot serve requests: check that its tokenizer and its weights belong together")
+    facts = loaded.engine_facts()
+    log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
+             "at the masks" if facts["head"] == "masks" else "at every position (full model)")
+    return loaded
+
+
+def _quantize_dynamic(model: Any) -> Any:
+    """int8 weights for every Linear layer, activations quantised on the fly (CPU)."""
+    import warnings
+
+    import torch
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its own deprecation
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _one_attention_kernel() -> None:
+    """cuDNN's attention and FlashAttention out of ``scaled_dot_product_attention``'s choices, for the
+    whole process (one model a process), which leaves the memory-efficient kernel to every batch.
+
+    - **cuDNN** builds an execution plan for each new shape, and a server's batches never stop taking
+      new shapes (rows x widest row): on an H200 a batch of a new shape in bfloat16 or float16 took
+      several times its repeat (README, "On a GPU").
+    - **FlashAttention** takes only attention without a mask. transformers drops an all-ones mask in
+      eager PyTorch but keeps it in a traced graph, so on a batch with no padding the two ran different
+      kernels, the trace check (the same bits) failed in bfloat16 and float16, and both ran eager."""
+    import torch
+
+    backends = torch.backends.cuda
+    off = []
+    for name, enabled, enable in (("cuDNN", backends.cudnn_sdp_enabled, backends.enable_cudnn_sdp),
+                                  ("FlashAttention", backends.flash_sdp_enabled, backends.enable_flash_sdp)):
+        if enabled():
+            enable(False)
+            off.append(name)
+    if off:
+        log.info("attention runs the memory-efficient kernel for every batch (%s off)", " and ".join(off))
