@@ -57,6 +57,7 @@ from websockets.uri import parse_uri
 ROOT = Path(__file__).resolve().parent.parent
 RESULT, OVERLOADED, ERROR, OTHER = "result", "overloaded", "error", "other"
 BURST_GAP_S = 0.005  # answers closer than this belong to one burst (one batch, read back to back)
+EDGE_PERIODS = 1.5  # a window edge this many burst periods from the nearest answer is a stall, not a phase
 
 
 @dataclass
@@ -329,15 +330,18 @@ def _throughput(done: list[float], window: tuple[float, float]) -> float:
 
     Answers arrive in bursts, one per batch; with few, large batches (a base-sized model) a plain
     count over the window is quantised by whether a burst falls just inside or just outside it. So
-    when the window holds at least 5 bursts, the rate is measured from the first burst to the last:
-    the answers after the first burst divided by the time between them. Otherwise, count / window.
+    when the window holds at least 5 bursts and neither of its edges is further from the nearest
+    answer than ``EDGE_PERIODS`` times the mean time between bursts, the rate is measured from the
+    first burst to the last: the answers after the first burst divided by the time between them.
+    Otherwise count / window: a server that stalls at either edge is charged for the stall.
     """
     duration = window[1] - window[0]
     if not done or duration <= 0:
         return 0.0 if duration > 0 else math.nan
     bursts = 1 + sum(1 for a, b in itertools.pairwise(done) if b - a > BURST_GAP_S)
     span = done[-1] - done[0]
-    if bursts >= 5 and span > 0.5 * duration:
+    edge = max(done[0] - window[0], window[1] - done[-1])
+    if bursts >= 5 and span > 0 and edge <= EDGE_PERIODS * span / (bursts - 1):
         first_burst = 1 + next((i for i, (a, b) in enumerate(itertools.pairwise(done)) if b - a > BURST_GAP_S),
                                len(done) - 1)
         return (len(done) - first_burst) / span
@@ -695,7 +699,7 @@ async def run_probe(port: int, duration_s: float, interval_s: float = 0.02) -> d
     raw = orjson.loads(out.splitlines()[-1])
     latencies = raw["latencies_ms"]
     return {
-        "probes": len(latencies) + raw["failures"],
+        "ticks": len(latencies) + raw["failures"],  # (each a probe sent, or one a slow probe overran)
         "failures": raw["failures"],
         "skipped_ticks": raw["skipped"],
         "p50_ms": percentile(latencies, 50),

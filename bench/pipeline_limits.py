@@ -12,10 +12,12 @@ It prints one JSON object on its last stdout line:
   (repeats are interleaved across N);
 - ``single_ms``: the latency of ``pipe(text)`` for single texts, one value per call;
 - ``limit``: the *in-process limit* (issue 9): the same model through the server's own code, with no
-  sockets and no threads: the texts sorted by length, in batches of 32, each tokenized in one call,
-  one forward pass (encoder once, MLM head at the masks, one top-k per batch) and decoded to the
-  pipeline's predictions as JSON, the texts again until ``MIN_TIMED_S`` has passed.
-  ``limit_forward_only`` leaves out the decoding (information);
+  sockets and no threads: the texts sorted by length, cut into batches of N rows, each tokenized in
+  one call, one forward pass (encoder once, MLM head at the masks, one top-k per batch) and decoded to
+  the pipeline's predictions as JSON, the texts again until ``MIN_TIMED_S`` has passed; in each repeat
+  the fastest N of ``LIMIT_BATCHES`` (``limit_batch``: the N that was fastest most often), so that no
+  batch the server forms under the benchmark's load beats its own limit. ``limit_forward_only`` leaves
+  out the decoding (information; its own fastest N);
 - ``token_counts``: the token length of each corpus text (special tokens included).
 
 With ``--family NAME`` (a checkpoint of ``fillmask_server.checkpoint.write_family``) the corpus is
@@ -41,7 +43,13 @@ from bench.server_proc import QuietGate
 SINGLE_WARMUP = 10  # the idle-server client's warm-up requests (bench.loadgen.idle_single)
 
 
-LIMIT_BATCH = 32
+#: The batch sizes the in-process limit tries: half the server's default row cap on a CPU, the cap,
+#: and twice it (the most rows that 32 clients x 4 in flight, the benchmark's load, can give one
+#: batch). A limit timed at 32 alone was not a limit: the server, forming batches of 64, served more
+#: than it. 128 rows of long texts may pass the server's default token cap: there the limit is
+#: stricter than any batch the server forms, never looser. (The automatic caps may grow past 128
+#: rows under a larger load, which this limit does not try.)
+LIMIT_BATCHES = (32, 64, 128)
 #: Each timed measurement runs its texts again until it has lasted this long: through a tiny model
 #: one pass over the texts is short enough to swing with a single preemption.
 MIN_TIMED_S = 1.0
@@ -87,25 +95,29 @@ def timed_rate(call: Callable[[], None], count: int) -> float:
 
 
 def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate
-                     ) -> tuple[list[float], list[float]]:
+                     ) -> tuple[list[float], list[float], int]:
     """req/s of the server's own work without sockets or threads (see the module docstring): with the
-    decoding, and without it; one value per repeat each."""
+    decoding, and without it, one value per repeat each; and the batch size that was fastest most often."""
     from fillmask_server.loading import load_model
 
     return limit_rates(load_model(model_dir, "cpu", dtype), texts, repeats, gate)
 
 
-def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate) -> tuple[list[float], list[float]]:
-    """``in_process_limit`` on a model already loaded (bench/gpu.py's, on CUDA, loaded once per dtype)."""
+def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate,
+                sizes: tuple[int, ...] = LIMIT_BATCHES) -> tuple[list[float], list[float], int]:
+    """``in_process_limit`` on a model already loaded (bench/gpu.py's, on CUDA, loaded once per dtype):
+    each repeat's rate is the fastest of ``sizes`` in that repeat."""
     from fillmask_server.decode import SequenceDecoder, predictions_json
     from fillmask_server.items import Item
 
     decoder = SequenceDecoder(model.decode_tokenizer)
     lengths = [len(ids) for ids in model.tokenize(texts)]
     order = sorted(range(len(texts)), key=lambda i: lengths[i])
-    batches = [[texts[i] for i in order[start: start + LIMIT_BATCH]] for start in range(0, len(order), LIMIT_BATCH)]
+    sizes = tuple(dict.fromkeys(min(size, len(texts)) for size in sizes))  # a size above the texts is all of them
 
-    def run(decode: bool) -> float:
+    def run(size: int, decode: bool) -> float:
+        batches = [[texts[i] for i in order[start: start + size]] for start in range(0, len(order), size)]
+
         def once() -> None:
             for batch in batches:
                 items = [Item(ids, 5) for ids in model.tokenize(batch)]
@@ -116,14 +128,18 @@ def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate) -> 
 
         return timed_rate(once, len(texts))
 
-    run(True)  # warm-up: kernels for these shapes, the decoder's caches
+    for size in sizes:
+        run(size, True)  # warm-up: kernels for these shapes, the decoder's caches
     full: list[float] = []
     forward_only: list[float] = []
+    fastest: list[int] = []
     for _ in range(repeats):
         gate.wait()
-        full.append(run(True))
-        forward_only.append(run(False))
-    return full, forward_only
+        rates = {size: run(size, True) for size in sizes}
+        fastest.append(max(rates, key=rates.__getitem__))
+        full.append(rates[fastest[-1]])
+        forward_only.append(max(run(size, False) for size in sizes))
+    return full, forward_only, max(sizes, key=fastest.count)
 
 
 def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, repeats: int, singles: int,
@@ -171,7 +187,7 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
 
     mask_token = pipe.tokenizer.mask_token
     del pipe
-    limit, limit_forward_only = in_process_limit(model_dir, dtype, texts, repeats, gate)
+    limit, limit_forward_only, limit_batch = in_process_limit(model_dir, dtype, texts, repeats, gate)
     return {
         "model": model_dir,
         "mask_token": mask_token,
@@ -179,6 +195,7 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
         "corpus": corpus_name,
         "limit": limit,
         "limit_forward_only": limit_forward_only,
+        "limit_batch": limit_batch,
         "torch_threads": torch.get_num_threads(),
         "load_s": round(load_s, 2),
         "n_texts": n_texts,
@@ -200,9 +217,9 @@ def measure_limits_only(model_dir: str, dtype: str, n_texts: int, repeats: int, 
         mask_token = AutoTokenizer.from_pretrained(model_dir).mask_token
     corpus = bench_corpus(corpus_name, family, mask_token, seed)
     texts = [corpus[i % len(corpus)] for i in range(n_texts)]
-    limit, limit_forward_only = in_process_limit(model_dir, dtype, texts, repeats, gate)
+    limit, limit_forward_only, limit_batch = in_process_limit(model_dir, dtype, texts, repeats, gate)
     return {"model": model_dir, "dtype": dtype, "corpus": corpus_name, "limit": limit,
-            "limit_forward_only": limit_forward_only, "n_texts": n_texts,
+            "limit_forward_only": limit_forward_only, "limit_batch": limit_batch, "n_texts": n_texts,
             "quiet_waits": {"count": gate.waits, "waited_s": round(gate.waited_s, 1)}}
 
 

@@ -5,9 +5,15 @@ with the load generator (whose loop is busy while the server is saturated).
 
 Every ``--interval`` seconds (on a fixed grid; a probe that overruns skips the ticks it missed, so
 probes never pile up) it opens a TCP connection to 127.0.0.1, sends ``GET /healthz HTTP/1.1`` and
-reads the whole answer (the server closes the connection after it). The latency of one probe is
-connect + request + full response. It prints one JSON object: ``latencies_ms`` of the successful
-probes, ``failures`` (timeouts, refused connections, non-200 answers) and ``skipped`` ticks.
+reads the whole answer (the server closes the connection after it). The latency of one probe runs
+from its tick (when it was due, not when it started) to the end of the answer: connect + request +
+full response, plus any wait for the probe before it. A skipped tick is a probe that would have
+waited for the one that overran: it counts as a sample from its own tick to that answer's end, so a
+stall of the server weighs on the percentiles as long as it lasted, not as one slow probe (the
+"coordinated omission" of a prober that waits for each answer). It prints one JSON object:
+``latencies_ms`` of the successful probes and the skipped ticks, ``failures`` (timeouts, refused
+connections, non-200 answers; the ticks a failed probe skipped count as failures too) and
+``skipped`` ticks.
 """
 
 from __future__ import annotations
@@ -21,10 +27,9 @@ from typing import Any
 import orjson
 
 
-def probe_once(port: int, timeout: float) -> float | None:
-    """One ``GET /healthz``; its latency in ms, or None when it failed or did not answer 200."""
+def probe_once(port: int, timeout: float) -> bool:
+    """One ``GET /healthz``: whether it was answered 200 with ``"ok"`` within ``timeout``."""
     request = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode()
-    t0 = time.perf_counter()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
             sock.settimeout(timeout)
@@ -36,16 +41,13 @@ def probe_once(port: int, timeout: float) -> float | None:
                     break
                 chunks.append(chunk)
     except OSError:
-        return None
-    elapsed_ms = (time.perf_counter() - t0) * 1000
+        return False
     answer = b"".join(chunks)
-    if not answer.startswith(b"HTTP/1.1 200") or b'"ok"' not in answer:
-        return None
-    return elapsed_ms
+    return answer.startswith(b"HTTP/1.1 200") and b'"ok"' in answer
 
 
 def run(port: int, interval: float, duration: float, timeout: float) -> dict[str, Any]:
-    """Probe on a fixed grid of ``interval`` seconds for ``duration`` seconds."""
+    """Probe on a fixed grid of ``interval`` seconds for ``duration`` seconds (see the module docstring)."""
     latencies: list[float] = []
     failures = 0
     skipped = 0
@@ -57,14 +59,16 @@ def run(port: int, interval: float, duration: float, timeout: float) -> dict[str
         now = time.perf_counter()
         if due > now:
             time.sleep(due - now)
-        result = probe_once(port, timeout)
-        if result is None:
-            failures += 1
+        answered = probe_once(port, timeout)
+        ended = time.perf_counter()
+        next_tick = min(n_ticks, max(tick + 1, int((ended - start) / interval) + 1))
+        missed = range(tick, next_tick)  # this probe's tick and those it overran
+        if answered:
+            latencies += [(ended - (start + t * interval)) * 1000 for t in missed]
         else:
-            latencies.append(result)
-        next_tick = int((time.perf_counter() - start) / interval) + 1
-        skipped += max(0, next_tick - tick - 1)
-        tick = max(tick + 1, next_tick)
+            failures += len(missed)
+        skipped += len(missed) - 1
+        tick = next_tick
     return {"latencies_ms": latencies, "failures": failures, "skipped": skipped, "interval_s": interval}
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from bench.loadgen import percentile
+from bench.pipeline_limits import LIMIT_BATCHES
 
 # the server's thread groups (bench/server_proc.thread_cpu_s) and the load generator, in table order
 CPU_GROUPS = ("model", "loop", "intake", "decode", "other", "client")
@@ -105,6 +106,7 @@ def pipeline_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "cpu_other": raw.get("cpu", {}).get("other", math.nan),
         "limit_rps": median(raw.get("limit", [])),
         "limit_forward_only_rps": median(raw.get("limit_forward_only", [])),
+        "limit_batch": raw.get("limit_batch"),
     }
 
 
@@ -134,6 +136,11 @@ def limit_note(pipe: dict[str, Any]) -> str:
     drift = pipe["limit_drift"]
     warning = f"; ⚠ it moved {100 * drift:+.0f}%: read the ratio as noise" if drifted(drift) else ""
     return f" (limit before {pipe['limit_before_rps']:.1f}, after {pipe['limit_after_rps']:.1f}{warning})"
+
+
+def _limit_batch(pipe: dict[str, Any]) -> str:
+    """`` [N=64]``: the batch size of the limit (see ``bench.pipeline_limits.LIMIT_BATCHES``); '' if unknown."""
+    return f" [N={pipe['limit_batch']}]" if pipe.get("limit_batch") else ""
 
 
 def _brackets(pipe: dict[str, Any]) -> str:
@@ -174,7 +181,11 @@ def _corpus_targets(summary: dict[str, Any], corpus: str) -> list[dict[str, Any]
 
     def ratio_row(label: str, server_name: str, pipe_name: str, goal: float, against: str = "best_rps") -> None:
         server, pipe = servers.get(server_name), pipes.get(pipe_name)
-        if server is None or pipe is None or not math.isfinite(pipe.get(against, math.nan)):
+        if server is None or pipe is None:  # not in this run
+            return
+        if not math.isfinite(pipe.get(against, math.nan)):  # in this run, but its figure is missing: a miss
+            rows.append({"target": f"[{corpus}] {label}", "measured": "not measured", "value": math.nan,
+                         "goal": f"≥ {goal:g}×", "shown": "–", "pass": False, "other_cores": []})
             return
         value = capacity(server) / pipe[against]
         best = max((p for p in server["phases"] if p["mode"] == "closed"), key=lambda p: p["throughput_rps"])
@@ -199,12 +210,13 @@ def _corpus_targets(summary: dict[str, Any], corpus: str) -> list[dict[str, Any]
                          "value": delta, "goal": "≤ +1 ms", "shown": f"{delta:+.2f} ms", "pass": delta <= 1.0,
                          "other_cores": [idle.get("cpu_other"), pipe.get("cpu_other")]})
     for name in ("base fp32", "base bf16"):
-        saturated = _phase(servers.get(name), "probed") or _phase(servers.get(name), "closed")
-        if saturated is not None and "healthz_p99_ms" in saturated:
-            p99 = saturated["healthz_p99_ms"]
+        probed = _phase(servers.get(name), "probed")
+        saturated = probed or _phase(servers.get(name), "closed")
+        if saturated is not None and ("healthz_p99_ms" in saturated or probed is not None):
+            p99 = saturated.get("healthz_p99_ms", math.nan)  # a prober that failed: not measured, a miss
             rows.append({"target": f"[{corpus}] /healthz p99, {name} saturated ({saturated['clients']} clients × "
                                    f"{saturated['in_flight']} in flight)",
-                         "measured": f"p50 {_fmt(saturated['healthz_p50_ms'], 1)} ms, p99 {_fmt(p99, 1)} ms",
+                         "measured": f"p50 {_fmt(saturated.get('healthz_p50_ms'), 1)} ms, p99 {_fmt(p99, 1)} ms",
                          "value": p99, "goal": "≤ 20 ms", "shown": f"{_fmt(p99, 1)} ms", "pass": p99 <= 20.0,
                          "other_cores": [saturated.get("cpu_other")]})
     return rows
@@ -267,10 +279,12 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "## In-process: `pipeline(texts, batch_size=N)` and the in-process limit, req/s, median of repeats",
         "",
-        "*limit*: the server's own code without sockets or threads (texts sorted by length, batches of 32, one "
-        "tokenizer call, one forward pass with the head at the masks, decoded to the pipeline's JSON), measured "
-        "before the servers and again after them: the mean of the two (before / after; ⚠ where they differ by "
-        f"more than {100 * LIMIT_DRIFT:.0f}%: the machine's speed moved during the run); "
+        "*limit*: the server's own code without sockets or threads (texts sorted by length, in batches of N "
+        f"rows, the fastest N of {', '.join(map(str, LIMIT_BATCHES))} in each repeat (shown in brackets: the "
+        "N that was fastest most often), one tokenizer call, one forward pass with the head at the masks, "
+        "decoded to the pipeline's JSON), measured before the servers and again after them: the mean of the two "
+        f"(before / after; ⚠ where they differ by more than {100 * LIMIT_DRIFT:.0f}%: the machine's speed moved "
+        "during the run); "
         "*forward only*: the same without the decoding (measured before the servers only).",
         "",
         "| model | corpus | " + " | ".join(f"N={n}" for n in summary["settings"]["pipeline_batch_sizes"])
@@ -282,7 +296,7 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| {pipe['name']} | {pipe.get('corpus', 'mixed')} | " + " | ".join(cells)
                      + f" | **{pipe['best_rps']:.1f}** (N={pipe['best_batch_size']}) | "
                      f"{pipe['single_p50_ms']:.2f} / {pipe['single_p99_ms']:.2f} | "
-                     f"{_fmt(pipe.get('limit_rps'), 1)}{_brackets(pipe)} | "
+                     f"{_fmt(pipe.get('limit_rps'), 1)}{_brackets(pipe)}{_limit_batch(pipe)} | "
                      f"{_fmt(pipe.get('limit_forward_only_rps'), 1)} | "
                      f"{_other(pipe.get('cpu_other'))} |")
     lines += [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import math
 import os
 import threading
 import time
@@ -115,6 +116,87 @@ def test_the_health_probers_phase_is_apart_from_the_capacity_and_gives_the_healt
     assert report._load(probed) == "closed 32×4 + /healthz"
 
 
+def test_a_target_whose_figure_is_missing_is_a_miss_not_a_row_left_out() -> None:
+    """A prober that failed, or a limit that could not be measured, used to drop its row from the
+    targets table, so that "every target passed" could be read above a table without it."""
+    from bench import report
+
+    closed = {"mode": "closed", "clients": 32, "in_flight": 4, "throughput_rps": 100.0}
+    probed = {"mode": "probed", "clients": 32, "in_flight": 4, "throughput_rps": 80.0}  # its prober failed
+    server = {"name": "base fp32", "size": "base", "corpus": "short", "phases": [closed, probed]}
+    pipe = {"name": "base fp32", "corpus": "short", "best_rps": 50.0, "limit_rps": math.nan}
+    summary = {"settings": {"corpora": ["short"]}, "servers": [server], "pipelines": [pipe]}
+    rows = {row["target"]: row for row in report.targets(summary)}
+    limit = rows["[short] base fp32 server ÷ in-process limit"]
+    assert limit["pass"] is False and limit["measured"] == "not measured"
+    health = next(row for target, row in rows.items() if "/healthz" in target)
+    assert health["pass"] is False and "–" in health["shown"]
+    assert "MISS" in report.target_line(limit) and "MISS" in report.target_line(health)
+    unprobed = {"name": "base fp32", "size": "base", "corpus": "short", "phases": [closed]}  # no prober in this run
+    summary["servers"] = [unprobed]
+    assert not any("/healthz" in row["target"] for row in report.targets(summary))
+
+
+def test_the_throughput_of_a_window_charges_a_stall_at_its_edge() -> None:
+    """Big batches answer in bursts, and the rate from the first burst to the last keeps a window's
+    phase from quantising it; but a server that stops answering halfway through a window is not as
+    fast as one that never stops. 64 answers every 0.5 s in a 10-s window: 128 req/s; stopping after
+    5.9 s, 76.8 (it was reported as 128)."""
+    from bench.loadgen import _throughput
+
+    def bursts(times: list[float]) -> list[float]:
+        return [t + n * 0.0001 for t in times for n in range(64)]
+
+    steady = bursts([0.3 + 0.5 * k for k in range(20)])  # the window's phase: the first burst 0.3 s in
+    assert _throughput(steady, (0.0, 10.0)) == pytest.approx(128, rel=0.01)
+    stalled = bursts([0.3 + 0.5 * k for k in range(12)])  # nothing after 5.8 s
+    assert _throughput(stalled, (0.0, 10.0)) == pytest.approx(76.8, rel=0.01)
+    late = bursts([4.3 + 0.5 * k for k in range(12)])  # nothing in the first 4.3 s
+    assert _throughput(late, (0.0, 10.0)) == pytest.approx(76.8, rel=0.01)
+
+
+def test_the_health_prober_counts_a_stall_for_every_tick_it_covered() -> None:
+    """A prober that waits for each answer and skips the ticks it missed recorded a 150-ms stall as one
+    slow probe among dozens (p99 unmoved): each skipped tick now counts from its own due time to the
+    answer that ended the stall, and every tick of the window is a sample or a failure."""
+    import socket
+
+    from bench import probe
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stall_at, answered = 5, 0
+
+    def serve() -> None:
+        nonlocal answered
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(4096)
+                answered += 1
+                if answered == stall_at:
+                    time.sleep(0.15)
+                conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"status":"ok"}')
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        result = probe.run(listener.getsockname()[1], interval=0.02, duration=0.6, timeout=2.0)
+    finally:
+        listener.close()
+        server.join(5)
+    latencies = result["latencies_ms"]
+    assert len(latencies) + result["failures"] == 30 and result["failures"] == 0
+    assert result["skipped"] >= 6
+    assert sum(latency >= 100 for latency in latencies) >= 3  # the stall's 150, 130 and 110 ms at least
+
+
 def _burn(seconds: float) -> None:
     until = time.thread_time() + seconds
     while time.thread_time() < until:
@@ -191,7 +273,42 @@ def test_the_limit_only_mode_measures_the_limits_on_the_family_corpus(tiny_model
                                                  "short", family="bert")
     assert len(result["limit"]) == 2 and len(result["limit_forward_only"]) == 2
     assert all(rate > 0 for rate in result["limit"] + result["limit_forward_only"])
-    assert result["n_texts"] == 8 and result["corpus"] == "short"
+    assert result["n_texts"] == 8 and result["corpus"] == "short" and result["limit_batch"] == 8
+
+
+def test_the_limit_is_the_fastest_batch_size_so_no_batch_the_server_forms_beats_it(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A limit timed at batches of 32 alone was beaten by the server's 64-row batches (1.15-1.28x): each
+    repeat's limit is the fastest of ``LIMIT_BATCHES``, and the run names the size that won. Here the
+    timer is replaced by one that charges each forward pass a fixed cost, so the biggest batch wins
+    whatever this machine's speed."""
+    from bench import pipeline_limits
+    from bench.server_proc import QuietGate
+    from fillmask_server.loading import load_model
+
+    model = load_model(str(tiny_model_dir), "cpu")
+    calls = 0
+    forward = model.forward
+
+    def counted(items: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return forward(items)
+
+    def one_pass_per_forward_call(once: Any, count: int) -> float:
+        nonlocal calls
+        calls = 0
+        once()
+        return count / calls  # a pass per second each forward call: fewer, bigger batches are faster
+
+    monkeypatch.setattr(model, "forward", counted)
+    monkeypatch.setattr(pipeline_limits, "timed_rate", one_pass_per_forward_call)
+    texts = [f"Paris is the [MASK] of France number {n}." for n in range(100)]
+    full, forward_only, size = pipeline_limits.limit_rates(model, texts, 2, QuietGate(0.0, 0.0))
+    assert size == 100  # 128 rows is more than the texts: all of them in one batch
+    assert full == [100.0, 100.0] and forward_only == [100.0, 100.0]
+    full, _, size = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(32, 64))
+    assert size == 64 and full == [50.0]
 
 
 def test_the_sweep_names_the_flag_sets_ahead_of_the_defaults_on_both_throughput_and_p99() -> None:
@@ -221,6 +338,28 @@ def test_the_sweep_names_the_flag_sets_ahead_of_the_defaults_on_both_throughput_
     assert adaptive.ahead_line(rows, one_repeat).endswith("(1.100x req/s, 0.900x p99, spread unknown: one repeat)")
     del rows["ahead"]
     assert adaptive.ahead_line(rows).endswith(": none (none served more with a lower p99)")
+
+
+def test_the_seed_design_is_also_compared_at_the_same_arrival_rate() -> None:
+    """At the same concurrency a closed loop's p99 ratio is about 1 / its throughput ratio, so the seed
+    design is also compared in an open loop at the same rate; a seed that answered nothing in its window
+    gets a line that says so (it raised ZeroDivisionError after the whole sweep)."""
+    from bench import adaptive
+
+    def open_run(rate: float, p99: float) -> dict[str, Any]:
+        return {"open": {"rate_rps": rate, "latency_ms": {"p99": p99}}}
+
+    seed_runs, ours = [open_run(70.0, 30.0), open_run(70.0, 34.0)], [open_run(70.0, 9.0), open_run(70.0, 11.0)]
+    lines = adaptive.seed_lines((400.0, 300.0, 400.0), (100.0, 1000.0, 1300.0), seed_runs, ours)
+    closed, same_rate = lines.splitlines()
+    assert "same concurrency" in closed and "throughput 4.00x, p99 0.31x" in closed
+    assert "same arrival rate (open loop, 70.0 req/s = 0.7x the seed's throughput)" in same_rate
+    assert "p99 10.0 ms against 32.0 ms, 0.31x (goal <= 0.7)" in same_rate
+    assert len(adaptive.seed_lines((400.0, 300.0, 400.0), (100.0, 1000.0, 1300.0), [{}], []).splitlines()) == 1
+    nothing = adaptive.seed_lines((400.0, 300.0, 400.0), (0.0, float("nan"), float("inf")), [{}], [])
+    assert "answered nothing" in nothing and "--duration" in nothing
+    unanswered = adaptive.seed_lines((400.0, 300.0, 400.0), (50.0, 1000.0, float("inf")), [{}], [])
+    assert "left requests unanswered" in unanswered and "0.00x" not in unanswered
 
 
 def test_the_sweep_stops_at_once_when_the_seed_peer_cannot_run(monkeypatch: pytest.MonkeyPatch,
