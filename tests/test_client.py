@@ -702,6 +702,28 @@ async def test_fill_mask_many_keeps_at_most_k_in_flight_and_input_order(server: 
         await wait_until(lambda: client.in_flight == 0)
 
 
+async def test_the_default_concurrency_never_meets_the_fair_share_of_a_client_alone(make_server: Any) -> None:
+    """A newcomer's find: the default was the server's max_batch_size (64), and a server with a small
+    ``--max-queue`` (the README's advice for base: about 50) refused most of a lone client's texts with 429
+    ``queue_share``. The default now stays under half the queue, where the fair share never applies."""
+    from fillmask_client.async_client import default_concurrency
+
+    assert default_concurrency({"max_batch_size": 64, "max_queue": 1024}, 1) == 64
+    assert default_concurrency({"max_batch_size": 64, "max_queue": 1024}, 3) == 192
+    assert default_concurrency({"max_batch_size": 64, "max_queue": 50}, 2) == 25
+    assert default_concurrency({"max_batch_size": 64, "max_queue": 1}, 1) == 1
+    assert default_concurrency({}, 2) == 64  # limits a server does not announce: 32 a connection
+    texts = [f"Number {n} is the [MASK] one." for n in range(80)]
+    async with make_server(max_queue=8) as srv, FillMaskClient(srv.url) as client:
+        with srv.engine.paused():  # every request waits: the worst case for the fair share
+            many = asyncio.create_task(client.fill_mask_many(texts, top_k=1, return_exceptions=True))
+            await wait_until(lambda: client.in_flight == 4)
+            await asyncio.sleep(0.05)  # time enough for a fifth request, were one to be sent
+            assert client.in_flight == 4
+        outcomes = await asyncio.wait_for(many, 30)
+    assert len(outcomes) == 80 and not [o for o in outcomes if isinstance(o, BaseException)]
+
+
 async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
     # The server runs on this test's loop, so the blocking client is driven from another thread.
     async with FillMaskClient(server.url) as reference:

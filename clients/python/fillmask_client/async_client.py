@@ -53,6 +53,20 @@ DEFAULT_URL = "ws://127.0.0.1:8765/"
 MAX_RESENDS = 3
 
 
+def default_concurrency(limits: dict[str, Any], connections: int) -> int:
+    """Requests a ``fill_mask_many`` or ``fill_mask_iter`` keeps in flight when not told: the server's
+    ``max_batch_size`` for each connection (enough to fill its batches; 32 where ``hello`` gave none),
+    but never more than half its ``max_queue`` in all. Below that, a client alone on the server never
+    meets the fair-share limit (protocol.md §6: it applies while half the queue or more waits), which a
+    server with a small queue had refused most of a lone client's texts for (429 ``queue_share``)."""
+    batch = limits.get("max_batch_size")
+    width = (batch if type(batch) is int and batch > 0 else 32) * max(1, connections)
+    queue = limits.get("max_queue")
+    if type(queue) is int and queue > 0:
+        width = min(width, max(1, queue // 2))
+    return width
+
+
 class FillMaskClient:
     """An asyncio client for the fill-mask server: any number of concurrent calls over one connection,
     or over a pool of connections.
@@ -403,9 +417,10 @@ class FillMaskClient:
 
         Each outcome is yielded as soon as it and all before it are ready: a ``FillMaskResult``, or the
         ``FillMaskError`` that request raised (yielded, not raised, so one bad text does not stop the rest).
-        ``concurrency`` defaults to the server's ``max_batch_size`` per connection, enough to fill batches.
-        Leaving the loop early cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make
-        that happen at once rather than when the iterator is garbage-collected.
+        ``concurrency`` defaults to ``default_concurrency``: enough to fill each connection's batches, and
+        never enough for a client alone on the server to meet its fair-share limit. Leaving the loop early
+        cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make that
+        happen at once rather than when the iterator is garbage-collected.
         """
         if isinstance(texts, (str, bytes, bytearray)):
             raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
@@ -413,11 +428,10 @@ class FillMaskClient:
         self._pool.check_loop()  # (raised, not yielded: no text could ever get through)
         items = list(texts)
         width = concurrency
-        if width is None:  # enough to fill each connection's server batches
+        if width is None:
             hello = self._pool.hello or {}  # not connected: each call then fails as fill_mask does
             limits = hello.get("limits") if isinstance(hello.get("limits"), dict) else {}
-            batch = limits.get("max_batch_size", 32)
-            width = (batch if type(batch) is int and batch > 0 else 32) * len(self._pool.slots)
+            width = default_concurrency(limits, len(self._pool.slots))
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise UsageError(f"concurrency must be a positive integer, not {width!r}")
         loop = asyncio.get_running_loop()
@@ -492,7 +506,7 @@ class FillMaskClient:
 
         The first error is raised and the requests still running are cancelled, unless
         ``return_exceptions`` is true: then each failed text's exception takes its place in the list.
-        ``concurrency`` defaults to the server's ``max_batch_size`` per connection.
+        ``concurrency`` defaults to ``default_concurrency`` (see ``fill_mask_iter``).
         """
         results: list[Predictions | FillMaskError] = []
         items = texts if isinstance(texts, (str, bytes, bytearray)) else list(texts)  # (one text: refused below)

@@ -110,7 +110,7 @@ def build_parser() -> Parser:
                         help="give up on a request still queued after MS milliseconds (answered 504)")
     parser.add_argument("--concurrency", "-c", type=int, metavar="N",
                         help="most requests in flight at once (default: the server's max_batch_size per "
-                             "connection)")
+                             "connection, and at most half its max_queue)")
     parser.add_argument("--connections", type=int, default=1, metavar="N",
                         help="connections per URL; each request goes on the least busy one (several "
                              "replicas behind one load-balancer URL: use about one per replica) "
