@@ -27,14 +27,20 @@ import signal
 import sys
 from collections.abc import Iterator
 
-from fillmask_server.allocator import freeze_start_up_heap
-from fillmask_server.calibration import calibrate
-from fillmask_server.config import Config, load_config, named_source, setting_warnings, unknown_variables
-from fillmask_server.diagnosis import ModelLoadError
-from fillmask_server.loading import load_model, resolve_device
-from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem, quiet_accept_failures
-from fillmask_server.signals import SignalGate, Verdict
-from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines, raise_open_files_limit
+try:
+    from fillmask_server.allocator import freeze_start_up_heap
+    from fillmask_server.calibration import calibrate
+    from fillmask_server.config import Config, load_config, named_source, setting_warnings, unknown_variables
+    from fillmask_server.diagnosis import ModelLoadError
+    from fillmask_server.loading import load_model, resolve_device
+    from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem, quiet_accept_failures
+    from fillmask_server.signals import SignalGate, Verdict
+    from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines, raise_open_files_limit
+except ModuleNotFoundError as missing:  # outside the project's environment: one line, not a traceback
+    if (missing.name or "").partition(".")[0] == "fillmask_server":
+        raise  # (the package itself is broken: that traceback is for its developers)
+    sys.exit(f"error: {missing}: run the server in its environment (.venv/bin/python ws_server.py, after "
+             "bash scripts/setup.sh), or install it first (pip install -e .)")
 
 log = logging.getLogger("fillmask_server")
 

@@ -207,3 +207,16 @@ def test_the_open_files_limit_is_raised_or_named(soft: int, hard: int, after: in
                                "1000 needs about 1064"), line
     else:
         assert line == "None"
+
+
+def test_outside_its_environment_the_server_says_so_in_one_line() -> None:
+    """A newcomer's find: ``python ws_server.py`` with an interpreter that lacks the project's packages
+    (here ``fillmask_client`` made unimportable) printed a ten-line traceback."""
+    missing = 'raise ModuleNotFoundError(f"No module named {name!r}", name=name)'
+    without_client = WITHOUT_TORCH.replace('("torch", "transformers")', '("fillmask_client",)').replace(
+        'raise ImportError(f"{name} was imported")', missing)
+    result = subprocess.run([sys.executable, "-c", without_client, "--model", "models/tiny"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: No module named 'fillmask_client'") and ".venv/bin/python" in lines[0]
