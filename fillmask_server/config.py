@@ -283,14 +283,22 @@ OTHER_VARIABLES = ("FILLMASK_URL", "FILLMASK_REPLICA_", "FILLMASK_LB_", "FILLMAS
 MIN_TOKEN_CHARS = 16
 
 
-def setting_warnings(config: Config) -> list[str]:
+def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     """One warning line for each setting that works but is unwise (start-up prints them): a short
-    ``--token``, which a client could guess (the server answers wrong tokens at full speed)."""
+    ``--token``, which a client could guess (the server answers wrong tokens at full speed); more
+    ``--torch-threads`` than the ``cpus`` this process may use (``usable_cpus``), which only slow the
+    forward pass (far more are refused: ``validate``)."""
+    lines = []
     if config.token and len(config.token) < MIN_TOKEN_CHARS:
-        return [f"warning: --token is {len(config.token)} characters long, and the server does not slow down "
-                f"clients that guess: use {MIN_TOKEN_CHARS} or more random characters (python -c \"import secrets; "
-                "print(secrets.token_urlsafe(24))\")"]
-    return []
+        lines.append(f"warning: --token is {len(config.token)} characters long, and the server does not slow down "
+                     f"clients that guess: use {MIN_TOKEN_CHARS} or more random characters (python -c \"import "
+                     "secrets; print(secrets.token_urlsafe(24))\")")
+    cpus = usable_cpus() if cpus is None else cpus
+    if config.torch_threads > cpus:
+        lines.append(f"warning: --torch-threads {config.torch_threads} is more than the {cpus} CPUs this process may "
+                     "use, and threads beyond them only slow the forward pass: use at most "
+                     f"{cpus}, or 0 to measure")
+    return lines
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -365,8 +373,9 @@ def validate(config: Config) -> str | None:
                     "short text fits")
     cpus = usable_cpus()
     if config.torch_threads > MAX_THREADS_PER_CPU * cpus:
-        return (f"--torch-threads {config.torch_threads} is far more than the {cpus} CPUs this process may use; "
-                f"more threads than CPUs only slow the forward pass: use at most {cpus}, or 0 to measure")
+        return (f"--torch-threads {config.torch_threads} is far more than the {cpus} CPUs this process may use "
+                f"(the most accepted is {MAX_THREADS_PER_CPU * cpus}); threads beyond the CPUs only slow the "
+                f"forward pass: use at most {cpus}, or 0 to measure")
     if config.max_length_ratio != 0 and config.max_length_ratio < 1:
         return "--max-length-ratio must be 0 (automatic) or at least 1"
     for name in ("max_batch_size", "max_batch_tokens"):

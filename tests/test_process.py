@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from fillmask_server.config import MIN_MESSAGE_BYTES, Config, load_config, usable_cpus, validate
+from fillmask_server.config import (
+    MAX_THREADS_PER_CPU,
+    MIN_MESSAGE_BYTES,
+    Config,
+    load_config,
+    setting_warnings,
+    usable_cpus,
+    validate,
+)
 from tests.wire import recv, request, send, session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,6 +176,18 @@ def test_values_that_would_make_the_server_useless_are_refused(overrides: dict[s
     assert problem is not None and message in problem and "\n" not in problem, problem
     at_the_floor = {name: MIN_MESSAGE_BYTES for name in ("max_frame_bytes", "max_result_bytes")}
     assert validate(Config(**at_the_floor, torch_threads=usable_cpus())) is None
+
+
+def test_more_torch_threads_than_cpus_get_a_warning_and_far_more_name_the_most_accepted() -> None:
+    """A newcomer's find: on 2 CPUs, ``--torch-threads 9`` was refused saying "use at most 2", and 3 to 8
+    started without a word. Above the CPUs is now a warning; the refusal names the most it accepts."""
+    assert setting_warnings(Config(torch_threads=2), cpus=2) == setting_warnings(Config(), cpus=2) == []
+    (warned,) = setting_warnings(Config(torch_threads=3), cpus=2)
+    assert warned.startswith("warning: --torch-threads 3 is more than the 2 CPUs") and "use at most 2" in warned
+    cpus = usable_cpus()
+    problem = validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus + 1))
+    assert problem is not None and f"the most accepted is {MAX_THREADS_PER_CPU * cpus}" in problem
+    assert validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus)) is None
 
 
 @pytest.mark.parametrize(
