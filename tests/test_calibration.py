@@ -187,6 +187,22 @@ def test_a_reduced_dtype_far_slower_than_float32_is_reported_above_zero() -> Non
         assert engine["calibration"]["dtype_speed_vs_float32"] == shown
 
 
+def test_the_float32_copy_is_named_as_such_in_the_log(tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A newcomer's find: with ``--dtype int8`` the log said "loaded ... (int8)", then "loaded ... (float32)",
+    as if the server had fallen back to float32; the second was the copy the dtype is measured against."""
+    from fillmask_server import loading
+    from fillmask_server.calibration import calibrate
+
+    served = loading.load_model(str(tiny_model_dir), "cpu", "bfloat16")
+    with caplog.at_level(logging.INFO, logger="fillmask_server"):
+        found = calibrate(served, 0.5, model_name=str(tiny_model_dir))
+    said = [record.getMessage() for record in caplog.records]
+    assert found.dtype_speed is not None
+    assert not [line for line in said if line.startswith("loaded ")], said
+    assert any("float32 copy" in line and "--dtype bfloat16" in line for line in said), said
+    assert logging.getLogger("fillmask_server.loading").level == logging.NOTSET  # put back
+
+
 def test_a_float32_copy_that_cannot_be_loaded_leaves_the_reduced_dtype_unchecked_not_the_server_down(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The dtype check loads a float32 copy beside the model: on a full GPU (out of memory) or a model
