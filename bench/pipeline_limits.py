@@ -224,10 +224,16 @@ def measure_limits_only(model_dir: str, dtype: str, n_texts: int, repeats: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Time the in-process fill-mask pipeline on the bench corpus.")
+    parser = argparse.ArgumentParser(
+        description="Time the in-process fill-mask pipeline and the in-process limit on a benchmark corpus; "
+                    "prints one JSON object on its last line (see the module docstring for its fields).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--batch-sizes", default="1,8,16,32,64", help="comma-separated pipeline batch sizes")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the model's dtype, for the pipeline and the limit")
+    parser.add_argument("--batch-sizes", default="1,8,16,32,64", type=batch_sizes,
+                        help="comma-separated pipeline batch sizes (the limit tries its own: "
+                             f"{', '.join(map(str, LIMIT_BATCHES))})")
     parser.add_argument("--texts", type=int, default=256, help="texts per timed call")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch size")
     parser.add_argument("--singles", type=int, default=50, help="single-text calls to time")
@@ -236,19 +242,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-quiet", type=float, default=0.0,
                         help="before each timed call, wait up to this many seconds for a quiet machine")
     parser.add_argument("--wait-budget", type=float, default=0.0, help="most seconds of such waiting in all")
-    parser.add_argument("--family", default="", help="the model is this family's checkpoint: use family_texts")
+    parser.add_argument("--family", default="", help="the model is this family's checkpoint (a name of "
+                        "fillmask_server.checkpoint's families): its corpus takes its mask token, or protein "
+                        "sequences for esm")
     parser.add_argument("--limit-only", action="store_true", help="measure the in-process limits alone")
     args = parser.parse_args(argv)
-    if args.limit_only:
-        result = measure_limits_only(args.model, args.dtype, args.texts, args.repeats, args.seed,
-                                     QuietGate(args.wait_quiet, args.wait_budget), args.corpus, args.family)
-        sys.stdout.write(orjson.dumps(result).decode() + "\n")
-        return 0
-    result = measure(args.model, args.dtype, [int(s) for s in args.batch_sizes.split(",")], args.texts,
-                     args.repeats, args.singles, args.seed, QuietGate(args.wait_quiet, args.wait_budget), args.corpus,
-                     args.family)
+    from fillmask_server.diagnosis import ModelLoadError
+
+    try:
+        if args.limit_only:
+            result = measure_limits_only(args.model, args.dtype, args.texts, args.repeats, args.seed,
+                                         QuietGate(args.wait_quiet, args.wait_budget), args.corpus, args.family)
+        else:
+            result = measure(args.model, args.dtype, args.batch_sizes, args.texts, args.repeats, args.singles,
+                             args.seed, QuietGate(args.wait_quiet, args.wait_budget), args.corpus, args.family)
+    except (ModelLoadError, OSError) as exc:  # (the pipeline's own load raises OSError for a missing model)
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
     sys.stdout.write(orjson.dumps(result).decode() + "\n")
     return 0
+
+
+def batch_sizes(text: str) -> list[int]:
+    """``--batch-sizes``: positive integers, comma-separated."""
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, comma-separated (1,8,32)") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every batch size must be at least 1")
+    return sizes
 
 
 if __name__ == "__main__":

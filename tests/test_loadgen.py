@@ -608,3 +608,16 @@ def test_the_sweep_takes_any_flag_set_and_refuses_a_name_it_does_not_know(capsys
         with pytest.raises(SystemExit):  # found before any server starts, not partway through a sweep
             adaptive.main(["--configs", f"defaults,{flags}", "--no-seed"])
         assert said in capsys.readouterr().err
+
+
+def test_the_limits_command_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A newcomer's find: ``python -m bench.pipeline_limits`` answered a bad ``--batch-sizes`` and a model
+    that does not exist with tracebacks."""
+    from bench import pipeline_limits
+
+    with pytest.raises(SystemExit) as usage:
+        pipeline_limits.main(["--model", str(tmp_path), "--batch-sizes", "0,x"])
+    assert usage.value.code == 2 and "give positive integers" in capsys.readouterr().err
+    assert pipeline_limits.main(["--model", str(tmp_path / "none"), "--texts", "2", "--singles", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
