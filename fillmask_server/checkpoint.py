@@ -1,4 +1,5 @@
-"""Write an offline, random-weight BERT fill-mask checkpoint (config, weights, tokenizer).
+"""Write an offline, random-weight fill-mask checkpoint (config, weights, tokenizer): BERT in three
+sizes, or one of nine model families (below).
 
 Model hubs are unreachable on CI and on air-gapped machines, so tests, benchmarks and the quick
 start use checkpoints made by this command. The tokenizer is the real ``bert-base-uncased``
@@ -254,20 +255,21 @@ def _trained(kind: str, specials: tuple[str, ...], lowercase: bool) -> str:
         tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        trainer = trainers.WordPieceTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials))
+        trainer = trainers.WordPieceTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials),
+                                             show_progress=False)
     elif kind == "bpe":
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         trainer = trainers.BpeTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials),
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     else:
         tokenizer = Tokenizer(models.Unigram())
         steps = [normalizers.NFKC()] + ([normalizers.Lowercase()] if lowercase else [])
         tokenizer.normalizer = normalizers.Sequence(steps)
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials), unk_token=specials[
-            [s.strip("<>[]").lower() for s in specials].index("unk")])
-    tokenizer.train_from_iterator(training_text(), trainer)
+            [s.strip("<>[]").lower() for s in specials].index("unk")], show_progress=False)
+    tokenizer.train_from_iterator(training_text(), trainer)  # (no progress bars: they printed blank lines)
     return json.dumps(json.loads(tokenizer.to_str())["model"])
 
 

@@ -221,3 +221,14 @@ async def test_texts_at_the_longest_the_model_takes_and_one_token_past(family: F
     [frame] = await ask_server(family, [(past, {})])
     assert frame["type"] == "error" and frame["code"] == "text_too_long", frame
     assert "\n" not in frame["message"]
+
+
+def test_the_checkpoint_command_writes_one_line_for_a_family(tmp_path: Path) -> None:
+    """A newcomer's find: the tokenizer trainer's progress bars printed blank lines on stdout before the
+    command's own line."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", "roberta", str(tmp_path / "r")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.splitlines() == [f"{tmp_path / 'r'}: wrote random-weight tiny 'roberta' fill-mask checkpoint"]
