@@ -30,7 +30,14 @@ from collections.abc import Iterator
 try:
     from fillmask_server.allocator import freeze_start_up_heap
     from fillmask_server.calibration import calibrate
-    from fillmask_server.config import Config, load_config, named_source, setting_warnings, unknown_variables
+    from fillmask_server.config import (
+        Config,
+        load_config,
+        named_source,
+        overridden_variables,
+        setting_warnings,
+        unknown_variables,
+    )
     from fillmask_server.diagnosis import ModelLoadError
     from fillmask_server.loading import load_model, resolve_device
     from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem, quiet_accept_failures
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in unknown_variables():  # first: a misspelt variable may be why another setting is refused
         print(line, file=sys.stderr, flush=True)
     config = load_config(argv)
-    for line in setting_warnings(config):
+    for line in [*overridden_variables(argv), *setting_warnings(config)]:
         print(line, file=sys.stderr, flush=True)
     to_stderr = logging.StreamHandler()
     to_stderr.setFormatter(LogTimes(LOG_FORMAT))

@@ -257,20 +257,43 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
                          "without one")
         if raw is None or raw == "":
             continue
-        kind = type(f.default)
-        try:
-            value = kind(raw)
-        except ValueError:
-            parser.error(f"{env_name(f.name)}={raw!r} is not a valid {kind.__name__}")
-        choices = _CHOICES.get(f.name)
-        if choices and value not in choices:
-            parser.error(f"{env_name(f.name)}={raw!r} must be one of {', '.join(choices)}")
-        values[f.name] = value
+        problem = _variable_problem(f.name, raw)
+        if problem:
+            parser.error(problem)
+        values[f.name] = type(f.default)(raw)
     config = Config(**values)  # type: ignore[arg-type]
     problem = validate(config)
     if problem:
         parser.error(_named_source(problem, args, environ))
     return config
+
+
+def _variable_problem(name: str, raw: str) -> str | None:
+    """Why ``raw`` is no value for the setting ``name`` (from its variable), or None."""
+    kind = type(next(f for f in fields(Config) if f.name == name).default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        return f"{env_name(name)}={raw!r} is not a valid {kind.__name__}"
+    choices = _CHOICES.get(name)
+    if choices and value not in choices:
+        return f"{env_name(name)}={raw!r} must be one of {', '.join(choices)}"
+    return None
+
+
+def overridden_variables(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning line for each setting's variable in ``environ`` whose value is not valid while its flag,
+    also given in ``argv``, overrides it: ignored without a word, it would stop the server the day the
+    flag goes. (Without the flag, ``load_config`` refuses it.)"""
+    environ = os.environ if environ is None else environ
+    given = vars(build_parser().parse_args(argv))  # (only the flags given: the parser's defaults are suppressed)
+    lines = []
+    for f in fields(Config):
+        raw = environ.get(env_name(f.name))
+        problem = _variable_problem(f.name, raw) if raw and f.name in given else None
+        if problem:
+            lines.append(f"warning: {problem}; --{f.name.replace('_', '-')} overrides it, so it is ignored now")
+    return lines
 
 
 #: ``FILLMASK_*`` variables that are not the server's settings but belong to other parts of the project:

@@ -22,6 +22,7 @@ from fillmask_server.config import (
     MIN_MESSAGE_BYTES,
     Config,
     load_config,
+    overridden_variables,
     setting_warnings,
     usable_cpus,
     validate,
@@ -99,6 +100,22 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_resembles(tmp_path: Pa
         "the settings)",
     ]
     assert result.returncode == 1  # and start-up goes on as before (here to its one-line load error)
+
+
+def test_a_bad_variable_that_a_flag_overrides_gets_a_warning(tmp_path: Path) -> None:
+    """A newcomer's find: ``FILLMASK_PORT=abc ws_server.py --port 8790`` started without a word, and would
+    stop the day the flag goes. Without the flag the variable is refused (the test below)."""
+    assert overridden_variables(["--port", "8790"], {"FILLMASK_PORT": "abc"}) == [
+        "warning: FILLMASK_PORT='abc' is not a valid int; --port overrides it, so it is ignored now"]
+    assert overridden_variables(["--dtype", "float32"], {"FILLMASK_DTYPE": "float64"}) == [
+        "warning: FILLMASK_DTYPE='float64' must be one of float32, bfloat16, float16, int8; --dtype overrides it, "
+        "so it is ignored now"]
+    assert overridden_variables([], {"FILLMASK_PORT": "abc"}) == []  # (load_config refuses it)
+    assert overridden_variables(["--port", "1"], {"FILLMASK_PORT": "2", "FILLMASK_TOKEN": "a b"}) == []
+    env = {**ENV, "FILLMASK_PORT": "abc"}
+    result = subprocess.run([sys.executable, "ws_server.py", "--model", str(tmp_path / "none"), "--port", "0"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert "warning: FILLMASK_PORT='abc' is not a valid int; --port overrides it" in result.stderr, result.stderr
 
 
 def test_a_bad_value_from_the_environment_names_the_variable_not_a_flag(capsys: pytest.CaptureFixture) -> None:
