@@ -6,7 +6,7 @@ The whole life of the server, in order:
    (a warning line if it stays below what ``--max-connections`` needs), then load the model once,
    saying on stderr what it loads and each stage that takes a second or more; or exit 1 with one line
    saying why; calibrate the engine to this machine (``calibration.py``: torch threads, the cost model,
-   a reduced dtype's speed), with one log line, and a warning when a reduced dtype is slower;
+   a reduced dtype's speed), with its log lines, and a warning when a reduced dtype is slower;
 3. start the engine thread and listen for WebSocket and HTTP on one port;
 4. on SIGINT/SIGTERM/SIGHUP, drain (protocol.md §10: SIGTERM first waits ``--drain-delay`` with
    ``/readyz`` at 503) and exit 0; a second signal stops at once (exit 130), but not the first one
@@ -44,10 +44,10 @@ try:
     from fillmask_server.signals import SignalGate, Verdict
     from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines, raise_open_files_limit
 except ModuleNotFoundError as missing:  # outside the project's environment: one line, not a traceback
-    if (missing.name or "").partition(".")[0] == "fillmask_server":
-        raise  # (the package itself is broken: that traceback is for its developers)
+    if (missing.name or "").partition(".")[0] not in ("fillmask_client", "websockets", "orjson", "prometheus_client"):
+        raise  # (not a package pyproject.toml installs before torch: that traceback is for developers)
     sys.exit(f"error: {missing}: run the server in its environment (.venv/bin/python ws_server.py, after "
-             "bash scripts/setup.sh), or install it first (pip install -e .)")
+             "bash scripts/setup.sh), or install both packages first (pip install -e ./clients/python -e .)")
 
 log = logging.getLogger("fillmask_server")
 

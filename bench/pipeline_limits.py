@@ -39,6 +39,7 @@ import orjson
 
 from bench.corpus import CORPORA, MASK
 from bench.server_proc import QuietGate
+from fillmask_server.checkpoint import FAMILIES
 
 SINGLE_WARMUP = 10  # the idle-server client's warm-up requests (bench.loadgen.idle_single)
 
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,8,16,32,64", type=batch_sizes,
                         help="comma-separated pipeline batch sizes (the limit tries its own: "
                              f"{', '.join(map(str, LIMIT_BATCHES))})")
-    parser.add_argument("--texts", type=int, default=256, help="texts per timed call")
+    parser.add_argument("--texts", type=positive, default=256, help="texts per timed call")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch size")
     parser.add_argument("--singles", type=int, default=50, help="single-text calls to time")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed")
@@ -242,14 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-quiet", type=float, default=0.0,
                         help="before each timed call, wait up to this many seconds for a quiet machine")
     parser.add_argument("--wait-budget", type=float, default=0.0, help="most seconds of such waiting in all")
-    parser.add_argument("--family", default="", help="the model is this family's checkpoint (a name of "
-                        "fillmask_server.checkpoint's families): its corpus takes its mask token, or protein "
+    parser.add_argument("--family", default="", choices=["", *FAMILIES],
+                        help="the model is this family's checkpoint: its corpus takes its mask token, or protein "
                         "sequences for esm")
     parser.add_argument("--limit-only", action="store_true", help="measure the in-process limits alone")
     args = parser.parse_args(argv)
-    from fillmask_server.diagnosis import ModelLoadError
+    from fillmask_server.diagnosis import ModelLoadError, check_source, first_line
 
     try:
+        check_source(args.model)  # (a missing relative path is also a valid Hub id, and a long wait)
         if args.limit_only:
             result = measure_limits_only(args.model, args.dtype, args.texts, args.repeats, args.seed,
                                          QuietGate(args.wait_quiet, args.wait_budget), args.corpus, args.family)
@@ -257,10 +259,21 @@ def main(argv: list[str] | None = None) -> int:
             result = measure(args.model, args.dtype, args.batch_sizes, args.texts, args.repeats, args.singles,
                              args.seed, QuietGate(args.wait_quiet, args.wait_budget), args.corpus, args.family)
     except (ModelLoadError, OSError) as exc:  # (the pipeline's own load raises OSError for a missing model)
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {first_line(exc)}\n")
         return 1
     sys.stdout.write(orjson.dumps(result).decode() + "\n")
     return 0
+
+
+def positive(text: str) -> int:
+    """A count of at least 1 (``--texts``: none would time nothing, for ever)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
 
 
 def batch_sizes(text: str) -> list[int]:

@@ -232,13 +232,8 @@ def _dtype_speed(model: FillMaskModel, model_name: str, device: str, forward: st
     from .loading import load_model
 
     items = batch_items(model, *THREAD_SHAPE)
-    loading_log = logging.getLogger("fillmask_server.loading")
-    level = loading_log.level
-    loading_log.setLevel(max(logging.WARNING, loading_log.getEffectiveLevel()))  # its "loaded ... (float32)"
-    try:  # would read as if the server had loaded float32 instead of the dtype asked for
-        reference = load_model(model_name, device, "float32", forward=forward)
-    finally:
-        loading_log.setLevel(level)
+    # (not announced: its "loaded ... (float32)" line read as if the server had loaded float32 instead)
+    reference = load_model(model_name, device, "float32", forward=forward, announce=False)
     log.info("measuring --dtype %s against a float32 copy of %s (loaded for the measurement only)", model.dtype,
              model_name)
     _warm(model, items)

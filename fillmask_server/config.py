@@ -14,7 +14,7 @@ import re
 import textwrap
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from . import __version__
 from .access import HostPolicy, OriginPolicy, ProxyPolicy, tls_context
@@ -268,8 +268,10 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
     return config
 
 
-def _variable_problem(name: str, raw: str) -> str | None:
-    """Why ``raw`` is no value for the setting ``name`` (from its variable), or None."""
+def _variable_problem(name: str, raw: str, alone: bool = False) -> str | None:
+    """Why ``raw`` is no value for the setting ``name`` (from its variable), or None: not of its type, or
+    not one of its choices; with ``alone``, also what ``validate`` says of it with every other setting
+    at its default."""
     kind = type(next(f for f in fields(Config) if f.name == name).default)
     try:
         value = kind(raw)
@@ -278,6 +280,10 @@ def _variable_problem(name: str, raw: str) -> str | None:
     choices = _CHOICES.get(name)
     if choices and value not in choices:
         return f"{env_name(name)}={raw!r} must be one of {', '.join(choices)}"
+    problem = validate(replace(Config(), **{name: value})) if alone else None
+    if problem and set(re.findall(r"--[a-z][a-z-]*", problem)) == {f"--{name.replace('_', '-')}"}:  # (not a
+        # rule between two settings, such as --keyfile's need of --certfile, which the flags may meet)
+        return f"{env_name(name)}={'(hidden)' if name == 'token' else repr(raw)}: {problem}"
     return None
 
 
@@ -290,7 +296,7 @@ def overridden_variables(argv: list[str] | None = None, environ: Mapping[str, st
     lines = []
     for f in fields(Config):
         raw = environ.get(env_name(f.name))
-        problem = _variable_problem(f.name, raw) if raw and f.name in given else None
+        problem = _variable_problem(f.name, raw, alone=True) if raw and f.name in given else None
         if problem:
             lines.append(f"warning: {problem}; --{f.name.replace('_', '-')} overrides it, so it is ignored now")
     return lines

@@ -36,13 +36,15 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(name: str, device: str = "auto", dtype: str = "float32", threads: int = 0,
-               forward: str = "traced", progress: Callable[[str], None] | None = None) -> FillMaskModel:
+               forward: str = "traced", progress: Callable[[str], None] | None = None,
+               announce: bool = True) -> FillMaskModel:
     """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line.
 
     ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
     ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
     with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
     yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
+    ``announce``: log the ``loaded NAME on DEVICE (DTYPE): ...`` line (not for a copy loaded to compare).
 
     The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
     start-up checks run forward passes, and the first parallel operator on a thread gives that thread
@@ -57,7 +59,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
     progress("torch import and device check")
-    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress),
+    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress, announce),
                                  "fillmask-load")
 
 
@@ -88,7 +90,7 @@ def _quiet(stage: str) -> None:
 
 
 def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
-                progress: Callable[[str], None]) -> FillMaskModel:
+                progress: Callable[[str], None], announce: bool) -> FillMaskModel:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import transformers
@@ -161,8 +163,9 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
                              "cannot serve requests: check that its tokenizer and its weights belong together")
     facts = loaded.engine_facts()
-    log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
-             "at the masks" if facts["head"] == "masks" else "at every position (full model)")
+    if announce:
+        log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
+                 "at the masks" if facts["head"] == "masks" else "at every position (full model)")
     return loaded
 
 

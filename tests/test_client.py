@@ -711,16 +711,15 @@ async def test_the_default_concurrency_never_meets_the_fair_share_of_a_client_al
     assert default_concurrency({"max_batch_size": 64, "max_queue": 1024}, 1) == 64
     assert default_concurrency({"max_batch_size": 64, "max_queue": 1024}, 3) == 192
     assert default_concurrency({"max_batch_size": 64, "max_queue": 50}, 2) == 25
+    assert default_concurrency({"max_batch_size": 64, "max_queue": 50}, 1, urls=4) == 100  # half of each replica's
     assert default_concurrency({"max_batch_size": 64, "max_queue": 1}, 1) == 1
     assert default_concurrency({}, 2) == 64  # limits a server does not announce: 32 a connection
     texts = [f"Number {n} is the [MASK] one." for n in range(80)]
     async with make_server(max_queue=8) as srv, FillMaskClient(srv.url) as client:
         with srv.engine.paused():  # every request waits: the worst case for the fair share
             many = asyncio.create_task(client.fill_mask_many(texts, top_k=1, return_exceptions=True))
-            await wait_until(lambda: client.in_flight == 4)
-            await asyncio.sleep(0.05)  # time enough for a fifth request, were one to be sent
-            assert client.in_flight == 4
-        outcomes = await asyncio.wait_for(many, 30)
+            await wait_until(lambda: srv.engine.queued() == 4)
+        outcomes = await asyncio.wait_for(many, 30)  # (before: 429 queue_share for most of them)
     assert len(outcomes) == 80 and not [o for o in outcomes if isinstance(o, BaseException)]
 
 

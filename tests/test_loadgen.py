@@ -618,6 +618,10 @@ def test_the_limits_command_refuses_bad_input_in_one_line(tmp_path: Path, capsys
     with pytest.raises(SystemExit) as usage:
         pipeline_limits.main(["--model", str(tmp_path), "--batch-sizes", "0,x"])
     assert usage.value.code == 2 and "give positive integers" in capsys.readouterr().err
-    assert pipeline_limits.main(["--model", str(tmp_path / "none"), "--texts", "2", "--singles", "1"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for model in (str(tmp_path / "none"), "models/no-such-size"):  # (the second is also a valid Hub id)
+        assert pipeline_limits.main(["--model", model, "--texts", "2", "--singles", "1"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+    with pytest.raises(SystemExit):
+        pipeline_limits.main(["--model", str(tmp_path), "--texts", "0"])  # (it timed nothing, for ever)
+    assert "must be at least 1" in capsys.readouterr().err

@@ -111,7 +111,13 @@ def test_a_bad_variable_that_a_flag_overrides_gets_a_warning(tmp_path: Path) -> 
         "warning: FILLMASK_DTYPE='float64' must be one of float32, bfloat16, float16, int8; --dtype overrides it, "
         "so it is ignored now"]
     assert overridden_variables([], {"FILLMASK_PORT": "abc"}) == []  # (load_config refuses it)
-    assert overridden_variables(["--port", "1"], {"FILLMASK_PORT": "2", "FILLMASK_TOKEN": "a b"}) == []
+    assert overridden_variables(["--max-queue", "50"], {"FILLMASK_MAX_QUEUE": "0"}) == [
+        "warning: FILLMASK_MAX_QUEUE='0': --max-queue must be at least 1; --max-queue overrides it, so it is "
+        "ignored now"]
+    (token,) = overridden_variables(["--token", "a" * 20], {"FILLMASK_TOKEN": "a b"})
+    assert token.startswith("warning: FILLMASK_TOKEN=(hidden): --token must be printable") and "a b" not in token
+    assert overridden_variables(["--port", "1"], {"FILLMASK_PORT": "2", "FILLMASK_KEYFILE": "k.pem"}) == []
+    assert overridden_variables(["--keyfile", "a.pem"], {"FILLMASK_KEYFILE": "k.pem"}) == []  # (needs --certfile)
     env = {**ENV, "FILLMASK_PORT": "abc"}
     result = subprocess.run([sys.executable, "ws_server.py", "--model", str(tmp_path / "none"), "--port", "0"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)

@@ -53,18 +53,20 @@ DEFAULT_URL = "ws://127.0.0.1:8765/"
 MAX_RESENDS = 3
 
 
-def default_concurrency(limits: dict[str, Any], connections: int) -> int:
-    """Requests a ``fill_mask_many`` or ``fill_mask_iter`` keeps in flight when not told: the server's
-    ``max_batch_size`` for each connection (enough to fill its batches; 32 where ``hello`` gave none),
-    but never more than half its ``max_queue`` in all. Below that, a client alone on the server never
-    meets the fair-share limit (protocol.md §6: it applies while half the queue or more waits), which a
-    server with a small queue had refused most of a lone client's texts for (429 ``queue_share``)."""
+def default_concurrency(limits: dict[str, Any], per_url: int, urls: int = 1) -> int:
+    """Requests one ``fill_mask_many`` or ``fill_mask_iter`` keeps in flight when not told, for ``urls``
+    servers with ``per_url`` connections each: for each server, its ``max_batch_size`` for each
+    connection (enough to fill its batches; 32 where ``hello`` gave none), but never more than half its
+    ``max_queue``. Below that, one such call alone on a server never meets the fair-share limit
+    (protocol.md §6: it applies while half the queue or more waits), for which a server with a small
+    queue had refused most of a lone client's texts (429 ``queue_share``). ``limits`` is one server's
+    ``hello.limits`` (replicas behind a list of URLs are alike)."""
     batch = limits.get("max_batch_size")
-    width = (batch if type(batch) is int and batch > 0 else 32) * max(1, connections)
+    width = (batch if type(batch) is int and batch > 0 else 32) * max(1, per_url)
     queue = limits.get("max_queue")
     if type(queue) is int and queue > 0:
         width = min(width, max(1, queue // 2))
-    return width
+    return width * max(1, urls)
 
 
 class FillMaskClient:
@@ -418,7 +420,7 @@ class FillMaskClient:
         Each outcome is yielded as soon as it and all before it are ready: a ``FillMaskResult``, or the
         ``FillMaskError`` that request raised (yielded, not raised, so one bad text does not stop the rest).
         ``concurrency`` defaults to ``default_concurrency``: enough to fill each connection's batches, and
-        never enough for a client alone on the server to meet its fair-share limit. Leaving the loop early
+        never enough for this call alone on a server to meet its fair-share limit. Leaving the loop early
         cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make that
         happen at once rather than when the iterator is garbage-collected.
         """
@@ -431,7 +433,8 @@ class FillMaskClient:
         if width is None:
             hello = self._pool.hello or {}  # not connected: each call then fails as fill_mask does
             limits = hello.get("limits") if isinstance(hello.get("limits"), dict) else {}
-            width = default_concurrency(limits, len(self._pool.slots))
+            urls = len({slot.url for slot in self._pool.slots})
+            width = default_concurrency(limits, len(self._pool.slots) // max(1, urls), urls)
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise UsageError(f"concurrency must be a positive integer, not {width!r}")
         loop = asyncio.get_running_loop()
