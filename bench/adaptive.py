@@ -9,7 +9,8 @@ For each size and corpus, one real server per flag set (defaults first, then a s
 flags, then the seed design unless ``--no-seed``), interleaved over ``--repeats``, 32 closed-loop
 clients x ``--in-flight`` (4); it prints req/s, p50/p99 (medians, and each repeat's req/s and p99,
 which show the run-to-run spread), rows per batch, the defaults' ratios to the best of the sweep and
-to the seed design, against issue 17's goals, and the flag sets ahead of the defaults on both req/s
+to the seed design (at the same concurrency, and in an open loop at the same arrival rate:
+``SEED_OPEN_SHARE``), against issue 17's goals, and the flag sets ahead of the defaults on both req/s
 and p99. Then, for the default server's batches (their shapes, rows x padded width, from the results'
 ``batch_size`` and ``batch_tokens``), it times the same shapes in a child process with the same torch
 thread count (``model.forward`` alone, nothing else running) and prints the server's per-batch forward
