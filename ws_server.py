@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in unknown_variables():  # first: a misspelt variable may be why another setting is refused
         print(line, file=sys.stderr, flush=True)
     config = load_config(argv)
-    for line in [*overridden_variables(argv), *setting_warnings(config)]:
+    warned = [f"warning: {named_source(line.removeprefix('warning: '), argv)}" for line in setting_warnings(config)]
+    for line in [*overridden_variables(argv), *warned]:  # (a setting a variable set names the variable)
         print(line, file=sys.stderr, flush=True)
     to_stderr = logging.StreamHandler()
     to_stderr.setFormatter(LogTimes(LOG_FORMAT))

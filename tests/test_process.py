@@ -208,6 +208,10 @@ def test_more_torch_threads_than_cpus_get_a_warning_and_far_more_name_the_most_a
     (warned,) = setting_warnings(Config(torch_threads=3), cpus=2)
     assert warned.startswith("warning: --torch-threads 3 is more than the 2 CPUs") and "use at most 2" in warned
     cpus = usable_cpus()
+    env = {**ENV, "FILLMASK_TORCH_THREADS": str(cpus + 1)}
+    result = subprocess.run([sys.executable, "ws_server.py", "--model", "/nonexistent/model"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert f"warning: FILLMASK_TORCH_THREADS='{cpus + 1}': --torch-threads {cpus + 1} is more than" in result.stderr
     problem = validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus + 1))
     assert problem is not None and f"the most accepted is {MAX_THREADS_PER_CPU * cpus}" in problem
     assert validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus)) is None
