@@ -433,8 +433,8 @@ class FillMaskClient:
         if width is None:
             hello = self._pool.hello or {}  # not connected: each call then fails as fill_mask does
             limits = hello.get("limits") if isinstance(hello.get("limits"), dict) else {}
-            urls = len({slot.url for slot in self._pool.slots})
-            width = default_concurrency(limits, len(self._pool.slots) // max(1, urls), urls)
+            urls = len(self.urls)  # (the pool holds each URL's connections)
+            width = default_concurrency(limits, len(self._pool.slots) // urls, urls)
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise UsageError(f"concurrency must be a positive integer, not {width!r}")
         loop = asyncio.get_running_loop()
