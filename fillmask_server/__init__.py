@@ -16,6 +16,7 @@ Modules, each one idea:
 - ``engine``: the stages' threads (tokenizer, model, decode) around the core, and the hand-over.
 - ``calibration``: what the engine measures at start-up (torch threads, cost model, a dtype's speed);
   ``tuning``: the torch thread count measured again while serving, pure.
+- ``cpus``: the CPUs this process may use, its affinity within its cgroups' CPU quota.
 - ``connection``: one socket's ordered, byte-counted outbox.
 - ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines;
   ``signals``: what a shutdown signal means when it comes, pure.

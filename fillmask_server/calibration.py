@@ -47,6 +47,7 @@ import orjson
 from . import intake
 from .batching import Coefficients
 from .core import fit
+from .cpus import usable_cpus
 from .decode import SequenceDecoder, predictions_json
 from .diagnosis import first_line
 from .items import Item
@@ -68,10 +69,6 @@ FIT_SHAPES = ((1, 8), (8, 8), (2, 40), (16, 16), (32, 24))
 FIT_ROUNDS = 4  # timed passes per shape, the shapes in turn like the thread counts (at least MIN_THREAD_ROUNDS)
 TOP_K = 5
 SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
-CGROUP_ROOT = "/sys/fs/cgroup"  # cgroup v2's mount (a container's own cgroup, as it sees it)
-CGROUP_V2_CPU_MAX = f"{CGROUP_ROOT}/cpu.max"
-CGROUP_V1_CPU_DIRS = (f"{CGROUP_ROOT}/cpu", f"{CGROUP_ROOT}/cpu,cpuacct")
-PROC_SELF_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
 
 
 @dataclass
@@ -348,87 +345,6 @@ def stages_s(model: FillMaskModel, items: list[Item], decoder: SequenceDecoder) 
 def _thread_candidates() -> list[int]:
     cpus = usable_cpus()
     return sorted({1, max(1, cpus // 2), cpus})
-
-
-def usable_cpus(read: Callable[[str], str | None] | None = None) -> int:
-    """The CPUs this process may use: those it may run on, and no more than its cgroup's CPU quota
-    (a container's CPU limit, rounded up), which the CPU count does not show: a container limited to
-    2 CPUs on a 64-core node that ran 64 threads would be throttled most of each period."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    quota = cpu_quota(read or _read_text)
-    return max(1, min(cpus, math.ceil(quota))) if quota is not None else cpus
-
-
-def cpu_quota(read: Callable[[str], str | None]) -> float | None:
-    """The tightest cgroup CPU quota on this process, in CPUs, or None when there is none or none can be read;
-    ``read(path)`` gives a file's text or None.
-
-    A quota binds every process below the cgroup that has it, so each level is read, from the process's own
-    cgroup (``/proc/self/cgroup``) up to the mount's root: a Kubernetes pod's limit or a systemd slice's
-    quota sits on a cgroup above the container's, and a host that mounts every cgroup shows the process's
-    own one deep below the root. A container that sees only its own cgroup has it at the mount's root, which
-    the walk always reads. cgroup v2's ``cpu.max`` where the unified hierarchy has one at any level, else
-    v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` under the ``cpu`` controller's mount."""
-    paths = _cgroup_paths(read(PROC_SELF_CGROUP))
-    quotas: list[float] = []
-    found_v2 = False
-    for directory in _levels(CGROUP_ROOT, paths.get("")):
-        text = read(f"{directory}/cpu.max")
-        if text is None:
-            continue
-        found_v2 = True
-        fields = text.split()
-        if len(fields) == 2 and fields[0] != "max" and (quota := _ratio(fields[0], fields[1])) is not None:
-            quotas.append(quota)
-    if not found_v2:
-        for mount in CGROUP_V1_CPU_DIRS:
-            for directory in _levels(mount, paths.get("cpu")):
-                quota, period = read(f"{directory}/cpu.cfs_quota_us"), read(f"{directory}/cpu.cfs_period_us")
-                if quota is not None and period is not None and (ratio := _ratio(quota, period)) is not None:
-                    quotas.append(ratio)
-    return min(quotas) if quotas else None
-
-
-def _cgroup_paths(text: str | None) -> dict[str, str]:
-    """``/proc/self/cgroup``'s paths: the unified (v2) hierarchy's under "", the v1 hierarchy that holds
-    the ``cpu`` controller under "cpu"."""
-    paths: dict[str, str] = {}
-    for line in (text or "").splitlines():
-        fields = line.split(":", 2)
-        if len(fields) != 3 or not fields[2].startswith("/"):
-            continue
-        if fields[1] == "":
-            paths[""] = fields[2]
-        elif "cpu" in fields[1].split(","):
-            paths["cpu"] = fields[2]
-    return paths
-
-
-def _levels(mount: str, path: str | None) -> list[str]:
-    """The directories of the cgroup ``path`` under ``mount`` and of each cgroup above it, the mount last."""
-    parts = [part for part in (path or "").split("/") if part and part != "."]
-    if ".." in parts:  # a cgroup outside this process's cgroup namespace: only the mount's root is its own
-        return [mount]
-    return [mount + "".join(f"/{part}" for part in parts[:depth]) for depth in range(len(parts), -1, -1)]
-
-
-def _ratio(quota: str, period: str) -> float | None:
-    try:
-        value, per = int(quota), int(period)
-    except ValueError:
-        return None
-    return value / per if value > 0 and per > 0 else None  # -1: no quota (v1)
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as file:  # cgroup names may be any bytes
-            return file.read().strip()
-    except OSError:
-        return None
 
 
 def batch_items(model: FillMaskModel, rows: int, width: int) -> list[Item]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from . import __version__
 from .access import HostPolicy, OriginPolicy, ProxyPolicy, tls_context
 from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS
+from .cpus import usable_cpus
 
 ENV_PREFIX = "FILLMASK_"
 DEFAULT_MODEL = "google-bert/bert-base-uncased"
@@ -324,7 +325,7 @@ def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
                      "secrets; print(secrets.token_urlsafe(24))\")")
     cpus = usable_cpus() if cpus is None else cpus
     if config.torch_threads > cpus:
-        lines.append(f"warning: --torch-threads {config.torch_threads} is more than the {cpus} CPUs this process may "
+        lines.append(f"warning: --torch-threads {config.torch_threads} is more than the {_cpus(cpus)} this process may "
                      "use, and threads beyond them only slow the forward pass: use at most "
                      f"{cpus}, or 0 to measure")
     return lines
@@ -378,10 +379,8 @@ MIN_MESSAGE_BYTES = 1024
 MAX_THREADS_PER_CPU = 4
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, where the platform has one)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+def _cpus(count: int) -> str:
+    return f"{count} CPU" if count == 1 else f"{count} CPUs"
 
 
 def validate(config: Config) -> str | None:
@@ -402,7 +401,7 @@ def validate(config: Config) -> str | None:
                     "short text fits")
     cpus = usable_cpus()
     if config.torch_threads > MAX_THREADS_PER_CPU * cpus:
-        return (f"--torch-threads {config.torch_threads} is far more than the {cpus} CPUs this process may use "
+        return (f"--torch-threads {config.torch_threads} is far more than the {_cpus(cpus)} this process may use "
                 f"(the most accepted is {MAX_THREADS_PER_CPU * cpus}); threads beyond the CPUs only slow the "
                 f"forward pass: use at most {cpus}, or 0 to measure")
     if config.max_length_ratio != 0 and config.max_length_ratio < 1:

@@ -12,21 +12,23 @@ import pytest
 
 from fillmask_server.batching import Coefficients
 from fillmask_server.calibration import (
-    CGROUP_ROOT,
-    CGROUP_V1_CPU_DIRS,
-    CGROUP_V2_CPU_MAX,
     FIT_SHAPES,
     MIN_THREAD_ROUNDS,
-    PROC_SELF_CGROUP,
     THREAD_TIE,
     Calibration,
     choose_threads,
-    cpu_quota,
     fastest_per_count,
     serving_rate,
-    usable_cpus,
 )
 from fillmask_server.core import fit
+from fillmask_server.cpus import (
+    CGROUP_ROOT,
+    CGROUP_V1_CPU_DIRS,
+    CGROUP_V2_CPU_MAX,
+    PROC_SELF_CGROUP,
+    cpu_quota,
+    usable_cpus,
+)
 
 
 def timings(speeds: dict[int, float], burst: range) -> tuple[list[int], Callable[[int], float]]:
@@ -138,7 +140,7 @@ def test_a_quota_on_any_cgroup_above_the_process_binds_it_and_the_tightest_wins(
 
 
 def test_this_machines_cgroups_are_read_without_error() -> None:
-    from fillmask_server.calibration import _read_text
+    from fillmask_server.cpus import _read_text
 
     quota = cpu_quota(_read_text)
     assert quota is None or quota > 0

@@ -357,10 +357,10 @@ def test_a_cpu_quota_of_one_cpu_gives_one_thread_with_or_without_calibration(
         model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from fillmask_server import calibration
+    from fillmask_server import calibration, cpus
 
-    quota = {calibration.CGROUP_V2_CPU_MAX: "100000 100000"}  # a container limited to one CPU
-    monkeypatch.setattr(calibration, "_read_text", quota.get)
+    quota = {cpus.CGROUP_V2_CPU_MAX: "100000 100000"}  # a container limited to one CPU
+    monkeypatch.setattr(cpus, "_read_text", quota.get)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # torch's default on a machine of two cores or more

@@ -24,9 +24,9 @@ from fillmask_server.config import (
     load_config,
     overridden_variables,
     setting_warnings,
-    usable_cpus,
     validate,
 )
+from fillmask_server.cpus import usable_cpus
 from tests.wire import recv, request, send, session
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,6 +215,21 @@ def test_more_torch_threads_than_cpus_get_a_warning_and_far_more_name_the_most_a
     problem = validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus + 1))
     assert problem is not None and f"the most accepted is {MAX_THREADS_PER_CPU * cpus}" in problem
     assert validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus)) is None
+
+
+def test_the_settings_checks_count_the_cpus_within_a_container_quota_as_the_calibration_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings' checks counted the CPUs by affinity alone, while the calibration read the cgroup's
+    quota: in a pod limited to one CPU on a larger node, ``--torch-threads 2`` started without a word and
+    the refusal's bound was four per node CPU. Both now ask ``cpus.usable_cpus``."""
+    from fillmask_server import cpus
+
+    monkeypatch.setattr(cpus, "_read_text", {cpus.CGROUP_V2_CPU_MAX: "100000 100000"}.get)  # one CPU's quota
+    assert usable_cpus() == 1
+    (warned,) = setting_warnings(Config(torch_threads=2))
+    assert "more than the 1 CPU this" in warned and "use at most 1" in warned
+    problem = validate(Config(torch_threads=MAX_THREADS_PER_CPU + 1))
+    assert problem is not None and f"the most accepted is {MAX_THREADS_PER_CPU}" in problem
 
 
 @pytest.mark.parametrize(
