@@ -608,7 +608,9 @@ def _shorten(value: str, limit: int = 100) -> str:
 
 
 def json_response(status: int, body: dict[str, Any], extra_headers: list[tuple[str, str]] | None = None) -> Response:
-    return response(status, orjson.dumps(body), "application/json", extra_headers)
+    """A JSON answer, one line ending in a newline (so that ``curl`` leaves the shell's prompt on a line of
+    its own)."""
+    return response(status, orjson.dumps(body, option=orjson.OPT_APPEND_NEWLINE), "application/json", extra_headers)
 
 
 def response(status: int, body: bytes, content_type: str,

@@ -219,6 +219,9 @@ async def raw_handshake(port: int, path: str = "/", headers: dict[str, str] | No
 
 
 def assert_clean_error_body(body: bytes) -> str:
+    """The body is one JSON line ending in one newline (a newcomer's find: ``curl`` of a refused ``/metrics``
+    left the shell's prompt on the error's line), and its message one line without internals."""
+    assert body.endswith(b"}\n") and body.count(b"\n") == 1, body
     message = orjson.loads(body)["error"]
     assert message and "\n" not in message and "Traceback" not in message and ".py" not in message, message
     return message
@@ -427,7 +430,7 @@ async def test_tls_serves_wss_and_https_only(make_server: Any, certificate: tupl
             answer = await asyncio.wait_for(reader.read(), 5)
         finally:
             writer.close()
-        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"status":"ok"}'), answer[:60]
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"status":"ok"}\n'), answer[:60]
         with pytest.raises(Exception):  # noqa: B017 (plain ws:// on a TLS port fails, however it fails)
             async with connect(srv.url.replace("wss://", "ws://"), open_timeout=3):
                 pass
