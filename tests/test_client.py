@@ -1484,6 +1484,23 @@ async def test_cli_401_names_the_commands_own_token_flag(make_server: Any) -> No
         assert (code, err) == (0, "") and out.startswith(TEXT)  # the variable it names does work
 
 
+async def test_cli_names_ten_failed_texts_of_a_reason_then_counts_the_rest(server: Any) -> None:
+    """A newcomer's find: a run of 2,000 texts that a busy server mostly refused printed a line for each
+    refused text. Ten are named for each failure reason, then one line says more failed so; the summary
+    counts them all, and ``--json`` still prints a line for every text."""
+    from fillmask_client.cli import NAMED_PER_REASON
+
+    texts = [TEXT, *(f"no mask in text {n}" for n in range(NAMED_PER_REASON + 15)), TEXT]
+    code, _, err = await run_cli("--url", server.url, "-k", "1", *texts)
+    named = [line for line in err.splitlines() if "no_mask" in line and line.startswith("fillmask-client: text ")]
+    assert code == 1 and len(named) == NAMED_PER_REASON, err
+    assert err.count("more texts failed with no_mask: the summary counts them (--json prints") == 1, err
+    assert f"{len(texts)} texts: 2 answered, {NAMED_PER_REASON + 15} failed ({NAMED_PER_REASON + 15} no_mask)" in err
+    assert len(err.splitlines()) == NAMED_PER_REASON + 2, err
+    code, out, err = await run_cli("--url", server.url, "-k", "1", "--json", *texts)
+    assert code == 1 and len(out.splitlines()) == len(texts) and "(--json prints" not in err, err
+
+
 async def test_ctrl_c_ends_a_run_of_several_texts_with_its_summary(make_server: Any) -> None:
     texts = ["no mask here", *(f"Text {n} is the [MASK] one." for n in range(4))]
     async with make_server() as srv:

@@ -11,7 +11,8 @@ number and where it came from: ``text 3 (--file texts.txt line 4: '...')``. Text
 the server was busy end the run with a line saying what to do (``--retry``, a lower ``--concurrency``).
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
-text, the others still print); 2 for a usage error, said on stderr before anything is sent (a
+text, up to ``NAMED_PER_REASON`` for each failure reason and then one line saying more failed so, the
+others still print); 2 for a usage error, said on stderr before anything is sent (a
 malformed ``--url``, a duration that is not a finite number, a text or input line that is not UTF-8,
 a ``--cafile`` with no certificate), including ``--top-k``, ``--targets`` or
 ``--deadline-ms`` outside the server's limits (checked once against its ``hello``, §2); 3 when the
@@ -72,6 +73,9 @@ CONNECT_TIMEOUT_S = 30.0
 RECONNECT_TIMEOUT_S = 120.0
 #: How often the command looks whether it is waiting for a server (it says so once a second).
 WAIT_POLL_S = 0.1
+#: The most failed texts named one by one for each failure reason (``no_mask``, ``queue_full``...); the
+#: rest are counted in the summary line (``--json`` still prints a line for every text).
+NAMED_PER_REASON = 10
 
 
 class Parser(argparse.ArgumentParser):
@@ -442,12 +446,17 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                         # Leaving the loop cancels what is still in flight; one line says how far it got.
                         say(stop_line(item, tally, args.reconnect))
                         return EXIT_CONNECTION
-                    tally.failed[failure_reason(item)] += 1
+                    reason = failure_reason(item)
+                    tally.failed[reason] += 1
                     tally.busy += type(item) is OverloadedError and retryable(item.reason)
-                    origin = getattr(text, "origin", None)
-                    quoted = f"{origin}: {_one_line(text)!r}" if origin else repr(_one_line(text))
-                    where = f"text {index} ({quoted}): " if len(texts) > 1 else ""
-                    say(f"{where}{item}")
+                    if tally.failed[reason] <= NAMED_PER_REASON:
+                        origin = getattr(text, "origin", None)
+                        quoted = f"{origin}: {_one_line(text)!r}" if origin else repr(_one_line(text))
+                        where = f"text {index} ({quoted}): " if len(texts) > 1 else ""
+                        say(f"{where}{item}")
+                    elif tally.failed[reason] == NAMED_PER_REASON + 1:
+                        say(f"more texts failed with {reason}: the summary counts them"
+                            + ("" if args.json else " (--json prints a line for each text)"))
                     if args.json:
                         print(_dumps(item.frame if item.frame is not None else client_frame(item)),
                               file=out, flush=True)
