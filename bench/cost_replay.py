@@ -4,7 +4,7 @@
 
 ``bench/gpu.py`` keeps each closed loop's batches (rows, padded tokens, measured milliseconds; the
 first 300 that its recorder saw, in no particular order). This script feeds them to this checkout's
-``core.CostModel``, starting from the server's start-up calibration (``hello.engine.calibration``),
+``costmodel.CostModel``, starting from the server's start-up calibration (``hello.engine.calibration``),
 and prints, per dtype, corpus and load, the relative error |predicted - measured| / measured (median
 / p90) of:
 
@@ -31,8 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu import median_p90, noise_floor  # noqa: E402
-from fillmask_server.batching import Coefficients  # noqa: E402
-from fillmask_server.core import CostModel  # noqa: E402
+from fillmask_server.costmodel import Coefficients, CostModel  # noqa: E402
 
 WARM = 50  # batches observed before the online error counts
 

@@ -57,8 +57,8 @@ sys.path.insert(0, str(ROOT))
 from bench import loadgen  # noqa: E402
 from bench.corpus import make_corpus, make_short_corpus  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
-from fillmask_server.batching import Coefficients  # noqa: E402
 from fillmask_server.calibration import batch_items  # noqa: E402
+from fillmask_server.costmodel import Coefficients  # noqa: E402
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 5e-2}
 CORPORA = {"short": make_short_corpus, "mixed": make_corpus}

@@ -12,7 +12,8 @@ Modules, each one idea:
   serve, in one line for the operator.
 - ``tokenizing``: a checked fast equivalent of a pure-Python tokenizer.
 - ``intake``: the tokenizer stage's checks; ``decode``: top-k into the pipeline's predictions (JSON).
-- ``core``: the engine's decisions, thread-free (admission, job containers, ledgers, the cost model).
+- ``core``: the engine's decisions, thread-free (admission, job containers, ledgers, the batch choice).
+- ``costmodel``: a batch's predicted engine time, fitted online from the batches that ran, pure.
 - ``engine``: the stages' threads (tokenizer, model, decode) around the core, and the hand-over.
 - ``calibration``: what the engine measures at start-up (torch threads, cost model, a dtype's speed);
   ``tuning``: the torch thread count measured again while serving, pure.

@@ -7,7 +7,7 @@ updated as requests come and go), so that choosing a batch reads about the batch
 connections, not the whole queue; a ``deque`` works too. The rules:
 
 - **Expired first.** Requests whose deadline has passed are removed and reported, never batched.
-- **The cost model** (``Coefficients``, fitted by the engine core from the batches it ran): a batch of
+- **The cost model** (``costmodel.Coefficients``, fitted by the engine core from the batches it ran): a batch of
   ``rows`` requests that occupies ``padded`` tokens (its ``footprint``: rows x widest row, padding
   included) and whose answers take ``out`` bytes costs
   ``overhead + token·padded + row·rows + byte·out`` seconds of engine time (forward pass and decode).
@@ -125,6 +125,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from .costmodel import Coefficients
+
 TIE = 1e-9  # efficiencies this close are equal (floating-point rounding must not split equal requests)
 MIN_AUTO_BATCH_S = 0.005  # the automatic time bound is never below this (a fit may put the overhead near 0)
 DEFAULT_BATCH_ROWS = 64  # --max-batch-size's default, and the automatic caps' shape (below)
@@ -150,25 +152,6 @@ class Queued(Protocol):
 
 
 J = TypeVar("J", bound=Queued)
-
-
-@dataclass(frozen=True)
-class Coefficients:
-    """The cost model: seconds of engine time for a batch (see the module docstring). The defaults are
-    a prior for a CPU, used until the engine has measured its own."""
-
-    overhead_s: float = 1e-3
-    token_s: float = 2e-5
-    row_s: float = 1e-4
-    byte_s: float = 2e-8
-
-    def batch_s(self, rows: int, padded: int, out_bytes: float) -> float:
-        """Predicted engine time of a batch."""
-        return self.overhead_s + self.token_s * padded + self.row_s * rows + self.byte_s * out_bytes
-
-    def own_s(self, n_tokens: int, out_bytes: float) -> float:
-        """A request's own work: what it adds to a batch, without padding."""
-        return self.token_s * n_tokens + self.row_s + self.byte_s * out_bytes
 
 
 @dataclass

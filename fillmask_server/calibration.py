@@ -18,7 +18,7 @@ own tokens around its mask token), all within ``--calibration-s``:
 2. **The cost model's first coefficients**: batches of a few shapes (rows x width), timed in turn
    like the thread counts (``FIT_ROUNDS`` rounds, at least ``MIN_THREAD_ROUNDS``), each shape keeping
    its fastest pass, so that a neighbour's burst inflates no shape's time alone; the fit of
-   ``overhead + token·padded + row·rows`` (``core.fit``), and the decode price per byte of answer
+   ``overhead + token·padded + row·rows`` (``costmodel.fit``), and the decode price per byte of answer
    bound from decoding their top-k; the engine's ``CostModel`` starts from it and goes on fitting
    online (and never prices a batch's overhead above the fastest batch it runs).
 3. **Reduced precision** (``--dtype bfloat16``, ``float16`` or ``int8`` only): the same batch on a
@@ -45,8 +45,7 @@ from typing import Any, TypeVar
 import orjson
 
 from . import intake
-from .batching import Coefficients
-from .core import fit
+from .costmodel import Coefficients, fit
 from .cpus import usable_cpus
 from .decode import SequenceDecoder, predictions_json
 from .diagnosis import first_line

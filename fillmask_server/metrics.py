@@ -24,7 +24,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from fillmask_client.wire import OVERLOADED_REASONS
 
 from .allocator import frozen_objects
-from .batching import Coefficients
+from .costmodel import Coefficients
 from .protocol import ERROR_CODES
 
 #: ``fillmask_handshakes_refused_total``'s reasons (§11).
@@ -78,7 +78,7 @@ class _LiveCollector:
 
 class _CostModelCollector:
     """``fillmask_torch_threads``, ``fillmask_cost_model_seconds{term}`` and ``fillmask_batch_cap{cap}``:
-    the torch thread count in use, the engine's fitted cost model (batching.Coefficients) and the batch
+    the torch thread count in use, the engine's fitted cost model (costmodel.Coefficients) and the batch
     caps (rows, tokens), as they are now."""
 
     def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],

@@ -44,7 +44,8 @@ from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS, BatchPolicy
 from .calibration import Calibration, uncalibrated
 from .config import Config
 from .connection import Connection, UnsentBytes
-from .core import AnswerMemory, CostModel
+from .core import AnswerMemory
+from .costmodel import CostModel
 from .engine import Engine
 from .http import LOG_INTERVAL_S, FrontConnection, FrontState, HttpFront, LogThrottle
 from .jobs import Outcome, Result

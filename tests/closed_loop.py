@@ -9,7 +9,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fillmask_server.batching import BatchPolicy, Coefficients
+from fillmask_server.batching import BatchPolicy
+from fillmask_server.costmodel import Coefficients
 
 # Token-equivalent prices fitted live (bench/results/issue17-xeon-fairness.md): a tiny encoder, where a
 # row costs dozens of tokens, and a bert-base-shaped one, where tokens dominate.

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from fillmask_server import batching
-from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Coefficients, Room, Waiting, _predicted
+from fillmask_server.batching import MIN_AUTO_BATCH_S, BatchPolicy, Room, Waiting, _predicted
+from fillmask_server.costmodel import Coefficients
 from tests.closed_loop import BASE, TINY, Client, fixed, mixed_lengths, percentile, run, tail_ratio
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from fillmask_server.batching import Coefficients
 from fillmask_server.calibration import (
     FIT_SHAPES,
     MIN_THREAD_ROUNDS,
@@ -20,7 +19,7 @@ from fillmask_server.calibration import (
     fastest_per_count,
     serving_rate,
 )
-from fillmask_server.core import fit
+from fillmask_server.costmodel import Coefficients, fit
 from fillmask_server.cpus import (
     CGROUP_ROOT,
     CGROUP_V1_CPU_DIRS,

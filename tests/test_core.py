@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from fillmask_server import intake
-from fillmask_server.batching import BatchPolicy, Coefficients
-from fillmask_server.core import Admission, AnswerMemory, CostModel, EngineCore, fit
+from fillmask_server.batching import BatchPolicy
+from fillmask_server.core import Admission, AnswerMemory, EngineCore
+from fillmask_server.costmodel import Coefficients, CostModel, fit
 from fillmask_server.jobs import Expired, Failed, Job, Rejected, Result, State, Stopped
 from fillmask_server.protocol import FillMaskRequest
 from fillmask_server.tuning import FIRST_INTERVAL_S, ThreadTuner
@@ -345,7 +346,7 @@ def test_the_bounded_fit_is_optimal_whether_or_not_the_free_solution_is_within_i
     import itertools
     import random
 
-    from fillmask_server.core import _bounded_least_squares
+    from fillmask_server.costmodel import _bounded_least_squares
 
     rng = random.Random(7)
     cases = list(itertools.product(range(3), repeat=3))
@@ -383,7 +384,7 @@ def test_the_bounded_fit_is_the_least_over_the_box_where_the_problem_is_singular
     beats."""
     import random
 
-    from fillmask_server.core import _bounded_least_squares
+    from fillmask_server.costmodel import _bounded_least_squares
 
     rng = random.Random(11)
     grid = [i / 20 for i in range(21)]

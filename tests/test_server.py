@@ -541,8 +541,8 @@ async def test_automatic_batch_caps_come_from_the_calibration_and_hello_and_metr
     give the caps, never 0. Caps the user set stay what they are, whatever the prices."""
     import dataclasses
 
-    from fillmask_server.batching import Coefficients
     from fillmask_server.calibration import Calibration
+    from fillmask_server.costmodel import Coefficients
     from fillmask_server.loading import load_model
 
     launch_bound = Coefficients(overhead_s=4.8e-3, token_s=1e-8, row_s=3.6e-5, byte_s=8e-8)
