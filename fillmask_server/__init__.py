@@ -21,7 +21,8 @@ Modules, each one idea:
 - ``connection``: one socket's ordered, byte-counted outbox.
 - ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines;
   ``signals``: what a shutdown signal means when it comes, pure.
-- ``http``: the HTTP routes and the decision on each WebSocket handshake.
+- ``http``: the HTTP routes and the decision on each WebSocket handshake; ``front_connection``: websockets'
+  connection as the server runs it (JSON refusals, held requests, messages handed over as parsed).
 - ``access``: the handshake's Origin rule, shared token and TLS context, pure.
 - ``metrics``: the Prometheus metrics of one server; ``stats``: the live figures of ``stats`` frames.
 - ``allocator``: giving freed answer memory back to the system (glibc).

@@ -47,7 +47,8 @@ from .connection import Connection, UnsentBytes
 from .core import AnswerMemory
 from .costmodel import CostModel
 from .engine import Engine
-from .http import LOG_INTERVAL_S, FrontConnection, FrontState, HttpFront, LogThrottle
+from .front_connection import FrontConnection
+from .http import LOG_INTERVAL_S, FrontState, HttpFront, LogThrottle
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
