@@ -40,9 +40,16 @@ try:
     )
     from fillmask_server.diagnosis import ModelLoadError
     from fillmask_server.loading import load_model, resolve_device
-    from fillmask_server.server import FillMaskServer, check_can_listen, listen_problem, quiet_accept_failures
+    from fillmask_server.server import FillMaskServer, quiet_accept_failures
     from fillmask_server.signals import SignalGate, Verdict
-    from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines, raise_open_files_limit
+    from fillmask_server.startup import (
+        LOG_FORMAT,
+        LogTimes,
+        StartupLines,
+        check_can_listen,
+        listen_problem,
+        raise_open_files_limit,
+    )
 except ModuleNotFoundError as missing:  # outside the project's environment: one line, not a traceback
     if (missing.name or "").partition(".")[0] not in ("fillmask_client", "websockets", "orjson", "prometheus_client"):
         raise  # (not a package pyproject.toml installs before torch: that traceback is for developers)

@@ -19,7 +19,7 @@ Modules, each one idea:
   ``tuning``: the torch thread count measured again while serving, pure.
 - ``cpus``: the CPUs this process may use, its affinity within its cgroups' CPU quota.
 - ``connection``: one socket's ordered, byte-counted outbox.
-- ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines;
+- ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines and checks;
   ``signals``: what a shutdown signal means when it comes, pure.
 - ``http``: the HTTP routes and the decision on each WebSocket handshake; ``front_connection``: websockets'
   connection as the server runs it (JSON refusals, held requests, messages handed over as parsed).

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import logging
 import socket
@@ -54,6 +53,7 @@ from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
 from .protocol import SLOW_READER_REASON, Limits, encode_going_away, encode_hello, encode_stats
 from .session import POLICY_VIOLATION, SHUTTING_DOWN_RETRY_MS, Answer, DoubleAnswer, Session
+from .startup import serving_line
 from .stats import LiveStats
 from .tuning import ThreadTuner, switch_interval_s
 
@@ -92,21 +92,6 @@ class Readiness:
     loaded: bool = False
     unready: bool = False
     draining: bool = False
-
-
-def serving_line(model: str, host: str, port: int, url: str, token: bool) -> str:
-    """The start-up line after ``serving``: the model, where it listens, and who may use it. A server
-    listening on every interface says so (``url`` is then the loopback one, for this machine), and
-    without a token it says the port is open to the network."""
-    if host in WILDCARD_HOSTS:
-        # (asyncio makes an IPv6 listener IPv6-only: "::" takes no IPv4 client; "" listens on both.)
-        family = {"0.0.0.0": "every IPv4 interface", "::": "every IPv6 interface (no IPv4)"}.get(
-            host, "every interface, IPv4 and IPv6")
-        where = f"{family}, port {port} (here: {url})"
-        open_to = f"no token: anyone who reaches this machine's port {port} may use it; set --token"
-    else:
-        where, open_to = url, "no token: whoever reaches the port may use it"
-    return f"{model} on {where} ({'clients must present the token' if token else open_to})"
 
 
 #: asyncio's words when accepting a connection failed for want of a resource (EMFILE, ENFILE,
@@ -603,32 +588,3 @@ def model_display_name(model: str) -> str:
     if path.is_dir():
         return path.resolve().name
     return model
-
-
-def check_can_listen(host: str, port: int) -> None:
-    """Raise ``OSError`` now if ``host:port`` cannot be bound, so that a port already in use, a host that
-    does not resolve or an address this machine does not have is reported before the model loads (which
-    may take minutes), not after. Port 0 binds a free port of each address, which tests the address."""
-    for family, kind, proto, _, address in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE):
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
-            probe.bind(address)
-
-
-def listen_problem(host: str, port: int, exc: OSError) -> str:
-    """The one line that says why ``host:port`` cannot be listened on, naming the flag to change: the
-    host's for a name that does not resolve or an address no interface has, the port's otherwise."""
-    where = f"cannot listen on {host or '(every interface)'}:{port}"
-    hosts = ("choose another --host (127.0.0.1: this machine only; 0.0.0.0: every IPv4 interface; '': every "
-             "interface, IPv4 and IPv6)")
-    if isinstance(exc, socket.gaierror):
-        return f"{where}: the host name does not resolve ({exc.strerror or exc}); {hosts}"
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return f"{where}: no interface of this machine has that address; {hosts}"
-    if exc.errno == errno.EACCES:
-        return f"{where}: ports below 1024 need privileges; choose a --port of 1024 or more (0 picks a free one)"
-    if exc.errno == errno.EADDRINUSE:
-        return (f"{where}: the port is in use; is another server running there? choose another --port "
-                "(0 picks a free one)")
-    return f"{where}: {exc.strerror or exc}; check --host and --port (0 picks a free port)"

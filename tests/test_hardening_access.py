@@ -356,7 +356,7 @@ async def test_the_serving_line_says_whether_a_token_is_required(make_server: An
 def test_a_server_on_every_interface_says_so_and_that_it_is_open_to_the_network() -> None:
     """`--host 0.0.0.0` (the container image's setting) said `serving ... on ws://127.0.0.1:8765/`, as if
     the server were local only, and nothing about the network when no token was set."""
-    from fillmask_server.server import serving_line
+    from fillmask_server.startup import serving_line
 
     line = serving_line("m", "0.0.0.0", 8765, "ws://127.0.0.1:8765/", token=False)
     assert line == ("m on every IPv4 interface, port 8765 (here: ws://127.0.0.1:8765/) (no token: anyone who "
