@@ -3,10 +3,12 @@ design (``bench/peers/seed.py``), and the forward pass in the server against the
 
     .venv/bin/python bench/adaptive.py --sizes tiny --corpora short,mixed --duration 8
     .venv/bin/python bench/adaptive.py --sizes families/esm --corpora short --in-flight 8 --no-seed \
-        --configs 'defaults,--gil-switch-ms 0.2' --repeats 3
+        --configs 'defaults,--gil-switch-ms 0.2' --repeats 4
 
 For each size and corpus, one real server per flag set (defaults first, then a sweep of hand-set
-flags, then the seed design unless ``--no-seed``), interleaved over ``--repeats``, 32 closed-loop
+flags, then the seed design unless ``--no-seed``), interleaved over ``--repeats``: every set once in that
+order, then once in reverse, and so on (``run_order``), so that a machine whose speed drifts over the
+run favours no set (give an even ``--repeats`` for that to hold). 32 closed-loop
 clients x ``--in-flight`` (4); it prints req/s, p50/p99 (medians, and each repeat's req/s and p99,
 which show the run-to-run spread), rows per batch, the defaults' ratios to the best of the sweep and
 to the seed design (at the same concurrency, and in an open loop at the same arrival rate:
@@ -208,6 +210,15 @@ def _flag_problem(flags: list[str]) -> str | None:
     return None
 
 
+def run_order(names: list[str], repeat: int) -> list[str]:
+    """The order in which repeat ``repeat`` (0, 1, ...) runs the flag sets ``names``: as given in even
+    repeats, reversed in odd ones (ABBA). A fixed order turns a drift of the machine's speed over the run
+    (a neighbour leaving, a CPU warming up) into a bias for whichever set always runs first; two repeats
+    run A B C C B A, a palindrome, so each set's mean time in the pair is its middle, however long each
+    run lasts, and a linear drift weighs the same on every set. An odd last repeat has no partner."""
+    return list(names) if repeat % 2 == 0 else list(reversed(names))
+
+
 def flag_set(name: str) -> list[str]:
     """The server's arguments for a flag set of ``configs``."""
     return SWEEP[name] if name in SWEEP else shlex.split(name)
@@ -245,13 +256,18 @@ async def main_async(args: argparse.Namespace) -> int:
         for corpus in args.corpora.split(","):
             texts = corpus_texts(model_dir, size, corpus)
             names = list(args.configs)
+            # Results are kept by name, never by position: the order changes from one repeat to the next.
+            # The seed design is one of the names, so the defaults' ratios to it drift no more than to the
+            # sweep; the defaults at the seed's rate follow the seed (they need its rate).
+            everyone = [*names, *([SEED] if args.seed else [])]
             runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for repeat in range(args.repeats):
-                for name in names:
-                    runs[name].append(await measure(model_dir, flag_set(name), texts, args.warmup, args.duration,
-                                                    keep_batches=name == "defaults" and repeat == 0,
-                                                    in_flight=args.in_flight))
-                if args.seed:
+                for name in run_order(everyone, repeat):
+                    if name != SEED:
+                        runs[name].append(await measure(model_dir, flag_set(name), texts, args.warmup, args.duration,
+                                                        keep_batches=name == "defaults" and repeat == 0,
+                                                        in_flight=args.in_flight))
+                        continue
                     seed = await measure(model_dir, [], texts, args.warmup, args.duration, False,
                                          script="bench/peers/seed.py", in_flight=args.in_flight,
                                          open_share=SEED_OPEN_SHARE)
@@ -266,7 +282,7 @@ async def main_async(args: argparse.Namespace) -> int:
             print("|---|---|---|---|---|---|---|---|---|")
             rows = {}
             repeats: Repeats = {}
-            for name in [*names, *([SEED] if args.seed else [])]:  # (SEED_RATE: an open loop alone)
+            for name in everyone:  # (SEED_RATE: an open loop alone)
                 each_rps = [r["throughput_rps"] for r in runs[name]]
                 each_p99 = [r["latency_ms"]["p99"] for r in runs[name]]
                 repeats[name] = (each_rps, each_p99)
@@ -310,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="", help="comma-separated flag sets: 'defaults', a name of SWEEP, or "
                         "any of the server's flags as one string ('--max-batch-size 128 --max-batch-tokens 16384'); "
                         "default: all of SWEEP")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every flag set, interleaved, every "
+                        "second one in reverse order (an even number cancels a linear drift)")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--seed", action=argparse.BooleanOptionalAction, default=True,

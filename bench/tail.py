@@ -4,7 +4,8 @@
     .venv/bin/python bench/tail.py --corpus short --runs 2 --flags '--torch-threads 2'
 
 Each run starts a server (``ws_server.py --model M`` and ``--flags``), runs the closed loop of
-``bench/adaptive.py`` (32 clients x ``--in-flight``) and splits each answered request's latency, as
+``bench/adaptive.py`` (32 clients x ``--in-flight``) and splits the latency of each request answered
+in the closed loop's own window (from the end of its ``--warmup``, as its own p50 and p99 count), as
 the client saw it, into the server's ``queue_ms`` and ``inference_ms`` (protocol.md's result frame)
 and the rest (tokenizing, decoding, the sockets, the client). It prints those for the middle tenth
 of the latencies and for the slowest 2%, and when the slowest 1% were sent, as bursts: a tail made of
@@ -75,10 +76,19 @@ async def run(model: Path, size: str, corpus: str, flags: list[str], in_flight: 
         await loadgen.settle(server.url)
         threads = [await hello_threads(server.url)]
         recorder = loadgen.Recorder()
-        started = time.perf_counter()
-        await loadgen.closed_loop(server.url, texts, 32, in_flight, warmup, duration, recorder=recorder)
+        summary = await loadgen.closed_loop(server.url, texts, 32, in_flight, warmup, duration, recorder=recorder,
+                                            on_window=_window_opened)
         threads.append(await hello_threads(server.url))
-    return {**decompose(recorder, (started + warmup, started + warmup + duration)), "torch_threads": threads}
+    opened = summary["during_window"]
+    return {**decompose(recorder, (opened, opened + duration)), "torch_threads": threads}
+
+
+async def _window_opened() -> float:
+    """When the closed loop's measured window opened: ``closed_loop`` starts this as its warm-up ends.
+
+    The warm-up starts only once all 32 connections have read their hellos, so a window timed from
+    before the call would open that long before the warm-up ends and count its last answers."""
+    return time.perf_counter()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -625,3 +625,106 @@ def test_the_limits_command_refuses_bad_input_in_one_line(tmp_path: Path, capsys
     with pytest.raises(SystemExit):
         pipeline_limits.main(["--model", str(tmp_path), "--texts", "0"])  # (it timed nothing, for ever)
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_the_sweep_runs_its_flag_sets_in_order_then_in_reverse() -> None:
+    """bench/adaptive.py ran its flag sets in one fixed order in every repeat, so a machine that slowed
+    down (or warmed up) over the run favoured whichever set ran first. ``run_order`` runs every set once
+    per repeat, the second repeat in reverse: over a pair each set's mean position is the same."""
+    from bench.adaptive import run_order
+
+    names = ["defaults", "--torch-threads 1", "--max-batch-size 32", "seed"]
+    orders = [run_order(names, repeat) for repeat in range(4)]
+    assert orders[0] == names and orders[1] == names[::-1] and orders[2] == orders[0] and orders[3] == orders[1]
+    for order in orders:
+        assert sorted(order) == sorted(names)  # each once per repeat
+    mean_position = {name: (orders[0].index(name) + orders[1].index(name)) / 2 for name in names}
+    assert set(mean_position.values()) == {(len(names) - 1) / 2}
+    assert run_order(names, 0) is not names  # (a new list: the caller's is left as it was)
+
+
+async def test_the_sweep_keeps_each_measurement_with_its_flag_set_whatever_the_order(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two repeats of two flag sets and the seed design, the servers faked: the second repeat runs them in
+    reverse (the seed, then the defaults at its rate, still together), and every row of the table holds
+    its own set's figures, in the order of ``--configs``."""
+    import argparse
+
+    from bench import adaptive
+
+    ran: list[str] = []
+    rps_of = {"defaults": 100.0, "--torch-threads 1": 200.0, "seed": 50.0}
+
+    async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: float, duration: float,
+                      keep_batches: bool, script: str = "ws_server.py", in_flight: int = 4,
+                      open_share: float = 0.0, open_rate: float = 0.0) -> dict[str, Any]:
+        name = ("seed" if script != "ws_server.py" else "at the seed's rate" if open_rate
+                else " ".join(args) or "defaults")
+        ran.append(name)
+        rps = rps_of.get(name, 0.0) + sum(1 for done in ran if done == name)  # each repeat's figure differs
+        summary: dict[str, Any] = {"throughput_rps": rps, "latency_ms": {"p50": 1000 / rps, "p99": 2000 / rps},
+                                   "batch": {"mean_rows_per_batch": 1.0}, "torch_threads": 2}
+        if open_share or open_rate:
+            summary["open"] = {"rate_rps": open_rate or open_share * rps, "latency_ms": {"p99": 10.0}}
+        return summary
+
+    monkeypatch.setattr(adaptive, "measure", measure)
+    monkeypatch.setattr(adaptive, "corpus_texts", lambda *_: TEXTS)
+    args = argparse.Namespace(sizes="tiny", corpora="short", configs=["defaults", "--torch-threads 1"], repeats=2,
+                              warmup=0.0, duration=0.0, in_flight=4, seed=True)
+    assert await adaptive.main_async(args) == 0
+    assert ran == ["defaults", "--torch-threads 1", "seed", "at the seed's rate",
+                   "seed", "at the seed's rate", "--torch-threads 1", "defaults"]
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [(row[0], row[1], row[-2]) for row in rows] == [
+        ("| defaults", "101.5", "101, 102"), ("| --torch-threads 1", "201.5", "201, 202"),
+        (f"| {adaptive.SEED}", "51.5", "51, 52")]
+
+
+async def test_the_tail_counts_the_closed_loops_window_not_the_end_of_its_warm_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/tail.py timed its window from before the closed loop, which opens its 32 connections before
+    its warm-up starts: the window opened that long before the warm-up ended and counted the warm-up's
+    last answers (cold, slow). The closed loop is faked here, as the real one runs: it connects (0.3 s),
+    warms up (0.3 s) with slow answers up to its window's opening, then answers fast."""
+    from bench import loadgen, tail
+
+    connecting_s, warmup_s, duration_s = 0.3, 0.3, 5.0
+
+    async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, warmup: float,
+                          duration: float, on_window: Any = None, recorder: Recorder | None = None,
+                          **_: Any) -> dict[str, Any]:
+        assert recorder is not None
+        await asyncio.sleep(connecting_s + warmup)  # the connections' hellos, then the warm-up
+        opened = await on_window() if on_window is not None else time.perf_counter()
+        for n in range(40):  # the warm-up's last 0.2 s: 500-ms answers
+            done = opened - 0.2 + n * 0.005
+            recorder.answer(recorder.add(done - 0.5), done, {"type": RESULT, "queue_ms": 400.0, "inference_ms": 90.0})
+        for n in range(400):  # the window: 10-ms answers (the first ones sent in the warm-up)
+            done = opened + 0.001 + n * 0.01
+            recorder.answer(recorder.add(done - 0.01), done, {"type": RESULT, "queue_ms": 3.0, "inference_ms": 5.0})
+        return {"during_window": opened} if on_window is not None else {}
+
+    class Server:
+        url = "ws://127.0.0.1:1/"
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            return None
+
+    async def settle(url: str) -> float:
+        return 0.0
+
+    async def hello_threads(url: str) -> int:
+        return 2
+
+    monkeypatch.setattr(loadgen, "closed_loop", closed_loop)
+    monkeypatch.setattr(loadgen, "settle", settle)
+    monkeypatch.setattr(tail, "ServerProcess", lambda *_: Server())
+    monkeypatch.setattr(tail, "hello_threads", hello_threads)
+    monkeypatch.setattr(tail, "corpus_texts", lambda *_: TEXTS)
+    got = await tail.run(Path("models/tiny"), "tiny", "mixed", [], 4, warmup_s, duration_s)
+    assert got["requests"] == 400
+    assert round(got["p99_ms"], 6) == 10.0 and got["tail"]["queue_ms"] == pytest.approx(3.0)
