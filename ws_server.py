@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 try:
     from fillmask_server.allocator import freeze_start_up_heap
-    from fillmask_server.calibration import calibrate
+    from fillmask_server.calibration import Calibration, calibrate
     from fillmask_server.config import (
         Config,
         load_config,
@@ -40,6 +40,7 @@ try:
     )
     from fillmask_server.diagnosis import ModelLoadError
     from fillmask_server.loading import load_model, resolve_device
+    from fillmask_server.model import FillMaskModel
     from fillmask_server.server import FillMaskServer, quiet_accept_failures
     from fillmask_server.signals import SignalGate, Verdict
     from fillmask_server.startup import (
@@ -77,41 +78,13 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
     too_few_files = raise_open_files_limit(config.max_connections)
     if too_few_files:
         print(too_few_files, file=sys.stderr, flush=True)
-    lines = StartupLines(quiet=config.log_level in ("warning", "error"))
-    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
-    if config.calibration_s > 0:
-        lines("calibration of threads and the cost model")
-    calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model,
-                            resolve_device(config.device), config.forward)
-    lines.done()
-    if config.calibration_s > 0:
-        log.info("%s", calibration.line())
-    if calibration.warning:
-        print(calibration.warning, file=sys.stderr, flush=True)
+    model, calibration = _load_and_calibrate(config)
     freeze_start_up_heap()  # full collections while serving skip what start-up made (allocator.py)
     server = FillMaskServer(config, model, calibration)
     with _listening(config):
         await server.start()
-    loop = asyncio.get_running_loop()
-    received: asyncio.Future[int] = loop.create_future()
     gate = SignalGate()
-
-    def on_signal(signum: int) -> None:
-        verdict = gate.take(signum, loop.time())
-        if verdict is Verdict.DRAIN:
-            received.set_result(signum)
-        elif verdict is Verdict.STOP:
-            _stop_now(server)
-
-    def hand_over(signum: int, frame: object) -> None:
-        with contextlib.suppress(RuntimeError):  # (a loop already closed: the process is leaving)
-            loop.call_soon_threadsafe(on_signal, signum)
-
-    # Not loop.add_signal_handler: its removal puts SIG_DFL back for a moment (below). Python runs the
-    # handler on the main thread, which the kernel interrupts first; a signal another thread took is
-    # seen when the loop next wakes, at the latest at the engine watch's next look (ENGINE_WATCH_S).
-    for signum in handled:
-        signal.signal(signum, hand_over)
+    received = _drain_on_signals(server, handled, gate)
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     _say_ready(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)")
     stopped = asyncio.ensure_future(server.engine_stopped())
@@ -138,6 +111,48 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         # fresh clone's CI run caught it once, in the test that signals in a tight loop).
         signal.signal(signum, lambda *_: os._exit(status))
     return status
+
+
+def _load_and_calibrate(config: Config) -> tuple[FillMaskModel, Calibration]:
+    """The model, loaded and checked, and what the calibration measured with it; their lines on stderr."""
+    lines = StartupLines(quiet=config.log_level in ("warning", "error"))
+    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
+    if config.calibration_s > 0:
+        lines("calibration of threads and the cost model")
+    calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model,
+                            resolve_device(config.device), config.forward)
+    lines.done()
+    if config.calibration_s > 0:
+        log.info("%s", calibration.line())
+    if calibration.warning:
+        print(calibration.warning, file=sys.stderr, flush=True)
+    return model, calibration
+
+
+def _drain_on_signals(server: FillMaskServer, handled: list[signal.Signals], gate: SignalGate) -> asyncio.Future[int]:
+    """Handle the ``handled`` signals from now on: the first that ``gate`` says drains sets the future
+    returned (its signal's number); one it says stops leaves at once (``_stop_now``)."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[int] = loop.create_future()
+
+    def on_signal(signum: int) -> None:
+        verdict = gate.take(signum, loop.time())
+        if verdict is Verdict.DRAIN:
+            received.set_result(signum)
+        elif verdict is Verdict.STOP:
+            _stop_now(server)
+
+    def hand_over(signum: int, frame: object) -> None:
+        with contextlib.suppress(RuntimeError):  # (a loop already closed: the process is leaving)
+            loop.call_soon_threadsafe(on_signal, signum)
+
+    # Not loop.add_signal_handler: its removal puts SIG_DFL back for a moment (``serve_until_signalled``'s
+    # end). Python runs the handler on the main thread, which the kernel interrupts first; a signal another
+    # thread took is seen when the loop next wakes, at the latest at the engine watch's next look
+    # (ENGINE_WATCH_S).
+    for signum in handled:
+        signal.signal(signum, hand_over)
+    return received
 
 
 @contextlib.contextmanager
