@@ -1499,6 +1499,11 @@ async def test_cli_names_ten_failed_texts_of_a_reason_then_counts_the_rest(serve
     assert len(err.splitlines()) == NAMED_PER_REASON + 2, err
     code, out, err = await run_cli("--url", server.url, "-k", "1", "--json", *texts)
     assert code == 1 and len(out.splitlines()) == len(texts) and "(--json prints" not in err, err
+    # --quiet drops the summary, so the texts not named are counted in a line of their own (a review's find).
+    code, _, err = await run_cli("--url", server.url, "-k", "1", "--quiet", *texts)
+    assert code == 1 and "more texts failed with no_mask: their count follows at the end" in err, err
+    assert err.splitlines()[-1] == "fillmask-client: 15 more texts failed with no_mask", err
+    assert len(err.splitlines()) == NAMED_PER_REASON + 2, err
 
 
 async def test_ctrl_c_ends_a_run_of_several_texts_with_its_summary(make_server: Any) -> None:

@@ -11,8 +11,9 @@ number and where it came from: ``text 3 (--file texts.txt line 4: '...')``. Text
 the server was busy end the run with a line saying what to do (``--retry``, a lower ``--concurrency``).
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
-text, up to ``NAMED_PER_REASON`` for each failure reason and then one line saying more failed so, the
-others still print); 2 for a usage error, said on stderr before anything is sent (a
+text, up to ``NAMED_PER_REASON`` for each failure reason and then one line saying more failed so, and
+how many at the end (in the summary line, or with ``--quiet`` in a line of its own); the others still
+print); 2 for a usage error, said on stderr before anything is sent (a
 malformed ``--url``, a duration that is not a finite number, a text or input line that is not UTF-8,
 a ``--cafile`` with no certificate), including ``--top-k``, ``--targets`` or
 ``--deadline-ms`` outside the server's limits (checked once against its ``hello``, §2); 3 when the
@@ -327,6 +328,12 @@ class Tally:
             line += f", {unanswered} not answered"
         return line
 
+    def unnamed(self) -> list[str]:
+        """``15 more texts failed with no_mask``: for each failure reason, the texts not named one by one
+        (beyond ``NAMED_PER_REASON``); what ``--quiet`` says in place of the summary."""
+        return [f"{count - NAMED_PER_REASON} more texts failed with {reason}"
+                for reason, count in self.failed.most_common() if count > NAMED_PER_REASON]
+
 
 def message_for(error: FillMaskError) -> str:
     """The one line that says ``error`` on the command line: its message, except where the library's
@@ -455,7 +462,8 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                         where = f"text {index} ({quoted}): " if len(texts) > 1 else ""
                         say(f"{where}{item}")
                     elif tally.failed[reason] == NAMED_PER_REASON + 1:
-                        say(f"more texts failed with {reason}: the summary counts them"
+                        counted = "their count follows at the end" if args.quiet else "the summary counts them"
+                        say(f"more texts failed with {reason}: {counted}"
                             + ("" if args.json else " (--json prints a line for each text)"))
                     if args.json:
                         print(_dumps(item.frame if item.frame is not None else client_frame(item)),
@@ -472,12 +480,16 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
     except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task, then raises KeyboardInterrupt
         if len(texts) > 1 and not args.quiet:
             say(f"interrupted; {tally.summary()}")
+        for line in tally.unnamed() if args.quiet else []:
+            say(line)
         raise
     finally:
         ticker.cancel()
         await client.close()
     if len(texts) > 1 and not args.quiet:
         say(tally.summary())
+    for line in tally.unnamed() if args.quiet else []:  # (without the summary, what was not named is counted)
+        say(line)
     if tally.busy and not args.quiet:
         say(busy_hint(tally.busy, args.retry))
     return EXIT_REQUEST_FAILED if tally.failed else EXIT_OK
