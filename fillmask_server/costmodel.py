@@ -37,7 +37,6 @@ class Coefficients:
         return self.token_s * n_tokens + self.row_s + self.byte_s * out_bytes
 
 
-
 class CostModel:
     """The forward pass's time fitted online as ``overhead + token·padded + row·rows`` (weighted least
     squares on relative error, older batches forgotten by ``forget`` per batch, no coefficient below

@@ -51,10 +51,10 @@ from .core import (
     SERVER_FAILED,
     Admission,
     AnswerMemory,
-    CostModel,
     EngineCore,
     Scheduled,
 )
+from .costmodel import CostModel
 from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
