@@ -577,7 +577,8 @@ async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, 
 
     ``on_window`` (optional) is an async callable started when the measured window opens, e.g. the
     ``/healthz`` prober; its return value lands in the summary under ``"during_window"``. ``recorder``
-    (optional) is where every answer is recorded, for a caller that looks at the batches themselves.
+    (optional) is where every answer is recorded, for a caller that looks at the batches themselves; the
+    summary's ``"window"`` (perf_counter seconds) is the span its figures count.
     """
     recorder = recorder if recorder is not None else Recorder()
     conns = await _open_task_free(url, clients, texts, recorder, token_counts)
@@ -600,7 +601,7 @@ async def closed_loop(url: str, texts: list[str], clients: int, in_flight: int, 
         await _stop_tasks([side_task])
         await asyncio.gather(*(conn.close() for conn in conns))
     summary.update({"mode": "closed", "clients": clients, "in_flight": in_flight,
-                    "closed_by_server": _closes(conns)})
+                    "closed_by_server": _closes(conns), "window": window})
     return summary
 
 
