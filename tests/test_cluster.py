@@ -346,7 +346,8 @@ async def test_with_every_replica_down_clients_get_a_clear_503_not_a_hang(cluste
         with pytest.raises(InvalidStatus) as refused:
             await connect(cluster.balancer.url, open_timeout=5)
         assert refused.value.response.status_code == 503
-        assert "no fill-mask replica is ready" in orjson.loads(refused.value.response.body)["error"]
+        body = refused.value.response.body
+        assert "no fill-mask replica is ready" in orjson.loads(body)["error"] and body.endswith(b"}\n"), body
         status, content_type, body = await asyncio.to_thread(http_get, cluster.balancer.http_url + "/healthz")
         assert (status, content_type) == (503, "application/json") and b"retry" in body
 
