@@ -3,13 +3,15 @@
 - The Kubernetes manifests validate against the Kubernetes schemas (``kubernetes-validate`` bundles them;
   strict: an unknown or misspelt field fails), and agree with the server: every ``FILLMASK_*`` variable
   is a real setting, the grace period covers the drain, the probes use the routes of §9.
-- The container file passes ``hadolint`` and copies only paths that exist.
+- The container file passes ``hadolint``, copies only paths that exist, and its health check (run here
+  against live servers) asks the address the server listens on.
 - The HAProxy configuration is accepted by ``haproxy -c`` (the cluster test runs it for real).
 There is no Docker daemon here: the image itself is not built.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
 import re
@@ -20,6 +22,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from fillmask_server.config import Config, env_name
@@ -156,6 +159,46 @@ def test_dockerfile_passes_hadolint() -> None:
     linted = subprocess.run([binary, "--no-color", str(ROOT / "deploy" / "Dockerfile")],
                             capture_output=True, text=True, timeout=60)
     assert linted.returncode == 0, linted.stdout + linted.stderr
+
+
+def healthcheck_code() -> str:
+    """The Python code of the image's ``HEALTHCHECK`` (its ``CMD ["python", "-c", CODE]``)."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text(encoding="utf-8")
+    command = re.search(r"^HEALTHCHECK [^\n]*\\\n\s*CMD (\[.*\])$", text, re.MULTILINE)
+    assert command is not None, "deploy/Dockerfile has no HEALTHCHECK ... CMD [...]"
+    program, flag, code = orjson.loads(command.group(1))
+    assert (program, flag) == ("python", "-c")
+    return code
+
+
+async def test_the_images_health_check_asks_the_address_the_server_listens_on(make_server: Any) -> None:
+    """An operator's find: the check asked 127.0.0.1 whatever ``FILLMASK_HOST`` was, so a server on "::"
+    (the README's setting for IPv6-only clusters, which takes no IPv4 client) was marked unhealthy. The
+    image's own command is run here against live servers (a wildcard's loopback stands for it: tests
+    listen on loopback only); it must also fail where nothing listens."""
+    code = healthcheck_code()
+
+    async def check(host: str, port: int) -> int:
+        env = {**os.environ, "FILLMASK_HOST": host, "FILLMASK_PORT": str(port)}
+        env.pop("FILLMASK_CERTFILE", None)
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code], env=env,
+                                       capture_output=True, timeout=30)
+        return done.returncode
+
+    async with make_server(host="127.0.0.1", port=0) as v4:
+        assert await check("0.0.0.0", v4.port) == 0 and await check("127.0.0.1", v4.port) == 0
+        assert await check("", v4.port) == 0
+    try:
+        server = make_server(host="::1", port=0)
+        v6 = await server.__aenter__()
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    try:
+        assert await check("::", v6.port) == 0 and await check("::1", v6.port) == 0
+        port = v6.port
+    finally:
+        await server.__aexit__(None, None, None)
+    assert await check("::1", port) != 0  # nothing listens there any more
 
 
 def test_dockerfile_copies_existing_paths_kept_by_its_ignore_file() -> None:
