@@ -86,7 +86,8 @@ class OriginPolicy:
         """Read ``--allowed-origins``: comma-separated entries, each a keyword or an origin.
 
         Keywords: ``same-origin`` (the page was served by this server: its origin matches the
-        ``Host`` header), ``localhost`` (any page on localhost, 127.0.0.1 or [::1], any port),
+        ``Host`` header and the server's scheme, or is https where the server is plain http, as behind a
+        proxy that ends TLS), ``localhost`` (any page on localhost, 127.0.0.1 or [::1], any port),
         ``null`` (pages opened from disk or sandboxed frames, which send ``Origin: null``), ``*``
         (any page). Other entries are origins such as ``https://app.example.com:8443``. Raises
         ``ValueError`` with one readable line for anything else.
@@ -122,7 +123,11 @@ class OriginPolicy:
             if hostname in _LOCAL_HOSTS or hostname.endswith(".localhost"):
                 return True
         if self.same_origin and host is not None:
-            return scheme == ("https" if tls else "http") and authority == _normalize_host(host, tls)
+            if scheme == ("https" if tls else "http"):
+                return authority == _normalize_host(host, tls)
+            # An https page on the name a plain server was reached by: this server behind a proxy that
+            # ends TLS (a Kubernetes Ingress), never a downgrade (an http page for a TLS server is refused).
+            return scheme == "https" and authority == _normalize_host(host, True)
         return False
 
 

@@ -52,11 +52,19 @@ def test_default_origin_policy_allows_no_origin_same_origin_and_localhost_only()
     assert policy.allows("HTTP://Fill.Example.com:8765", host, tls=False)
     for local in ("http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443", "http://app.localhost:5173"):
         assert policy.allows(local, host, tls=False), local
-    for other in ("https://fill.example.com:8765", "http://fill.example.com", "http://fill.example.com:8766",
+    for other in ("http://fill.example.com", "http://fill.example.com:8766", "https://fill.example.com",
                   "https://evil.example", "http://localhost.evil.example", "null", "", "garbage", "http://"):
         assert not policy.allows(other, host, tls=False), other
     assert policy.allows("https://fill.example.com", "fill.example.com:443", tls=True)  # default ports
     assert policy.allows("https://fill.example.com:443", "fill.example.com", tls=True)
+    # An operator's find: behind an Ingress that ends TLS, the demo page (https://fill.example.com) got 403
+    # from its own server, which is plain HTTP there. An https page on the same Host is now the same
+    # origin on a plain server; an http page for a TLS server (a downgrade) is still refused.
+    assert policy.allows("https://fill.example.com:8765", host, tls=False)
+    assert policy.allows("https://fill.example.com", "fill.example.com", tls=False)
+    assert policy.allows("https://fill.example.com", "fill.example.com:443", tls=False)
+    assert not policy.allows("https://fill.example.com", "fill.example.com:80", tls=False)
+    assert not policy.allows("http://fill.example.com", "fill.example.com", tls=True)
 
 
 def test_explicit_origins_and_keywords() -> None:
