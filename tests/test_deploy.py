@@ -117,6 +117,11 @@ def test_deployment_probes_and_grace_period_match_the_drain() -> None:
     assert [p["containerPort"] for p in server["ports"]] == [port]
     assert server["readinessProbe"]["httpGet"]["path"] == "/readyz"  # 503 from the first moment of a drain (§9)
     assert server["livenessProbe"]["httpGet"]["path"] == "/healthz"  # 200 while draining: never restarted for it
+    # A drain is noticed (and routing has a few seconds to follow) within the drain's delay, and one late
+    # answer alone does not pull a serving replica out of rotation.
+    ready = server["readinessProbe"]
+    assert ready["failureThreshold"] >= 2
+    assert ready["periodSeconds"] * ready["failureThreshold"] + 5 <= float(env["FILLMASK_DRAIN_DELAY"])
     startup = server["startupProbe"]
     assert startup["httpGet"]["path"] == "/healthz" and startup["periodSeconds"] * startup["failureThreshold"] >= 120
     # The kubelet's SIGKILL must not come before the drain ends: delay + shutdown timeout + room to close.
