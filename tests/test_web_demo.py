@@ -201,9 +201,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def run(*argv: str) -> tuple[int, str, str]:
+async def run(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run ``argv`` in the checkout; ``env``: variables to set on top of this process's."""
     process = await asyncio.create_subprocess_exec(*argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-                                                   stderr=asyncio.subprocess.PIPE)
+                                                   stderr=asyncio.subprocess.PIPE,
+                                                   env={**os.environ, **env} if env else None)
     out, err = await asyncio.wait_for(process.communicate(), 30)
     return process.returncode or 0, out.decode(), err.decode()
 
@@ -575,6 +577,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                 {reachable: true, restarting: true},
                 {reachable: false, everConnected: true, attempts: 4},
                 {reachable: false, everConnected: true, attempts: 5},
+                {reachable: true, ready: 'ready', url: 'ws://127.0.0.1:8765/?token=***'},
+                {reachable: true, ready: null, fillMask: false},
             ].map(f => L.diagnose(Object.assign({url: 'ws://127.0.0.1:8765/', pageProtocol: 'http:',
                                                  pageOrigin: 'http://127.0.0.1:8765'}, f))),
         };
@@ -613,7 +617,7 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     # fall off the front as before.
     assert got["frameLog"]["removed"] == [4, 5, 6] and got["frameLog"]["again"] == []
     assert got["frameLog"]["types"] == " ".join(["stats"] + ["fill_mask"] * 9) and got["frameLog"]["dropped"] == 7
-    from_disk, down, token, draining, restarting, lost_lately, lost_for_a_while = got["diagnosis"]
+    from_disk, down, token, draining, restarting, lost_lately, lost_for_a_while, wrong, elsewhere = got["diagnosis"]
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
     assert token["kind"] == "refused" and "--token" in token["notice"] and "?token=" in token["notice"]
@@ -623,6 +627,11 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     # more for good) that the server does not answer.
     assert lost_lately == {"kind": "reconnecting", "label": "Reconnecting", "notice": ""}
     assert lost_for_a_while["kind"] == "offline" and "Lost the connection" in lost_for_a_while["notice"]
+    # A web-demo trial's finds: an address that holds a token got "add ?token=TOKEN" all the same, and a
+    # page served by some other server (a static file server) was told the fill-mask server wanted a token.
+    assert "refused the token in this address" in wrong["notice"] and "add ?token" not in wrong["notice"]
+    assert elsewhere["label"] == "No fill-mask server here" and "not a fill-mask server" in elsewhere["notice"]
+    assert "--token" not in elsewhere["notice"]
 
     # Snippets survive any text: the shell and Python read back exactly what was typed, and the
     # command's own parser reads every value, one that starts with '-' too (found by a review).
@@ -639,7 +648,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
             assert argv[-2:] == ["--", text]
         args = build_parser().parse_intermixed_args(argv[1:])
         assert (args.texts, args.targets, args.url, args.top_k, args.deadline_ms) == (
-            [text], [",".join(targets)], [url], 2, 50)
+            [text], [",".join(targets)], ["ws://127.0.0.1:1/"], 2, 50)  # the token left out (below)
+        assert "a b" not in cli and "a%20b" not in cli and "export FILLMASK_TOKEN=" in cli
         python = await page.page.evaluate("([f]) => FillMask.lib.snippet('python', 'ws://x/', f)", [frame])
         call = next(n for n in ast.walk(ast.parse(python)) if isinstance(n, ast.Call)
                     and getattr(n.func, "attr", "") == "fill_mask")
@@ -1373,6 +1383,22 @@ async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: A
         # An address that holds it (a bookmark made before): used once, then no longer kept.
         kept = await open_page(f"{guarded.http_url}/?ws={quote(guarded.url + '?token=s3cret', safe='')}")
         assert "s3cret" not in kept.page.url and "ws=" in kept.page.url, kept.page.url
+        # Nor in copied code (a web-demo trial found it in every snippet, pasted into chats and issues):
+        # the Python and the command read FILLMASK_TOKEN, and run with it.
+        snippets = {}
+        for language in ("python", "js", "cli"):
+            await page.card(1).get_by_test_id(f"copy-{language}").click()
+            await expect(page.card(1).get_by_test_id("copy-status")).to_have_text("copied")
+            snippets[language] = await page.card(1).get_by_test_id("snippet").text_content() or ""
+            clipboard = await page.page.evaluate("navigator.clipboard.readText()")
+            assert clipboard == snippets[language] and "s3cret" not in clipboard, clipboard
+            assert "FILLMASK_TOKEN" in clipboard, clipboard
+        rc, out, err = await run(sys.executable, "-c", snippets["python"], env={"FILLMASK_TOKEN": "s3cret"})
+        assert rc == 0 and "token_str" in out, err
+        argv = shlex.split(snippets["cli"], comments=True)
+        rc, out, err = await run(str(Path(sys.executable).parent / "fillmask-client"), *argv[1:],
+                                 env={"FILLMASK_TOKEN": "s3cret"})
+        assert rc == 0, err
 
 
 # ---------------------------------------------------------------------------- pictures

@@ -288,8 +288,10 @@
     try {
       if (base === window.location.origin) {
         const response = await fetch(base + '/readyz', { cache: 'no-store', signal: controller.signal });
-        const body = await response.json().catch(() => ({}));
-        return { reachable: true, ready: typeof body.status === 'string' ? body.status : null };
+        const body = await response.json().catch(() => null);
+        const ready = body && typeof body.status === 'string' ? body.status : null;
+        // A fill-mask server answers /readyz with {"status": ...} (§9); anything else is some other server.
+        return { reachable: true, ready, fillMask: ready !== null };
       }
       // Cross-origin (a file: page, another port): the answer is opaque, but that it came is enough.
       await fetch(base + '/healthz', { mode: 'no-cors', cache: 'no-store', signal: controller.signal });

@@ -34,7 +34,7 @@
     shutting_down: { status: 503, text: 'The server is shutting down' },
     engine_stopped: { status: 503, text: "The server's model worker stopped" },
     deadline_exceeded: { status: 504, text: 'The deadline passed while the request waited' },
-    queue_share: { status: 429, text: 'This page holds its share of the server queue while others wait' },
+    queue_share: { status: 429, text: 'This page holds its share of the server queue (the server keeps room for other clients)' },
   });
 
   /** Every `error` code (§7), with a few words on what it means. Checked against

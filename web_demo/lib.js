@@ -272,19 +272,27 @@
   /** JSON strings are valid Python and JavaScript string literals (escapes included). */
   function literal(s) { return JSON.stringify(String(s)); }
 
-  function pythonSnippet(url, frame) {
+  /** What copied code says where the page's address held a token, which the code leaves out. */
+  const TOKEN_NOTE = "the server's token, from FILLMASK_TOKEN (the page leaves it out of copied code)";
+
+  function pythonSnippet(url, frame, token) {
     const args = ['            ' + literal(frame.text) + ','];
     if (frame.top_k !== undefined) args.push('            top_k=' + frame.top_k + ',');
     if (frame.targets !== undefined) args.push('            targets=[' + frame.targets.map(literal).join(', ') + '],');
     if (frame.deadline_ms !== undefined) args.push('            deadline_ms=' + frame.deadline_ms + ',');
+    const client = token
+      ? ['    # ' + TOKEN_NOTE[0].toUpperCase() + TOKEN_NOTE.slice(1) + '.',
+         '    async with FillMaskClient(' + literal(url) + ', token=os.environ["FILLMASK_TOKEN"]) as client:']
+      : ['    async with FillMaskClient(' + literal(url) + ') as client:'];
     return [
       'import asyncio',
+      ...(token ? ['import os'] : []),
       '',
       'from fillmask_client import FillMaskClient',
       '',
       '',
       'async def main() -> None:',
-      '    async with FillMaskClient(' + literal(url) + ') as client:',
+      ...client,
       '        predictions = await client.fill_mask(',
       ...args,
       '        )',
@@ -299,7 +307,7 @@
   /** The CLI as `bash scripts/setup.sh` installs it, so the line works without activating the venv. */
   const CLI = '.venv/bin/fillmask-client';
 
-  function cliSnippet(url, frame) {
+  function cliSnippet(url, frame, token) {
     // Each option and its value as one word (--targets=-ish,b): argparse takes a separate value that
     // starts with '-' for an option, whatever the shell's quotes were.
     const options = [];
@@ -312,16 +320,23 @@
       ? [CLI, ...options, '--', shellQuote(frame.text)]
       : [CLI, shellQuote(frame.text), ...options];
     return '# In the fillmask-server folder. With its venv activated, plain fillmask-client does the same.\n' +
+      (token ? '# It reads ' + TOKEN_NOTE.replace(', from ', ' from ') + ': export FILLMASK_TOKEN=... first.\n' : '') +
       words.join(' ') + '\n';
   }
 
-  function jsSnippet(url, frame) {
+  function jsSnippet(url, frame, token) {
     const request = Object.assign({}, frame, { id: 1 });
+    const open = token
+      ? ['const url = new URL(' + literal(url) + ');',
+         '// The server\'s token: FILLMASK_TOKEN in Node.js, asked for in a browser (the page leaves it out of copied code).',
+         "url.searchParams.set('token', globalThis.process?.env?.FILLMASK_TOKEN ?? prompt(\"The server's token\"));",
+         'const ws = new WebSocketClass(url);']
+      : ['const ws = new WebSocketClass(' + literal(url) + ');'];
     return [
       '// Plain WebSocket. Runs in a browser console (on a page the server allows, see --allowed-origins),',
       '// in Node.js 22+, or in Node.js 18 or 20 with the ws package (npm install ws): node ask.js',
       "const WebSocketClass = globalThis.WebSocket ?? require('ws');",
-      'const ws = new WebSocketClass(' + literal(url) + ');',
+      ...open,
       'ws.onmessage = (event) => {',
       '  const frame = JSON.parse(event.data);',
       "  if (frame.type === 'hello') {",
@@ -338,14 +353,26 @@
 
   const SNIPPETS = { python: pythonSnippet, js: jsSnippet, cli: cliSnippet };
 
-  /** The request `frame` (as sent, any id) as code in `language` ('python', 'js' or 'cli'). */
+  /**
+   * The request `frame` (as sent, any id) as code in `language` ('python', 'js' or 'cli'). A token in
+   * `url` is never copied (code is pasted into chats and issues): the code reads it from FILLMASK_TOKEN
+   * (the client's `token=`, the command's own variable), or in a browser asks for it.
+   */
   function snippet(language, url, frame) {
     const clean = {};
     for (const key of ['type', 'text', 'top_k', 'targets', 'deadline_ms']) {
       if (frame[key] !== undefined && frame[key] !== null) clean[key] = frame[key];
     }
     if (typeof clean.targets === 'string') clean.targets = [clean.targets];
-    return SNIPPETS[language](url, clean);
+    let bare = url;
+    let token = false;
+    try {
+      const parsed = new URL(url);
+      token = parsed.searchParams.has('token');
+      parsed.searchParams.delete('token');
+      bare = parsed.toString();
+    } catch (err) { /* the page checked the address before connecting */ }
+    return SNIPPETS[language](bare, clean, token);
   }
 
   // ---------------------------------------------------------------- why a connection failed
@@ -362,8 +389,9 @@
    * learn without it. Browsers hide the HTTP status of a refused handshake, but the server answers
    * /healthz to anyone (no Origin rule): if it answers, the server is up and refused this page.
    *
-   * facts: {url, pageProtocol, pageOrigin, reachable, ready ('ready', 'draining', 'engine_stopped'
-   * or null when unknown), restarting (a going_away came), everConnected, attempts (the client's
+   * facts: {url (its token redacted, not removed), pageProtocol, pageOrigin, reachable, ready ('ready',
+   * 'draining', 'engine_stopped' or null when unknown), fillMask (false: a same-origin server whose
+   * /readyz is not a fill-mask server's; absent when unknown), restarting (a going_away came), everConnected, attempts (the client's
    * attempt count: 1 once the connection dropped, one more for each reconnection that failed; a page
    * that was connected says "not reachable" only from UNREACHABLE_ATTEMPTS on)}
    * returns {kind: 'reconnecting'|'refused'|'offline', label, notice (or '' for none)}
@@ -394,6 +422,11 @@
           'another address can be set under "Server and limits".',
       };
     }
+    if (facts.fillMask === false) {
+      return { kind: 'refused', label: 'No fill-mask server here', notice: 'The server at ' + httpBase(url) +
+        ' answers, but it is not a fill-mask server (its /readyz is not one). Set the fill-mask server\'s ' +
+        'address under "Server and limits", or open this page with ?ws=ws://HOST:PORT/.' };
+    }
     if (facts.ready === 'draining') {
       return { kind: 'reconnecting', label: 'Server is shutting down', notice: 'The server at ' + url +
         ' is shutting down and takes no new connections. The page keeps trying.' };
@@ -419,7 +452,11 @@
       };
     }
     const sameOrigin = facts.pageOrigin === httpBase(url);
-    const causes = sameOrigin
+    const withToken = /[?&]token=/.test(url);  // (the page's copy: the token itself is redacted)
+    const causes = sameOrigin && withToken
+      ? ': it refused the token in this address (a wrong token? check the server\'s --token), or it has ' +
+        'reached its --max-connections.'
+      : sameOrigin
       ? ': it was probably started with --token; add ?token=TOKEN to the WebSocket address under ' +
         '"Server and limits". Or it has reached its --max-connections.'
       : ': either pages of this origin (' + facts.pageOrigin + ') are not allowed (start it with ' +
