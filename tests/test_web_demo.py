@@ -734,6 +734,25 @@ def test_the_burst_sentences_fit_one_batch_under_the_default_length_ratio(tiny_m
     assert max(lengths) <= min(lengths) * ratio, sorted(zip(lengths, sentences, strict=True))
 
 
+async def test_a_server_that_stops_answering_is_shown_as_such(server: Any, open_page: Any) -> None:
+    """A web-demo trial's find: a server that stopped answering (SIGSTOP) kept the page at "Connected"
+    with a "Waiting" card for good. While requests wait and none has been answered for a while (10 s;
+    shortened here), the status says for how long; an answer clears it."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/")
+    await page.page.evaluate("window.FillMaskDemo.stallMs = 300")
+    status = page.by("conn-status")
+    with server.engine.paused():  # the connection stays open, and nothing is answered
+        await page.ask("Nobody [MASK] here.")
+        await expect(status).to_have_attribute("data-stalled", "true")
+        await expect(page.page.locator("#conn-detail")).to_contain_text("no answer for")
+        await expect(page.page.locator("#conn-text")).to_have_text("Connected")  # (still usable: it is connected)
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    await expect(status).not_to_have_attribute("data-stalled", "true")
+    await expect(page.page.locator("#conn-detail")).to_have_text("")
+
+
 async def test_burst_is_batched(server: Any, open_page: Any) -> None:
     """A burst sent while the engine is held runs as one batch: every card shows a batch size above 1
     (the page's burst sentences are all within the default --max-length-ratio of each other)."""

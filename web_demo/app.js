@@ -30,6 +30,7 @@
   const CARD_TEXT_CHARS = 300;    // a card shows this much of its text until "Show all" is pressed
   const FILLED_CONTEXT_CHARS = 60; // and, of a text that long, this much on each side of a filled mask
   const PROBE_TIMEOUT_MS = 3000;
+  const STALL_MS = 10000;         // requests waiting and no answer for this long: the status says so
   const DEFAULT_WS_FROM_DISK = 'ws://127.0.0.1:8765/';
   const WIDE = window.matchMedia('(min-width: 900px)');
   const REDUCED_MOTION = window.matchMedia('(prefers-reduced-motion: reduce)');
@@ -88,6 +89,9 @@
     log: new lib.FrameLog(LOG_MAX_ENTRIES, LOG_MAX_CHARS),
     startedAt: performance.now(),
     glyphMissing: null,
+    lastAnswerAt: 0,       // when the last terminal frame came (performance.now())
+    stallMs: STALL_MS,     // (the browser test shortens it)
+    stalled: false,        // the status says "no answer for N s" (watchStall)
   };
 
   // ---------------------------------------------------------------- small helpers
@@ -329,6 +333,7 @@
 
   /** A request's terminal frame came, or its connection closed (outcome 'lost'): client.js settles each once. */
   function onSettle(rec, outcome, msg) {
+    state.lastAnswerAt = performance.now();
     switch (outcome) {
       case 'result': onResult(rec, msg); break;
       case 'error': onError(rec, msg); break;
@@ -1059,6 +1064,28 @@
     }
   }
 
+  /**
+   * A server that stops answering (a stopped process, a model that hangs) may keep its connection open
+   * and send nothing: the page said "Connected" and "Waiting" for good. While requests wait and none
+   * has been answered for STALL_MS, the status says for how long, until an answer comes.
+   */
+  function watchStall() {
+    let oldest = Infinity;
+    for (const rec of client.inflight.values()) if (rec.sentAt < oldest) oldest = rec.sentAt;
+    const quiet = oldest === Infinity ? 0 : performance.now() - Math.max(oldest, state.lastAnswerAt);
+    if (client.status().state === State.OPEN && quiet >= state.stallMs) {
+      const seconds = Math.floor(quiet / 1000);
+      if (!state.stalled) announce('No answer from the server for ' + seconds + ' seconds.');
+      state.stalled = true;
+      el.conn.dataset.stalled = 'true';
+      el.connDetail.textContent = 'no answer for ' + seconds + ' s';
+    } else if (state.stalled) {
+      state.stalled = false;
+      delete el.conn.dataset.stalled;
+      showStatus();
+    }
+  }
+
   // ---------------------------------------------------------------- the connection (client.js)
 
   const client = new Client({
@@ -1228,6 +1255,7 @@
     receive(text) { if (client.current) client.onMessage(client.current, text); },
     frameLog: state.log,
     client,
+    set stallMs(ms) { state.stallMs = ms; },
   };
 
   /** Connect to `url` afresh: no diagnosis, no backoff carried over from another address. */
@@ -1242,5 +1270,6 @@
   updateOptionsBrief();
   updateInflight();
   updateLogCount();
+  window.setInterval(watchStall, 1000);
   connectTo(resolveUrl());
 })();
