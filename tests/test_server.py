@@ -603,6 +603,22 @@ async def test_messages_are_handled_in_the_order_they_were_read_whichever_way_th
         assert (await recv(ws))["id"] == "after"
 
 
+async def test_a_close_frame_inside_a_fragmented_message_is_answered_1002_as_protocol_md_says(
+        make_server: Any) -> None:
+    """An adversarial trial's find, now in §14: RFC 6455 allows a close frame between a message's
+    fragments, but the WebSocket library under the server takes the unfinished message as broken and
+    closes with 1002. The table said 1002 only for frames that break RFC 6455; this holds what it says
+    now (and fails, so that §14 is mended, if the library ever echoes the close instead)."""
+    async with make_server() as srv, session(srv.url) as (ws, _):
+        ws.protocol.send_text(b'{"type":', fin=False)
+        ws.protocol.send_close(1000)
+        ws.send_data()
+        await asyncio.wait_for(ws.wait_closed(), 10)
+        assert ws.protocol.close_rcvd is not None and ws.protocol.close_rcvd.code == 1002
+        async with session(srv.url) as (other, _):  # the server goes on
+            assert (await request(other, 1, "Paris is the [MASK] of France."))["type"] == "result"
+
+
 async def test_a_failure_handling_a_message_closes_that_connection_with_1011_and_no_other(
         make_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug while handling one message (here: the session raises) closes that connection with 1011,
