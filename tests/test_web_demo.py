@@ -579,6 +579,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                 {reachable: false, everConnected: true, attempts: 5},
                 {reachable: true, ready: 'ready', url: 'ws://127.0.0.1:8765/?token=***'},
                 {reachable: true, ready: null, fillMask: false},
+                {pageProtocol: 'file:', pageOrigin: 'null', reachable: true, url: 'ws://127.0.0.1:8765/?token=***'},
+                {reachable: true, ready: null, unavailable: true, everConnected: true, attempts: 1},
             ].map(f => L.diagnose(Object.assign({url: 'ws://127.0.0.1:8765/', pageProtocol: 'http:',
                                                  pageOrigin: 'http://127.0.0.1:8765'}, f))),
         };
@@ -617,7 +619,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     # fall off the front as before.
     assert got["frameLog"]["removed"] == [4, 5, 6] and got["frameLog"]["again"] == []
     assert got["frameLog"]["types"] == " ".join(["stats"] + ["fill_mask"] * 9) and got["frameLog"]["dropped"] == 7
-    from_disk, down, token, draining, restarting, lost_lately, lost_for_a_while, wrong, elsewhere = got["diagnosis"]
+    (from_disk, down, token, draining, restarting, lost_lately, lost_for_a_while, wrong, elsewhere, wrong_from_disk,
+     balancer_between) = got["diagnosis"]
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
     assert token["kind"] == "refused" and "--token" in token["notice"] and "?token=" in token["notice"]
@@ -632,6 +635,11 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert "refused the token in this address" in wrong["notice"] and "add ?token" not in wrong["notice"]
     assert elsewhere["label"] == "No fill-mask server here" and "not a fill-mask server" in elsewhere["notice"]
     assert "--token" not in elsewhere["notice"]
+    assert "refused the token in this address" in wrong_from_disk["notice"]
+    assert "add ?token" not in wrong_from_disk["notice"]
+    # A balancer's own 503 while its replicas restart (no fill-mask answer either, and it was read as a
+    # refusal for a token, a review's find): the page says nothing is ready there, and keeps trying.
+    assert balancer_between["kind"] == "reconnecting" and "nothing behind it is ready" in balancer_between["notice"]
 
     # Snippets survive any text: the shell and Python read back exactly what was typed, and the
     # command's own parser reads every value, one that starts with '-' too (found by a review).

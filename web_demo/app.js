@@ -294,8 +294,11 @@
         const response = await fetch(base + '/readyz', { cache: 'no-store', signal: controller.signal });
         const body = await response.json().catch(() => null);
         const ready = body && typeof body.status === 'string' ? body.status : null;
-        // A fill-mask server answers /readyz with {"status": ...} (§9); anything else is some other server.
-        return { reachable: true, ready, fillMask: ready !== null };
+        // A fill-mask server answers /readyz with {"status": ...} (§9). A 404, or a success without it,
+        // is some other server; a 5xx may be a balancer or an Ingress with no replica yet: unknown.
+        const other = ready === null && (response.status === 404 || response.ok);
+        return { reachable: true, ready, fillMask: other ? false : undefined,
+          unavailable: ready === null && response.status >= 500 };
       }
       // Cross-origin (a file: page, another port): the answer is opaque, but that it came is enough.
       await fetch(base + '/healthz', { mode: 'no-cors', cache: 'no-store', signal: controller.signal });

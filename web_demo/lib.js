@@ -329,7 +329,9 @@
     const open = token
       ? ['const url = new URL(' + literal(url) + ');',
          '// The server\'s token: FILLMASK_TOKEN in Node.js, asked for in a browser (the page leaves it out of copied code).',
-         "url.searchParams.set('token', globalThis.process?.env?.FILLMASK_TOKEN ?? prompt(\"The server's token\"));",
+         "const token = globalThis.process?.env?.FILLMASK_TOKEN || (typeof prompt === 'function' ? prompt(\"The server's token\") : '');",
+         "if (!token) throw new Error(\"no token: set FILLMASK_TOKEN to the server's token\");",
+         "url.searchParams.set('token', token);",
          'const ws = new WebSocketClass(url);']
       : ['const ws = new WebSocketClass(' + literal(url) + ');'];
     return [
@@ -391,7 +393,8 @@
    *
    * facts: {url (its token redacted, not removed), pageProtocol, pageOrigin, reachable, ready ('ready',
    * 'draining', 'engine_stopped' or null when unknown), fillMask (false: a same-origin server whose
-   * /readyz is not a fill-mask server's; absent when unknown), restarting (a going_away came), everConnected, attempts (the client's
+   * /readyz is not a fill-mask server's; absent when unknown), unavailable (a same-origin /readyz
+   * answered 5xx without a fill-mask server's status: a balancer with no replica ready), restarting (a going_away came), everConnected, attempts (the client's
    * attempt count: 1 once the connection dropped, one more for each reconnection that failed; a page
    * that was connected says "not reachable" only from UNREACHABLE_ATTEMPTS on)}
    * returns {kind: 'reconnecting'|'refused'|'offline', label, notice (or '' for none)}
@@ -422,7 +425,12 @@
           'another address can be set under "Server and limits".',
       };
     }
-    if (facts.fillMask === false) {
+    if (facts.unavailable) {
+      return { kind: 'reconnecting', label: 'Server unavailable; reconnecting', notice: 'The address ' +
+        httpBase(url) + ' answers, but nothing behind it is ready (a balancer or an Ingress with no ' +
+        'replica in rotation, as while they restart). The page keeps trying.' };
+    }
+    if (facts.fillMask === false && !facts.everConnected) {
       return { kind: 'refused', label: 'No fill-mask server here', notice: 'The server at ' + httpBase(url) +
         ' answers, but it is not a fill-mask server (its /readyz is not one). Set the fill-mask server\'s ' +
         'address under "Server and limits", or open this page with ?ws=ws://HOST:PORT/.' };
@@ -442,17 +450,19 @@
         ' is running but has no WebSocket endpoint at ' + path + '. Connect to ' + httpBase(url).replace(/^http/, 'ws') + '/ .' };
     }
     const refused = 'The server at ' + url + ' is running but refused this page';
+    const withToken = /[?&]token=/.test(url);  // (the page's copy: the token itself is redacted)
+    const token = withToken
+      ? 'it may have refused the token in this address (a wrong token? check the server\'s --token)'
+      : 'it may need its token: add ?token=TOKEN to the address under "Server and limits"';
     if (facts.pageProtocol === 'file:') {
       return {
         kind: 'refused', label: 'Refused by the server',
         notice: refused + ': a page opened from disk sends "Origin: null", which the server refuses by ' +
           'default. Start the server with --allowed-origins same-origin,localhost,null (or open the page ' +
-          'it serves, ' + httpBase(url) + '/). If it already allows null, it may need its token: add ' +
-          '?token=TOKEN to the address under "Server and limits".',
+          'it serves, ' + httpBase(url) + '/). If it already allows null, ' + token + '.',
       };
     }
     const sameOrigin = facts.pageOrigin === httpBase(url);
-    const withToken = /[?&]token=/.test(url);  // (the page's copy: the token itself is redacted)
     const causes = sameOrigin && withToken
       ? ': it refused the token in this address (a wrong token? check the server\'s --token), or it has ' +
         'reached its --max-connections.'
@@ -460,8 +470,8 @@
       ? ': it was probably started with --token; add ?token=TOKEN to the WebSocket address under ' +
         '"Server and limits". Or it has reached its --max-connections.'
       : ': either pages of this origin (' + facts.pageOrigin + ') are not allowed (start it with ' +
-        '--allowed-origins same-origin,localhost,' + facts.pageOrigin + '), or it needs its token (add ' +
-        '?token=TOKEN to the address under "Server and limits"), or it has reached its --max-connections.';
+        '--allowed-origins same-origin,localhost,' + facts.pageOrigin + '), or ' + token + ', or it has ' +
+        'reached its --max-connections.';
     return { kind: 'refused', label: 'Refused by the server', notice: refused + causes };
   }
 
