@@ -65,6 +65,11 @@ def test_default_origin_policy_allows_no_origin_same_origin_and_localhost_only()
     assert policy.allows("https://fill.example.com", "fill.example.com:443", tls=False)
     assert not policy.allows("https://fill.example.com", "fill.example.com:80", tls=False)
     assert not policy.allows("http://fill.example.com", "fill.example.com", tls=True)
+    alone = OriginPolicy.parse("same-origin")  # without the localhost keyword: the same rule, IPv6 too
+    assert alone.allows("https://[::1]:8765", "[::1]:8765", tls=False)
+    assert alone.allows("https://FILL.example.com.", "fill.example.com.", tls=False)
+    assert not alone.allows("https://[::1]:8766", "[::1]:8765", tls=False)
+    assert not alone.allows("https://evil.example", "fill.example.com", tls=False)
 
 
 def test_explicit_origins_and_keywords() -> None:
