@@ -1386,6 +1386,19 @@ async def test_page_opened_from_disk_says_why_it_is_refused(make_server: Any, op
         await expect(page.card(1)).to_have_attribute("data-state", "done")
 
 
+async def test_a_wss_address_of_a_plain_server_is_told_to_use_ws(server: Any, open_page: Any) -> None:
+    """A web-demo trial's find: wss:// typed for a server without TLS said "Cannot reach the server...
+    Is it running?", where the command line says to use ws://. The page now finds the same host and
+    port answering plain HTTP, and says so; ws:// then connects."""
+    from playwright.async_api import expect
+
+    page = await open_page(f"{server.http_url}/?ws={server.url.replace('ws://', 'wss://')}", wait=False)
+    await expect(page.by("notice")).to_contain_text("answers plain HTTP, not TLS: connect with ws://")
+    await page.by("ws-url").fill(server.url)
+    await page.by("ws-url").press("Enter")
+    await page.wait_connected()
+
+
 async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: Any, open_page: Any) -> None:
     """The page served by a server with --token cannot connect without it: the page says so (it can
     read /readyz on its own origin), and the address with ?token= set on the page connects. The token

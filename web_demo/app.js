@@ -304,9 +304,21 @@
       await fetch(base + '/healthz', { mode: 'no-cors', cache: 'no-store', signal: controller.signal });
       return { reachable: true, ready: null };
     } catch (err) {
-      return { reachable: false, ready: null };
+      return { reachable: false, ready: null, plainHttp: await answersPlainHttp(url, controller.signal) };
     } finally {
       window.clearTimeout(timer);
+    }
+  }
+
+  /** A wss:// address that TLS could not reach: does the same host and port answer plain HTTP (a server
+   *  without --certfile)? Only from an http: page: an https: page may not fetch http: (mixed content). */
+  async function answersPlainHttp(url, signal) {
+    if (!/^wss:/i.test(url) || window.location.protocol !== 'http:') return false;
+    try {
+      await fetch(lib.httpBase('ws' + url.slice(3)) + '/healthz', { mode: 'no-cors', cache: 'no-store', signal });
+      return true;
+    } catch (err) {
+      return false;
     }
   }
 

@@ -394,7 +394,8 @@
    * facts: {url (its token redacted, not removed), pageProtocol, pageOrigin, reachable, ready ('ready',
    * 'draining', 'engine_stopped' or null when unknown), fillMask (false: a same-origin server whose
    * /readyz is not a fill-mask server's; absent when unknown), unavailable (a same-origin /readyz
-   * answered 5xx without a fill-mask server's status: a balancer with no replica ready), restarting (a going_away came), everConnected, attempts (the client's
+   * answered 5xx without a fill-mask server's status: a balancer with no replica ready), plainHttp (a
+   * wss:// address whose host and port answer plain HTTP), restarting (a going_away came), everConnected, attempts (the client's
    * attempt count: 1 once the connection dropped, one more for each reconnection that failed; a page
    * that was connected says "not reachable" only from UNREACHABLE_ATTEMPTS on)}
    * returns {kind: 'reconnecting'|'refused'|'offline', label, notice (or '' for none)}
@@ -407,6 +408,10 @@
     const url = facts.url;
     if (facts.restarting) {
       return { kind: 'reconnecting', label: 'Server is restarting; reconnecting', notice: '' };
+    }
+    if (!facts.reachable && facts.plainHttp) {
+      return { kind: 'offline', label: 'Server not reachable over TLS', notice: 'The server at ' + url +
+        ' answers plain HTTP, not TLS: connect with ws:// instead of wss:// (under "Server and limits").' };
     }
     if (!facts.reachable) {
       if (facts.everConnected && (facts.attempts || 0) < UNREACHABLE_ATTEMPTS) {
