@@ -751,6 +751,8 @@ async def test_a_server_that_stops_answering_is_shown_as_such(server: Any, open_
     page = await open_page(server.http_url + "/")
     await page.page.evaluate("window.FillMaskDemo.stallMs = 300")
     status = page.by("conn-status")
+    await page.by("options").locator("summary").click()
+    await page.by("top-k").fill("")  # (no top_k sent: the card names the server's default, below)
     with server.engine.paused():  # the connection stays open, and nothing is answered
         await page.ask("Nobody [MASK] here.")
         await expect(status).to_have_attribute("data-stalled", "true")
@@ -758,6 +760,8 @@ async def test_a_server_that_stops_answering_is_shown_as_such(server: Any, open_
         await expect(page.page.locator("#conn-text")).to_have_text("Connected")  # (still usable: it is connected)
     await expect(page.card(1)).to_have_attribute("data-state", "done")
     await expect(status).not_to_have_attribute("data-stalled", "true")
+    # Sent without a top_k, its card names the server's default (a trial could not tell what was used).
+    await expect(page.card(1).get_by_test_id("card-tag")).to_have_text("top 5 (server default)")
     await expect(page.page.locator("#conn-detail")).to_have_text("")
 
 

@@ -552,9 +552,12 @@
     return rec;
   }
 
-  function describeOptions(frame) {
+  /** The card's tag: what the request asked for; without a top_k, the server's default (hello, §2). */
+  function describeOptions(frame, hello) {
     const tag = [];
+    const fallback = hello && hello.limits && hello.limits.top_k && hello.limits.top_k.default;
     if (frame.top_k !== undefined) tag.push('top ' + frame.top_k);
+    else if (fallback !== undefined && !frame.targets) tag.push('top ' + fallback + ' (server default)');
     if (frame.targets) tag.push('targets: ' + frame.targets.join(', '));
     if (frame.deadline_ms !== undefined) tag.push('deadline ' + formatMs(frame.deadline_ms));
     return tag;
@@ -566,7 +569,7 @@
     card.dataset.state = 'pending';
     card.tabIndex = -1;
     card.querySelector('[data-testid="card-id"]').textContent = '#' + rec.id;
-    const tag = describeOptions(rec.frame);
+    const tag = describeOptions(rec.frame, rec.hello);
     if (rec.burst) tag.push('burst ' + rec.burst.n);
     card.querySelector('.card-tag').textContent = tag.join(' · ');
     renderCardText(card, rec);
