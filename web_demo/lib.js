@@ -395,9 +395,10 @@
    * 'draining', 'engine_stopped' or null when unknown), fillMask (false: a same-origin server whose
    * /readyz is not a fill-mask server's; absent when unknown), unavailable (a same-origin /readyz
    * answered 5xx without a fill-mask server's status: a balancer with no replica ready), plainHttp (a
-   * wss:// address whose host and port answer plain HTTP), restarting (a going_away came), everConnected, attempts (the client's
-   * attempt count: 1 once the connection dropped, one more for each reconnection that failed; a page
-   * that was connected says "not reachable" only from UNREACHABLE_ATTEMPTS on)}
+   * wss:// address whose host and port answer plain HTTP), restarting (a going_away came),
+   * everConnected, attempts (the client's attempt count: 1 once the connection dropped, one more for
+   * each reconnection that failed; a page that was connected says "not reachable" only from
+   * UNREACHABLE_ATTEMPTS on)}
    * returns {kind: 'reconnecting'|'refused'|'offline', label, notice (or '' for none)}
    */
   /** The attempt count from which a page that was connected says the server is not reachable: four
