@@ -119,8 +119,14 @@ def _load_and_calibrate(config: Config) -> tuple[FillMaskModel, Calibration]:
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
     if config.calibration_s > 0:
         lines("calibration of threads and the cost model")
-    calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model,
-                            resolve_device(config.device), config.forward)
+    device = resolve_device(config.device)
+    parts = config.forward_parts
+    if parts > 1 and model.device.type != "cpu":
+        print(f"warning: --forward-parts {parts} applies on a CPU; on {model.device} each batch runs as one pass",
+              file=sys.stderr, flush=True)
+        parts = 1
+    calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model, device,
+                            config.forward, parts)
     lines.done()
     if config.calibration_s > 0:
         log.info("%s", calibration.line())

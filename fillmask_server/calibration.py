@@ -3,18 +3,23 @@
 Three measurements, each a few forward passes of the loaded model on synthetic batches (the model's
 own tokens around its mask token), all within ``--calibration-s``:
 
-1. **Torch threads** (only when ``--torch-threads`` is 0: a flag the user sets wins): one batch timed
-   at each candidate count (1, half the CPUs this process may use, all of them: ``usable_cpus``, its
-   CPU affinity within its container's CPU quota), the counts taken in
+1. **Torch threads, and the forward pass in parts** (only when neither ``--torch-threads`` nor
+   ``--forward-parts`` above 1 is set: a flag the user sets wins): one batch timed at each candidate
+   *layout*: each count of threads in one pass (1, half the CPUs this process may use, all of them:
+   ``usable_cpus``, its CPU affinity within its container's CPU quota), and, on a CPU with two or
+   more, the batch in parts side by side on all of them (2 parts, and one per CPU: ``parts.py``;
+   not with ``--forward-parts 1``). The layouts are taken in
    turn for ``THREAD_ROUNDS`` rounds (1, 2, 1, 2, ...; fewer, but at least ``MIN_THREAD_ROUNDS``, when
    they would take more than half the budget) and each count's fastest pass kept, so that a
    neighbour's passing burst of load (another replica starting beside this one) weighs on every count
    alike instead of deciding for the one it happened to hit. The forward pass is not all the CPU a
    request takes: the same batch's requests are also parsed, tokenized, checked, decoded and encoded
-   (``stages_s``, timed once, CPU seconds per request). The count that wins is the one predicted to
-   serve the most requests a second with both (``serving_rate``), the smaller count on a tie within
-   ``THREAD_TIE``: a model whose forward pass is cheap beside that work gains nothing from a second
-   thread that takes the core the other stages need. The count is set for the whole process.
+   (``stages_s``, timed once, CPU seconds per request). The layout that wins is the one predicted to
+   serve the most requests a second with both (``serving_rate``), on a tie within ``THREAD_TIE`` the
+   one with fewer threads, then the one with the narrower team: a model whose forward pass is cheap
+   beside that work gains nothing from a second thread that takes the core the other stages need,
+   and a narrower team waits less for a thread that the other stages preempt. The count is set for
+   the whole process; the engine runs the parts (``Engine(forward_parts=...)``).
 2. **The cost model's first coefficients**: batches of a few shapes (rows x width), timed in turn
    like the thread counts (``FIT_ROUNDS`` rounds, at least ``MIN_THREAD_ROUNDS``), each shape keeping
    its fastest pass, so that a neighbour's burst inflates no shape's time alone; the fit of
@@ -33,6 +38,7 @@ measured time by ``F`` (the measurement still runs), so a test can see the warni
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -52,6 +58,7 @@ from .diagnosis import first_line
 from .items import Item
 from .loading import on_a_thread_that_ends
 from .model import FillMaskModel
+from .parts import PartRunner, split
 from .protocol import FillMaskRequest, Limits, encode_result, parse_frame
 from .tuning import THREAD_TIE
 
@@ -74,15 +81,22 @@ SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
 class Calibration:
     """What the start-up calibration found; ``hello()`` is its part of ``hello.engine``."""
 
-    torch_threads: int
-    threads_from: str  # "flag", "calibration" or "default"
-    threads_ms: dict[int, float] = field(default_factory=dict)  # per candidate: ms for THREAD_SHAPE
+    torch_threads: int  # all the forward pass's threads: with parts, the parts' together
+    threads_from: str  # "flag", "calibration" or "default" (for the layout: threads and parts)
+    threads_ms: dict[int, float] = field(default_factory=dict)  # per candidate count in one pass: ms for THREAD_SHAPE
+    forward_parts: int = 1  # the batch in this many parts side by side (``parts.py``), each on part_threads
+    parts_ms: dict[int, float] = field(default_factory=dict)  # per candidate count of parts: ms for THREAD_SHAPE
     stages_us: float | None = None  # CPU microseconds a request takes outside the forward pass (``stages_s``)
     coefficients: Coefficients | None = None
     samples: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded tokens, seconds)
     dtype: str = "float32"
     dtype_speed: float | None = None  # float32's time ÷ the chosen dtype's (below 1: slower than float32)
     seconds: float = 0.0
+
+    @property
+    def part_threads(self) -> int:
+        """Each part's torch threads (all of them in one pass)."""
+        return max(1, self.torch_threads // self.forward_parts)
 
     @property
     def warning(self) -> str | None:
@@ -96,9 +110,11 @@ class Calibration:
     def hello(self) -> dict[str, Any]:
         """``torch_threads`` and ``calibration`` for ``hello.engine`` (protocol.md §2)."""
         calibration: dict[str, Any] = {"threads_from": self.threads_from, "seconds": round(self.seconds, 3)}
-        if self.threads_ms:
+        if self.threads_ms or self.parts_ms:
             calibration["threads_ms"] = [{"threads": n, "ms": round(ms, 3)}
                                          for n, ms in sorted(self.threads_ms.items())]
+            calibration["threads_ms"] += [{"threads": self._parts_threads(p), "parts": p, "ms": round(ms, 3)}
+                                          for p, ms in sorted(self.parts_ms.items())]
         if self.stages_us is not None:
             calibration["stages_us_per_request"] = round(self.stages_us, 1)
         if self.coefficients is not None:
@@ -110,13 +126,26 @@ class Calibration:
         if self.dtype_speed is not None:
             # Three significant figures, not three decimals: a ratio under 0.0005 must not read 0 (§2: > 0).
             calibration["dtype_speed_vs_float32"] = float(f"{self.dtype_speed:.3g}")
-        return {"torch_threads": self.torch_threads, "calibration": calibration}
+        return {"torch_threads": self.torch_threads, "forward_parts": self.forward_parts, "calibration": calibration}
+
+    def _parts_threads(self, parts: int) -> int:
+        """All the threads of the candidate layout of ``parts`` parts."""
+        return part_layout(max(self.threads_ms, default=self.torch_threads), parts)[0]
+
+    def layout_words(self) -> str:
+        """``torch threads 2``, or ``torch threads 2 in 2 parts of 1``."""
+        if self.forward_parts == 1:
+            return f"torch threads {self.torch_threads}"
+        return f"torch threads {self.torch_threads} in {self.forward_parts} parts of {self.part_threads}"
 
     def line(self) -> str:
         """The start-up line."""
-        parts = [f"torch threads {self.torch_threads} ({self.threads_from}"]
-        if self.threads_ms:
-            parts[0] += ": " + ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.threads_ms.items()))
+        parts = [f"{self.layout_words()} ({self.threads_from}"]
+        if self.threads_ms or self.parts_ms:
+            timed = [f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.threads_ms.items())]
+            timed += [f"{self._parts_threads(p)} in {p} parts -> {ms:.1f} ms"
+                      for p, ms in sorted(self.parts_ms.items())]
+            parts[0] += ": " + ", ".join(timed)
         if self.stages_us is not None:
             parts[0] += f"; {self.stages_us:.0f} us of CPU a request beside the forward pass"
         parts[0] += ")"
@@ -129,61 +158,84 @@ class Calibration:
         return f"calibrated in {self.seconds:.2f} s: " + "; ".join(parts)
 
 
-def uncalibrated(torch_threads: int = 0) -> Calibration:
-    """What the engine knows without calibrating: the thread count torch runs with, which without a
-    flag is torch's default (one per core) capped at the CPUs this process may use (``usable_cpus``)."""
+def part_layout(threads: int, parts: int) -> tuple[int, int]:
+    """(all the threads, each part's) of ``parts`` parts sharing ``threads``: at least one each."""
+    each = max(1, threads // max(1, parts))
+    return each * max(1, parts), each
+
+
+def hand_layout(torch_threads: int, forward_parts: int) -> Calibration:
+    """The layout the flags set (``--torch-threads``, ``--forward-parts``; 0: unset), and where it came
+    from. Parts without a thread count share the CPUs this process may use; a thread count without
+    parts runs in one pass. Torch's own default (one thread per core) is capped at those CPUs."""
     import torch
 
+    if forward_parts > 1:
+        total, _ = part_layout(torch_threads or usable_cpus(), forward_parts)
+        return Calibration(total, "flag", forward_parts=forward_parts)
     if not torch_threads and torch.get_num_threads() > (cpus := usable_cpus()):
         torch.set_num_threads(cpus)
     return Calibration(torch_threads or torch.get_num_threads(), "flag" if torch_threads else "default")
 
 
+def uncalibrated(torch_threads: int = 0, forward_parts: int = 0) -> Calibration:
+    """What the engine knows without calibrating: the layout the flags set, else torch's default
+    thread count (one per core) capped at the CPUs this process may use (``usable_cpus``), in one pass."""
+    return hand_layout(torch_threads, forward_parts)
+
+
 def calibrate(model: FillMaskModel, budget_s: float, torch_threads: int = 0, model_name: str | None = None,
-              device: str = "cpu", forward: str = "traced") -> Calibration:
+              device: str = "cpu", forward: str = "traced", forward_parts: int = 0) -> Calibration:
     """Measure this machine (see the module doc) within about ``budget_s`` seconds; 0 skips it.
 
     ``model_name`` (with ``device`` and ``forward``) is where a float32 copy is loaded from when
-    ``model.dtype`` is a reduced precision.
+    ``model.dtype`` is a reduced precision. ``forward_parts``: ``--forward-parts`` (0: the calibration's
+    choice; 1: one pass, parts not timed).
     """
     if budget_s <= 0:
-        return uncalibrated(torch_threads)
-    return on_a_thread_that_ends(lambda: _calibrate(model, budget_s, torch_threads, model_name, device, forward),
-                                 "fillmask-calibrate")
+        return uncalibrated(torch_threads, forward_parts)
+    return on_a_thread_that_ends(lambda: _calibrate(model, budget_s, torch_threads, model_name, device, forward,
+                                                    forward_parts), "fillmask-calibrate")
+
+
+Layout = tuple[int, int]  # (all the threads, parts)
 
 
 def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_name: str | None, device: str,
-               forward: str) -> Calibration:
+               forward: str, forward_parts: int = 0) -> Calibration:
     import torch
 
     started = time.perf_counter()
     until = started + budget_s
-    result = Calibration(torch_threads or torch.get_num_threads(), "flag" if torch_threads else "default",
-                         dtype=model.dtype)
+    result = hand_layout(torch_threads, forward_parts)
+    result.dtype = model.dtype
     decoder = SequenceDecoder(model.decode_tokenizer)
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
+    if torch_threads or forward_parts > 1:
+        torch.set_num_threads(result.torch_threads)
     else:
-        candidates = _thread_candidates()
+        candidates: list[Layout] = [(count, 1) for count in _thread_candidates()]
+        cpus = max(count for count, _ in candidates)
+        if device == "cpu" and forward_parts == 0 and cpus > 1:
+            candidates += [(part_layout(cpus, parts)[0], parts) for parts in sorted({2, cpus})]
         if len(candidates) == 1:  # one usable CPU (a quota of one or less): one thread, nothing to time
-            result.torch_threads = candidates[0]
+            result.torch_threads = candidates[0][0]
         else:
             items = batch_items(model, *THREAD_SHAPE)
-            for count in candidates:
-                torch.set_num_threads(count)
-                _warm(model, items)  # the first passes at a count start its workers
-            beside = stages_s(model, items, decoder) if device == "cpu" else 0.0  # a GPU's leaves the CPUs free
-            result.stages_us = beside * 1e6
+            with _LayoutTimer(model, candidates) as timer:
+                def time_at(layout: Layout) -> float:
+                    return timer.time(items, layout)
 
-            def time_at(count: int) -> float:
-                torch.set_num_threads(count)
-                return _time(model, items, 1)
-
-            thread_until = started + budget_s / 2  # the other half is the cost model's
-            fastest = fastest_per_count(time_at, candidates, THREAD_ROUNDS,
-                                        lambda: time.perf_counter() < thread_until)
-            result.threads_ms = {count: seconds * 1000 for count, seconds in fastest.items()}
-            result.torch_threads = choose_threads(fastest, len(items), beside, max(candidates))
+                for layout in candidates:
+                    for _ in range(2):  # the first passes at a count start its workers (``_warm``)
+                        time_at(layout)
+                beside = stages_s(model, items, decoder) if device == "cpu" else 0.0  # a GPU's leaves the CPUs free
+                result.stages_us = beside * 1e6
+                thread_until = started + budget_s / 2  # the other half is the cost model's
+                fastest = fastest_per_count(time_at, candidates, THREAD_ROUNDS,
+                                            lambda: time.perf_counter() < thread_until)
+            result.threads_ms = {count: s * 1000 for (count, parts), s in fastest.items() if parts == 1}
+            result.parts_ms = {parts: s * 1000 for (_, parts), s in fastest.items() if parts > 1}
+            result.torch_threads, result.forward_parts = choose_layout(fastest, len(items), beside, cpus)
             result.threads_from = "calibration"
         torch.set_num_threads(result.torch_threads)
     decode_s = 0.0
@@ -191,25 +243,26 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     batches: dict[tuple[int, int], list[Item]] = {}
     round_s = 0.0  # one pass over the shapes so far: what each timed round will take
     last_s, last_tokens = 0.0, 1
-    for rows, width in FIT_SHAPES:
-        # Past the first three, a shape joins only while the timed rounds still fit the budget with it
-        # (its pass guessed from the last one's, per token): the rounds run at least MIN_THREAD_ROUNDS.
-        guess = last_s * rows * width / last_tokens
-        if len(batches) >= 3 and time.perf_counter() + MIN_THREAD_ROUNDS * (round_s + guess) > until:
-            break
-        items = batches[rows, width] = batch_items(model, rows, width)
-        model.forward(items)  # the first passes specialise the graph to the shape (``_warm``)
-        clock = time.perf_counter()
-        topk = model.forward(items)
-        last_s, last_tokens = time.perf_counter() - clock, rows * width
-        round_s += last_s
-        clock = time.perf_counter()
-        for n, item in enumerate(items):
-            predictions_json(decoder, item, topk, n)
-        decode_s += time.perf_counter() - clock
-        decode_bytes += sum(intake.result_bound(model, list(item.input_ids), 1, TOP_K) for item in items)
-    fastest = fastest_per_count(lambda shape: _time(model, batches[shape], 1), list(batches), FIT_ROUNDS,
-                                lambda: time.perf_counter() < until)
+    layout = (result.torch_threads, result.forward_parts)  # the shapes are timed as the engine will run them
+    with _LayoutTimer(model, [layout]) as timer:
+        for rows, width in FIT_SHAPES:
+            # Past the first three, a shape joins only while the timed rounds still fit the budget with it
+            # (its pass guessed from the last one's, per token): the rounds run at least MIN_THREAD_ROUNDS.
+            guess = last_s * rows * width / last_tokens
+            if len(batches) >= 3 and time.perf_counter() + MIN_THREAD_ROUNDS * (round_s + guess) > until:
+                break
+            items = batches[rows, width] = batch_items(model, rows, width)
+            topk = model.forward(items)  # the first passes specialise the graph to the shape (``_warm``)
+            last_s, last_tokens = timer.time(items, layout), rows * width
+            round_s += last_s
+            clock = time.perf_counter()
+            for n, item in enumerate(items):
+                predictions_json(decoder, item, topk, n)
+            decode_s += time.perf_counter() - clock
+            decode_bytes += sum(intake.result_bound(model, list(item.input_ids), 1, TOP_K) for item in items)
+        fastest = fastest_per_count(lambda shape: timer.time(batches[shape], layout),
+                                    list(batches), FIT_ROUNDS, lambda: time.perf_counter() < until)
+    _set_threads(result.torch_threads)
     result.samples = [(rows, rows * width, seconds) for (rows, width), seconds in fastest.items()]
     byte_s = decode_s / decode_bytes if decode_bytes else Coefficients.byte_s
     result.coefficients = fit(result.samples, byte_s)
@@ -247,6 +300,54 @@ def _dtype_speed(model: FillMaskModel, model_name: str, device: str, forward: st
     return full / (reduced * slowdown)
 
 
+class _LayoutTimer:
+    """Times passes in the candidate layouts as the engine runs them (``Engine._run_batch``): in parts side
+    by side, or whole at all the layout's threads when the batch is one item. A context manager: the
+    part runners' helper threads end with it.
+
+    A pass in parts right after a whole pass on a wider team is timed after one more pass in parts,
+    untimed: that team's OpenMP workers go on spinning for a while after their pass, on the cores the
+    parts need, and a server that runs batches in parts meets that only when a lone request came just
+    before (its steady state is batches in parts one after the other)."""
+
+    def __init__(self, model: FillMaskModel, layouts: list[Layout]) -> None:
+        self.model = model
+        self.runners = {parts: PartRunner(parts - 1, threads // parts, _set_threads, name="fillmask-calibrate-part")
+                        for threads, parts in layouts if parts > 1}
+        self.team = 0  # the threads of the team that ran the last pass
+
+    def __enter__(self) -> _LayoutTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for runner in self.runners.values():
+            runner.close()
+
+    def time(self, items: list[Item], layout: Layout) -> float:
+        """Seconds of one pass over ``items`` in ``layout``."""
+        threads, parts = layout
+        cuts = split([len(item.input_ids) for item in items], parts)
+        if len(cuts) == 1:
+            _set_threads(threads)
+            self.team = threads
+            return _time(self.model, items, 1)
+        runner = self.runners[parts]
+        _set_threads(runner.threads_each)
+        calls = [functools.partial(self.model.forward, [items[i] for i in cut]) for cut in cuts]
+        if self.team > runner.threads_each:
+            runner.run(calls)
+        self.team = runner.threads_each
+        clock = time.perf_counter()
+        runner.run(calls)
+        return time.perf_counter() - clock
+
+
+def _set_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)
+
+
 def _warm(model: FillMaskModel, items: list[Item]) -> None:
     """Two passes: TorchScript's profiling executor specialises a graph to a shape on its first runs."""
     model.forward(items)
@@ -279,18 +380,29 @@ def fastest_per_count(time_at: Callable[[K], float], candidates: list[K], rounds
 
 
 def choose_threads(fastest: dict[int, float], rows: int = 1, beside_s: float = 0.0, cpus: int | None = None) -> int:
-    """The count predicted to serve the most requests a second (``serving_rate``: ``fastest[count]`` is
-    one batch of ``rows`` rows at that count, ``beside_s`` the CPU seconds a request takes outside the
-    forward pass, ``cpus`` those this process may use, by default the largest count), or the smallest
-    count within ``THREAD_TIE`` of it (fewer threads leave cores to the server's other stages). With
-    nothing beside the forward pass, that is the fastest count."""
-    cpus = cpus or max(fastest)
-    rate = {count: serving_rate(count, seconds, rows, beside_s, cpus) for count, seconds in fastest.items()}
+    """``choose_layout`` among thread counts in one pass: ``fastest[count]``."""
+    return choose_layout({(count, 1): seconds for count, seconds in fastest.items()}, rows, beside_s, cpus)[0]
+
+
+def choose_layout(fastest: dict[Layout, float], rows: int = 1, beside_s: float = 0.0, cpus: int | None = None
+                  ) -> Layout:
+    """The layout (all its threads, parts) predicted to serve the most requests a second
+    (``serving_rate``: ``fastest[layout]`` is one batch of ``rows`` rows in that layout, ``beside_s`` the
+    CPU seconds a request takes outside the forward pass, ``cpus`` those this process may use, by
+    default the most threads), or among those within ``THREAD_TIE`` of it, the one with the fewest
+    threads, then the narrowest team (fewer threads leave cores to the server's other stages; a
+    narrower team waits less at its barriers for a thread they preempt). With nothing beside the
+    forward pass, that is the fastest layout or one within the tie of it."""
+    cpus = cpus or max(threads for threads, _ in fastest)
+    rate = {layout: serving_rate(layout[0], seconds, rows, beside_s, cpus, layout[0] // layout[1])
+            for layout, seconds in fastest.items()}
     best = max(rate.values())
-    return min(count for count in rate if rate[count] * (1 + THREAD_TIE) >= best)
+    return min((layout for layout in rate if rate[layout] * (1 + THREAD_TIE) >= best),
+               key=lambda layout: (layout[0], layout[0] // layout[1]))
 
 
-def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: int) -> float:
+def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: int, team: int | None = None
+                 ) -> float:
     """Requests a second the server can serve with ``count`` torch threads, predicted from one batch's
     forward time alone (``batch_s`` for ``rows`` rows) and the CPU seconds each request takes beside it
     (``beside_s``), on ``cpus`` CPUs. The least of three bounds:
@@ -298,14 +410,16 @@ def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: i
     - the engine runs one batch at a time: at most ``rows / batch_s`` requests a second;
     - each request takes ``count x batch_s / rows`` CPU seconds in the forward pass (every thread of the
       team is busy for all of it) and ``beside_s`` more, out of ``cpus`` CPU seconds a second;
-    - a team as wide as the CPUs has no core to spare: whatever else runs takes a core from one of its
-      threads, and the others wait for it at the next barrier, so the CPU used beside the forward pass
-      adds to the engine's time (docs/performance-log.md, "Why the server stays below the limit"): at
-      most ``1 / (batch_s / rows + beside_s)``.
+    - a team (``team`` threads, by default all ``count``) as wide as the CPUs has no core to spare:
+      whatever else runs takes a core from one of its threads, and the others wait for it at the next
+      barrier, so the CPU used beside the forward pass adds to the engine's time
+      (docs/performance-log.md, "Why the server stays below the limit"): at most
+      ``1 / (batch_s / rows + beside_s)``. Parts side by side (``parts.py``), each a narrower team, meet
+      once a batch, not at every operator: that bound is not theirs.
     """
     per_request = max(batch_s, 1e-9) / max(rows, 1)  # (a clock's tick at least: never a division by 0)
     rate = min(1 / per_request, cpus / (count * per_request + beside_s))
-    return min(rate, 1 / (per_request + beside_s)) if count >= cpus else rate
+    return min(rate, 1 / (per_request + beside_s)) if (team or count) >= cpus else rate
 
 
 def stages_s(model: FillMaskModel, items: list[Item], decoder: SequenceDecoder) -> float:

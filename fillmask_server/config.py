@@ -50,6 +50,7 @@ class Config:
     device: str = "auto"
     dtype: str = "float32"
     torch_threads: int = 0
+    forward_parts: int = 0
     calibration_s: float = 2.0
     forward: str = "traced"
     shutdown_timeout: float = 30.0
@@ -113,6 +114,10 @@ _HELP: dict[str, str] = {
     "torch_threads": "torch intra-op threads; 0 = measured at start-up (a few forward passes at each candidate "
                      "count), or torch's default (one per core, within the container's CPU quota) when "
                      "--calibration-s is 0",
+    "forward_parts": "on a CPU, run each batch of several texts as this many parts side by side, each a forward "
+                     "pass on its share of the torch threads (the parts meet once a batch, not at every "
+                     "operator, so the server's other threads stall them less); 0 = measured at start-up with "
+                     "the thread count (1 when --torch-threads is set), 1 = one pass",
     "calibration_s": "time budget for the start-up calibration: the torch thread count, the cost model's first "
                      "coefficients, and for --dtype bfloat16/float16/int8 its speed against float32 (a warning "
                      "when slower); 0 = skip it (the cost model then starts from CPU defaults and learns online)",
@@ -177,7 +182,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 # --help lists the options in these groups, in this order (every Config field is in exactly one).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("model", ("model", "device", "dtype", "torch_threads", "forward", "calibration_s")),
+    ("model", ("model", "device", "dtype", "torch_threads", "forward_parts", "forward", "calibration_s")),
     ("listening", ("host", "port", "certfile", "keyfile")),
     ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_batch_ms",
                             "max_missed_batches", "max_wait_ms", "anticipate_ms", "max_queue")),
@@ -316,8 +321,8 @@ MIN_TOKEN_CHARS = 16
 def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     """One warning line for each setting that works but is unwise (start-up prints them): a short
     ``--token``, which a client could guess (the server answers wrong tokens at full speed); more
-    ``--torch-threads`` than the ``cpus`` this process may use (``usable_cpus``), which only slow the
-    forward pass (far more are refused: ``validate``)."""
+    ``--torch-threads`` or ``--forward-parts`` than the ``cpus`` this process may use (``usable_cpus``),
+    which only slow the forward pass (far more are refused: ``validate``)."""
     lines = []
     if config.token and len(config.token) < MIN_TOKEN_CHARS:
         lines.append(f"warning: --token is {len(config.token)} characters long, and the server does not slow down "
@@ -327,6 +332,10 @@ def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     if config.torch_threads > cpus:
         lines.append(f"warning: --torch-threads {config.torch_threads} is more than the {_cpus(cpus)} this process may "
                      "use, and threads beyond them only slow the forward pass: use at most "
+                     f"{cpus}, or 0 to measure")
+    if config.forward_parts > cpus:
+        lines.append(f"warning: --forward-parts {config.forward_parts} is more than the {_cpus(cpus)} this process may "
+                     "use, and each part is a thread of its own: use at most "
                      f"{cpus}, or 0 to measure")
     return lines
 
@@ -404,13 +413,17 @@ def validate(config: Config) -> str | None:
         return (f"--torch-threads {config.torch_threads} is far more than the {_cpus(cpus)} this process may use "
                 f"(the most accepted is {MAX_THREADS_PER_CPU * cpus}); threads beyond the CPUs only slow the "
                 f"forward pass: use at most {cpus}, or 0 to measure")
+    if config.forward_parts > MAX_THREADS_PER_CPU * cpus:
+        return (f"--forward-parts {config.forward_parts} is far more than the {_cpus(cpus)} this process may use "
+                f"(the most accepted is {MAX_THREADS_PER_CPU * cpus}); each part is a thread of its own: use at "
+                f"most {cpus}, 1 for one pass, or 0 to measure")
     if config.max_length_ratio != 0 and config.max_length_ratio < 1:
         return "--max-length-ratio must be 0 (automatic) or at least 1"
     for name in ("max_batch_size", "max_batch_tokens"):
         if getattr(config, name) < 0:
             return f"--{name.replace('_', '-')} must be 0 (automatic) or at least 1"
     for name in ("max_wait_ms", "anticipate_ms", "shutdown_timeout", "drain_delay", "max_batch_ms",
-                 "max_missed_batches", "calibration_s", "torch_threads"):
+                 "max_missed_batches", "calibration_s", "torch_threads", "forward_parts"):
         if getattr(config, name) < 0:
             return f"--{name.replace('_', '-')} must not be negative"
     if not 0 <= config.port <= 65535:

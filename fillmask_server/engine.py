@@ -10,7 +10,10 @@
   stages chose for it while it ran the last, ``_prepare_locked``) and runs the forward pass
   (``FillMaskModel.forward``, one call into torch): token ids in, top-k tensors out, at the torch thread count the core
   gives it (``FillMaskModel.set_threads``, called on this thread, which runs every forward pass; then
-  ``on_threads``, e.g. the server's switch interval for that count).
+  ``on_threads``, e.g. the server's switch interval for that count). With ``forward_parts`` above 1
+  (CPU), a batch of several items runs as that many parts side by side (``parts.py``): the first on
+  this thread, the others on helper threads (``fillmask-part-N``) that run only the model, each part
+  at ``part_threads`` torch threads; a batch of one item runs whole, at all the parts' threads.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -35,6 +38,7 @@ outcome has been delivered. If a stage thread ends abnormally, ``_die`` marks th
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -59,6 +63,7 @@ from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
 from .model import FillMaskModel
+from .parts import PartRunner, split
 from .tuning import WINS_TO_SWITCH, ThreadTuner
 
 __all__ = ["Engine", "EngineStats"]
@@ -105,8 +110,12 @@ class Engine:
                  deliver: Deliver, clock: Callable[[], float] = time.monotonic,
                  on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
                  memory: AnswerMemory | None = None, cost: CostModel | None = None,
-                 threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None) -> None:
+                 threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None,
+                 forward_parts: int = 1, part_threads: int = 1) -> None:
         self.model = model
+        self.forward_parts = forward_parts
+        self._part_threads = part_threads
+        self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads)
         self._threads_set = threads.current if threads is not None else 0  # the model thread's count now
@@ -142,6 +151,9 @@ class Engine:
     def start(self) -> None:
         self.alive = True
         self.started_at = self._clock()
+        if self.forward_parts > 1:
+            self._runner = PartRunner(self.forward_parts - 1, self._part_threads, self.model.set_threads,
+                                      on_start=name_os_thread)
         for thread in self._threads:
             thread.start()
 
@@ -231,12 +243,15 @@ class Engine:
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout)
+        if self._runner is not None:
+            self._runner.close(timeout)
         self.alive = False
 
     @property
     def ended(self) -> bool:
-        """Every stage thread has returned (after ``stop``): nothing of this engine touches the model."""
-        return not any(thread.is_alive() for thread in self._threads)
+        """Every stage thread (and part helper) has returned (after ``stop``): nothing of this engine
+        touches the model."""
+        return not any(thread.is_alive() for thread in self._threads) and (self._runner is None or self._runner.ended)
 
     def _hand_over_locked(self, outcomes: list[Outcome]) -> None:
         """Give outcomes to ``deliver`` before the lock that made them final is released, so that once
@@ -329,22 +344,36 @@ class Engine:
                 self._next = scheduled
 
     def _run_batch(self, batch: list[Job], padded_tokens: int, started: float, threads: int = 0) -> None:
-        """One forward pass (split on failure) at ``threads`` torch threads (0: as they are); hand what
-        succeeded to the decode stage."""
-        if threads and threads != self._threads_set:
+        """One forward pass (split on failure; in parts side by side with ``forward_parts``) at
+        ``threads`` torch threads (0: as they are); hand what succeeded to the decode stage."""
+        items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
+        runner = self._runner
+        parts = split([len(item.input_ids) for item in items], runner.parts) if runner is not None else [
+            list(range(len(items)))]
+        if runner is not None:  # each part on its own team; a batch that stays whole, on all of them
+            count = runner.threads_each * (1 if len(parts) > 1 else runner.parts)
+            if count != self._threads_set:
+                self.model.set_threads(count)
+                self._threads_set = count
+        elif threads and threads != self._threads_set:
             self.model.set_threads(threads)
             self._threads_set = threads
             if self._on_threads is not None:
                 self._on_threads(threads)
-        items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
-        groups, failed_items = self._forward_all(items, list(range(len(items))))
+        if runner is None or len(parts) == 1:
+            groups, failed_items = self._forward_all(items, parts[0])
+        else:
+            done = runner.run([functools.partial(self._forward_all, items, part) for part in parts])
+            groups = [group for part_groups, _ in done for group in part_groups]
+            failed_items = [i for _, part_failed in done for i in part_failed]
+        passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass
         finished = self._clock()
         elapsed = finished - started
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
             in_use = self.core.threads.current if self.core.threads is not None else 0
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
-                                                  passes=len(groups) + len(failed_items), threads=threads)
+                                                  passes=passes, threads=threads)
             if self.core.threads is not None and self.core.threads.current != in_use:
                 log.info("torch threads %d -> %d: batches at %d threads won %d probes in a row against the cost "
                          "model while serving (tuning.py: a larger count must be faster, a smaller one as fast)",

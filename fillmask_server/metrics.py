@@ -77,13 +77,14 @@ class _LiveCollector:
 
 
 class _CostModelCollector:
-    """``fillmask_torch_threads``, ``fillmask_cost_model_seconds{term}`` and ``fillmask_batch_cap{cap}``:
-    the torch thread count in use, the engine's fitted cost model (costmodel.Coefficients) and the batch
-    caps (rows, tokens), as they are now."""
+    """``fillmask_torch_threads``, ``fillmask_forward_parts``, ``fillmask_cost_model_seconds{term}`` and
+    ``fillmask_batch_cap{cap}``: the torch thread count in use, the parts a batch runs in, the engine's
+    fitted cost model (costmodel.Coefficients) and the batch caps (rows, tokens), as they are now."""
 
     def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
-                 caps: Callable[[], tuple[int, int]]) -> None:
+                 caps: Callable[[], tuple[int, int]], forward_parts: int = 1) -> None:
         self._threads = torch_threads
+        self._parts = forward_parts
         self._coefficients = coefficients
         self._caps = caps
 
@@ -97,6 +98,10 @@ class _CostModelCollector:
         threads = GaugeMetricFamily("fillmask_torch_threads", "Torch intra-op threads in use (--torch-threads, "
                                     "or measured by the start-up calibration and again while serving).",
                                     value=self._threads() if coefficients else None)
+        parts = GaugeMetricFamily("fillmask_forward_parts", "Parts side by side that a batch of several texts "
+                                  "runs in, each on its share of the torch threads (--forward-parts, or measured "
+                                  "by the start-up calibration); 1: one forward pass.",
+                                  value=self._parts if coefficients else None)
         terms = GaugeMetricFamily("fillmask_cost_model_seconds", "The engine's fitted cost model: seconds per "
                                   "batch (overhead), per padded token, per row and per byte of answer bound.",
                                   labels=["term"])
@@ -113,7 +118,7 @@ class _CostModelCollector:
             rows, tokens = self._caps()
             caps.add_metric(["rows"], rows)
             caps.add_metric(["tokens"], tokens)
-        return [threads, terms, caps]
+        return [threads, parts, terms, caps]
 
 
 class _Registry(CollectorRegistry):
@@ -181,10 +186,10 @@ class Metrics:
               "what start-up made, frozen before serving.", registry=registry).set_function(frozen_objects)
 
     def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
-                           caps: Callable[[], tuple[int, int]]) -> None:
-        """Export the torch thread count, the cost model's current coefficients and the batch caps (read at
-        scrape time)."""
-        self.registry.register(_CostModelCollector(torch_threads, coefficients, caps))
+                           caps: Callable[[], tuple[int, int]], forward_parts: int = 1) -> None:
+        """Export the torch thread count, the parts a batch runs in, the cost model's current coefficients
+        and the batch caps (read at scrape time)."""
+        self.registry.register(_CostModelCollector(torch_threads, coefficients, caps, forward_parts))
 
     def answered(self, outcome: str, code: str) -> None:
         """Count one answer handed to a client's socket, labelled by what it was (never by parsing it)."""

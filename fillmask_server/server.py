@@ -129,7 +129,7 @@ class FillMaskServer:
     def __init__(self, config: Config, model: FillMaskModel, calibration: Calibration | None = None) -> None:
         self.config = config
         self.model = model
-        self.calibration = calibration or uncalibrated(config.torch_threads)
+        self.calibration = calibration or uncalibrated(config.torch_threads, config.forward_parts)
         self.limits = Limits(
             mask_token=model.mask_token,
             max_text_chars=config.max_text_chars,
@@ -169,14 +169,19 @@ class FillMaskServer:
                               unsent=lambda session: session.peer.pending_bytes,
                               unsent_total=lambda: self.unsent.total)
         calibration = self.calibration
+        # The count is measured again while serving only in one pass: parts meet once a batch, so a
+        # neighbour that preempts one of them does not stall every operator (tuning.py's reason).
+        parts = calibration.forward_parts if model.device.type == "cpu" else 1
         tuner = (ThreadTuner(list(calibration.threads_ms), calibration.torch_threads, time.monotonic())
-                 if calibration.threads_from == "calibration" and model.device.type == "cpu" else None)
+                 if calibration.threads_from == "calibration" and model.device.type == "cpu" and parts == 1
+                 else None)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
-                             cost=cost, threads=tuner, on_threads=self._follow_thread_count)
+                             cost=cost, threads=tuner, on_threads=self._follow_thread_count,
+                             forward_parts=parts, part_threads=calibration.part_threads)
         self._switch_before: float | None = None  # the process's switch interval before start() set it
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
-                                        lambda: (policy.max_batch_size, policy.max_batch_tokens))
+                                        lambda: (policy.max_batch_size, policy.max_batch_tokens), parts)
         self._hello_threads = self._torch_threads()
         self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": policy.max_batch_size,
@@ -208,7 +213,7 @@ class FillMaskServer:
         """Start the engine's threads and listen; ready once this returns."""
         self._loop = asyncio.get_running_loop()
         self._switch_before = sys.getswitchinterval()
-        self._follow_thread_count(self._torch_threads())
+        self._follow_thread_count(self._team_threads())
         self.engine.start()
         self._server = await serve(
             self._handle, self.config.host, self.config.port,
@@ -318,8 +323,13 @@ class FillMaskServer:
         tuner = self.engine.core.threads
         return tuner.current if tuner is not None else self.calibration.torch_threads
 
+    def _team_threads(self) -> int:
+        """The threads of one OpenMP team now: each part's with parts, else all of them."""
+        return self.calibration.part_threads if self.engine.forward_parts > 1 else self._torch_threads()
+
     def _encode_hello(self) -> bytes:
-        engine = {**self.model.engine_facts(), **self.calibration.hello(), "torch_threads": self._hello_threads}
+        engine = {**self.model.engine_facts(), **self.calibration.hello(), "torch_threads": self._hello_threads,
+                  "forward_parts": self.engine.forward_parts}
         return encode_hello(*self._hello_args, engine)
 
     def _current_hello(self) -> bytes:

@@ -15,6 +15,7 @@ from fillmask_server.calibration import (
     MIN_THREAD_ROUNDS,
     THREAD_TIE,
     Calibration,
+    choose_layout,
     choose_threads,
     fastest_per_count,
     serving_rate,
@@ -80,6 +81,28 @@ def test_a_second_thread_that_barely_speeds_the_forward_pass_loses_to_the_work_b
     assert serving_rate(2, timed[2], 16, 20e-6, 2) == 1 / (timed[2] / 16 + 20e-6)
     # A model whose forward pass dwarfs that work keeps both threads (the tiny benchmark model's shape).
     assert choose_threads({1: 6.0e-3, 2: 3.8e-3}, 16, 20e-6, 2) == 2
+
+
+def test_parts_side_by_side_win_a_tie_with_one_team_of_as_many_threads() -> None:
+    """Layouts are (all threads, parts). On a tie the fewer threads win, then the narrower team: parts
+    meet once a batch, so a thread the other stages preempt stalls one part, not every operator."""
+    # A batch of 16 rows: one thread 8.5 ms, two in one pass 6.0 ms, two in two parts 6.1 ms (a tie).
+    assert choose_layout({(1, 1): 8.5e-3, (2, 1): 6.0e-3, (2, 2): 6.1e-3}, 16, 10e-6, 2) == (2, 2)
+    # Parts clearly slower: the team of two.
+    assert choose_layout({(1, 1): 8.5e-3, (2, 1): 6.0e-3, (2, 2): 7.0e-3}, 16, 10e-6, 2) == (2, 1)
+    # One thread within the tie of both: the fewest threads first.
+    assert choose_layout({(1, 1): 6.2e-3, (2, 1): 6.0e-3, (2, 2): 6.0e-3}, 16, 0.0, 2) == (1, 1)
+    # Four CPUs: four parts of one, two of two, one team of four, all level: the narrowest team.
+    assert choose_layout({(1, 1): 4e-3, (2, 1): 2e-3, (4, 1): 1e-3, (4, 2): 1e-3, (4, 4): 1e-3}) == (4, 4)
+    assert choose_threads({1: 8.5e-3, 2: 6.0e-3}, 16, 10e-6, 2) == choose_layout(
+        {(1, 1): 8.5e-3, (2, 1): 6.0e-3}, 16, 10e-6, 2)[0]
+
+
+def test_parts_are_not_held_to_a_full_width_teams_barrier_bound() -> None:
+    # Two CPUs, 1 ms of CPU a request beside the forward pass: a team of two stops at every operator
+    # for that work; two parts of one thread share the CPUs with it.
+    assert serving_rate(2, 6e-3, 16, 1e-3, 2) == 1 / (6e-3 / 16 + 1e-3)
+    assert serving_rate(2, 6e-3, 16, 1e-3, 2, team=1) == 2 / (2 * 6e-3 / 16 + 1e-3)
 
 
 def test_the_serving_rate_is_the_least_of_the_engine_the_cpus_and_a_full_width_team() -> None:

@@ -231,7 +231,8 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
         calibration = engine["calibration"]
         assert engine["torch_threads"] >= 1 and calibration["threads_from"] in ("calibration", "default")
         if calibration["threads_from"] == "calibration":  # more than one CPU: each candidate was timed
-            assert engine["torch_threads"] in [entry["threads"] for entry in calibration["threads_ms"]]
+            assert (engine["torch_threads"], engine["forward_parts"]) in [
+                (entry["threads"], entry.get("parts", 1)) for entry in calibration["threads_ms"]]
             assert calibration["stages_us_per_request"] > 0  # what the count was chosen with, beside the timings
         cost = calibration["cost_model"]
         assert cost["overhead_ms"] + cost["per_token_us"] + cost["per_row_us"] > 0
@@ -240,6 +241,7 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
         with await asyncio.to_thread(urllib.request.urlopen, metrics_url, timeout=5) as response:
             metrics = response.read().decode()
         assert f"fillmask_torch_threads {float(engine['torch_threads'])}" in metrics
+        assert f"fillmask_forward_parts {float(engine['forward_parts'])}" in metrics
         assert re.search(r'fillmask_cost_model_seconds\{term="overhead"\} [0-9.e-]+', metrics)
     finally:
         process.send_signal(subprocess.signal.SIGTERM)
@@ -450,3 +452,136 @@ def test_an_engine_has_ended_only_once_every_stage_thread_has_returned(model: Fi
     assert not engine.ended
     engine.stop()
     assert engine.ended  # tests/conftest.py gives the model to the next server only now
+
+
+# --- the forward pass in parts side by side (--forward-parts) ---------------------------------------------
+
+
+def test_a_batch_runs_in_parts_side_by_side_with_one_passs_answers_and_a_lone_request_whole(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``forward_parts=2`` a batch of several requests runs as two forward passes at once, one on the
+    model thread and one on its helper, each at ``part_threads``; the answers are each request's alone,
+    whatever part it ran in (top_k and targets differ between them). A lone request runs whole, on the
+    model thread at both parts' threads (a part of one text would leave a core idle)."""
+    import torch
+
+    from fillmask_server.decode import SequenceDecoder, predictions_json
+
+    calls: list[tuple[str, int, int]] = []  # (thread, items, torch's count on it)
+    forward = model.forward
+
+    def recording(items: list[Item]) -> object:
+        calls.append((threading.current_thread().name, len(items), torch.get_num_threads()))
+        return forward(items)
+
+    monkeypatch.setattr(model, "forward", recording)
+    cases = [("a [MASK] b", 5, None), ("the [MASK] of a long text with many more words in it", 2, None),
+             ("x [MASK] y [MASK] z", 3, None), ("one [MASK] more", 4, ("the", "a", "zz")),
+             ("short [MASK]", 1, None), ("[MASK] at the start of a text", 7, None)]
+    before = torch.get_num_threads()
+    engine = Engine(model, BatchPolicy(8, 4096, growth=100.0), max_queue=20, max_masks=4, deliver=collector,
+                    forward_parts=2, part_threads=1)  # (a band wide enough for every length: one batch)
+    engine.start()
+    try:
+        with engine.paused():
+            for n, (text, top_k, targets) in enumerate(cases):
+                request = FillMaskRequest(n, text, top_k, targets)
+                assert engine.submit(Job(request, owner=None, arrival=time.monotonic())) is Admission.ACCEPTED
+            wait_runnable(engine, len(cases))
+        outcomes = collector.wait_for(len(cases))
+        engine.submit(job("alone"))
+        alone = collector.wait_for(len(cases) + 1)["alone"]
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert engine.ended  # the helper too
+    batch, lone = calls[:2], calls[2:]
+    assert sorted(name for name, _, _ in batch) == ["fillmask-model", "fillmask-part-1"]
+    assert sum(items for _, items, _ in batch) == len(cases) and all(count == 1 for _, _, count in batch)
+    assert lone == [("fillmask-model", 1, 2)] and isinstance(alone, Result)
+    assert len({outcome.batch_id for outcome in outcomes.values()}) == 1  # type: ignore[union-attr]
+    decoder = SequenceDecoder(model.decode_tokenizer)
+    for n, (text, top_k, targets) in enumerate(cases):
+        outcome = outcomes[n]
+        assert isinstance(outcome, Result) and outcome.batch_size == len(cases)
+        target_ids = model.target_ids(targets) if targets else None
+        item = Item(model.tokenize([text])[0], top_k, target_ids)
+        expected = orjson.loads(predictions_json(decoder, item, forward([item]), 0))
+        got = orjson.loads(outcome.predictions_json)
+        if isinstance(expected[0], dict):  # one mask: one list (the pipeline's shape), else one per mask
+            got, expected = [got], [expected]
+        assert [[p["token"] for p in mask] for mask in got] == [[p["token"] for p in mask] for mask in expected]
+        assert [[p["score"] for p in mask] for mask in got] == [
+            pytest.approx([p["score"] for p in mask], rel=1e-4, abs=1e-6) for mask in expected]
+
+
+def test_a_request_the_model_fails_on_in_one_part_fails_alone(model: FillMaskModel, collector: Collector,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure in a part is that part's: it is retried item by item there (on its helper thread), so
+    only the request that fails alone gets ``internal_error``; the other part's answers stand, and the
+    helper serves the next batch."""
+    from fillmask_server.jobs import Failed
+
+    poison = model.tokenize(["zebra"])[0][1]  # the token that makes this test's model fail
+    forward = model.forward
+    threads_failed: list[str] = []
+
+    def failing(items: list[Item]) -> object:
+        if any(poison in item.input_ids for item in items):
+            threads_failed.append(threading.current_thread().name)
+            raise ValueError("this test's model fails on zebras")
+        return forward(items)
+
+    monkeypatch.setattr(model, "forward", failing)
+    texts = ["a [MASK] b", "c [MASK] d", "e [MASK] f", "g [MASK] zebra"]  # the last in the second part
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector,
+                    forward_parts=2, part_threads=1)
+    engine.start()
+    try:
+        with engine.paused():
+            for n, text in enumerate(texts):
+                engine.submit(job(n, text))
+            wait_runnable(engine, len(texts))
+        outcomes = collector.wait_for(len(texts))
+        with engine.paused():
+            engine.submit(job("next-1"))
+            engine.submit(job("next-2"))
+            wait_runnable(engine, 2)
+        later = collector.wait_for(len(texts) + 2)
+    finally:
+        engine.stop()
+    assert isinstance(outcomes[3], Failed) and all(isinstance(outcomes[n], Result) for n in range(3))
+    assert set(threads_failed) == {"fillmask-part-1"}  # its part's batch, then it alone, on the helper
+    assert isinstance(later["next-1"], Result) and isinstance(later["next-2"], Result)
+
+
+def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unless_told_not_to(
+        model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two CPUs (as this machine kind has; set here, so that any machine runs it) the candidates are
+    one and two threads in one pass and two threads in two parts; each is timed and reported in hello
+    and the start-up line. ``--forward-parts 1`` leaves parts out; ``--forward-parts 2`` alone is a flag
+    the user set: the parts share the usable CPUs, nothing is timed for them."""
+    import torch
+
+    from fillmask_server import calibration
+
+    monkeypatch.setattr(calibration, "usable_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        chosen = calibration.calibrate(model, 1.0)
+        one_pass = calibration.calibrate(model, 1.0, forward_parts=1)
+        by_flag = calibration.calibrate(model, 0.5, forward_parts=2)
+        skipped = calibration.calibrate(model, 0.0, forward_parts=2)
+    finally:
+        torch.set_num_threads(before)
+    timed = chosen.hello()["calibration"]["threads_ms"]
+    assert [(entry["threads"], entry.get("parts", 1)) for entry in timed] == [(1, 1), (2, 1), (2, 2)]
+    assert all(entry["ms"] > 0 for entry in timed) and chosen.threads_from == "calibration"
+    assert (chosen.torch_threads, chosen.forward_parts) in [(1, 1), (2, 1), (2, 2)]
+    assert chosen.hello()["forward_parts"] == chosen.forward_parts
+    assert "2 in 2 parts -> " in chosen.line() and chosen.line().count(chosen.layout_words()) == 1
+    assert one_pass.forward_parts == 1 and not one_pass.parts_ms and sorted(one_pass.threads_ms) == [1, 2]
+    for flagged in (by_flag, skipped):
+        assert (flagged.torch_threads, flagged.forward_parts, flagged.part_threads) == (2, 2, 1)
+        assert flagged.threads_from == "flag" and not flagged.threads_ms and not flagged.parts_ms
+    assert by_flag.line().startswith("calibrated in") and "torch threads 2 in 2 parts of 1 (flag)" in by_flag.line()

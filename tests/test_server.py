@@ -8,6 +8,7 @@ states deterministic without sleeping.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -98,8 +99,11 @@ async def test_result_equals_pipeline(server: FillMaskServer, reference_pipeline
     assert result["batch_tokens"] >= 3
 
 
-async def test_mixed_length_batch_equals_each_text_alone(make_server: Any, reference_pipeline: Any) -> None:
-    """One batch of short and long texts, one and two masks, top_k and targets: each equals the pipeline.
+@pytest.mark.parametrize("parts", [1, 2])
+async def test_mixed_length_batch_equals_each_text_alone(make_server: Any, reference_pipeline: Any, parts: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """One batch of short and long texts, one and two masks, top_k and targets: each equals the pipeline,
+    in one forward pass or in two parts side by side (``--forward-parts 2``: hello says so).
 
     ``max_length_ratio`` is raised so that the lengths really mix in one padded batch."""
     cases = [(text, {}) for text in TEXTS] + [
@@ -108,12 +112,18 @@ async def test_mixed_length_batch_equals_each_text_alone(make_server: Any, refer
         (TEXTS[4], {"top_k": 2, "targets": ["piano", "guitar", "violin"]}),
         (TEXTS[1], {"top_k": 1}),
     ]
-    async with make_server(max_length_ratio=100) as srv, session(srv.url) as (ws, _):
+    threads: list[str] = []  # each forward pass's thread
+    async with make_server(max_length_ratio=100, forward_parts=parts) as srv, session(srv.url) as (ws, hello):
+        forward = srv.model.forward
+        monkeypatch.setattr(srv.model, "forward", lambda items: threads.append(
+            threading.current_thread().name) or forward(items))
         with srv.engine.paused():
             for i, (text, fields) in enumerate(cases):
                 await send(ws, fill(i, text, **fields))
             await wait_until(lambda: srv.engine.runnable() >= len(cases), timeout=30)
         frames = {frame["id"]: frame for frame in await recv_n(ws, len(cases))}
+    assert hello["engine"]["forward_parts"] == parts
+    assert sorted(threads) == (["fillmask-model"] if parts == 1 else ["fillmask-model", "fillmask-part-1"])
     lengths = [len(reference_pipeline.tokenizer(text)["input_ids"]) for text, _ in cases]
     assert len(set(lengths)) >= 5 and {frame["batch_size"] for frame in frames.values()} == {len(cases)}
     # One batch, its texts packed into shared rows: fewer tokens than one padded row each.
