@@ -16,8 +16,10 @@ It prints one JSON object on its last stdout line:
   one call, one forward pass (encoder once, MLM head at the masks, one top-k per batch) and decoded to
   the pipeline's predictions as JSON, the texts again until ``MIN_TIMED_S`` has passed; in each repeat
   the fastest N of ``LIMIT_BATCHES`` (``limit_batch``: the N that was fastest most often), so that no
-  batch the server forms under the benchmark's load beats its own limit. ``limit_forward_only`` leaves
-  out the decoding (information; its own fastest N);
+  batch the server forms under the benchmark's load beats its own limit; and on a CPU with two or more
+  torch threads, each N both in one forward pass and in two parts side by side as the server's
+  ``--forward-parts 2`` runs it (``limit_parts``: the layout that won with that N most often).
+  ``limit_forward_only`` leaves out the decoding (information; its own fastest N and layout);
 - ``token_counts``: the token length of each corpus text (special tokens included).
 
 With ``--family NAME`` (a checkpoint of ``fillmask_server.checkpoint.write_family``) the corpus is
@@ -96,51 +98,77 @@ def timed_rate(call: Callable[[], None], count: int) -> float:
 
 
 def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate
-                     ) -> tuple[list[float], list[float], int]:
+                     ) -> tuple[list[float], list[float], int, int]:
     """req/s of the server's own work without sockets or threads (see the module docstring): with the
-    decoding, and without it, one value per repeat each; and the batch size that was fastest most often."""
+    decoding, and without it, one value per repeat each; and the batch size and parts that were fastest
+    most often."""
     from fillmask_server.loading import load_model
 
     return limit_rates(load_model(model_dir, "cpu", dtype), texts, repeats, gate)
 
 
 def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate,
-                sizes: tuple[int, ...] = LIMIT_BATCHES) -> tuple[list[float], list[float], int]:
+                sizes: tuple[int, ...] = LIMIT_BATCHES) -> tuple[list[float], list[float], int, int]:
     """``in_process_limit`` on a model already loaded (bench/gpu.py's, on CUDA, loaded once per dtype):
-    each repeat's rate is the fastest of ``sizes`` in that repeat."""
+    each repeat's rate is the fastest of ``sizes`` x layouts in that repeat (on a CPU with two or more
+    torch threads: one pass, and two parts side by side on half the threads each, as the engine runs
+    them: ``fillmask_server.parts``)."""
+    import functools
+
+    import torch
+
     from fillmask_server.decode import SequenceDecoder, predictions_json
     from fillmask_server.items import Item
+    from fillmask_server.parts import PartRunner, split
 
     decoder = SequenceDecoder(model.decode_tokenizer)
     lengths = [len(ids) for ids in model.tokenize(texts)]
     order = sorted(range(len(texts)), key=lambda i: lengths[i])
     sizes = tuple(dict.fromkeys(min(size, len(texts)) for size in sizes))  # a size above the texts is all of them
+    threads = torch.get_num_threads()
+    layouts = (1, 2) if model.device.type == "cpu" and threads >= 2 else (1,)
+    runner: PartRunner[Any] = PartRunner(1, max(1, threads // 2), torch.set_num_threads, name="limit-part")
 
-    def run(size: int, decode: bool) -> float:
+    def forward(items: list[Item], parts: int) -> list[tuple[list[int], Any]]:
+        cuts = split([len(item.input_ids) for item in items], parts)
+        if len(cuts) == 1:
+            torch.set_num_threads(threads)
+            return [(cuts[0], model.forward(items))]
+        torch.set_num_threads(runner.threads_each)
+        calls = [functools.partial(model.forward, [items[i] for i in cut]) for cut in cuts]
+        return list(zip(cuts, runner.run(calls), strict=True))
+
+    def run(size: int, parts: int, decode: bool) -> float:
         batches = [[texts[i] for i in order[start: start + size]] for start in range(0, len(order), size)]
 
         def once() -> None:
             for batch in batches:
                 items = [Item(ids, 5) for ids in model.tokenize(batch)]
-                topk = model.forward(items)
-                if decode:
-                    for n, item in enumerate(items):
-                        predictions_json(decoder, item, topk, n)
+                for cut, topk in forward(items, parts):
+                    if decode:
+                        for n, i in enumerate(cut):
+                            predictions_json(decoder, items[i], topk, n)
 
         return timed_rate(once, len(texts))
 
-    for size in sizes:
-        run(size, True)  # warm-up: kernels for these shapes, the decoder's caches
-    full: list[float] = []
-    forward_only: list[float] = []
-    fastest: list[int] = []
-    for _ in range(repeats):
-        gate.wait()
-        rates = {size: run(size, True) for size in sizes}
-        fastest.append(max(rates, key=rates.__getitem__))
-        full.append(rates[fastest[-1]])
-        forward_only.append(max(run(size, False) for size in sizes))
-    return full, forward_only, max(sizes, key=fastest.count)
+    candidates = [(size, parts) for size in sizes for parts in layouts]
+    try:
+        for size, parts in candidates:
+            run(size, parts, True)  # warm-up: kernels for these shapes, the decoder's caches
+        full: list[float] = []
+        forward_only: list[float] = []
+        fastest: list[tuple[int, int]] = []
+        for _ in range(repeats):
+            gate.wait()
+            rates = {candidate: run(*candidate, True) for candidate in candidates}
+            fastest.append(max(rates, key=rates.__getitem__))
+            full.append(rates[fastest[-1]])
+            forward_only.append(max(run(*candidate, False) for candidate in candidates))
+    finally:
+        runner.close()
+        torch.set_num_threads(threads)
+    size = max(sizes, key=lambda n: sum(won == n for won, _ in fastest))
+    return full, forward_only, size, max(layouts, key=lambda p: fastest.count((size, p)))
 
 
 def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, repeats: int, singles: int,
@@ -188,7 +216,7 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
 
     mask_token = pipe.tokenizer.mask_token
     del pipe
-    limit, limit_forward_only, limit_batch = in_process_limit(model_dir, dtype, texts, repeats, gate)
+    limit, limit_forward_only, limit_batch, limit_parts = in_process_limit(model_dir, dtype, texts, repeats, gate)
     return {
         "model": model_dir,
         "mask_token": mask_token,
@@ -197,6 +225,7 @@ def measure(model_dir: str, dtype: str, batch_sizes: list[int], n_texts: int, re
         "limit": limit,
         "limit_forward_only": limit_forward_only,
         "limit_batch": limit_batch,
+        "limit_parts": limit_parts,
         "torch_threads": torch.get_num_threads(),
         "load_s": round(load_s, 2),
         "n_texts": n_texts,
@@ -218,9 +247,10 @@ def measure_limits_only(model_dir: str, dtype: str, n_texts: int, repeats: int, 
         mask_token = AutoTokenizer.from_pretrained(model_dir).mask_token
     corpus = bench_corpus(corpus_name, family, mask_token, seed)
     texts = [corpus[i % len(corpus)] for i in range(n_texts)]
-    limit, limit_forward_only, limit_batch = in_process_limit(model_dir, dtype, texts, repeats, gate)
+    limit, limit_forward_only, limit_batch, limit_parts = in_process_limit(model_dir, dtype, texts, repeats, gate)
     return {"model": model_dir, "dtype": dtype, "corpus": corpus_name, "limit": limit,
-            "limit_forward_only": limit_forward_only, "limit_batch": limit_batch, "n_texts": n_texts,
+            "limit_forward_only": limit_forward_only, "limit_batch": limit_batch, "limit_parts": limit_parts,
+            "n_texts": n_texts,
             "quiet_waits": {"count": gate.waits, "waited_s": round(gate.waited_s, 1)}}
 
 

@@ -107,6 +107,7 @@ def pipeline_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "limit_rps": median(raw.get("limit", [])),
         "limit_forward_only_rps": median(raw.get("limit_forward_only", [])),
         "limit_batch": raw.get("limit_batch"),
+        "limit_parts": raw.get("limit_parts"),
     }
 
 
@@ -139,8 +140,12 @@ def limit_note(pipe: dict[str, Any]) -> str:
 
 
 def _limit_batch(pipe: dict[str, Any]) -> str:
-    """`` [N=64]``: the batch size of the limit (see ``bench.pipeline_limits.LIMIT_BATCHES``); '' if unknown."""
-    return f" [N={pipe['limit_batch']}]" if pipe.get("limit_batch") else ""
+    """`` [N=64]``, or `` [N=64, 2 parts]``: the batch size of the limit (see
+    ``bench.pipeline_limits.LIMIT_BATCHES``) and the parts it ran in; '' if unknown."""
+    if not pipe.get("limit_batch"):
+        return ""
+    parts = pipe.get("limit_parts") or 1
+    return f" [N={pipe['limit_batch']}" + (f", {parts} parts]" if parts > 1 else "]")
 
 
 def _brackets(pipe: dict[str, Any]) -> str:

@@ -282,6 +282,8 @@ def test_the_limit_is_the_fastest_batch_size_so_no_batch_the_server_forms_beats_
     repeat's limit is the fastest of ``LIMIT_BATCHES``, and the run names the size that won. Here the
     timer is replaced by one that charges each forward pass a fixed cost, so the biggest batch wins
     whatever this machine's speed."""
+    import torch
+
     from bench import pipeline_limits
     from bench.server_proc import QuietGate
     from fillmask_server.loading import load_model
@@ -304,11 +306,61 @@ def test_the_limit_is_the_fastest_batch_size_so_no_batch_the_server_forms_beats_
     monkeypatch.setattr(model, "forward", counted)
     monkeypatch.setattr(pipeline_limits, "timed_rate", one_pass_per_forward_call)
     texts = [f"Paris is the [MASK] of France number {n}." for n in range(100)]
-    full, forward_only, size = pipeline_limits.limit_rates(model, texts, 2, QuietGate(0.0, 0.0))
-    assert size == 100  # 128 rows is more than the texts: all of them in one batch
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread: one pass only (parts: below)
+    full, forward_only, size, parts = pipeline_limits.limit_rates(model, texts, 2, QuietGate(0.0, 0.0))
+    assert size == 100 and parts == 1  # 128 rows is more than the texts: all of them in one batch
     assert full == [100.0, 100.0] and forward_only == [100.0, 100.0]
-    full, _, size = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(32, 64))
-    assert size == 64 and full == [50.0]
+    full, _, size, parts = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(32, 64))
+    assert size == 64 and parts == 1 and full == [50.0]
+
+
+def test_the_limit_also_times_each_batch_size_in_parts_as_the_server_can_run_it(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server may run a batch in two parts side by side (``--forward-parts``), so the limit times that
+    layout too and names it when it wins; the answers it decodes are each part's own. A timer that
+    counts only the passes on the calling thread, and charges a batch whole twice, makes parts win
+    here whatever this machine's speed."""
+    import torch
+
+    from bench import pipeline_limits
+    from bench.server_proc import QuietGate
+    from fillmask_server import decode
+    from fillmask_server.loading import load_model
+
+    model = load_model(str(tiny_model_dir), "cpu")
+    here: list[int] = []  # rows of each pass on the calling thread
+    helper = 0
+    forward = model.forward
+
+    def counted(items: Any) -> Any:
+        nonlocal helper
+        if threading.current_thread() is threading.main_thread():
+            here.append(len(items))
+        else:
+            helper += 1
+        return forward(items)
+
+    decoded: list[int] = []
+    runs: list[list[int]] = []  # each timed run's decoded indices
+
+    def charged(once: Any, count: int) -> float:
+        here.clear()
+        decoded.clear()
+        once()
+        runs.append(sorted(decoded))
+        return count / sum(2 if rows == 8 else 1 for rows in here)  # a whole batch of 8 costs two
+
+    predictions = decode.predictions_json
+    monkeypatch.setattr(decode, "predictions_json", lambda d, item, topk, n: decoded.append(n) or predictions(
+        d, item, topk, n))
+    monkeypatch.setattr(model, "forward", counted)
+    monkeypatch.setattr(pipeline_limits, "timed_rate", charged)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    texts = [f"Paris is the [MASK] of France number {n}." for n in range(8)]
+    full, _, size, parts = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(8,))
+    assert (size, parts) == (8, 2) and full == [8.0] and helper > 0
+    # One pass decodes texts 0-7 of its top-k; two parts, 0-3 of each part's own.
+    assert {tuple(run) for run in runs if run} == {(0, 0, 1, 1, 2, 2, 3, 3), tuple(range(8))}
 
 
 def test_the_sweep_names_the_flag_sets_ahead_of_the_defaults_on_both_throughput_and_p99() -> None:
