@@ -60,19 +60,19 @@ INPROCESS = r"""
 import json, sys, time
 import torch
 from fillmask_server.loading import load_model
-from fillmask_server.calibration import batch_items
+from fillmask_server.calibration import _LayoutTimer, batch_items
 model_dir, threads, shapes = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+parts = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 torch.set_num_threads(threads)
 model = load_model(model_dir, threads=threads)
 out = {}
-for rows, width in shapes:
-    items = batch_items(model, rows, width)
-    for _ in range(3):
-        model.forward(items)
-    times = []
-    for _ in range(7):
-        t = time.perf_counter(); model.forward(items); times.append((time.perf_counter() - t) * 1000)
-    out[f"{rows}x{width}"] = sorted(times)[len(times) // 2]
+with _LayoutTimer(model, [(threads, parts)]) as timer:  # as the engine runs a batch: whole, or in parts
+    for rows, width in shapes:
+        items = batch_items(model, rows, width)
+        for _ in range(3):
+            timer.time(items, (threads, parts))
+        times = sorted(timer.time(items, (threads, parts)) * 1000 for _ in range(7))
+        out[f"{rows}x{width}"] = times[len(times) // 2]
 print(json.dumps(out))
 """
 
@@ -102,8 +102,8 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
             open_rate = open_share * summary["throughput_rps"]
         if open_rate > 0:
             summary["open"] = await loadgen.open_loop(server.url, texts, 32, open_rate, warmup, duration)
-        threads = await hello_threads(server.url) if script == "ws_server.py" else 0  # (the seed has none)
-    summary["torch_threads"] = threads
+        threads, parts = await hello_threads(server.url) if script == "ws_server.py" else (0, 1)  # (the seed: none)
+    summary["torch_threads"], summary["forward_parts"] = threads, parts
     summary.setdefault("batch", {}).setdefault("mean_rows_per_batch", float("nan"))
     if keep_batches:
         per_batch: dict[tuple[int, int], list[float]] = defaultdict(list)
@@ -224,17 +224,28 @@ def flag_set(name: str) -> list[str]:
     return SWEEP[name] if name in SWEEP else shlex.split(name)
 
 
-async def hello_threads(url: str) -> int:
+async def hello_threads(url: str) -> tuple[int, int]:
+    """The server's torch threads and the parts a batch runs in (``hello.engine``)."""
     from websockets.asyncio.client import connect
 
     async with connect(url) as ws:
         hello = json.loads(await ws.recv())
-    return int(hello.get("engine", {}).get("torch_threads", 0))
+    engine = hello.get("engine", {})
+    return int(engine.get("torch_threads", 0)), int(engine.get("forward_parts", 1))
 
 
-def in_process(model_dir: Path, threads: int, shapes: list[tuple[int, int]]) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", INPROCESS, str(model_dir), str(threads), json.dumps(shapes)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
+def layouts(runs: list[dict[str, Any]]) -> str:
+    """The threads column: each repeat's layout, ``2`` or ``2 in 2 parts``, with a count where several
+    repeats ran it (the calibration may choose differently from one start to the next)."""
+    each = [f"{r['torch_threads']}" + (f" in {r['forward_parts']} parts" if r.get("forward_parts", 1) > 1 else "")
+            for r in runs]
+    return ", ".join(f"{layout} ×{each.count(layout)}" if len(each) > 1 else layout for layout in dict.fromkeys(each))
+
+
+def in_process(model_dir: Path, threads: int, shapes: list[tuple[int, int]], parts: int = 1) -> dict[str, float]:
+    """Median ms of a pass per shape in a fresh process, at ``threads`` torch threads in ``parts`` parts."""
+    done = subprocess.run([sys.executable, "-c", INPROCESS, str(model_dir), str(threads), json.dumps(shapes),
+                           str(parts)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -291,7 +302,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 batch = statistics.median(r["batch"]["mean_rows_per_batch"] for r in runs[name])
                 rows[name] = (rps, p50, p99)
                 print(f"| {name} | {rps:.1f} | {p50:.1f} | {p99:.1f} | {p99 / p50:.2f} | {batch:.1f} | "
-                      f"{runs[name][0]['torch_threads']} | {', '.join(f'{v:.0f}' for v in each_rps)} | "
+                      f"{layouts(runs[name])} | {', '.join(f'{v:.0f}' for v in each_rps)} | "
                       f"{', '.join(f'{v:.1f}' for v in each_p99)} |")
             swept = {name: value for name, value in rows.items() if name != SEED}
             best_rps = max(v[0] for v in swept.values())
@@ -308,8 +319,12 @@ async def main_async(args: argparse.Namespace) -> int:
             if shapes:
                 top = sorted(shapes, key=lambda k: -int(k.split("x")[0]))[:6]
                 threads = runs["defaults"][0]["torch_threads"] or 2
-                alone = in_process(model_dir, threads, [tuple(map(int, k.split("x"))) for k in top])  # type: ignore[misc]
-                print(f"\nforward pass per batch, server (inference_ms, median) vs in-process ({threads} threads):")
+                parts = runs["defaults"][0].get("forward_parts", 1)
+                alone = in_process(model_dir, threads, [tuple(map(int, k.split("x"))) for k in top],  # type: ignore[misc]
+                                   parts)
+                layout = f"{threads} threads" + (f" in {parts} parts" if parts > 1 else "")
+                print(f"\nforward pass per batch, server (inference_ms, median) vs in-process ({layout}, the first "
+                      "repeat's):")
                 print("| rows x width | server ms | in-process ms | ratio |")
                 print("|---|---|---|---|")
                 for key in top:

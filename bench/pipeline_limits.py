@@ -99,7 +99,7 @@ def timed_rate(call: Callable[[], None], count: int) -> float:
 
 def in_process_limit(model_dir: str, dtype: str, texts: list[str], repeats: int, gate: QuietGate
                      ) -> tuple[list[float], list[float], int, int]:
-    """req/s of the server's own work without sockets or threads (see the module docstring): with the
+    """req/s of the server's own work without sockets or stage threads (see the module docstring): with the
     decoding, and without it, one value per repeat each; and the batch size and parts that were fastest
     most often."""
     from fillmask_server.loading import load_model
@@ -127,13 +127,14 @@ def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate,
     sizes = tuple(dict.fromkeys(min(size, len(texts)) for size in sizes))  # a size above the texts is all of them
     threads = torch.get_num_threads()
     layouts = (1, 2) if model.device.type == "cpu" and threads >= 2 else (1,)
-    runner: PartRunner[Any] = PartRunner(1, max(1, threads // 2), torch.set_num_threads, name="limit-part")
+    runner: PartRunner[Any] | None = (PartRunner(1, threads // 2, torch.set_num_threads, name="limit-part")
+                                      if 2 in layouts else None)
 
     def forward(items: list[Item], parts: int) -> list[tuple[list[int], Any]]:
         cuts = split([len(item.input_ids) for item in items], parts)
-        if len(cuts) == 1:
+        if len(cuts) == 1 or runner is None:
             torch.set_num_threads(threads)
-            return [(cuts[0], model.forward(items))]
+            return [(list(range(len(items))), model.forward(items))]
         torch.set_num_threads(runner.threads_each)
         calls = [functools.partial(model.forward, [items[i] for i in cut]) for cut in cuts]
         return list(zip(cuts, runner.run(calls), strict=True))
@@ -165,7 +166,8 @@ def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate,
             full.append(rates[fastest[-1]])
             forward_only.append(max(run(*candidate, False) for candidate in candidates))
     finally:
-        runner.close()
+        if runner is not None:
+            runner.close()
         torch.set_num_threads(threads)
     size = max(sizes, key=lambda n: sum(won == n for won, _ in fastest))
     return full, forward_only, size, max(layouts, key=lambda p: fastest.count((size, p)))

@@ -55,7 +55,7 @@ from .costmodel import Coefficients, fit
 from .cpus import usable_cpus
 from .decode import SequenceDecoder, predictions_json
 from .diagnosis import first_line
-from .items import Item
+from .items import Item, TopK
 from .loading import on_a_thread_that_ends
 from .model import FillMaskModel
 from .parts import PartRunner, split
@@ -166,8 +166,10 @@ def part_layout(threads: int, parts: int) -> tuple[int, int]:
 
 def hand_layout(torch_threads: int, forward_parts: int) -> Calibration:
     """The layout the flags set (``--torch-threads``, ``--forward-parts``; 0: unset), and where it came
-    from. Parts without a thread count share the CPUs this process may use; a thread count without
-    parts runs in one pass. Torch's own default (one thread per core) is capped at those CPUs."""
+    from. Parts share the thread count, or without one the CPUs this process may use, each part an
+    equal share of at least one thread (``part_layout``: ``validate`` refuses fewer threads than parts,
+    and ``setting_warnings`` names a count the parts do not share evenly); a thread count without parts
+    runs in one pass. Torch's own default (one thread per core) is capped at those CPUs."""
     import torch
 
     if forward_parts > 1:
@@ -207,6 +209,8 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
 
     started = time.perf_counter()
     until = started + budget_s
+    on_cpu = model.device.type == "cpu"
+    forward_parts = forward_parts if on_cpu else 1  # (parts only share CPU cores)
     result = hand_layout(torch_threads, forward_parts)
     result.dtype = model.dtype
     decoder = SequenceDecoder(model.decode_tokenizer)
@@ -215,7 +219,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     else:
         candidates: list[Layout] = [(count, 1) for count in _thread_candidates()]
         cpus = max(count for count, _ in candidates)
-        if device == "cpu" and forward_parts == 0 and cpus > 1:
+        if on_cpu and forward_parts == 0 and cpus > 1:
             candidates += [(part_layout(cpus, parts)[0], parts) for parts in sorted({2, cpus})]
         if len(candidates) == 1:  # one usable CPU (a quota of one or less): one thread, nothing to time
             result.torch_threads = candidates[0][0]
@@ -252,12 +256,13 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             if len(batches) >= 3 and time.perf_counter() + MIN_THREAD_ROUNDS * (round_s + guess) > until:
                 break
             items = batches[rows, width] = batch_items(model, rows, width)
-            topk = model.forward(items)  # the first passes specialise the graph to the shape (``_warm``)
+            _, groups = timer.run(items, layout)  # the first passes specialise the graph to the shape (``_warm``)
             last_s, last_tokens = timer.time(items, layout), rows * width
             round_s += last_s
             clock = time.perf_counter()
-            for n, item in enumerate(items):
-                predictions_json(decoder, item, topk, n)
+            for cut, topk in groups:
+                for n, i in enumerate(cut):
+                    predictions_json(decoder, items[i], topk, n)
             decode_s += time.perf_counter() - clock
             decode_bytes += sum(intake.result_bound(model, list(item.input_ids), 1, TOP_K) for item in items)
         fastest = fastest_per_count(lambda shape: timer.time(batches[shape], layout),
@@ -325,21 +330,28 @@ class _LayoutTimer:
 
     def time(self, items: list[Item], layout: Layout) -> float:
         """Seconds of one pass over ``items`` in ``layout``."""
+        return self.run(items, layout)[0]
+
+    def run(self, items: list[Item], layout: Layout) -> tuple[float, list[tuple[list[int], TopK]]]:
+        """Seconds of one pass over ``items`` in ``layout``, and its top-k: (indices, top-k) per part."""
         threads, parts = layout
         cuts = split([len(item.input_ids) for item in items], parts)
         if len(cuts) == 1:
             _set_threads(threads)
             self.team = threads
-            return _time(self.model, items, 1)
+            clock = time.perf_counter()
+            topk = self.model.forward(items)
+            return time.perf_counter() - clock, [(cuts[0], topk)]
         runner = self.runners[parts]
-        _set_threads(runner.threads_each)
+        each = max(1, threads // len(cuts))  # (fewer texts than parts: they share all the threads)
+        _set_threads(each)
         calls = [functools.partial(self.model.forward, [items[i] for i in cut]) for cut in cuts]
-        if self.team > runner.threads_each:
-            runner.run(calls)
-        self.team = runner.threads_each
+        if self.team > each:
+            runner.run(calls, each)
+        self.team = each
         clock = time.perf_counter()
-        runner.run(calls)
-        return time.perf_counter() - clock
+        tops = runner.run(calls, each)
+        return time.perf_counter() - clock, list(zip(cuts, tops, strict=True))
 
 
 def _set_threads(count: int) -> None:

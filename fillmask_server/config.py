@@ -115,9 +115,10 @@ _HELP: dict[str, str] = {
                      "count), or torch's default (one per core, within the container's CPU quota) when "
                      "--calibration-s is 0",
     "forward_parts": "on a CPU, run each batch of several texts as this many parts side by side, each a forward "
-                     "pass on its share of the torch threads (the parts meet once a batch, not at every "
+                     "pass on an equal share of the torch threads (the parts meet once a batch, not at every "
                      "operator, so the server's other threads stall them less); 0 = measured at start-up with "
-                     "the thread count (1 when --torch-threads is set), 1 = one pass",
+                     "the thread count (one pass when --torch-threads is set, --calibration-s is 0, or on a "
+                     "GPU), 1 = one pass",
     "calibration_s": "time budget for the start-up calibration: the torch thread count, the cost model's first "
                      "coefficients, and for --dtype bfloat16/float16/int8 its speed against float32 (a warning "
                      "when slower); 0 = skip it (the cost model then starts from CPU defaults and learns online)",
@@ -335,8 +336,12 @@ def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
                      f"{cpus}, or 0 to measure")
     if config.forward_parts > cpus:
         lines.append(f"warning: --forward-parts {config.forward_parts} is more than the {_cpus(cpus)} this process may "
-                     "use, and each part is a thread of its own: use at most "
-                     f"{cpus}, or 0 to measure")
+                     f"use, and each part is a thread of its own: use at most {cpus}")
+    threads = config.torch_threads or cpus
+    if config.forward_parts > 1 and threads % config.forward_parts and config.forward_parts <= threads:
+        used = threads // config.forward_parts * config.forward_parts
+        lines.append(f"warning: {config.forward_parts} forward parts share {threads} torch threads in equal shares: "
+                     f"{used} of them run ({threads // config.forward_parts} a part)")
     return lines
 
 
@@ -413,6 +418,9 @@ def validate(config: Config) -> str | None:
         return (f"--torch-threads {config.torch_threads} is far more than the {_cpus(cpus)} this process may use "
                 f"(the most accepted is {MAX_THREADS_PER_CPU * cpus}); threads beyond the CPUs only slow the "
                 f"forward pass: use at most {cpus}, or 0 to measure")
+    if config.torch_threads and config.forward_parts > config.torch_threads:
+        return (f"--forward-parts {config.forward_parts} needs at least as many --torch-threads (one a part), "
+                f"not {config.torch_threads}: give the parts more threads, or fewer parts")
     if config.forward_parts > MAX_THREADS_PER_CPU * cpus:
         return (f"--forward-parts {config.forward_parts} is far more than the {_cpus(cpus)} this process may use "
                 f"(the most accepted is {MAX_THREADS_PER_CPU * cpus}); each part is a thread of its own: use at "

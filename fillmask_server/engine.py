@@ -8,12 +8,14 @@
   only requests that can run.
 - **Model thread** (``fillmask-model``): asks the core for the next batch (or takes the one the other
   stages chose for it while it ran the last, ``_prepare_locked``) and runs the forward pass
-  (``FillMaskModel.forward``, one call into torch): token ids in, top-k tensors out, at the torch thread count the core
-  gives it (``FillMaskModel.set_threads``, called on this thread, which runs every forward pass; then
+  (``FillMaskModel.forward``, one call into torch): token ids in, top-k tensors out, at the torch thread
+  count the core gives it (``FillMaskModel.set_threads``, called on this thread, which runs every
+  forward pass but a batch's other parts; then
   ``on_threads``, e.g. the server's switch interval for that count). With ``forward_parts`` above 1
-  (CPU), a batch of several items runs as that many parts side by side (``parts.py``): the first on
-  this thread, the others on helper threads (``fillmask-part-N``) that run only the model, each part
-  at ``part_threads`` torch threads; a batch of one item runs whole, at all the parts' threads.
+  (CPU), a batch of several items runs as up to that many parts side by side (``parts.py``): the first
+  on this thread, the others on helper threads (``fillmask-part-N``) that run only the model, the
+  parts sharing all their threads (``part_threads`` each when the batch fills every part); a batch of
+  one item runs whole, on all of them.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -113,7 +115,9 @@ class Engine:
                  threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None,
                  forward_parts: int = 1, part_threads: int = 1) -> None:
         self.model = model
-        self.forward_parts = forward_parts
+        if threads is not None and forward_parts > 1:
+            raise ValueError("the thread tuner measures one pass: give it or forward_parts > 1, not both")
+        self.forward_parts = forward_parts if model.device.type == "cpu" else 1  # (parts only share CPU cores)
         self._part_threads = part_threads
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
@@ -350,12 +354,9 @@ class Engine:
         runner = self._runner
         parts = split([len(item.input_ids) for item in items], runner.parts) if runner is not None else [
             list(range(len(items)))]
-        if runner is not None:  # each part on its own team; a batch that stays whole, on all of them
-            count = runner.threads_each * (1 if len(parts) > 1 else runner.parts)
-            if count != self._threads_set:
-                self.model.set_threads(count)
-                self._threads_set = count
-        elif threads and threads != self._threads_set:
+        if runner is not None:  # all the parts' threads, shared by as many parts as the batch gives
+            threads = max(1, runner.threads_each * runner.parts // len(parts))
+        if threads and threads != self._threads_set:
             self.model.set_threads(threads)
             self._threads_set = threads
             if self._on_threads is not None:
@@ -363,7 +364,7 @@ class Engine:
         if runner is None or len(parts) == 1:
             groups, failed_items = self._forward_all(items, parts[0])
         else:
-            done = runner.run([functools.partial(self._forward_all, items, part) for part in parts])
+            done = runner.run([functools.partial(self._forward_all, items, part) for part in parts], threads)
             groups = [group for part_groups, _ in done for group in part_groups]
             failed_items = [i for _, part_failed in done for i in part_failed]
         passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass

@@ -352,8 +352,10 @@ class FillMaskModel:
         return out
 
     def set_threads(self, count: int) -> None:
-        """Run the later forward passes on ``count`` torch intra-op threads. The model thread calls it,
-        between batches; torch's count is the process's, so threads that start later take it too."""
+        """Run the calling thread's later forward passes on ``count`` torch intra-op threads. The model
+        thread calls it between batches, and a part's helper thread (``parts.py``) before a part at
+        another count. Torch keeps a count per thread, and sets the process's too, which a thread
+        takes at its first parallel operator: threads that start later take this one."""
         import torch
 
         torch.set_num_threads(count)

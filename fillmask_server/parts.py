@@ -12,22 +12,26 @@ both (``calibration.py``); ``--forward-parts`` sets it by hand.
 
 ``split`` decides how a batch is cut (pure); ``PartRunner`` runs the parts. The invariants:
 
-- a part is never empty, and the parts together are the batch's items, each once, in order;
+- for a batch of one item or more, a part is never empty, and the parts together are the batch's
+  items, each once, in order;
 - ``PartRunner.run`` returns only when every part has finished, with their results in part order,
   or raises the first part's exception (in part order) once every part has finished: no part of a
   batch still runs when the next batch starts, and the caller sees each failure it does not handle;
+  a helper thread that ends some other way makes every later ``run`` raise, never wait for it;
 - each helper thread runs only the callables ``run`` gives it (the model, and nothing else), and
-  sets its own torch thread count before each part (``set_threads``: a thread's count is its own
-  once its first parallel operator has run).
+  sets its own torch thread count to the run's whenever it differs from the last one it set
+  (``set_threads``: a thread's count is its own once its first parallel operator has run).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 def split(lengths: Sequence[int], parts: int) -> list[list[int]]:
@@ -56,7 +60,8 @@ def split(lengths: Sequence[int], parts: int) -> list[list[int]]:
 
 class PartRunner(Generic[R]):
     """Runs parts of a batch side by side: the first on the calling thread, the others on ``helpers``
-    threads of their own, each part at ``threads_each`` torch threads (see the module docstring)."""
+    threads of their own, each part at the run's torch thread count (``threads_each`` unless the run
+    says otherwise; see the module docstring)."""
 
     def __init__(self, helpers: int, threads_each: int, set_threads: Callable[[int], None],
                  name: str = "fillmask-part", on_start: Callable[[str], None] | None = None) -> None:
@@ -65,9 +70,10 @@ class PartRunner(Generic[R]):
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._done = threading.Condition(self._lock)
-        self._work: list[Callable[[], R] | None] = [None] * helpers
+        self._work: list[tuple[Callable[[], R], int] | None] = [None] * helpers
         self._results: list[tuple[bool, R | BaseException] | None] = [None] * helpers
         self._closed = False
+        self._broken: str | None = None  # why a helper ended other than by ``close``
         self._on_start = on_start
         self._threads = [threading.Thread(target=self._serve, args=(n,), name=f"{name}-{n + 1}", daemon=True)
                          for n in range(helpers)]
@@ -79,17 +85,20 @@ class PartRunner(Generic[R]):
         """The most parts one ``run`` takes: the calling thread's and one per helper."""
         return len(self._threads) + 1
 
-    def run(self, parts: Sequence[Callable[[], R]]) -> list[R]:
+    def run(self, parts: Sequence[Callable[[], R]], threads: int = 0) -> list[R]:
         """Each of ``parts`` called once, the first on this thread (at the caller's torch thread count:
-        set it first), the others on the helpers; their results in order (see the invariants)."""
+        set it first), the others on the helpers at ``threads`` each (0: ``threads_each``); their
+        results in order (see the invariants)."""
         if not 1 <= len(parts) <= self.parts:
             raise ValueError(f"{len(parts)} parts for a runner of {self.parts}")
         with self._lock:
             if self._closed:
                 raise RuntimeError("the part runner is closed")
+            if self._broken is not None:
+                raise RuntimeError(self._broken)
             for n, part in enumerate(parts[1:]):
                 self._results[n] = None
-                self._work[n] = part
+                self._work[n] = (part, threads or self.threads_each)
             self._wake.notify_all()
         first: tuple[bool, R | BaseException]
         try:
@@ -97,8 +106,10 @@ class PartRunner(Generic[R]):
         except BaseException as exc:  # the helpers' parts must end before anything is raised
             first = (False, exc)
         with self._lock:
-            while any(result is None for result in self._results[:len(parts) - 1]):
+            while self._broken is None and any(result is None for result in self._results[:len(parts) - 1]):
                 self._done.wait()
+            if self._broken is not None:
+                raise RuntimeError(self._broken)
             outcomes = [first, *self._results[:len(parts) - 1]]
             self._results = [None] * len(self._results)
         for ok, value in outcomes:
@@ -107,8 +118,8 @@ class PartRunner(Generic[R]):
         return [value for _, value in outcomes]  # type: ignore[misc]
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the helpers (after the part they run, if any) and wait for them: afterwards none of
-        them touches the model."""
+        """Stop the helpers (after the part they run or were handed, if any, so that a ``run`` under
+        way still returns) and wait for them: afterwards none of them touches the model."""
         with self._lock:
             self._closed = True
             self._wake.notify_all()
@@ -121,6 +132,15 @@ class PartRunner(Generic[R]):
         return not any(thread.is_alive() for thread in self._threads)
 
     def _serve(self, n: int) -> None:
+        try:
+            self._serve_parts(n)
+        except BaseException as exc:  # (its part's own failures are results: this is the loop's)
+            log.error("a helper thread of the forward pass's parts ended", exc_info=exc)
+            with self._lock:
+                self._broken = f"a helper thread of the forward pass's parts ended ({type(exc).__name__}: {exc})"
+                self._done.notify_all()
+
+    def _serve_parts(self, n: int) -> None:
         if self._on_start is not None:
             self._on_start(threading.current_thread().name)
         threads_set = 0
@@ -128,16 +148,16 @@ class PartRunner(Generic[R]):
             with self._lock:
                 while self._work[n] is None and not self._closed:
                     self._wake.wait()
-                if self._closed:
+                work = self._work[n]
+                if work is None:  # closed, and no part handed over: a part handed over always runs
                     return
-                part = self._work[n]
                 self._work[n] = None
-            assert part is not None
+            part, threads = work
             result: tuple[bool, R | BaseException]
             try:
-                if threads_set != self.threads_each:
-                    self._set_threads(self.threads_each)
-                    threads_set = self.threads_each
+                if threads_set != threads:
+                    self._set_threads(threads)
+                    threads_set = threads
                 result = (True, part())
             except BaseException as exc:
                 result = (False, exc)

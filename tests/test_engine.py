@@ -585,3 +585,50 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
         assert (flagged.torch_threads, flagged.forward_parts, flagged.part_threads) == (2, 2, 1)
         assert flagged.threads_from == "flag" and not flagged.threads_ms and not flagged.parts_ms
     assert by_flag.line().startswith("calibrated in") and "torch threads 2 in 2 parts of 1 (flag)" in by_flag.line()
+
+
+def test_a_batch_with_fewer_texts_than_parts_shares_all_the_threads_between_them(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four parts of one thread: a batch of two texts runs as two parts of two threads each, not two of
+    one with two cores idle. (More threads than this machine's CPUs are fine for this check.)"""
+    import torch
+
+    counts: list[tuple[str, int]] = []
+    forward = model.forward
+
+    def recording(items: list[Item]) -> object:
+        counts.append((threading.current_thread().name, torch.get_num_threads()))
+        return forward(items)
+
+    monkeypatch.setattr(model, "forward", recording)
+    before = torch.get_num_threads()
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector,
+                    forward_parts=4, part_threads=1)
+    engine.start()
+    try:
+        with engine.paused():
+            engine.submit(job(0, "a [MASK] b"))
+            engine.submit(job(1, "c [MASK] d"))
+            wait_runnable(engine, 2)
+        assert all(isinstance(outcome, Result) for outcome in collector.wait_for(2).values())
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert sorted(counts) == [("fillmask-model", 2), ("fillmask-part-1", 2)]
+
+
+def test_the_thread_tuner_and_parts_are_never_given_together(model: FillMaskModel, collector: Collector) -> None:
+    """The tuner measures one pass; a server whose calibration chose parts runs without it."""
+    from fillmask_server.calibration import Calibration
+    from fillmask_server.config import Config
+    from fillmask_server.server import FillMaskServer
+
+    with pytest.raises(ValueError, match="not both"):
+        Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector,
+               threads=ThreadTuner([1, 2], 2, time.monotonic()), forward_parts=2)
+    for parts in (1, 2):
+        chosen = Calibration(2, "calibration", threads_ms={1: 8.0, 2: 6.0}, forward_parts=parts,
+                             parts_ms={2: 5.9})
+        server = FillMaskServer(Config(model="tiny"), model, chosen)
+        assert server.engine.forward_parts == parts
+        assert (server.engine.core.threads is None) == (parts == 2)

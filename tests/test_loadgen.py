@@ -306,12 +306,16 @@ def test_the_limit_is_the_fastest_batch_size_so_no_batch_the_server_forms_beats_
     monkeypatch.setattr(model, "forward", counted)
     monkeypatch.setattr(pipeline_limits, "timed_rate", one_pass_per_forward_call)
     texts = [f"Paris is the [MASK] of France number {n}." for n in range(100)]
+    before = torch.get_num_threads()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread: one pass only (parts: below)
-    full, forward_only, size, parts = pipeline_limits.limit_rates(model, texts, 2, QuietGate(0.0, 0.0))
-    assert size == 100 and parts == 1  # 128 rows is more than the texts: all of them in one batch
-    assert full == [100.0, 100.0] and forward_only == [100.0, 100.0]
-    full, _, size, parts = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(32, 64))
-    assert size == 64 and parts == 1 and full == [50.0]
+    try:
+        full, forward_only, size, parts = pipeline_limits.limit_rates(model, texts, 2, QuietGate(0.0, 0.0))
+        assert size == 100 and parts == 1  # 128 rows is more than the texts: all of them in one batch
+        assert full == [100.0, 100.0] and forward_only == [100.0, 100.0]
+        full, _, size, parts = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(32, 64))
+        assert size == 64 and parts == 1 and full == [50.0]
+    finally:
+        torch.set_num_threads(before)  # (the limit leaves the count it found, here the fake one)
 
 
 def test_the_limit_also_times_each_batch_size_in_parts_as_the_server_can_run_it(
@@ -355,9 +359,13 @@ def test_the_limit_also_times_each_batch_size_in_parts_as_the_server_can_run_it(
         d, item, topk, n))
     monkeypatch.setattr(model, "forward", counted)
     monkeypatch.setattr(pipeline_limits, "timed_rate", charged)
+    before = torch.get_num_threads()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     texts = [f"Paris is the [MASK] of France number {n}." for n in range(8)]
-    full, _, size, parts = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(8,))
+    try:
+        full, _, size, parts = pipeline_limits.limit_rates(model, texts, 1, QuietGate(0.0, 0.0), sizes=(8,))
+    finally:
+        torch.set_num_threads(before)
     assert (size, parts) == (8, 2) and full == [8.0] and helper > 0
     # One pass decodes texts 0-7 of its top-k; two parts, 0-3 of each part's own.
     assert {tuple(run) for run in runs if run} == {(0, 0, 1, 1, 2, 2, 3, 3), tuple(range(8))}
@@ -715,7 +723,8 @@ async def test_the_sweep_keeps_each_measurement_with_its_flag_set_whatever_the_o
         ran.append(name)
         rps = rps_of.get(name, 0.0) + sum(1 for done in ran if done == name)  # each repeat's figure differs
         summary: dict[str, Any] = {"throughput_rps": rps, "latency_ms": {"p50": 1000 / rps, "p99": 2000 / rps},
-                                   "batch": {"mean_rows_per_batch": 1.0}, "torch_threads": 2}
+                                   "batch": {"mean_rows_per_batch": 1.0}, "torch_threads": 2,
+                                   "forward_parts": 2 if ran.count(name) == 1 and name == "defaults" else 1}
         if open_share or open_rate:
             summary["open"] = {"rate_rps": open_rate or open_share * rps, "latency_ms": {"p99": 10.0}}
         return summary
@@ -731,6 +740,9 @@ async def test_the_sweep_keeps_each_measurement_with_its_flag_set_whatever_the_o
     assert [(row[0], row[1], row[-2]) for row in rows] == [
         ("| defaults", "101.5", "101, 102"), ("| --torch-threads 1", "201.5", "201, 202"),
         (f"| {adaptive.SEED}", "51.5", "51, 52")]
+    # Each repeat's layout (the calibration may choose another at each start): here the defaults' first
+    # start ran its batches in two parts, the second in one pass.
+    assert [row[6] for row in rows] == ["2 in 2 parts ×1, 2 ×1", "2 ×2", "2 ×2"]
 
 
 async def test_the_tail_counts_the_closed_loops_window_not_the_end_of_its_warm_up(

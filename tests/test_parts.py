@@ -87,3 +87,61 @@ def test_a_failing_part_is_raised_only_after_every_part_has_finished() -> None:
         runner.close()
     with pytest.raises(RuntimeError, match="closed"):
         runner.run([lambda: "late"])
+
+
+def test_a_runner_closed_while_a_batch_runs_still_finishes_that_batch() -> None:
+    """``Engine.stop`` may close the runner while the model thread is inside ``run`` (it joins that
+    thread for a while first): each part handed over still runs, so that ``run`` returns. The helper
+    is held at its start until the runner is closed, so its part is handed over before it looks."""
+    go = threading.Event()
+    runner: PartRunner[str] = PartRunner(1, 1, lambda count: None, on_start=lambda name: go.wait(10))
+    results: list[list[str]] = []
+
+    def first() -> str:
+        runner.close(timeout=0)  # closed with the helper's part handed over and not yet taken
+        go.set()
+        return "first"
+
+    caller = threading.Thread(target=lambda: results.append(runner.run([first, lambda: "second"])))
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), "run never returned: the helper left its part"
+    assert results == [["first", "second"]]
+    runner.close()
+    assert runner.ended
+
+
+def test_a_helper_that_dies_makes_runs_fail_instead_of_waiting_for_it() -> None:
+    def crash(name: str) -> None:
+        raise RuntimeError("this helper could not start")
+
+    runner: PartRunner[str] = PartRunner(1, 1, lambda count: None, on_start=crash)
+    results: list[object] = []
+
+    def call() -> None:
+        try:
+            results.append(runner.run([lambda: "first", lambda: "second"]))
+        except RuntimeError as exc:
+            results.append(str(exc))
+
+    for _ in range(2):  # the run under way when it dies (or the next), and every later one
+        caller = threading.Thread(target=call)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), "run waited for a dead helper"
+    assert results == ["a helper thread of the forward pass's parts ended (RuntimeError: this helper could not "
+                       "start)"] * 2
+    runner.close()
+
+
+def test_each_run_may_give_its_parts_another_thread_count() -> None:
+    counts: list[int] = []
+    runner: PartRunner[int] = PartRunner(1, 1, counts.append)
+    try:
+        runner.run([lambda: 0, lambda: 1])
+        runner.run([lambda: 0, lambda: 1], threads=2)
+        runner.run([lambda: 0, lambda: 1], threads=2)
+        runner.run([lambda: 0, lambda: 1])
+    finally:
+        runner.close()
+    assert counts == [1, 2, 1]  # set on the helper only when the count changes

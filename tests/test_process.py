@@ -217,6 +217,25 @@ def test_more_torch_threads_than_cpus_get_a_warning_and_far_more_name_the_most_a
     assert validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus)) is None
 
 
+def test_forward_parts_beyond_the_cpus_or_their_threads_are_named_and_far_beyond_refused() -> None:
+    """``--forward-parts``: each part is a thread of its own with an equal share of ``--torch-threads``
+    (or of the CPUs): more parts than CPUs is a warning, more than threads (one a part) or than four per
+    CPU is refused, and a thread count the parts cannot share evenly says how many run."""
+    assert setting_warnings(Config(forward_parts=2), cpus=2) == setting_warnings(Config(forward_parts=1), cpus=2) == []
+    (warned,) = setting_warnings(Config(forward_parts=3), cpus=2)
+    assert warned.startswith("warning: --forward-parts 3 is more than the 2 CPUs") and "use at most 2" in warned
+    (uneven,) = setting_warnings(Config(torch_threads=3, forward_parts=2), cpus=4)
+    assert uneven == "warning: 2 forward parts share 3 torch threads in equal shares: 2 of them run (1 a part)"
+    problem = validate(Config(torch_threads=1, forward_parts=2))
+    assert problem == ("--forward-parts 2 needs at least as many --torch-threads (one a part), not 1: give the parts "
+                       "more threads, or fewer parts")
+    assert validate(Config(torch_threads=2, forward_parts=2)) is None and validate(Config(forward_parts=2)) is None
+    cpus = usable_cpus()
+    problem = validate(Config(forward_parts=MAX_THREADS_PER_CPU * cpus + 1))
+    assert problem is not None and f"the most accepted is {MAX_THREADS_PER_CPU * cpus}" in problem
+    assert validate(Config(forward_parts=-1)) == "--forward-parts must not be negative"
+
+
 def test_the_settings_checks_count_the_cpus_within_a_container_quota_as_the_calibration_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The settings' checks counted the CPUs by affinity alone, while the calibration read the cgroup's
