@@ -284,7 +284,7 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "## In-process: `pipeline(texts, batch_size=N)` and the in-process limit, req/s, median of repeats",
         "",
-        "*limit*: the server's own code without sockets or threads (texts sorted by length, in batches of N "
+        "*limit*: the server's own code without sockets or stage threads (texts sorted by length, in batches of N "
         f"rows, the fastest N of {', '.join(map(str, LIMIT_BATCHES))} in each repeat (shown in brackets: the "
         "N that was fastest most often), one tokenizer call, one forward pass with the head at the masks, "
         "decoded to the pipeline's JSON), measured before the servers and again after them: the mean of the two "

@@ -491,7 +491,7 @@ def families_markdown(summary: dict[str, Any]) -> str:
         f"corpus (one mask; ESM: protein sequences of 8-14 residues). Server: `ws_server.py`, closed loop, "
         f"{summary['settings']['clients']} clients x K in flight (best K of {summary['settings']['in_flight']}). "
         f"Pipeline: `pipeline(list, batch_size=N)`, best N of {summary['settings']['pipeline_batch_sizes']}. "
-        "In-process limit: the server's own code without sockets or threads (`bench/pipeline_limits.py`), "
+        "In-process limit: the server's own code without sockets or stage threads (`bench/pipeline_limits.py`), "
         "measured right before the family's server and again right after it; the ratio uses the mean of the two "
         f"(⚠: they differ by more than {100 * report.LIMIT_DRIFT:.0f}%, the machine's speed moved). "
         f"{summary['settings']['repeats']} repeats; in each, a family's pipeline and limit were measured right "

@@ -3,12 +3,13 @@
 Three measurements, each a few forward passes of the loaded model on synthetic batches (the model's
 own tokens around its mask token), all within ``--calibration-s``:
 
-1. **Torch threads, and the forward pass in parts** (only when neither ``--torch-threads`` nor
-   ``--forward-parts`` above 1 is set: a flag the user sets wins): one batch timed at each candidate
-   *layout*: each count of threads in one pass (1, half the CPUs this process may use, all of them:
-   ``usable_cpus``, its CPU affinity within its container's CPU quota), and, on a CPU with two or
-   more, the batch in parts side by side on all of them (2 parts, and one per CPU: ``parts.py``;
-   not with ``--forward-parts 1``). The layouts are taken in
+1. **Torch threads, and the forward pass in parts** (a flag the user sets wins: nothing is timed with
+   ``--forward-parts`` above 1, and ``--torch-threads`` is the one count timed): one batch timed at
+   each candidate *layout*: each count of threads in one pass (1, half the CPUs this process may use,
+   all of them: ``usable_cpus``, its CPU affinity within its container's CPU quota; or the count
+   set), and, on a CPU with two threads or more, the batch in parts side by side on the most of them
+   (2 parts, and one a thread, where they divide evenly: ``parts.py``; not with
+   ``--forward-parts 1``). The layouts are taken in
    turn for ``THREAD_ROUNDS`` rounds (1, 2, 1, 2, ...; fewer, but at least ``MIN_THREAD_ROUNDS``, when
    they would take more than half the budget) and each count's fastest pass kept, so that a
    neighbour's passing burst of load (another replica starting beside this one) weighs on every count
@@ -82,7 +83,7 @@ class Calibration:
     """What the start-up calibration found; ``hello()`` is its part of ``hello.engine``."""
 
     torch_threads: int  # all the forward pass's threads: with parts, the parts' together
-    threads_from: str  # "flag", "calibration" or "default" (for the layout: threads and parts)
+    threads_from: str  # "flag", "calibration" or "default": the thread count's (parts: timed when in parts_ms)
     threads_ms: dict[int, float] = field(default_factory=dict)  # per candidate count in one pass: ms for THREAD_SHAPE
     forward_parts: int = 1  # the batch in this many parts side by side (``parts.py``), each on part_threads
     parts_ms: dict[int, float] = field(default_factory=dict)  # per candidate count of parts: ms for THREAD_SHAPE
@@ -214,14 +215,18 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     result = hand_layout(torch_threads, forward_parts)
     result.dtype = model.dtype
     decoder = SequenceDecoder(model.decode_tokenizer)
-    if torch_threads or forward_parts > 1:
+    if forward_parts > 1:
         torch.set_num_threads(result.torch_threads)
     else:
-        candidates: list[Layout] = [(count, 1) for count in _thread_candidates()]
-        cpus = max(count for count, _ in candidates)
-        if on_cpu and forward_parts == 0 and cpus > 1:
-            candidates += [(part_layout(cpus, parts)[0], parts) for parts in sorted({2, cpus})]
-        if len(candidates) == 1:  # one usable CPU (a quota of one or less): one thread, nothing to time
+        # The thread counts to time (a count the user set: that one alone), and the same threads in parts
+        # (2, and one a thread), each part an equal share.
+        counts = [torch_threads] if torch_threads else _thread_candidates()
+        candidates: list[Layout] = [(count, 1) for count in counts]
+        widest = max(counts)
+        if on_cpu and forward_parts == 0 and widest > 1:
+            candidates += [(widest, parts) for parts in sorted({2, widest}) if widest % parts == 0]
+        cpus = usable_cpus()
+        if len(candidates) == 1:  # one usable CPU (a quota of one or less), or one thread set: nothing to time
             result.torch_threads = candidates[0][0]
         else:
             items = batch_items(model, *THREAD_SHAPE)
@@ -239,8 +244,8 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
                                             lambda: time.perf_counter() < thread_until)
             result.threads_ms = {count: s * 1000 for (count, parts), s in fastest.items() if parts == 1}
             result.parts_ms = {parts: s * 1000 for (_, parts), s in fastest.items() if parts > 1}
-            result.torch_threads, result.forward_parts = choose_layout(fastest, len(items), beside, cpus)
-            result.threads_from = "calibration"
+            result.torch_threads, result.forward_parts = choose_layout(fastest, len(items), beside, max(cpus, widest))
+            result.threads_from = "flag" if torch_threads else "calibration"
         torch.set_num_threads(result.torch_threads)
     decode_s = 0.0
     decode_bytes = 0

@@ -117,8 +117,8 @@ _HELP: dict[str, str] = {
     "forward_parts": "on a CPU, run each batch of several texts as this many parts side by side, each a forward "
                      "pass on an equal share of the torch threads (the parts meet once a batch, not at every "
                      "operator, so the server's other threads stall them less); 0 = measured at start-up with "
-                     "the thread count (one pass when --torch-threads is set, --calibration-s is 0, or on a "
-                     "GPU), 1 = one pass",
+                     "the thread count, whether set or measured (one pass with --calibration-s 0 or on a GPU), "
+                     "1 = one pass",
     "calibration_s": "time budget for the start-up calibration: the torch thread count, the cost model's first "
                      "coefficients, and for --dtype bfloat16/float16/int8 its speed against float32 (a warning "
                      "when slower); 0 = skip it (the cost model then starts from CPU defaults and learns online)",

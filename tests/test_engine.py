@@ -559,8 +559,9 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
         model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """With two CPUs (as this machine kind has; set here, so that any machine runs it) the candidates are
     one and two threads in one pass and two threads in two parts; each is timed and reported in hello
-    and the start-up line. ``--forward-parts 1`` leaves parts out; ``--forward-parts 2`` alone is a flag
-    the user set: the parts share the usable CPUs, nothing is timed for them."""
+    and the start-up line. ``--forward-parts 1`` leaves parts out; ``--torch-threads 2`` is timed in
+    one pass and in parts; ``--forward-parts 2`` alone is a flag the user set: the parts share the
+    usable CPUs, nothing is timed for them."""
     import torch
 
     from fillmask_server import calibration
@@ -570,6 +571,7 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
     try:
         chosen = calibration.calibrate(model, 1.0)
         one_pass = calibration.calibrate(model, 1.0, forward_parts=1)
+        threads_set = calibration.calibrate(model, 1.0, torch_threads=2)
         by_flag = calibration.calibrate(model, 0.5, forward_parts=2)
         skipped = calibration.calibrate(model, 0.0, forward_parts=2)
     finally:
@@ -581,6 +583,9 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
     assert chosen.hello()["forward_parts"] == chosen.forward_parts
     assert "2 in 2 parts -> " in chosen.line() and chosen.line().count(chosen.layout_words()) == 1
     assert one_pass.forward_parts == 1 and not one_pass.parts_ms and sorted(one_pass.threads_ms) == [1, 2]
+    # A thread count the user set is the one count timed, in one pass and in parts; it stays the flag's.
+    assert list(threads_set.threads_ms) == [2] and list(threads_set.parts_ms) == [2]
+    assert threads_set.torch_threads == 2 and threads_set.threads_from == "flag" and threads_set.forward_parts in (1, 2)
     for flagged in (by_flag, skipped):
         assert (flagged.torch_threads, flagged.forward_parts, flagged.part_threads) == (2, 2, 1)
         assert flagged.threads_from == "flag" and not flagged.threads_ms and not flagged.parts_ms
