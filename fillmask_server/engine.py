@@ -380,17 +380,18 @@ class Engine:
                          "model while serving (tuning.py: a larger count must be faster, a smaller one as fast)",
                          in_use, self.core.threads.current, self.core.threads.current, WINS_TO_SWITCH)
             self._forwarding = False
+            # Counted before any of the batch's answers is handed over: whoever has an answer sees its batch.
+            stats = self.stats
+            stats.batches += 1
+            stats.rows += len(batch)
+            stats.failed += len(failed)
+            stats.busy_s += elapsed
+            stats.batch_sizes[len(batch)] = stats.batch_sizes.get(len(batch), 0) + 1
             batch_id = next(self._batch_ids)
             self._decoding.append(_Forwarded(batch, groups, batch_id, padded_tokens, elapsed * 1000))
             self._undecoded += 1
             self._hand_over_locked(failed)
             self._decode_wake.notify()
-        stats = self.stats
-        stats.batches += 1
-        stats.rows += len(batch)
-        stats.failed += len(failed)
-        stats.busy_s += elapsed
-        stats.batch_sizes[len(batch)] = stats.batch_sizes.get(len(batch), 0) + 1
 
     def _forward_all(self, items: list[Item], indices: list[int]) -> tuple[list[tuple[list[int], TopK]], list[int]]:
         """Top-k for ``indices`` of ``items``: (groups that succeeded, indices that failed alone).
