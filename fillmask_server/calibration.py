@@ -129,6 +129,12 @@ class Calibration:
             calibration["dtype_speed_vs_float32"] = float(f"{self.dtype_speed:.3g}")
         return {"torch_threads": self.torch_threads, "forward_parts": self.forward_parts, "calibration": calibration}
 
+    def layouts(self) -> list[tuple[int, int]]:
+        """The layouts timed, (all the threads, parts), the most preferred on a tie first (the fewer
+        threads, then the narrower team: ``choose_layout``'s order); the thread tuner's candidates."""
+        timed = [(n, 1) for n in self.threads_ms] + [(self._parts_threads(p), p) for p in self.parts_ms]
+        return sorted(timed, key=lambda layout: (layout[0], layout[0] // layout[1]))
+
     def _parts_threads(self, parts: int) -> int:
         """All the threads of the candidate layout of ``parts`` parts."""
         return part_layout(max(self.threads_ms, default=self.torch_threads), parts)[0]

@@ -70,6 +70,8 @@ from .tuning import WINS_TO_SWITCH, ThreadTuner
 
 __all__ = ["Engine", "EngineStats"]
 
+Layout = tuple[int, int]  # (all the forward pass's threads, parts)
+
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[list[Outcome]], None]
@@ -113,16 +115,21 @@ class Engine:
                  on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
                  memory: AnswerMemory | None = None, cost: CostModel | None = None,
                  threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None,
-                 forward_parts: int = 1, part_threads: int = 1) -> None:
+                 forward_parts: int = 1, part_threads: int = 1, layouts: list[Layout] | None = None) -> None:
         self.model = model
-        if threads is not None and forward_parts > 1:
-            raise ValueError("the thread tuner measures one pass: give it or forward_parts > 1, not both")
-        self.forward_parts = forward_parts if model.device.type == "cpu" else 1  # (parts only share CPU cores)
+        on_cpu = model.device.type == "cpu"
+        if threads is not None and forward_parts > 1 and layouts is None:
+            raise ValueError("a thread tuner with parts needs the layouts its candidates stand for")
+        # With ``layouts`` (CPU), the tuner's candidates are their ranks from 1: layouts[rank - 1] is
+        # (all the threads, parts) of the batches it gives that rank.
+        self._layouts = layouts if on_cpu and threads is not None else None
+        self._fixed_parts = forward_parts if on_cpu else 1  # (parts only share CPU cores)
         self._part_threads = part_threads
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads)
-        self._threads_set = threads.current if threads is not None else 0  # the model thread's count now
+        # The model thread's count now (0: unknown, set at the first batch).
+        self._threads_set = threads.current if threads is not None and self._layouts is None else 0
         self.policy = policy
         self.max_masks = max_masks
         self.max_result_bytes = max_result_bytes
@@ -155,9 +162,9 @@ class Engine:
     def start(self) -> None:
         self.alive = True
         self.started_at = self._clock()
-        if self.forward_parts > 1:
-            self._runner = PartRunner(self.forward_parts - 1, self._part_threads, self.model.set_threads,
-                                      on_start=name_os_thread)
+        most = max((parts for _, parts in self._layouts), default=1) if self._layouts else self._fixed_parts
+        if most > 1:
+            self._runner = PartRunner(most - 1, self._part_threads, self.model.set_threads, on_start=name_os_thread)
         for thread in self._threads:
             thread.start()
 
@@ -250,6 +257,20 @@ class Engine:
         if self._runner is not None:
             self._runner.close(timeout)
         self.alive = False
+
+    @property
+    def forward_parts(self) -> int:
+        """The parts a batch of several texts runs in now (1: one pass): the tuner's layout, or the fixed one."""
+        return self.layout(self.core.threads.current)[1] if self._layouts and self.core.threads else self._fixed_parts
+
+    def layout(self, threads: int) -> Layout:
+        """(all the threads, parts) of a batch the core gives ``threads``: with ``layouts``, its rank's;
+        else that count (0: as they are) in the fixed layout."""
+        if self._layouts is not None and threads:
+            return self._layouts[threads - 1]
+        if self._fixed_parts > 1:
+            return self._part_threads * self._fixed_parts, self._fixed_parts
+        return threads, 1
 
     @property
     def ended(self) -> bool:
@@ -352,19 +373,19 @@ class Engine:
         ``threads`` torch threads (0: as they are); hand what succeeded to the decode stage."""
         items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
         runner = self._runner
-        parts = split([len(item.input_ids) for item in items], runner.parts) if runner is not None else [
-            list(range(len(items)))]
-        if runner is not None:  # all the parts' threads, shared by as many parts as the batch gives
-            threads = max(1, runner.threads_each * runner.parts // len(parts))
-        if threads and threads != self._threads_set:
-            self.model.set_threads(threads)
-            self._threads_set = threads
+        total, most = self.layout(threads)
+        parts = (split([len(item.input_ids) for item in items], most) if runner is not None and most > 1
+                 else [list(range(len(items)))])
+        count = max(1, total // len(parts)) if total else 0  # all the threads, shared by the parts the batch gives
+        if count and count != self._threads_set:
+            self.model.set_threads(count)
+            self._threads_set = count
             if self._on_threads is not None:
-                self._on_threads(threads)
+                self._on_threads(count)
         if runner is None or len(parts) == 1:
             groups, failed_items = self._forward_all(items, parts[0])
         else:
-            done = runner.run([functools.partial(self._forward_all, items, part) for part in parts], threads)
+            done = runner.run([functools.partial(self._forward_all, items, part) for part in parts], count)
             groups = [group for part_groups, _ in done for group in part_groups]
             failed_items = [i for _, part_failed in done for i in part_failed]
         passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass
@@ -376,9 +397,10 @@ class Engine:
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
                                                   passes=passes, threads=threads)
             if self.core.threads is not None and self.core.threads.current != in_use:
-                log.info("torch threads %d -> %d: batches at %d threads won %d probes in a row against the cost "
-                         "model while serving (tuning.py: a larger count must be faster, a smaller one as fast)",
-                         in_use, self.core.threads.current, self.core.threads.current, WINS_TO_SWITCH)
+                now_in_use = self.core.threads.current
+                log.info("torch threads %s -> %s: batches so won %d probes in a row against the cost model while "
+                         "serving (tuning.py: a larger count, or a wider team, must be faster; a smaller one as "
+                         "fast)", self._words(in_use), self._words(now_in_use), WINS_TO_SWITCH)
             self._forwarding = False
             # Counted before any of the batch's answers is handed over: whoever has an answer sees its batch.
             stats = self.stats
@@ -392,6 +414,11 @@ class Engine:
             self._undecoded += 1
             self._hand_over_locked(failed)
             self._decode_wake.notify()
+
+    def _words(self, threads: int) -> str:
+        """``2`` or ``2 in 2 parts``: the layout of the tuner's ``threads``, for the log."""
+        total, parts = self.layout(threads)
+        return f"{total}" + (f" in {parts} parts" if parts > 1 else "")
 
     def _forward_all(self, items: list[Item], indices: list[int]) -> tuple[list[tuple[list[int], TopK]], list[int]]:
         """Top-k for ``indices`` of ``items``: (groups that succeeded, indices that failed alone).

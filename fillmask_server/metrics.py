@@ -82,7 +82,7 @@ class _CostModelCollector:
     fitted cost model (costmodel.Coefficients) and the batch caps (rows, tokens), as they are now."""
 
     def __init__(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
-                 caps: Callable[[], tuple[int, int]], forward_parts: int = 1) -> None:
+                 caps: Callable[[], tuple[int, int]], forward_parts: Callable[[], int] = lambda: 1) -> None:
         self._threads = torch_threads
         self._parts = forward_parts
         self._coefficients = coefficients
@@ -100,8 +100,8 @@ class _CostModelCollector:
                                     value=self._threads() if coefficients else None)
         parts = GaugeMetricFamily("fillmask_forward_parts", "Parts side by side that a batch of several texts "
                                   "runs in, each on its share of the torch threads (--forward-parts, or measured "
-                                  "by the start-up calibration); 1: one forward pass.",
-                                  value=self._parts if coefficients else None)
+                                  "by the start-up calibration and again while serving); 1: one forward pass.",
+                                  value=self._parts() if coefficients else None)
         terms = GaugeMetricFamily("fillmask_cost_model_seconds", "The engine's fitted cost model: seconds per "
                                   "batch (overhead), per padded token, per row and per byte of answer bound.",
                                   labels=["term"])
@@ -186,7 +186,8 @@ class Metrics:
               "what start-up made, frozen before serving.", registry=registry).set_function(frozen_objects)
 
     def engine_calibration(self, torch_threads: Callable[[], int], coefficients: Callable[[], Coefficients],
-                           caps: Callable[[], tuple[int, int]], forward_parts: int = 1) -> None:
+                           caps: Callable[[], tuple[int, int]], forward_parts: Callable[[], int] = lambda: 1
+                           ) -> None:
         """Export the torch thread count, the parts a batch runs in, the cost model's current coefficients
         and the batch caps (read at scrape time)."""
         self.registry.register(_CostModelCollector(torch_threads, coefficients, caps, forward_parts))

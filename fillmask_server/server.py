@@ -169,20 +169,24 @@ class FillMaskServer:
                               unsent=lambda session: session.peer.pending_bytes,
                               unsent_total=lambda: self.unsent.total)
         calibration = self.calibration
-        # The count is measured again while serving only in one pass: parts meet once a batch, so a
-        # neighbour that preempts one of them does not stall every operator (tuning.py's reason).
-        parts = calibration.forward_parts if model.device.type == "cpu" else 1
-        tuner = (ThreadTuner(list(calibration.threads_ms), calibration.torch_threads, time.monotonic())
-                 if calibration.threads_from == "calibration" and model.device.type == "cpu" and parts == 1
-                 else None)
+        # The layout the calibration chose is measured again while serving (tuning.py): the tuner's
+        # candidates are the layouts it timed, by rank from 1 (the most preferred on a tie first).
+        on_cpu = model.device.type == "cpu"
+        parts = calibration.forward_parts if on_cpu else 1
+        layouts = calibration.layouts() if calibration.threads_from == "calibration" and on_cpu else []
+        tuner = (ThreadTuner(list(range(1, len(layouts) + 1)),
+                             layouts.index((calibration.torch_threads, parts)) + 1, time.monotonic())
+                 if len(layouts) > 1 else None)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
                              cost=cost, threads=tuner, on_threads=self._follow_thread_count,
-                             forward_parts=parts, part_threads=calibration.part_threads)
+                             forward_parts=parts, part_threads=calibration.part_threads,
+                             layouts=layouts if tuner is not None else None)
         self._switch_before: float | None = None  # the process's switch interval before start() set it
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
-                                        lambda: (policy.max_batch_size, policy.max_batch_tokens), parts)
-        self._hello_threads = self._torch_threads()
+                                        lambda: (policy.max_batch_size, policy.max_batch_tokens),
+                                        lambda: self.engine.forward_parts)
+        self._hello_layout = self._layout_now()
         self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
             "max_batch_size": policy.max_batch_size,
             "max_batch_tokens": policy.max_batch_tokens,
@@ -316,27 +320,36 @@ class FillMaskServer:
 
     # --- WebSocket --------------------------------------------------------------------------------
 
-    def _torch_threads(self) -> int:
-        """The torch thread count in use now: the calibration's, or the count the engine switched to.
-        Read without the engine's lock (from the event loop and /metrics scrapes): one integer, written
-        only by the model thread under that lock, so a read sees the count before or after a switch."""
+    def _layout_now(self) -> tuple[int, int]:
+        """(torch threads, parts) in use now: the calibration's, or the layout the engine switched to.
+        Read without the engine's lock (from the event loop and /metrics scrapes): the tuner's current
+        candidate is one integer, written only by the model thread under that lock, so a read sees the
+        layout before or after a switch."""
         tuner = self.engine.core.threads
-        return tuner.current if tuner is not None else self.calibration.torch_threads
+        if tuner is None:
+            return self.calibration.torch_threads, self.engine.forward_parts
+        return self.engine.layout(tuner.current)
+
+    def _torch_threads(self) -> int:
+        """The torch thread count in use now (with parts, all the parts' together)."""
+        return self._layout_now()[0]
 
     def _team_threads(self) -> int:
         """The threads of one OpenMP team now: each part's with parts, else all of them."""
-        return self.calibration.part_threads if self.engine.forward_parts > 1 else self._torch_threads()
+        threads, parts = self._layout_now()
+        return max(1, threads // parts)
 
     def _encode_hello(self) -> bytes:
-        engine = {**self.model.engine_facts(), **self.calibration.hello(), "torch_threads": self._hello_threads,
-                  "forward_parts": self.engine.forward_parts}
+        threads, parts = self._hello_layout
+        engine = {**self.model.engine_facts(), **self.calibration.hello(), "torch_threads": threads,
+                  "forward_parts": parts}
         return encode_hello(*self._hello_args, engine)
 
     def _current_hello(self) -> bytes:
-        """The hello frame, encoded again only when the thread count changed since the last one."""
-        threads = self._torch_threads()
-        if threads != self._hello_threads:
-            self._hello_threads = threads
+        """The hello frame, encoded again only when the layout changed since the last one."""
+        layout = self._layout_now()
+        if layout != self._hello_layout:
+            self._hello_layout = layout
             self._hello = self._encode_hello()
         return self._hello
 

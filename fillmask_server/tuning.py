@@ -6,9 +6,12 @@ another tenant) that starts, stops, or was busy during the calibration itself. T
 start together on two cores each measure two threads at many times their real time (each one's OpenMP
 barrier waits for a worker the other has descheduled) and would run on one thread for good.
 
-So the engine core keeps a ``ThreadTuner`` (when the calibration chose the count, in one pass; a count
-the user set, torch's default with the calibration off, and a batch in parts side by side, whose
-parts meet once a batch rather than at every operator's barrier, are left alone). Now and then it runs a **probe**:
+So the engine core keeps a ``ThreadTuner`` (when the calibration chose the count; a count the user
+set, or torch's default with the calibration off, is left alone). Its candidates are integers that
+it only orders: thread counts, or, where the calibration also timed batches in parts side by side,
+the ranks from 1 of the layouts it timed (``Calibration.layouts``: the fewer threads, then the
+narrower team, first), which the engine maps to (threads, parts). "Larger" below is then "later
+in that order". Now and then it runs a **probe**:
 up to ``PROBE_BATCHES`` timed batches at a neighbouring candidate count (the next smaller or larger
 one; after one warm-up batch at it, not counted), each batch's forward time divided by the cost
 model's prediction for its shape, against the same ratio for the last batches at the current count.

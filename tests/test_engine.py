@@ -622,18 +622,64 @@ def test_a_batch_with_fewer_texts_than_parts_shares_all_the_threads_between_them
     assert sorted(counts) == [("fillmask-model", 2), ("fillmask-part-1", 2)]
 
 
-def test_the_thread_tuner_and_parts_are_never_given_together(model: FillMaskModel, collector: Collector) -> None:
-    """The tuner measures one pass; a server whose calibration chose parts runs without it."""
+def test_the_thread_tuner_measures_the_layouts_in_parts_too(model: FillMaskModel, collector: Collector,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose calibration chose its layout measures the layouts again while serving: the tuner's
+    candidates are the layouts timed, by rank (the most preferred on a tie first), so a start-up that
+    a neighbour disturbed into one pass can still reach the parts, and back. Here the tuner probes at
+    once: from two parts, it runs batches in one pass at one thread or at two (its neighbours), each at
+    its layout's threads, and the hello and /metrics follow the layout in use."""
+    import torch
+
     from fillmask_server.calibration import Calibration
     from fillmask_server.config import Config
     from fillmask_server.server import FillMaskServer
 
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="needs the layouts"):
         Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector,
                threads=ThreadTuner([1, 2], 2, time.monotonic()), forward_parts=2)
-    for parts in (1, 2):
-        chosen = Calibration(2, "calibration", threads_ms={1: 8.0, 2: 6.0}, forward_parts=parts,
-                             parts_ms={2: 5.9})
-        server = FillMaskServer(Config(model="tiny"), model, chosen)
-        assert server.engine.forward_parts == parts
-        assert (server.engine.core.threads is None) == (parts == 2)
+    chosen = Calibration(2, "calibration", threads_ms={1: 8.0, 2: 6.0}, forward_parts=2, parts_ms={2: 5.9})
+    assert chosen.layouts() == [(1, 1), (2, 2), (2, 1)]
+    server = FillMaskServer(Config(model="tiny"), model, chosen)
+    tuner = server.engine.core.threads
+    assert tuner is not None and tuner.candidates == [1, 2, 3] and tuner.current == 2
+    assert server._layout_now() == (2, 2) and server.engine.forward_parts == 2
+    hello = orjson.loads(server._current_hello())["engine"]
+    assert (hello["torch_threads"], hello["forward_parts"]) == (2, 2)
+    tuner.current = 3  # as a switch leaves it: the next hello says the layout now in use
+    hello = orjson.loads(server._current_hello())["engine"]
+    assert (hello["torch_threads"], hello["forward_parts"]) == (2, 1) and server.engine.forward_parts == 1
+
+    calls: list[tuple[str, int, int]] = []  # (thread, items, torch's count on it)
+    forward = model.forward
+
+    def recording(items: list[Item]) -> object:
+        calls.append((threading.current_thread().name, len(items), torch.get_num_threads()))
+        return forward(items)
+
+    monkeypatch.setattr(model, "forward", recording)
+    before = torch.get_num_threads()
+    probing = ThreadTuner([1, 2, 3], 2, time.monotonic(), first_interval_s=0.05, probe_share=1.0)  # at once
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector, threads=probing,
+                    layouts=chosen.layouts())
+    engine.start()
+    try:
+        n = 0
+        deadline = time.monotonic() + 30
+        while {count for name, items, count in calls if name == "fillmask-model" and items == 2} != {1, 2}:
+            assert time.monotonic() < deadline, calls
+            with engine.paused():
+                for _ in range(2):
+                    assert engine.submit(job(n)) is Admission.ACCEPTED
+                    n += 1
+                wait_runnable(engine, 2)
+            collector.wait_for(n)
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert engine.ended
+    # Two texts a batch: in parts, one text on each thread at one torch thread; a probe in one pass runs
+    # both on the model thread, at one thread or at two.
+    assert ("fillmask-part-1", 1, 1) in calls and ("fillmask-model", 1, 1) in calls
+    assert {count for name, items, count in calls if name == "fillmask-model" and items == 2} == {1, 2}
+    assert all(isinstance(outcome, Result) for outcome in collector.outcomes)
