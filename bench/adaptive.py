@@ -235,8 +235,9 @@ async def hello_threads(url: str) -> tuple[int, int]:
 
 
 def layouts(runs: list[dict[str, Any]]) -> str:
-    """The threads column: each repeat's layout, ``2`` or ``2 in 2 parts``, with a count where several
-    repeats ran it (the calibration may choose differently from one start to the next)."""
+    """The threads column: the layout each repeat's server reported at the end of its run, ``2`` or ``2 in
+    2 parts``, with a count where several repeats ended in it (the calibration may choose differently
+    from one start to the next, and the thread tuner may switch while serving)."""
     each = [f"{r['torch_threads']}" + (f" in {r['forward_parts']} parts" if r.get("forward_parts", 1) > 1 else "")
             for r in runs]
     return ", ".join(f"{layout} ×{each.count(layout)}" if len(each) > 1 else layout for layout in dict.fromkeys(each))
