@@ -87,7 +87,7 @@ class Scheduled:
     predicted_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     wait_s: float = 0.0  # > 0: nothing was done; schedule again after this long (or on a wake-up)
-    threads: int = 0  # torch threads for ``batch`` (``tuning.ThreadTuner``); 0: as they are, or not yet decided
+    threads: int = 0  # the tuner's candidate for ``batch`` (a torch thread count or a layout's rank); 0: as they are
 
 
 class EngineCore:
@@ -259,7 +259,8 @@ class EngineCore:
     def update_from_output(self, batch: list[Job], padded_tokens: int, forwarded: list[int], failed: list[int],
                            seconds: float, now: float, passes: int = 1, threads: int = 0) -> list[Outcome]:
         """The model ran ``batch`` in ``seconds`` (``passes`` forward passes: more after a split) at
-        ``threads`` torch threads (``Scheduled.threads``): ``forwarded`` indices go to the decode stage,
+        ``threads`` (``Scheduled.threads``: a torch thread count, or a layout's rank, see ``tuning.py``):
+        ``forwarded`` indices go to the decode stage,
         ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use."""
         outcomes: list[Outcome] = []
         # ``seconds`` is the forward pass alone: the time spent choosing the batch (``schedule``) is the
