@@ -59,7 +59,7 @@ from .diagnosis import first_line
 from .items import Item, TopK
 from .loading import on_a_thread_that_ends
 from .model import FillMaskModel
-from .parts import PartRunner, split
+from .parts import PartRunner, plan
 from .protocol import FillMaskRequest, Limits, encode_result, parse_frame
 from .tuning import THREAD_TIE
 
@@ -133,7 +133,7 @@ class Calibration:
         """The layouts timed, (all the threads, parts), the most preferred on a tie first (the fewer
         threads, then the narrower team: ``choose_layout``'s order); the thread tuner's candidates."""
         timed = [(n, 1) for n in self.threads_ms] + [(self._parts_threads(p), p) for p in self.parts_ms]
-        return sorted(timed, key=lambda layout: (layout[0], layout[0] // layout[1]))
+        return sorted(timed, key=preference)
 
     def _parts_threads(self, parts: int) -> int:
         """All the threads of the candidate layout of ``parts`` parts."""
@@ -171,10 +171,11 @@ def part_layout(threads: int, parts: int) -> tuple[int, int]:
     return each * max(1, parts), each
 
 
-def hand_layout(torch_threads: int, forward_parts: int) -> Calibration:
-    """The layout the flags set (``--torch-threads``, ``--forward-parts``; 0: unset), and where it came
-    from. Parts share the thread count, or without one the CPUs this process may use, each part an
-    equal share of at least one thread (``part_layout``: ``validate`` refuses fewer threads than parts,
+def uncalibrated(torch_threads: int = 0, forward_parts: int = 0) -> Calibration:
+    """What the engine knows without calibrating (and what the calibration starts from): the layout the
+    flags set (``--torch-threads``, ``--forward-parts``; 0: unset), and where it came from. Parts share
+    the thread count, or without one the CPUs this process may use, each part an equal share of at
+    least one thread (``part_layout``: ``validate`` refuses fewer threads than parts,
     and ``setting_warnings`` names a count the parts do not share evenly); a thread count without parts
     runs in one pass. Torch's own default (one thread per core) is capped at those CPUs."""
     import torch
@@ -185,12 +186,6 @@ def hand_layout(torch_threads: int, forward_parts: int) -> Calibration:
     if not torch_threads and torch.get_num_threads() > (cpus := usable_cpus()):
         torch.set_num_threads(cpus)
     return Calibration(torch_threads or torch.get_num_threads(), "flag" if torch_threads else "default")
-
-
-def uncalibrated(torch_threads: int = 0, forward_parts: int = 0) -> Calibration:
-    """What the engine knows without calibrating: the layout the flags set, else torch's default
-    thread count (one per core) capped at the CPUs this process may use (``usable_cpus``), in one pass."""
-    return hand_layout(torch_threads, forward_parts)
 
 
 def calibrate(model: FillMaskModel, budget_s: float, torch_threads: int = 0, model_name: str | None = None,
@@ -218,7 +213,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     until = started + budget_s
     on_cpu = model.device.type == "cpu"
     forward_parts = forward_parts if on_cpu else 1  # (parts only share CPU cores)
-    result = hand_layout(torch_threads, forward_parts)
+    result = uncalibrated(torch_threads, forward_parts)
     result.dtype = model.dtype
     decoder = SequenceDecoder(model.decode_tokenizer)
     if forward_parts > 1:
@@ -345,17 +340,14 @@ class _LayoutTimer:
 
     def run(self, items: list[Item], layout: Layout) -> tuple[float, list[tuple[list[int], TopK]]]:
         """Seconds of one pass over ``items`` in ``layout``, and its top-k: (indices, top-k) per part."""
-        threads, parts = layout
-        cuts = split([len(item.input_ids) for item in items], parts)
+        cuts, each = plan([len(item.input_ids) for item in items], *layout)
+        _set_threads(each)
         if len(cuts) == 1:
-            _set_threads(threads)
-            self.team = threads
+            self.team = each
             clock = time.perf_counter()
             topk = self.model.forward(items)
             return time.perf_counter() - clock, [(cuts[0], topk)]
-        runner = self.runners[parts]
-        each = max(1, threads // len(cuts))  # (fewer texts than parts: they share all the threads)
-        _set_threads(each)
+        runner = self.runners[layout[1]]
         calls = [functools.partial(self.model.forward, [items[i] for i in cut]) for cut in cuts]
         if self.team > each:
             runner.run(calls, each)
@@ -407,6 +399,13 @@ def choose_threads(fastest: dict[int, float], rows: int = 1, beside_s: float = 0
     return choose_layout({(count, 1): seconds for count, seconds in fastest.items()}, rows, beside_s, cpus)[0]
 
 
+def preference(layout: Layout) -> tuple[int, int]:
+    """The order in which layouts win a tie (``choose_layout``, the tuner's ranks): the fewer threads,
+    then the narrower team."""
+    threads, parts = layout
+    return threads, threads // parts
+
+
 def choose_layout(fastest: dict[Layout, float], rows: int = 1, beside_s: float = 0.0, cpus: int | None = None
                   ) -> Layout:
     """The layout (all its threads, parts) predicted to serve the most requests a second
@@ -421,7 +420,7 @@ def choose_layout(fastest: dict[Layout, float], rows: int = 1, beside_s: float =
             for layout, seconds in fastest.items()}
     best = max(rate.values())
     return min((layout for layout in rate if rate[layout] * (1 + THREAD_TIE) >= best),
-               key=lambda layout: (layout[0], layout[0] // layout[1]))
+               key=preference)
 
 
 def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: int, team: int | None = None

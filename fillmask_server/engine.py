@@ -65,7 +65,7 @@ from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
 from .model import FillMaskModel
-from .parts import PartRunner, split
+from .parts import PartRunner, plan
 from .tuning import WINS_TO_SWITCH, ThreadTuner
 
 __all__ = ["Engine", "EngineStats"]
@@ -374,9 +374,7 @@ class Engine:
         items = [Item(job.input_ids, job.request.top_k, job.target_ids) for job in batch]
         runner = self._runner
         total, most = self.layout(threads)
-        parts = (split([len(item.input_ids) for item in items], most) if runner is not None and most > 1
-                 else [list(range(len(items)))])
-        count = max(1, total // len(parts)) if total else 0  # all the threads, shared by the parts the batch gives
+        parts, count = plan([len(item.input_ids) for item in items], total, most if runner is not None else 1)
         if count and count != self._threads_set:
             self.model.set_threads(count)
             self._threads_set = count

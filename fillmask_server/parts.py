@@ -58,6 +58,14 @@ def split(lengths: Sequence[int], parts: int) -> list[list[int]]:
     return runs
 
 
+def plan(lengths: Sequence[int], threads: int, parts: int) -> tuple[list[list[int]], int]:
+    """How a batch of items of ``lengths`` tokens runs in a layout of ``threads`` torch threads in
+    ``parts`` parts: its cut (``split``) and each part's threads, all of them shared by the parts the
+    batch gives (a batch of one item runs whole on all of them; 0 threads stay 0: as they are)."""
+    cuts = split(lengths, parts)
+    return cuts, max(1, threads // len(cuts)) if threads else 0
+
+
 class PartRunner(Generic[R]):
     """Runs parts of a batch side by side: the first on the calling thread, the others on ``helpers``
     threads of their own, each part at the run's torch thread count (``threads_each`` unless the run

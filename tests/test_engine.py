@@ -63,6 +63,21 @@ def job(frame_id: object, text: str = "a [MASK] b", deadline: float | None = Non
     return Job(FillMaskRequest(frame_id, text, top_k), owner=owner, arrival=time.monotonic(), deadline=deadline)
 
 
+def record_forward(model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Each forward pass of ``model`` from now on, as (thread, items, torch's thread count on it)."""
+    import torch
+
+    calls: list[tuple[str, int, int]] = []
+    forward = model.forward
+
+    def recording(items: list[Item]) -> object:
+        calls.append((threading.current_thread().name, len(items), torch.get_num_threads()))
+        return forward(items)
+
+    monkeypatch.setattr(model, "forward", recording)
+    return calls
+
+
 def wait_runnable(engine: Engine, count: int) -> None:
     deadline = time.monotonic() + 10
     while engine.runnable() < count:
@@ -467,14 +482,8 @@ def test_a_batch_runs_in_parts_side_by_side_with_one_passs_answers_and_a_lone_re
 
     from fillmask_server.decode import SequenceDecoder, predictions_json
 
-    calls: list[tuple[str, int, int]] = []  # (thread, items, torch's count on it)
-    forward = model.forward
-
-    def recording(items: list[Item]) -> object:
-        calls.append((threading.current_thread().name, len(items), torch.get_num_threads()))
-        return forward(items)
-
-    monkeypatch.setattr(model, "forward", recording)
+    forward = model.forward  # (the unrecorded pass, for each request's own answer)
+    calls = record_forward(model, monkeypatch)
     cases = [("a [MASK] b", 5, None), ("the [MASK] of a long text with many more words in it", 2, None),
              ("x [MASK] y [MASK] z", 3, None), ("one [MASK] more", 4, ("the", "a", "zz")),
              ("short [MASK]", 1, None), ("[MASK] at the start of a text", 7, None)]
@@ -598,14 +607,7 @@ def test_a_batch_with_fewer_texts_than_parts_shares_all_the_threads_between_them
     one with two cores idle. (More threads than this machine's CPUs are fine for this check.)"""
     import torch
 
-    counts: list[tuple[str, int]] = []
-    forward = model.forward
-
-    def recording(items: list[Item]) -> object:
-        counts.append((threading.current_thread().name, torch.get_num_threads()))
-        return forward(items)
-
-    monkeypatch.setattr(model, "forward", recording)
+    calls = record_forward(model, monkeypatch)
     before = torch.get_num_threads()
     engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector,
                     forward_parts=4, part_threads=1)
@@ -619,7 +621,7 @@ def test_a_batch_with_fewer_texts_than_parts_shares_all_the_threads_between_them
     finally:
         engine.stop()
         torch.set_num_threads(before)
-    assert sorted(counts) == [("fillmask-model", 2), ("fillmask-part-1", 2)]
+    assert sorted((name, count) for name, _, count in calls) == [("fillmask-model", 2), ("fillmask-part-1", 2)]
 
 
 def test_the_thread_tuner_measures_the_layouts_in_parts_too(model: FillMaskModel, collector: Collector,
@@ -650,14 +652,7 @@ def test_the_thread_tuner_measures_the_layouts_in_parts_too(model: FillMaskModel
     hello = orjson.loads(server._current_hello())["engine"]
     assert (hello["torch_threads"], hello["forward_parts"]) == (2, 1) and server.engine.forward_parts == 1
 
-    calls: list[tuple[str, int, int]] = []  # (thread, items, torch's count on it)
-    forward = model.forward
-
-    def recording(items: list[Item]) -> object:
-        calls.append((threading.current_thread().name, len(items), torch.get_num_threads()))
-        return forward(items)
-
-    monkeypatch.setattr(model, "forward", recording)
+    calls = record_forward(model, monkeypatch)
     before = torch.get_num_threads()
     probing = ThreadTuner([1, 2, 3], 2, time.monotonic(), first_interval_s=0.05, probe_share=1.0)  # at once
     engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector, threads=probing,
