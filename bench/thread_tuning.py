@@ -7,8 +7,9 @@ A neighbour keeps one core busy (a Python process that never sleeps) while the s
 calibrates, and leaves once the server is ready: on two cores the calibration then times two threads
 no faster than one (each pass waits for the worker the neighbour holds up) and picks one. Closed-loop
 windows follow (32 clients x 4 in flight, the short corpus); each prints its throughput and the
-thread count in use (``fillmask_torch_threads`` on /metrics). Last, a reference: the same server with
-``--torch-threads`` pinned to the count the tuned one ended on, started on the quiet machine.
+layout in use: its torch threads and the parts a batch runs in (``fillmask_torch_threads`` and
+``fillmask_forward_parts`` on /metrics). Last, a reference: the same server pinned to the layout the
+tuned one ended on (``--torch-threads`` and ``--forward-parts``), started on the quiet machine.
 """
 
 from __future__ import annotations
@@ -33,12 +34,19 @@ from fillmask_server.checkpoint import ensure_family  # noqa: E402
 SPIN = "import time\nuntil = time.monotonic() + 600\nwhile time.monotonic() < until:\n    pass\n"
 
 
-def threads_in_use(port: int) -> int:
+def layout_in_use(port: int) -> tuple[int, int]:
+    """(torch threads, forward parts) on the server's /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        for line in answer.read().decode().splitlines():
-            if line.startswith("fillmask_torch_threads "):
-                return int(float(line.split()[1]))
-    raise RuntimeError("no fillmask_torch_threads on /metrics")
+        gauges = dict(line.split()[:2] for line in answer.read().decode().splitlines()
+                      if line.startswith(("fillmask_torch_threads ", "fillmask_forward_parts ")))
+    if "fillmask_torch_threads" not in gauges:
+        raise RuntimeError("no fillmask_torch_threads on /metrics")
+    return int(float(gauges["fillmask_torch_threads"])), int(float(gauges.get("fillmask_forward_parts", 1)))
+
+
+def layout_words(layout: tuple[int, int]) -> str:
+    threads, parts = layout
+    return f"{threads} threads" + (f" in {parts} parts" if parts > 1 else " in one pass")
 
 
 def window(server: ServerProcess, texts: list[str], seconds: float) -> float:
@@ -67,19 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         calibrated = [line for line in Path(server.log_path).read_text().splitlines() if "calibrated in" in line]
         print(f"started beside a busy core: {calibrated[-1].split('INFO fillmask_server: ')[-1][:110]}")
         started = time.monotonic()
-        last = 0
+        last = (0, 1)
         for n in range(args.windows):
             rps = window(server, texts, args.window_s)
-            last = threads_in_use(server.port)
-            print(f"window {n + 1:2d} (t = {time.monotonic() - started:5.1f} s): {rps:8.1f} req/s at {last} threads")
+            last = layout_in_use(server.port)
+            print(f"window {n + 1:2d} (t = {time.monotonic() - started:5.1f} s): {rps:8.1f} req/s at "
+                  f"{layout_words(last)}")
         switches = [line.split("INFO fillmask_server.engine: ")[-1][:60]
                     for line in Path(server.log_path).read_text().splitlines() if " -> " in line and "engine" in line]
         print("switches:", "; ".join(switches) or "none")
     finally:
         server.__exit__(None, None, None)
-    with ServerProcess(model, ["--torch-threads", str(last)]) as reference:
+    pinned = ["--torch-threads", str(last[0]), "--forward-parts", str(last[1])]
+    with ServerProcess(model, pinned) as reference:
         rates = [window(reference, texts, args.window_s) for _ in range(2)]
-    print(f"reference, --torch-threads {last} on the quiet machine: {max(rates):.1f} req/s (best of 2 windows)")
+    print(f"reference, {' '.join(pinned)} on the quiet machine: {max(rates):.1f} req/s (best of 2 windows)")
     return 0
 
 
