@@ -19,8 +19,10 @@ own tokens around its mask token), all within ``--calibration-s``:
    serve the most requests a second with both (``serving_rate``), on a tie within ``THREAD_TIE`` the
    one with fewer threads, then the one with the narrower team: a model whose forward pass is cheap
    beside that work gains nothing from a second thread that takes the core the other stages need,
-   and a narrower team waits less for a thread that the other stages preempt. The count is set for
-   the whole process; the engine runs the parts (``Engine(forward_parts=...)``).
+   and a narrower team waits less for a thread that the other stages preempt (the rule is
+   ``layout.choose_layout``'s; ``layout.SecondLook`` applies it once more on the first busy spell of
+   serving, with that CPU measured). The count is set for the whole process; the engine runs the
+   parts (``Engine(forward_parts=...)``).
 2. **The cost model's first coefficients**: batches of a few shapes (rows x width), timed in turn
    like the thread counts (``FIT_ROUNDS`` rounds, at least ``MIN_THREAD_ROUNDS``), each shape keeping
    its fastest pass, so that a neighbour's burst inflates no shape's time alone; the fit of
@@ -57,11 +59,11 @@ from .cpus import usable_cpus
 from .decode import SequenceDecoder, predictions_json
 from .diagnosis import first_line
 from .items import Item, TopK
+from .layout import Layout, SecondLook, choose_layout, preference
 from .loading import on_a_thread_that_ends
 from .model import FillMaskModel
 from .parts import PartRunner, plan
 from .protocol import FillMaskRequest, Limits, encode_result, parse_frame
-from .tuning import THREAD_TIE
 
 log = logging.getLogger(__name__)
 K = TypeVar("K")
@@ -93,6 +95,7 @@ class Calibration:
     dtype: str = "float32"
     dtype_speed: float | None = None  # float32's time ÷ the chosen dtype's (below 1: slower than float32)
     seconds: float = 0.0
+    cpus: int = 0  # the CPUs the layouts were chosen for (0: none chosen)
 
     @property
     def part_threads(self) -> int:
@@ -134,6 +137,17 @@ class Calibration:
         threads, then the narrower team: ``choose_layout``'s order); the thread tuner's candidates."""
         timed = [(n, 1) for n in self.threads_ms] + [(self._parts_threads(p), p) for p in self.parts_ms]
         return sorted(timed, key=preference)
+
+    def second_look(self) -> SecondLook | None:
+        """The second look at the layout this calibration chose (``layout.SecondLook``), or None when
+        it chose none among two layouts or more."""
+        layouts = self.layouts()
+        if self.threads_from != "calibration" or len(layouts) < 2:
+            return None
+        timed = {(n, 1): ms for n, ms in self.threads_ms.items()}
+        timed.update({(self._parts_threads(p), p): ms for p, ms in self.parts_ms.items()})
+        return SecondLook(layouts, [timed[layout] / 1000 for layout in layouts], THREAD_SHAPE[0], self.cpus,
+                          (self.stages_us or 0.0) / 1e6)
 
     def _parts_threads(self, parts: int) -> int:
         """All the threads of the candidate layout of ``parts`` parts."""
@@ -202,9 +216,6 @@ def calibrate(model: FillMaskModel, budget_s: float, torch_threads: int = 0, mod
                                                     forward_parts), "fillmask-calibrate")
 
 
-Layout = tuple[int, int]  # (all the threads, parts)
-
-
 def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_name: str | None, device: str,
                forward: str, forward_parts: int = 0) -> Calibration:
     import torch
@@ -245,7 +256,8 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
                                             lambda: time.perf_counter() < thread_until)
             result.threads_ms = {count: s * 1000 for (count, parts), s in fastest.items() if parts == 1}
             result.parts_ms = {parts: s * 1000 for (_, parts), s in fastest.items() if parts > 1}
-            result.torch_threads, result.forward_parts = choose_layout(fastest, len(items), beside, max(cpus, widest))
+            result.cpus = max(cpus, widest)
+            result.torch_threads, result.forward_parts = choose_layout(fastest, len(items), beside, result.cpus)
             result.threads_from = "flag" if torch_threads else "calibration"
         torch.set_num_threads(result.torch_threads)
     decode_s = 0.0
@@ -397,51 +409,6 @@ def fastest_per_count(time_at: Callable[[K], float], candidates: list[K], rounds
 def choose_threads(fastest: dict[int, float], rows: int = 1, beside_s: float = 0.0, cpus: int | None = None) -> int:
     """``choose_layout`` among thread counts in one pass: ``fastest[count]``."""
     return choose_layout({(count, 1): seconds for count, seconds in fastest.items()}, rows, beside_s, cpus)[0]
-
-
-def preference(layout: Layout) -> tuple[int, int]:
-    """The order in which layouts win a tie (``choose_layout``, the tuner's ranks): the fewer threads,
-    then the narrower team."""
-    threads, parts = layout
-    return threads, threads // parts
-
-
-def choose_layout(fastest: dict[Layout, float], rows: int = 1, beside_s: float = 0.0, cpus: int | None = None
-                  ) -> Layout:
-    """The layout (all its threads, parts) predicted to serve the most requests a second
-    (``serving_rate``: ``fastest[layout]`` is one batch of ``rows`` rows in that layout, ``beside_s`` the
-    CPU seconds a request takes outside the forward pass, ``cpus`` those this process may use, by
-    default the most threads), or among those within ``THREAD_TIE`` of it, the one with the fewest
-    threads, then the narrowest team (fewer threads leave cores to the server's other stages; a
-    narrower team waits less at its barriers for a thread they preempt). With nothing beside the
-    forward pass, that is the fastest layout or one within the tie of it."""
-    cpus = cpus or max(threads for threads, _ in fastest)
-    rate = {layout: serving_rate(layout[0], seconds, rows, beside_s, cpus, layout[0] // layout[1])
-            for layout, seconds in fastest.items()}
-    best = max(rate.values())
-    return min((layout for layout in rate if rate[layout] * (1 + THREAD_TIE) >= best),
-               key=preference)
-
-
-def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: int, team: int | None = None
-                 ) -> float:
-    """Requests a second the server can serve with ``count`` torch threads, predicted from one batch's
-    forward time alone (``batch_s`` for ``rows`` rows) and the CPU seconds each request takes beside it
-    (``beside_s``), on ``cpus`` CPUs. The least of three bounds:
-
-    - the engine runs one batch at a time: at most ``rows / batch_s`` requests a second;
-    - each request takes ``count x batch_s / rows`` CPU seconds in the forward pass (every thread of the
-      team is busy for all of it) and ``beside_s`` more, out of ``cpus`` CPU seconds a second;
-    - a team (``team`` threads, by default all ``count``) as wide as the CPUs has no core to spare:
-      whatever else runs takes a core from one of its threads, and the others wait for it at the next
-      barrier, so the CPU used beside the forward pass adds to the engine's time
-      (docs/performance-log.md, "Why the server stays below the limit"): at most
-      ``1 / (batch_s / rows + beside_s)``. Parts side by side (``parts.py``), each a narrower team, meet
-      once a batch, not at every operator: that bound is not theirs.
-    """
-    per_request = max(batch_s, 1e-9) / max(rows, 1)  # (a clock's tick at least: never a division by 0)
-    rate = min(1 / per_request, cpus / (count * per_request + beside_s))
-    return min(rate, 1 / (per_request + beside_s)) if (team or count) >= cpus else rate
 
 
 def stages_s(model: FillMaskModel, items: list[Item], decoder: SequenceDecoder) -> float:

@@ -16,7 +16,9 @@ call, under their one lock:
 It holds admission and the queue's fair share, the answer-memory ledger, the prices, the cost model
 (``costmodel.CostModel``, fitted online from the batches that ran), the torch thread count for each batch
 (``tuning.ThreadTuner``, when it is the engine's to choose) and, through ``batching.BatchPolicy``,
-the batch choice. Tests drive it with a fake clock (tests/test_core.py).
+the batch choice; and with a tuner over layouts, the second look at the calibration's layout
+(``layout.SecondLook``: the engine reports the CPU its other threads use, ``beside``). Tests drive it
+with a fake clock (tests/test_core.py).
 
 Invariants:
 
@@ -43,6 +45,7 @@ from . import intake
 from .batching import BatchPolicy, Room, Waiting, footprint
 from .costmodel import CostModel
 from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, State, Stopped, advance, can
+from .layout import SecondLook
 from .tuning import ThreadTuner
 
 WAITING = (State.TOKENIZING, State.QUEUED)  # a request in these states counts against the queue
@@ -94,12 +97,16 @@ class EngineCore:
     """Admission, the job containers, the ledgers, the cost model and the batch choice (see the module doc)."""
 
     def __init__(self, policy: BatchPolicy, max_queue: int, memory: AnswerMemory | None = None,
-                 cost: CostModel | None = None, threads: ThreadTuner | None = None) -> None:
+                 cost: CostModel | None = None, threads: ThreadTuner | None = None,
+                 second_look: SecondLook | None = None) -> None:
+        if second_look is not None and threads is None:
+            raise ValueError("a second look at the layout needs the tuner that switches layouts")
         self.policy = policy
         self.max_queue = max_queue
         self.memory = memory or AnswerMemory()
         self.cost = cost or CostModel()
         self.threads = threads  # None: the thread count is not the core's to choose
+        self.second_look = second_look  # None: no second look (or none to take: no tuner over layouts)
         self.accepting = True
         self._jobs: dict[State, dict[Job, None]] = {state: {} for state in State if state is not State.DONE}
         self._queue: Waiting[Job] = Waiting()  # the QUEUED jobs as the policy reads them (kept by ``_move``)
@@ -281,6 +288,10 @@ class EngineCore:
         if self.threads is not None and threads:
             predicted = self.cost.forward_s(len(batch), padded_tokens)
             in_use = self.threads.ran(threads, seconds if whole else 0.0, predicted, now).fit
+        if self.threads is not None and self.second_look is not None:
+            look = self.second_look.ran(len(batch), seconds, now, self.threads.current)
+            if look is not None:
+                self.threads.adopt(look.chosen, now)
         if whole and in_use:
             self.cost.observe_forward(len(batch), padded_tokens, seconds)
         self.policy.batch_ran(seconds)
@@ -289,6 +300,17 @@ class EngineCore:
         self.policy.answered(len(batch), now)
         self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (seconds / len(batch))
         return outcomes
+
+    @property
+    def measures_beside(self) -> bool:
+        """Whether the second look still wants the CPU used beside the forward pass (``beside``)."""
+        return self.second_look is not None and self.second_look.measuring
+
+    def beside(self, cpu_s: float) -> None:
+        """The event loop or a stage thread used ``cpu_s`` seconds of CPU since it last said so (the
+        model thread and the parts' helpers never say: theirs is the forward pass)."""
+        if self.second_look is not None:
+            self.second_look.cpu(cpu_s)
 
     def decoded(self, outcomes: list[Outcome], result_bytes: int = 0, seconds: float = 0.0) -> list[Outcome]:
         """The decode stage's outcomes (``Result`` or ``Failed``) for DECODING jobs: move them to DONE.

@@ -26,10 +26,12 @@
 
 Every decision (admission, fair share, answer memory, prices, the cost model, the batch choice, which
 job is where) is the thread-free ``core.EngineCore``'s; this module keeps only the three loops, the
-out-of-memory split and the hand-over of outcomes. The event loop only calls the cheap methods
-``submit``, ``withdraw``, ``withdraw_all``, ``forget``, ``release`` and the counters; finished work reaches it as
-typed ``Outcome``\\ s through ``deliver``, called on a stage thread under the engine's lock (the server
-makes it thread-safe and non-blocking with ``call_soon_threadsafe``).
+out-of-memory split, the hand-over of outcomes, and, for the second look at the layout
+(``layout.SecondLook``), the CPU time that the event loop and the two stages report as they call
+in. The event loop only calls the cheap methods ``submit``, ``withdraw``, ``withdraw_all``,
+``forget``, ``release`` and the counters; finished work reaches it as typed ``Outcome``\\ s through
+``deliver``, called on a stage thread under the engine's lock (the server makes it thread-safe and
+non-blocking with ``call_soon_threadsafe``).
 
 Invariants: every call into the core is made under ``self._lock``, and the outcomes it returns are
 handed over before that lock is released (``_hand_over_locked``), so once ``busy()`` is False every
@@ -64,6 +66,7 @@ from .costmodel import CostModel
 from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
+from .layout import Look, SecondLook
 from .model import FillMaskModel
 from .parts import PartRunner, plan
 from .tuning import WINS_TO_SWITCH, ThreadTuner
@@ -115,7 +118,8 @@ class Engine:
                  on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
                  memory: AnswerMemory | None = None, cost: CostModel | None = None,
                  threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None,
-                 forward_parts: int = 1, part_threads: int = 1, layouts: list[Layout] | None = None) -> None:
+                 forward_parts: int = 1, part_threads: int = 1, layouts: list[Layout] | None = None,
+                 second_look: SecondLook | None = None) -> None:
         self.model = model
         on_cpu = model.device.type == "cpu"
         if threads is not None and forward_parts > 1 and layouts is None:
@@ -127,7 +131,8 @@ class Engine:
         self._part_threads = part_threads
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
-        self.core = EngineCore(policy, max_queue, memory, cost, threads)
+        self.core = EngineCore(policy, max_queue, memory, cost, threads, second_look)
+        self._cpu_marks: dict[int, float] = {}  # thread id -> its CPU time when it last told the core
         # The model thread's count now (0: unknown, set at the first batch).
         self._threads_set = threads.current if threads is not None and self._layouts is None else 0
         self.policy = policy
@@ -173,6 +178,7 @@ class Engine:
         with self._lock:
             if not self.alive:
                 return Admission.STOPPED
+            self._count_cpu_locked()
             admission = self.core.submit(job)
             if admission is Admission.ACCEPTED:
                 self._intake_wake.notify()
@@ -278,6 +284,18 @@ class Engine:
         touches the model."""
         return not any(thread.is_alive() for thread in self._threads) and (self._runner is None or self._runner.ended)
 
+    def _count_cpu_locked(self) -> None:
+        """While the second look measures (``layout.SecondLook``), tell the core the CPU time the calling
+        thread used since its last call: the event loop (from ``submit``) and the tokenizer and decode
+        stages (each time they hand work back). The model thread and the parts' helpers never call
+        it. A thread's first call only marks where it starts."""
+        if not self.core.measures_beside:
+            return
+        now = time.thread_time()
+        last = self._cpu_marks.get(ident := threading.get_ident(), now)
+        self._cpu_marks[ident] = now
+        self.core.beside(now - last)
+
     def _hand_over_locked(self, outcomes: list[Outcome]) -> None:
         """Give outcomes to ``deliver`` before the lock that made them final is released, so that once
         ``busy()`` is False every outcome has been handed over (``deliver`` must not block)."""
@@ -306,6 +324,7 @@ class Engine:
                 verdicts = self._check_all(fresh)
             finally:
                 with self._lock:
+                    self._count_cpu_locked()
                     self._hand_over_locked(self.core.checked(list(zip(fresh, verdicts, strict=True))))
                     self._prepare_locked()
                     self._model_wake.notify()
@@ -392,9 +411,12 @@ class Engine:
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
             in_use = self.core.threads.current if self.core.threads is not None else 0
+            looking = self.core.measures_beside
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
                                                   passes=passes, threads=threads)
-            if self.core.threads is not None and self.core.threads.current != in_use:
+            if looking and self.core.second_look is not None and self.core.second_look.done is not None:
+                self._log_look(self.core.second_look.done)
+            elif self.core.threads is not None and self.core.threads.current != in_use:
                 now_in_use = self.core.threads.current
                 log.info("torch threads %s -> %s: batches so won %d probes in a row against the cost model while "
                          "serving (tuning.py: a larger count, or a wider team, must be faster; a smaller one as "
@@ -412,6 +434,17 @@ class Engine:
             self._undecoded += 1
             self._hand_over_locked(failed)
             self._decode_wake.notify()
+
+    def _log_look(self, look: Look) -> None:
+        """The second look's one line (``layout.SecondLook``)."""
+        measured = (f"a request took {look.beside_s * 1e6:.0f} us of CPU beside the forward pass while serving "
+                    f"({look.requests} requests; the calibration could time {look.calibrated_s * 1e6:.0f} us of it)")
+        if look.chosen == look.before:
+            log.info("layout kept after a second look: %s; torch threads %s serve the most with it", measured,
+                     self._words(look.chosen))
+        else:
+            log.info("layout chosen again after a second look: %s; torch threads %s -> %s serve more with it",
+                     measured, self._words(look.before), self._words(look.chosen))
 
     def _words(self, threads: int) -> str:
         """``2`` or ``2 in 2 parts``: the layout of the tuner's ``threads``, for the log."""
@@ -531,6 +564,7 @@ class Engine:
                 finished += 1
         seconds = time.perf_counter() - started
         with self._lock:
+            self._count_cpu_locked()
             self._hand_over_locked(self.core.decoded(chunk, decoded_bytes, seconds))
             self._prepare_locked()
             if finished:

@@ -170,7 +170,9 @@ class FillMaskServer:
                               unsent_total=lambda: self.unsent.total)
         calibration = self.calibration
         # The layout the calibration chose is measured again while serving (tuning.py): the tuner's
-        # candidates are the layouts it timed, by rank from 1 (the most preferred on a tie first).
+        # candidates are the layouts it timed, by rank from 1 (the most preferred on a tie first); and
+        # chosen once more on the first busy spell, with the CPU a request takes beside the forward pass
+        # as measured then (layout.py's second look).
         on_cpu = model.device.type == "cpu"
         parts = calibration.forward_parts if on_cpu else 1
         layouts = calibration.layouts() if calibration.threads_from == "calibration" and on_cpu else []
@@ -181,7 +183,8 @@ class FillMaskServer:
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
                              cost=cost, threads=tuner, on_threads=self._follow_thread_count,
                              forward_parts=parts, part_threads=calibration.part_threads,
-                             layouts=layouts if tuner is not None else None)
+                             layouts=layouts if tuner is not None else None,
+                             second_look=calibration.second_look() if tuner is not None else None)
         self._switch_before: float | None = None  # the process's switch interval before start() set it
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
                                         lambda: (policy.max_batch_size, policy.max_batch_tokens),

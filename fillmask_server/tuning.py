@@ -49,7 +49,8 @@ The rules:
   a model of the count in use.
 
 Invariants: ``count`` is the current count unless a probe is under way; ``current`` changes only by
-a switch, and only to a candidate.
+a switch, and only to a candidate: after probes it won, or when the second look chose it
+(``adopt``).
 """
 
 from __future__ import annotations
@@ -160,6 +161,26 @@ class ThreadTuner:
         if count == self.current and not warm_up and ratio is not None:
             self._reference.append(ratio)
         return Ran(count == self.current and not warm_up)
+
+    def adopt(self, candidate: int, now: float) -> bool:
+        """Switch to ``candidate`` on evidence other than a probe's (the second look,
+        ``layout.SecondLook``); True when that changed the count. A probe under way ends unjudged; as
+        after a switch a probe won, the costs measured against the old count are forgotten, and the
+        next probe waits ``FIRST_INTERVAL_S`` and then for ``PROBE_BATCHES`` batches at the new count
+        (the first of them, a warm-up, not counted)."""
+        if candidate not in self.candidates:
+            raise ValueError(f"{candidate} is not one of the tuner's candidates {self.candidates}")
+        if candidate == self.current:
+            return False
+        self._probe = self._returning = None
+        self.current = candidate
+        self.switches += 1
+        self._cost.clear()
+        self._wins = (0, 0)
+        self._reference.clear()
+        self._interval = self._wait = self._first_interval
+        self._since = now
+        return True
 
     def _beyond_current(self, seconds: float, predicted_s: float) -> float:
         """How much longer a batch took than the count in use would have (its median ratio times the

@@ -13,12 +13,9 @@ import pytest
 from fillmask_server.calibration import (
     FIT_SHAPES,
     MIN_THREAD_ROUNDS,
-    THREAD_TIE,
     Calibration,
-    choose_layout,
     choose_threads,
     fastest_per_count,
-    serving_rate,
 )
 from fillmask_server.costmodel import Coefficients, fit
 from fillmask_server.cpus import (
@@ -29,6 +26,8 @@ from fillmask_server.cpus import (
     cpu_quota,
     usable_cpus,
 )
+from fillmask_server.layout import choose_layout, serving_rate
+from fillmask_server.tuning import THREAD_TIE
 
 
 def timings(speeds: dict[int, float], burst: range) -> tuple[list[int], Callable[[int], float]]:

@@ -15,6 +15,7 @@ from fillmask_server.batching import BatchPolicy
 from fillmask_server.core import Admission, AnswerMemory, EngineCore
 from fillmask_server.costmodel import Coefficients, CostModel, fit
 from fillmask_server.jobs import Expired, Failed, Job, Rejected, Result, State, Stopped
+from fillmask_server.layout import LOOK_WINDOW_S, SecondLook
 from fillmask_server.protocol import FillMaskRequest
 from fillmask_server.tuning import FIRST_INTERVAL_S, ThreadTuner
 
@@ -512,6 +513,39 @@ def test_a_batch_chosen_ahead_gets_its_thread_count_when_it_starts_not_when_it_w
         after_a_probe += probing and started.threads == tuner.current == 2
         running = started
     assert first.state is State.DONE and after_a_probe >= 2
+
+
+def test_the_second_look_switches_the_tuner_to_its_layout_on_the_first_busy_spell() -> None:
+    """The core feeds the second look (``layout.SecondLook``) each batch's time and the CPU the other
+    threads report (``beside``), and when it chooses another layout the tuner adopts it: the next batch
+    runs at the new rank. After the look, ``measures_beside`` is False (the engine stops reading CPU
+    clocks). A look needs the tuner that switches."""
+    layouts = [(1, 1), (2, 2), (2, 1)]
+    look = SecondLook(layouts, [7.47e-3, 6.07e-3, 5.375e-3], 16, 2, 10e-6)
+    with pytest.raises(ValueError, match="needs the tuner"):
+        EngineCore(BatchPolicy(8, 100_000), 100, second_look=look)
+    tuner = ThreadTuner([1, 2, 3], 3, 0.0)
+    c = EngineCore(BatchPolicy(8, 100_000), 100, cost=CostModel(Coefficients(0.001, 2e-5, 1e-4)), threads=tuner,
+                   second_look=look)
+    now, n, ranks = 0.0, 0, []
+    while now < 2 * LOOK_WINDOW_S:
+        assert c.measures_beside or look.done is not None
+        batch = [job(n + i, arrival=now) for i in range(8)]
+        n += 8
+        queue_up(c, batch)
+        c.beside(8 * 88e-6)  # the event loop and the stages: 88 us of CPU a request
+        scheduled = c.schedule(now)
+        ranks.append(scheduled.threads)
+        now += 0.004
+        c.update_from_output(scheduled.batch, 80, list(range(8)), [], 0.004, now, threads=scheduled.threads)
+        c.decoded([result(j) for j in scheduled.batch])
+        c.release(scheduled.batch)
+    assert look.done is not None and look.done.before == 3 and look.done.chosen == 2
+    assert look.done.beside_s == pytest.approx(88e-6, rel=0.05)
+    assert tuner.current == 2 and not c.measures_beside
+    switched = ranks.index(2)
+    assert set(ranks[:switched]) == {3} and set(ranks[switched:]) == {2}  # before the first probe is due
+    assert switched * 0.004 >= LOOK_WINDOW_S
 
 
 def test_fit_recovers_calibration_samples_exactly_and_needs_three() -> None:

@@ -645,6 +645,8 @@ def test_the_thread_tuner_measures_the_layouts_in_parts_too(model: FillMaskModel
     server = FillMaskServer(Config(model="tiny"), model, chosen)
     tuner = server.engine.core.threads
     assert tuner is not None and tuner.candidates == [1, 2, 3] and tuner.current == 2
+    look = server.engine.core.second_look  # the same layouts, with the times the calibration gave them
+    assert look is not None and look.layouts == chosen.layouts() and look.batch_s == pytest.approx([8.0e-3, 5.9e-3, 6.0e-3])
     assert server._layout_now() == (2, 2) and server.engine.forward_parts == 2
     hello = orjson.loads(server._current_hello())["engine"]
     assert (hello["torch_threads"], hello["forward_parts"]) == (2, 2)
@@ -679,3 +681,60 @@ def test_the_thread_tuner_measures_the_layouts_in_parts_too(model: FillMaskModel
     assert ("fillmask-part-1", 1, 1) in calls and ("fillmask-model", 1, 1) in calls
     assert {count for name, items, count in calls if name == "fillmask-model" and items == 2} <= {1, 2}
     assert all(isinstance(outcome, Result) for outcome in collector.outcomes)
+
+
+def test_the_second_look_hears_the_cpu_of_every_thread_but_the_models_and_switches_to_its_layout(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the first busy spell the engine tells the second look (``layout.SecondLook``) the CPU time
+    that the submitting thread (the event loop's place), the tokenizer stage and the decode stage used,
+    never the model thread's nor a part helper's, and runs the next batches in the layout the look
+    chose. The timings here make one pass at two threads win with nothing beside the forward pass
+    (as the calibration times it), and two parts win once a request takes more than 3 us of CPU
+    beside it, which tokenizing and decoding alone take on any machine."""
+    import torch
+
+    from fillmask_server.layout import LOOK_REQUESTS, SecondLook, choose_layout
+
+    layouts = [(1, 1), (2, 2), (2, 1)]
+    timed = [1.0, 5.38e-3, 5.1e-3]
+    assert choose_layout(dict(zip(layouts, timed, strict=True)), 16, 0.0, 2) == (2, 1)
+    assert choose_layout(dict(zip(layouts, timed, strict=True)), 16, 5e-6, 2) == (2, 2)
+    look = SecondLook(layouts, timed, 16, 2)
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=1000, max_masks=4, deliver=collector,
+                    threads=ThreadTuner([1, 2, 3], 3, time.monotonic()), layouts=layouts, second_look=look)
+    heard: list[str] = []
+    beside = engine.core.beside
+
+    def hearing(cpu_s: float) -> None:
+        heard.append(threading.current_thread().name)
+        beside(cpu_s)
+
+    monkeypatch.setattr(engine.core, "beside", hearing)
+    calls = record_forward(model, monkeypatch)
+    before = torch.get_num_threads()
+    engine.start()
+    try:
+        n = 0
+        deadline = time.monotonic() + 60
+        while look.done is None:  # about a second of batches back to back
+            assert time.monotonic() < deadline, "no busy spell made the look"
+            for _ in range(32):
+                assert engine.submit(job(n)) is Admission.ACCEPTED
+                n += 1
+            collector.wait_for(n - 16)
+        looked = len(calls)
+        with engine.paused():  # then a batch of several texts, in the layout chosen
+            for _ in range(4):
+                assert engine.submit(job(n)) is Admission.ACCEPTED
+                n += 1
+            wait_runnable(engine, 4)
+        collector.wait_for(n)
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert look.done.before == 3 and look.done.chosen == 2 and look.done.requests >= LOOK_REQUESTS
+    assert look.done.beside_s > 5e-6  # (what the choice needs: measured, not assumed)
+    assert engine.core.threads is not None and engine.core.threads.current == 2 and engine.forward_parts == 2
+    assert set(heard) == {threading.current_thread().name, "fillmask-intake", "fillmask-decode"}
+    assert ("fillmask-part-1", 2, 1) in calls[looked:]
+    assert all(isinstance(outcome, Result) for outcome in collector.outcomes) and len(collector.outcomes) == n

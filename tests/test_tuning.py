@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from fillmask_server.tuning import (
     ABORT_RATIO,
     ABORT_RATIO_WARM_UP,
@@ -252,3 +254,25 @@ def test_a_probes_cost_counts_the_slow_batch_back_and_a_switch_forgets_the_costs
     while tuner.probing != 2:
         slow.run(0.5)
     assert slow.now - switched >= (PROBE_BATCHES + 1) * slow.scale * 0.9 / PROBE_SHARE
+
+
+def test_adopting_a_count_ends_a_probe_unjudged_and_probes_again_only_from_the_new_count() -> None:
+    """``adopt`` (the second look's switch, ``layout.SecondLook``) is a switch: a probe under way ends
+    without a verdict and its costs are forgotten; the next probe waits the first interval and then
+    ``PROBE_BATCHES`` batches at the new count, the first of them a warm-up that the cost model skips."""
+    tuner = ThreadTuner([1, 2, 3], 3, 0.0)
+    machine = Machine(tuner, {1: 3.0, 2: 1.0, 3: 1.0})
+    run_until_a_probe(machine, 2)  # from 3, its one neighbour
+    assert tuner.probing == 2
+    with pytest.raises(ValueError, match="not one of"):
+        tuner.adopt(4, machine.now)
+    assert tuner.adopt(1, machine.now) and tuner.current == 1 and tuner.switches == 1
+    assert tuner.probing is None and tuner.count(machine.now) == 1
+    assert not tuner.adopt(1, machine.now)  # already in use: no switch
+    adopted_at, before = machine.now, len(machine.counts)
+    machine.run(FIRST_INTERVAL_S * 0.9)
+    assert set(machine.counts[before:]) == {1}  # no probe before the first interval
+    assert not machine.fits[before] and all(machine.fits[before + 1:])  # the warm-up batch at 1 only
+    machine.run(FIRST_INTERVAL_S)
+    assert 2 in machine.counts[before:] and set(machine.counts[before:]) == {1, 2}  # 1's one neighbour
+    assert machine.started[machine.counts.index(2, before)] >= adopted_at + FIRST_INTERVAL_S

@@ -1,0 +1,160 @@
+"""Which layout of the forward pass serves the most, and the second look at it while serving: no
+threads, no torch, no clock of its own.
+
+A *layout* is ``(threads, parts)``: all the torch threads of a forward pass, and the parts side by
+side that a batch of several texts runs in (``parts.py``; 1: one pass). Two places choose one by the
+same rule (``choose_layout``):
+
+- **the start-up calibration** (``calibration.py``), from each layout's time for one batch, and the
+  CPU a request takes beside the forward pass as it can time that before any load (``stages_s``:
+  parsing, tokenizing, checking, decoding, encoding);
+- **the second look** (``SecondLook``), once, on the first busy spell of serving: the same timings,
+  with the CPU a request was *measured* to take beside the forward pass while serving (the event
+  loop's and the tokenizer and decode stages' CPU time, ``time.thread_time``, per request run).
+  The calibration cannot time the rest of it: the WebSocket framing, the socket calls, the wake-ups
+  and hand-overs between threads, which on a small model are most of it. That CPU takes cores from
+  a full-width OpenMP team (``serving_rate``'s third bound), so a layout that won alone may lose
+  under load. When the look chooses another layout, the engine switches to it
+  (``tuning.ThreadTuner.adopt``); the tuner's probes go on from there, as they would from the
+  calibration's choice.
+
+Invariants: a second look decides at most once, and only from a spell of serving that began with
+a forward pass, lasted at least ``LOOK_WINDOW_S``, ran at least ``LOOK_REQUESTS`` requests, and in
+which the forward passes kept the engine busy at least ``LOOK_BUSY_SHARE`` of the time (an idle
+server's wake-ups cost more CPU a request than a busy one's, and its layout matters least). A spell
+found quieter than that is dropped, with the CPU counted in it, and the next begins; a busy spell
+short of requests (a slow model) goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tuning import THREAD_TIE
+
+Layout = tuple[int, int]  # (all the threads, parts)
+
+LOOK_WINDOW_S = 1.0  # the second look measures a spell of serving at least this long ...
+LOOK_BUSY_SHARE = 0.5  # ... in which the forward passes kept the engine busy at least this share of it ...
+LOOK_REQUESTS = 100  # ... and answered at least this many requests
+
+
+def preference(layout: Layout) -> tuple[int, int]:
+    """The order in which layouts win a tie (``choose_layout``, the tuner's ranks): the fewer threads,
+    then the narrower team."""
+    threads, parts = layout
+    return threads, threads // parts
+
+
+def choose_layout(fastest: dict[Layout, float], rows: int = 1, beside_s: float = 0.0, cpus: int | None = None
+                  ) -> Layout:
+    """The layout (all its threads, parts) predicted to serve the most requests a second
+    (``serving_rate``: ``fastest[layout]`` is one batch of ``rows`` rows in that layout, ``beside_s`` the
+    CPU seconds a request takes outside the forward pass, ``cpus`` those this process may use, by
+    default the most threads), or among those within ``THREAD_TIE`` of it, the one with the fewest
+    threads, then the narrowest team (fewer threads leave cores to the server's other stages; a
+    narrower team waits less at its barriers for a thread they preempt). With nothing beside the
+    forward pass, that is the fastest layout or one within the tie of it."""
+    cpus = cpus or max(threads for threads, _ in fastest)
+    rate = {layout: serving_rate(layout[0], seconds, rows, beside_s, cpus, layout[0] // layout[1])
+            for layout, seconds in fastest.items()}
+    best = max(rate.values())
+    return min((layout for layout in rate if rate[layout] * (1 + THREAD_TIE) >= best),
+               key=preference)
+
+
+def serving_rate(count: int, batch_s: float, rows: int, beside_s: float, cpus: int, team: int | None = None
+                 ) -> float:
+    """Requests a second the server can serve with ``count`` torch threads, predicted from one batch's
+    forward time alone (``batch_s`` for ``rows`` rows) and the CPU seconds each request takes beside it
+    (``beside_s``), on ``cpus`` CPUs. The least of three bounds:
+
+    - the engine runs one batch at a time: at most ``rows / batch_s`` requests a second;
+    - each request takes ``count x batch_s / rows`` CPU seconds in the forward pass (every thread of the
+      team is busy for all of it) and ``beside_s`` more, out of ``cpus`` CPU seconds a second;
+    - a team (``team`` threads, by default all ``count``) as wide as the CPUs has no core to spare:
+      whatever else runs takes a core from one of its threads, and the others wait for it at the next
+      barrier, so the CPU used beside the forward pass adds to the engine's time
+      (docs/performance-log.md, "Why the server stays below the limit"): at most
+      ``1 / (batch_s / rows + beside_s)``. Parts side by side (``parts.py``), each a narrower team, meet
+      once a batch, not at every operator: that bound is not theirs.
+    """
+    per_request = max(batch_s, 1e-9) / max(rows, 1)  # (a clock's tick at least: never a division by 0)
+    rate = min(1 / per_request, cpus / (count * per_request + beside_s))
+    return min(rate, 1 / (per_request + beside_s)) if (team or count) >= cpus else rate
+
+
+@dataclass(frozen=True)
+class Look:
+    """What the second look found: ``beside_s`` CPU seconds a request took beside the forward pass,
+    measured over ``requests`` requests (the calibration timed ``calibrated_s`` of it), and the layout
+    chosen with it, by rank from 1 (``chosen``), where ``before`` was in use."""
+
+    beside_s: float
+    requests: int
+    calibrated_s: float
+    before: int
+    chosen: int
+
+
+class SecondLook:
+    """The calibration's choice of layout made once more on a busy spell of serving (see the module
+    docstring). ``layouts`` are the candidates in rank order (rank 1 first), ``batch_s`` each one's
+    calibrated time for a batch of ``rows`` rows; ``cpus``: those this process may use;
+    ``calibrated_s``: the CPU a request takes beside the forward pass as the calibration timed it."""
+
+    def __init__(self, layouts: list[Layout], batch_s: list[float], rows: int, cpus: int,
+                 calibrated_s: float = 0.0) -> None:
+        if len(layouts) != len(batch_s) or not layouts:
+            raise ValueError("a second look needs each candidate layout's time")
+        self.layouts = layouts
+        self.batch_s = batch_s
+        self.rows = rows
+        self.cpus = cpus
+        self.calibrated_s = calibrated_s
+        self.done: Look | None = None  # set once, when the look is made
+        self._since: float | None = None  # when the spell being measured began (None: none yet)
+        self._cpu_s = 0.0  # CPU beside the forward pass in it
+        self._busy_s = 0.0  # forward passes in it
+        self._requests = 0  # requests they ran
+
+    @property
+    def measuring(self) -> bool:
+        """Whether the look still wants the CPU used beside the forward pass (``cpu``)."""
+        return self.done is None
+
+    def cpu(self, seconds: float) -> None:
+        """The event loop or a stage thread used ``seconds`` of CPU since it last said so."""
+        if self.done is None and self._since is not None:
+            self._cpu_s += max(0.0, seconds)
+
+    def ran(self, requests: int, seconds: float, now: float, current: int) -> Look | None:
+        """A forward pass of ``requests`` requests took ``seconds``, ending at ``now``, with the layout
+        of rank ``current`` in use. Returns the look when this batch completes it (once), else None."""
+        if self.done is not None:
+            return None
+        since = self._since
+        if since is None:
+            since = self._begin(now - seconds)
+        self._busy_s += seconds
+        self._requests += requests
+        spell = now - since
+        if spell < LOOK_WINDOW_S:
+            return None
+        if self._busy_s < LOOK_BUSY_SHARE * spell:
+            self._begin(now)  # a quiet spell: measure the next one
+            return None
+        if self._requests < LOOK_REQUESTS:  # busy with a slow model: the spell goes on
+            return None
+        beside_s = self._cpu_s / self._requests
+        timed = dict(zip(self.layouts, self.batch_s, strict=True))
+        chosen = self.layouts.index(choose_layout(timed, self.rows, beside_s, self.cpus)) + 1
+        self.done = Look(beside_s, self._requests, self.calibrated_s, current, chosen)
+        return self.done
+
+    def _begin(self, at: float) -> float:
+        """A spell of serving begins ``at``; returns it."""
+        self._since = at
+        self._cpu_s = self._busy_s = 0.0
+        self._requests = 0
+        return at

@@ -1,0 +1,99 @@
+"""Fake-clock unit tests of the layout rule's second look while serving (``layout.SecondLook``).
+
+The rule itself (``choose_layout``, ``serving_rate``) is tested with the calibration that uses it
+first (tests/test_calibration.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fillmask_server.layout import (
+    LOOK_BUSY_SHARE,
+    LOOK_REQUESTS,
+    LOOK_WINDOW_S,
+    SecondLook,
+    choose_layout,
+)
+
+#: Two CPUs: one thread, two parts of one, two threads in one pass (the tuner's ranks 1, 2, 3), timed
+#: alone for 16 rows as the calibration timed them on the Zen 4 EPYC, in a start where the parts
+#: timed slower than one pass.
+LAYOUTS = [(1, 1), (2, 2), (2, 1)]
+TIMED = [7.47e-3, 6.07e-3, 5.375e-3]
+ROWS, CPUS = 16, 2
+
+
+def look(calibrated_s: float = 10e-6) -> SecondLook:
+    return SecondLook(LAYOUTS, TIMED, ROWS, CPUS, calibrated_s)
+
+
+def serve(second: SecondLook, seconds: float, batch_s: float, rows: int, cpu_per_request_s: float,
+          now: float = 0.0, gap_s: float = 0.0, current: int = 3) -> tuple[float, object]:
+    """Batches of ``rows`` rows, each ``batch_s`` long and ``gap_s`` apart, for ``seconds`` from ``now``;
+    the other threads report ``cpu_per_request_s`` a request, in the gaps. Returns (the time after them,
+    the look if one was made)."""
+    made = None
+    until = now + seconds
+    while now < until:
+        now += batch_s
+        made = second.ran(rows, batch_s, now, current) or made
+        second.cpu(rows * cpu_per_request_s)
+        now += gap_s
+    return now, made
+
+
+def test_the_second_look_chooses_with_the_cpu_measured_beside_the_forward_pass() -> None:
+    """With the 10 us a request that the calibration could time beside the forward pass, one pass
+    at two threads wins; with the 88 us measured while serving (the event loop's framing and socket
+    calls, the hand-overs), its full-width team loses that CPU at every barrier, and the parts win
+    the tie (the narrower team)."""
+    timed = dict(zip(LAYOUTS, TIMED, strict=True))
+    assert choose_layout(timed, ROWS, 10e-6, CPUS) == (2, 1)
+    assert choose_layout(timed, ROWS, 88e-6, CPUS) == (2, 2)
+    second = look()
+    assert second.measuring
+    _, made = serve(second, 2 * LOOK_WINDOW_S, 0.02, 64, 88e-6)
+    assert made is not None and made == second.done and not second.measuring
+    assert made.chosen == 2 and made.before == 3 and made.calibrated_s == 10e-6
+    assert made.beside_s == pytest.approx(88e-6, rel=0.05) and made.requests >= LOOK_REQUESTS
+    # Where the measured CPU is what the calibration timed, its choice stands.
+    kept = look()
+    _, made = serve(kept, 2 * LOOK_WINDOW_S, 0.02, 64, 10e-6)
+    assert made is not None and made.chosen == made.before == 3
+
+
+def test_the_look_is_made_once_and_then_hears_nothing_more() -> None:
+    second = look()
+    now, made = serve(second, 2 * LOOK_WINDOW_S, 0.02, 64, 88e-6)
+    assert made is not None
+    _, again = serve(second, 10 * LOOK_WINDOW_S, 0.02, 64, 1e-3, now=now)
+    assert again is None and second.done == made
+
+
+def test_a_quiet_spell_is_dropped_with_the_cpu_counted_in_it() -> None:
+    """Batches that keep the engine busy less than ``LOOK_BUSY_SHARE`` of the time decide nothing, and
+    their CPU (an idle server's wake-ups, costlier a request) does not weigh on the busy spell after."""
+    second = look()
+    gap = 0.02 * (1 / LOOK_BUSY_SHARE)  # busy a third of the time
+    now, made = serve(second, 20 * LOOK_WINDOW_S, 0.02, 64, 5e-3, gap_s=gap)
+    assert made is None and second.measuring
+    second.cpu(100.0)  # between the spells: not counted either
+    _, made = serve(second, 2 * LOOK_WINDOW_S, 0.02, 64, 10e-6, now=now + 60)
+    assert made is not None and made.beside_s == pytest.approx(10e-6, rel=0.05) and made.chosen == 3
+
+
+def test_a_busy_spell_goes_on_until_it_has_run_enough_requests() -> None:
+    """A slow model (a batch of 8 every 0.5 s) is busy but runs few requests a second: its spell goes
+    on past ``LOOK_WINDOW_S`` until ``LOOK_REQUESTS`` have run, rather than starting again."""
+    second = look()
+    now, made = serve(second, LOOK_WINDOW_S * 2, 0.5, 8, 88e-6)
+    assert made is None
+    _, made = serve(second, LOOK_REQUESTS / 8 * 0.5, 0.5, 8, 88e-6, now=now)
+    assert made is not None and made.requests >= LOOK_REQUESTS and made.chosen == 2
+
+
+def test_a_second_look_needs_each_candidates_time() -> None:
+    with pytest.raises(ValueError, match="each candidate"):
+        SecondLook(LAYOUTS, TIMED[:2], ROWS, CPUS)
+    with pytest.raises(ValueError, match="each candidate"):
+        SecondLook([], [], ROWS, CPUS)
