@@ -8,8 +8,8 @@ own tokens around its mask token), all within ``--calibration-s``:
    each candidate *layout*: each count of threads in one pass (1, half the CPUs this process may use,
    all of them: ``usable_cpus``, its CPU affinity within its container's CPU quota; or the count
    set), and, on a CPU with two threads or more, the batch in parts side by side on the most of them
-   (2 parts, and one a thread, where they divide evenly: ``parts.py``; not with
-   ``--forward-parts 1``). The layouts are taken in
+   (2 parts, and one a thread, where they divide evenly, but no more parts than the batch has rows:
+   ``part_counts``, ``parts.py``; not with ``--forward-parts 1``). The layouts are taken in
    turn for ``THREAD_ROUNDS`` rounds (1, 2, 1, 2, ...; fewer, but at least ``MIN_THREAD_ROUNDS``, when
    they would take more than half the budget) and each count's fastest pass kept, so that a
    neighbour's passing burst of load (another replica starting beside this one) weighs on every count
@@ -140,9 +140,9 @@ class Calibration:
 
     def second_look(self) -> SecondLook | None:
         """The second look at the layout this calibration chose (``layout.SecondLook``), or None when
-        it chose none among two layouts or more."""
+        it timed fewer than two layouts (with ``--torch-threads`` set, that count's are timed)."""
         layouts = self.layouts()
-        if self.threads_from != "calibration" or len(layouts) < 2:
+        if len(layouts) < 2:
             return None
         timed = {(n, 1): ms for n, ms in self.threads_ms.items()}
         timed.update({(self._parts_threads(p), p): ms for p, ms in self.parts_ms.items()})
@@ -183,6 +183,18 @@ def part_layout(threads: int, parts: int) -> tuple[int, int]:
     """(all the threads, each part's) of ``parts`` parts sharing ``threads``: at least one each."""
     each = max(1, threads // max(1, parts))
     return each * max(1, parts), each
+
+
+def part_counts(threads: int, rows: int) -> list[int]:
+    """The counts of parts the calibration times ``threads`` threads in, on a batch of ``rows`` rows:
+    2, and one a thread, where the threads divide evenly; but never more parts than the batch has
+    rows: there the most that divide the threads (64 threads: 16 parts of 4). A batch of fewer texts
+    than parts runs in fewer parts, on more threads each (``parts.plan``), so more parts than rows
+    would time another layout than the one the server runs its full batches in."""
+    if threads < 2:
+        return []
+    widest = max(parts for parts in range(1, min(threads, rows) + 1) if threads % parts == 0)
+    return sorted({parts for parts in (2, widest) if parts > 1 and threads % parts == 0})
 
 
 def uncalibrated(torch_threads: int = 0, forward_parts: int = 0) -> Calibration:
@@ -235,8 +247,8 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
         counts = [torch_threads] if torch_threads else _thread_candidates()
         candidates: list[Layout] = [(count, 1) for count in counts]
         widest = max(counts)
-        if on_cpu and forward_parts == 0 and widest > 1:
-            candidates += [(widest, parts) for parts in sorted({2, widest}) if widest % parts == 0]
+        if on_cpu and forward_parts == 0:
+            candidates += [(widest, parts) for parts in part_counts(widest, THREAD_SHAPE[0])]
         cpus = usable_cpus()
         if len(candidates) == 1:  # one usable CPU (a quota of one or less), or one thread set: nothing to time
             result.torch_threads = candidates[0][0]
@@ -328,10 +340,14 @@ class _LayoutTimer:
     by side, or whole at all the layout's threads when the batch is one item. A context manager: the
     part runners' helper threads end with it.
 
-    A pass in parts right after a whole pass on a wider team is timed after one more pass in parts,
-    untimed: that team's OpenMP workers go on spinning for a while after their pass, on the cores the
-    parts need, and a server that runs batches in parts meets that only when a lone request came just
-    before (its steady state is batches in parts one after the other)."""
+    A pass in parts right after a whole pass on a wider team is timed only once the process is quiet
+    (``wait_until_quiet``): that team's OpenMP workers go on spinning after their pass, on the cores
+    the parts need (libgomp's default spins for milliseconds: the part on the helper thread then
+    started late and lost its core for part of its pass, and the first one or two passes in parts
+    took up to twice their time, so one untimed pass in parts, the old remedy, was not enough:
+    docs/performance-log.md, "A second look at the layout"), and
+    a server that runs batches in parts meets that only when a lone request came just before (its
+    steady state is batches in parts one after the other)."""
 
     def __init__(self, model: FillMaskModel, layouts: list[Layout]) -> None:
         self.model = model
@@ -362,11 +378,35 @@ class _LayoutTimer:
         runner = self.runners[layout[1]]
         calls = [functools.partial(self.model.forward, [items[i] for i in cut]) for cut in cuts]
         if self.team > each:
-            runner.run(calls, each)
+            wait_until_quiet()
         self.team = each
         clock = time.perf_counter()
         tops = runner.run(calls, each)
         return time.perf_counter() - clock, list(zip(cuts, tops, strict=True))
+
+
+#: How often ``wait_until_quiet`` looks at the process's CPU time: no shorter than the kernel's
+#: scheduler tick (10 ms at 100 Hz), at which the CPU time of a thread running on another core is
+#: counted (over 1-ms looks, a spinning worker read as quiet) ...
+QUIET_TICK_S = 0.01
+#: ... until it used less than this share of one core over a look (a spinning thread that shares its
+#: core with other processes still uses more) ...
+QUIET_SHARE = 0.25
+QUIET_MOST_S = 0.2  # ... or this long has passed
+
+
+def wait_until_quiet() -> float:
+    """Sleep until this process uses less than ``QUIET_SHARE`` of a core over ``QUIET_TICK_S`` (an
+    OpenMP team's idle workers have stopped spinning), at most ``QUIET_MOST_S``; returns the seconds
+    waited. Measured, not a fixed pause: how long workers spin depends on the OpenMP runtime, its
+    settings and the CPU."""
+    started = time.perf_counter()
+    while (waited := time.perf_counter() - started) < QUIET_MOST_S:
+        cpu, clock = time.process_time(), time.perf_counter()
+        time.sleep(QUIET_TICK_S)
+        if time.process_time() - cpu < QUIET_SHARE * (time.perf_counter() - clock):
+            return time.perf_counter() - started
+    return waited
 
 
 def _set_threads(count: int) -> None:

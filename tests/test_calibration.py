@@ -13,9 +13,11 @@ import pytest
 from fillmask_server.calibration import (
     FIT_SHAPES,
     MIN_THREAD_ROUNDS,
+    THREAD_SHAPE,
     Calibration,
     choose_threads,
     fastest_per_count,
+    part_counts,
 )
 from fillmask_server.costmodel import Coefficients, fit
 from fillmask_server.cpus import (
@@ -27,6 +29,7 @@ from fillmask_server.cpus import (
     usable_cpus,
 )
 from fillmask_server.layout import choose_layout, serving_rate
+from fillmask_server.parts import plan
 from fillmask_server.tuning import THREAD_TIE
 
 
@@ -95,6 +98,19 @@ def test_parts_side_by_side_win_a_tie_with_one_team_of_as_many_threads() -> None
     assert choose_layout({(1, 1): 4e-3, (2, 1): 2e-3, (4, 1): 1e-3, (4, 2): 1e-3, (4, 4): 1e-3}) == (4, 4)
     assert choose_threads({1: 8.5e-3, 2: 6.0e-3}, 16, 10e-6, 2) == choose_layout(
         {(1, 1): 8.5e-3, (2, 1): 6.0e-3}, 16, 10e-6, 2)[0]
+
+
+def test_the_parts_timed_are_two_and_one_a_thread_but_never_more_than_the_batch_has_rows() -> None:
+    """On 64 threads, 64 parts of a 16-row batch would run as 16 parts of 4 threads (``parts.plan``),
+    so the calibration would time one layout and name another; it times 16 parts of 4 instead."""
+    assert THREAD_SHAPE[0] == 16
+    assert part_counts(1, 16) == [] and part_counts(2, 16) == [2] and part_counts(4, 16) == [2, 4]
+    assert part_counts(3, 16) == [3] and part_counts(16, 16) == [2, 16]
+    assert part_counts(24, 16) == [2, 12] and part_counts(64, 16) == [2, 16] and part_counts(17, 16) == []
+    for threads in range(1, 130):
+        for parts in part_counts(threads, 16):
+            cuts, each = plan([12] * 16, threads, parts)
+            assert len(cuts) == parts and each * parts == threads  # the layout timed is the one named
 
 
 def test_parts_are_not_held_to_a_full_width_teams_barrier_bound() -> None:
@@ -245,3 +261,35 @@ def test_a_float32_copy_that_cannot_be_loaded_leaves_the_reduced_dtype_unchecked
     said = [record.getMessage() for record in caplog.records]
     assert said == ["could not measure --dtype bfloat16 against float32 (CUDA out of memory. Tried to allocate "
                     "440.00 MiB); serving without that check"], said
+
+
+def test_the_timer_waits_while_another_thread_of_the_process_spins_and_not_once_it_stops() -> None:
+    """``wait_until_quiet`` (before a pass in parts is timed after a wider team's): it sleeps while a
+    thread of this process keeps a core busy (as an OpenMP team's idle workers do after a pass; here
+    a thread hashing without the GIL for 0.15 s), and returns within a few looks once it has stopped."""
+    import hashlib
+    import threading
+    import time
+
+    from fillmask_server.calibration import QUIET_MOST_S, QUIET_TICK_S, wait_until_quiet
+
+    spin_s = 0.15
+    assert spin_s < QUIET_MOST_S
+    data = bytes(1 << 16)
+    started = threading.Event()
+
+    def spin() -> None:
+        until = time.perf_counter() + spin_s
+        started.set()
+        while time.perf_counter() < until:
+            hashlib.sha256(data).digest()  # (releases the GIL: the waiting thread goes on looking)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    started.wait()
+    began = time.perf_counter()
+    waited = wait_until_quiet()
+    spinner.join()
+    assert waited >= spin_s - (time.perf_counter() - began - waited) - 4 * QUIET_TICK_S
+    assert waited >= 0.5 * spin_s
+    assert wait_until_quiet() <= 5 * QUIET_TICK_S  # quiet now: the first look or so
