@@ -170,12 +170,13 @@ class FillMaskServer:
                               unsent_total=lambda: self.unsent.total)
         calibration = self.calibration
         # The layout the calibration chose is measured again while serving (tuning.py): the tuner's
-        # candidates are the layouts it timed, by rank from 1 (the most preferred on a tie first); and
-        # chosen once more on the first busy spell, with the CPU a request takes beside the forward pass
-        # as measured then (layout.py's second look).
+        # candidates are the layouts it timed, by rank from 1 (the most preferred on a tie first; with
+        # --torch-threads set, that count's layouts, in one pass and in parts); and chosen once more on
+        # the first busy spell, with the CPU a request takes beside the forward pass as measured then
+        # (layout.py's second look).
         on_cpu = model.device.type == "cpu"
         parts = calibration.forward_parts if on_cpu else 1
-        layouts = calibration.layouts() if calibration.threads_from == "calibration" and on_cpu else []
+        layouts = calibration.layouts() if on_cpu else []
         tuner = (ThreadTuner(list(range(1, len(layouts) + 1)),
                              layouts.index((calibration.torch_threads, parts)) + 1, time.monotonic())
                  if len(layouts) > 1 else None)

@@ -6,11 +6,12 @@ another tenant) that starts, stops, or was busy during the calibration itself. T
 start together on two cores each measure two threads at many times their real time (each one's OpenMP
 barrier waits for a worker the other has descheduled) and would run on one thread for good.
 
-So the engine core keeps a ``ThreadTuner`` (when the calibration chose the count; a count the user
-set, or torch's default with the calibration off, is left alone). Its candidates are integers that
-it only orders: thread counts, or, where the calibration also timed batches in parts side by side,
-the ranks from 1 of the layouts it timed (``Calibration.layouts``: the fewer threads, then the
-narrower team, first), which the engine maps to (threads, parts). "Larger" below is then "later
+So the engine core keeps a ``ThreadTuner`` (when the calibration timed two layouts or more: torch's
+default with the calibration off, and the parts the user set, are left alone; a count the user set
+is never changed, only its layouts, in one pass and in parts, are tried). Its candidates are
+integers that it only orders: thread counts, or, where the calibration also timed batches in parts
+side by side, the ranks from 1 of the layouts it timed (``Calibration.layouts``: the fewer threads,
+then the narrower team, first), which the engine maps to (threads, parts). "Larger" below is then "later
 in that order". Now and then it runs a **probe**:
 up to ``PROBE_BATCHES`` timed batches at a neighbouring candidate count (the next smaller or larger
 one; after one warm-up batch at it, not counted), each batch's forward time divided by the cost
