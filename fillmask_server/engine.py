@@ -66,7 +66,7 @@ from .costmodel import CostModel
 from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
-from .layout import Look, SecondLook
+from .layout import SecondLook, words
 from .model import FillMaskModel
 from .parts import PartRunner, plan
 from .tuning import WINS_TO_SWITCH, ThreadTuner
@@ -414,8 +414,9 @@ class Engine:
             looking = self.core.measures_beside
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
                                                   passes=passes, threads=threads)
-            if looking and self.core.second_look is not None and self.core.second_look.done is not None:
-                self._log_look(self.core.second_look.done)
+            look = self.core.second_look
+            if looking and look is not None and look.done is not None:  # (made by this batch: its one line)
+                log.info("%s", look.done.line(look.layouts))
             elif self.core.threads is not None and self.core.threads.current != in_use:
                 now_in_use = self.core.threads.current
                 log.info("torch threads %s -> %s: batches so won %d probes in a row against the cost model while "
@@ -435,21 +436,9 @@ class Engine:
             self._hand_over_locked(failed)
             self._decode_wake.notify()
 
-    def _log_look(self, look: Look) -> None:
-        """The second look's one line (``layout.SecondLook``)."""
-        measured = (f"a request took {look.beside_s * 1e6:.0f} us of CPU beside the forward pass while serving "
-                    f"({look.requests} requests; the calibration could time {look.calibrated_s * 1e6:.0f} us of it)")
-        if look.chosen == look.before:
-            log.info("layout kept after a second look: %s; torch threads %s serve the most with it", measured,
-                     self._words(look.chosen))
-        else:
-            log.info("layout chosen again after a second look: %s; torch threads %s -> %s serve more with it",
-                     measured, self._words(look.before), self._words(look.chosen))
-
     def _words(self, threads: int) -> str:
         """``2`` or ``2 in 2 parts``: the layout of the tuner's ``threads``, for the log."""
-        total, parts = self.layout(threads)
-        return f"{total}" + (f" in {parts} parts" if parts > 1 else "")
+        return words(self.layout(threads))
 
     def _forward_all(self, items: list[Item], indices: list[int]) -> tuple[list[tuple[list[int], TopK]], list[int]]:
         """Top-k for ``indices`` of ``items``: (groups that succeeded, indices that failed alone).

@@ -96,6 +96,22 @@ class Look:
     before: int
     chosen: int
 
+    def line(self, layouts: list[Layout]) -> str:
+        """The log's one line about it (``layouts``: the candidates by rank, as the look had them)."""
+        measured = (f"a request took {self.beside_s * 1e6:.0f} us of CPU beside the forward pass while serving "
+                    f"({self.requests} requests; the calibration could time {self.calibrated_s * 1e6:.0f} us of it)")
+        chosen = words(layouts[self.chosen - 1])
+        if self.chosen == self.before:
+            return f"layout kept after a second look: {measured}; torch threads {chosen} serve the most with it"
+        return (f"layout chosen again after a second look: {measured}; torch threads "
+                f"{words(layouts[self.before - 1])} -> {chosen} serve more with it")
+
+
+def words(layout: Layout) -> str:
+    """A layout in the log's words: ``2``, or ``2 in 2 parts``."""
+    threads, parts = layout
+    return f"{threads}" + (f" in {parts} parts" if parts > 1 else "")
+
 
 class SecondLook:
     """The calibration's choice of layout made once more on a busy spell of serving (see the module

@@ -792,3 +792,22 @@ async def test_the_tail_counts_the_closed_loops_window_not_the_end_of_its_warm_u
     got = await tail.run(Path("models/tiny"), "tiny", "mixed", [], 4, warmup_s, duration_s)
     assert got["requests"] == 400
     assert round(got["p99_ms"], 6) == 10.0 and got["tail"]["queue_ms"] == pytest.approx(3.0)
+
+
+def test_the_second_look_benchmark_reads_the_engines_own_log_lines() -> None:
+    """``bench/second_look.py`` reads each start's layouts from the server's log: the calibration's
+    start-up line and the engine's second-look line (``Look.line``), kept or switched, in the words
+    they are written in."""
+    from bench.second_look import logged
+    from fillmask_server.calibration import Calibration
+    from fillmask_server.layout import Look
+
+    layouts = [(1, 1), (2, 2), (2, 1)]
+    one_pass = Calibration(2, "calibration", threads_ms={1: 7.0, 2: 5.1}, parts_ms={2: 5.4}).line()
+    in_parts = Calibration(2, "calibration", threads_ms={1: 7.0, 2: 5.1}, parts_ms={2: 5.0}, forward_parts=2).line()
+    switched = Look(89e-6, 3200, 10e-6, before=3, chosen=2).line(layouts)
+    assert "torch threads 2 -> 2 in 2 parts" in switched
+    assert logged(f"{one_pass}\n{switched}") == ((2, 1), 89, (2, 2))
+    assert logged(f"{in_parts}\n{Look(87e-6, 3428, 10e-6, 2, 2).line(layouts)}") == ((2, 2), 87, (2, 2))
+    assert logged(f"{in_parts}\n{Look(95e-6, 400, 10e-6, 2, 1).line(layouts)}") == ((2, 2), 95, (1, 1))
+    assert logged(one_pass) == ((2, 1), None, None)
