@@ -31,8 +31,18 @@ from bench.server_proc import ServerProcess  # noqa: E402
 from bench.thread_tuning import layout_in_use, layout_words  # noqa: E402
 
 CHOSEN = re.compile(r"calibrated in [\d.]+ s: torch threads (\d+)(?: in (\d+) parts)?")
+TIMED = re.compile(r"\(calibration: ([^;)]*)")
 LOOK = re.compile(r"(?:layout kept|layout chosen again) after a second look: a request took (\d+) us of CPU "
                   r".*torch threads (?:[\d ]+(?:in \d+ parts )?-> )?(\d+)(?: in (\d+) parts)? serve")
+
+
+def timed(log: str) -> str:
+    """The calibration's timings in its start-up line, shortened: ``1: 7.0, 2: 5.1, 2/2: 5.4`` (ms)."""
+    found = TIMED.search(log)
+    if found is None:
+        return "?"
+    return ", ".join(entry.replace(" in ", "/").replace(" parts", "").replace(" -> ", ": ").removesuffix(" ms")
+                     for entry in found[1].split(", "))
 
 
 def logged(log: str) -> tuple[tuple[int, int] | None, int | None, tuple[int, int] | None]:
@@ -53,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     texts = make_short_corpus()
     rows = []
-    print("start | calibration chose | look measured | look chose | in use after | req/s per window")
+    print("start | calibration timed (ms) | calibration chose | look measured | look chose | in use after | "
+          "req/s per window")
     for start in range(args.starts):
         with ServerProcess(Path(args.model), ["--log-level", "info"]) as server:
             rates = []
@@ -62,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(loadgen.settle(server.url))
                 rates.append(float(summary["throughput_rps"]))
             after = layout_in_use(server.port)
-            chosen, measured_us, looked = logged(Path(server.log_path).read_text())
+            log = Path(server.log_path).read_text()
+            chosen, measured_us, looked = logged(log)
         rows.append((chosen, looked, rates))
-        print(f"{start + 1:5d} | {layout_words(chosen) if chosen else '?':17s} | "
+        print(f"{start + 1:5d} | {timed(log):24s} | {layout_words(chosen) if chosen else '?':17s} | "
               f"{f'{measured_us} us a request' if measured_us is not None else 'no look':13s} | "
               f"{layout_words(looked) if looked else '-':10s} | {layout_words(after):12s} | "
               + ", ".join(f"{rate:.0f}" for rate in rates), flush=True)

@@ -798,7 +798,7 @@ def test_the_second_look_benchmark_reads_the_engines_own_log_lines() -> None:
     """``bench/second_look.py`` reads each start's layouts from the server's log: the calibration's
     start-up line and the engine's second-look line (``Look.line``), kept or switched, in the words
     they are written in."""
-    from bench.second_look import logged
+    from bench.second_look import logged, timed
     from fillmask_server.calibration import Calibration
     from fillmask_server.layout import Look
 
@@ -811,3 +811,4 @@ def test_the_second_look_benchmark_reads_the_engines_own_log_lines() -> None:
     assert logged(f"{in_parts}\n{Look(87e-6, 3428, 10e-6, 2, 2).line(layouts)}") == ((2, 2), 87, (2, 2))
     assert logged(f"{in_parts}\n{Look(95e-6, 400, 10e-6, 2, 1).line(layouts)}") == ((2, 2), 95, (1, 1))
     assert logged(one_pass) == ((2, 1), None, None)
+    assert timed(one_pass) == "1: 7.0, 2: 5.1, 2/2: 5.4"
