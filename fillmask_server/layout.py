@@ -8,8 +8,9 @@ same rule (``choose_layout``):
 - **the start-up calibration** (``calibration.py``), from each layout's time for one batch, and the
   CPU a request takes beside the forward pass as it can time that before any load (``stages_s``:
   parsing, tokenizing, checking, decoding, encoding);
-- **the second look** (``SecondLook``), once, on the first busy spell of serving: the same timings,
-  with the CPU a request was *measured* to take beside the forward pass while serving (the event
+- **the second look** (``SecondLook``), once, on the first busy spell of serving: the same timings
+  of the layouts of the thread count in use (one pass or parts), with the CPU a request was
+  *measured* to take beside the forward pass while serving (the event
   loop's and the tokenizer and decode stages' CPU time, ``time.thread_time``, per request run).
   The calibration cannot time the rest of it: the WebSocket framing, the socket calls, the wake-ups
   and hand-overs between threads, which on a small model are most of it. That CPU takes cores from
@@ -115,9 +116,18 @@ def words(layout: Layout) -> str:
 
 class SecondLook:
     """The calibration's choice of layout made once more on a busy spell of serving (see the module
-    docstring). ``layouts`` are the candidates in rank order (rank 1 first), ``batch_s`` each one's
-    calibrated time for a batch of ``rows`` rows; ``cpus``: those this process may use;
-    ``calibrated_s``: the CPU a request takes beside the forward pass as the calibration timed it."""
+    docstring), among the layouts of the thread count in use: one pass, or parts. ``layouts`` are the
+    candidates in rank order (rank 1 first), ``batch_s`` each one's calibrated time for a batch of
+    ``rows`` rows; ``cpus``: those this process may use; ``calibrated_s``: the CPU a request takes
+    beside the forward pass as the calibration timed it.
+
+    Why not another count: the measured CPU weighs on a full-width team (the rule's third bound),
+    which the calibration could not see; across counts it also weighs on the CPU bound, where one
+    calibration batch's rows misprice a layout with more passes: each part pays a pass's fixed
+    cost, which the larger batches of a busy server share out. On tiny, a start whose calibration
+    had timed two threads slowly chose one thread this way, and served less than in parts
+    (docs/performance-log.md, "A second look at the layout"). A change of count stays the tuner's
+    probes', which time it while serving."""
 
     def __init__(self, layouts: list[Layout], batch_s: list[float], rows: int, cpus: int,
                  calibrated_s: float = 0.0) -> None:
@@ -163,7 +173,8 @@ class SecondLook:
         if self._requests < LOOK_REQUESTS:  # busy with a slow model: the spell goes on
             return None
         beside_s = self._cpu_s / self._requests
-        timed = dict(zip(self.layouts, self.batch_s, strict=True))
+        threads = self.layouts[current - 1][0]  # the count in use: its layouts alone (see the class doc)
+        timed = {layout: s for layout, s in zip(self.layouts, self.batch_s, strict=True) if layout[0] == threads}
         chosen = self.layouts.index(choose_layout(timed, self.rows, beside_s, self.cpus)) + 1
         self.done = Look(beside_s, self._requests, self.calibrated_s, current, chosen)
         return self.done
