@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             last = layout_in_use(server.port)
             print(f"window {n + 1:2d} (t = {time.monotonic() - started:5.1f} s): {rps:8.1f} req/s at "
                   f"{layout_words(last)}")
-        switches = [line.split("INFO fillmask_server.engine: ")[-1][:60]
-                    for line in Path(server.log_path).read_text().splitlines() if " -> " in line and "engine" in line]
+        switches = [line.split("INFO fillmask_server.engine: ")[-1].split(": ")[0] + (
+                        ": " + line.split("; ")[-1] if "second look" in line else "")
+                    for line in Path(server.log_path).read_text().splitlines()
+                    if "fillmask_server.engine" in line and (" -> " in line or "second look" in line)]
         print("switches:", "; ".join(switches) or "none")
     finally:
         server.__exit__(None, None, None)

@@ -16,7 +16,9 @@ Modules, each one idea:
 - ``costmodel``: a batch's predicted engine time, fitted online from the batches that ran, pure.
 - ``engine``: the stages' threads (tokenizer, model, decode) around the core, and the hand-over.
 - ``calibration``: what the engine measures at start-up (torch threads, cost model, a dtype's speed);
-  ``tuning``: the torch thread count measured again while serving, pure.
+  ``tuning``: the torch thread count measured again while serving, pure; ``layout``: which layout
+  (threads, parts) serves the most, and the second look at it while serving, pure; ``parts``: a
+  batch's forward pass as parts side by side.
 - ``cpus``: the CPUs this process may use, its affinity within its cgroups' CPU quota.
 - ``connection``: one socket's ordered, byte-counted outbox.
 - ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines and checks;

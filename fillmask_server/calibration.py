@@ -135,19 +135,24 @@ class Calibration:
     def layouts(self) -> list[tuple[int, int]]:
         """The layouts timed, (all the threads, parts), the most preferred on a tie first (the fewer
         threads, then the narrower team: ``choose_layout``'s order); the thread tuner's candidates."""
-        timed = [(n, 1) for n in self.threads_ms] + [(self._parts_threads(p), p) for p in self.parts_ms]
-        return sorted(timed, key=preference)
+        return sorted(self._timed(), key=preference)
 
     def second_look(self) -> SecondLook | None:
         """The second look at the layout this calibration chose (``layout.SecondLook``), or None when
-        it timed fewer than two layouts (with ``--torch-threads`` set, that count's are timed)."""
+        no thread count was timed in two layouts (one pass and parts; with ``--torch-threads`` set,
+        that count is)."""
+        timed = self._timed()
         layouts = self.layouts()
-        if len(layouts) < 2:
+        if len({threads for threads, _ in layouts}) == len(layouts):
             return None
-        timed = {(n, 1): ms for n, ms in self.threads_ms.items()}
-        timed.update({(self._parts_threads(p), p): ms for p, ms in self.parts_ms.items()})
         return SecondLook(layouts, [timed[layout] / 1000 for layout in layouts], THREAD_SHAPE[0], self.cpus,
                           (self.stages_us or 0.0) / 1e6)
+
+    def _timed(self) -> dict[Layout, float]:
+        """Each layout timed, (all the threads, parts): its ms for ``THREAD_SHAPE``."""
+        timed = {(n, 1): ms for n, ms in self.threads_ms.items()}
+        timed.update({(self._parts_threads(p), p): ms for p, ms in self.parts_ms.items()})
+        return timed
 
     def _parts_threads(self, parts: int) -> int:
         """All the threads of the candidate layout of ``parts`` parts."""
@@ -194,7 +199,7 @@ def part_counts(threads: int, rows: int) -> list[int]:
     if threads < 2:
         return []
     widest = max(parts for parts in range(1, min(threads, rows) + 1) if threads % parts == 0)
-    return sorted({parts for parts in (2, widest) if parts > 1 and threads % parts == 0})
+    return sorted({parts for parts in (2, widest) if 1 < parts <= rows and threads % parts == 0})
 
 
 def uncalibrated(torch_threads: int = 0, forward_parts: int = 0) -> Calibration:
@@ -344,8 +349,8 @@ class _LayoutTimer:
     (``wait_until_quiet``): that team's OpenMP workers go on spinning after their pass, on the cores
     the parts need (libgomp's default spins for milliseconds: the part on the helper thread then
     started late and lost its core for part of its pass, and the first one or two passes in parts
-    took up to twice their time, so one untimed pass in parts, the old remedy, was not enough:
-    docs/performance-log.md, "A second look at the layout"), and
+    took longer, so one untimed pass in parts, the old remedy, was not enough:
+    docs/performance-log.md, "A second look at the layout while serving"), and
     a server that runs batches in parts meets that only when a lone request came just before (its
     steady state is batches in parts one after the other)."""
 
@@ -395,17 +400,19 @@ QUIET_SHARE = 0.25
 QUIET_MOST_S = 0.2  # ... or this long has passed
 
 
-def wait_until_quiet() -> float:
+def wait_until_quiet(cpu: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.perf_counter,
+                     sleep: Callable[[float], None] = time.sleep) -> float:
     """Sleep until this process uses less than ``QUIET_SHARE`` of a core over ``QUIET_TICK_S`` (an
     OpenMP team's idle workers have stopped spinning), at most ``QUIET_MOST_S``; returns the seconds
     waited. Measured, not a fixed pause: how long workers spin depends on the OpenMP runtime, its
-    settings and the CPU."""
-    started = time.perf_counter()
-    while (waited := time.perf_counter() - started) < QUIET_MOST_S:
-        cpu, clock = time.process_time(), time.perf_counter()
-        time.sleep(QUIET_TICK_S)
-        if time.process_time() - cpu < QUIET_SHARE * (time.perf_counter() - clock):
-            return time.perf_counter() - started
+    settings and the CPU. (``cpu``, ``clock`` and ``sleep``: the process's CPU time, the wall clock
+    and a sleep, for a test to fake.)"""
+    started = clock()
+    while (waited := clock() - started) < QUIET_MOST_S:
+        used, at = cpu(), clock()
+        sleep(QUIET_TICK_S)
+        if cpu() - used < QUIET_SHARE * (clock() - at):
+            return clock() - started
     return waited
 
 

@@ -66,14 +66,12 @@ from .costmodel import CostModel
 from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
-from .layout import SecondLook, words
+from .layout import Layout, SecondLook, words
 from .model import FillMaskModel
 from .parts import PartRunner, plan
 from .tuning import WINS_TO_SWITCH, ThreadTuner
 
 __all__ = ["Engine", "EngineStats"]
-
-Layout = tuple[int, int]  # (all the forward pass's threads, parts)
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +122,8 @@ class Engine:
         on_cpu = model.device.type == "cpu"
         if threads is not None and forward_parts > 1 and layouts is None:
             raise ValueError("a thread tuner with parts needs the layouts its candidates stand for")
+        if second_look is not None and (second_look.layouts != layouts or not on_cpu):
+            raise ValueError("a second look needs the layouts the tuner's candidates stand for, on a CPU")
         # With ``layouts`` (CPU), the tuner's candidates are their ranks from 1: layouts[rank - 1] is
         # (all the threads, parts) of the batches it gives that rank.
         self._layouts = layouts if on_cpu and threads is not None else None
@@ -312,6 +312,8 @@ class Engine:
             self._die(exc)
 
     def _intake_loop(self) -> None:
+        with self._lock:
+            self._count_cpu_locked()  # (this thread's first call: where its CPU time starts)
         while True:
             with self._lock:
                 while not self._stopping and not self.core.has_intake():
@@ -415,13 +417,15 @@ class Engine:
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
                                                   passes=passes, threads=threads)
             look = self.core.second_look
-            if looking and look is not None and look.done is not None:  # (made by this batch: its one line)
-                log.info("%s", look.done.line(look.layouts))
-            elif self.core.threads is not None and self.core.threads.current != in_use:
-                now_in_use = self.core.threads.current
+            made = look.done if looking and look is not None else None  # (made by this batch)
+            # A probe's switch (the look, if this batch made it, came after it: its ``before``).
+            probed = made.before if made is not None else self.core.threads.current if self.core.threads else 0
+            if probed != in_use:
                 log.info("torch threads %s -> %s: batches so won %d probes in a row against the cost model while "
                          "serving (tuning.py: a larger count, or a wider team, must be faster; a smaller one as "
-                         "fast)", self._words(in_use), self._words(now_in_use), WINS_TO_SWITCH)
+                         "fast)", self._words(in_use), self._words(probed), WINS_TO_SWITCH)
+            if made is not None and look is not None:
+                log.info("%s", made.line(look.layouts))
             self._forwarding = False
             # Counted before any of the batch's answers is handed over: whoever has an answer sees its batch.
             stats = self.stats
@@ -484,6 +488,8 @@ class Engine:
         heap: list[tuple[int, int, Job, int, TopK, _Forwarded]] = []
         left: dict[int, int] = {}  # batch id -> its jobs still in the heap
         order = itertools.count()
+        with self._lock:
+            self._count_cpu_locked()  # (this thread's first call: where its CPU time starts)
         while True:
             with self._lock:
                 while not self._stopping and not self._decoding and not heap:

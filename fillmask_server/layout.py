@@ -20,11 +20,13 @@ same rule (``choose_layout``):
   calibration's choice.
 
 Invariants: a second look decides at most once, and only from a spell of serving that began with
-a forward pass, lasted at least ``LOOK_WINDOW_S``, ran at least ``LOOK_REQUESTS`` requests, and in
-which the forward passes kept the engine busy at least ``LOOK_BUSY_SHARE`` of the time (an idle
-server's wake-ups cost more CPU a request than a busy one's, and its layout matters least). A spell
-found quieter than that is dropped, with the CPU counted in it, and the next begins; a busy spell
-short of requests (a slow model) goes on.
+a forward pass, lasted at least ``LOOK_WINDOW_S``, ran at least ``LOOK_REQUESTS`` requests in
+batches of ``LOOK_ROWS`` rows or more on average, and in which the forward passes kept the engine
+busy at least ``LOOK_BUSY_SHARE`` of the time. An idle server's wake-ups cost more CPU a request
+than a busy one's, and its layout matters least; a server answering one request at a time, even
+back to back, runs each whole in every layout, so its spell says nothing about them. A spell found
+quieter than that is dropped, with the CPU counted in it, and the next begins; a busy spell short
+of requests (a slow model) goes on.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from .tuning import THREAD_TIE
 Layout = tuple[int, int]  # (all the threads, parts)
 
 LOOK_WINDOW_S = 1.0  # the second look measures a spell of serving at least this long ...
-LOOK_BUSY_SHARE = 0.5  # ... in which the forward passes kept the engine busy at least this share of it ...
-LOOK_REQUESTS = 100  # ... and answered at least this many requests
+LOOK_BUSY_SHARE = 0.25  # ... in which the forward passes kept the engine busy at least this share of it ...
+LOOK_ROWS = 8  # ... in batches of at least this many rows on average ...
+LOOK_REQUESTS = 100  # ... that ran at least this many requests
 
 
 def preference(layout: Layout) -> tuple[int, int]:
@@ -96,12 +99,16 @@ class Look:
     calibrated_s: float
     before: int
     chosen: int
+    compared: int = 2  # the layouts of the count in use that it chose among (1: nothing to choose)
 
     def line(self, layouts: list[Layout]) -> str:
         """The log's one line about it (``layouts``: the candidates by rank, as the look had them)."""
         measured = (f"a request took {self.beside_s * 1e6:.0f} us of CPU beside the forward pass while serving "
                     f"({self.requests} requests; the calibration could time {self.calibrated_s * 1e6:.0f} us of it)")
         chosen = words(layouts[self.chosen - 1])
+        if self.compared < 2:
+            return (f"layout kept after a second look: {measured}; torch threads {chosen} is the one layout "
+                    "of its count timed")
         if self.chosen == self.before:
             return f"layout kept after a second look: {measured}; torch threads {chosen} serve the most with it"
         return (f"layout chosen again after a second look: {measured}; torch threads "
@@ -126,8 +133,9 @@ class SecondLook:
     calibration batch's rows misprice a layout with more passes: each part pays a pass's fixed
     cost, which the larger batches of a busy server share out. On tiny, a start whose calibration
     had timed two threads slowly chose one thread this way, and served less than in parts
-    (docs/performance-log.md, "A second look at the layout"). A change of count stays the tuner's
-    probes', which time it while serving."""
+    (docs/performance-log.md, "A second look at the layout while serving"). A change of count stays
+    the tuner's probes', which time it while serving. Where the count in use has one layout timed,
+    the look measures and keeps it (``Look.compared``)."""
 
     def __init__(self, layouts: list[Layout], batch_s: list[float], rows: int, cpus: int,
                  calibrated_s: float = 0.0) -> None:
@@ -142,6 +150,7 @@ class SecondLook:
         self._since: float | None = None  # when the spell being measured began (None: none yet)
         self._cpu_s = 0.0  # CPU beside the forward pass in it
         self._busy_s = 0.0  # forward passes in it
+        self._batches = 0  # how many
         self._requests = 0  # requests they ran
 
     @property
@@ -163,12 +172,13 @@ class SecondLook:
         if since is None:
             since = self._begin(now - seconds)
         self._busy_s += seconds
+        self._batches += 1
         self._requests += requests
         spell = now - since
         if spell < LOOK_WINDOW_S:
             return None
-        if self._busy_s < LOOK_BUSY_SHARE * spell:
-            self._begin(now)  # a quiet spell: measure the next one
+        if self._busy_s < LOOK_BUSY_SHARE * spell or self._requests < LOOK_ROWS * self._batches:
+            self._begin(now)  # a quiet spell, or requests one or a few at a time: measure the next one
             return None
         if self._requests < LOOK_REQUESTS:  # busy with a slow model: the spell goes on
             return None
@@ -176,12 +186,12 @@ class SecondLook:
         threads = self.layouts[current - 1][0]  # the count in use: its layouts alone (see the class doc)
         timed = {layout: s for layout, s in zip(self.layouts, self.batch_s, strict=True) if layout[0] == threads}
         chosen = self.layouts.index(choose_layout(timed, self.rows, beside_s, self.cpus)) + 1
-        self.done = Look(beside_s, self._requests, self.calibrated_s, current, chosen)
+        self.done = Look(beside_s, self._requests, self.calibrated_s, current, chosen, len(timed))
         return self.done
 
     def _begin(self, at: float) -> float:
         """A spell of serving begins ``at``; returns it."""
         self._since = at
         self._cpu_s = self._busy_s = 0.0
-        self._requests = 0
+        self._batches = self._requests = 0
         return at

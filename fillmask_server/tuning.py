@@ -167,21 +167,27 @@ class ThreadTuner:
         """Switch to ``candidate`` on evidence other than a probe's (the second look,
         ``layout.SecondLook``); True when that changed the count. A probe under way ends unjudged; as
         after a switch a probe won, the costs measured against the old count are forgotten, and the
-        next probe waits ``FIRST_INTERVAL_S`` and then for ``PROBE_BATCHES`` batches at the new count
-        (the first of them, a warm-up, not counted)."""
+        next probe waits ``FIRST_INTERVAL_S`` and then for ``PROBE_BATCHES`` + 1 batches at the new
+        count (the first of them a warm-up, which is not counted)."""
         if candidate not in self.candidates:
             raise ValueError(f"{candidate} is not one of the tuner's candidates {self.candidates}")
         if candidate == self.current:
             return False
         self._probe = self._returning = None
-        self.current = candidate
-        self.switches += 1
-        self._cost.clear()
-        self._wins = (0, 0)
-        self._reference.clear()
-        self._interval = self._wait = self._first_interval
+        self._switch_to(candidate, [])
+        self._wait = self._interval
         self._since = now
         return True
+
+    def _switch_to(self, candidate: int, ratios: list[float]) -> None:
+        """``current`` becomes ``candidate``, whose batches so far had ``ratios``; what was measured
+        against the count before it is forgotten, and probes start again from the first interval."""
+        self.current = candidate
+        self.switches += 1
+        self._cost.clear()  # measured against the count that was in use
+        self._wins = (0, 0)
+        self._reference = deque(ratios, maxlen=REFERENCE_BATCHES)
+        self._interval = self._first_interval
 
     def _beyond_current(self, seconds: float, predicted_s: float) -> float:
         """How much longer a batch took than the count in use would have (its median ratio times the
@@ -228,12 +234,7 @@ class ThreadTuner:
             self._interval = min(MAX_INTERVAL_S, self._interval * 2)
         elif self._wins[0] == probe and self._wins[1] + 1 >= WINS_TO_SWITCH:
             switched = (self.current, probe)
-            self.current = probe
-            self.switches += 1
-            self._cost.clear()  # measured against the count that was in use
-            self._wins = (0, 0)
-            self._reference = deque(self._probe_ratios, maxlen=REFERENCE_BATCHES)
-            self._interval = self._first_interval
+            self._switch_to(probe, self._probe_ratios)
         else:
             self._wins = (probe, self._wins[1] + 1 if self._wins[0] == probe else 1)
         self._wait = self._interval if switched or not won else self._first_interval  # a win is confirmed soon

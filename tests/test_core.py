@@ -529,7 +529,7 @@ def test_the_second_look_switches_the_tuner_to_its_layout_on_the_first_busy_spel
                    second_look=look)
     now, n, ranks = 0.0, 0, []
     while now < 2 * LOOK_WINDOW_S:
-        assert c.measures_beside or look.done is not None
+        assert c.measures_beside == (look.done is None)
         batch = [job(n + i, arrival=now) for i in range(8)]
         n += 8
         queue_up(c, batch)

@@ -711,8 +711,12 @@ def test_the_second_look_hears_the_cpu_of_every_thread_but_the_models_and_switch
     assert choose_layout(dict(zip(layouts, timed, strict=True)), 16, 0.0, 2) == (2, 1)
     assert choose_layout(dict(zip(layouts, timed, strict=True)), 16, 5e-6, 2) == (2, 2)
     look = SecondLook(layouts, timed, 16, 2)
-    engine = Engine(model, BatchPolicy(8, 4096), max_queue=1000, max_masks=4, deliver=collector,
-                    threads=ThreadTuner([1, 2, 3], 3, time.monotonic()), layouts=layouts, second_look=look)
+    with pytest.raises(ValueError, match="needs the layouts"):
+        Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=collector,
+               threads=ThreadTuner([1, 2, 3], 3, 0.0), layouts=layouts[:2], second_look=look)
+    engine = Engine(model, BatchPolicy(32, 4096), max_queue=1000, max_masks=4, deliver=collector,
+                    threads=ThreadTuner([1, 2, 3], 3, time.monotonic(), adaptive=False),  # (no probe)
+                    layouts=layouts, second_look=look)
     heard: list[str] = []
     beside = engine.core.beside
 

@@ -10,14 +10,15 @@ import pytest
 from fillmask_server.layout import (
     LOOK_BUSY_SHARE,
     LOOK_REQUESTS,
+    LOOK_ROWS,
     LOOK_WINDOW_S,
+    Look,
     SecondLook,
     choose_layout,
 )
 
 #: Two CPUs: one thread, two parts of one, two threads in one pass (the tuner's ranks 1, 2, 3), timed
-#: alone for 16 rows as the calibration timed them on the Zen 4 EPYC, in a start where the parts
-#: timed slower than one pass.
+#: alone for 16 rows, where the parts timed slower than one pass (a start of tiny's on a 2-core EPYC).
 LAYOUTS = [(1, 1), (2, 2), (2, 1)]
 TIMED = [7.47e-3, 6.07e-3, 5.375e-3]
 ROWS, CPUS = 16, 2
@@ -65,18 +66,20 @@ def test_the_second_look_chooses_with_the_cpu_measured_beside_the_forward_pass()
 def test_the_look_chooses_among_the_layouts_of_the_count_in_use_only() -> None:
     """A start whose calibration timed two threads slowly (7.3 ms in one pass, 6.7 in parts, one thread
     7.7) chose two parts; with 94 us measured beside the forward pass the rule over every layout
-    would take one thread (its 16-row batch misprices the parts' passes), which served about a fifth
-    less on the Zen 4 EPYC. The look keeps the count in use and chooses between its one pass and its
+    would take one thread (its 16-row batch misprices the parts' passes), which served less (the
+    performance log). The look keeps the count in use and chooses between its one pass and its
     parts: here the parts."""
     timed = [7.7e-3, 6.7e-3, 7.3e-3]
     assert choose_layout(dict(zip(LAYOUTS, timed, strict=True)), ROWS, 94e-6, CPUS) == (1, 1)
     second = SecondLook(LAYOUTS, timed, ROWS, CPUS, 10e-6)
     _, made = serve(second, 2 * LOOK_WINDOW_S, 0.02, 64, 94e-6, current=2)
     assert made is not None and made.before == made.chosen == 2
-    # From one thread, nothing else has that count: the look keeps it.
+    # From one thread, nothing else has that count: the look measures and keeps it, and says so.
     alone = SecondLook(LAYOUTS, TIMED, ROWS, CPUS, 10e-6)
     _, made = serve(alone, 2 * LOOK_WINDOW_S, 0.02, 64, 500e-6, current=1)
-    assert made is not None and made.before == made.chosen == 1
+    assert made is not None and made.before == made.chosen == 1 and made.compared == 1
+    assert made.line(LAYOUTS).endswith("torch threads 1 is the one layout of its count timed")
+    assert Look(88e-6, 200, 10e-6, 3, 2).line(LAYOUTS).endswith("torch threads 2 -> 2 in 2 parts serve more with it")
 
 
 def test_the_look_is_made_once_and_then_hears_nothing_more() -> None:
@@ -88,11 +91,14 @@ def test_the_look_is_made_once_and_then_hears_nothing_more() -> None:
 
 
 def test_a_quiet_spell_is_dropped_with_the_cpu_counted_in_it() -> None:
-    """Batches that keep the engine busy less than ``LOOK_BUSY_SHARE`` of the time decide nothing, and
-    their CPU (an idle server's wake-ups, costlier a request) does not weigh on the busy spell after."""
+    """Batches that keep the engine busy less than ``LOOK_BUSY_SHARE`` of the time decide nothing, nor
+    do requests that come one or a few at a time, even back to back (each runs whole in every
+    layout), and their CPU (wake-ups, costlier a request) does not weigh on the busy spell after."""
     second = look()
-    gap = 0.02 * (1 / LOOK_BUSY_SHARE)  # busy a third of the time
+    gap = 0.02 * (1 / (0.8 * LOOK_BUSY_SHARE) - 1)  # busy 0.8 of the share
     now, made = serve(second, 20 * LOOK_WINDOW_S, 0.02, 64, 5e-3, gap_s=gap)
+    assert made is None and second.measuring
+    now, made = serve(second, 20 * LOOK_WINDOW_S, 0.002, LOOK_ROWS - 1, 5e-3, now=now + 60)  # back to back
     assert made is None and second.measuring
     second.cpu(100.0)  # between the spells: not counted either
     _, made = serve(second, 2 * LOOK_WINDOW_S, 0.02, 64, 10e-6, now=now + 60)

@@ -259,7 +259,8 @@ def test_a_probes_cost_counts_the_slow_batch_back_and_a_switch_forgets_the_costs
 def test_adopting_a_count_ends_a_probe_unjudged_and_probes_again_only_from_the_new_count() -> None:
     """``adopt`` (the second look's switch, ``layout.SecondLook``) is a switch: a probe under way ends
     without a verdict and its costs are forgotten; the next probe waits the first interval and then
-    ``PROBE_BATCHES`` batches at the new count, the first of them a warm-up that the cost model skips."""
+    ``PROBE_BATCHES`` + 1 batches at the new count, the first of them a warm-up that the cost model
+    skips."""
     tuner = ThreadTuner([1, 2, 3], 3, 0.0)
     machine = Machine(tuner, {1: 3.0, 2: 1.0, 3: 1.0})
     run_until_a_probe(machine, 2)  # from 3, its one neighbour
