@@ -10,8 +10,8 @@ same rule (``choose_layout``):
   parsing, tokenizing, checking, decoding, encoding);
 - **the second look** (``SecondLook``), once, on the first busy spell of serving: the same timings
   of the layouts of the thread count in use (one pass or parts), with the CPU a request was
-  *measured* to take beside the forward pass while serving (the event
-  loop's and the tokenizer and decode stages' CPU time, ``time.thread_time``, per request run).
+  *measured* to take beside the forward pass while serving (the event loop's and the tokenizer and
+  decode stages' CPU time, ``time.thread_time``, per request run).
   The calibration cannot time the rest of it: the WebSocket framing, the socket calls, the wake-ups
   and hand-overs between threads, which on a small model are most of it. That CPU takes cores from
   a full-width OpenMP team (``serving_rate``'s third bound), so a layout that won alone may lose
@@ -24,7 +24,10 @@ a forward pass, lasted at least ``LOOK_WINDOW_S``, ran at least ``LOOK_REQUESTS`
 batches of ``LOOK_ROWS`` rows or more on average, and in which the forward passes kept the engine
 busy at least ``LOOK_BUSY_SHARE`` of the time. An idle server's wake-ups cost more CPU a request
 than a busy one's, and its layout matters least; a server answering one request at a time, even
-back to back, runs each whole in every layout, so its spell says nothing about them. A spell found
+back to back, runs each whole in every layout, so its spell says nothing about them. Batches of
+several rows are the sign of load (requests queue while a batch runs); the busy share only keeps a
+lone burst in a quiet spell out, and stays low because a small model's server is bound by its event
+loop and stages, not its forward passes. A spell found
 quieter than that is dropped, with the CPU counted in it, and the next begins; a busy spell short
 of requests (a slow model) goes on.
 """
@@ -38,7 +41,7 @@ from .tuning import THREAD_TIE
 Layout = tuple[int, int]  # (all the threads, parts)
 
 LOOK_WINDOW_S = 1.0  # the second look measures a spell of serving at least this long ...
-LOOK_BUSY_SHARE = 0.25  # ... in which the forward passes kept the engine busy at least this share of it ...
+LOOK_BUSY_SHARE = 0.1  # ... in which the forward passes kept the engine busy at least this share of it ...
 LOOK_ROWS = 8  # ... in batches of at least this many rows on average ...
 LOOK_REQUESTS = 100  # ... that ran at least this many requests
 
