@@ -33,7 +33,8 @@ from bench.thread_tuning import layout_in_use, layout_words  # noqa: E402
 CHOSEN = re.compile(r"calibrated in [\d.]+ s: torch threads (\d+)(?: in (\d+) parts)?")
 TIMED = re.compile(r"\(calibration: ([^;)]*)")
 LOOK = re.compile(r"(?:layout kept|layout chosen again) after a second look: a request took (\d+) us of CPU "
-                  r".*torch threads (?:[\d ]+(?:in \d+ parts )?-> )?(\d+)(?: in (\d+) parts)? serve")
+                  r".*torch threads (?:[\d ]+(?:in \d+ parts )?-> )?(\d+)(?: in (\d+) parts)? "
+                  r"(?:serve|is the one layout)")
 
 
 def timed(log: str) -> str:

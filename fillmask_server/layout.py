@@ -26,8 +26,8 @@ busy at least ``LOOK_BUSY_SHARE`` of the time. An idle server's wake-ups cost mo
 than a busy one's, and its layout matters least; a server answering one request at a time, even
 back to back, runs each whole in every layout, so its spell says nothing about them. Batches of
 several rows are the sign of load (requests queue while a batch runs); the busy share only keeps a
-lone burst in a quiet spell out, and stays low because a small model's server is bound by its event
-loop and stages, not its forward passes. A spell found
+lone burst in a quiet spell out, and stays low because a small model's server may be bound by its
+event loop and stages rather than its forward passes. A spell found
 quieter than that is dropped, with the CPU counted in it, and the next begins; a busy spell short
 of requests (a slow model) goes on.
 """

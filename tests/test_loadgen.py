@@ -811,4 +811,6 @@ def test_the_second_look_benchmark_reads_the_engines_own_log_lines() -> None:
     assert logged(f"{in_parts}\n{Look(87e-6, 3428, 10e-6, 2, 2).line(layouts)}") == ((2, 2), 87, (2, 2))
     assert logged(f"{in_parts}\n{Look(95e-6, 400, 10e-6, 2, 1).line(layouts)}") == ((2, 2), 95, (1, 1))
     assert logged(one_pass) == ((2, 1), None, None)
+    one_thread = Look(71e-6, 9913, 9e-6, 1, 1, compared=1).line(layouts)
+    assert logged(f"{one_pass}\n{one_thread}") == ((2, 1), 71, (1, 1))  # (the one layout of its count)
     assert timed(one_pass) == "1: 7.0, 2: 5.1, 2/2: 5.4"
