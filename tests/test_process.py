@@ -236,6 +236,29 @@ def test_forward_parts_beyond_the_cpus_or_their_threads_are_named_and_far_beyond
     assert validate(Config(forward_parts=-1)) == "--forward-parts must not be negative"
 
 
+def test_forward_parts_on_a_gpu_say_so_and_run_one_pass(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Parts share CPU cores: a model on a GPU runs each batch in one pass whatever ``--forward-parts``
+    says, and the start-up says so in one line (a CUDA device is named, not used: the calibration is
+    off, so nothing runs on it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import ws_server
+
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(ws_server, "load_model", lambda *args, **kwargs: on_gpu)
+    before = torch.get_num_threads()
+    try:
+        model, calibration = ws_server._load_and_calibrate(Config(model="tiny", forward_parts=2, calibration_s=0))
+    finally:
+        torch.set_num_threads(before)
+    assert model is on_gpu and calibration.forward_parts == 1
+    assert ("warning: --forward-parts 2 applies on a CPU; on cuda:0 each batch runs as one pass"
+            in capsys.readouterr().err.splitlines())
+
+
 def test_the_settings_checks_count_the_cpus_within_a_container_quota_as_the_calibration_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The settings' checks counted the CPUs by affinity alone, while the calibration read the cgroup's
