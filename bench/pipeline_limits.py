@@ -119,7 +119,7 @@ def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate,
 
     from fillmask_server.decode import SequenceDecoder, predictions_json
     from fillmask_server.items import Item
-    from fillmask_server.parts import PartRunner, split
+    from fillmask_server.parts import PartRunner, plan
 
     decoder = SequenceDecoder(model.decode_tokenizer)
     lengths = [len(ids) for ids in model.tokenize(texts)]
@@ -131,13 +131,12 @@ def limit_rates(model: Any, texts: list[str], repeats: int, gate: QuietGate,
                                       if 2 in layouts else None)
 
     def forward(items: list[Item], parts: int) -> list[tuple[list[int], Any]]:
-        cuts = split([len(item.input_ids) for item in items], parts)
+        cuts, each = plan([len(item.input_ids) for item in items], threads, parts if runner is not None else 1)
+        torch.set_num_threads(each)
         if len(cuts) == 1 or runner is None:
-            torch.set_num_threads(threads)
-            return [(list(range(len(items))), model.forward(items))]
-        torch.set_num_threads(runner.threads_each)
+            return [(cuts[0], model.forward(items))]
         calls = [functools.partial(model.forward, [items[i] for i in cut]) for cut in cuts]
-        return list(zip(cuts, runner.run(calls), strict=True))
+        return list(zip(cuts, runner.run(calls, each), strict=True))
 
     def run(size: int, parts: int, decode: bool) -> float:
         batches = [[texts[i] for i in order[start: start + size]] for start in range(0, len(order), size)]

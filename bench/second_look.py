@@ -15,7 +15,6 @@ start that the calibration put in one pass should be as fast as the others from 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import statistics
 import sys
@@ -25,10 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import loadgen  # noqa: E402
 from bench.corpus import make_short_corpus  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
-from bench.thread_tuning import layout_in_use, layout_words  # noqa: E402
+from bench.thread_tuning import layout_in_use, layout_words, window  # noqa: E402
 
 CHOSEN = re.compile(r"calibrated in [\d.]+ s: torch threads (\d+)(?: in (\d+) parts)?")
 TIMED = re.compile(r"\(calibration: ([^;)]*)")
@@ -68,11 +66,7 @@ def main(argv: list[str] | None = None) -> int:
           "req/s per window")
     for start in range(args.starts):
         with ServerProcess(Path(args.model), ["--log-level", "info"]) as server:
-            rates = []
-            for _ in range(args.windows):
-                summary = asyncio.run(loadgen.closed_loop(server.url, texts, 32, 4, 0.5, args.window_s))
-                asyncio.run(loadgen.settle(server.url))
-                rates.append(float(summary["throughput_rps"]))
+            rates = [window(server, texts, args.window_s) for _ in range(args.windows)]
             after = layout_in_use(server.port)
             log = Path(server.log_path).read_text()
             chosen, measured_us, looked = logged(log)

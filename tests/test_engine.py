@@ -78,6 +78,15 @@ def record_forward(model: FillMaskModel, monkeypatch: pytest.MonkeyPatch) -> lis
     return calls
 
 
+def submit_as_one_batch(engine: Engine, jobs: list[Job]) -> None:
+    """Submit ``jobs`` (each accepted) while the model thread is held, and wait until all are queued:
+    they run together (within the batch caps)."""
+    with engine.paused():
+        for j in jobs:
+            assert engine.submit(j) is Admission.ACCEPTED
+        wait_runnable(engine, len(jobs))
+
+
 def wait_runnable(engine: Engine, count: int) -> None:
     deadline = time.monotonic() + 10
     while engine.runnable() < count:
@@ -676,11 +685,8 @@ def test_the_thread_tuner_measures_the_layouts_in_parts_too(model: FillMaskModel
         deadline = time.monotonic() + 30
         while not any(name == "fillmask-model" and items == 2 for name, items, _ in calls):  # a probe in one pass
             assert time.monotonic() < deadline, calls
-            with engine.paused():
-                for _ in range(2):
-                    assert engine.submit(job(n)) is Admission.ACCEPTED
-                    n += 1
-                wait_runnable(engine, 2)
+            submit_as_one_batch(engine, [job(n), job(n + 1)])
+            n += 2
             collector.wait_for(n)
     finally:
         engine.stop()
@@ -739,11 +745,8 @@ def test_the_second_look_hears_the_cpu_of_every_thread_but_the_models_and_switch
             collector.wait_for(n - 16)
         collector.wait_for(n)
         looked = len(calls)
-        with engine.paused():  # then a batch of several texts, in the layout chosen
-            for _ in range(4):
-                assert engine.submit(job(n)) is Admission.ACCEPTED
-                n += 1
-            wait_runnable(engine, 4)
+        submit_as_one_batch(engine, [job(n + i) for i in range(4)])  # then several texts, in the layout chosen
+        n += 4
         collector.wait_for(n)
     finally:
         engine.stop()
