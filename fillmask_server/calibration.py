@@ -1,6 +1,6 @@
 """Start-up calibration: what the engine measures about this machine before it serves.
 
-Three measurements, each a few forward passes of the loaded model on synthetic batches (the model's
+Four measurements, each a few forward passes of the loaded model on synthetic batches (the model's
 own tokens around its mask token), all within ``--calibration-s``:
 
 1. **Torch threads, and the forward pass in parts** (a flag the user sets wins: nothing is timed with
@@ -29,7 +29,16 @@ own tokens around its mask token), all within ``--calibration-s``:
    ``overhead + token·padded + row·rows`` (``costmodel.fit``), and the decode price per byte of answer
    bound from decoding their top-k; the engine's ``CostModel`` starts from it and goes on fitting
    online (and never prices a batch's overhead above the fastest batch it runs).
-3. **Reduced precision** (``--dtype bfloat16``, ``float16`` or ``int8`` only): the same batch on a
+3. **A lone request after a quiet spell** (on a CPU, the count not set by ``--torch-threads``, two
+   threads or more chosen): a request of one text, timed on one thread and on all the layout's
+   threads, each once the team's OpenMP workers have gone quiet after a pass (``wait_until_quiet``,
+   which also says how long they took) and stayed so as long again, ``QUIET_ROUNDS`` rounds, the
+   median of each kept: the slow
+   first pass after a quiet spell is what is measured. Where one thread is the faster
+   (``layout.choose_quiet_lone``), the engine runs a lone request on one thread after such a quiet
+   (``layout.QuietLone``): on a machine where waking a sleeping team is slow, every request of a
+   lightly loaded server is such a one.
+4. **Reduced precision** (``--dtype bfloat16``, ``float16`` or ``int8`` only): the same batch on a
    float32 copy of the model; when the chosen dtype is slower, ``Calibration.warning`` is one line
    saying so with the measured ratio (a CPU without native bf16 emulates it).
 
@@ -45,6 +54,7 @@ import functools
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -59,7 +69,7 @@ from .cpus import usable_cpus
 from .decode import SequenceDecoder, predictions_json
 from .diagnosis import first_line
 from .items import Item, TopK
-from .layout import Layout, SecondLook, choose_layout, preference
+from .layout import Layout, QuietLone, SecondLook, choose_layout, choose_quiet_lone, preference
 from .loading import on_a_thread_that_ends
 from .model import FillMaskModel
 from .parts import PartRunner, plan
@@ -76,6 +86,8 @@ THREAD_SHAPE = (16, 16)  # rows x tokens of the batch the thread counts are time
 # (with widths that repeat, tokens follow rows and a few percent of noise can fit any token price).
 FIT_SHAPES = ((1, 8), (8, 8), (2, 40), (16, 16), (32, 24))
 FIT_ROUNDS = 4  # timed passes per shape, the shapes in turn like the thread counts (at least MIN_THREAD_ROUNDS)
+QUIET_ROUNDS = 3  # a lone request timed after a quiet spell, per count (at least MIN_THREAD_ROUNDS) ...
+QUIET_GAP = 2.0  # ... that spell this many times as long, from the team's pass, as its workers took to go quiet
 TOP_K = 5
 SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
 
@@ -92,6 +104,8 @@ class Calibration:
     stages_us: float | None = None  # CPU microseconds a request takes outside the forward pass (``stages_s``)
     coefficients: Coefficients | None = None
     samples: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded tokens, seconds)
+    quiet_lone_ms: dict[int, float] = field(default_factory=dict)  # per count: a lone request after the team's quiet
+    quiet_after_ms: float | None = None  # how long the team took to go quiet after its pass (``wait_until_quiet``)
     dtype: str = "float32"
     dtype_speed: float | None = None  # float32's time ÷ the chosen dtype's (below 1: slower than float32)
     seconds: float = 0.0
@@ -127,6 +141,12 @@ class Calibration:
                                          "per_token_us": round(c.token_s * 1e6, 4),
                                          "per_row_us": round(c.row_s * 1e6, 4),
                                          "per_output_kb_us": round(c.byte_s * 1e9, 4)}
+        if self.quiet_lone_ms and self.quiet_after_ms is not None:
+            quiet = self.quiet_lone()
+            calibration["quiet_lone"] = {
+                "after_ms": round(self.quiet_after_ms, 3),
+                "threads_ms": [{"threads": n, "ms": round(ms, 3)} for n, ms in sorted(self.quiet_lone_ms.items())],
+                "threads": quiet.threads if quiet is not None else max(self.quiet_lone_ms)}
         if self.dtype_speed is not None:
             # Three significant figures, not three decimals: a ratio under 0.0005 must not read 0 (§2: > 0).
             calibration["dtype_speed_vs_float32"] = float(f"{self.dtype_speed:.3g}")
@@ -136,6 +156,13 @@ class Calibration:
         """The layouts timed, (all the threads, parts), the most preferred on a tie first (the fewer
         threads, then the narrower team: ``choose_layout``'s order); the thread tuner's candidates."""
         return sorted(self._timed(), key=preference)
+
+    def quiet_lone(self) -> QuietLone | None:
+        """How a lone request runs after the team has gone quiet (``layout.QuietLone``), or None: not
+        timed, or the team's threads are as fast for it."""
+        if not self.quiet_lone_ms or self.quiet_after_ms is None:
+            return None
+        return choose_quiet_lone({n: ms / 1000 for n, ms in self.quiet_lone_ms.items()}, self.quiet_after_ms / 1000)
 
     def second_look(self) -> SecondLook | None:
         """The second look at the layout this calibration chose (``layout.SecondLook``), or None when
@@ -179,6 +206,12 @@ class Calibration:
             c = self.coefficients
             parts.append(f"cost model {c.overhead_s * 1e3:.3f} ms per batch + {c.token_s * 1e6:.2f} us per padded "
                          f"token + {c.row_s * 1e6:.1f} us per row + {c.byte_s * 1e9:.1f} us per KB of output")
+        if self.quiet_lone_ms and self.quiet_after_ms is not None:
+            quiet = self.quiet_lone()
+            timed = ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.quiet_lone_ms.items()))
+            parts.append(quiet.line() if quiet is not None else
+                         f"a lone request after {self.quiet_after_ms:.0f} ms of quiet keeps {max(self.quiet_lone_ms)} "
+                         f"threads ({timed})")
         if self.dtype_speed is not None:
             parts.append(f"{self.dtype} at {self.dtype_speed:.2f}x float32's speed")
         return f"calibrated in {self.seconds:.2f} s: " + "; ".join(parts)
@@ -277,6 +310,11 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             result.torch_threads, result.forward_parts = choose_layout(fastest, len(items), beside, result.cpus)
             result.threads_from = "flag" if torch_threads else "calibration"
         torch.set_num_threads(result.torch_threads)
+    if on_cpu and not torch_threads and result.torch_threads > 1:
+        lone_s, quiet_s = time_quiet_lone(model, result.torch_threads,
+                                          lambda: time.perf_counter() < started + budget_s / 2)
+        result.quiet_lone_ms = {count: seconds * 1000 for count, seconds in lone_s.items()}
+        result.quiet_after_ms = quiet_s * 1000
     decode_s = 0.0
     decode_bytes = 0
     batches: dict[tuple[int, int], list[Item]] = {}
@@ -414,6 +452,39 @@ def wait_until_quiet(cpu: Callable[[], float] = time.process_time, clock: Callab
         if cpu() - used < QUIET_SHARE * (clock() - at):
             return clock() - started
     return waited
+
+
+def time_quiet_lone(model: FillMaskModel, team: int, more: Callable[[], bool] = lambda: True
+                    ) -> tuple[dict[int, float], float]:
+    """A lone request's seconds on one thread and on ``team`` threads, each timed once the team's
+    workers have gone quiet after its last pass and stayed so as long again (``QUIET_GAP`` times the
+    wait from the pass: on a virtual machine the slow wake-up came only after its CPU had been idle a
+    while), the counts in turn for up to ``QUIET_ROUNDS`` rounds (after ``MIN_THREAD_ROUNDS``, while
+    ``more()``): the median of each count's, not the fastest, since the first pass after a quiet spell
+    is what is measured; and the longest such spell, from the team's pass. Leaves this thread at
+    ``team`` threads."""
+    items = batch_items(model, 1, THREAD_SHAPE[1])
+    counts = (1, team)
+    for count in counts:
+        _set_threads(count)
+        _warm(model, items)  # (the graph's shape, at each count)
+    times: dict[int, list[float]] = {count: [] for count in counts}
+    quiet_s = 0.0
+    # (The last pass of the team's warm-up, then each timed one on it, is the pass the next quiet follows;
+    # a pass on one thread leaves no worker spinning, and its own wait ends at the first look.)
+    for done in range(QUIET_ROUNDS):
+        if done >= MIN_THREAD_ROUNDS and not more():
+            break
+        for count in counts:
+            waited = wait_until_quiet()  # the team's workers spin on after its pass until they sleep ...
+            time.sleep(waited * (QUIET_GAP - 1))  # ... and stay asleep a while
+            quiet_s = max(quiet_s, waited * QUIET_GAP)
+            _set_threads(count)
+            clock = time.perf_counter()
+            model.forward(items)
+            times[count].append(time.perf_counter() - clock)
+    _set_threads(team)
+    return {count: statistics.median(seconds) for count, seconds in times.items()}, quiet_s
 
 
 def _set_threads(count: int) -> None:

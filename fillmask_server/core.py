@@ -264,11 +264,14 @@ class EngineCore:
         return self.threads.count(now) if self.threads is not None and batch else 0
 
     def update_from_output(self, batch: list[Job], padded_tokens: int, forwarded: list[int], failed: list[int],
-                           seconds: float, now: float, passes: int = 1, threads: int = 0) -> list[Outcome]:
+                           seconds: float, now: float, passes: int = 1, threads: int = 0,
+                           typical: bool = True) -> list[Outcome]:
         """The model ran ``batch`` in ``seconds`` (``passes`` forward passes: more after a split) at
         ``threads`` (``Scheduled.threads``: a torch thread count, or a layout's rank, see ``tuning.py``):
         ``forwarded`` indices go to the decode stage,
-        ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use."""
+        ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use.
+        ``typical`` False: the batch ran on other threads than that layout's (a lone request after a
+        quiet spell, ``layout.QuietLone``), and says nothing of it to the tuner or the cost model."""
         outcomes: list[Outcome] = []
         # ``seconds`` is the forward pass alone: the time spent choosing the batch (``schedule``) is the
         # requests' queue time, not the batch's, and the cost model prices forward passes only, as the
@@ -285,14 +288,14 @@ class EngineCore:
                 self._move(batch[i], Event.FORWARDED)
         whole = passes == 1 and not failed  # one pass of the whole batch: its time says what a batch costs
         in_use = True  # ran at the thread count in use (not a probe's, not a warm-up after a change)
-        if self.threads is not None and threads:
+        if self.threads is not None and threads and typical:
             predicted = self.cost.forward_s(len(batch), padded_tokens)
             in_use = self.threads.ran(threads, seconds if whole else 0.0, predicted, now).fit
         if self.threads is not None and self.second_look is not None:
             look = self.second_look.ran(len(batch), seconds, now, self.threads.current)
             if look is not None:
                 self.threads.adopt(look.chosen, now)
-        if whole and in_use:
+        if whole and in_use and typical:
             self.cost.observe_forward(len(batch), padded_tokens, seconds)
         self.policy.batch_ran(seconds)
         # Its answers leave as soon as they are decoded: count their clients as coming back from now,

@@ -15,7 +15,9 @@
   (CPU), a batch of several items runs as up to that many parts side by side (``parts.py``): the first
   on this thread, the others on helper threads (``fillmask-part-N``) that run only the model, the
   parts sharing all their threads (``part_threads`` each when the batch fills every part); a batch of
-  one item runs whole, on all of them.
+  one item runs whole, on all of them, but on the fewer threads of ``quiet`` (``layout.QuietLone``,
+  measured by the calibration) when the model thread's last pass on two threads or more ended long
+  enough ago for their team to have gone quiet.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -46,6 +48,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -66,7 +69,7 @@ from .costmodel import CostModel
 from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
-from .layout import Layout, SecondLook, words
+from .layout import Layout, QuietLone, SecondLook, words
 from .model import FillMaskModel
 from .parts import PartRunner, plan
 from .tuning import WINS_TO_SWITCH, ThreadTuner
@@ -117,7 +120,7 @@ class Engine:
                  memory: AnswerMemory | None = None, cost: CostModel | None = None,
                  threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None,
                  forward_parts: int = 1, part_threads: int = 1, layouts: list[Layout] | None = None,
-                 second_look: SecondLook | None = None) -> None:
+                 second_look: SecondLook | None = None, quiet: QuietLone | None = None) -> None:
         self.model = model
         on_cpu = model.device.type == "cpu"
         if threads is not None and forward_parts > 1 and layouts is None:
@@ -129,6 +132,8 @@ class Engine:
         self._layouts = layouts if on_cpu and threads is not None else None
         self._fixed_parts = forward_parts if on_cpu else 1  # (parts only share CPU cores)
         self._part_threads = part_threads
+        self._quiet = quiet if on_cpu else None  # a lone request after the team's quiet (``layout.QuietLone``)
+        self._team_ran_at = -math.inf  # when the model thread's last pass on two threads or more ended
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads, second_look)
@@ -396,6 +401,9 @@ class Engine:
         runner = self._runner
         total, most = self.layout(threads)
         parts, count = plan([len(item.input_ids) for item in items], total, most if runner is not None else 1)
+        layout_count = count
+        if self._quiet is not None and count:  # a lone request after the team's quiet: maybe fewer threads
+            count = self._quiet.threads_for(len(items), count, started - self._team_ran_at)
         if count and count != self._threads_set:
             self.model.set_threads(count)
             self._threads_set = count
@@ -409,13 +417,15 @@ class Engine:
             failed_items = [i for _, part_failed in done for i in part_failed]
         passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass
         finished = self._clock()
+        if count > 1:
+            self._team_ran_at = finished
         elapsed = finished - started
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
             in_use = self.core.threads.current if self.core.threads is not None else 0
             looking = self.core.measures_beside
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
-                                                  passes=passes, threads=threads)
+                                                  passes=passes, threads=threads, typical=count == layout_count)
             look = self.core.second_look
             made = look.done if looking and look is not None else None  # (made by this batch)
             # A probe's switch (the look, if this batch made it, came after it: its ``before``).

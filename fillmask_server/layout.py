@@ -30,6 +30,16 @@ lone burst in a quiet spell out, and stays low because a small model's server ma
 event loop and stages rather than its forward passes. A spell found
 quieter than that is dropped, with the CPU counted in it, and the next begins; a busy spell short
 of requests (a slow model) goes on.
+
+A third choice is made for **a lone request after a quiet spell** (``QuietLone``): an OpenMP team's
+idle workers spin for a while after a pass and then sleep, and on some machines the first pass that
+wakes them takes several times a warm one, and longer than one thread takes for it (on a 2-core KVM
+guest with a small model: docs/performance-log.md, "A lone request after a quiet spell"). The calibration
+times a lone request on one thread and on the team once the team has gone quiet
+(``choose_quiet_lone``); where one thread is the faster, a lone request that starts at least as long
+after the model thread's last pass on the team as the team took to go quiet runs on one thread.
+Invariant: that rule changes only batches of one request, and only to fewer threads than their
+layout gives them.
 """
 
 from __future__ import annotations
@@ -116,6 +126,44 @@ class Look:
             return f"layout kept after a second look: {measured}; torch threads {chosen} serve the most with it"
         return (f"layout chosen again after a second look: {measured}; torch threads "
                 f"{words(layouts[self.before - 1])} -> {chosen} serve more with it")
+
+
+@dataclass(frozen=True)
+class QuietLone:
+    """A lone request after the team has gone quiet runs whole on ``threads`` threads (fewer than the
+    team's): the team's last pass ended at least ``after_s`` ago, the time its workers took to go
+    quiet in the calibration. ``lone_s``: the calibration's time for a lone request after that
+    quiet, by thread count, for the log and ``hello``."""
+
+    threads: int
+    after_s: float
+    lone_s: tuple[tuple[int, float], ...] = ()
+
+    def threads_for(self, rows: int, threads: int, quiet_s: float) -> int:
+        """The threads a batch of ``rows`` rows runs on, its layout giving it ``threads`` whole, when
+        the model thread's team last ran ``quiet_s`` seconds ago (``inf``: never)."""
+        return self.threads if rows == 1 and threads > self.threads and quiet_s >= self.after_s else threads
+
+    def line(self) -> str:
+        """The start-up log's words for it."""
+        timed = ", ".join(f"{count} -> {seconds * 1e3:.1f} ms" for count, seconds in self.lone_s)
+        return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet runs on {self.threads} "
+                f"thread{'s' if self.threads > 1 else ''} ({timed})")
+
+
+def choose_quiet_lone(lone_s: dict[int, float], after_s: float) -> QuietLone | None:
+    """The rule for a lone request after the team went quiet (``after_s``), from its time on each
+    thread count after such a quiet (``lone_s``, the team's count the largest): the fastest count, or
+    among those within ``THREAD_TIE`` of it the fewest threads; None when that is the team's (a lone
+    request keeps its layout's threads)."""
+    if not lone_s or after_s < 0 or min(lone_s.values()) <= 0:
+        raise ValueError("a lone request's time after a quiet spell is needed on each count, and how long the "
+                         "team took to go quiet")
+    best = min(lone_s.values())
+    chosen = min(count for count, seconds in lone_s.items() if seconds <= best * (1 + THREAD_TIE))
+    if chosen == max(lone_s):
+        return None
+    return QuietLone(chosen, after_s, tuple(sorted(lone_s.items())))
 
 
 def words(layout: Layout) -> str:

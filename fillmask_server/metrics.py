@@ -192,6 +192,16 @@ class Metrics:
         and the batch caps (read at scrape time)."""
         self.registry.register(_CostModelCollector(torch_threads, coefficients, caps, forward_parts))
 
+    def quiet_lone(self, threads: int, after_s: float) -> None:
+        """Export the start-up calibration's rule for a lone request after a quiet spell
+        (``layout.QuietLone``): where none applies, neither series is there."""
+        Gauge("fillmask_quiet_lone_threads", "Torch threads a lone request runs on once the model's thread team has "
+              "been quiet (measured by the start-up calibration: fewer than its layout's, where waking the team "
+              "is slower than one thread).", registry=self.registry).set(threads)
+        Gauge("fillmask_quiet_lone_after_seconds", "How long the model's thread team must have been quiet for "
+              "fillmask_quiet_lone_threads to apply (the time its workers took to go quiet at start-up).",
+              registry=self.registry).set(after_s)
+
     def answered(self, outcome: str, code: str) -> None:
         """Count one answer handed to a client's socket, labelled by what it was (never by parsing it)."""
         child = self._answers.get((outcome, code))

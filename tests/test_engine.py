@@ -16,6 +16,7 @@ from fillmask_server.core import Admission
 from fillmask_server.engine import Engine
 from fillmask_server.items import Item
 from fillmask_server.jobs import Expired, Job, Outcome, Rejected, Result, State
+from fillmask_server.layout import QuietLone
 from fillmask_server.loading import load_model
 from fillmask_server.model import FillMaskModel
 from fillmask_server.protocol import FillMaskRequest
@@ -267,6 +268,11 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
         assert f"fillmask_torch_threads {float(engine['torch_threads'])}" in metrics
         assert f"fillmask_forward_parts {float(engine['forward_parts'])}" in metrics
         assert re.search(r'fillmask_cost_model_seconds\{term="overhead"\} [0-9.e-]+', metrics)
+        quiet = calibration.get("quiet_lone")  # the rule for a lone request after a quiet spell, where it applies
+        applies = quiet is not None and quiet["threads"] < engine["torch_threads"]
+        assert ("fillmask_quiet_lone_threads" in metrics) is applies
+        if applies:
+            assert f"fillmask_quiet_lone_threads {float(quiet['threads'])}" in metrics
     finally:
         process.send_signal(subprocess.signal.SIGTERM)
         _, stderr = await asyncio.wait_for(process.communicate(), 120)
@@ -604,10 +610,62 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
     # A thread count the user set is the one count timed, in one pass and in parts; it stays the flag's.
     assert list(threads_set.threads_ms) == [2] and list(threads_set.parts_ms) == [2]
     assert threads_set.torch_threads == 2 and threads_set.threads_from == "flag" and threads_set.forward_parts in (1, 2)
+    # A lone request after the team's quiet is timed on one thread and on the team wherever the count
+    # is not the user's and is two or more (the flag's parts included); never with --torch-threads.
+    for found in (chosen, one_pass, by_flag):
+        assert (sorted(found.quiet_lone_ms) == [1, 2]) is (found.torch_threads == 2), found
+        assert (found.quiet_after_ms is not None) is (found.torch_threads == 2)
+        assert ("quiet_lone" in found.hello()["calibration"]) is (found.torch_threads == 2)
+        assert ("of quiet" in found.line()) is (found.torch_threads == 2)
+    assert by_flag.quiet_lone_ms and all(ms > 0 for ms in by_flag.quiet_lone_ms.values())
+    assert not threads_set.quiet_lone_ms and not skipped.quiet_lone_ms
     for flagged in (by_flag, skipped):
         assert (flagged.torch_threads, flagged.forward_parts, flagged.part_threads) == (2, 2, 1)
         assert flagged.threads_from == "flag" and not flagged.threads_ms and not flagged.parts_ms
     assert by_flag.line().startswith("calibrated in") and "torch threads 2 in 2 parts of 1 (flag)" in by_flag.line()
+
+
+def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_calibration_measured(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``QuietLone(1, after_s)`` a lone request runs on one thread when the model thread's last
+    pass on two threads ended ``after_s`` ago or more (or never ran), and on its layout's two threads
+    sooner; a batch of several texts always on its layout's. Such a batch says nothing to the tuner
+    or the cost model, which model the layout in use. The engine's clock is the real one plus a skew
+    the test moves on: ``after_s`` is far longer than any gap the test leaves, however slow the machine."""
+    import torch
+
+    calls = record_forward(model, monkeypatch)
+    skew = [0.0]
+    tuner = ThreadTuner([1, 2], 2, time.monotonic(), adaptive=False)  # the layouts' ranks; it stays at (2, 1)
+    timed: list[int] = []  # the batches the tuner was told about, by their thread count's rank
+    ran = tuner.ran
+    monkeypatch.setattr(tuner, "ran", lambda count, *args: (timed.append(count), ran(count, *args))[1])
+    before = torch.get_num_threads()
+    engine = Engine(model, BatchPolicy(8, 4096, growth=100.0), max_queue=20, max_masks=4, deliver=collector,
+                    clock=lambda: time.monotonic() + skew[0], threads=tuner, layouts=[(1, 1), (2, 1)],
+                    quiet=QuietLone(1, 5.0))
+    observed: list[int] = []  # the batches the cost model fitted, by rows
+    observe = engine.core.cost.observe_forward
+    monkeypatch.setattr(engine.core.cost, "observe_forward",
+                        lambda rows, *args: (observed.append(rows), observe(rows, *args))[1])
+    engine.start()
+    try:
+        engine.submit(job("first"))  # the team has never run
+        collector.wait_for(1)
+        submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(3)])
+        collector.wait_for(4)
+        engine.submit(job("soon"))  # right after the team's pass
+        collector.wait_for(5)
+        skew[0] += 10.0  # the team quiet ever since
+        engine.submit(job("later"))
+        outcomes = collector.wait_for(6)
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert calls == [("fillmask-model", 1, 1), ("fillmask-model", 3, 2), ("fillmask-model", 1, 2),
+                     ("fillmask-model", 1, 1)]
+    assert all(isinstance(outcome, Result) for outcome in outcomes.values())
+    assert timed == [2, 2] and observed == [3, 1]  # the batches on the layout's threads alone
 
 
 def test_a_batch_with_fewer_texts_than_parts_shares_all_the_threads_between_them(
