@@ -814,3 +814,19 @@ def test_the_second_look_benchmark_reads_the_engines_own_log_lines() -> None:
     one_thread = Look(71e-6, 9913, 9e-6, 1, 1, compared=1).line(layouts)
     assert logged(f"{one_pass}\n{one_thread}") == ((2, 1), 71, (1, 1))  # (the one layout of its count)
     assert timed(one_pass) == "1: 7.0, 2: 5.1, 2/2: 5.4"
+
+
+def test_the_quiet_benchmark_reads_the_calibrations_own_words_for_a_lone_request() -> None:
+    """``bench/quiet.py`` reports what the start-up line says of a lone request after a quiet spell
+    (``Calibration.line``), whether one thread runs it or the team keeps it; and with the second
+    look's and the cost model's words around it, as the line has them."""
+    from bench.quiet import rule
+    from fillmask_server.calibration import Calibration
+
+    moved = Calibration(2, "calibration", threads_ms={1: 7.0, 2: 5.1}, quiet_lone_ms={1: 3.8, 2: 14.8},
+                        quiet_after_ms=41.0).line()
+    kept = Calibration(2, "calibration", threads_ms={1: 7.0, 2: 5.1}, quiet_lone_ms={1: 76.1, 2: 58.7},
+                       quiet_after_ms=20.0).line()
+    assert rule(f"INFO something\n{moved}\nready") == "after 41 ms runs on 1 thread (1 -> 3.8 ms, 2 -> 14.8 ms)"
+    assert rule(kept) == "after 20 ms keeps 2 threads (1 -> 76.1 ms, 2 -> 58.7 ms)"
+    assert rule(Calibration(2, "flag").line()) == "not timed"

@@ -1,0 +1,88 @@
+"""A lightly loaded server: each request comes after a quiet spell (``fillmask_server/layout.py``, ``QuietLone``).
+
+    .venv/bin/python bench/quiet.py                    # models/tiny, 2, 10 and 30 req/s, about 3 min
+    .venv/bin/python bench/quiet.py --model models/base --rates 2,10 --repeats 1
+
+For each flag set of ``--configs`` (separated by commas; ``defaults`` is none), in turn and then in
+reverse (ABBA, ``--repeats`` times), starts the server and sends Poisson arrivals at each of
+``--rates`` requests a second over 4 connections (the short corpus), ``--window-s`` seconds each.
+One row per start and rate: the client's p50 and p99 latency, the server's forward pass (its p50,
+as its answers report it), the server's CPU per request (all its threads, OpenMP workers included:
+a team that spins after each pass shows here) and what the start-up calibration logged for a lone
+request after a quiet spell. ``--torch-threads 2`` is a count the user set: it keeps every request
+on its layout's threads, as the server did before the rule. The summary gives each flag set's
+medians per rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import loadgen  # noqa: E402
+from bench.corpus import make_short_corpus  # noqa: E402
+from bench.server_proc import CpuMeter, ServerProcess  # noqa: E402
+
+RULE = re.compile(r"a lone request after (\d+) ms of quiet (runs on \d+ threads?|keeps \d+ threads) \(([^)]*)\)")
+
+
+def rule(log: str) -> str:
+    """What the calibration's start-up line says of a lone request after a quiet spell, shortened."""
+    found = RULE.search(log)
+    return "not timed" if found is None else f"after {found[1]} ms {found[2]} ({found[3]})"
+
+
+def measure(model: Path, flags: list[str], rates: list[float], seconds: float) -> tuple[str, list[dict[str, float]]]:
+    """One start: the rule it logged, and a row of figures per rate."""
+    texts = make_short_corpus()
+    rows = []
+    with ServerProcess(model, ["--log-level", "info", *flags]) as server:
+        asyncio.run(loadgen.settle(server.url))
+        for rate in rates:
+            meter = CpuMeter(server.pid)
+            summary = asyncio.run(loadgen.open_loop(server.url, texts, 4, rate, 1.0, seconds))
+            cpu = meter.stop()
+            served = max(1e-9, summary["throughput_rps"])
+            rows.append({"rate": rate, "p50": summary["latency_ms"]["p50"], "p99": summary["latency_ms"]["p99"],
+                         "forward": summary["server_ms"]["inference_p50"], "cpu_ms": cpu.server / served * 1000})
+        said = rule(Path(server.log_path).read_text())
+    return said, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))
+    parser.add_argument("--configs", default="defaults,--torch-threads 2")
+    parser.add_argument("--rates", default="2,10,30", help="requests a second, separated by commas")
+    parser.add_argument("--window-s", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=2, help="ABBA rounds (each runs every flag set twice)")
+    args = parser.parse_args(argv)
+    configs = [config.strip() for config in args.configs.split(",")]
+    rates = [float(rate) for rate in args.rates.split(",")]
+    figures: dict[tuple[str, float], list[dict[str, float]]] = {}
+    print("flags | rate req/s | p50 ms | p99 ms | forward p50 ms | server CPU ms a request | "
+          "lone request after a quiet")
+    for _ in range(args.repeats):
+        for config in configs + configs[::-1]:
+            said, rows = measure(Path(args.model), [] if config == "defaults" else config.split(), rates, args.window_s)
+            for row in rows:
+                figures.setdefault((config, row["rate"]), []).append(row)
+                print(f"{config} | {row['rate']:.0f} | {row['p50']:.2f} | {row['p99']:.2f} | {row['forward']:.2f} | "
+                      f"{row['cpu_ms']:.2f} | {said}", flush=True)
+    print("\nmedians | rate req/s | p50 ms | p99 ms | forward p50 ms | server CPU ms a request")
+    for (config, rate), rows in figures.items():
+        print(f"{config} | {rate:.0f} | " + " | ".join(f"{statistics.median(row[key] for row in rows):.2f}"
+                                                       for key in ("p50", "p99", "forward", "cpu_ms")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
