@@ -1,6 +1,6 @@
 """A lightly loaded server: each request comes after a quiet spell (``fillmask_server/layout.py``, ``QuietLone``).
 
-    .venv/bin/python bench/quiet.py                    # models/tiny, 2, 10 and 30 req/s, about 3 min
+    .venv/bin/python bench/quiet.py                    # models/tiny, 2, 10 and 30 req/s, about 5 min
     .venv/bin/python bench/quiet.py --model models/base --rates 2,10 --repeats 1
 
 For each flag set of ``--configs`` (separated by commas; ``defaults`` is none), in turn and then in
