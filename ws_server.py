@@ -126,7 +126,7 @@ def _load_and_calibrate(config: Config) -> tuple[FillMaskModel, Calibration]:
               file=sys.stderr, flush=True)
         parts = 1
     calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model, device,
-                            config.forward, parts)
+                            config.forward, parts, quiet_lone=config.quiet_lone != "off")
     lines.done()
     if config.calibration_s > 0:
         log.info("%s", calibration.line())

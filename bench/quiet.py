@@ -9,9 +9,8 @@ reverse (ABBA, ``--repeats`` times), starts the server and sends Poisson arrival
 One row per start and rate: the client's p50 and p99 latency, the server's forward pass (its p50,
 as its answers report it), the server's CPU per request (all its threads, OpenMP workers included:
 a team that spins after each pass shows here) and what the start-up calibration logged for a lone
-request after a quiet spell. ``--torch-threads 2`` is a count the user set: it keeps every request
-on its layout's threads, as the server did before the rule. The summary gives each flag set's
-medians per rate.
+request after a quiet spell. ``--quiet-lone off`` keeps every request on its layout's threads, as
+the server did before the rule. The summary gives each flag set's medians per rate.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ def measure(model: Path, flags: list[str], rates: list[float], seconds: float) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))
-    parser.add_argument("--configs", default="defaults,--torch-threads 2")
+    parser.add_argument("--configs", default="defaults,--quiet-lone off")
     parser.add_argument("--rates", default="2,10,30", help="requests a second, separated by commas")
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=2, help="ABBA rounds (each runs every flag set twice)")

@@ -29,11 +29,11 @@ own tokens around its mask token), all within ``--calibration-s``:
    ``overhead + token·padded + row·rows`` (``costmodel.fit``), and the decode price per byte of answer
    bound from decoding their top-k; the engine's ``CostModel`` starts from it and goes on fitting
    online (and never prices a batch's overhead above the fastest batch it runs).
-3. **A lone request after a quiet spell** (on a CPU, the count not set by ``--torch-threads``, two
-   threads or more chosen): a request of one text, timed on one thread and on all the layout's
-   threads, each once the team's OpenMP workers have gone quiet after a pass (``wait_until_quiet``,
-   which also says how long they took) and stayed so as long again, ``QUIET_ROUNDS`` rounds, the
-   median of each kept: the slow
+3. **A lone request after a quiet spell** (on a CPU with two threads or more, ``--torch-threads``
+   unset, ``--quiet-lone`` not ``off``): a request of one text, timed on one thread and on all the
+   layout's threads, each once the team's OpenMP workers have gone quiet after its last pass
+   (``wait_until_quiet``, which also says how long they took) and stayed so as long again; two
+   rounds, three while the first half of the budget lasts, the median of each kept: the slow
    first pass after a quiet spell is what is measured. Where one thread is the faster
    (``layout.choose_quiet_lone``), the engine runs a lone request on one thread after such a quiet
    (``layout.QuietLone``): on a machine where waking a sleeping team is slow, every request of a
@@ -105,7 +105,7 @@ class Calibration:
     coefficients: Coefficients | None = None
     samples: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded tokens, seconds)
     quiet_lone_ms: dict[int, float] = field(default_factory=dict)  # per count: a lone request after the team's quiet
-    quiet_after_ms: float | None = None  # how long the team took to go quiet after its pass (``wait_until_quiet``)
+    quiet_after_ms: float | None = None  # how long after the team's pass that was (``time_quiet_lone``)
     dtype: str = "float32"
     dtype_speed: float | None = None  # float32's time ÷ the chosen dtype's (below 1: slower than float32)
     seconds: float = 0.0
@@ -143,10 +143,11 @@ class Calibration:
                                          "per_output_kb_us": round(c.byte_s * 1e9, 4)}
         if self.quiet_lone_ms and self.quiet_after_ms is not None:
             quiet = self.quiet_lone()
+            team = max(self.quiet_lone_ms)
             calibration["quiet_lone"] = {
                 "after_ms": round(self.quiet_after_ms, 3),
                 "threads_ms": [{"threads": n, "ms": round(ms, 3)} for n, ms in sorted(self.quiet_lone_ms.items())],
-                "threads": quiet.threads if quiet is not None else max(self.quiet_lone_ms)}
+                "team": team, "threads": quiet.threads if quiet is not None else team}
         if self.dtype_speed is not None:
             # Three significant figures, not three decimals: a ratio under 0.0005 must not read 0 (§2: > 0).
             calibration["dtype_speed_vs_float32"] = float(f"{self.dtype_speed:.3g}")
@@ -253,21 +254,23 @@ def uncalibrated(torch_threads: int = 0, forward_parts: int = 0) -> Calibration:
 
 
 def calibrate(model: FillMaskModel, budget_s: float, torch_threads: int = 0, model_name: str | None = None,
-              device: str = "cpu", forward: str = "traced", forward_parts: int = 0) -> Calibration:
+              device: str = "cpu", forward: str = "traced", forward_parts: int = 0, quiet_lone: bool = True
+              ) -> Calibration:
     """Measure this machine (see the module doc) within about ``budget_s`` seconds; 0 skips it.
 
     ``model_name`` (with ``device`` and ``forward``) is where a float32 copy is loaded from when
     ``model.dtype`` is a reduced precision. ``forward_parts``: ``--forward-parts`` (0: the calibration's
-    choice; 1: one pass, parts not timed).
+    choice; 1: one pass, parts not timed). ``quiet_lone`` False (``--quiet-lone off``): a lone request
+    after a quiet spell is not timed, and keeps its layout's threads.
     """
     if budget_s <= 0:
         return uncalibrated(torch_threads, forward_parts)
     return on_a_thread_that_ends(lambda: _calibrate(model, budget_s, torch_threads, model_name, device, forward,
-                                                    forward_parts), "fillmask-calibrate")
+                                                    forward_parts, quiet_lone), "fillmask-calibrate")
 
 
 def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_name: str | None, device: str,
-               forward: str, forward_parts: int = 0) -> Calibration:
+               forward: str, forward_parts: int = 0, quiet_lone: bool = True) -> Calibration:
     import torch
 
     started = time.perf_counter()
@@ -310,7 +313,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             result.torch_threads, result.forward_parts = choose_layout(fastest, len(items), beside, result.cpus)
             result.threads_from = "flag" if torch_threads else "calibration"
         torch.set_num_threads(result.torch_threads)
-    if on_cpu and not torch_threads and result.torch_threads > 1:
+    if quiet_lone and on_cpu and not torch_threads and result.torch_threads > 1:
         lone_s, quiet_s = time_quiet_lone(model, result.torch_threads,
                                           lambda: time.perf_counter() < started + budget_s / 2)
         result.quiet_lone_ms = {count: seconds * 1000 for count, seconds in lone_s.items()}
@@ -454,15 +457,15 @@ def wait_until_quiet(cpu: Callable[[], float] = time.process_time, clock: Callab
     return waited
 
 
-def time_quiet_lone(model: FillMaskModel, team: int, more: Callable[[], bool] = lambda: True
-                    ) -> tuple[dict[int, float], float]:
+def time_quiet_lone(model: FillMaskModel, team: int, more: Callable[[], bool] = lambda: True,
+                    sleep: Callable[[float], None] = time.sleep) -> tuple[dict[int, float], float]:
     """A lone request's seconds on one thread and on ``team`` threads, each timed once the team's
     workers have gone quiet after its last pass and stayed so as long again (``QUIET_GAP`` times the
     wait from the pass: on a virtual machine the slow wake-up came only after its CPU had been idle a
     while), the counts in turn for up to ``QUIET_ROUNDS`` rounds (after ``MIN_THREAD_ROUNDS``, while
     ``more()``): the median of each count's, not the fastest, since the first pass after a quiet spell
     is what is measured; and the longest such spell, from the team's pass. Leaves this thread at
-    ``team`` threads."""
+    ``team`` threads. (``sleep``: for a test to see the spells.)"""
     items = batch_items(model, 1, THREAD_SHAPE[1])
     counts = (1, team)
     for count in counts:
@@ -477,7 +480,7 @@ def time_quiet_lone(model: FillMaskModel, team: int, more: Callable[[], bool] = 
             break
         for count in counts:
             waited = wait_until_quiet()  # the team's workers spin on after its pass until they sleep ...
-            time.sleep(waited * (QUIET_GAP - 1))  # ... and stay asleep a while
+            sleep(waited * (QUIET_GAP - 1))  # ... and stay asleep a while
             quiet_s = max(quiet_s, waited * QUIET_GAP)
             _set_threads(count)
             clock = time.perf_counter()

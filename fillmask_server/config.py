@@ -52,6 +52,7 @@ class Config:
     torch_threads: int = 0
     forward_parts: int = 0
     calibration_s: float = 2.0
+    quiet_lone: str = "auto"
     forward: str = "traced"
     shutdown_timeout: float = 30.0
     drain_delay: float = 0.0
@@ -122,6 +123,10 @@ _HELP: dict[str, str] = {
     "calibration_s": "time budget for the start-up calibration: the torch thread count, the cost model's first "
                      "coefficients, and for --dtype bfloat16/float16/int8 its speed against float32 (a warning "
                      "when slower); 0 = skip it (the cost model then starts from CPU defaults and learns online)",
+    "quiet_lone": "auto: the start-up calibration times a lone request after the torch thread team has been "
+                  "quiet, on one thread and on the team, and where one thread is faster (waking a sleeping team "
+                  "is slow on some machines, virtual ones above all) runs such requests on one thread; off: a lone "
+                  "request always runs on its layout's threads (nothing timed)",
     "forward": "traced: run encoder, head and softmax as one TorchScript graph, which holds the GIL once per "
                "batch instead of once per operator, so other threads' Python work cannot stall the model (checked "
                "bit for bit against eager at start-up, which it falls back to); eager: plain PyTorch modules",
@@ -167,6 +172,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16", "float16", "int8"),
     "log_level": ("debug", "info", "warning", "error"),
     "forward": ("traced", "eager"),
+    "quiet_lone": ("auto", "off"),
 }
 
 
@@ -183,7 +189,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 # --help lists the options in these groups, in this order (every Config field is in exactly one).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("model", ("model", "device", "dtype", "torch_threads", "forward_parts", "forward", "calibration_s")),
+    ("model", ("model", "device", "dtype", "torch_threads", "forward_parts", "forward", "calibration_s",
+               "quiet_lone")),
     ("listening", ("host", "port", "certfile", "keyfile")),
     ("batching and queue", ("max_batch_size", "max_batch_tokens", "max_length_ratio", "max_batch_ms",
                             "max_missed_batches", "max_wait_ms", "anticipate_ms", "max_queue")),

@@ -16,8 +16,8 @@
   on this thread, the others on helper threads (``fillmask-part-N``) that run only the model, the
   parts sharing all their threads (``part_threads`` each when the batch fills every part); a batch of
   one item runs whole, on all of them, but on the fewer threads of ``quiet`` (``layout.QuietLone``,
-  measured by the calibration) when the model thread's last pass on two threads or more ended long
-  enough ago for their team to have gone quiet.
+  measured by the calibration) when they are the team it was timed against and the model thread's
+  last forward pass ended long enough ago for the machine to have gone quiet.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -98,6 +98,7 @@ class EngineStats:
     failed: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)
     busy_s: float = 0.0
+    quiet_lone: int = 0  # lone requests run on fewer threads after a quiet spell (``layout.QuietLone``)
 
 
 @dataclass
@@ -133,7 +134,8 @@ class Engine:
         self._fixed_parts = forward_parts if on_cpu else 1  # (parts only share CPU cores)
         self._part_threads = part_threads
         self._quiet = quiet if on_cpu else None  # a lone request after the team's quiet (``layout.QuietLone``)
-        self._team_ran_at = -math.inf  # when the model thread's last pass on two threads or more ended
+        self._last_pass_at = -math.inf  # when the model thread's last forward pass ended
+        self._moved_to = 0  # the count the last batch ran on, where the rule moved it (0: it did not)
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads, second_look)
@@ -403,7 +405,13 @@ class Engine:
         parts, count = plan([len(item.input_ids) for item in items], total, most if runner is not None else 1)
         layout_count = count
         if self._quiet is not None and count:  # a lone request after the team's quiet: maybe fewer threads
-            count = self._quiet.threads_for(len(items), count, started - self._team_ran_at)
+            count = self._quiet.threads_for(len(items), count, started - self._last_pass_at)
+        # A batch the rule moved, and the next one if it wakes the team again, say nothing of the layout in
+        # use to the tuner or the cost model (``EngineCore.update_from_output``'s ``typical``).
+        moved, woken = count != layout_count, bool(self._moved_to) and count != self._moved_to
+        self._moved_to = count if moved else 0
+        if moved:
+            self.stats.quiet_lone += 1
         if count and count != self._threads_set:
             self.model.set_threads(count)
             self._threads_set = count
@@ -417,15 +425,14 @@ class Engine:
             failed_items = [i for _, part_failed in done for i in part_failed]
         passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass
         finished = self._clock()
-        if count > 1:
-            self._team_ran_at = finished
+        self._last_pass_at = finished
         elapsed = finished - started
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
             in_use = self.core.threads.current if self.core.threads is not None else 0
             looking = self.core.measures_beside
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
-                                                  passes=passes, threads=threads, typical=count == layout_count)
+                                                  passes=passes, threads=threads, typical=not (moved or woken))
             look = self.core.second_look
             made = look.done if looking and look is not None else None  # (made by this batch)
             # A probe's switch (the look, if this batch made it, came after it: its ``before``).

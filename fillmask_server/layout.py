@@ -37,9 +37,11 @@ wakes them takes several times a warm one, and longer than one thread takes for 
 guest with a small model: docs/performance-log.md, "A lone request after a quiet spell"). The calibration
 times a lone request on one thread and on the team once the team has gone quiet
 (``choose_quiet_lone``); where one thread is the faster, a lone request that starts at least as long
-after the model thread's last pass on the team as the team took to go quiet runs on one thread.
-Invariant: that rule changes only batches of one request, and only to fewer threads than their
-layout gives them.
+after the model thread's last forward pass as the calibration waited runs on one thread. The quiet
+that matters is the machine's, not the team's alone: a team left asleep while the model thread ran
+passes on one thread woke as fast as a warm one (the performance log has both).
+Invariant: that rule changes only batches of one request whose layout gives them the team it was
+timed against, and only to fewer threads.
 """
 
 from __future__ import annotations
@@ -130,19 +132,22 @@ class Look:
 
 @dataclass(frozen=True)
 class QuietLone:
-    """A lone request after the team has gone quiet runs whole on ``threads`` threads (fewer than the
-    team's): the team's last pass ended at least ``after_s`` ago, the time its workers took to go
-    quiet in the calibration. ``lone_s``: the calibration's time for a lone request after that
-    quiet, by thread count, for the log and ``hello``."""
+    """A lone request runs whole on ``threads`` threads instead of the ``team`` it was timed against
+    (fewer), when its layout gives it that team and the model thread's last forward pass ended at
+    least ``after_s`` ago: how long after a pass of the team the calibration timed it (``QUIET_GAP``
+    times the wait for the team's workers to go quiet, ``calibration.time_quiet_lone``). ``lone_s``:
+    those timings, by thread count, for the log."""
 
     threads: int
+    team: int
     after_s: float
     lone_s: tuple[tuple[int, float], ...] = ()
 
     def threads_for(self, rows: int, threads: int, quiet_s: float) -> int:
         """The threads a batch of ``rows`` rows runs on, its layout giving it ``threads`` whole, when
-        the model thread's team last ran ``quiet_s`` seconds ago (``inf``: never)."""
-        return self.threads if rows == 1 and threads > self.threads and quiet_s >= self.after_s else threads
+        the model thread's last forward pass ended ``quiet_s`` seconds ago (``inf``: never).
+        Any other layout's count was not timed: it keeps it."""
+        return self.threads if rows == 1 and threads == self.team and quiet_s >= self.after_s else threads
 
     def line(self) -> str:
         """The start-up log's words for it."""
@@ -152,18 +157,19 @@ class QuietLone:
 
 
 def choose_quiet_lone(lone_s: dict[int, float], after_s: float) -> QuietLone | None:
-    """The rule for a lone request after the team went quiet (``after_s``), from its time on each
-    thread count after such a quiet (``lone_s``, the team's count the largest): the fastest count, or
-    among those within ``THREAD_TIE`` of it the fewest threads; None when that is the team's (a lone
-    request keeps its layout's threads)."""
+    """The rule for a lone request ``after_s`` after a pass of the team, from its time on each thread
+    count after such a quiet (``lone_s``; the team is the largest count): the fastest count, or among
+    those within ``THREAD_TIE`` of it the fewest threads; None when that is the team (a lone request
+    keeps its layout's threads)."""
     if not lone_s or after_s < 0 or min(lone_s.values()) <= 0:
         raise ValueError("a lone request's time after a quiet spell is needed on each count, and how long the "
                          "team took to go quiet")
     best = min(lone_s.values())
     chosen = min(count for count, seconds in lone_s.items() if seconds <= best * (1 + THREAD_TIE))
-    if chosen == max(lone_s):
+    team = max(lone_s)
+    if chosen == team:
         return None
-    return QuietLone(chosen, after_s, tuple(sorted(lone_s.items())))
+    return QuietLone(chosen, team, after_s, tuple(sorted(lone_s.items())))
 
 
 def words(layout: Layout) -> str:

@@ -121,6 +121,28 @@ class _CostModelCollector:
         return [threads, parts, terms, caps]
 
 
+class _QuietLoneCollector:
+    """``fillmask_quiet_lone_threads``, ``fillmask_quiet_lone_after_seconds`` and
+    ``fillmask_quiet_lone_requests_total``: the rule for a lone request after the thread team has been
+    quiet, and the requests it ran on fewer threads so far."""
+
+    def __init__(self, threads: int, after_s: float, moved: Callable[[], int]) -> None:
+        self._threads = threads
+        self._after_s = after_s
+        self._moved = moved
+
+    def collect(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily("fillmask_quiet_lone_threads", "Torch threads a lone request runs on once the "
+                                  "model's thread team has been quiet fillmask_quiet_lone_after_seconds (measured by "
+                                  "the start-up calibration: fewer than the team's, where waking it is slower).",
+                                  value=self._threads),
+                GaugeMetricFamily("fillmask_quiet_lone_after_seconds", "How long after the model's last forward "
+                                  "pass a lone request runs on fillmask_quiet_lone_threads (how long after a pass "
+                                  "of the thread team the calibration timed it).", value=self._after_s),
+                CounterMetricFamily("fillmask_quiet_lone_requests", "Lone requests run on "
+                                    "fillmask_quiet_lone_threads after a quiet spell.", value=self._moved())]
+
+
 class _Registry(CollectorRegistry):
     """The server's registry, without prometheus_client's ``*_created`` series (each counter's and
     histogram's start time, as a gauge): §11 does not list them, and ``fillmask_requests_created``
@@ -192,15 +214,11 @@ class Metrics:
         and the batch caps (read at scrape time)."""
         self.registry.register(_CostModelCollector(torch_threads, coefficients, caps, forward_parts))
 
-    def quiet_lone(self, threads: int, after_s: float) -> None:
+    def quiet_lone(self, threads: int, after_s: float, moved: Callable[[], int]) -> None:
         """Export the start-up calibration's rule for a lone request after a quiet spell
-        (``layout.QuietLone``): where none applies, neither series is there."""
-        Gauge("fillmask_quiet_lone_threads", "Torch threads a lone request runs on once the model's thread team has "
-              "been quiet (measured by the start-up calibration: fewer than its layout's, where waking the team "
-              "is slower than one thread).", registry=self.registry).set(threads)
-        Gauge("fillmask_quiet_lone_after_seconds", "How long the model's thread team must have been quiet for "
-              "fillmask_quiet_lone_threads to apply (the time its workers took to go quiet at start-up).",
-              registry=self.registry).set(after_s)
+        (``layout.QuietLone``) and how many requests it has moved (``moved``, read at scrape time);
+        where no rule applies, none of the three series is there."""
+        self.registry.register(_QuietLoneCollector(threads, after_s, moved))
 
     def answered(self, outcome: str, code: str) -> None:
         """Count one answer handed to a client's socket, labelled by what it was (never by parsing it)."""

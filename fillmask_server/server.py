@@ -181,8 +181,6 @@ class FillMaskServer:
                              layouts.index((calibration.torch_threads, parts)) + 1, time.monotonic())
                  if len(layouts) > 1 else None)
         quiet = calibration.quiet_lone() if on_cpu else None
-        if quiet is not None:
-            self.metrics.quiet_lone(quiet.threads, quiet.after_s)
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
                              cost=cost, threads=tuner, on_threads=self._follow_thread_count,
@@ -190,6 +188,8 @@ class FillMaskServer:
                              layouts=layouts if tuner is not None else None,
                              second_look=calibration.second_look() if tuner is not None else None,
                              quiet=quiet)
+        if quiet is not None:
+            self.metrics.quiet_lone(quiet.threads, quiet.after_s, lambda: self.engine.stats.quiet_lone)
         self._switch_before: float | None = None  # the process's switch interval before start() set it
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
                                         lambda: (policy.max_batch_size, policy.max_batch_tokens),

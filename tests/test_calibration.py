@@ -328,11 +328,12 @@ def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_reported_in_hello_an
     quiet = found.quiet_lone()
     assert isinstance(quiet, QuietLone) and quiet.threads == 1 and quiet.after_s == pytest.approx(0.041)
     assert found.hello()["calibration"]["quiet_lone"] == {
-        "after_ms": 41.0, "threads_ms": [{"threads": 1, "ms": 3.8}, {"threads": 2, "ms": 14.8}], "threads": 1}
+        "after_ms": 41.0, "threads_ms": [{"threads": 1, "ms": 3.8}, {"threads": 2, "ms": 14.8}], "team": 2,
+        "threads": 1}
     assert found.line().endswith("; a lone request after 41 ms of quiet runs on 1 thread (1 -> 3.8 ms, 2 -> 14.8 ms)")
     kept = Calibration(torch_threads=2, threads_from="calibration", quiet_lone_ms={1: 76.1, 2: 58.7},
                        quiet_after_ms=20.0)
-    assert kept.quiet_lone() is None and kept.hello()["calibration"]["quiet_lone"]["threads"] == 2
+    assert kept.quiet_lone() is None and kept.hello()["calibration"]["quiet_lone"]["threads"] == 2 == quiet.team
     assert kept.line().endswith("; a lone request after 20 ms of quiet keeps 2 threads (1 -> 76.1 ms, 2 -> 58.7 ms)")
     untimed = Calibration(torch_threads=1, threads_from="default")
     assert untimed.quiet_lone() is None and "quiet_lone" not in untimed.hello()["calibration"]
@@ -342,27 +343,32 @@ def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_reported_in_hello_an
 def test_a_lone_request_is_timed_right_after_the_team_went_quiet_and_stayed_so(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each timed pass follows a wait until the team's workers went quiet after its last pass (here a
-    fake wait of 10 ms, then ``QUIET_GAP`` times that in all); the counts take turns, round after round.
+    fake wait of 10 ms) and a sleep as long again (``QUIET_GAP`` times the wait in all, from the pass);
+    the counts take turns, round after round: three while ``more()`` allows, two when it does not.
     The thread is left at the team's count."""
     import torch
 
     from fillmask_server import calibration, loading
 
     model = loading.load_model(str(tiny_model_dir))
-    events: list[tuple[str, int]] = []
+    events: list[tuple[str, float]] = []
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda items: (events.append(("pass", torch.get_num_threads())),
                                                          forward(items))[1])
     monkeypatch.setattr(calibration, "wait_until_quiet", lambda: (events.append(("quiet", 0)), 0.01)[1])
     before = torch.get_num_threads()
     try:
-        lone_s, quiet_s = calibration.time_quiet_lone(model, 2)
+        lone_s, quiet_s = calibration.time_quiet_lone(model, 2, sleep=lambda s: events.append(("sleep", s)))
         left = torch.get_num_threads()
+        tight = len(events)
+        calibration.time_quiet_lone(model, 2, more=lambda: False, sleep=lambda s: events.append(("sleep", s)))
     finally:
         torch.set_num_threads(before)
     assert left == 2 and sorted(lone_s) == [1, 2] and all(0 < seconds < 10 for seconds in lone_s.values())
     assert quiet_s == pytest.approx(QUIET_GAP * 0.01)  # from the team's pass: the wait, and as long again
-    warm, timed = events[:4], events[4:]
+    warm, timed = events[:4], events[4:tight]
     assert warm == [("pass", 1), ("pass", 1), ("pass", 2), ("pass", 2)]  # (the graph's shape, at each count)
+    gap = ("sleep", pytest.approx(0.01 * (QUIET_GAP - 1)))
     # Each timed pass after a quiet: the team's last pass (its warm-up's, or its timed one) came before.
-    assert timed == [("quiet", 0), ("pass", 1), ("quiet", 0), ("pass", 2)] * QUIET_ROUNDS
+    assert timed == [("quiet", 0), gap, ("pass", 1), ("quiet", 0), gap, ("pass", 2)] * QUIET_ROUNDS
+    assert events[tight + 4:] == [("quiet", 0), gap, ("pass", 1), ("quiet", 0), gap, ("pass", 2)] * MIN_THREAD_ROUNDS

@@ -269,7 +269,7 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
         assert f"fillmask_forward_parts {float(engine['forward_parts'])}" in metrics
         assert re.search(r'fillmask_cost_model_seconds\{term="overhead"\} [0-9.e-]+', metrics)
         quiet = calibration.get("quiet_lone")  # the rule for a lone request after a quiet spell, where it applies
-        applies = quiet is not None and quiet["threads"] < engine["torch_threads"]
+        applies = quiet is not None and quiet["threads"] < quiet["team"]
         assert ("fillmask_quiet_lone_threads" in metrics) is applies
         if applies:
             assert f"fillmask_quiet_lone_threads {float(quiet['threads'])}" in metrics
@@ -625,47 +625,90 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
     assert by_flag.line().startswith("calibrated in") and "torch threads 2 in 2 parts of 1 (flag)" in by_flag.line()
 
 
-def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_calibration_measured(
-        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``QuietLone(1, after_s)`` a lone request runs on one thread when the model thread's last
-    pass on two threads ended ``after_s`` ago or more (or never ran), and on its layout's two threads
-    sooner; a batch of several texts always on its layout's. Such a batch says nothing to the tuner
-    or the cost model, which model the layout in use. The engine's clock is the real one plus a skew
-    the test moves on: ``after_s`` is far longer than any gap the test leaves, however slow the machine."""
-    import torch
-
-    calls = record_forward(model, monkeypatch)
-    skew = [0.0]
-    tuner = ThreadTuner([1, 2], 2, time.monotonic(), adaptive=False)  # the layouts' ranks; it stays at (2, 1)
-    timed: list[int] = []  # the batches the tuner was told about, by their thread count's rank
+def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch,
+                 layouts: list[tuple[int, int]], clock: list[float]) -> tuple[Engine, list[int], list[int]]:
+    """An engine on the fake ``clock`` (its one value, which the test moves) whose tuner stays at the
+    layout of rank 2, with ``QuietLone(1, team=2, after_s=1)``; and the lists that the batches the
+    tuner and the cost model were told about go to (by rank, and by rows)."""
+    tuner = ThreadTuner([1, 2], 2, clock[0], adaptive=False)
+    timed: list[int] = []
     ran = tuner.ran
     monkeypatch.setattr(tuner, "ran", lambda count, *args: (timed.append(count), ran(count, *args))[1])
-    before = torch.get_num_threads()
     engine = Engine(model, BatchPolicy(8, 4096, growth=100.0), max_queue=20, max_masks=4, deliver=collector,
-                    clock=lambda: time.monotonic() + skew[0], threads=tuner, layouts=[(1, 1), (2, 1)],
-                    quiet=QuietLone(1, 5.0))
-    observed: list[int] = []  # the batches the cost model fitted, by rows
+                    clock=lambda: clock[0], threads=tuner, layouts=layouts, quiet=QuietLone(1, 2, 1.0))
+    observed: list[int] = []
     observe = engine.core.cost.observe_forward
     monkeypatch.setattr(engine.core.cost, "observe_forward",
                         lambda rows, *args: (observed.append(rows), observe(rows, *args))[1])
+    return engine, timed, observed
+
+
+def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_calibration_measured(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``QuietLone(1, team=2, after_s)`` a lone request runs on one thread when the model thread's
+    last forward pass ended ``after_s`` ago or more (or never), and on its layout's two threads
+    sooner; a batch of several texts always on its layout's. Such a batch, and the next one when it
+    wakes the team again, say nothing to the tuner or the cost model, which model the layout in use.
+    The engine's clock is fake: only the test moves it."""
+    import torch
+
+    calls = record_forward(model, monkeypatch)
+    clock = [100.0]
+    before = torch.get_num_threads()
+    engine, timed, observed = quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock)
     engine.start()
     try:
         engine.submit(job("first"))  # the team has never run
         collector.wait_for(1)
-        submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(3)])
+        submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(3)])  # wakes the team
         collector.wait_for(4)
+        submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(3, 5)])
+        collector.wait_for(6)
         engine.submit(job("soon"))  # right after the team's pass
-        collector.wait_for(5)
-        skew[0] += 10.0  # the team quiet ever since
+        collector.wait_for(7)
+        clock[0] += 1.0  # the team quiet ever since
         engine.submit(job("later"))
-        outcomes = collector.wait_for(6)
+        outcomes = collector.wait_for(8)
     finally:
         engine.stop()
         torch.set_num_threads(before)
-    assert calls == [("fillmask-model", 1, 1), ("fillmask-model", 3, 2), ("fillmask-model", 1, 2),
-                     ("fillmask-model", 1, 1)]
+    assert [(items, count) for _, items, count in calls] == [(1, 1), (3, 2), (2, 2), (1, 2), (1, 1)]
     assert all(isinstance(outcome, Result) for outcome in outcomes.values())
-    assert timed == [2, 2] and observed == [3, 1]  # the batches on the layout's threads alone
+    assert timed == [2, 2] and observed == [2, 1]  # not the moved batches, nor the first back on the team
+    assert engine.stats.quiet_lone == 2
+
+
+def test_in_parts_a_lone_request_right_after_a_batch_keeps_the_team_and_one_after_the_quiet_does_not(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two parts of one thread (rank 2 of ``[(1, 1), (2, 2)]``): the quiet that counts is the model's,
+    whatever threads its last pass ran on. A lone request right after a batch in parts runs whole on
+    the team; one after the quiet on one thread; a batch in parts after that on its parts' threads,
+    which the tuner and the cost model hear of (it wakes no team)."""
+    import torch
+
+    calls = record_forward(model, monkeypatch)
+    clock = [100.0]
+    before = torch.get_num_threads()
+    engine, timed, observed = quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 2)], clock)
+    engine.start()
+    try:
+        submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(4)])
+        collector.wait_for(4)
+        engine.submit(job("right after the parts"))
+        collector.wait_for(5)
+        clock[0] += 1.0
+        engine.submit(job("after the quiet"))
+        collector.wait_for(6)
+        submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(6, 8)])
+        outcomes = collector.wait_for(8)
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
+    assert sorted(calls[:2]) == [("fillmask-model", 2, 1), ("fillmask-part-1", 2, 1)]  # the batch in parts
+    assert calls[2:4] == [("fillmask-model", 1, 2), ("fillmask-model", 1, 1)]
+    assert sorted(calls[4:]) == [("fillmask-model", 1, 1), ("fillmask-part-1", 1, 1)]
+    assert all(isinstance(outcome, Result) for outcome in outcomes.values())
+    assert timed == [2, 2, 2] and observed == [4, 1, 2] and engine.stats.quiet_lone == 1
 
 
 def test_a_batch_with_fewer_texts_than_parts_shares_all_the_threads_between_them(
