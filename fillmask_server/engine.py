@@ -17,7 +17,7 @@
   parts sharing all their threads (``part_threads`` each when the batch fills every part); a batch of
   one item runs whole, on all of them, but on the fewer threads of ``quiet`` (``layout.QuietLone``,
   measured by the calibration) when they are the team it was timed against and the model thread's
-  last forward pass ended long enough ago for the machine to have gone quiet.
+  last pass on all of them ended long enough ago for the team to have gone quiet.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -134,7 +134,7 @@ class Engine:
         self._fixed_parts = forward_parts if on_cpu else 1  # (parts only share CPU cores)
         self._part_threads = part_threads
         self._quiet = quiet if on_cpu else None  # a lone request after the team's quiet (``layout.QuietLone``)
-        self._last_pass_at = -math.inf  # when the model thread's last forward pass ended
+        self._team_ran_at = -math.inf  # when the model thread's last pass on all of the rule's team ended
         self._moved_to = 0  # the count the last batch ran on, where the rule moved it (0: it did not)
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
@@ -405,7 +405,7 @@ class Engine:
         parts, count = plan([len(item.input_ids) for item in items], total, most if runner is not None else 1)
         layout_count = count
         if self._quiet is not None and count:  # a lone request after the team's quiet: maybe fewer threads
-            count = self._quiet.threads_for(len(items), count, started - self._last_pass_at)
+            count = self._quiet.threads_for(len(items), count, started - self._team_ran_at)
         # A batch the rule moved, and the next one if it wakes the team again, say nothing of the layout in
         # use to the tuner or the cost model (``EngineCore.update_from_output``'s ``typical``).
         moved, woken = count != layout_count, bool(self._moved_to) and count != self._moved_to
@@ -425,7 +425,8 @@ class Engine:
             failed_items = [i for _, part_failed in done for i in part_failed]
         passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass
         finished = self._clock()
-        self._last_pass_at = finished
+        if self._quiet is not None and count >= self._quiet.team:
+            self._team_ran_at = finished
         elapsed = finished - started
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:

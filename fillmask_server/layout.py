@@ -37,9 +37,11 @@ wakes them takes several times a warm one, and longer than one thread takes for 
 guest with a small model: docs/performance-log.md, "A lone request after a quiet spell"). The calibration
 times a lone request on one thread and on the team once the team has gone quiet
 (``choose_quiet_lone``); where one thread is the faster, a lone request that starts at least as long
-after the model thread's last forward pass as the calibration waited runs on one thread. The quiet
-that matters is the machine's, not the team's alone: a team left asleep while the model thread ran
-passes on one thread woke as fast as a warm one (the performance log has both).
+after the model thread's last pass on the team as the calibration waited runs on one thread. It is
+the team's own quiet that counts: a team left asleep while the model thread ran passes on one
+thread, a few milliseconds apart, woke as slowly as after a quiet machine (the performance log has
+the figures). So once lone requests run on one thread, the team runs again only for a batch that
+its layout gives all of it (a one-pass layout's batch of several texts).
 Invariant: that rule changes only batches of one request whose layout gives them the team it was
 timed against, and only to fewer threads.
 """
@@ -133,8 +135,8 @@ class Look:
 @dataclass(frozen=True)
 class QuietLone:
     """A lone request runs whole on ``threads`` threads instead of the ``team`` it was timed against
-    (fewer), when its layout gives it that team and the model thread's last forward pass ended at
-    least ``after_s`` ago: how long after a pass of the team the calibration timed it (``QUIET_GAP``
+    (fewer), when its layout gives it that team and the model thread's last pass on all of the team
+    ended at least ``after_s`` ago: how long after such a pass the calibration timed it (``QUIET_GAP``
     times the wait for the team's workers to go quiet, ``calibration.time_quiet_lone``). ``lone_s``:
     those timings, by thread count, for the log."""
 
@@ -145,7 +147,7 @@ class QuietLone:
 
     def threads_for(self, rows: int, threads: int, quiet_s: float) -> int:
         """The threads a batch of ``rows`` rows runs on, its layout giving it ``threads`` whole, when
-        the model thread's last forward pass ended ``quiet_s`` seconds ago (``inf``: never).
+        the model thread's last pass on all of the team ended ``quiet_s`` seconds ago (``inf``: never).
         Any other layout's count was not timed: it keeps it."""
         return self.threads if rows == 1 and threads == self.team and quiet_s >= self.after_s else threads
 

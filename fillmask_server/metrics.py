@@ -136,9 +136,9 @@ class _QuietLoneCollector:
                                   "model's thread team has been quiet fillmask_quiet_lone_after_seconds (measured by "
                                   "the start-up calibration: fewer than the team's, where waking it is slower).",
                                   value=self._threads),
-                GaugeMetricFamily("fillmask_quiet_lone_after_seconds", "How long after the model's last forward "
-                                  "pass a lone request runs on fillmask_quiet_lone_threads (how long after a pass "
-                                  "of the thread team the calibration timed it).", value=self._after_s),
+                GaugeMetricFamily("fillmask_quiet_lone_after_seconds", "How long after the thread team's last pass "
+                                  "a lone request runs on fillmask_quiet_lone_threads (how long after such a pass "
+                                  "the calibration timed it).", value=self._after_s),
                 CounterMetricFamily("fillmask_quiet_lone_requests", "Lone requests run on "
                                     "fillmask_quiet_lone_threads after a quiet spell.", value=self._moved())]
 

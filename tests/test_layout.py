@@ -144,11 +144,11 @@ def test_the_team_keeps_a_lone_request_where_it_is_the_faster_and_one_thread_win
     assert choose_quiet_lone({1: 3.5e-3 * (1 + THREAD_TIE * 2), 2: 3.5e-3}, 0.02) is None
 
 
-def test_the_rule_changes_only_a_lone_request_on_its_team_after_the_models_quiet() -> None:
+def test_the_rule_changes_only_a_lone_request_on_its_team_after_the_teams_quiet() -> None:
     quiet = QuietLone(1, 2, 0.04)
     assert quiet.threads_for(1, 2, 0.04) == 1  # lone, on the team, after the quiet
-    assert quiet.threads_for(1, 2, float("inf")) == 1  # the model never ran
-    assert quiet.threads_for(1, 2, 0.039) == 2  # the model ran a pass just before
+    assert quiet.threads_for(1, 2, float("inf")) == 1  # the team never ran
+    assert quiet.threads_for(1, 2, 0.039) == 2  # the team ran just before: its workers may be awake
     assert quiet.threads_for(2, 2, 1.0) == 2  # two texts: the layout's (parts, or the team)
     assert quiet.threads_for(1, 1, 1.0) == 1  # the layout in use is one thread already
     assert QuietLone(1, 8, 0.03).threads_for(1, 16, 1.0) == 16  # a team it was not timed against keeps its own
