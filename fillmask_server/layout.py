@@ -39,9 +39,9 @@ times a lone request on one thread and on the team once the team has gone quiet
 (``choose_quiet_lone``); where one thread is the faster, a lone request that starts at least as long
 after the model thread's last pass on the team as the calibration waited runs on one thread. It is
 the team's own quiet that counts: a team left asleep while the model thread ran passes on one
-thread, tens of milliseconds apart, woke as slowly as after a quiet machine (the performance log
-has the figures). So once lone requests run on one thread, the team runs again only for a batch that
-its layout gives all of it (a one-pass layout's batch of several texts).
+thread, tens of milliseconds apart, was as slow to wake (the performance log has the figures). So
+once lone requests run on one thread, the team runs again only for a batch that its layout gives
+all of it (a one-pass layout's batch of several texts).
 Invariant: that rule changes only batches of one request whose layout gives them the team it was
 timed against, and only to fewer threads.
 """
