@@ -29,12 +29,13 @@ own tokens around its mask token), all within ``--calibration-s``:
    ``overhead + token·padded + row·rows`` (``costmodel.fit``), and the decode price per byte of answer
    bound from decoding their top-k; the engine's ``CostModel`` starts from it and goes on fitting
    online (and never prices a batch's overhead above the fastest batch it runs).
-3. **A lone request after a quiet spell** (on a CPU with two threads or more, ``--torch-threads``
-   unset, ``--quiet-lone`` not ``off``): a request of one text, timed on one thread and on all the
-   layout's threads, each once the team's OpenMP workers have gone quiet after its last pass
-   (``wait_until_quiet``, which also says how long they took) and stayed so as long again; two
-   rounds, three while the first half of the budget lasts, the median of each kept: the slow
-   first pass after a quiet spell is what is measured. Where one thread is the faster
+3. **A lone request after a quiet spell** (on a CPU, the layout chosen of two threads or more,
+   ``--torch-threads`` unset, ``--quiet-lone`` not ``off``): a request of one text, timed on one
+   thread and on all the layout's threads, each once the team's OpenMP workers have gone quiet
+   after a pass of the team (``wait_until_quiet``, which also says how long they took) and stayed
+   so as long again; two rounds, three while the first half of the budget lasts, the median of
+   each kept: the slow first pass after a quiet spell is what is measured; and each back to back.
+   Where one thread is the faster after the quiet, by more than it is slower back to back
    (``layout.choose_quiet_lone``), the engine runs a lone request on one thread after such a quiet
    (``layout.QuietLone``): on a machine where waking a sleeping team is slow, every request of a
    lightly loaded server is such a one.
@@ -105,7 +106,8 @@ class Calibration:
     coefficients: Coefficients | None = None
     samples: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, padded tokens, seconds)
     quiet_lone_ms: dict[int, float] = field(default_factory=dict)  # per count: a lone request after the team's quiet
-    quiet_after_ms: float | None = None  # how long after the team's pass that was (``time_quiet_lone``)
+    quiet_after_ms: float | None = None  # how long after the team's pass that was, at most (``time_quiet_lone``)
+    quiet_warm_ms: dict[int, float] = field(default_factory=dict)  # per count: a lone request back to back
     dtype: str = "float32"
     dtype_speed: float | None = None  # float32's time ÷ the chosen dtype's (below 1: slower than float32)
     seconds: float = 0.0
@@ -148,6 +150,9 @@ class Calibration:
                 "after_ms": round(self.quiet_after_ms, 3),
                 "threads_ms": [{"threads": n, "ms": round(ms, 3)} for n, ms in sorted(self.quiet_lone_ms.items())],
                 "team": team, "threads": quiet.threads if quiet is not None else team}
+            if self.quiet_warm_ms:
+                calibration["quiet_lone"]["warm_ms"] = [{"threads": n, "ms": round(ms, 3)}
+                                                        for n, ms in sorted(self.quiet_warm_ms.items())]
         if self.dtype_speed is not None:
             # Three significant figures, not three decimals: a ratio under 0.0005 must not read 0 (§2: > 0).
             calibration["dtype_speed_vs_float32"] = float(f"{self.dtype_speed:.3g}")
@@ -163,7 +168,8 @@ class Calibration:
         timed, or the team's threads are as fast for it."""
         if not self.quiet_lone_ms or self.quiet_after_ms is None:
             return None
-        return choose_quiet_lone({n: ms / 1000 for n, ms in self.quiet_lone_ms.items()}, self.quiet_after_ms / 1000)
+        return choose_quiet_lone({n: ms / 1000 for n, ms in self.quiet_lone_ms.items()}, self.quiet_after_ms / 1000,
+                                 {n: ms / 1000 for n, ms in self.quiet_warm_ms.items()} or None)
 
     def second_look(self) -> SecondLook | None:
         """The second look at the layout this calibration chose (``layout.SecondLook``), or None when
@@ -210,9 +216,10 @@ class Calibration:
         if self.quiet_lone_ms and self.quiet_after_ms is not None:
             quiet = self.quiet_lone()
             timed = ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.quiet_lone_ms.items()))
+            warm = ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.quiet_warm_ms.items()))
             parts.append(quiet.line() if quiet is not None else
                          f"a lone request after {self.quiet_after_ms:.0f} ms of quiet keeps {max(self.quiet_lone_ms)} "
-                         f"threads ({timed})")
+                         f"threads ({timed}" + (f"; back to back {warm})" if warm else ")"))
         if self.dtype_speed is not None:
             parts.append(f"{self.dtype} at {self.dtype_speed:.2f}x float32's speed")
         return f"calibrated in {self.seconds:.2f} s: " + "; ".join(parts)
@@ -314,10 +321,11 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
             result.threads_from = "flag" if torch_threads else "calibration"
         torch.set_num_threads(result.torch_threads)
     if quiet_lone and on_cpu and not torch_threads and result.torch_threads > 1:
-        lone_s, quiet_s = time_quiet_lone(model, result.torch_threads,
-                                          lambda: time.perf_counter() < started + budget_s / 2)
+        lone_s, quiet_s, warm_s = time_quiet_lone(model, result.torch_threads,
+                                                  lambda: time.perf_counter() < started + budget_s / 2)
         result.quiet_lone_ms = {count: seconds * 1000 for count, seconds in lone_s.items()}
         result.quiet_after_ms = quiet_s * 1000
+        result.quiet_warm_ms = {count: seconds * 1000 for count, seconds in warm_s.items()}
     decode_s = 0.0
     decode_bytes = 0
     batches: dict[tuple[int, int], list[Item]] = {}
@@ -458,36 +466,44 @@ def wait_until_quiet(cpu: Callable[[], float] = time.process_time, clock: Callab
 
 
 def time_quiet_lone(model: FillMaskModel, team: int, more: Callable[[], bool] = lambda: True,
-                    sleep: Callable[[float], None] = time.sleep) -> tuple[dict[int, float], float]:
+                    sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter
+                    ) -> tuple[dict[int, float], float, dict[int, float]]:
     """A lone request's seconds on one thread and on ``team`` threads, each timed once the team's
-    workers have gone quiet after its last pass and stayed so as long again (``QUIET_GAP`` times the
-    wait from the pass: on a virtual machine the slow wake-up came only after its CPU had been idle a
-    while), the counts in turn for up to ``QUIET_ROUNDS`` rounds (after ``MIN_THREAD_ROUNDS``, while
-    ``more()``): the median of each count's, not the fastest, since the first pass after a quiet spell
-    is what is measured; and the longest such spell, from the team's pass. Leaves this thread at
-    ``team`` threads. (``sleep``: for a test to see the spells.)"""
+    workers have gone quiet after a pass of the team and stayed so as long again (``QUIET_GAP`` times
+    the wait: on a virtual machine the slow wake-up came only after its CPU had been idle a while; a
+    pass of the team, untimed, comes first where the last pass was on one thread), the counts in turn
+    for up to ``QUIET_ROUNDS`` rounds (after ``MIN_THREAD_ROUNDS``, while ``more()``): the median of
+    each count's, not the fastest, since the first pass after a quiet spell is what is measured; the
+    longest time from the end of the team's pass to a timed pass's start (``clock``); and each count's
+    time warm, the median of ``QUIET_ROUNDS`` passes back to back. Leaves this thread at ``team``
+    threads. (``sleep`` and ``clock``: for a test to see the spells.)"""
     items = batch_items(model, 1, THREAD_SHAPE[1])
     counts = (1, team)
+    warm: dict[int, list[float]] = {}
     for count in counts:
         _set_threads(count)
         _warm(model, items)  # (the graph's shape, at each count)
+        warm[count] = [_time(model, items, 1) for _ in range(QUIET_ROUNDS)]
     times: dict[int, list[float]] = {count: [] for count in counts}
-    quiet_s = 0.0
-    # (The last pass of the team's warm-up, then each timed one on it, is the pass the next quiet follows;
-    # a pass on one thread leaves no worker spinning, and its own wait ends at the first look.)
+    spell_s = 0.0
+    team_ended = clock()  # (the warm passes' last was the team's)
     for done in range(QUIET_ROUNDS):
         if done >= MIN_THREAD_ROUNDS and not more():
             break
         for count in counts:
-            waited = wait_until_quiet()  # the team's workers spin on after its pass until they sleep ...
+            if team_ended is None:  # the last pass was on one thread: the team runs first, untimed
+                _set_threads(team)
+                model.forward(items)
+                team_ended = clock()
+            waited = wait_until_quiet()  # its workers spin on after its pass until they sleep ...
             sleep(waited * (QUIET_GAP - 1))  # ... and stay asleep a while
-            quiet_s = max(quiet_s, waited * QUIET_GAP)
+            spell_s = max(spell_s, clock() - team_ended)
             _set_threads(count)
-            clock = time.perf_counter()
-            model.forward(items)
-            times[count].append(time.perf_counter() - clock)
+            times[count].append(_time(model, items, 1))
+            team_ended = clock() if count == team else None
     _set_threads(team)
-    return {count: statistics.median(seconds) for count, seconds in times.items()}, quiet_s
+    return ({count: statistics.median(seconds) for count, seconds in times.items()}, spell_s,
+            {count: statistics.median(seconds) for count, seconds in warm.items()})
 
 
 def _set_threads(count: int) -> None:

@@ -36,8 +36,9 @@ idle workers spin for a while after a pass and then sleep, and on some machines 
 wakes them takes several times a warm one, and longer than one thread takes for it (on a 2-core KVM
 guest with a small model: docs/performance-log.md, "A lone request after a quiet spell"). The calibration
 times a lone request on one thread and on the team once the team has gone quiet
-(``choose_quiet_lone``); where one thread is the faster, a lone request that starts at least as long
-after the model thread's last pass on the team as the calibration waited runs on one thread. It is
+(``choose_quiet_lone``); where one thread is the faster, by more than it is slower than the team
+back to back, a lone request that starts at least as long after the model thread's last pass on
+the team as the calibration waited runs on one thread. It is
 the team's own quiet that counts: a team left asleep while the model thread ran passes on one
 thread, tens of milliseconds apart, was as slow to wake (the performance log has the figures). So
 once lone requests run on one thread, the team runs again only for a batch that its layout gives
@@ -158,11 +159,15 @@ class QuietLone:
                 f"thread{'s' if self.threads > 1 else ''} ({timed})")
 
 
-def choose_quiet_lone(lone_s: dict[int, float], after_s: float) -> QuietLone | None:
+def choose_quiet_lone(lone_s: dict[int, float], after_s: float, warm_s: dict[int, float] | None = None
+                      ) -> QuietLone | None:
     """The rule for a lone request ``after_s`` after a pass of the team, from its time on each thread
     count after such a quiet (``lone_s``; the team is the largest count): the fastest count, or among
     those within ``THREAD_TIE`` of it the fewest threads; None when that is the team (a lone request
-    keeps its layout's threads)."""
+    keeps its layout's threads), and None too when what that count saves after the quiet is no more
+    than what it costs back to back (``warm_s``, each count's time then): a lone request moved once
+    keeps the team asleep, so the requests that follow it closely run on that count too (the module
+    docstring), and a load may hold as many of the one kind as of the other."""
     if not lone_s or after_s < 0 or min(lone_s.values()) <= 0:
         raise ValueError("a lone request's time after a quiet spell is needed on each count, and how long the "
                          "team took to go quiet")
@@ -170,6 +175,8 @@ def choose_quiet_lone(lone_s: dict[int, float], after_s: float) -> QuietLone | N
     chosen = min(count for count, seconds in lone_s.items() if seconds <= best * (1 + THREAD_TIE))
     team = max(lone_s)
     if chosen == team:
+        return None
+    if warm_s is not None and warm_s[chosen] - warm_s[team] >= lone_s[team] - lone_s[chosen]:
         return None
     return QuietLone(chosen, team, after_s, tuple(sorted(lone_s.items())))
 

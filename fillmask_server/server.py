@@ -180,7 +180,7 @@ class FillMaskServer:
         tuner = (ThreadTuner(list(range(1, len(layouts) + 1)),
                              layouts.index((calibration.torch_threads, parts)) + 1, time.monotonic())
                  if len(layouts) > 1 else None)
-        quiet = calibration.quiet_lone() if on_cpu else None
+        quiet = calibration.quiet_lone() if on_cpu and config.quiet_lone != "off" else None
         self.engine = Engine(model, policy, config.max_queue, config.max_masks, self._deliver_from_engine,
                              on_batch=self._observe_batch, max_result_bytes=config.max_result_bytes, memory=memory,
                              cost=cost, threads=tuner, on_threads=self._follow_thread_count,

@@ -324,17 +324,21 @@ def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_reported_in_hello_an
     """Where one thread was the faster after the quiet, ``quiet_lone`` says so and what it runs on; where
     the team was, it says the team's count, and the engine gets no rule."""
     found = Calibration(torch_threads=2, threads_from="calibration", quiet_lone_ms={1: 3.8, 2: 14.8},
-                        quiet_after_ms=41.0)
+                        quiet_after_ms=41.0, quiet_warm_ms={1: 2.5, 2: 2.6})
     quiet = found.quiet_lone()
     assert isinstance(quiet, QuietLone) and quiet.threads == 1 and quiet.after_s == pytest.approx(0.041)
     assert found.hello()["calibration"]["quiet_lone"] == {
         "after_ms": 41.0, "threads_ms": [{"threads": 1, "ms": 3.8}, {"threads": 2, "ms": 14.8}], "team": 2,
-        "threads": 1}
+        "threads": 1, "warm_ms": [{"threads": 1, "ms": 2.5}, {"threads": 2, "ms": 2.6}]}
     assert found.line().endswith("; a lone request after 41 ms of quiet runs on 1 thread (1 -> 3.8 ms, 2 -> 14.8 ms)")
     kept = Calibration(torch_threads=2, threads_from="calibration", quiet_lone_ms={1: 76.1, 2: 58.7},
                        quiet_after_ms=20.0)
     assert kept.quiet_lone() is None and kept.hello()["calibration"]["quiet_lone"]["threads"] == 2 == quiet.team
     assert kept.line().endswith("; a lone request after 20 ms of quiet keeps 2 threads (1 -> 76.1 ms, 2 -> 58.7 ms)")
+    far = Calibration(torch_threads=2, threads_from="calibration", quiet_lone_ms={1: 15.0, 2: 19.0},
+                      quiet_after_ms=41.0, quiet_warm_ms={1: 15.0, 2: 9.0})  # the warm team far faster: kept
+    assert far.quiet_lone() is None and far.hello()["calibration"]["quiet_lone"]["threads"] == 2
+    assert far.line().endswith("keeps 2 threads (1 -> 15.0 ms, 2 -> 19.0 ms; back to back 1 -> 15.0 ms, 2 -> 9.0 ms)")
     untimed = Calibration(torch_threads=1, threads_from="default")
     assert untimed.quiet_lone() is None and "quiet_lone" not in untimed.hello()["calibration"]
     assert "quiet" not in untimed.line()
@@ -342,33 +346,47 @@ def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_reported_in_hello_an
 
 def test_a_lone_request_is_timed_right_after_the_team_went_quiet_and_stayed_so(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each timed pass follows a wait until the team's workers went quiet after its last pass (here a
-    fake wait of 10 ms) and a sleep as long again (``QUIET_GAP`` times the wait in all, from the pass);
-    the counts take turns, round after round: three while ``more()`` allows, two when it does not.
-    The thread is left at the team's count."""
+    """Each timed pass follows a pass of the team (the warm-up's last, the team's timed one, or one run
+    untimed for it), a wait until its workers went quiet (here a fake wait of 10 ms) and a sleep as
+    long again; the spell reported is the longest from the team's pass to a timed pass (on the test's
+    clock, which the wait and the sleep move). The counts take turns: three rounds while ``more()``
+    allows, two when it does not. Each count is timed back to back too, after its warm-up. The thread
+    is left at the team's count."""
     import torch
 
     from fillmask_server import calibration, loading
 
     model = loading.load_model(str(tiny_model_dir))
     events: list[tuple[str, float]] = []
+    now = [0.0]
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda items: (events.append(("pass", torch.get_num_threads())),
                                                          forward(items))[1])
-    monkeypatch.setattr(calibration, "wait_until_quiet", lambda: (events.append(("quiet", 0)), 0.01)[1])
+
+    def wait() -> float:
+        events.append(("quiet", 0))
+        now[0] += 0.01
+        return 0.01
+
+    def sleep(seconds: float) -> None:
+        events.append(("sleep", seconds))
+        now[0] += seconds
+
+    monkeypatch.setattr(calibration, "wait_until_quiet", wait)
     before = torch.get_num_threads()
     try:
-        lone_s, quiet_s = calibration.time_quiet_lone(model, 2, sleep=lambda s: events.append(("sleep", s)))
+        lone_s, spell_s, warm_s = calibration.time_quiet_lone(model, 2, sleep=sleep, clock=lambda: now[0])
         left = torch.get_num_threads()
         tight = len(events)
-        calibration.time_quiet_lone(model, 2, more=lambda: False, sleep=lambda s: events.append(("sleep", s)))
+        calibration.time_quiet_lone(model, 2, more=lambda: False, sleep=sleep, clock=lambda: now[0])
     finally:
         torch.set_num_threads(before)
-    assert left == 2 and sorted(lone_s) == [1, 2] and all(0 < seconds < 10 for seconds in lone_s.values())
-    assert quiet_s == pytest.approx(QUIET_GAP * 0.01)  # from the team's pass: the wait, and as long again
-    warm, timed = events[:4], events[4:tight]
-    assert warm == [("pass", 1), ("pass", 1), ("pass", 2), ("pass", 2)]  # (the graph's shape, at each count)
+    assert left == 2 and sorted(lone_s) == sorted(warm_s) == [1, 2]
+    assert all(0 < seconds < 10 for seconds in [*lone_s.values(), *warm_s.values()])
+    assert spell_s == pytest.approx(QUIET_GAP * 0.01)  # from the team's pass: the wait, and as long again
+    warmed = [("pass", 1)] * (2 + QUIET_ROUNDS) + [("pass", 2)] * (2 + QUIET_ROUNDS)  # the shape, then back to back
     gap = ("sleep", pytest.approx(0.01 * (QUIET_GAP - 1)))
-    # Each timed pass after a quiet: the team's last pass (its warm-up's, or its timed one) came before.
-    assert timed == [("quiet", 0), gap, ("pass", 1), ("quiet", 0), gap, ("pass", 2)] * QUIET_ROUNDS
-    assert events[tight + 4:] == [("quiet", 0), gap, ("pass", 1), ("quiet", 0), gap, ("pass", 2)] * MIN_THREAD_ROUNDS
+    first = [("quiet", 0), gap, ("pass", 1), ("pass", 2), ("quiet", 0), gap, ("pass", 2)]  # (an untimed team pass)
+    assert events[:len(warmed)] == warmed
+    assert events[len(warmed):tight] == first * QUIET_ROUNDS
+    assert events[tight + len(warmed):] == first * MIN_THREAD_ROUNDS

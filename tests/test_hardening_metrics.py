@@ -173,20 +173,28 @@ async def test_a_scrape_does_not_walk_the_frozen_heap(make_server: Any, monkeypa
 async def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_on_metrics_and_counts_what_it_moved(
         tiny_config: Any) -> None:
     """A calibration that timed one thread faster than the team after the quiet: /metrics gives the rule
-    and counts each lone request it ran on one thread (the first: the model had never run). Where the
-    team was the faster, no such series."""
+    and counts each lone request it ran on one thread (the first: the team had never run); protocol.md
+    §11 lists each series. Where the team was the faster, or with ``--quiet-lone off`` whatever the
+    calibration it is given, no such series."""
+    import re
+    from dataclasses import replace
+
     from fillmask_server.calibration import Calibration
     from fillmask_server.loading import load_model
 
+    spec = (Path(__file__).resolve().parent.parent / "protocol.md").read_text()
+    listed = set(re.findall(r"`(fillmask_quiet_lone_[a-z_]+)`", spec[spec.index("## §11"):spec.index("## §12")]))
     model = load_model(tiny_config.model)
-    for quiet_ms, applies in (({1: 3.8, 2: 14.8}, True), ({1: 76.1, 2: 58.7}, False)):
+    cases = (({1: 3.8, 2: 14.8}, "auto", True), ({1: 76.1, 2: 58.7}, "auto", False), ({1: 3.8, 2: 14.8}, "off", False))
+    for quiet_ms, setting, applies in cases:
         calibration = Calibration(2, "calibration", threads_ms={1: 7.0, 2: 5.1}, quiet_lone_ms=quiet_ms,
                                   quiet_after_ms=41.0)
-        server = FillMaskServer(tiny_config, model, calibration)
+        server = FillMaskServer(replace(tiny_config, quiet_lone=setting), model, calibration)
         await server.start()
         try:
             async with session(server.url) as (ws, hello):
-                assert hello["engine"]["calibration"]["quiet_lone"]["threads"] == (1 if applies else 2)
+                if setting == "auto":
+                    assert hello["engine"]["calibration"]["quiet_lone"]["threads"] == (1 if applies else 2)
                 assert (await request(ws, "lone", TEXT))["type"] == "result"
             _, samples = await scrape(server)
         finally:
@@ -195,5 +203,8 @@ async def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_on_metrics_and
             assert samples[("fillmask_quiet_lone_threads", ())] == 1
             assert samples[("fillmask_quiet_lone_after_seconds", ())] == 0.041
             assert samples[("fillmask_quiet_lone_requests_total", ())] == 1
+            assert {name.removesuffix("_total") for name, _ in samples if name.startswith("fillmask_quiet")} == {
+                name.removesuffix("_total") for name in listed}  # §11 lists each (the shared server has none)
+            assert len(listed) == 3
         else:
             assert not [name for name, _ in samples if name.startswith("fillmask_quiet_lone")]

@@ -154,6 +154,18 @@ def test_the_rule_changes_only_a_lone_request_on_its_team_after_the_teams_quiet(
     assert QuietLone(1, 8, 0.03).threads_for(1, 16, 1.0) == 16  # a team it was not timed against keeps its own
 
 
+def test_what_one_thread_saves_after_a_quiet_must_outweigh_what_it_costs_back_to_back() -> None:
+    """A lone request moved once keeps the team asleep, so the requests that follow it closely run on
+    one thread too: the rule holds only where one thread saves more after the quiet than it costs
+    back to back. Tiny's three starts of the session (``warm_s`` a few tenths of a millisecond apart)
+    pass; a model whose warm team is far faster than its wake-up costs keeps its team; a start
+    without the wake-up's cost (one thread within the tie after the quiet) does too."""
+    assert choose_quiet_lone({1: 3.54e-3, 2: 15.11e-3}, 0.041, {1: 3.10e-3, 2: 2.55e-3}) is not None
+    assert choose_quiet_lone({1: 3.73e-3, 2: 7.51e-3}, 0.041, {1: 2.55e-3, 2: 2.42e-3}) is not None
+    assert choose_quiet_lone({1: 15e-3, 2: 19e-3}, 0.041, {1: 15e-3, 2: 9e-3}) is None
+    assert choose_quiet_lone({1: 3.7e-3, 2: 3.6e-3}, 0.041, {1: 2.6e-3, 2: 2.4e-3}) is None
+
+
 def test_the_quiet_lone_rule_needs_each_counts_time_and_the_quiet() -> None:
     for lone_s, after_s in (({}, 0.02), ({1: 0.0, 2: 1e-3}, 0.02), ({1: 1e-3, 2: 1e-3}, -1.0)):
         with pytest.raises(ValueError, match="lone request"):

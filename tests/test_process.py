@@ -259,6 +259,25 @@ def test_forward_parts_on_a_gpu_say_so_and_run_one_pass(monkeypatch: pytest.Monk
             in capsys.readouterr().err.splitlines())
 
 
+def test_quiet_lone_off_reaches_the_calibration_and_auto_asks_for_the_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--quiet-lone off`` is passed to the calibration, which then times nothing for a lone request
+    after a quiet spell (``tests/test_engine.py`` checks what it times otherwise)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import ws_server
+    from fillmask_server.calibration import uncalibrated
+
+    asked: list[bool] = []
+    monkeypatch.setattr(ws_server, "load_model", lambda *args, **kwargs: SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(ws_server, "calibrate", lambda *args, quiet_lone=True, **kwargs: (asked.append(quiet_lone),
+                                                                                           uncalibrated())[1])
+    for setting in ("off", "auto"):
+        ws_server._load_and_calibrate(Config(model="tiny", calibration_s=0, quiet_lone=setting))
+    assert asked == [False, True]
+
+
 def test_the_settings_checks_count_the_cpus_within_a_container_quota_as_the_calibration_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The settings' checks counted the CPUs by affinity alone, while the calibration read the cgroup's
