@@ -120,9 +120,10 @@ _HELP: dict[str, str] = {
                      "operator, so the server's other threads stall them less); 0 = measured at start-up with "
                      "the thread count, whether set or measured (one pass with --calibration-s 0 or on a GPU), "
                      "1 = one pass",
-    "calibration_s": "time budget for the start-up calibration: the torch thread count, the cost model's first "
-                     "coefficients, and for --dtype bfloat16/float16/int8 its speed against float32 (a warning "
-                     "when slower); 0 = skip it (the cost model then starts from CPU defaults and learns online)",
+    "calibration_s": "time budget for the start-up calibration: the torch thread count, a lone request after a "
+                     "quiet spell (--quiet-lone), the cost model's first coefficients, and for --dtype "
+                     "bfloat16/float16/int8 its speed against float32 (a warning when slower); 0 = skip it (the "
+                     "cost model then starts from CPU defaults and learns online)",
     "quiet_lone": "auto: the start-up calibration times a lone request after the torch thread team has been "
                   "quiet, on one thread and on the team, and where one thread is faster (waking a sleeping team "
                   "is slow on some machines, virtual ones above all) by more than it is slower back to back, runs "
