@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -625,11 +627,17 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
     assert by_flag.line().startswith("calibrated in") and "torch threads 2 in 2 parts of 1 (flag)" in by_flag.line()
 
 
+@contextlib.contextmanager
 def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch,
-                 layouts: list[tuple[int, int]], clock: list[float]) -> tuple[Engine, list[int], list[int]]:
-    """An engine on the fake ``clock`` (its one value, which the test moves) whose tuner stays at the
-    layout of rank 2, with ``QuietLone(1, team=2, after_s=1)``; and the lists that the batches the
-    tuner and the cost model were told about go to (by rank, and by rows)."""
+                 layouts: list[tuple[int, int]], clock: list[float]
+                 ) -> Iterator[tuple[Engine, list[tuple[str, int, int]], list[int], list[int]]]:
+    """A started engine on the fake ``clock`` (its one value, which the test moves) whose tuner stays at
+    the layout of rank 2, with ``QuietLone(1, team=2, after_s=1)``; with the lists of its forward passes
+    (``record_forward``) and of the batches the tuner and the cost model were told about (by rank, and
+    by rows). Stopped, and torch's thread count put back, on exit."""
+    import torch
+
+    calls = record_forward(model, monkeypatch)
     tuner = ThreadTuner([1, 2], 2, clock[0], adaptive=False)
     timed: list[int] = []
     ran = tuner.ran
@@ -640,7 +648,13 @@ def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest
     observe = engine.core.cost.observe_forward
     monkeypatch.setattr(engine.core.cost, "observe_forward",
                         lambda rows, *args: (observed.append(rows), observe(rows, *args))[1])
-    return engine, timed, observed
+    before = torch.get_num_threads()
+    engine.start()
+    try:
+        yield engine, calls, timed, observed
+    finally:
+        engine.stop()
+        torch.set_num_threads(before)
 
 
 def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_calibration_measured(
@@ -650,14 +664,8 @@ def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_
     sooner; a batch of several texts always on its layout's. Such a batch, and the next one when it
     wakes the team again, say nothing to the tuner or the cost model, which model the layout in use.
     The engine's clock is fake: only the test moves it."""
-    import torch
-
-    calls = record_forward(model, monkeypatch)
     clock = [100.0]
-    before = torch.get_num_threads()
-    engine, timed, observed = quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock)
-    engine.start()
-    try:
+    with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock) as (engine, calls, timed, observed):
         engine.submit(job("first"))  # the team has never run
         collector.wait_for(1)
         submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(3)])  # wakes the team
@@ -669,9 +677,6 @@ def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_
         clock[0] += 1.0  # the team quiet ever since
         engine.submit(job("later"))
         outcomes = collector.wait_for(8)
-    finally:
-        engine.stop()
-        torch.set_num_threads(before)
     assert [(items, count) for _, items, count in calls] == [(1, 1), (3, 2), (2, 2), (1, 2), (1, 1)]
     assert all(isinstance(outcome, Result) for outcome in outcomes.values())
     assert timed == [2, 2] and observed == [2, 1]  # not the moved batches, nor the first back on the team
@@ -684,14 +689,8 @@ def test_in_parts_no_batch_runs_the_team_so_a_lone_request_runs_on_one_thread_ev
     lone request right after one runs on one thread (the team's own quiet is what counts), and so does
     one after a longer quiet; a batch in parts after them keeps its parts' threads, and the tuner and
     the cost model hear of it (it wakes no team)."""
-    import torch
-
-    calls = record_forward(model, monkeypatch)
     clock = [100.0]
-    before = torch.get_num_threads()
-    engine, timed, observed = quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 2)], clock)
-    engine.start()
-    try:
+    with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 2)], clock) as (engine, calls, timed, observed):
         submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(4)])
         collector.wait_for(4)
         engine.submit(job("right after the parts"))
@@ -701,9 +700,6 @@ def test_in_parts_no_batch_runs_the_team_so_a_lone_request_runs_on_one_thread_ev
         collector.wait_for(6)
         submit_as_one_batch(engine, [job(n, "x [MASK] y") for n in range(6, 8)])
         outcomes = collector.wait_for(8)
-    finally:
-        engine.stop()
-        torch.set_num_threads(before)
     assert sorted(calls[:2]) == [("fillmask-model", 2, 1), ("fillmask-part-1", 2, 1)]  # the batch in parts
     assert calls[2:4] == [("fillmask-model", 1, 1), ("fillmask-model", 1, 1)]
     assert sorted(calls[4:]) == [("fillmask-model", 1, 1), ("fillmask-part-1", 1, 1)]
