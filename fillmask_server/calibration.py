@@ -38,15 +38,19 @@ own tokens around its mask token), all within ``--calibration-s``:
    Where one thread is the faster after the quiet, by more than it is slower back to back
    (``layout.choose_quiet_lone``), the engine runs a lone request on one thread after such a quiet
    (``layout.QuietLone``): on a machine where waking a sleeping team is slow, every request of a
-   lightly loaded server is such a one.
+   lightly loaded server is such a one. These timings are the rule's start: the engine times its
+   lone requests after a quiet and chooses again as it serves.
 4. **Reduced precision** (``--dtype bfloat16``, ``float16`` or ``int8`` only): the same batch on a
    float32 copy of the model; when the chosen dtype is slower, ``Calibration.warning`` is one line
    saying so with the measured ratio (a CPU without native bf16 emulates it).
 
 It all runs on a thread of its own that ends when it is done, like the model's loading: the OpenMP
 worker pool each thread's first parallel operator creates goes with that thread (see
-``loading.load_model``). Test hook: ``FILLMASK_TEST_DTYPE_SLOWDOWN=F`` multiplies the reduced dtype's
-measured time by ``F`` (the measurement still runs), so a test can see the warning on any CPU.
+``loading.load_model``). Test hooks: ``FILLMASK_TEST_DTYPE_SLOWDOWN=F`` multiplies the reduced dtype's
+measured time by ``F`` (the measurement still runs), so a test can see the warning on any CPU;
+``FILLMASK_TEST_QUIET_LONE_MS=1:3.7,2:3.6`` puts those milliseconds in place of a lone request's
+times after a quiet on the counts it names (the timing still runs), so a benchmark can start the
+rule where a start in an hour without the wake-up's cost would (``bench/quiet.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ from .cpus import usable_cpus
 from .decode import SequenceDecoder, predictions_json
 from .diagnosis import first_line
 from .items import Item, TopK
-from .layout import Layout, QuietLone, SecondLook, choose_layout, choose_quiet_lone, preference
+from .layout import Layout, QuietLone, SecondLook, choose_layout, preference
 from .loading import on_a_thread_that_ends
 from .model import FillMaskModel
 from .parts import PartRunner, plan
@@ -91,6 +95,7 @@ QUIET_ROUNDS = 3  # a lone request timed after a quiet spell, per count (at leas
 QUIET_GAP = 2.0  # ... that spell this many times as long, from the team's pass, as its workers took to go quiet
 TOP_K = 5
 SLOWDOWN_ENV = "FILLMASK_TEST_DTYPE_SLOWDOWN"
+QUIET_LONE_ENV = "FILLMASK_TEST_QUIET_LONE_MS"
 
 
 @dataclass
@@ -145,11 +150,11 @@ class Calibration:
                                          "per_output_kb_us": round(c.byte_s * 1e9, 4)}
         if self.quiet_lone_ms and self.quiet_after_ms is not None:
             quiet = self.quiet_lone()
-            team = max(self.quiet_lone_ms)
+            assert quiet is not None
             calibration["quiet_lone"] = {
                 "after_ms": round(self.quiet_after_ms, 3),
                 "threads_ms": [{"threads": n, "ms": round(ms, 3)} for n, ms in sorted(self.quiet_lone_ms.items())],
-                "team": team, "threads": quiet.threads if quiet is not None else team}
+                "team": quiet.team, "threads": quiet.calibrated}
             if self.quiet_warm_ms:
                 calibration["quiet_lone"]["warm_ms"] = [{"threads": n, "ms": round(ms, 3)}
                                                         for n, ms in sorted(self.quiet_warm_ms.items())]
@@ -164,12 +169,13 @@ class Calibration:
         return sorted(self._timed(), key=preference)
 
     def quiet_lone(self) -> QuietLone | None:
-        """How a lone request runs after the team has gone quiet (``layout.QuietLone``), or None: not
-        timed, or the team's threads are as fast for it."""
+        """The rule for a lone request after the team has gone quiet (``layout.QuietLone``), a new one
+        each call, starting from this calibration's choice (the team where it was as fast); None where
+        it was not timed."""
         if not self.quiet_lone_ms or self.quiet_after_ms is None:
             return None
-        return choose_quiet_lone({n: ms / 1000 for n, ms in self.quiet_lone_ms.items()}, self.quiet_after_ms / 1000,
-                                 {n: ms / 1000 for n, ms in self.quiet_warm_ms.items()} or None)
+        return QuietLone({n: ms / 1000 for n, ms in self.quiet_lone_ms.items()}, self.quiet_after_ms / 1000,
+                         {n: ms / 1000 for n, ms in self.quiet_warm_ms.items()} or None)
 
     def second_look(self) -> SecondLook | None:
         """The second look at the layout this calibration chose (``layout.SecondLook``), or None when
@@ -215,11 +221,8 @@ class Calibration:
                          f"token + {c.row_s * 1e6:.1f} us per row + {c.byte_s * 1e9:.1f} us per KB of output")
         if self.quiet_lone_ms and self.quiet_after_ms is not None:
             quiet = self.quiet_lone()
-            timed = ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.quiet_lone_ms.items()))
-            warm = ", ".join(f"{n} -> {ms:.1f} ms" for n, ms in sorted(self.quiet_warm_ms.items()))
-            parts.append(quiet.line() if quiet is not None else
-                         f"a lone request after {self.quiet_after_ms:.0f} ms of quiet keeps {max(self.quiet_lone_ms)} "
-                         f"threads ({timed}" + (f"; back to back {warm})" if warm else ")"))
+            assert quiet is not None
+            parts.append(quiet.line())
         if self.dtype_speed is not None:
             parts.append(f"{self.dtype} at {self.dtype_speed:.2f}x float32's speed")
         return f"calibrated in {self.seconds:.2f} s: " + "; ".join(parts)
@@ -323,7 +326,7 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
     if quiet_lone and on_cpu and not torch_threads and result.torch_threads > 1:
         lone_s, quiet_s, warm_s = time_quiet_lone(model, result.torch_threads,
                                                   lambda: time.perf_counter() < started + budget_s / 2)
-        result.quiet_lone_ms = {count: seconds * 1000 for count, seconds in lone_s.items()}
+        result.quiet_lone_ms = forced_quiet_lone({count: seconds * 1000 for count, seconds in lone_s.items()})
         result.quiet_after_ms = quiet_s * 1000
         result.quiet_warm_ms = {count: seconds * 1000 for count, seconds in warm_s.items()}
     decode_s = 0.0
@@ -447,6 +450,21 @@ QUIET_TICK_S = 0.01
 #: core with other processes still uses more) ...
 QUIET_SHARE = 0.25
 QUIET_MOST_S = 0.2  # ... or this long has passed
+
+
+def forced_quiet_lone(timed_ms: dict[int, float]) -> dict[int, float]:
+    """``timed_ms`` (a lone request's milliseconds after a quiet, by count), with those that
+    ``FILLMASK_TEST_QUIET_LONE_MS`` names (``1:3.7,2:3.6``) in their place: a test hook (the module
+    docstring)."""
+    forced = os.environ.get(QUIET_LONE_ENV, "")
+    if not forced:
+        return timed_ms
+    try:
+        given = {int(count): float(ms) for count, ms in (pair.split(":") for pair in forced.split(","))}
+    except ValueError:
+        raise ValueError(f"{QUIET_LONE_ENV} reads like 1:3.7,2:3.6 (thread count:milliseconds), not {forced!r}"
+                         ) from None
+    return {count: given.get(count, ms) for count, ms in timed_ms.items()}
 
 
 def wait_until_quiet(cpu: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.perf_counter,

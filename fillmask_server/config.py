@@ -127,8 +127,9 @@ _HELP: dict[str, str] = {
     "quiet_lone": "auto: the start-up calibration times a lone request after the torch thread team has been "
                   "quiet, on one thread and on the team, and where one thread is faster (waking a sleeping team "
                   "is slow on some machines, virtual ones above all) by more than it is slower back to back, runs "
-                  "such requests on one thread; off: a lone request always runs on its layout's threads (nothing "
-                  "timed), as with --torch-threads set or --calibration-s 0",
+                  "such requests on one thread, timing them as it serves and choosing again; off: a lone request "
+                  "always runs on its layout's threads (nothing timed), as with --torch-threads set or "
+                  "--calibration-s 0",
     "forward": "traced: run encoder, head and softmax as one TorchScript graph, which holds the GIL once per "
                "batch instead of once per operator, so other threads' Python work cannot stall the model (checked "
                "bit for bit against eager at start-up, which it falls back to); eager: plain PyTorch modules",

@@ -271,7 +271,8 @@ class EngineCore:
         ``forwarded`` indices go to the decode stage,
         ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use.
         ``typical`` False: the batch ran on other threads than that layout's (a lone request after a
-        quiet spell, ``layout.QuietLone``), and says nothing of it to the tuner or the cost model."""
+        quiet spell, ``layout.QuietLone``), or woke that layout's team after its quiet, and says nothing
+        of it to the tuner or the cost model."""
         outcomes: list[Outcome] = []
         # ``seconds`` is the forward pass alone: the time spent choosing the batch (``schedule``) is the
         # requests' queue time, not the batch's, and the cost model prices forward passes only, as the

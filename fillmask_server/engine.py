@@ -16,8 +16,9 @@
   on this thread, the others on helper threads (``fillmask-part-N``) that run only the model, the
   parts sharing all their threads (``part_threads`` each when the batch fills every part); a batch of
   one item runs whole, on all of them, but on the fewer threads of ``quiet`` (``layout.QuietLone``,
-  measured by the calibration) when they are the team it was timed against and the model thread's
-  last pass on all of them ended long enough ago for the team to have gone quiet.
+  measured by the calibration, then by these passes) when they are the team it was timed against
+  and the model thread's last pass on all of them ended long enough ago for the team to have gone
+  quiet; each such pass's time goes to the rule, which may choose again.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -135,7 +136,6 @@ class Engine:
         self._part_threads = part_threads
         self._quiet = quiet if on_cpu else None  # a lone request after the team's quiet (``layout.QuietLone``)
         self._team_ran_at = -math.inf  # when the model thread's last pass on all of the rule's team ended
-        self._moved_to = 0  # the count the last batch ran on, where the rule moved it (0: it did not)
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads, second_look)
@@ -403,13 +403,14 @@ class Engine:
         runner = self._runner
         total, most = self.layout(threads)
         parts, count = plan([len(item.input_ids) for item in items], total, most if runner is not None else 1)
-        layout_count = count
-        if self._quiet is not None and count:  # a lone request after the team's quiet: maybe fewer threads
-            count = self._quiet.threads_for(len(items), count, started - self._team_ran_at)
-        # A batch the rule moved, and the next one if it wakes the team again, say nothing of the layout in
-        # use to the tuner or the cost model (``EngineCore.update_from_output``'s ``typical``).
-        moved, woken = count != layout_count, bool(self._moved_to) and count != self._moved_to
-        self._moved_to = count if moved else 0
+        layout_count, quiet, quiet_s = count, self._quiet, started - self._team_ran_at
+        ruled = quiet is not None and count > 0 and quiet.applies(len(items), count, quiet_s)
+        if ruled:  # a lone request after the team's quiet: maybe fewer threads
+            count = quiet.threads_for(len(items), count, quiet_s)
+        # A batch the rule moved, and any that wakes the team after its quiet, say nothing of the layout
+        # in use to the tuner or the cost model (``EngineCore.update_from_output``'s ``typical``).
+        moved = count != layout_count
+        woken = quiet is not None and count >= quiet.team and quiet_s >= quiet.after_s
         if moved:
             self.stats.quiet_lone += 1
         if count and count != self._threads_set:
@@ -425,9 +426,12 @@ class Engine:
             failed_items = [i for _, part_failed in done for i in part_failed]
         passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass
         finished = self._clock()
-        if self._quiet is not None and count >= self._quiet.team:
-            self._team_ran_at = finished
         elapsed = finished - started
+        if quiet is not None:
+            if count >= quiet.team:
+                self._team_ran_at = finished
+            if ruled and not failed_items and (line := quiet.ran(count, elapsed)) is not None:
+                log.info("%s", line)
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
             in_use = self.core.threads.current if self.core.threads is not None else 0

@@ -35,20 +35,25 @@ A third choice is made for **a lone request after a quiet spell** (``QuietLone``
 idle workers spin for a while after a pass and then sleep, and on some machines the first pass that
 wakes them takes several times a warm one, and longer than one thread takes for it (on a 2-core KVM
 guest with a small model: docs/performance-log.md, "A lone request after a quiet spell"). The calibration
-times a lone request on one thread and on the team once the team has gone quiet
-(``choose_quiet_lone``); where one thread is the faster, by more than it is slower than the team
-back to back, a lone request that starts at least as long after the model thread's last pass on
-the team as the calibration waited runs on one thread. It is
-the team's own quiet that counts: a team left asleep while the model thread ran passes on one
-thread, tens of milliseconds apart, was as slow to wake (the performance log has the figures). So
-once lone requests run on one thread, the team runs again only for a batch that its layout gives
-all of it (a one-pass layout's batch of several texts).
+times a lone request on one thread and on the team once the team has gone quiet; where one thread is
+the faster (``choose_quiet_lone``), by more than it is slower than the team back to back, a lone
+request that starts at least as long after the model thread's last pass on the team as the
+calibration waited runs on one thread. The calibration's few rounds can misjudge that wake-up, and
+the host's share of slow ones varies by the hour, so the choice is made again while serving, from
+the lone requests' own passes after a quiet and a rare probe of the count not in use
+(``QuietLone.ran``). It is the team's own quiet that
+counts: a team left asleep while the model thread ran passes on one thread, tens of milliseconds
+apart, was as slow to wake (the performance log has the figures). So once lone requests run on one
+thread, the team runs again only for a batch that its layout gives all of it (a one-pass layout's
+batch of several texts), or for a probe.
 Invariant: that rule changes only batches of one request whose layout gives them the team it was
-timed against, and only to fewer threads.
+timed against, and only to a count it timed.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from .tuning import THREAD_TIE
@@ -59,6 +64,9 @@ LOOK_WINDOW_S = 1.0  # the second look measures a spell of serving at least this
 LOOK_BUSY_SHARE = 0.1  # ... in which the forward passes kept the engine busy at least this share of it ...
 LOOK_ROWS = 8  # ... in batches of at least this many rows on average ...
 LOOK_REQUESTS = 100  # ... that ran at least this many requests
+
+QUIET_SAMPLES = 3  # a count's estimate for a lone request after a quiet: the mean of its last this many passes
+QUIET_PROBE_EVERY = 128  # one such request in this many runs on another count, to time it (under a p99's 1 in 100)
 
 
 def preference(layout: Layout) -> tuple[int, int]:
@@ -133,52 +141,107 @@ class Look:
                 f"{words(layouts[self.before - 1])} -> {chosen} serve more with it")
 
 
-@dataclass(frozen=True)
-class QuietLone:
-    """A lone request runs whole on ``threads`` threads instead of the ``team`` it was timed against
-    (fewer), when its layout gives it that team and the model thread's last pass on all of the team
-    ended at least ``after_s`` ago: how long after such a pass the calibration timed it (``QUIET_GAP``
-    times the wait for the team's workers to go quiet, ``calibration.time_quiet_lone``). ``lone_s``:
-    those timings, by thread count, for the log."""
-
-    threads: int
-    team: int
-    after_s: float
-    lone_s: tuple[tuple[int, float], ...] = ()
-
-    def threads_for(self, rows: int, threads: int, quiet_s: float) -> int:
-        """The threads a batch of ``rows`` rows runs on, its layout giving it ``threads`` whole, when
-        the model thread's last pass on all of the team ended ``quiet_s`` seconds ago (``inf``: never).
-        Any other layout's count was not timed: it keeps it."""
-        return self.threads if rows == 1 and threads == self.team and quiet_s >= self.after_s else threads
-
-    def line(self) -> str:
-        """The start-up log's words for it."""
-        timed = ", ".join(f"{count} -> {seconds * 1e3:.1f} ms" for count, seconds in self.lone_s)
-        return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet runs on {self.threads} "
-                f"thread{'s' if self.threads > 1 else ''} ({timed})")
-
-
-def choose_quiet_lone(lone_s: dict[int, float], after_s: float, warm_s: dict[int, float] | None = None
-                      ) -> QuietLone | None:
-    """The rule for a lone request ``after_s`` after a pass of the team, from its time on each thread
-    count after such a quiet (``lone_s``; the team is the largest count): the fastest count, or among
-    those within ``THREAD_TIE`` of it the fewest threads; None when that is the team (a lone request
-    keeps its layout's threads), and None too when what that count saves after the quiet is no more
-    than what it costs back to back (``warm_s``, each count's time then): a lone request moved once
-    keeps the team asleep, so the requests that follow it closely run on that count too (the module
-    docstring), and a load may hold as many of the one kind as of the other."""
-    if not lone_s or after_s < 0 or min(lone_s.values()) <= 0:
-        raise ValueError("a lone request's time after a quiet spell is needed on each count, and how long the "
-                         "team took to go quiet")
+def choose_quiet_lone(lone_s: dict[int, float], warm_s: dict[int, float] | None = None) -> int:
+    """The thread count for a lone request after a quiet spell, from its time on each count after such
+    a quiet (``lone_s``; the team is the largest count): the fastest count, or among those within
+    ``THREAD_TIE`` of it the fewest threads; the team, though, when what that count saves after the
+    quiet is no more than what it costs back to back (``warm_s``, each count's time then): a lone
+    request moved once keeps the team asleep, so the requests that follow it closely run on that
+    count too (the module docstring), and a load may hold as many of the one kind as of the other."""
     best = min(lone_s.values())
     chosen = min(count for count, seconds in lone_s.items() if seconds <= best * (1 + THREAD_TIE))
     team = max(lone_s)
-    if chosen == team:
-        return None
     if warm_s is not None and warm_s[chosen] - warm_s[team] >= lone_s[team] - lone_s[chosen]:
-        return None
-    return QuietLone(chosen, team, after_s, tuple(sorted(lone_s.items())))
+        return team
+    return chosen
+
+
+class QuietLone:
+    """The rule for a lone request after the team's quiet, chosen again as it runs. A lone request runs
+    whole on ``threads`` threads instead of the ``team`` its layout gives it (``threads`` is the team
+    where the team is the faster), when the model thread's last pass on all of the team ended at least
+    ``after_s`` ago: how long after such a pass the calibration timed it (``QUIET_GAP`` times the wait
+    for the team's workers to go quiet, ``calibration.time_quiet_lone``).
+
+    ``lone_s``: the calibration's timings after the quiet, by thread count (``calibrated``: its
+    choice); ``warm_s``: back to back. Each count's estimate is the mean of its last
+    ``QUIET_SAMPLES`` lone passes after a quiet, the calibration's timing standing for those not yet
+    run, and ``threads`` is ``choose_quiet_lone`` of the estimates after each pass (``ran``). The
+    calibration's few rounds can misjudge the wake-up: where some of the team's passes after a quiet
+    wake fast and most slowly, a median of two or three says fast in about one start in five, and
+    the host's share of slow wakes varies by the hour. The mean, not the median, since the
+    expected wait is what a slow wake among fast ones adds to: one slow pass of the team among fast
+    ones can move lone requests to one thread; a team that wakes fast again gets them back once all
+    its last ``QUIET_SAMPLES`` probes were fast. The count in use is timed by every lone request
+    after a quiet; one in ``QUIET_PROBE_EVERY`` of them runs on another count, to time that one
+    again (a probe, which costs at most that share of such requests).
+
+    Invariant: the rule changes only batches of one request whose layout gives them the team it was
+    timed against, after that team's quiet, and only to a count it timed."""
+
+    def __init__(self, lone_s: dict[int, float], after_s: float, warm_s: dict[int, float] | None = None) -> None:
+        if len(lone_s) < 2 or after_s < 0 or min(lone_s.values()) <= 0 or (
+                warm_s is not None and set(warm_s) != set(lone_s)):
+            raise ValueError("a lone request's time after a quiet spell is needed on each count, and how long the "
+                             "team took to go quiet")
+        self.team = max(lone_s)
+        self.after_s = after_s
+        self.lone_s = dict(sorted(lone_s.items()))
+        self.warm_s = dict(sorted(warm_s.items())) if warm_s is not None else None
+        self.calibrated = choose_quiet_lone(self.lone_s, self.warm_s)
+        self.threads = self.calibrated  # the count in use (read by /metrics from another thread)
+        self.probes = 0  # lone requests run on another count than ``threads``, to time it again
+        self._recent = {count: deque([seconds] * QUIET_SAMPLES, maxlen=QUIET_SAMPLES)
+                        for count, seconds in self.lone_s.items()}
+        self._until_probe = QUIET_PROBE_EVERY
+
+    def applies(self, rows: int, threads: int, quiet_s: float) -> bool:
+        """Whether a batch of ``rows`` rows, its layout giving it ``threads`` whole, is the rule's: a
+        lone request on the team it was timed against, ``quiet_s`` seconds after the model thread's
+        last pass on all of that team ended (``inf``: never)."""
+        return rows == 1 and threads == self.team and quiet_s >= self.after_s
+
+    def threads_for(self, rows: int, threads: int, quiet_s: float) -> int:
+        """The threads that batch runs on (``applies``' arguments): ``threads`` unless it is the rule's;
+        then the count in use, or every ``QUIET_PROBE_EVERY``-th time another one (counted here)."""
+        if not self.applies(rows, threads, quiet_s):
+            return threads
+        self._until_probe -= 1
+        if self._until_probe > 0:
+            return self.threads
+        self._until_probe = QUIET_PROBE_EVERY
+        others = [count for count in self.lone_s if count != self.threads]
+        self.probes += 1
+        return others[self.probes % len(others)]
+
+    def ran(self, threads: int, seconds: float) -> str | None:
+        """The rule's batch (``applies``) ran on ``threads`` threads in ``seconds``; returns the log's
+        line when that changes the count in use, else None."""
+        if threads not in self._recent or seconds <= 0:
+            return None
+        self._recent[threads].append(seconds)
+        estimates = self.estimates()
+        chosen = choose_quiet_lone(estimates, self.warm_s)
+        if chosen == self.threads:
+            return None
+        before, self.threads = self.threads, chosen
+        timed = ", ".join(f"{count} -> {s * 1e3:.1f} ms" for count, s in estimates.items())
+        return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet now runs on {chosen} "
+                f"thread{'s' if chosen > 1 else ''}, not {before}: the mean of the last lone passes after a "
+                f"quiet on each count ({timed})")
+
+    def estimates(self) -> dict[int, float]:
+        """Each count's seconds for a lone request after the quiet, as now estimated (the class doc)."""
+        return {count: statistics.fmean(recent) for count, recent in self._recent.items()}
+
+    def line(self) -> str:
+        """The start-up log's words for the calibration's choice."""
+        timed = ", ".join(f"{count} -> {seconds * 1e3:.1f} ms" for count, seconds in self.lone_s.items())
+        if self.warm_s is not None:
+            timed += "; back to back " + ", ".join(f"{count} -> {s * 1e3:.1f} ms" for count, s in self.warm_s.items())
+        verb = "keeps" if self.calibrated == self.team else "runs on"
+        return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet {verb} {self.calibrated} "
+                f"thread{'s' if self.calibrated > 1 else ''} ({timed}; timed again while serving)")
 
 
 def words(layout: Layout) -> str:

@@ -124,23 +124,24 @@ class _CostModelCollector:
 class _QuietLoneCollector:
     """``fillmask_quiet_lone_threads``, ``fillmask_quiet_lone_after_seconds`` and
     ``fillmask_quiet_lone_requests_total``: the rule for a lone request after the thread team has been
-    quiet, and the requests it ran on fewer threads so far."""
+    quiet as it stands now, and the requests it ran on fewer threads so far."""
 
-    def __init__(self, threads: int, after_s: float, moved: Callable[[], int]) -> None:
+    def __init__(self, threads: Callable[[], int], after_s: float, moved: Callable[[], int]) -> None:
         self._threads = threads
         self._after_s = after_s
         self._moved = moved
 
     def collect(self) -> Iterable[Metric]:
         return [GaugeMetricFamily("fillmask_quiet_lone_threads", "Torch threads a lone request runs on once the "
-                                  "model's thread team has been quiet fillmask_quiet_lone_after_seconds (measured by "
-                                  "the start-up calibration: fewer than the team's, where waking it is slower).",
-                                  value=self._threads),
+                                  "model's thread team has been quiet fillmask_quiet_lone_after_seconds: fewer than "
+                                  "the team's where waking it is the slower, as the calibration timed it and as "
+                                  "the lone requests after a quiet time it since.", value=self._threads()),
                 GaugeMetricFamily("fillmask_quiet_lone_after_seconds", "How long after the thread team's last pass "
                                   "a lone request runs on fillmask_quiet_lone_threads (how long after such a pass "
                                   "the calibration timed it).", value=self._after_s),
-                CounterMetricFamily("fillmask_quiet_lone_requests", "Lone requests run on "
-                                    "fillmask_quiet_lone_threads after a quiet spell.", value=self._moved())]
+                CounterMetricFamily("fillmask_quiet_lone_requests", "Lone requests run on fewer threads than "
+                                    "their layout's after a quiet spell (by the rule, or to time that count again).",
+                                    value=self._moved())]
 
 
 class _Registry(CollectorRegistry):
@@ -214,10 +215,10 @@ class Metrics:
         and the batch caps (read at scrape time)."""
         self.registry.register(_CostModelCollector(torch_threads, coefficients, caps, forward_parts))
 
-    def quiet_lone(self, threads: int, after_s: float, moved: Callable[[], int]) -> None:
-        """Export the start-up calibration's rule for a lone request after a quiet spell
-        (``layout.QuietLone``) and how many requests it has moved (``moved``, read at scrape time);
-        where no rule applies, none of the three series is there."""
+    def quiet_lone(self, threads: Callable[[], int], after_s: float, moved: Callable[[], int]) -> None:
+        """Export the rule for a lone request after a quiet spell (``layout.QuietLone``): the count it
+        uses now and how many requests it has moved (``threads`` and ``moved``, read at scrape time);
+        where the calibration did not time it, none of the three series is there."""
         self.registry.register(_QuietLoneCollector(threads, after_s, moved))
 
     def answered(self, outcome: str, code: str) -> None:

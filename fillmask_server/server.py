@@ -189,7 +189,7 @@ class FillMaskServer:
                              second_look=calibration.second_look() if tuner is not None else None,
                              quiet=quiet)
         if quiet is not None:
-            self.metrics.quiet_lone(quiet.threads, quiet.after_s, lambda: self.engine.stats.quiet_lone)
+            self.metrics.quiet_lone(lambda: quiet.threads, quiet.after_s, lambda: self.engine.stats.quiet_lone)
         self._switch_before: float | None = None  # the process's switch interval before start() set it
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
                                         lambda: (policy.max_batch_size, policy.max_batch_tokens),

@@ -270,11 +270,11 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
         assert f"fillmask_torch_threads {float(engine['torch_threads'])}" in metrics
         assert f"fillmask_forward_parts {float(engine['forward_parts'])}" in metrics
         assert re.search(r'fillmask_cost_model_seconds\{term="overhead"\} [0-9.e-]+', metrics)
-        quiet = calibration.get("quiet_lone")  # the rule for a lone request after a quiet spell, where it applies
-        applies = quiet is not None and quiet["threads"] < quiet["team"]
-        assert ("fillmask_quiet_lone_threads" in metrics) is applies
-        if applies:
-            assert f"fillmask_quiet_lone_threads {float(quiet['threads'])}" in metrics
+        quiet = calibration.get("quiet_lone")  # the rule for a lone request after a quiet spell, where timed
+        in_use = re.search(r"^fillmask_quiet_lone_threads ([0-9.]+)$", metrics, re.MULTILINE)
+        assert (in_use is not None) is (quiet is not None)
+        if quiet is not None and in_use is not None:  # the count in use: the calibration's, or one it timed since
+            assert float(in_use[1]) in {float(timed["threads"]) for timed in quiet["threads_ms"]}
     finally:
         process.send_signal(subprocess.signal.SIGTERM)
         _, stderr = await asyncio.wait_for(process.communicate(), 120)
@@ -600,6 +600,8 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
         threads_set = calibration.calibrate(model, 1.0, torch_threads=2)
         by_flag = calibration.calibrate(model, 0.5, forward_parts=2)
         skipped = calibration.calibrate(model, 0.0, forward_parts=2)
+        monkeypatch.setenv(calibration.QUIET_LONE_ENV, "2:3.6,1:3.7")  # (a start without the wake-up's cost)
+        forced = calibration.calibrate(model, 0.5, forward_parts=2)
     finally:
         torch.set_num_threads(before)
     timed = chosen.hello()["calibration"]["threads_ms"]
@@ -621,6 +623,10 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
         assert ("of quiet" in found.line()) is (found.torch_threads == 2)
     assert by_flag.quiet_lone_ms and all(ms > 0 for ms in by_flag.quiet_lone_ms.values())
     assert not threads_set.quiet_lone_ms and not skipped.quiet_lone_ms
+    assert forced.quiet_lone_ms == {1: 3.7, 2: 3.6} and forced.quiet_warm_ms != {1: 3.7, 2: 3.6}  # the test hook
+    monkeypatch.setenv(calibration.QUIET_LONE_ENV, "2=3.6")
+    with pytest.raises(ValueError, match=r"reads like 1:3\.7,2:3\.6"):
+        calibration.forced_quiet_lone({1: 3.5, 2: 15.0})
     for flagged in (by_flag, skipped):
         assert (flagged.torch_threads, flagged.forward_parts, flagged.part_threads) == (2, 2, 1)
         assert flagged.threads_from == "flag" and not flagged.threads_ms and not flagged.parts_ms
@@ -629,12 +635,13 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
 
 @contextlib.contextmanager
 def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch,
-                 layouts: list[tuple[int, int]], clock: list[float]
+                 layouts: list[tuple[int, int]], clock: list[float], quiet: QuietLone | None = None
                  ) -> Iterator[tuple[Engine, list[tuple[str, int, int]], list[int], list[int]]]:
     """A started engine on the fake ``clock`` (its one value, which the test moves) whose tuner stays at
-    the layout of rank 2, with ``QuietLone(1, team=2, after_s=1)``; with the lists of its forward passes
-    (``record_forward``) and of the batches the tuner and the cost model were told about (by rank, and
-    by rows). Stopped, and torch's thread count put back, on exit."""
+    the layout of rank 2, with ``quiet`` (by default one thread after a second's quiet of a team of
+    two); with the lists of its forward passes (``record_forward``) and of the batches the tuner and
+    the cost model were told about (by rank, and by rows). Stopped, and torch's thread count put
+    back, on exit."""
     import torch
 
     calls = record_forward(model, monkeypatch)
@@ -643,7 +650,8 @@ def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest
     ran = tuner.ran
     monkeypatch.setattr(tuner, "ran", lambda count, *args: (timed.append(count), ran(count, *args))[1])
     engine = Engine(model, BatchPolicy(8, 4096, growth=100.0), max_queue=20, max_masks=4, deliver=collector,
-                    clock=lambda: clock[0], threads=tuner, layouts=layouts, quiet=QuietLone(1, 2, 1.0))
+                    clock=lambda: clock[0], threads=tuner, layouts=layouts,
+                    quiet=quiet or QuietLone({1: 3.8e-3, 2: 14.8e-3}, 1.0))
     observed: list[int] = []
     observe = engine.core.cost.observe_forward
     monkeypatch.setattr(engine.core.cost, "observe_forward",
@@ -659,7 +667,7 @@ def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest
 
 def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_calibration_measured(
         model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``QuietLone(1, team=2, after_s)`` a lone request runs on one thread when the model thread's
+    """Where one thread is the rule after a quiet, a lone request runs on one thread when the model thread's
     last pass on both threads ended ``after_s`` ago or more (or never), and on its layout's two threads
     sooner; a batch of several texts always on its layout's. Such a batch, and the next one when it
     wakes the team again, say nothing to the tuner or the cost model, which model the layout in use.
@@ -681,6 +689,36 @@ def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_
     assert all(isinstance(outcome, Result) for outcome in outcomes.values())
     assert timed == [2, 2] and observed == [2, 1]  # not the moved batches, nor the first back on the team
     assert engine.stats.quiet_lone == 2
+
+
+def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_a_pass_shows_the_wake_up(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration saw the team wake fast and kept it. Here each forward pass moves the fake clock
+    as a sleeping team's slow wake-up would (14 ms on two threads, 3.7 on one): after one lone request
+    after a quiet on the team, the rule moves the next ones to one thread. None of those passes
+    reaches the tuner or the cost model (the team woke from a quiet for the first; the rule moved the
+    others)."""
+    import torch
+
+    clock = [100.0]
+    kept = QuietLone({1: 3.7e-3, 2: 3.6e-3}, 1.0, {1: 2.6e-3, 2: 2.4e-3})
+    assert kept.threads == 2
+    with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock, kept) as (engine, calls, timed,
+                                                                                          observed):
+        forward = model.forward
+
+        def waking(items: list[Item]) -> object:
+            clock[0] += 14e-3 if torch.get_num_threads() == 2 else 3.7e-3
+            return forward(items)
+
+        monkeypatch.setattr(model, "forward", waking)
+        for n in range(3):
+            clock[0] += 1.0
+            engine.submit(job(n))
+            collector.wait_for(n + 1)
+    assert [count for _, _, count in calls] == [2, 1, 1]
+    assert kept.threads == 1 and kept.estimates() == pytest.approx({1: 3.7e-3, 2: (2 * 3.6e-3 + 14e-3) / 3})
+    assert engine.stats.quiet_lone == 2 and timed == [] and observed == []
 
 
 def test_in_parts_no_batch_runs_the_team_so_a_lone_request_runs_on_one_thread_even_right_after_one(
