@@ -9,8 +9,14 @@ reverse (ABBA, ``--repeats`` times), starts the server and sends Poisson arrival
 One row per start and rate: the client's p50 and p99 latency, the server's forward pass (its p50,
 as its answers report it), the server's CPU per request (all its threads, OpenMP workers included:
 a team that spins after each pass shows here) and what the start-up calibration logged for a lone
-request after a quiet spell. ``--quiet-lone off`` keeps every request on its layout's threads, as
-the server did before the rule. The summary gives each flag set's medians per rate.
+request after a quiet spell, and any change of it while serving. ``--quiet-lone off`` keeps every
+request on its layout's threads, as the server did before the rule. ``missed`` is the defaults in a
+start whose calibration saw the team wake fast (``FILLMASK_TEST_QUIET_LONE_MS``, set to
+``--missed-ms``: tiny's times on the 2-core KVM guest in such a start), which the engine must put
+right from the requests it serves (``layout.QuietLone``). The summary gives each flag set's medians
+per rate.
+
+    .venv/bin/python bench/quiet.py --configs 'defaults,--quiet-lone off,missed'
 """
 
 from __future__ import annotations
@@ -29,21 +35,29 @@ if str(ROOT) not in sys.path:
 from bench import loadgen  # noqa: E402
 from bench.corpus import make_short_corpus  # noqa: E402
 from bench.server_proc import CpuMeter, ServerProcess  # noqa: E402
+from fillmask_server.calibration import QUIET_LONE_ENV  # noqa: E402
 
-RULE = re.compile(r"a lone request after (\d+) ms of quiet (runs on \d+ threads?|keeps \d+ threads) \(([^)]*)\)")
+RULE = re.compile(r"a lone request after (\d+) ms of quiet (runs on \d+ threads?|keeps \d+ threads) \(([^;)]*)")
+CHANGE = re.compile(r"a lone request after \d+ ms of quiet now runs on (\d+) threads?, not (\d+)")
 
 
 def rule(log: str) -> str:
-    """What the calibration's start-up line says of a lone request after a quiet spell, shortened."""
+    """What the calibration's start-up line says of a lone request after a quiet spell, shortened, and
+    each change of it while serving (``before->after``)."""
     found = RULE.search(log)
-    return "not timed" if found is None else f"after {found[1]} ms {found[2]} ({found[3]})"
+    if found is None:
+        return "not timed"
+    changes = " ".join(f"{before}->{after}" for after, before in CHANGE.findall(log))
+    return f"after {found[1]} ms {found[2]} ({found[3]})" + (f"; while serving {changes}" if changes else "")
 
 
-def measure(model: Path, flags: list[str], rates: list[float], seconds: float) -> tuple[str, list[dict[str, float]]]:
-    """One start: the rule it logged, and a row of figures per rate."""
+def measure(model: Path, flags: list[str], rates: list[float], seconds: float, env: dict[str, str] | None = None
+            ) -> tuple[str, list[dict[str, float]]]:
+    """One start (``env`` beside this process's environment): the rule it logged, and a row of figures
+    per rate."""
     texts = make_short_corpus()
     rows = []
-    with ServerProcess(model, ["--log-level", "info", *flags]) as server:
+    with ServerProcess(model, ["--log-level", "info", *flags], env=env) as server:
         asyncio.run(loadgen.settle(server.url))
         for rate in rates:
             meter = CpuMeter(server.pid)
@@ -63,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="2,10,30", help="requests a second, separated by commas")
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=2, help="ABBA rounds (each runs every flag set twice)")
+    parser.add_argument("--missed-ms", default="1:3.7,2:3.6",
+                        help="the config 'missed': a lone request's ms after a quiet, by count, as its start sees them")
     args = parser.parse_args(argv)
     configs = [config.strip() for config in args.configs.split(",")]
     rates = [float(rate) for rate in args.rates.split(",")]
@@ -71,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
           "lone request after a quiet")
     for _ in range(args.repeats):
         for config in configs + configs[::-1]:
-            said, rows = measure(Path(args.model), [] if config == "defaults" else config.split(), rates, args.window_s)
+            flags = [] if config in ("defaults", "missed") else config.split()
+            env = {QUIET_LONE_ENV: args.missed_ms} if config == "missed" else None
+            said, rows = measure(Path(args.model), flags, rates, args.window_s, env)
             for row in rows:
                 figures.setdefault((config, row["rate"]), []).append(row)
                 print(f"{config} | {row['rate']:.0f} | {row['p50']:.2f} | {row['p99']:.2f} | {row['forward']:.2f} | "

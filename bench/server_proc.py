@@ -40,8 +40,9 @@ class ServerProcess:
     drain; negative: the signal that killed it)."""
 
     def __init__(self, model_dir: Path, extra_args: list[str], start_timeout: float = 180.0,
-                 script: str = "ws_server.py") -> None:
+                 script: str = "ws_server.py", env: dict[str, str] | None = None) -> None:
         self.script = script  # another server with the same flags and ready line, e.g. bench/peers/seed.py
+        self.env = env or {}  # set for the server beside this process's environment
         self.model_dir = model_dir
         self.extra_args = extra_args
         self.start_timeout = start_timeout
@@ -58,7 +59,8 @@ class ServerProcess:
         return self._log.name
 
     def __enter__(self) -> ServerProcess:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+               **self.env}
         command = [sys.executable, self.script, "--model", str(self.model_dir), "--host", "127.0.0.1",
                    "--port", "0", "--log-level", "warning", *self.extra_args]
         started = time.perf_counter()

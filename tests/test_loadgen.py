@@ -829,4 +829,9 @@ def test_the_quiet_benchmark_reads_the_calibrations_own_words_for_a_lone_request
                        quiet_after_ms=20.0).line()
     assert rule(f"INFO something\n{moved}\nready") == "after 41 ms runs on 1 thread (1 -> 3.8 ms, 2 -> 14.8 ms)"
     assert rule(kept) == "after 20 ms keeps 2 threads (1 -> 76.1 ms, 2 -> 58.7 ms)"
+    from fillmask_server.layout import QuietLone
+
+    rule_now = QuietLone({1: 3.9e-3, 2: 3.6e-3}, 0.041)  # (the engine's line when it chooses again)
+    changed = f"{kept}\nINFO {rule_now.ran(2, 15e-3)}\nINFO {rule_now.ran(2, 3.0e-3)}\n"
+    assert rule(changed) == "after 20 ms keeps 2 threads (1 -> 76.1 ms, 2 -> 58.7 ms); while serving 2->1"
     assert rule(Calibration(2, "flag").line()) == "not timed"
