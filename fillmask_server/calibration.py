@@ -175,7 +175,7 @@ class Calibration:
         if not self.quiet_lone_ms or self.quiet_after_ms is None:
             return None
         return QuietLone({n: ms / 1000 for n, ms in self.quiet_lone_ms.items()}, self.quiet_after_ms / 1000,
-                         {n: ms / 1000 for n, ms in self.quiet_warm_ms.items()} or None)
+                         {n: ms / 1000 for n, ms in self.quiet_warm_ms.items()} or None, THREAD_SHAPE[1])
 
     def second_look(self) -> SecondLook | None:
         """The second look at the layout this calibration chose (``layout.SecondLook``), or None when
@@ -462,8 +462,10 @@ def forced_quiet_lone(timed_ms: dict[int, float]) -> dict[int, float]:
     try:
         given = {int(count): float(ms) for count, ms in (pair.split(":") for pair in forced.split(","))}
     except ValueError:
-        raise ValueError(f"{QUIET_LONE_ENV} reads like 1:3.7,2:3.6 (thread count:milliseconds), not {forced!r}"
-                         ) from None
+        given = {}
+    if not given or not set(given) <= set(timed_ms) or min(given.values()) <= 0:
+        raise ValueError(f"{QUIET_LONE_ENV} reads like 1:3.7,2:3.6 (thread count:milliseconds above 0, of the "
+                         f"counts timed: {sorted(timed_ms)}), not {forced!r}")
     return {count: given.get(count, ms) for count, ms in timed_ms.items()}
 
 

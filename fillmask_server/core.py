@@ -271,8 +271,9 @@ class EngineCore:
         ``forwarded`` indices go to the decode stage,
         ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use.
         ``typical`` False: the batch ran on other threads than that layout's (a lone request after a
-        quiet spell, ``layout.QuietLone``), or woke that layout's team after its quiet, and says nothing
-        of it to the tuner or the cost model."""
+        quiet spell, ``layout.QuietLone``), or woke that layout's team after its quiet: its time says
+        nothing to the tuner or the cost model (the tuner counts it, untimed, as it does a split
+        batch, so that a probe under light load still ends)."""
         outcomes: list[Outcome] = []
         # ``seconds`` is the forward pass alone: the time spent choosing the batch (``schedule``) is the
         # requests' queue time, not the batch's, and the cost model prices forward passes only, as the
@@ -289,9 +290,9 @@ class EngineCore:
                 self._move(batch[i], Event.FORWARDED)
         whole = passes == 1 and not failed  # one pass of the whole batch: its time says what a batch costs
         in_use = True  # ran at the thread count in use (not a probe's, not a warm-up after a change)
-        if self.threads is not None and threads and typical:
+        if self.threads is not None and threads:  # an atypical batch counts for a probe, untimed
             predicted = self.cost.forward_s(len(batch), padded_tokens)
-            in_use = self.threads.ran(threads, seconds if whole else 0.0, predicted, now).fit
+            in_use = self.threads.ran(threads, seconds if whole and typical else 0.0, predicted, now).fit
         if self.threads is not None and self.second_look is not None:
             look = self.second_look.ran(len(batch), seconds, now, self.threads.current)
             if look is not None:

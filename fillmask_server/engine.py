@@ -18,7 +18,9 @@
   one item runs whole, on all of them, but on the fewer threads of ``quiet`` (``layout.QuietLone``,
   measured by the calibration, then by these passes) when they are the team it was timed against
   and the model thread's last pass on all of them ended long enough ago for the team to have gone
-  quiet; each such pass's time goes to the rule, which may choose again.
+  quiet: on the rule's count in use (the team where it is the faster), or, one in
+  ``layout.QUIET_PROBE_EVERY``, on another count to time it. Each such pass's time goes to the rule,
+  which may choose again.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -136,6 +138,7 @@ class Engine:
         self._part_threads = part_threads
         self._quiet = quiet if on_cpu else None  # a lone request after the team's quiet (``layout.QuietLone``)
         self._team_ran_at = -math.inf  # when the model thread's last pass on all of the rule's team ended
+        self._quiet_counts: set[int] = set()  # the counts the rule's passes have run on (the first goes untimed)
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads, second_look)
@@ -427,13 +430,20 @@ class Engine:
         passes = len(groups) + len(failed_items) - (len(parts) - 1)  # the parts of a batch are one pass
         finished = self._clock()
         elapsed = finished - started
-        if quiet is not None:
-            if count >= quiet.team:
-                self._team_ran_at = finished
-            if ruled and not failed_items and (line := quiet.ran(count, elapsed)) is not None:
-                log.info("%s", line)
+        if quiet is not None and count >= quiet.team:
+            self._team_ran_at = finished
+        # The rule's pass is timed for it (not the first at its count: that may carry the thread's, or
+        # the graph's, first-run costs), brought to the calibration's length by the cost model.
+        timed = ruled and not failed_items and count in self._quiet_counts
+        if ruled:
+            self._quiet_counts.add(count)
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
+            if timed and quiet is not None:
+                cost = self.core.cost
+                scale = cost.forward_s(1, padded_tokens) / max(1e-9, cost.forward_s(1, quiet.tokens))
+                if (line := quiet.ran(count, elapsed, scale)) is not None:
+                    log.info("%s", line)
             in_use = self.core.threads.current if self.core.threads is not None else 0
             looking = self.core.measures_beside
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,

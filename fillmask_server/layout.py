@@ -52,7 +52,6 @@ timed against, and only to a count it timed.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -65,8 +64,8 @@ LOOK_BUSY_SHARE = 0.1  # ... in which the forward passes kept the engine busy at
 LOOK_ROWS = 8  # ... in batches of at least this many rows on average ...
 LOOK_REQUESTS = 100  # ... that ran at least this many requests
 
-QUIET_SAMPLES = 3  # a count's estimate for a lone request after a quiet: the mean of its last this many passes
-QUIET_PROBE_EVERY = 128  # one such request in this many runs on another count, to time it (under a p99's 1 in 100)
+QUIET_SAMPLES = 5  # a count's estimate for a lone request after a quiet: its last this many passes, the slowest out
+QUIET_PROBE_EVERY = 256  # one such request in this many runs on another count, to time it (well under a p99's 1%)
 
 
 def preference(layout: Layout) -> tuple[int, int]:
@@ -164,28 +163,31 @@ class QuietLone:
     for the team's workers to go quiet, ``calibration.time_quiet_lone``).
 
     ``lone_s``: the calibration's timings after the quiet, by thread count (``calibrated``: its
-    choice); ``warm_s``: back to back. Each count's estimate is the mean of its last
-    ``QUIET_SAMPLES`` lone passes after a quiet, the calibration's timing standing for those not yet
-    run, and ``threads`` is ``choose_quiet_lone`` of the estimates after each pass (``ran``). The
-    calibration's few rounds can misjudge the wake-up: where some of the team's passes after a quiet
-    wake fast and most slowly, a median of two or three says fast in about one start in five, and
-    the host's share of slow wakes varies by the hour. The mean, not the median, since the
-    expected wait is what a slow wake among fast ones adds to: one slow pass of the team among fast
-    ones can move lone requests to one thread; a team that wakes fast again gets them back once all
-    its last ``QUIET_SAMPLES`` probes were fast. The count in use is timed by every lone request
-    after a quiet; one in ``QUIET_PROBE_EVERY`` of them runs on another count, to time that one
-    again (a probe, which costs at most that share of such requests).
+    choice), of a request ``tokens`` long; ``warm_s``: back to back. The calibration's few rounds can
+    misjudge the wake-up: where some of the team's passes after a quiet wake fast and most slowly, a
+    median of two or three says fast in about one start in five, and the host's share of slow wakes
+    varies by the hour. So each count keeps its last ``QUIET_SAMPLES`` lone passes after a quiet
+    (``ran``; the calibration's timing standing for those not yet run), each brought to the
+    calibration's length (``ran``'s ``scale``), and ``threads`` is ``choose_quiet_lone`` of their
+    estimates after each pass. A count's estimate is the mean of its passes but the slowest: the
+    expected wait, which a habit of slow wakes among fast ones adds to (two in five move lone requests
+    off the team), but one accident does not (a preempted pass, a page fault), since the count in use
+    is timed far more often than the other and would otherwise swing on any. The count in use is
+    timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of them runs on another
+    count, to time that one again (a probe, which costs at most that share of such requests).
 
     Invariant: the rule changes only batches of one request whose layout gives them the team it was
     timed against, after that team's quiet, and only to a count it timed."""
 
-    def __init__(self, lone_s: dict[int, float], after_s: float, warm_s: dict[int, float] | None = None) -> None:
-        if len(lone_s) < 2 or after_s < 0 or min(lone_s.values()) <= 0 or (
-                warm_s is not None and set(warm_s) != set(lone_s)):
+    def __init__(self, lone_s: dict[int, float], after_s: float, warm_s: dict[int, float] | None = None,
+                 tokens: int = 16, probe_every: int = QUIET_PROBE_EVERY) -> None:
+        if len(lone_s) < 2 or after_s < 0 or min(lone_s.values()) <= 0 or tokens < 1 or probe_every < 2 or (
+                warm_s is not None and (set(warm_s) != set(lone_s) or min(warm_s.values()) <= 0)):
             raise ValueError("a lone request's time after a quiet spell is needed on each count, and how long the "
                              "team took to go quiet")
         self.team = max(lone_s)
         self.after_s = after_s
+        self.tokens = tokens
         self.lone_s = dict(sorted(lone_s.items()))
         self.warm_s = dict(sorted(warm_s.items())) if warm_s is not None else None
         self.calibrated = choose_quiet_lone(self.lone_s, self.warm_s)
@@ -193,7 +195,8 @@ class QuietLone:
         self.probes = 0  # lone requests run on another count than ``threads``, to time it again
         self._recent = {count: deque([seconds] * QUIET_SAMPLES, maxlen=QUIET_SAMPLES)
                         for count, seconds in self.lone_s.items()}
-        self._until_probe = QUIET_PROBE_EVERY
+        self._probe_every = probe_every  # (``QUIET_PROBE_EVERY``; a test's may be smaller)
+        self._until_probe = probe_every
 
     def applies(self, rows: int, threads: int, quiet_s: float) -> bool:
         """Whether a batch of ``rows`` rows, its layout giving it ``threads`` whole, is the rule's: a
@@ -209,17 +212,23 @@ class QuietLone:
         self._until_probe -= 1
         if self._until_probe > 0:
             return self.threads
-        self._until_probe = QUIET_PROBE_EVERY
+        self._until_probe = self._probe_every
         others = [count for count in self.lone_s if count != self.threads]
         self.probes += 1
         return others[self.probes % len(others)]
 
-    def ran(self, threads: int, seconds: float) -> str | None:
-        """The rule's batch (``applies``) ran on ``threads`` threads in ``seconds``; returns the log's
-        line when that changes the count in use, else None."""
-        if threads not in self._recent or seconds <= 0:
+    def ran(self, threads: int, seconds: float, scale: float = 1.0) -> str | None:
+        """The rule's batch (``applies``) ran on ``threads`` threads in ``seconds``; ``scale``: a warm
+        pass of its length over one of the calibration's ``tokens`` (the cost model's, 1 at that
+        length), so that what a longer request adds to the warm pass is taken off, and the wake-up
+        alone compared. Returns the log's line when that changes the count in use, else None."""
+        if threads not in self._recent or seconds <= 0 or scale <= 0:
             return None
-        self._recent[threads].append(seconds)
+        warm = (self.warm_s or self.lone_s)[threads]
+        at_length = seconds - warm * (scale - 1)
+        if at_length <= 0:  # the cost model's scale, far off for this pass: nothing to learn from it
+            return None
+        self._recent[threads].append(at_length)
         estimates = self.estimates()
         chosen = choose_quiet_lone(estimates, self.warm_s)
         if chosen == self.threads:
@@ -227,12 +236,12 @@ class QuietLone:
         before, self.threads = self.threads, chosen
         timed = ", ".join(f"{count} -> {s * 1e3:.1f} ms" for count, s in estimates.items())
         return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet now runs on {chosen} "
-                f"thread{'s' if chosen > 1 else ''}, not {before}: the mean of the last lone passes after a "
-                f"quiet on each count ({timed})")
+                f"thread{'s' if chosen > 1 else ''}, not {before}: its last passes after a quiet on each "
+                f"count, the slowest left out ({timed})")
 
     def estimates(self) -> dict[int, float]:
         """Each count's seconds for a lone request after the quiet, as now estimated (the class doc)."""
-        return {count: statistics.fmean(recent) for count, recent in self._recent.items()}
+        return {count: (sum(recent) - max(recent)) / (len(recent) - 1) for count, recent in self._recent.items()}
 
     def line(self) -> str:
         """The start-up log's words for the calibration's choice."""

@@ -624,9 +624,13 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
     assert by_flag.quiet_lone_ms and all(ms > 0 for ms in by_flag.quiet_lone_ms.values())
     assert not threads_set.quiet_lone_ms and not skipped.quiet_lone_ms
     assert forced.quiet_lone_ms == {1: 3.7, 2: 3.6} and forced.quiet_warm_ms != {1: 3.7, 2: 3.6}  # the test hook
-    monkeypatch.setenv(calibration.QUIET_LONE_ENV, "2=3.6")
-    with pytest.raises(ValueError, match=r"reads like 1:3\.7,2:3\.6"):
-        calibration.forced_quiet_lone({1: 3.5, 2: 15.0})
+    for bad in ("2=3.6", "4:3.6", "1:0", ""):
+        monkeypatch.setenv(calibration.QUIET_LONE_ENV, bad)
+        if bad:
+            with pytest.raises(ValueError, match=r"reads like 1:3\.7,2:3\.6"):
+                calibration.forced_quiet_lone({1: 3.5, 2: 15.0})
+        else:
+            assert calibration.forced_quiet_lone({1: 3.5, 2: 15.0}) == {1: 3.5, 2: 15.0}
     for flagged in (by_flag, skipped):
         assert (flagged.torch_threads, flagged.forward_parts, flagged.part_threads) == (2, 2, 1)
         assert flagged.threads_from == "flag" and not flagged.threads_ms and not flagged.parts_ms
@@ -637,18 +641,21 @@ def test_the_calibration_times_the_batch_in_parts_beside_each_thread_count_unles
 def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch,
                  layouts: list[tuple[int, int]], clock: list[float], quiet: QuietLone | None = None
                  ) -> Iterator[tuple[Engine, list[tuple[str, int, int]], list[int], list[int]]]:
-    """A started engine on the fake ``clock`` (its one value, which the test moves) whose tuner stays at
-    the layout of rank 2, with ``quiet`` (by default one thread after a second's quiet of a team of
-    two); with the lists of its forward passes (``record_forward``) and of the batches the tuner and
-    the cost model were told about (by rank, and by rows). Stopped, and torch's thread count put
-    back, on exit."""
+    """A started engine on the fake ``clock`` (its one value, which the test moves, and each forward pass
+    by a millisecond) whose tuner stays at the layout of rank 2, with ``quiet`` (by default one thread
+    after a second's quiet of a team of two); with the lists of its forward passes
+    (``record_forward``) and of the batches whose time the tuner and the cost model were told (by
+    rank, and by rows). Stopped, and torch's thread count put back, on exit."""
     import torch
 
     calls = record_forward(model, monkeypatch)
+    recording = model.forward
+    monkeypatch.setattr(model, "forward", lambda items: (clock.__setitem__(0, clock[0] + 1e-3), recording(items))[1])
     tuner = ThreadTuner([1, 2], 2, clock[0], adaptive=False)
     timed: list[int] = []
     ran = tuner.ran
-    monkeypatch.setattr(tuner, "ran", lambda count, *args: (timed.append(count), ran(count, *args))[1])
+    monkeypatch.setattr(tuner, "ran", lambda count, seconds, *args: (timed.extend([count] * (seconds > 0)),
+                                                                    ran(count, seconds, *args))[1])
     engine = Engine(model, BatchPolicy(8, 4096, growth=100.0), max_queue=20, max_masks=4, deliver=collector,
                     clock=lambda: clock[0], threads=tuner, layouts=layouts,
                     quiet=quiet or QuietLone({1: 3.8e-3, 2: 14.8e-3}, 1.0))
@@ -691,13 +698,13 @@ def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_
     assert engine.stats.quiet_lone == 2
 
 
-def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_a_pass_shows_the_wake_up(
+def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_passes_show_the_wake_up(
         model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
     """The calibration saw the team wake fast and kept it. Here each forward pass moves the fake clock
-    as a sleeping team's slow wake-up would (14 ms on two threads, 3.7 on one): after one lone request
-    after a quiet on the team, the rule moves the next ones to one thread. None of those passes
-    reaches the tuner or the cost model (the team woke from a quiet for the first; the rule moved the
-    others)."""
+    as a sleeping team's slow wake-up would (14 ms more on two threads, 3.7 on one). The rule's first pass
+    at a count goes untimed (the thread's first at it); of the next two on the team, one slow wake is
+    an accident and the second moves lone requests to one thread. The tuner counts each of those
+    passes, untimed (so that a probe under light load ends), and the cost model hears of none."""
     import torch
 
     clock = [100.0]
@@ -712,13 +719,41 @@ def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_a_pas
             return forward(items)
 
         monkeypatch.setattr(model, "forward", waking)
-        for n in range(3):
+        tuner = engine.core.threads
+        assert tuner is not None
+        counted: list[tuple[int, float]] = []
+        ran = tuner.ran
+        monkeypatch.setattr(tuner, "ran", lambda count, seconds, *args: (counted.append((count, seconds)),
+                                                                        ran(count, seconds, *args))[1])
+        for n in range(4):
             clock[0] += 1.0
             engine.submit(job(n))
             collector.wait_for(n + 1)
-    assert [count for _, _, count in calls] == [2, 1, 1]
-    assert kept.threads == 1 and kept.estimates() == pytest.approx({1: 3.7e-3, 2: (2 * 3.6e-3 + 14e-3) / 3})
-    assert engine.stats.quiet_lone == 2 and timed == [] and observed == []
+    assert [count for _, _, count in calls] == [2, 2, 2, 1]
+    assert kept.threads == 1 and kept.estimates()[2] > 5e-3 > kept.estimates()[1]
+    assert engine.stats.quiet_lone == 1 and timed == [] and observed == []
+    assert counted == [(2, 0.0)] * 4  # (the layout's rank: two threads in one pass)
+
+
+def test_a_probe_runs_a_lone_request_on_the_team_and_wakes_it_for_the_next_one(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every second request of the rule is a probe here (``probe_every=2``; the server's is
+    ``QUIET_PROBE_EVERY``): on one thread, the first lone request after a quiet runs on one thread,
+    the second on the team to time it (not moved; its time says nothing to the tuner or the cost
+    model: it woke the team), the third, right after, on the team like any lone request soon after
+    the team's pass (and the tuner and the cost model hear of it), and the fourth, after a quiet,
+    on one thread again."""
+    clock = [100.0]
+    quiet = QuietLone({1: 3.8e-3, 2: 14.8e-3}, 1.0, probe_every=2)
+    with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock, quiet) as (engine, calls, timed,
+                                                                                           observed):
+        for n in range(4):
+            clock[0] += 1.0 if n != 2 else 0.0
+            engine.submit(job(n))
+            collector.wait_for(n + 1)
+    assert [count for _, _, count in calls] == [1, 2, 2, 1]
+    assert quiet.probes == 1 and quiet.threads == 1 and engine.stats.quiet_lone == 2
+    assert timed == [2] and observed == [1]
 
 
 def test_in_parts_no_batch_runs_the_team_so_a_lone_request_runs_on_one_thread_even_right_after_one(
