@@ -13,7 +13,8 @@ request after a quiet spell, and any change of it while serving. ``--quiet-lone 
 request on its layout's threads, as the server did before the rule. ``missed`` is the defaults in a
 start whose calibration saw the team wake fast (``FILLMASK_TEST_QUIET_LONE_MS``, set to
 ``--missed-ms``: tiny's times on the 2-core KVM guest in such a start), which the engine must put
-right from the requests it serves (``layout.QuietLone``). The summary gives each flag set's medians
+right from the requests it serves (``layout.QuietLone``): its rows are what such a start serves
+from the settling requests on, corrections included. The summary gives each flag set's medians
 per rate.
 
     .venv/bin/python bench/quiet.py --configs 'defaults,--quiet-lone off,missed'
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=2, help="ABBA rounds (each runs every flag set twice)")
     parser.add_argument("--missed-ms", default="1:3.7,2:3.6",
-                        help="the config 'missed': a lone request's ms after a quiet, by count, as its start sees them")
+                        help="the config 'missed': a lone request's ms after a quiet, by count, as its start sees "
+                             "them (the default: tiny's, for a team of two)")
     args = parser.parse_args(argv)
     configs = [config.strip() for config in args.configs.split(",")]
     rates = [float(rate) for rate in args.rates.split(",")]

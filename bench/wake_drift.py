@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     team = args.team or usable_cpus()
+    if team < 2:
+        parser.error(f"a team needs two threads or more, and this process may use {usable_cpus()} CPU(s)")
     model = load_model(args.model, threads=team)
     items = batch_items(model, 1, THREAD_SHAPE[1])
     for count in (1, team, team, 1, 1, team):  # (each count's graph, warm)
