@@ -138,7 +138,6 @@ class Engine:
         self._part_threads = part_threads
         self._quiet = quiet if on_cpu else None  # a lone request after the team's quiet (``layout.QuietLone``)
         self._team_ran_at = -math.inf  # when the model thread's last pass on all of the rule's team ended
-        self._quiet_counts: set[int] = set()  # the counts the rule's passes have run on (the first goes untimed)
         self._runner: PartRunner[tuple[list[tuple[list[int], TopK]], list[int]]] | None = None
         self._on_threads = on_threads  # called on the model thread after each change of the torch thread count
         self.core = EngineCore(policy, max_queue, memory, cost, threads, second_look)
@@ -432,14 +431,9 @@ class Engine:
         elapsed = finished - started
         if quiet is not None and count >= quiet.team:
             self._team_ran_at = finished
-        # The rule's pass is timed for it (not the first at its count: that may carry the thread's, or
-        # the graph's, first-run costs), brought to the calibration's length by the cost model.
-        timed = ruled and not failed_items and count in self._quiet_counts
-        if ruled:
-            self._quiet_counts.add(count)
         forwarded = [i for indices, _ in groups for i in indices]
         with self._lock:
-            if timed and quiet is not None:
+            if ruled and not failed_items and quiet is not None:  # timed for the rule, at the calibration's length
                 cost = self.core.cost
                 scale = cost.forward_s(1, padded_tokens) / max(1e-9, cost.forward_s(1, quiet.tokens))
                 if (line := quiet.ran(count, elapsed, scale)) is not None:

@@ -171,8 +171,9 @@ class QuietLone:
     calibration's length (``ran``'s ``scale``), and ``threads`` is ``choose_quiet_lone`` of their
     estimates after each pass. A count's estimate is the mean of its passes but the slowest: the
     expected wait, which a habit of slow wakes among fast ones adds to (two in five move lone requests
-    off the team), but one accident does not (a preempted pass, a page fault), since the count in use
-    is timed far more often than the other and would otherwise swing on any. The count in use is
+    off the team), but one accident does not (a preempted pass, a page fault, a thread's first pass at
+    a count), since the count in use is timed far more often than the other and would otherwise swing
+    on any. The count in use is
     timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of them runs on another
     count, to time that one again (a probe, which costs at most that share of such requests).
 
