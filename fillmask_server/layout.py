@@ -175,7 +175,12 @@ class QuietLone:
     a count), since the count in use is timed far more often than the other and would otherwise swing
     on any. The count in use is
     timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of them runs on another
-    count, to time that one again (a probe, which costs at most that share of such requests).
+    count, to time that one again (a probe, which costs at most that share of such requests). The
+    rule moves lone requests to more threads only on that count's own passes while serving (most of
+    its last ``QUIET_SAMPLES``), never on the calibration's timing alone: that timing is the one a
+    misjudged wake-up leaves too fast, while the count in use is timed beside the server's other
+    threads, a few percent slower than in the calibration; compared, the two swung a start that had
+    missed the wake-up back onto the team again and again, each time at the cost of slow wakes.
 
     Invariant: the rule changes only batches of one request whose layout gives them the team it was
     timed against, after that team's quiet, and only to a count it timed."""
@@ -196,6 +201,7 @@ class QuietLone:
         self.probes = 0  # lone requests run on another count than ``threads``, to time it again
         self._recent = {count: deque([seconds] * QUIET_SAMPLES, maxlen=QUIET_SAMPLES)
                         for count, seconds in self.lone_s.items()}
+        self._served = dict.fromkeys(self.lone_s, 0)  # passes timed while serving, per count (at most the window)
         self._probe_every = probe_every  # (``QUIET_PROBE_EVERY``; a test's may be smaller)
         self._until_probe = probe_every
 
@@ -230,10 +236,11 @@ class QuietLone:
         if at_length <= 0:  # the cost model's scale, far off for this pass: nothing to learn from it
             return None
         self._recent[threads].append(at_length)
+        self._served[threads] = min(QUIET_SAMPLES, self._served[threads] + 1)
         estimates = self.estimates()
         chosen = choose_quiet_lone(estimates, self.warm_s)
-        if chosen == self.threads:
-            return None
+        if chosen == self.threads or (chosen > self.threads and 2 * self._served[chosen] <= QUIET_SAMPLES):
+            return None  # (more threads only on their own passes while serving: the class doc)
         before, self.threads = self.threads, chosen
         timed = ", ".join(f"{count} -> {s * 1e3:.1f} ms" for count, s in estimates.items())
         return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet now runs on {chosen} "

@@ -14,6 +14,7 @@ from fillmask_server.layout import (
     LOOK_ROWS,
     LOOK_WINDOW_S,
     QUIET_PROBE_EVERY,
+    QUIET_SAMPLES,
     Look,
     QuietLone,
     SecondLook,
@@ -191,6 +192,21 @@ def test_a_start_that_missed_the_wake_ups_cost_moves_to_one_thread_once_lone_pas
     assert quiet.estimates() == pytest.approx({1: 3.7e-3, 2: (3.6e-3 + 3.6e-3 + 3.5e-3 + 13.0e-3) / 4})
     assert line == ("a lone request after 41 ms of quiet now runs on 1 thread, not 2: its last passes after a quiet "
                     "on each count, the slowest left out (1 -> 3.7 ms, 2 -> 5.9 ms)")
+
+
+def test_lone_requests_go_to_more_threads_only_on_that_counts_own_passes_while_serving() -> None:
+    """A start that missed the wake-up and chose one thread on the tie (the calibration's team 3.6 ms,
+    one thread 3.7). One thread's passes in the server come a few percent slower than in the
+    calibration (4.2 ms): against the team's calibration timing, the team now looks faster, but the
+    rule stays on one thread until most of the team's last passes were timed while serving (its
+    probes); a move to fewer threads needs no such thing (the test above)."""
+    quiet = QuietLone({1: 3.7e-3, 2: 3.6e-3}, 0.041)
+    assert quiet.threads == 1
+    for _ in range(QUIET_SAMPLES):
+        assert quiet.ran(1, 4.2e-3) is None and quiet.threads == 1
+    assert quiet.estimates()[1] == pytest.approx(4.2e-3) and quiet.estimates()[2] == pytest.approx(3.6e-3)
+    assert quiet.ran(2, 3.5e-3) is None and quiet.ran(2, 3.5e-3) is None and quiet.threads == 1  # two of five
+    assert quiet.ran(2, 3.5e-3) is not None and quiet.threads == 2  # three of five: the team's own
 
 
 def test_a_longer_lone_request_is_brought_to_the_calibrations_length_before_it_counts() -> None:
