@@ -463,7 +463,7 @@ def forced_quiet_lone(timed_ms: dict[int, float]) -> dict[int, float]:
         given = {int(count): float(ms) for count, ms in (pair.split(":") for pair in forced.split(","))}
     except ValueError:
         given = {}
-    if not given or not set(given) <= set(timed_ms) or min(given.values()) <= 0:
+    if not given or not set(given) <= set(timed_ms) or not all(0 < ms < math.inf for ms in given.values()):
         raise ValueError(f"{QUIET_LONE_ENV} reads like 1:3.7,2:3.6 (thread count:milliseconds above 0, of the "
                          f"counts timed: {sorted(timed_ms)}), not {forced!r}")
     return {count: given.get(count, ms) for count, ms in timed_ms.items()}

@@ -271,7 +271,7 @@ class EngineCore:
         ``forwarded`` indices go to the decode stage,
         ``failed`` ones are answered. Fits the cost model, with the batches of the thread count in use.
         ``typical`` False: the batch ran on other threads than that layout's (a lone request after a
-        quiet spell, ``layout.QuietLone``), or woke that layout's team after its quiet: its time says
+        quiet spell, ``layout.QuietLone``), or woke the team that rule keeps asleep: its time says
         nothing to the tuner or the cost model (the tuner counts it, untimed, as it does a split
         batch, so that a probe under light load still ends)."""
         outcomes: list[Outcome] = []

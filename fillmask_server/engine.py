@@ -19,8 +19,8 @@
   measured by the calibration, then by these passes) when they are the team it was timed against
   and the model thread's last pass on all of them ended long enough ago for the team to have gone
   quiet: on the rule's count in use (the team where it is the faster), or, one in
-  ``layout.QUIET_PROBE_EVERY``, on another count to time it. Each such pass's time goes to the rule,
-  which may choose again.
+  ``layout.QUIET_PROBE_EVERY``, on another count to time it. Each such pass that did not fail
+  gives the rule its time, and the rule may choose again.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so
   only requests that fail alone get ``internal_error``.
@@ -274,6 +274,12 @@ class Engine:
         self.alive = False
 
     @property
+    def quiet(self) -> QuietLone | None:
+        """The rule for a lone request after the team's quiet (``layout.QuietLone``), or None: not
+        timed, or not on a CPU. Changed only on the model thread."""
+        return self._quiet
+
+    @property
     def forward_parts(self) -> int:
         """The parts a batch of several texts runs in now (1: one pass): the tuner's layout, or the fixed one."""
         return self.layout(self.core.threads.current)[1] if self._layouts and self.core.threads else self._fixed_parts
@@ -409,10 +415,12 @@ class Engine:
         ruled = quiet is not None and count > 0 and quiet.applies(len(items), count, quiet_s)
         if ruled:  # a lone request after the team's quiet: maybe fewer threads
             count = quiet.threads_for(len(items), count, quiet_s)
-        # A batch the rule moved, and any that wakes the team after its quiet, say nothing of the layout
-        # in use to the tuner or the cost model (``EngineCore.update_from_output``'s ``typical``).
+        # A batch the rule moved, and one that wakes the team the rule keeps asleep (a probe, or a batch of
+        # several texts), say nothing of the layout in use to the tuner's timings or the cost model
+        # (``EngineCore.update_from_output``'s ``typical``).
         moved = count != layout_count
-        woken = quiet is not None and count >= quiet.team and quiet_s >= quiet.after_s
+        woken = (quiet is not None and count >= quiet.team and quiet_s >= quiet.after_s
+                 and quiet.threads < quiet.team)
         if moved:
             self.stats.quiet_lone += 1
         if count and count != self._threads_set:
@@ -420,6 +428,7 @@ class Engine:
             self._threads_set = count
             if self._on_threads is not None:
                 self._on_threads(count)
+        forward_at = self._clock()  # (the rule compares forward passes alone, as the calibration timed them)
         if runner is None or len(parts) == 1:
             groups, failed_items = self._forward_all(items, parts[0])
         else:
@@ -436,7 +445,7 @@ class Engine:
             if ruled and not failed_items and quiet is not None:  # timed for the rule, at the calibration's length
                 cost = self.core.cost
                 scale = cost.forward_s(1, padded_tokens) / max(1e-9, cost.forward_s(1, quiet.tokens))
-                if (line := quiet.ran(count, elapsed, scale)) is not None:
+                if (line := quiet.ran(count, finished - forward_at, scale)) is not None:
                     log.info("%s", line)
             in_use = self.core.threads.current if self.core.threads is not None else 0
             looking = self.core.measures_beside

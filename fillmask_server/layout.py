@@ -52,6 +52,7 @@ timed against, and only to a count it timed.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -169,9 +170,9 @@ class QuietLone:
     varies by the hour. So each count keeps its last ``QUIET_SAMPLES`` lone passes after a quiet
     (``ran``; the calibration's timing standing for those not yet run), each brought to the
     calibration's length (``ran``'s ``scale``), and ``threads`` is ``choose_quiet_lone`` of their
-    estimates after each pass. A count's estimate is the mean of its passes but the slowest: the
-    expected wait, which a habit of slow wakes among fast ones adds to (two in five move lone requests
-    off the team), but one accident does not (a preempted pass, a page fault, a thread's first pass at
+    estimates after each pass. A count's estimate is the mean of its passes but the slowest: a typical
+    wait, which a habit of slow wakes among fast ones adds to (two in five move lone requests off
+    the team), but one accident does not (a preempted pass, a page fault, a thread's first pass at
     a count), since the count in use is timed far more often than the other and would otherwise swing
     on any. The count in use is
     timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of them runs on another
@@ -187,8 +188,9 @@ class QuietLone:
 
     def __init__(self, lone_s: dict[int, float], after_s: float, warm_s: dict[int, float] | None = None,
                  tokens: int = 16, probe_every: int = QUIET_PROBE_EVERY) -> None:
-        if len(lone_s) < 2 or after_s < 0 or min(lone_s.values()) <= 0 or tokens < 1 or probe_every < 2 or (
-                warm_s is not None and (set(warm_s) != set(lone_s) or min(warm_s.values()) <= 0)):
+        timings = [*lone_s.values(), *(warm_s or {}).values()]
+        if len(lone_s) < 2 or not 0 <= after_s < math.inf or tokens < 1 or probe_every < 2 or not all(
+                0 < seconds < math.inf for seconds in timings) or (warm_s is not None and set(warm_s) != set(lone_s)):
             raise ValueError("a lone request's time after a quiet spell is needed on each count, and how long the "
                              "team took to go quiet")
         self.team = max(lone_s)
@@ -204,6 +206,11 @@ class QuietLone:
         self._served = dict.fromkeys(self.lone_s, 0)  # passes timed while serving, per count (at most the window)
         self._probe_every = probe_every  # (``QUIET_PROBE_EVERY``; a test's may be smaller)
         self._until_probe = probe_every
+
+    @property
+    def served(self) -> dict[int, int]:
+        """How many of each count's last ``QUIET_SAMPLES`` passes were timed while serving."""
+        return dict(self._served)
 
     def applies(self, rows: int, threads: int, quiet_s: float) -> bool:
         """Whether a batch of ``rows`` rows, its layout giving it ``threads`` whole, is the rule's: a
@@ -228,8 +235,10 @@ class QuietLone:
         """The rule's batch (``applies``) ran on ``threads`` threads in ``seconds``; ``scale``: a warm
         pass of its length over one of the calibration's ``tokens`` (the cost model's, 1 at that
         length), so that what a longer request adds to the warm pass is taken off, and the wake-up
-        alone compared. Returns the log's line when that changes the count in use, else None."""
-        if threads not in self._recent or seconds <= 0 or scale <= 0:
+        alone compared. The scale is the cost model's, fitted on batches at the layout in use, not on
+        one thread: a pass it puts at under half or over twice the calibration's length is not
+        counted. Returns the log's line when that changes the count in use, else None."""
+        if threads not in self._recent or not (seconds > 0 and math.isfinite(seconds)) or not 0.5 <= scale <= 2.0:
             return None
         warm = (self.warm_s or self.lone_s)[threads]
         at_length = seconds - warm * (scale - 1)

@@ -643,7 +643,7 @@ def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest
                  ) -> Iterator[tuple[Engine, list[tuple[str, int, int]], list[int], list[int]]]:
     """A started engine on the fake ``clock`` (its one value, which the test moves, and each forward pass
     by a millisecond) whose tuner stays at the layout of rank 2, with ``quiet`` (by default one thread
-    after a second's quiet of a team of two); with the lists of its forward passes
+    after half a second's quiet of a team of two); with the lists of its forward passes
     (``record_forward``) and of the batches whose time the tuner and the cost model were told (by
     rank, and by rows). Stopped, and torch's thread count put back, on exit."""
     import torch
@@ -658,7 +658,7 @@ def quiet_engine(model: FillMaskModel, collector: Collector, monkeypatch: pytest
                                                                     ran(count, seconds, *args))[1])
     engine = Engine(model, BatchPolicy(8, 4096, growth=100.0), max_queue=20, max_masks=4, deliver=collector,
                     clock=lambda: clock[0], threads=tuner, layouts=layouts,
-                    quiet=quiet or QuietLone({1: 3.8e-3, 2: 14.8e-3}, 1.0))
+                    quiet=quiet or QuietLone({1: 3.8e-3, 2: 14.8e-3}, 0.5))
     observed: list[int] = []
     observe = engine.core.cost.observe_forward
     monkeypatch.setattr(engine.core.cost, "observe_forward",
@@ -677,7 +677,8 @@ def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_
     """Where one thread is the rule after a quiet, a lone request runs on one thread when the model thread's
     last pass on both threads ended ``after_s`` ago or more (or never), and on its layout's two threads
     sooner; a batch of several texts always on its layout's. Such a batch, and the next one when it
-    wakes the team again, say nothing to the tuner or the cost model, which model the layout in use.
+    wakes the team the rule keeps asleep, say nothing to the tuner or the cost model, which model the
+    layout in use.
     The engine's clock is fake: only the test moves it."""
     clock = [100.0]
     with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock) as (engine, calls, timed, observed):
@@ -703,12 +704,13 @@ def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_passe
     """The calibration saw the team wake fast and kept it. Here each forward pass moves the fake clock
     as a sleeping team's slow wake-up would (14 ms more on two threads, 3.7 on one). Of the lone
     requests after a quiet on the team, the first slow wake is an accident and the second moves lone
-    requests to one thread. The tuner counts each of those passes, untimed (so that a probe under
-    light load ends), and the cost model hears of none."""
+    requests to one thread. Those two ran on the layout's team as the rule had it: the tuner and the
+    cost model hear of them; the moved one the tuner counts, untimed (so that a probe of its under
+    light load still ends), and the cost model does not hear of it."""
     import torch
 
     clock = [100.0]
-    kept = QuietLone({1: 3.7e-3, 2: 3.6e-3}, 1.0, {1: 2.6e-3, 2: 2.4e-3})
+    kept = QuietLone({1: 3.7e-3, 2: 3.6e-3}, 0.5, {1: 2.6e-3, 2: 2.4e-3})
     assert kept.threads == 2
     with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock, kept) as (engine, calls, timed,
                                                                                           observed):
@@ -730,9 +732,9 @@ def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_passe
             engine.submit(job(n))
             collector.wait_for(n + 1)
     assert [count for _, _, count in calls] == [2, 2, 1]
-    assert kept.threads == 1 and kept.estimates()[2] > 5e-3 > kept.estimates()[1]
-    assert engine.stats.quiet_lone == 1 and timed == [] and observed == []
-    assert counted == [(2, 0.0)] * 3  # (the layout's rank: two threads in one pass)
+    assert kept.threads == 1 and kept.estimates()[2] > 5e-3 > kept.estimates()[1] and kept.served == {1: 1, 2: 2}
+    assert engine.stats.quiet_lone == 1 and timed == [2, 2] and observed == [1, 1]
+    assert counted[-1] == (2, 0.0) and len(counted) == 3  # (the layout's rank: two threads in one pass)
 
 
 def test_a_probe_runs_a_lone_request_on_the_team_and_wakes_it_for_the_next_one(
@@ -744,7 +746,7 @@ def test_a_probe_runs_a_lone_request_on_the_team_and_wakes_it_for_the_next_one(
     the team's pass (and the tuner and the cost model hear of it), and the fourth, after a quiet,
     on one thread again."""
     clock = [100.0]
-    quiet = QuietLone({1: 3.8e-3, 2: 14.8e-3}, 1.0, probe_every=2)
+    quiet = QuietLone({1: 3.8e-3, 2: 14.8e-3}, 0.5, probe_every=2)
     with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock, quiet) as (engine, calls, timed,
                                                                                            observed):
         for n in range(4):
@@ -754,6 +756,32 @@ def test_a_probe_runs_a_lone_request_on_the_team_and_wakes_it_for_the_next_one(
     assert [count for _, _, count in calls] == [1, 2, 2, 1]
     assert quiet.probes == 1 and quiet.threads == 1 and engine.stats.quiet_lone == 2
     assert timed == [2] and observed == [1]
+    assert quiet.served == {1: 2, 2: 1} and quiet.estimates()[2] < 14.8e-3  # the probe's time reached the rule
+
+
+def test_the_rule_gets_the_forward_pass_alone_and_the_cost_models_scale_to_the_calibrations_length(
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule compares passes with the calibration's timing of one ``model.forward``: it gets the
+    forward pass's time alone (here the fake clock moves 2 ms before it, while the thread count is
+    set, and 1 ms in it), and the cost model's ratio of a pass of the request's length to one of the
+    calibration's ``tokens``: above 1 for a request longer than those, below for a shorter one."""
+    clock = [100.0]
+    quiet = QuietLone({1: 3.8e-3, 2: 14.8e-3}, 0.5, tokens=12)
+    told: list[tuple[int, float, float]] = []
+    ran = quiet.ran
+    monkeypatch.setattr(quiet, "ran", lambda threads, seconds, scale: (told.append((threads, seconds, scale)),
+                                                                       ran(threads, seconds, scale))[1])
+    monkeypatch.setattr(model, "set_threads", lambda count, set_threads=model.set_threads: (
+        clock.__setitem__(0, clock[0] + 2e-3), set_threads(count))[1])
+    with quiet_engine(model, collector, monkeypatch, [(1, 1), (2, 1)], clock, quiet) as (engine, calls, _, _):
+        texts = ["a [MASK] b", "one two three four five six seven eight nine ten [MASK] eleven twelve thirteen"]
+        for n, text in enumerate(texts):
+            clock[0] += 1.0
+            engine.submit(job(n, text))
+            collector.wait_for(n + 1)
+    assert [count for _, _, count in calls] == [1, 1]
+    assert [(threads, seconds) for threads, seconds, _ in told] == [(1, pytest.approx(1e-3))] * 2
+    assert told[0][2] < 1 < told[1][2]
 
 
 def test_in_parts_no_batch_runs_the_team_so_a_lone_request_runs_on_one_thread_even_right_after_one(

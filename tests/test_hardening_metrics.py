@@ -174,9 +174,10 @@ async def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_on_metrics_and
         tiny_config: Any) -> None:
     """A calibration that timed one thread faster than the team after the quiet: /metrics gives the rule
     and counts each lone request it ran on one thread (the first: the team had never run); protocol.md
-    §11 lists each series. Where the team was the faster, the rule is there at the team's count (the
-    engine times its lone requests and may choose again) and has moved nothing; with ``--quiet-lone
-    off``, whatever the calibration it is given, no such series."""
+    §11 lists each series, and the gauge follows the rule when it chooses again. Where the team was
+    the faster, the rule is there at the team's count (the engine times its lone requests and may
+    choose again) and has moved nothing; with ``--quiet-lone off``, whatever the calibration it is
+    given, no such series."""
     import re
     from dataclasses import replace
 
@@ -199,6 +200,11 @@ async def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_on_metrics_and
                     assert hello["engine"]["calibration"]["quiet_lone"]["threads"] == threads
                 assert (await request(ws, "lone", TEXT))["type"] == "result"
             _, samples = await scrape(server)
+            rule = server.engine.quiet
+            if threads == 1 and rule is not None:  # fast wakes of the team while serving: the gauge follows
+                assert [rule.ran(2, 3.0e-3) for _ in range(4)][-1] is not None and rule.threads == 2
+                _, later = await scrape(server)
+                assert later[("fillmask_quiet_lone_threads", ())] == 2
         finally:
             await server.drain(timeout=2.0)
         if threads is not None:

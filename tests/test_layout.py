@@ -207,10 +207,11 @@ def test_lone_requests_go_to_more_threads_only_on_that_counts_own_passes_while_s
     assert quiet.estimates()[1] == pytest.approx(4.2e-3) and quiet.estimates()[2] == pytest.approx(3.6e-3)
     assert quiet.ran(2, 3.5e-3) is None and quiet.ran(2, 3.5e-3) is None and quiet.threads == 1  # two of five
     assert quiet.ran(2, 3.5e-3) is not None and quiet.threads == 2  # three of five: the team's own
+    assert quiet.served == {1: QUIET_SAMPLES, 2: 3}
 
 
 def test_a_longer_lone_request_is_brought_to_the_calibrations_length_before_it_counts() -> None:
-    """A lone request twice as long as the calibration's (``scale`` 2: the cost model's warm pass at its
+    """A lone request longer than the calibration's (``scale`` 1.8: the cost model's warm pass at its
     length over one at the calibration's) that took its count's warm time more than the calibration
     timed after the quiet woke as fast; its length is not a wake-up. Base kept its team (58.7 ms
     after a quiet against 76.1 on one thread): lone requests 1.8 times as long on the team, at 96 ms
@@ -223,7 +224,7 @@ def test_a_longer_lone_request_is_brought_to_the_calibrations_length_before_it_c
     assert base.ran(2, 96e-3, scale=1.8) is None and base.threads == 2
     assert base.estimates()[2] == pytest.approx(96e-3 - 45e-3 * 0.8)
     assert unscaled.ran(2, 96e-3) is not None and unscaled.threads == 1
-    assert base.ran(2, 10e-3, scale=5.0) is None and base.ran(2, 10e-3, scale=0.0) is None  # a scale far off
+    assert base.ran(2, 10e-3, scale=2.5) is None and base.ran(2, 10e-3, scale=0.4) is None  # a scale far off
     assert base.estimates()[2] == pytest.approx(96e-3 - 45e-3 * 0.8)  # unchanged
 
 
@@ -248,7 +249,8 @@ def test_one_lone_request_in_so_many_after_a_quiet_times_the_other_count_and_the
 def test_the_quiet_lone_rule_needs_each_counts_time_and_the_quiet() -> None:
     for lone_s, after_s, warm_s in (({}, 0.02, None), ({2: 1e-3}, 0.02, None), ({1: 0.0, 2: 1e-3}, 0.02, None),
                                     ({1: 1e-3, 2: 1e-3}, -1.0, None), ({1: 1e-3, 2: 1e-3}, 0.02, {1: 1e-3}),
-                                    ({1: 1e-3, 2: 1e-3}, 0.02, {1: 1e-3, 2: 0.0})):
+                                    ({1: 1e-3, 2: 1e-3}, 0.02, {1: 1e-3, 2: 0.0}),
+                                    ({1: float("nan"), 2: 1e-3}, 0.02, None), ({1: 1e-3, 2: 1e-3}, float("inf"), None)):
         with pytest.raises(ValueError, match="lone request"):
             QuietLone(lone_s, after_s, warm_s)
     for tokens, probe_every in ((0, QUIET_PROBE_EVERY), (16, 1)):
