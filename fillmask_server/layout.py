@@ -65,7 +65,8 @@ LOOK_BUSY_SHARE = 0.1  # ... in which the forward passes kept the engine busy at
 LOOK_ROWS = 8  # ... in batches of at least this many rows on average ...
 LOOK_REQUESTS = 100  # ... that ran at least this many requests
 
-QUIET_SAMPLES = 5  # a count's estimate for a lone request after a quiet: its last this many passes, the slowest out
+QUIET_SAMPLES = 5  # a count's estimate for a lone request after a quiet: the mean of its last this many passes ...
+QUIET_MARGIN = 0.1  # ... and another count's must beat the count in use's with this much added to it
 QUIET_PROBE_EVERY = 256  # one such request in this many runs on another count, to time it (well under a p99's 1%)
 
 
@@ -169,19 +170,22 @@ class QuietLone:
     median of two or three says fast in about one start in five, and the host's share of slow wakes
     varies by the hour. So each count keeps its last ``QUIET_SAMPLES`` lone passes after a quiet
     (``ran``; the calibration's timing standing for those not yet run), each brought to the
-    calibration's length (``ran``'s ``scale``), and ``threads`` is ``choose_quiet_lone`` of their
-    estimates after each pass. A count's estimate is the mean of its passes but the slowest: a typical
-    wait, which a habit of slow wakes among fast ones adds to (two in five move lone requests off
-    the team), but one accident does not (a preempted pass, a page fault, a thread's first pass at
-    a count), since the count in use is timed far more often than the other and would otherwise swing
-    on any. The count in use is
-    timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of them runs on another
-    count, to time that one again (a probe, which costs at most that share of such requests). The
-    rule moves lone requests to more threads only on that count's own passes while serving (most of
-    its last ``QUIET_SAMPLES``), never on the calibration's timing alone: that timing is the one a
-    misjudged wake-up leaves too fast, while the count in use is timed beside the server's other
-    threads, a few percent slower than in the calibration; compared, the two swung a start that had
-    missed the wake-up back onto the team again and again, each time at the cost of slow wakes.
+    calibration's length (``ran``'s ``scale``), and after each pass the rule is chosen again by
+    ``choose_quiet_lone`` from each count's mean of them, the expected wait (the wake-up is bimodal:
+    a slow wake in five is a fifth of its cost, and the mean of many stayed at twice one thread's
+    even where the median was level with it). Two brakes keep the noise of five passes from swinging
+    it (each swing onto a team that wakes slowly costs a request a slow wake):
+
+    - the count in use keeps lone requests unless another count wins with ``QUIET_MARGIN`` added to
+      its estimate: one thread's passes in the server run a few percent slower than the calibration
+      timed them, and two counts within a few percent of each other swung the rule back and forth;
+    - the rule moves to more threads only on that count's own passes while serving (most of its
+      last ``QUIET_SAMPLES``), never on the calibration's timing alone: that timing is the one a
+      misjudged wake-up leaves too fast.
+
+    The count in use is timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of
+    them runs on another count, to time that one again (a probe, which costs at most that share of
+    such requests).
 
     Invariant: the rule changes only batches of one request whose layout gives them the team it was
     timed against, after that team's quiet, and only to a count it timed."""
@@ -247,18 +251,19 @@ class QuietLone:
         self._recent[threads].append(at_length)
         self._served[threads] = min(QUIET_SAMPLES, self._served[threads] + 1)
         estimates = self.estimates()
-        chosen = choose_quiet_lone(estimates, self.warm_s)
+        handicapped = {count: s * (1 + QUIET_MARGIN) if count != self.threads else s for count, s in estimates.items()}
+        chosen = choose_quiet_lone(handicapped, self.warm_s)
         if chosen == self.threads or (chosen > self.threads and 2 * self._served[chosen] <= QUIET_SAMPLES):
             return None  # (more threads only on their own passes while serving: the class doc)
         before, self.threads = self.threads, chosen
         timed = ", ".join(f"{count} -> {s * 1e3:.1f} ms" for count, s in estimates.items())
         return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet now runs on {chosen} "
-                f"thread{'s' if chosen > 1 else ''}, not {before}: its last passes after a quiet on each "
-                f"count, the slowest left out ({timed})")
+                f"thread{'s' if chosen > 1 else ''}, not {before}: the mean of its last passes after a quiet "
+                f"on each count ({timed})")
 
     def estimates(self) -> dict[int, float]:
         """Each count's seconds for a lone request after the quiet, as now estimated (the class doc)."""
-        return {count: (sum(recent) - max(recent)) / (len(recent) - 1) for count, recent in self._recent.items()}
+        return {count: sum(recent) / len(recent) for count, recent in self._recent.items()}
 
     def line(self) -> str:
         """The start-up log's words for the calibration's choice."""

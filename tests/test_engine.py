@@ -699,14 +699,14 @@ def test_a_lone_request_after_the_team_went_quiet_runs_on_the_fewer_threads_the_
     assert engine.stats.quiet_lone == 2
 
 
-def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_passes_show_the_wake_up(
+def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_a_pass_shows_the_wake_up(
         model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
     """The calibration saw the team wake fast and kept it. Here each forward pass moves the fake clock
-    as a sleeping team's slow wake-up would (14 ms more on two threads, 3.7 on one). Of the lone
-    requests after a quiet on the team, the first slow wake is an accident and the second moves lone
-    requests to one thread. Those two ran on the layout's team as the rule had it: the tuner and the
-    cost model hear of them; the moved one the tuner counts, untimed (so that a probe of its under
-    light load still ends), and the cost model does not hear of it."""
+    as a sleeping team's slow wake-up would (14 ms more on two threads, 3.7 on one). The first lone
+    request after a quiet on the team wakes it slowly, and the rule moves the next ones to one thread.
+    That first ran on the layout's team as the rule had it: the tuner and the cost model hear of it;
+    the moved ones the tuner counts, untimed (so that a probe of its under light load still ends),
+    and the cost model does not hear of them."""
     import torch
 
     clock = [100.0]
@@ -731,10 +731,10 @@ def test_a_start_that_kept_the_team_moves_lone_requests_to_one_thread_once_passe
             clock[0] += 1.0
             engine.submit(job(n))
             collector.wait_for(n + 1)
-    assert [count for _, _, count in calls] == [2, 2, 1]
-    assert kept.threads == 1 and kept.estimates()[2] > 5e-3 > kept.estimates()[1] and kept.served == {1: 1, 2: 2}
-    assert engine.stats.quiet_lone == 1 and timed == [2, 2] and observed == [1, 1]
-    assert counted[-1] == (2, 0.0) and len(counted) == 3  # (the layout's rank: two threads in one pass)
+    assert [count for _, _, count in calls] == [2, 1, 1]
+    assert kept.threads == 1 and kept.estimates()[2] > 5e-3 > kept.estimates()[1] and kept.served == {1: 2, 2: 1}
+    assert engine.stats.quiet_lone == 2 and timed == [2] and observed == [1]
+    assert counted[1:] == [(2, 0.0)] * 2 and len(counted) == 3  # (the layout's rank: two threads in one pass)
 
 
 def test_a_probe_runs_a_lone_request_on_the_team_and_wakes_it_for_the_next_one(

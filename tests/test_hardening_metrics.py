@@ -202,7 +202,7 @@ async def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_on_metrics_and
             _, samples = await scrape(server)
             rule = server.engine.quiet
             if threads == 1 and rule is not None:  # fast wakes of the team while serving: the gauge follows
-                assert [rule.ran(2, 3.0e-3) for _ in range(4)][-1] is not None and rule.threads == 2
+                assert [rule.ran(2, 3.0e-3) for _ in range(5)][-1] is not None and rule.threads == 2
                 _, later = await scrape(server)
                 assert later[("fillmask_quiet_lone_threads", ())] == 2
         finally:

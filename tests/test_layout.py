@@ -13,6 +13,7 @@ from fillmask_server.layout import (
     LOOK_REQUESTS,
     LOOK_ROWS,
     LOOK_WINDOW_S,
+    QUIET_MARGIN,
     QUIET_PROBE_EVERY,
     QUIET_SAMPLES,
     Look,
@@ -175,31 +176,46 @@ def test_what_one_thread_saves_after_a_quiet_must_outweigh_what_it_costs_back_to
     assert choose_quiet_lone({1: 3.7e-3, 2: 3.6e-3}, {1: 2.6e-3, 2: 2.4e-3}) == 2
 
 
-def test_a_start_that_missed_the_wake_ups_cost_moves_to_one_thread_once_lone_passes_on_the_team_show_it() -> None:
+def test_a_start_that_missed_the_wake_ups_cost_moves_to_one_thread_once_a_lone_pass_on_the_team_shows_it() -> None:
     """A start whose calibration saw the team wake fast (the median of its rounds: on the 2-core KVM
-    guest a fifth to a half of the team's passes after a quiet wake fast) keeps the team. Each count's
-    estimate is the mean of its last ``QUIET_SAMPLES`` passes but the slowest (the calibration's
-    timing standing for those not yet run): one slow wake is an accident and moves nothing; a second
-    moves lone requests to one thread, and the log's line says why. A pass the rule did not time
-    (another count), or of no length, changes nothing."""
+    guest a fifth to nine tenths of the team's passes after a quiet wake slowly) keeps the team. Each
+    count's estimate is the mean of its last ``QUIET_SAMPLES`` passes (the calibration's timing
+    standing for those not yet run), the expected wait: one slow wake among fast ones raises the
+    team's past one thread's, with ``QUIET_MARGIN`` added to it, and lone requests move to one
+    thread, the log's line saying why. A pass the rule did not time (another count), or of no
+    length, changes nothing."""
     quiet = QuietLone({1: 3.7e-3, 2: 3.6e-3}, 0.041, {1: 2.6e-3, 2: 2.4e-3})
     assert quiet.threads == quiet.calibrated == 2
     assert quiet.ran(2, 3.5e-3) is None and quiet.threads == 2  # a fast wake
-    assert quiet.ran(2, 14.0e-3) is None and quiet.threads == 2  # one slow wake: left out
-    assert quiet.ran(4, 20.0e-3) is None and quiet.ran(2, 0.0) is None
-    line = quiet.ran(2, 13.0e-3)
+    assert quiet.ran(4, 20.0e-3) is None and quiet.ran(2, 0.0) is None and quiet.ran(2, float("nan")) is None
+    line = quiet.ran(2, 14.0e-3)
     assert quiet.threads == 1 and quiet.calibrated == 2 and quiet.threads_for(1, 2, 1.0) == 1
-    assert quiet.estimates() == pytest.approx({1: 3.7e-3, 2: (3.6e-3 + 3.6e-3 + 3.5e-3 + 13.0e-3) / 4})
-    assert line == ("a lone request after 41 ms of quiet now runs on 1 thread, not 2: its last passes after a quiet "
-                    "on each count, the slowest left out (1 -> 3.7 ms, 2 -> 5.9 ms)")
+    assert quiet.estimates() == pytest.approx({1: 3.7e-3, 2: (3 * 3.6e-3 + 3.5e-3 + 14.0e-3) / 5})
+    assert line == ("a lone request after 41 ms of quiet now runs on 1 thread, not 2: the mean of its last passes "
+                    "after a quiet on each count (1 -> 3.7 ms, 2 -> 5.7 ms)")
+
+
+def test_the_count_in_use_keeps_lone_requests_unless_another_wins_by_the_margin() -> None:
+    """Two counts a few percent apart, each timed while serving (one thread 3.6 ms, the team 3.9;
+    back to back 1.6 and 1.3): the back-to-back guard alone would send lone requests back to the
+    team (it saves 0.3 ms there and costs 0.3 after a quiet), and the next slow wake back again. With
+    ``QUIET_MARGIN`` added to the team's, one thread keeps them; a team clearly faster wins them."""
+    quiet = QuietLone({1: 3.4e-3, 2: 15.0e-3}, 0.041, {1: 1.6e-3, 2: 1.3e-3})
+    assert quiet.threads == 1
+    for _ in range(QUIET_SAMPLES):
+        assert quiet.ran(1, 3.6e-3) is None and quiet.ran(2, 3.9e-3) is None
+    assert quiet.threads == 1 and quiet.estimates() == pytest.approx({1: 3.6e-3, 2: 3.9e-3})
+    assert 3.9e-3 - 3.6e-3 <= 1.6e-3 - 1.3e-3 < 3.9e-3 * (1 + QUIET_MARGIN) - 3.6e-3  # (the guard, without and with)
+    assert quiet.ran(2, 2.0e-3) is not None and quiet.threads == 2  # 3.5 ms: with the margin, 0.27 ms slower than
+    # one thread after a quiet, and 0.3 faster back to back
 
 
 def test_lone_requests_go_to_more_threads_only_on_that_counts_own_passes_while_serving() -> None:
     """A start that missed the wake-up and chose one thread on the tie (the calibration's team 3.6 ms,
-    one thread 3.7). One thread's passes in the server come a few percent slower than in the
-    calibration (4.2 ms): against the team's calibration timing, the team now looks faster, but the
-    rule stays on one thread until most of the team's last passes were timed while serving (its
-    probes); a move to fewer threads needs no such thing (the test above)."""
+    one thread 3.7). One thread's passes in the server come slower than in the calibration (4.2 ms):
+    against the team's calibration timing, the team now looks faster by more than the margin, but
+    the rule stays on one thread until most of the team's last passes were timed while serving (its
+    probes); a move to fewer threads needs no such thing (the first test)."""
     quiet = QuietLone({1: 3.7e-3, 2: 3.6e-3}, 0.041)
     assert quiet.threads == 1
     for _ in range(QUIET_SAMPLES):
@@ -211,37 +227,37 @@ def test_lone_requests_go_to_more_threads_only_on_that_counts_own_passes_while_s
 
 
 def test_a_longer_lone_request_is_brought_to_the_calibrations_length_before_it_counts() -> None:
-    """A lone request longer than the calibration's (``scale`` 1.8: the cost model's warm pass at its
+    """A lone request longer than the calibration's (``scale`` 2: the cost model's warm pass at its
     length over one at the calibration's) that took its count's warm time more than the calibration
     timed after the quiet woke as fast; its length is not a wake-up. Base kept its team (58.7 ms
-    after a quiet against 76.1 on one thread): lone requests 1.8 times as long on the team, at 96 ms
-    each, keep it there, where counted whole five of them would move lone requests to the slower
+    after a quiet against 76.1 on one thread): lone requests twice as long on the team, at 120 ms
+    each, keep it there, where counted whole four of them would move lone requests to the slower
     count."""
     base = QuietLone({1: 76.1e-3, 2: 58.7e-3}, 0.02, {1: 60e-3, 2: 45e-3})
     unscaled = QuietLone({1: 76.1e-3, 2: 58.7e-3}, 0.02, {1: 60e-3, 2: 45e-3})
-    for _ in range(4):
-        assert base.ran(2, 96e-3, scale=1.8) is None and unscaled.ran(2, 96e-3) is None
-    assert base.ran(2, 96e-3, scale=1.8) is None and base.threads == 2
-    assert base.estimates()[2] == pytest.approx(96e-3 - 45e-3 * 0.8)
-    assert unscaled.ran(2, 96e-3) is not None and unscaled.threads == 1
+    for _ in range(3):
+        assert base.ran(2, 120e-3, scale=2.0) is None and unscaled.ran(2, 120e-3) is None
+    assert base.ran(2, 120e-3, scale=2.0) is None and base.threads == 2
+    assert base.estimates()[2] == pytest.approx((58.7e-3 + 4 * 75e-3) / 5)
+    assert unscaled.ran(2, 120e-3) is not None and unscaled.threads == 1
     assert base.ran(2, 10e-3, scale=2.5) is None and base.ran(2, 10e-3, scale=0.4) is None  # a scale far off
-    assert base.estimates()[2] == pytest.approx(96e-3 - 45e-3 * 0.8)  # unchanged
+    assert base.estimates()[2] == pytest.approx((58.7e-3 + 4 * 75e-3) / 5)  # unchanged
 
 
 def test_one_lone_request_in_so_many_after_a_quiet_times_the_other_count_and_the_rule_goes_back() -> None:
     """On one thread, the team's time after a quiet is seen only by a probe: one rule's request in
     ``QUIET_PROBE_EVERY`` runs on the team (a share well under a p99's); requests the rule does not
     cover are not counted. Once the host stops charging for the wake-up, the team gets lone
-    requests back when four of its last five probes were fast; and a rule on the team probes one
-    thread the same way."""
+    requests back when its last five probes were fast; and a rule on the team probes one thread the
+    same way."""
     quiet = QuietLone({1: 3.5e-3, 2: 15.1e-3}, 0.041, {1: 2.6e-3, 2: 2.4e-3})
     runs = [quiet.threads_for(1, 2, 1.0) for _ in range(3 * QUIET_PROBE_EVERY)]
     assert [i for i, count in enumerate(runs) if count == 2] == [QUIET_PROBE_EVERY * k - 1 for k in (1, 2, 3)]
     assert quiet.probes == 3 and quiet.threads_for(2, 2, 1.0) == 2 and quiet.threads_for(1, 2, 0.0) == 2
     assert quiet.ran(1, 3.5e-3) is None
-    for fast in (3.0e-3, 3.1e-3, 3.2e-3):
-        assert quiet.ran(2, fast) is None and quiet.threads == 1  # the calibration's slow ones still count
-    assert quiet.ran(2, 3.3e-3) is not None and quiet.threads == 2  # the team is as fast again
+    for fast in (3.0e-3, 3.1e-3, 3.2e-3, 3.3e-3):
+        assert quiet.ran(2, fast) is None and quiet.threads == 1  # the calibration's slow one still counts
+    assert quiet.ran(2, 3.0e-3) is not None and quiet.threads == 2  # the team is faster again
     later = [quiet.threads_for(1, 2, 1.0) for _ in range(QUIET_PROBE_EVERY)]
     assert later.index(1) == QUIET_PROBE_EVERY - 1 and later.count(1) == 1  # now one thread is probed
 
