@@ -34,18 +34,17 @@ of requests (a slow model) goes on.
 A third choice is made for **a lone request after a quiet spell** (``QuietLone``): an OpenMP team's
 idle workers spin for a while after a pass and then sleep, and on some machines the first pass that
 wakes them takes several times a warm one, and longer than one thread takes for it (on a 2-core KVM
-guest with a small model: docs/performance-log.md, "A lone request after a quiet spell"). The calibration
-times a lone request on one thread and on the team once the team has gone quiet; where one thread is
-the faster (``choose_quiet_lone``), by more than it is slower than the team back to back, a lone
-request that starts at least as long after the model thread's last pass on the team as the
-calibration waited runs on one thread. The calibration's few rounds can misjudge that wake-up, and
-the host's share of slow ones varies by the hour, so the choice is made again while serving, from
-the lone requests' own passes after a quiet and a rare probe of the count not in use
-(``QuietLone.ran``). It is the team's own quiet that
-counts: a team left asleep while the model thread ran passes on one thread, tens of milliseconds
-apart, was as slow to wake (the performance log has the figures). So once lone requests run on one
-thread, the team runs again only for a batch that its layout gives all of it (a one-pass layout's
-batch of several texts), or for a probe.
+guest with a small model: docs/performance-log.md, "A lone request after a quiet spell"). The
+calibration times a lone request on one thread and on the team once the team has gone quiet; where
+one thread is the faster (``choose_quiet_lone``), by more than it is slower than the team back to
+back, a lone request that starts at least as long after the model thread's last pass on the team as
+the calibration waited runs on one thread. The calibration's few rounds can misjudge that wake-up,
+and the host's share of slow ones moves from minute to minute, so the choice is made again while
+serving, from the lone requests' own passes after a quiet and a rare probe of the count not in use
+(``QuietLone.ran``). It is the team's own quiet that counts: a team left asleep while the model
+thread ran passes on one thread, tens of milliseconds apart, was as slow to wake (the performance
+log has the figures). So once lone requests run on one thread, the team runs again only for a batch
+that its layout gives all of it (a one-pass layout's batch of several texts), or for a probe.
 Invariant: that rule changes only batches of one request whose layout gives them the team it was
 timed against, and only to a count it timed.
 """
@@ -164,17 +163,17 @@ class QuietLone:
     ``after_s`` ago: how long after such a pass the calibration timed it (``QUIET_GAP`` times the wait
     for the team's workers to go quiet, ``calibration.time_quiet_lone``).
 
-    ``lone_s``: the calibration's timings after the quiet, by thread count (``calibrated``: its
-    choice), of a request ``tokens`` long; ``warm_s``: back to back. The calibration's few rounds can
-    misjudge the wake-up: where some of the team's passes after a quiet wake fast and most slowly, a
-    median of two or three says fast in about one start in five, and the host's share of slow wakes
-    varies by the hour. So each count keeps its last ``QUIET_SAMPLES`` lone passes after a quiet
-    (``ran``; the calibration's timing standing for those not yet run), each brought to the
-    calibration's length (``ran``'s ``scale``), and after each pass the rule is chosen again by
-    ``choose_quiet_lone`` from each count's mean of them, the expected wait (the wake-up is bimodal:
-    a slow wake in five is a fifth of its cost, and the mean of many stayed at twice one thread's
-    even where the median was level with it). Two brakes keep the noise of five passes from swinging
-    it (each swing onto a team that wakes slowly costs a request a slow wake):
+    ``lone_s``: the calibration's timings after the quiet, by thread count (``calibrated``: its choice),
+    of a request ``tokens`` long; ``warm_s``: back to back. The calibration's few rounds can misjudge
+    the wake-up: where some of the team's passes after a quiet wake fast and the others slowly, a median
+    of two or three says fast in some starts, and the host's share of slow wakes moves from minute to
+    minute (docs/performance-log.md has the figures). So each count keeps its last ``QUIET_SAMPLES``
+    lone passes after a quiet (``ran``; the calibration's timing standing for those not yet run), each
+    brought to the calibration's length (``ran``'s ``scale``), and after each pass the rule is chosen
+    again by ``choose_quiet_lone`` from each count's mean of them, the expected wait (the wake-up is
+    bimodal: a slow wake in five is a fifth of its cost, which a median would not see). Two brakes keep
+    the noise of five passes from swinging it (each swing onto a team that wakes slowly costs a request
+    a slow wake):
 
     - the count in use keeps lone requests unless another count wins with ``QUIET_MARGIN`` added to
       its estimate: one thread's passes in the server run a few percent slower than the calibration
