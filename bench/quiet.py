@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import loadgen  # noqa: E402
+from bench.adaptive import run_order  # noqa: E402
 from bench.corpus import make_short_corpus  # noqa: E402
 from bench.server_proc import CpuMeter, ServerProcess  # noqa: E402
 from fillmask_server.calibration import QUIET_LONE_ENV  # noqa: E402
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[tuple[str, float], list[dict[str, float]]] = {}
     print("flags | rate req/s | p50 ms | p99 ms | forward p50 ms | server CPU ms a request | "
           "lone request after a quiet")
-    for _ in range(args.repeats):
-        for config in configs + configs[::-1]:
+    for repeat in range(2 * args.repeats):
+        for config in run_order(configs, repeat):
             flags = [] if config in ("defaults", "missed") else config.split()
             env = {QUIET_LONE_ENV: args.missed_ms} if config == "missed" else None
             said, rows = measure(Path(args.model), flags, rates, args.window_s, env)

@@ -148,9 +148,7 @@ class Calibration:
                                          "per_token_us": round(c.token_s * 1e6, 4),
                                          "per_row_us": round(c.row_s * 1e6, 4),
                                          "per_output_kb_us": round(c.byte_s * 1e9, 4)}
-        if self.quiet_lone_ms and self.quiet_after_ms is not None:
-            quiet = self.quiet_lone()
-            assert quiet is not None
+        if (quiet := self.quiet_lone()) is not None:
             calibration["quiet_lone"] = {
                 "after_ms": round(self.quiet_after_ms, 3),
                 "threads_ms": [{"threads": n, "ms": round(ms, 3)} for n, ms in sorted(self.quiet_lone_ms.items())],
@@ -219,9 +217,7 @@ class Calibration:
             c = self.coefficients
             parts.append(f"cost model {c.overhead_s * 1e3:.3f} ms per batch + {c.token_s * 1e6:.2f} us per padded "
                          f"token + {c.row_s * 1e6:.1f} us per row + {c.byte_s * 1e9:.1f} us per KB of output")
-        if self.quiet_lone_ms and self.quiet_after_ms is not None:
-            quiet = self.quiet_lone()
-            assert quiet is not None
+        if (quiet := self.quiet_lone()) is not None:
             parts.append(quiet.line())
         if self.dtype_speed is not None:
             parts.append(f"{self.dtype} at {self.dtype_speed:.2f}x float32's speed")
