@@ -292,7 +292,7 @@ class EngineCore:
         in_use = True  # ran at the thread count in use (not a probe's, not a warm-up after a change)
         if self.threads is not None and threads:  # an atypical batch counts for a probe, untimed
             predicted = self.cost.forward_s(len(batch), padded_tokens)
-            in_use = self.threads.ran(threads, seconds if whole and typical else 0.0, predicted, now).fit
+            in_use = self.threads.ran(threads, seconds if whole and typical else 0.0, predicted, now, len(batch)).fit
         if self.threads is not None and self.second_look is not None:
             look = self.second_look.ran(len(batch), seconds, now, self.threads.current)
             if look is not None:

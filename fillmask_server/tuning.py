@@ -44,10 +44,29 @@ The rules:
   time) divided by ``PROBE_SHARE`` after the last probe ended (or the engine started), and no sooner
   than ``FIRST_INTERVAL_S``; a probe that loses doubles that least wait, up to ``MAX_INTERVAL_S`` (a
   machine whose best count does not change is probed rarely; only probes whose batches are so long
-  that the share asks for more wait longer); a switch starts again from ``FIRST_INTERVAL_S``.
+  that the share asks for more wait longer); a switch starts again from ``FIRST_INTERVAL_S``. A
+  probe compares with the count in use's batches since the last probe: it starts only once
+  ``FRESH_BATCHES`` of them have run (most of the ``REFERENCE_BATCHES`` it compares with).
+- **A verdict holds for the load it was measured under.** The best layout depends on the batch: a
+  lone request runs whole on every layout's threads, and a team's wake-up or a part's hand-over
+  weighs on small batches what it does not on large ones (on a 2-core machine with a small model,
+  one thread can serve as much as two parts at batches of a few rows and clearly less at batches of
+  many: docs/performance-log.md, "A verdict for the load it was measured under"). So the tuner keeps
+  the rows of the load's batches (a moving average over every batch), and where they have grown or
+  shrunk by ``LOAD_ROWS_CHANGE`` since the last probe lost, the losses' doubled wait is forgotten:
+  the next probe is due ``FIRST_INTERVAL_S`` after the last one (the cost share still holds).
+- **A win is confirmed soon**: the next probe, of the same count, is due ``CONFIRM_INTERVAL_S``
+  after it (and after ``FRESH_BATCHES`` batches of the count in use, so that it compares with
+  batches the first probe did not); its cost was about nothing.
 - The first batch after any change of count (to a probe, back, or a switch) is a warm-up: it counts
   for nothing, and like a probe's batches it does not feed the cost model (``Ran.fit``), which stays
-  a model of the count in use.
+  a model of the count in use. So is each next one **while the batches keep getting faster** (each
+  faster than the one before it by more than ``THREAD_TIE``), up to ``WARM_UP_MOST`` in all: the first
+  batch that is not is the settled pace, and counts. Under load, the first few batches in parts
+  after a spell on one thread can run far slower than the ones after them (a part's helper thread,
+  idle until then, finding its core among the server's other threads; in-process, with the other
+  core free, the first batch ran at the settled pace), and a probe that timed them found the parts
+  no faster than one thread (the performance log, same section, has the figures).
 
 Invariants: ``count`` is the current count unless a probe is under way; ``current`` changes only by
 a switch, and only to a candidate: after probes it won, or when the second look chose it
@@ -61,16 +80,21 @@ from collections import deque
 from dataclasses import dataclass
 
 THREAD_TIE = 0.05  # a larger thread count must be this much faster to win (a smaller one, no slower)
-PROBE_BATCHES = 3  # batches timed per probe at most, after one warm-up batch (odd: a median of one of them)
+PROBE_BATCHES = 3  # batches timed per probe at most, after its warm-up (odd: a median of one of them)
 assert PROBE_BATCHES % 2 == 1, "a majority of the timed batches must always decide"
-REFERENCE_BATCHES = 5  # the current count's latest batches a probe is compared with
+REFERENCE_BATCHES = 5  # the current count's latest batches a probe is compared with ...
+FRESH_BATCHES = REFERENCE_BATCHES // 2 + 1  # ... of which a probe waits for this many since the last (their median)
 WINS_TO_SWITCH = 2  # probes in a row that a count must win before the engine switches to it
 PROBE_SHARE = 0.02  # probes cost at most about this share of the time while serving (see "cost" above)
 PROBE_MAX_BATCHES = 2 * PROBE_BATCHES + 1  # a probe that has not timed enough batches by then is given up
+WARM_UP_MOST = PROBE_MAX_BATCHES - PROBE_BATCHES  # a change of count's warm-up batches at most (see above)
 CLEAR_LOSS_RATIO = 1.25  # a timed probe batch this much slower than the current count's median loses it
 ABORT_RATIO = 2.0  # a probe batch this many times slower than the current count's ends the probe, lost
 ABORT_RATIO_WARM_UP = 4.0  # the same for its warm-up batch (which may start the count's workers)
-FIRST_INTERVAL_S = 5.0  # the least time between probes (the first comes this long after start)
+FIRST_INTERVAL_S = 5.0  # the least time between probes (the first comes this long after start) ...
+CONFIRM_INTERVAL_S = 1.0  # ... but for the probe that confirms a win, due this long after it
+LOAD_ROWS_CHANGE = 2.0  # batches this many times as large, or as small, as when a probe lost: another load
+ROWS_WEIGHT = 0.2  # the load's rows a batch: a moving average, each batch weighing this much
 MAX_INTERVAL_S = 600.0  # the most, after probes that kept losing
 
 
@@ -106,17 +130,30 @@ class ThreadTuner:
         self._probe_ratios: list[float] = []
         self._wins: tuple[int, int] = (0, 0)  # (count, probes in a row it won)
         self._last = current  # the count of the last batch (the calibration warmed the current one)
+        self._warm_ups: int | None = None  # warm-up batches since the last change of count (None: settled)
+        self._warm_ratio: float | None = None  # ... the last one's ratio
         self._batch_s = 0.0  # moving average of a batch's time
         self._turn = 0  # which other candidate the next probe tries
+        self._fresh = 0  # batches of the count in use timed since the last probe ended (or the start)
+        self._rows = 0.0  # the load's rows a batch (moving average; 0: no batch yet)
+        self._lost_rows = 0.0  # ... when the last probe lost (0: the wait is not a loss's, nothing to forget)
 
     @property
     def probing(self) -> int | None:
         """The count a probe under way runs at, or None."""
         return self._probe
 
+    @property
+    def load_rows(self) -> float:
+        """The rows of the load's batches: a moving average over every batch (0 before the first)."""
+        return self._rows
+
     def count(self, now: float) -> int:
         """The thread count for the next batch; starts a probe when one is due."""
-        if self._probe is None and self.adaptive and len(self._reference) >= PROBE_BATCHES:
+        if self._lost_rows and not 1 / LOAD_ROWS_CHANGE < self._rows / self._lost_rows < LOAD_ROWS_CHANGE:
+            self._interval = self._wait = self._first_interval  # the losses were another load's
+            self._lost_rows = 0.0
+        if self._probe is None and self.adaptive and self._fresh >= FRESH_BATCHES:
             probe = self._next_probe()
             if now >= self._since + max(self._wait, self._probe_cost(probe) / self._share):
                 self._probe = probe
@@ -135,14 +172,18 @@ class ThreadTuner:
         pending, won = self._wins
         return pending if won and pending in others else others[self._turn % len(others)]
 
-    def ran(self, count: int, seconds: float, predicted_s: float, now: float) -> Ran:
-        """A batch ran at ``count`` threads in ``seconds``; the cost model predicted ``predicted_s``."""
-        warm_up = count != self._last
-        self._last = count
-        returning, self._returning = self._returning, None
+    def ran(self, count: int, seconds: float, predicted_s: float, now: float, rows: int = 1) -> Ran:
+        """A batch of ``rows`` requests ran at ``count`` threads in ``seconds`` (0: not timed); the cost
+        model predicted ``predicted_s``."""
+        if rows > 0:
+            self._rows = rows if not self._rows else (1 - ROWS_WEIGHT) * self._rows + ROWS_WEIGHT * rows
         if seconds > 0:
             self._batch_s = seconds if not self._batch_s else 0.9 * self._batch_s + 0.1 * seconds
         ratio = seconds / predicted_s if predicted_s > 0 and seconds > 0 else None
+        warm_up = self._warming(count, ratio)
+        returning = self._returning
+        if not warm_up:
+            self._returning = None
         if count == self._probe:
             self._probe_batches += 1
             if seconds > 0:
@@ -161,13 +202,33 @@ class ThreadTuner:
             self._cost[returning] += max(0.0, self._beyond_current(seconds, predicted_s))
         if count == self.current and not warm_up and ratio is not None:
             self._reference.append(ratio)
+            self._fresh += 1
         return Ran(count == self.current and not warm_up)
+
+    def _warming(self, count: int, ratio: float | None) -> bool:
+        """Whether this batch, at ``count`` with ``ratio`` (None: not timed), is a warm-up after a change
+        of count (see the module docstring): the first batch after one is, and each next one while it
+        is faster than the warm-up batch before it by more than ``THREAD_TIE``, up to
+        ``WARM_UP_MOST`` batches in all; the first batch that is not counts (it is the settled pace)."""
+        if count != self._last:
+            self._last = count
+            self._warm_ups, self._warm_ratio = 0, None
+        if self._warm_ups is None:
+            return False
+        if ratio is not None and self._warm_ratio is not None and ratio * (1 + THREAD_TIE) >= self._warm_ratio:
+            self._warm_ups = None  # no longer getting faster
+            return False
+        self._warm_ups += 1
+        self._warm_ratio = ratio if ratio is not None else self._warm_ratio
+        if self._warm_ups >= WARM_UP_MOST:
+            self._warm_ups = None  # (the next batch counts)
+        return True
 
     def adopt(self, candidate: int, now: float) -> bool:
         """Switch to ``candidate`` on evidence other than a probe's (the second look,
         ``layout.SecondLook``); True when that changed the count. A probe under way ends unjudged; as
         after a switch a probe won, the costs measured against the old count are forgotten, and the
-        next probe waits ``FIRST_INTERVAL_S`` and then for ``PROBE_BATCHES`` + 1 batches at the new
+        next probe waits ``FIRST_INTERVAL_S`` and then for ``FRESH_BATCHES`` + 1 batches at the new
         count (the first of them a warm-up, which is not counted)."""
         if candidate not in self.candidates:
             raise ValueError(f"{candidate} is not one of the tuner's candidates {self.candidates}")
@@ -187,7 +248,9 @@ class ThreadTuner:
         self._cost.clear()  # measured against the count that was in use
         self._wins = (0, 0)
         self._reference = deque(ratios, maxlen=REFERENCE_BATCHES)
+        self._fresh = len(self._reference)
         self._interval = self._first_interval
+        self._lost_rows = 0.0
 
     def _beyond_current(self, seconds: float, predicted_s: float) -> float:
         """How much longer a batch took than the count in use would have (its median ratio times the
@@ -228,16 +291,18 @@ class ThreadTuner:
         assert probe is not None
         self._cost[probe] = max(0.0, self._probe_excess)
         self._returning = probe
+        self._fresh = 0
         switched = None
         if not won:
             self._wins = (0, 0)
             self._interval = min(MAX_INTERVAL_S, self._interval * 2)
+            self._lost_rows = self._rows
         elif self._wins[0] == probe and self._wins[1] + 1 >= WINS_TO_SWITCH:
             switched = (self.current, probe)
             self._switch_to(probe, self._probe_ratios)
         else:
             self._wins = (probe, self._wins[1] + 1 if self._wins[0] == probe else 1)
-        self._wait = self._interval if switched or not won else self._first_interval  # a win is confirmed soon
+        self._wait = self._interval if switched or not won else min(CONFIRM_INTERVAL_S, self._first_interval)
         self._since = now
         return switched
 

@@ -541,6 +541,7 @@ def test_the_second_look_switches_the_tuner_to_its_layout_on_the_first_busy_spel
         c.decoded([result(j) for j in scheduled.batch])
         c.release(scheduled.batch)
     assert look.done is not None and look.done.before == 3 and look.done.chosen == 2
+    assert tuner.load_rows == pytest.approx(8)  # each batch's rows reach the tuner (its verdicts' load)
     assert look.done.beside_s == pytest.approx(88e-6, rel=0.05)
     assert tuner.current == 2 and not c.measures_beside
     switched = ranks.index(2)

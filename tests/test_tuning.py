@@ -10,7 +10,10 @@ from fillmask_server.tuning import (
     ABORT_RATIO,
     ABORT_RATIO_WARM_UP,
     CLEAR_LOSS_RATIO,
+    CONFIRM_INTERVAL_S,
     FIRST_INTERVAL_S,
+    FRESH_BATCHES,
+    LOAD_ROWS_CHANGE,
     MAX_INTERVAL_S,
     PROBE_BATCHES,
     PROBE_MAX_BATCHES,
@@ -18,6 +21,7 @@ from fillmask_server.tuning import (
     SWITCH_ONE_THREAD_S,
     SWITCH_TEAM_S,
     THREAD_TIE,
+    WARM_UP_MOST,
     WINS_TO_SWITCH,
     ThreadTuner,
     switch_interval_s,
@@ -25,13 +29,17 @@ from fillmask_server.tuning import (
 
 
 class Machine:
-    """Batches on a fake clock: each count's time per batch against a prediction of 1 s x ``scale``;
-    ``noise`` (optional) multiplies a count's batches' times by its factors, in turn; the first batch
-    after a change of count takes ``change_s`` more."""
+    """Batches of ``rows`` requests on a fake clock: each count's time per batch against a prediction of
+    1 s x ``scale``; ``noise`` (optional) multiplies a count's batches' times by its factors, in turn;
+    the first batch after a change of count takes ``change_s`` more, and the first batches after one
+    are ``settle``'s factors slower, in order."""
 
     def __init__(self, tuner: ThreadTuner, speed: dict[int, float], scale: float = 0.01,
-                 noise: dict[int, tuple[float, ...]] | None = None, change_s: float = 0.0) -> None:
+                 noise: dict[int, tuple[float, ...]] | None = None, change_s: float = 0.0,
+                 settle: tuple[float, ...] = (), rows: int = 1) -> None:
         self.tuner, self.speed, self.scale, self.change_s = tuner, speed, scale, change_s
+        self.settle, self.rows = settle, rows
+        self.since_change = len(settle)  # batches since the last change of count (the start's is settled)
         self.noise = {count: itertools.cycle((noise or {}).get(count, (1.0,))) for count in speed}
         self.now = 0.0
         self.counts: list[int] = []
@@ -45,12 +53,15 @@ class Machine:
         until = self.now + seconds
         while self.now < until:
             count = self.tuner.count(self.now)
+            changed = bool(self.counts) and count != self.counts[-1]
+            self.since_change = 0 if changed else self.since_change + 1
             took = self.speed[count] * self.scale * next(self.noise[count])
-            took += self.change_s if self.counts and count != self.counts[-1] else 0.0
+            took *= self.settle[self.since_change] if self.since_change < len(self.settle) else 1.0
+            took += self.change_s if changed else 0.0
             self.started.append(self.now)
             self.now += took
             self.busy[count] += took
-            ran = self.tuner.ran(count, took, self.scale, self.now)
+            ran = self.tuner.ran(count, took, self.scale, self.now, self.rows)
             self.counts.append(count)
             self.fits.append(ran.fit)
             if ran.switched:
@@ -106,8 +117,8 @@ def test_a_probe_ends_once_most_of_its_timed_batches_agree_and_runs_them_all_onl
     beyond_the_tie = 1 + 3 * THREAD_TIE  # slower than a smaller count may be, within CLEAR_LOSS_RATIO
     assert beyond_the_tie < CLEAR_LOSS_RATIO
     assert len(first_probe({1: beyond_the_tie, 2: 1.0})) == 1 + 2  # the warm-up, then two lost batches
-    # The current count's batches all at 1.0; the probe's timed ones at 0.9, 1.1 and 1.0: a split.
-    assert first_probe({1: 1.0, 2: 1.0}, noise={1: (1.0, 0.9, 1.1, 1.0)}) == [1] * 4
+    # The current count's batches all at 1.0; the probe's timed ones at 1.1, 0.9 and 1.0: a split.
+    assert first_probe({1: 1.0, 2: 1.0}, noise={1: (1.0, 1.1, 0.9, 1.0)}) == [1] * 4
 
 
 def test_a_probe_batch_slower_beyond_the_current_counts_own_spread_ends_the_probe_at_once() -> None:
@@ -169,12 +180,22 @@ def test_probes_of_a_slow_count_cost_at_most_their_share_of_long_batches() -> No
 def test_a_probe_of_a_faster_count_costs_nothing_so_the_next_one_confirms_it_soon() -> None:
     # The same long batches, but the calibration chose one thread (a neighbour was busy then) and two
     # are twice as fast: the first probe waits for the share of what a probe might cost, the second
-    # only for FIRST_INTERVAL_S, however long the batches.
+    # only for CONFIRM_INTERVAL_S and FRESH_BATCHES batches at the count in use (after the one back),
+    # however long the batches.
     tuner = ThreadTuner([1, 2], 1, 0.0)
     machine = Machine(tuner, {1: 2.0, 2: 1.0}, scale=2.0)
     first_due = (PROBE_BATCHES + 1) * 2.0 * machine.scale / PROBE_SHARE
     machine.run(first_due + 2 * FIRST_INTERVAL_S + 10 * machine.scale)
     assert machine.switches == [(1, 2)]
+    first, second = probe_starts(machine, 1)[:2]
+    between = machine.counts[machine.started.index(first): machine.started.index(second)]
+    assert between.count(1) == 1 + FRESH_BATCHES  # the batch back, then fresh ones to compare with
+    # With short batches the confirmation waits CONFIRM_INTERVAL_S, not FIRST_INTERVAL_S.
+    quick = Machine(ThreadTuner([1, 2], 1, 0.0), {1: 2.0, 2: 1.0})
+    quick.run(FIRST_INTERVAL_S * 3)
+    first, second = probe_starts(quick, 1)[:2]
+    assert quick.switches == [(1, 2)] and CONFIRM_INTERVAL_S <= second - first < CONFIRM_INTERVAL_S + 0.1
+    assert CONFIRM_INTERVAL_S + 0.1 < FIRST_INTERVAL_S / 2  # (the old wait: FIRST_INTERVAL_S)
 
 
 def test_the_count_follows_the_machine_when_it_changes() -> None:
@@ -259,7 +280,7 @@ def test_a_probes_cost_counts_the_slow_batch_back_and_a_switch_forgets_the_costs
 def test_adopting_a_count_ends_a_probe_unjudged_and_probes_again_only_from_the_new_count() -> None:
     """``adopt`` (the second look's switch, ``layout.SecondLook``) is a switch: a probe under way ends
     without a verdict and its costs are forgotten; the next probe waits the first interval and then
-    ``PROBE_BATCHES`` + 1 batches at the new count, the first of them a warm-up that the cost model
+    ``FRESH_BATCHES`` + 1 batches at the new count, the first of them a warm-up that the cost model
     skips."""
     tuner = ThreadTuner([1, 2, 3], 3, 0.0)
     machine = Machine(tuner, {1: 3.0, 2: 1.0, 3: 1.0})
@@ -277,3 +298,68 @@ def test_adopting_a_count_ends_a_probe_unjudged_and_probes_again_only_from_the_n
     machine.run(FIRST_INTERVAL_S)
     assert 2 in machine.counts[before:] and set(machine.counts[before:]) == {1, 2}  # 1's one neighbour
     assert machine.started[machine.counts.index(2, before)] >= adopted_at + FIRST_INTERVAL_S
+
+
+def test_the_warm_up_after_a_change_lasts_while_the_batches_keep_getting_faster() -> None:
+    # Two threads are faster (0.7 against 1.0), but the first batches after any change of count run
+    # 2.0, 1.6, 1.5 and 1.3 times slower than the settled pace (on the 2-core Zen 4 EPYC, two parts
+    # after a spell on one thread: 35, 28, 26 ms, then 16-20). Timed from the second batch, the probe
+    # would see 1.12 and 1.05 against 1.0 and lose; timed once the batches stop getting faster, it wins.
+    settle = (2.0, 1.6, 1.5, 1.3)
+    assert len(settle) == WARM_UP_MOST
+    def first_probe_from_1(settle: tuple[float, ...], faster: float = 0.7) -> tuple[Machine, int, int]:
+        """The machine after its first switch (or 3 first intervals), and where its first probe's
+        batches start and end."""
+        machine = Machine(ThreadTuner([1, 2], 1, 0.0), {1: 1.0, 2: faster}, settle=settle)
+        machine.run(3 * FIRST_INTERVAL_S)
+        start = machine.counts.index(2)
+        return machine, start, machine.counts.index(1, start)
+
+    machine, start, back = first_probe_from_1(settle)
+    assert back - start == WARM_UP_MOST + PROBE_BATCHES // 2 + 1  # the warm-up, then two winning batches
+    assert machine.fits[back: back + WARM_UP_MOST] == [False] * WARM_UP_MOST  # settling back: not fitted
+    assert machine.fits[back + WARM_UP_MOST]
+    assert machine.switches == [(1, 2)]
+    # Where only the first batch is slow (the old warm-up), the second is faster than it, so a warm-up
+    # too (no batch can tell it is the settled pace but the one after it); the third, no faster, counts.
+    plain, start, back = first_probe_from_1((2.0,))
+    assert back - start == 2 + PROBE_BATCHES // 2 + 1 and plain.switches == [(1, 2)]
+    # Where none is slow, the second batch counts.
+    steady, start, back = first_probe_from_1(())
+    assert back - start == 1 + PROBE_BATCHES // 2 + 1 and steady.switches == [(1, 2)]
+    # Batches that keep getting faster for longer are warm-ups for WARM_UP_MOST batches at most.
+    endless, start, back = first_probe_from_1(tuple(8 * 1.9 ** -n for n in range(20)), faster=0.5)
+    assert back - start <= PROBE_MAX_BATCHES
+    assert endless.fits[back + WARM_UP_MOST]
+
+
+def test_a_probe_lost_under_one_load_is_tried_again_soon_once_the_batches_grow() -> None:
+    # Batches of 16 rows: two threads no faster than one, so every probe loses and the wait doubles.
+    # Then the load grows to batches of 64, where two threads are faster (0.7): the next probe is due
+    # FIRST_INTERVAL_S after the last one, not after the doubled wait.
+    tuner = ThreadTuner([1, 2], 1, 0.0)
+    machine = Machine(tuner, {1: 1.0, 2: 1.0}, rows=16)
+    machine.run(200.0)
+    starts = probe_starts(machine, 1)
+    assert len(starts) >= 4 and not machine.switches
+    backoff = starts[-1] - starts[-2]
+    assert backoff >= 8 * FIRST_INTERVAL_S
+    grown_at = machine.now
+    machine.rows, machine.speed = 64, {1: 1.0, 2: 0.7}
+    machine.run(max(FIRST_INTERVAL_S, starts[-1] + FIRST_INTERVAL_S - grown_at) + CONFIRM_INTERVAL_S + 1.0)
+    assert machine.switches == [(1, 2)]
+    # The same change of speed with batches of the same rows (the machine changed, not the load): the
+    # doubled wait holds, and no probe comes before it.
+    same = Machine(ThreadTuner([1, 2], 1, 0.0), {1: 1.0, 2: 1.0}, rows=16)
+    same.run(200.0)
+    last = probe_starts(same, 1)[-1]
+    same.speed = {1: 1.0, 2: 0.7}
+    same.run(machine.now - 200.0)
+    assert not same.switches and probe_starts(same, 1)[-1] == last
+    # Batches as much smaller count as another load too (the rows' moving average follows in a few).
+    shrunk = Machine(ThreadTuner([1, 2], 1, 0.0), {1: 1.0, 2: 1.0}, rows=64)
+    shrunk.run(200.0)
+    last = probe_starts(shrunk, 1)[-1]
+    shrunk.rows = int(64 / LOAD_ROWS_CHANGE) - 8
+    shrunk.run(max(FIRST_INTERVAL_S, last + FIRST_INTERVAL_S - shrunk.now) + 1.0)
+    assert probe_starts(shrunk, 1)[-1] > last
