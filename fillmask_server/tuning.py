@@ -14,7 +14,7 @@ side by side, the ranks from 1 of the layouts it timed (``Calibration.layouts``:
 then the narrower team, first), which the engine maps to (threads, parts). "Larger" below is then "later
 in that order". Now and then it runs a **probe**:
 up to ``PROBE_BATCHES`` timed batches at a neighbouring candidate count (the next smaller or larger
-one; after one warm-up batch at it, not counted), each batch's forward time divided by the cost
+one; after its warm-up, below, not counted), each batch's forward time divided by the cost
 model's prediction for its shape, against the same ratio for the last batches at the current count.
 The engine asks ``count`` once for each batch, when the batch starts (after the last batch's
 ``ran``): a batch whose count was fixed earlier could run at a probe's count after the probe ended.
@@ -29,35 +29,43 @@ The rules:
   that all of them would give. A timed batch slower than the current count's beyond their own
   spread ends it at once, lost: its ratio above their median by ``CLEAR_LOSS_RATIO``, or above their
   slowest by ``THREAD_TIE`` where that is more, and always when above ``ABORT_RATIO`` times their
-  median (the warm-up batch: ``ABORT_RATIO_WARM_UP``). Under load every probe batch that is slower
-  than the current count's holds up every request queued behind it, and shows in the closed loop's
-  p99 (docs/performance-log.md, "Probes that stop when they know").
-- **A probe is short and rare.** A probe that has not
-  timed its batches after ``PROBE_MAX_BATCHES`` (they failed or were split) ends without a verdict,
-  as a loss. Probes cost at most about ``PROBE_SHARE`` of the time while serving. A probe's *cost*
-  is the engine time its batches took beyond what the count in use would have taken for them (the
+  median (a warm-up batch: above ``ABORT_RATIO_WARM_UP`` times it for the first, ``ABORT_RATIO``
+  for the next). Under load every probe batch that is slower than the current count's holds up every
+  request queued behind it, and shows in the closed loop's p99 (docs/performance-log.md, "Probes
+  that stop when they know").
+- **A probe is short and rare.** A probe that has not timed its batches after
+  ``PROBE_MAX_BATCHES`` (its warm-up, and twice its timed batches: they failed or were split) ends
+  without a verdict, as a loss. Probes cost at most about ``PROBE_SHARE`` of the time while serving.
+  A probe's *cost* is the engine time its batches took beyond what the count in use would have taken for them (the
   current count's median ratio times each batch's prediction; a batch with no prediction counts
-  whole), and the same for the warm-up batch back at the count in use after it, so a probe of a
+  whole), and the same for the warm-up batches back at the count in use after it, so a probe of a
   faster count costs about nothing; a quiet spell during a probe does not count. The costs are
   measured against the count in use, so a switch forgets them. A probe starts no sooner than the cost of
   the last probe of its count (before the first: ``PROBE_BATCHES`` + 1 batches at the recent batch
-  time) divided by ``PROBE_SHARE`` after the last probe ended (or the engine started), and no sooner
-  than ``FIRST_INTERVAL_S``; a probe that loses doubles that least wait, up to ``MAX_INTERVAL_S`` (a
-  machine whose best count does not change is probed rarely; only probes whose batches are so long
-  that the share asks for more wait longer); a switch starts again from ``FIRST_INTERVAL_S``. A
-  probe compares with the count in use's batches since the last probe: it starts only once
-  ``FRESH_BATCHES`` of them have run (most of the ``REFERENCE_BATCHES`` it compares with).
+  time, one warm-up batch assumed) divided by ``PROBE_SHARE`` after the last probe ended (or the
+  engine started), and no sooner than ``FIRST_INTERVAL_S``; a probe that loses doubles that least
+  wait for its load (below), up to ``MAX_INTERVAL_S`` (a machine whose best count does not change is
+  probed rarely; only probes whose batches are so long that the share asks for more wait longer); a
+  switch starts again from ``FIRST_INTERVAL_S``. A probe compares with the count in use's batches
+  since the last probe, of its own load: it starts only once ``FRESH_BATCHES`` of them (most of the
+  ``REFERENCE_BATCHES`` it compares with) have been timed past their warm-up since the last probe
+  ended and since the load (below) last changed.
 - **A verdict holds for the load it was measured under.** The best layout depends on the batch: a
   lone request runs whole on every layout's threads, and a team's wake-up or a part's hand-over
   weighs on small batches what it does not on large ones (on a 2-core machine with a small model,
   one thread can serve as much as two parts at batches of a few rows and clearly less at batches of
   many: docs/performance-log.md, "A verdict for the load it was measured under"). So the tuner keeps
-  the rows of the load's batches (a moving average over every batch), and where they have grown or
-  shrunk by ``LOAD_ROWS_CHANGE`` since the last probe lost, the losses' doubled wait is forgotten:
-  the next probe is due ``FIRST_INTERVAL_S`` after the last one (the cost share still holds).
-- **A win is confirmed soon**: the next probe, of the same count, is due ``CONFIRM_INTERVAL_S``
-  after it (and after ``FRESH_BATCHES`` batches of the count in use, so that it compares with
-  batches the first probe did not); its cost was about nothing.
+  the rows of the load's batches (a moving average over every batch), and the doubled wait after a
+  loss is its load's: loads are told apart by ``LOAD_ROWS_CHANGE`` (rows 1, 2, 4, 8, ... each
+  within that factor of its own power), each keeps its own wait, and a load not yet probed waits
+  ``FIRST_INTERVAL_S`` (the cost share still holds). A load that swings between two sizes is thus
+  probed about twice as often as a steady one, never more.
+- **A win of a larger count is confirmed soon**: the next probe, of the same count, is due
+  ``CONFIRM_INTERVAL_S`` after it (and after ``FRESH_BATCHES`` batches of the count in use, so that
+  it compares with batches the first probe did not). A neighbour's burst of load makes a wider team
+  slower, never faster, so a burst that began after the first probe can only make the second lose;
+  a smaller count's win, which such a burst can give, is confirmed after ``FIRST_INTERVAL_S``, long
+  enough for a burst to end.
 - The first batch after any change of count (to a probe, back, or a switch) is a warm-up: it counts
   for nothing, and like a probe's batches it does not feed the cost model (``Ran.fit``), which stays
   a model of the count in use. So is each next one **while the batches keep getting faster** (each
@@ -75,6 +83,7 @@ a switch, and only to a candidate: after probes it won, or when the second look 
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -86,14 +95,14 @@ REFERENCE_BATCHES = 5  # the current count's latest batches a probe is compared 
 FRESH_BATCHES = REFERENCE_BATCHES // 2 + 1  # ... of which a probe waits for this many since the last (their median)
 WINS_TO_SWITCH = 2  # probes in a row that a count must win before the engine switches to it
 PROBE_SHARE = 0.02  # probes cost at most about this share of the time while serving (see "cost" above)
-PROBE_MAX_BATCHES = 2 * PROBE_BATCHES + 1  # a probe that has not timed enough batches by then is given up
-WARM_UP_MOST = PROBE_MAX_BATCHES - PROBE_BATCHES  # a change of count's warm-up batches at most (see above)
+WARM_UP_MOST = PROBE_BATCHES + 1  # a change of count's warm-up batches at most (see above)
+PROBE_MAX_BATCHES = WARM_UP_MOST + 2 * PROBE_BATCHES  # a probe that has not timed enough batches by then is given up
 CLEAR_LOSS_RATIO = 1.25  # a timed probe batch this much slower than the current count's median loses it
 ABORT_RATIO = 2.0  # a probe batch this many times slower than the current count's ends the probe, lost
-ABORT_RATIO_WARM_UP = 4.0  # the same for its warm-up batch (which may start the count's workers)
+ABORT_RATIO_WARM_UP = 4.0  # the same for its first warm-up batch (which may start the count's workers)
 FIRST_INTERVAL_S = 5.0  # the least time between probes (the first comes this long after start) ...
-CONFIRM_INTERVAL_S = 1.0  # ... but for the probe that confirms a win, due this long after it
-LOAD_ROWS_CHANGE = 2.0  # batches this many times as large, or as small, as when a probe lost: another load
+CONFIRM_INTERVAL_S = 1.0  # ... but for the probe that confirms a larger count's win, due this long after it
+LOAD_ROWS_CHANGE = 2.0  # loads whose batches' rows differ by this factor keep their own waits after a loss
 ROWS_WEIGHT = 0.2  # the load's rows a batch: a moving average, each batch weighing this much
 MAX_INTERVAL_S = 600.0  # the most, after probes that kept losing
 
@@ -119,9 +128,9 @@ class ThreadTuner:
         self._reference: deque[float] = deque(maxlen=REFERENCE_BATCHES)
         self._first_interval = first_interval_s
         self._share = probe_share
-        self._interval = first_interval_s
+        self._intervals: dict[int, float] = {}  # each load's least wait after its last lost probe (``_load``)
         self._since = now  # when the last probe ended (or the tuner started)
-        self._wait = first_interval_s  # the least time from then to the next probe
+        self._wait: float | None = first_interval_s  # the least time from then to the next probe (None: the load's)
         self._cost: dict[int, float] = {}  # each probed count's last probe's cost (seconds)
         self._probe_batches = 0  # batches run in the probe under way
         self._probe_excess = 0.0  # and their engine time beyond the current count's (its cost)
@@ -136,7 +145,6 @@ class ThreadTuner:
         self._turn = 0  # which other candidate the next probe tries
         self._fresh = 0  # batches of the count in use timed since the last probe ended (or the start)
         self._rows = 0.0  # the load's rows a batch (moving average; 0: no batch yet)
-        self._lost_rows = 0.0  # ... when the last probe lost (0: the wait is not a loss's, nothing to forget)
 
     @property
     def probing(self) -> int | None:
@@ -150,12 +158,10 @@ class ThreadTuner:
 
     def count(self, now: float) -> int:
         """The thread count for the next batch; starts a probe when one is due."""
-        if self._lost_rows and not 1 / LOAD_ROWS_CHANGE < self._rows / self._lost_rows < LOAD_ROWS_CHANGE:
-            self._interval = self._wait = self._first_interval  # the losses were another load's
-            self._lost_rows = 0.0
         if self._probe is None and self.adaptive and self._fresh >= FRESH_BATCHES:
             probe = self._next_probe()
-            if now >= self._since + max(self._wait, self._probe_cost(probe) / self._share):
+            wait = self._wait if self._wait is not None else self._intervals.get(self._load(), self._first_interval)
+            if now >= self._since + max(wait, self._probe_cost(probe) / self._share):
                 self._probe = probe
                 self._turn += 1
                 self._probe_ratios = []
@@ -176,7 +182,10 @@ class ThreadTuner:
         """A batch of ``rows`` requests ran at ``count`` threads in ``seconds`` (0: not timed); the cost
         model predicted ``predicted_s``."""
         if rows > 0:
+            load = self._load()
             self._rows = rows if not self._rows else (1 - ROWS_WEIGHT) * self._rows + ROWS_WEIGHT * rows
+            if self._load() != load:
+                self._fresh = 0  # a probe compares with batches of its own load
         if seconds > 0:
             self._batch_s = seconds if not self._batch_s else 0.9 * self._batch_s + 0.1 * seconds
         ratio = seconds / predicted_s if predicted_s > 0 and seconds > 0 else None
@@ -188,7 +197,7 @@ class ThreadTuner:
             self._probe_batches += 1
             if seconds > 0:
                 self._probe_excess += self._beyond_current(seconds, predicted_s)
-            if ratio is not None and ratio > self._slower_beyond_doubt(warm_up):
+            if ratio is not None and ratio > self._slower_beyond_doubt(warm_up, self._probe_batches == 1):
                 return Ran(False, self._decide(now, won=False))  # no more batches of it
             if not warm_up and ratio is not None:
                 self._probe_ratios.append(ratio)
@@ -228,15 +237,15 @@ class ThreadTuner:
         """Switch to ``candidate`` on evidence other than a probe's (the second look,
         ``layout.SecondLook``); True when that changed the count. A probe under way ends unjudged; as
         after a switch a probe won, the costs measured against the old count are forgotten, and the
-        next probe waits ``FIRST_INTERVAL_S`` and then for ``FRESH_BATCHES`` + 1 batches at the new
-        count (the first of them a warm-up, which is not counted)."""
+        next probe waits ``FIRST_INTERVAL_S``, and for ``FRESH_BATCHES`` batches at the new count past
+        their warm-up."""
         if candidate not in self.candidates:
             raise ValueError(f"{candidate} is not one of the tuner's candidates {self.candidates}")
         if candidate == self.current:
             return False
         self._probe = self._returning = None
         self._switch_to(candidate, [])
-        self._wait = self._interval
+        self._wait = self._first_interval
         self._since = now
         return True
 
@@ -249,8 +258,7 @@ class ThreadTuner:
         self._wins = (0, 0)
         self._reference = deque(ratios, maxlen=REFERENCE_BATCHES)
         self._fresh = len(self._reference)
-        self._interval = self._first_interval
-        self._lost_rows = 0.0
+        self._intervals.clear()  # (waits after probes measured against the count before)
 
     def _beyond_current(self, seconds: float, predicted_s: float) -> float:
         """How much longer a batch took than the count in use would have (its median ratio times the
@@ -262,11 +270,16 @@ class ThreadTuner:
         batches at the recent batch time."""
         return self._cost.get(probe, (PROBE_BATCHES + 1) * self._batch_s)
 
-    def _slower_beyond_doubt(self, warm_up: bool) -> float:
-        """The ratio above which a probe batch loses the probe at once (see the module docstring)."""
+    def _load(self) -> int:
+        """The load the batches now are (``LOAD_ROWS_CHANGE``): the power of it nearest their rows."""
+        return round(math.log(max(1.0, self._rows), LOAD_ROWS_CHANGE))
+
+    def _slower_beyond_doubt(self, warm_up: bool, first: bool) -> float:
+        """The ratio above which a probe batch (a ``warm_up`` one, the probe's ``first``) loses the probe
+        at once (see the module docstring)."""
         theirs = statistics.median(self._reference)
         if warm_up:
-            return theirs * ABORT_RATIO_WARM_UP
+            return theirs * (ABORT_RATIO_WARM_UP if first else ABORT_RATIO)
         return min(theirs * ABORT_RATIO, max(theirs * CLEAR_LOSS_RATIO, max(self._reference) * (1 + THREAD_TIE)))
 
     def _verdict(self) -> bool | None:
@@ -295,14 +308,17 @@ class ThreadTuner:
         switched = None
         if not won:
             self._wins = (0, 0)
-            self._interval = min(MAX_INTERVAL_S, self._interval * 2)
-            self._lost_rows = self._rows
+            load = self._load()
+            self._intervals[load] = min(MAX_INTERVAL_S, 2 * self._intervals.get(load, self._first_interval))
+            self._wait = None  # (the load's, whichever it is when the next probe is due)
         elif self._wins[0] == probe and self._wins[1] + 1 >= WINS_TO_SWITCH:
             switched = (self.current, probe)
             self._switch_to(probe, self._probe_ratios)
+            self._wait = self._first_interval
         else:
             self._wins = (probe, self._wins[1] + 1 if self._wins[0] == probe else 1)
-        self._wait = self._interval if switched or not won else min(CONFIRM_INTERVAL_S, self._first_interval)
+            soon = probe > self.current  # (see the module docstring: a burst only slows a wider team)
+            self._wait = min(CONFIRM_INTERVAL_S, self._first_interval) if soon else self._first_interval
         self._since = now
         return switched
 

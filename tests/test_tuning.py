@@ -265,6 +265,14 @@ def test_a_probes_cost_counts_the_slow_batch_back_and_a_switch_forgets_the_costs
     machine.run(400.0)
     first, second = probe_starts(machine, 2)[:2]
     assert second - first >= 1.9 * machine.change_s / PROBE_SHARE
+    # Batches that settle after each change, at 2.0, 1.6 and 1.3 times the pace: every settling batch
+    # back at two threads is the probe's cost, not only the first (the probe itself: its warm-up at
+    # 3.0 and one at 2.4, beyond ABORT_RATIO, lost).
+    settling = Machine(ThreadTuner([1, 2], 2, 0.0), {1: 1.5, 2: 1.0}, scale=1.0, settle=(2.0, 1.6, 1.3))
+    settling.run(1000.0)
+    first, second = probe_starts(settling, 2)[:2]
+    cost = (3.0 - 1.0) + (2.4 - 1.0) + (2.0 - 1.0) + (1.6 - 1.0) + (1.3 - 1.0)
+    assert second - first >= 0.98 * cost / PROBE_SHARE
     # Costs are measured against the count in use: after 1 -> 2 -> 4, a probe of 2 (which cost
     # nothing against 1) waits for the share of what a probe might cost against 4, not FIRST_INTERVAL_S.
     tuner = ThreadTuner([1, 2, 4], 1, 0.0)
@@ -328,9 +336,17 @@ def test_the_warm_up_after_a_change_lasts_while_the_batches_keep_getting_faster(
     steady, start, back = first_probe_from_1(())
     assert back - start == 1 + PROBE_BATCHES // 2 + 1 and steady.switches == [(1, 2)]
     # Batches that keep getting faster for longer are warm-ups for WARM_UP_MOST batches at most.
-    endless, start, back = first_probe_from_1(tuple(8 * 1.9 ** -n for n in range(20)), faster=0.5)
-    assert back - start <= PROBE_MAX_BATCHES
+    endless, start, back = first_probe_from_1(tuple(max(1.0, 6 * 1.5 ** -n) for n in range(20)), faster=0.4)
+    assert back - start == WARM_UP_MOST + PROBE_BATCHES // 2 + 1
     assert endless.fits[back + WARM_UP_MOST]
+    # Only the first warm-up batch may be ABORT_RATIO_WARM_UP times slower than the count in use: a
+    # probe of a count three times as slow whose batches drift down ends at its second.
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    slow = Machine(tuner, {1: 3.0, 2: 1.0}, settle=(1.3, 1.2, 1.1, 1.03))
+    slow.run(2 * FIRST_INTERVAL_S)
+    start = slow.counts.index(1)
+    assert ABORT_RATIO_WARM_UP > 3.0 * 1.3 and ABORT_RATIO < 3.0 * 1.2
+    assert slow.counts[start: slow.counts.index(2, start)] == [1, 1]
 
 
 def test_a_probe_lost_under_one_load_is_tried_again_soon_once_the_batches_grow() -> None:
@@ -363,3 +379,55 @@ def test_a_probe_lost_under_one_load_is_tried_again_soon_once_the_batches_grow()
     shrunk.rows = int(64 / LOAD_ROWS_CHANGE) - 8
     shrunk.run(max(FIRST_INTERVAL_S, last + FIRST_INTERVAL_S - shrunk.now) + 1.0)
     assert probe_starts(shrunk, 1)[-1] > last
+
+
+def test_a_load_that_swings_between_sizes_is_probed_about_as_often_as_its_loads_together() -> None:
+    # Each load keeps its own doubled wait: batches of 8 and 32 rows in turn, 20 s each, where two
+    # threads always lose, are probed about as often as three steady loads together (8, 32, and the 16
+    # that the moving average passes through on the way), and the waits still grow (the cost share
+    # alone would allow a probe every FIRST_INTERVAL_S).
+    def probes_over(horizon: float, swing: bool) -> int:
+        machine = Machine(ThreadTuner([1, 2], 1, 0.0), {1: 1.0, 2: 1.5}, rows=8)
+        while machine.now < horizon:
+            machine.run(20.0)
+            if swing:
+                machine.rows = 40 - machine.rows  # 8, 32, 8, ...
+        return len(probe_starts(machine, 1))
+
+    steady, swinging = probes_over(600.0, False), probes_over(600.0, True)
+    assert steady >= 4 and swinging <= 3 * steady
+    assert probes_over(1200.0, True) <= swinging + 3 * 2  # twice as long: a doubling more per load at most
+
+
+def test_a_smaller_counts_win_is_confirmed_only_after_the_first_interval() -> None:
+    # Two threads serve in use (0.7 against one thread's 1.0) when a neighbour's burst makes them twice
+    # as slow for three seconds: a probe of one thread in it wins, but its confirmation comes after the
+    # burst, and loses. (A larger count's win is confirmed after CONFIRM_INTERVAL_S: a burst only
+    # slows a wider team, so it cannot give one a win.)
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    machine = Machine(tuner, {1: 1.0, 2: 0.7})
+    machine.run(3 * FIRST_INTERVAL_S - 1.0)  # the first probe (lost) 5 s in, the next due 10 s later
+    assert len(probe_starts(machine, 2)) == 1
+    machine.speed = {1: 1.0, 2: 1.4}
+    machine.run(3.0)
+    in_burst = probe_starts(machine, 2)[1]
+    machine.speed = {1: 1.0, 2: 0.7}
+    machine.run(3 * FIRST_INTERVAL_S)
+    assert not machine.switches and tuner.current == 2
+    confirming = probe_starts(machine, 2)[2]
+    assert confirming - in_burst >= FIRST_INTERVAL_S
+    after = machine.started.index(confirming)
+    assert machine.counts[after: after + 3] == [1, 1, 2]  # it lost: the warm-up and one slower batch
+
+
+def test_a_probe_compares_with_batches_of_its_own_load() -> None:
+    # Lone requests until just before the first probe is due, then batches of 64: the probe waits for
+    # FRESH_BATCHES batches since the rows' moving average last changed load, so that most of its
+    # reference is batches of 64, not the lone requests'.
+    tuner = ThreadTuner([1, 2], 1, 0.0)
+    machine = Machine(tuner, {1: 1.0, 2: 1.0}, rows=1)
+    machine.run(FIRST_INTERVAL_S - 0.02)
+    assert not probe_starts(machine, 1)
+    machine.rows, changed = 64, len(machine.counts)
+    machine.run(1.0)
+    assert machine.counts.index(2, changed) - changed >= FRESH_BATCHES
