@@ -353,8 +353,45 @@ def markdown(summary: dict[str, Any]) -> str:
                 lines.append(f"| {server['name']} | {server.get('corpus', 'mixed')} | {_load(phase)} | "
                              + " | ".join(cells) + " |")
     lines += cpu_lines(summary)
+    lines += log_section(summary)
     lines += ["", "## How to read this", "", *_NOTES, ""]
     return "\n".join(lines)
+
+
+#: What a server's log says of its engine's choices, in the words its lines start with (engine.py,
+#: server.py): the calibration, each probe of the tuner and each switch, the second look, the rule for
+#: a lone request after a quiet spell, the batch caps, and warnings.
+ENGINE_WORDS = ("calibrated in", "probe of", "torch threads ", "layout kept", "layout chosen", "a lone request",
+                "batch caps", "WARNING")
+LOG_LINES_MOST = 60  # a server's log lines kept at most (the first ones: its start and first choices)
+
+
+def engine_lines(log: list[str]) -> list[str]:
+    """The lines of a server's log (``--log-level info``) that say its engine's choices: their time of
+    day and their words, without the date and the logger (``2026-12-05T21:46:41.161+00:00 INFO
+    fillmask_server: calibrated in ...`` -> ``21:46:41.161 calibrated in ...``)."""
+    kept = []
+    for line in log:
+        stamp, _, rest = line.partition(" ")
+        level, _, rest = rest.partition(" ")
+        _, _, words = rest.partition(": ")
+        if "T" in stamp and (any(word in words for word in ENGINE_WORDS) or level == "WARNING"):
+            kept.append(f"{stamp.partition('T')[2][:12]} {'WARNING ' if level == 'WARNING' else ''}{words}")
+    return kept[:LOG_LINES_MOST]
+
+
+def log_section(summary: dict[str, Any]) -> list[str]:
+    """Each server's engine lines (``engine_lines``), for the runs whose servers kept them."""
+    servers = [server for server in summary.get("servers", []) if server.get("log")]
+    if not servers:
+        return []
+    lines = ["", "## What each server's log said of its engine", "",
+             "Its calibration, the tuner's probes and switches, the second look, the rule for a lone request "
+             "after a quiet spell (times of day, UTC)."]
+    for server in servers:
+        lines += ["", f"`{server['name']}` [{server.get('corpus', 'mixed')}]:", "",
+                  *[f"    {line}" for line in server["log"]]]
+    return lines
 
 
 def cpu_lines(summary: dict[str, Any]) -> list[str]:

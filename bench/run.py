@@ -299,7 +299,7 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
     The open loop comes after all closed-loop repeats, at fractions of the closed-loop capacity.
     """
     args = [*config.args, *settings.server_args]
-    with ServerProcess(model_dir, args) as server:
+    with ServerProcess(model_dir, args, log_level="info") as server:
         engine = await read_engine(server.url)
         log(f"{config.label}: server ready in {server.start_s:.1f} s at {server.url} (pid {server.pid}); "
             f"engine {engine}")
@@ -317,8 +317,10 @@ async def measure_server(config: ServerConfig, model_dir: Path, texts: list[str]
             for r in range(1, timing.repeats + 1):
                 for factor in settings.open_factors:
                     await bench.open(r, factor, capacity)
+        engine_log = report.engine_lines(server.log_lines())
     return {"name": config.name, "size": config.size, "corpus": config.corpus, "args": args,
-            "start_s": server.start_s, "engine": engine, "phases": bench.medians(), "raw": bench.raw}
+            "start_s": server.start_s, "engine": engine, "phases": bench.medians(), "raw": bench.raw,
+            "log": engine_log}
 
 
 async def read_engine(url: str) -> dict[str, Any]:

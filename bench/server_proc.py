@@ -40,9 +40,10 @@ class ServerProcess:
     drain; negative: the signal that killed it)."""
 
     def __init__(self, model_dir: Path, extra_args: list[str], start_timeout: float = 180.0,
-                 script: str = "ws_server.py", env: dict[str, str] | None = None) -> None:
+                 script: str = "ws_server.py", env: dict[str, str] | None = None, log_level: str = "warning") -> None:
         self.script = script  # another server with the same flags and ready line, e.g. bench/peers/seed.py
         self.env = env or {}  # set for the server beside this process's environment
+        self.log_level = log_level  # the server's --log-level (its log: ``log_lines`` while it runs)
         self.model_dir = model_dir
         self.extra_args = extra_args
         self.start_timeout = start_timeout
@@ -62,7 +63,7 @@ class ServerProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                **self.env}
         command = [sys.executable, self.script, "--model", str(self.model_dir), "--host", "127.0.0.1",
-                   "--port", "0", "--log-level", "warning", *self.extra_args]
+                   "--port", "0", "--log-level", self.log_level, *self.extra_args]
         started = time.perf_counter()
         self._process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
                                          text=True, bufsize=1, start_new_session=True)
@@ -107,6 +108,12 @@ class ServerProcess:
                 raise ServerStartError(f"server not ready after {self.start_timeout:.0f} s; log: {self.log_path}")
             time.sleep(0.05)
         return found[0]
+
+    def log_lines(self) -> list[str]:
+        """The server's log so far (stderr), one line each (none where it cannot be read)."""
+        with contextlib.suppress(OSError):
+            return Path(self.log_path).read_text(errors="replace").splitlines()
+        return []
 
     def _tail_log(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError):

@@ -46,7 +46,7 @@ from .batching import BatchPolicy, Room, Waiting, footprint
 from .costmodel import CostModel
 from .jobs import Event, Expired, Failed, Job, Outcome, Rejected, State, Stopped, advance, can
 from .layout import SecondLook
-from .tuning import ThreadTuner
+from .tuning import ThreadTuner, Verdict
 
 WAITING = (State.TOKENIZING, State.QUEUED)  # a request in these states counts against the queue
 STARTED = (State.RUNNING, State.DECODING)
@@ -107,6 +107,7 @@ class EngineCore:
         self.cost = cost or CostModel()
         self.threads = threads  # None: the thread count is not the core's to choose
         self.second_look = second_look  # None: no second look (or none to take: no tuner over layouts)
+        self.probe_ended: Verdict | None = None  # the probe the last ``update_from_output`` ended, if any
         self.accepting = True
         self._jobs: dict[State, dict[Job, None]] = {state: {} for state in State if state is not State.DONE}
         self._queue: Waiting[Job] = Waiting()  # the QUEUED jobs as the policy reads them (kept by ``_move``)
@@ -290,9 +291,11 @@ class EngineCore:
                 self._move(batch[i], Event.FORWARDED)
         whole = passes == 1 and not failed  # one pass of the whole batch: its time says what a batch costs
         in_use = True  # ran at the thread count in use (not a probe's, not a warm-up after a change)
+        self.probe_ended = None
         if self.threads is not None and threads:  # an atypical batch counts for a probe, untimed
             predicted = self.cost.forward_s(len(batch), padded_tokens)
-            in_use = self.threads.ran(threads, seconds if whole and typical else 0.0, predicted, now, len(batch)).fit
+            ran = self.threads.ran(threads, seconds if whole and typical else 0.0, predicted, now, len(batch))
+            in_use, self.probe_ended = ran.fit, ran.verdict
         if self.threads is not None and self.second_look is not None:
             look = self.second_look.ran(len(batch), seconds, now, self.threads.current)
             if look is not None:

@@ -455,6 +455,8 @@ class Engine:
             made = look.done if looking and look is not None else None  # (made by this batch)
             # A probe's switch (the look, if this batch made it, came after it: its ``before``).
             probed = made.before if made is not None else self.core.threads.current if self.core.threads else 0
+            if (verdict := self.core.probe_ended) is not None:
+                log.info("%s", verdict.line(self._words))
             if probed != in_use:
                 log.info("torch threads %s -> %s: batches so won %d probes in a row against the cost model while "
                          "serving (tuning.py: a larger count, or a wider team, must be faster; a smaller one as "

@@ -86,6 +86,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 THREAD_TIE = 0.05  # a larger thread count must be this much faster to win (a smaller one, no slower)
@@ -108,12 +109,37 @@ MAX_INTERVAL_S = 600.0  # the most, after probes that kept losing
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """How a probe ended: the count ``probe`` against the count in use ``current``, ``won`` (None: given
+    up without a verdict, its batches failed or split), its timed batches' ratios to the cost model's
+    prediction (and the ratio of the batch that lost it at once, warm-up or not) and the count in
+    use's median one (``theirs``), at the load's ``rows`` a batch."""
+
+    probe: int
+    current: int
+    won: bool | None
+    ratios: tuple[float, ...]
+    theirs: float
+    rows: float
+
+    def line(self, words: Callable[[int], str]) -> str:
+        """The log's line, each count in ``words`` (the engine's: ``2 in 2 parts``)."""
+        ended = {True: "won", False: "lost", None: "no verdict, its batches failed or split"}[self.won]
+        timed = (f"its batches {', '.join(f'{ratio:.2f}' for ratio in self.ratios)} times the cost model's "
+                 "prediction" if self.ratios else "no batch of it timed past its warm-up")
+        return (f"probe of torch threads {words(self.probe)} against {words(self.current)} at batches of "
+                f"{self.rows:.0f} rows: {ended} ({timed}, the layout in use's {self.theirs:.2f}; tuning.py)")
+
+
+@dataclass(frozen=True)
 class Ran:
     """What one batch told the tuner: whether it is a batch of the count in use (the cost model may
-    fit it), and the switch it decided, as (from, to), if any."""
+    fit it), the switch it decided, as (from, to), if any, and how the probe it ended went, if it
+    ended one."""
 
     fit: bool
     switched: tuple[int, int] | None = None
+    verdict: Verdict | None = None
 
 
 class ThreadTuner:
@@ -198,14 +224,15 @@ class ThreadTuner:
             if seconds > 0:
                 self._probe_excess += self._beyond_current(seconds, predicted_s)
             if ratio is not None and ratio > self._slower_beyond_doubt(warm_up, self._probe_batches == 1):
-                return Ran(False, self._decide(now, won=False))  # no more batches of it
+                self._probe_ratios.append(ratio)  # (for the verdict's line: the batch that lost it)
+                return self._decide(now, won=False)  # no more batches of it
             if not warm_up and ratio is not None:
                 self._probe_ratios.append(ratio)
             verdict = self._verdict()
             if verdict is not None:
-                return Ran(False, self._decide(now, won=verdict))
+                return self._decide(now, won=verdict)
             if self._probe_batches >= PROBE_MAX_BATCHES:  # its batches failed or split: no verdict
-                return Ran(False, self._decide(now, won=False))
+                return self._decide(now, won=False, judged=False)
             return Ran(False)
         if count == self.current and warm_up and returning in self._cost and seconds > 0:
             self._cost[returning] += max(0.0, self._beyond_current(seconds, predicted_s))
@@ -298,10 +325,13 @@ class ThreadTuner:
             return False
         return None
 
-    def _decide(self, now: float, won: bool) -> tuple[int, int] | None:
-        """The probe is over: count a win or a loss, switch after enough wins, plan the next probe."""
+    def _decide(self, now: float, won: bool, judged: bool = True) -> Ran:
+        """The probe is over (``judged``: with a verdict; without, a loss): count a win or a loss, switch
+        after enough wins, plan the next probe."""
         probe, self._probe = self._probe, None
         assert probe is not None
+        verdict = Verdict(probe, self.current, won if judged else None, tuple(self._probe_ratios),
+                          statistics.median(self._reference), self._rows)
         self._cost[probe] = max(0.0, self._probe_excess)
         self._returning = probe
         self._fresh = 0
@@ -320,7 +350,7 @@ class ThreadTuner:
             soon = probe > self.current  # (see the module docstring: a burst only slows a wider team)
             self._wait = min(CONFIRM_INTERVAL_S, self._first_interval) if soon else self._first_interval
         self._since = now
-        return switched
+        return Ran(False, switched, verdict)
 
 
 #: The interpreter's switch interval (``sys.setswitchinterval``) for a model on one CPU thread, and for

@@ -468,7 +468,7 @@ def test_a_split_or_failed_batch_does_not_teach_the_fit() -> None:
 def test_each_batch_gets_the_tuners_thread_count_and_only_the_count_in_use_teaches_the_fit() -> None:
     tuner = ThreadTuner([1, 2], 2, 0.0)
     c = core(cost=CostModel(Coefficients(0.001, 2e-5, 1e-4)), threads=tuner)
-    now, seen = 0.0, []
+    now, seen, ended = 0.0, [], []
     for n in range(int(3 * FIRST_INTERVAL_S / 0.01)):
         j = job(n, arrival=now)
         queue_up(c, [j])
@@ -479,9 +479,11 @@ def test_each_batch_gets_the_tuners_thread_count_and_only_the_count_in_use_teach
         now += took
         c.update_from_output([j], 10, [0], [], took, now, threads=scheduled.threads)
         seen.append((scheduled.threads, c.cost.batches - batches))
+        ended += [c.probe_ended] if c.probe_ended is not None else []
         c.decoded([result(j)])
         c.release([j])
     assert {threads for threads, _ in seen} == {1, 2} and tuner.current == 2  # probes ran at the other count
+    assert ended and all((v.probe, v.current, v.won) == (1, 2, False) for v in ended)  # each on its last batch
     assert all(not taught for threads, taught in seen if threads == 1)
     assert sum(taught for threads, taught in seen if threads == 2) >= 0.9 * sum(t == 2 for t, _ in seen)
     untuned = core()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -193,8 +195,11 @@ def test_a_busy_queue_keeps_a_newcomers_share_free(engine: Engine, collector: Co
 
 
 def test_the_model_thread_runs_each_batch_at_the_thread_count_the_core_gives_it(
-        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     import torch
+
+    caplog.set_level(logging.INFO, logger="fillmask_server.engine")
 
     applied: list[tuple[str, int, int]] = []  # (thread, count asked, torch's count after)
     set_threads = model.set_threads
@@ -213,7 +218,8 @@ def test_the_model_thread_runs_each_batch_at_the_thread_count_the_core_gives_it(
     try:
         n = 0
         deadline = time.monotonic() + 20
-        while len({count for _, count, _ in applied}) < 2 or len(applied) < 2:
+        ended = "probe of torch threads 1 against 2 at batches of 1 rows: "
+        while len({count for _, count, _ in applied}) < 2 or len(applied) < 2 or ended not in caplog.text:
             assert time.monotonic() < deadline, applied
             assert engine.submit(job(n)) is Admission.ACCEPTED
             n += 1
@@ -222,6 +228,10 @@ def test_the_model_thread_runs_each_batch_at_the_thread_count_the_core_gives_it(
         engine.stop()
         torch.set_num_threads(before)
     assert applied[:2] == [("fillmask-model", 1, 1), ("fillmask-model", 2, 2)]  # a probe at 1, then back
+    # Each probe's end is on the log, with its batches' ratios and the count in use's.
+    assert re.search(r"probe of torch threads 1 against 2 at batches of 1 rows: (won|lost|no verdict[^(]*) "
+                     r"\((its batches [0-9., ]+ times the cost model's prediction|no batch of it timed past its "
+                     r"warm-up), the layout in use's [0-9.]+; tuning.py\)", caplog.text), caplog.text
     assert told == [(name, count) for name, count, _ in applied]  # after every change, and only then
     assert all(isinstance(outcome, Result) for outcome in collector.outcomes)
 

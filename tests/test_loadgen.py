@@ -838,3 +838,39 @@ def test_the_quiet_benchmark_reads_the_calibrations_own_words_for_a_lone_request
     log = "\n".join([kept, *(f"INFO {line}" for line in changes)])
     assert rule(log) == "after 20 ms keeps 2 threads (1 -> 76.1 ms, 2 -> 58.7 ms); while serving 2->1 1->2"
     assert rule(Calibration(2, "flag").line()) == "not timed"
+
+
+def test_the_benchmark_keeps_what_each_servers_log_said_of_its_engine(tiny_model_dir: Path) -> None:
+    """bench/run.py runs its servers at ``--log-level info`` and keeps the lines that say the engine's
+    choices (the calibration, each probe and switch of the tuner, the second look, the rule for a lone
+    request, the batch caps, any warning) in results.json and results.md: a start whose calibration a
+    neighbour disturbed can then be told apart from one the tuner could not correct."""
+    from bench import report
+    from bench.server_proc import ServerProcess
+
+    log = [
+        "2026-12-05T21:46:41.161+00:00 INFO fillmask_server: calibrated in 1.41 s: torch threads 1 (calibration: ...)",
+        "2026-12-05T21:46:41.170+00:00 INFO websockets.server: server listening on 127.0.0.1:40000",
+        "2026-12-05T21:46:49.153+00:00 INFO fillmask_server.engine: probe of torch threads 2 in 2 parts against 1 "
+        "at batches of 64 rows: won (its batches 0.86, 0.83 times the cost model's prediction, the layout in "
+        "use's 1.00; tuning.py)",
+        "2026-12-05T21:46:50.001+00:00 INFO fillmask_server.engine: torch threads 1 -> 2 in 2 parts: batches so won",
+        "2026-12-05T21:46:51.000+00:00 WARNING fillmask_server.engine: a batch of 3 failed (ValueError); retrying",
+        "a line of a traceback: no time stamp",
+    ]
+    assert report.engine_lines(log) == [
+        "21:46:41.161 calibrated in 1.41 s: torch threads 1 (calibration: ...)",
+        "21:46:49.153 probe of torch threads 2 in 2 parts against 1 at batches of 64 rows: won (its batches 0.86, "
+        "0.83 times the cost model's prediction, the layout in use's 1.00; tuning.py)",
+        "21:46:50.001 torch threads 1 -> 2 in 2 parts: batches so won",
+        "21:46:51.000 WARNING a batch of 3 failed (ValueError); retrying",
+    ]
+    assert len(report.engine_lines(log[:1] * 500)) == report.LOG_LINES_MOST
+    server = {"name": "tiny fp32", "corpus": "short", "log": report.engine_lines(log)}
+    section = "\n".join(report.log_section({"servers": [server, {"name": "quiet", "log": []}]}))
+    assert "`tiny fp32` [short]:" in section and "    21:46:50.001 torch threads 1 -> 2" in section
+    assert "`quiet`" not in section and report.log_section({"servers": [{"name": "x"}]}) == []
+    # A real server's log at info, read while it runs.
+    with ServerProcess(tiny_model_dir, ["--calibration-s", "0.5"], log_level="info") as live:
+        said = report.engine_lines(live.log_lines())
+    assert any(" calibrated in " in line for line in said), said

@@ -431,3 +431,29 @@ def test_a_probe_compares_with_batches_of_its_own_load() -> None:
     machine.rows, changed = 64, len(machine.counts)
     machine.run(1.0)
     assert machine.counts.index(2, changed) - changed >= FRESH_BATCHES
+
+
+def test_each_probe_ends_with_a_verdict_that_the_log_can_say() -> None:
+    # The batch that ends a probe says how it went (``Ran.verdict``): its count against the one in use,
+    # won or lost, its timed batches' ratios and the count in use's median, at the load's rows; every
+    # other batch says nothing. A probe given up on batches that failed or split has no verdict.
+    tuner = ThreadTuner([1, 2], 2, 0.0)
+    verdicts = []
+    now = 0.0
+    while not verdicts:
+        count = tuner.count(now)
+        now += 0.013 if count == 1 else 0.01  # one thread 1.3 times slower: the probe loses
+        ran = tuner.ran(count, 0.013 if count == 1 else 0.01, 0.01, now, 8)
+        verdicts += [ran.verdict] if ran.verdict is not None else []
+    verdict = verdicts[0]
+    assert (verdict.probe, verdict.current, verdict.won, verdict.rows) == (1, 2, False, 8)
+    assert verdict.ratios == pytest.approx((1.3,)) and verdict.theirs == pytest.approx(1.0)  # beyond doubt
+    assert verdict.line(lambda count: f"{count}") == (
+        "probe of torch threads 1 against 2 at batches of 8 rows: lost (its batches 1.30 times the cost "
+        "model's prediction, the layout in use's 1.00; tuning.py)")
+    given_up = ThreadTuner([1, 2], 2, 0.0)
+    machine = Machine(given_up, {1: 1.0, 2: 1.0})
+    run_until_a_probe(machine, 1)
+    ends = [given_up.ran(1, 0.0, 0.01, machine.now).verdict for _ in range(PROBE_MAX_BATCHES)]
+    assert ends[:-1] == [None] * (PROBE_MAX_BATCHES - 1) and ends[-1] is not None and ends[-1].won is None
+    assert "no verdict, its batches failed or split (no batch of it timed past its warm-up" in ends[-1].line(str)
