@@ -56,10 +56,11 @@ The rules:
   one thread can serve as much as two parts at batches of a few rows and clearly less at batches of
   many: docs/performance-log.md, "A verdict for the load it was measured under"). So the tuner keeps
   the rows of the load's batches (a moving average over every batch), and the doubled wait after a
-  loss is its load's: loads are told apart by ``LOAD_ROWS_CHANGE`` (rows 1, 2, 4, 8, ... each
-  within that factor of its own power), each keeps its own wait, and a load not yet probed waits
-  ``FIRST_INTERVAL_S`` (the cost share still holds). A load that swings between two sizes is thus
-  probed about twice as often as a steady one, never more.
+  loss is its load's: a load is the power of ``LOAD_ROWS_CHANGE`` nearest its rows (1, 2, 4, 8,
+  ...), each keeps its own wait, and a load not yet probed waits ``FIRST_INTERVAL_S`` (the cost
+  share still holds). A load that swings between two sizes is thus probed about as often as the
+  loads it passes through would be together, steady (its two sizes, and those the moving average
+  crosses between them).
 - **A win of a larger count is confirmed soon**: the next probe, of the same count, is due
   ``CONFIRM_INTERVAL_S`` after it (and after ``FRESH_BATCHES`` batches of the count in use, so that
   it compares with batches the first probe did not). A neighbour's burst of load makes a wider team
@@ -75,6 +76,7 @@ The rules:
   idle until then, finding its core among the server's other threads; in-process, with the other
   core free, the first batch ran at the settled pace), and a probe that timed them found the parts
   no faster than one thread (the performance log, same section, has the figures).
+- The batch that ends a probe says how it went (``Verdict``, on ``Ran``): the engine logs it.
 
 Invariants: ``count`` is the current count unless a probe is under way; ``current`` changes only by
 a switch, and only to a candidate: after probes it won, or when the second look chose it
