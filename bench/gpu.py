@@ -392,7 +392,7 @@ async def serve_and_load(model: str, device: str, dtype: str, corpora: dict[str,
                     "rows_per_batch": round(summary["batch"]["mean_rows_per_batch"], 1),
                     "cost_model_s": coefficients, "prediction_error": prediction_error(recorder, coefficients)}
             result[name] = run
-        result["log"] = [line for line in Path(server.log_path).read_text(errors="replace").splitlines()
+        result["log"] = [line for line in server.log_lines()
                          if "warning" in line.lower() or "error" in line.lower()][:20]
     return result
 

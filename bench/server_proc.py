@@ -116,9 +116,7 @@ class ServerProcess:
         return []
 
     def _tail_log(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
-        return ""
+        return "\n".join(self.log_lines()[-lines:])
 
     def _stop(self) -> None:
         """SIGTERM (the server drains), then SIGKILL to the whole process group after 15 s."""

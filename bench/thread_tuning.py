@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         neighbour.kill()
         neighbour.wait()
     try:
-        calibrated = [line for line in Path(server.log_path).read_text().splitlines() if "calibrated in" in line]
+        calibrated = [line for line in server.log_lines() if "calibrated in" in line]
         print(f"started beside a busy core: {calibrated[-1].split('INFO fillmask_server: ')[-1][:110]}")
         started = time.monotonic()
         if args.idle:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{rps:8.1f} req/s at {layout_words(last)}")
         switches = [line.split("INFO fillmask_server.engine: ")[-1].split(": ")[0] + (
                         ": " + line.split("; ")[-1] if "second look" in line else "")
-                    for line in Path(server.log_path).read_text().splitlines()
+                    for line in server.log_lines()
                     if "fillmask_server.engine" in line and (" -> " in line or "second look" in line)]
         print("switches:", "; ".join(switches) or "none")
     finally:
