@@ -116,7 +116,8 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
 def _load_and_calibrate(config: Config) -> tuple[FillMaskModel, Calibration]:
     """The model, loaded and checked, and what the calibration measured with it; their lines on stderr."""
     lines = StartupLines(quiet=config.log_level in ("warning", "error"))
-    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines)
+    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines,
+                       projection=config.projection)
     if config.calibration_s > 0:
         lines("calibration of threads and the cost model")
     device = resolve_device(config.device)

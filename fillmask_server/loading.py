@@ -37,7 +37,7 @@ def resolve_device(device: str) -> str:
 
 def load_model(name: str, device: str = "auto", dtype: str = "float32", threads: int = 0,
                forward: str = "traced", progress: Callable[[str], None] | None = None,
-               announce: bool = True) -> FillMaskModel:
+               announce: bool = True, projection: str = "auto") -> FillMaskModel:
     """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line.
 
     ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
@@ -45,6 +45,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
     yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
     ``announce``: log the ``loaded NAME on DEVICE (DTYPE): ...`` line (not for a copy loaded to compare).
+    ``projection``: ``auto`` (the output projection's kernel measured at load, ``projection.py``) or
+    ``torch`` (the model's own).
 
     The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
     start-up checks run forward passes, and the first parallel operator on a thread gives that thread
@@ -59,7 +61,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
     progress("torch import and device check")
-    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress, announce),
+    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress, announce,
+                                                             projection),
                                  "fillmask-load")
 
 
@@ -90,7 +93,7 @@ def _quiet(stage: str) -> None:
 
 
 def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
-                progress: Callable[[str], None], announce: bool) -> FillMaskModel:
+                progress: Callable[[str], None], announce: bool, projection: str = "auto") -> FillMaskModel:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import transformers
@@ -148,7 +151,7 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         progress("int8 quantisation")
         unquantized, model = model, _quantize_dynamic(model)  # (a copy: the float32 model is checked against)
     progress("forward pass traced and checked" if forward == "traced" else "model set-up")
-    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized)
+    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized, projection)
     del unquantized
     shortest = len(loaded.tokenize([loaded.mask_token])[0])
     if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)

@@ -29,6 +29,12 @@ softmax run as one TorchScript graph: one call, one GIL hand-over per batch. The
 graph is traced at load time and checked against eager PyTorch on several shapes, padding patterns
 and mask counts; if tracing fails or any output differs by a single bit, the eager path is used.
 
+**The output projection** (hidden states to the vocabulary, the head's widest product) runs in the
+traced graph on oneDNN's packed kernel where the load measures it faster than torch's own and the
+logits at the masks agree within rounding (``projection.py``, ``--projection``): the model object
+keeps its own layer, so eager PyTorch (the checks' reference, and ``--forward eager``) runs the
+model's code, and the traced graph is checked bit for bit against eager with the same kernel in place.
+
 **The head at the masks.** Nothing here names model types. The encoder is the model's ``base_model``;
 the head is whatever the model's own ``forward`` does after it: ``HeadAfterEncoder`` calls that
 ``forward`` with the encoder's output given (BERT's ``cls``, DistilBERT's ``vocab_transform →
@@ -80,6 +86,7 @@ tokens) and are never longer than the model accepts (``max_tokens``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import warnings
@@ -126,9 +133,11 @@ class FillMaskModel:
     """A tokenizer and a masked-LM model on one device; each method has one owner thread (see above)."""
 
     def __init__(self, name: str, tokenizer: Any, model: Any, device: str, dtype: str, forward: str = "traced",
-                 unquantized: Any = None) -> None:
+                 unquantized: Any = None, projection: str = "auto") -> None:
         """``unquantized``: for ``int8``, the float32 model ``model`` was quantised from, which the packing
-        check reads at load (and keeps no reference to); without it an int8 model keeps padded rows."""
+        check reads at load (and keeps no reference to); without it an int8 model keeps padded rows.
+        ``projection``: ``auto``, the output projection's kernel in the traced graph measured at load
+        (``projection.py``); ``torch``, the model's own."""
         import torch
 
         self.name = name
@@ -189,10 +198,20 @@ class FillMaskModel:
             log.info("texts get a padded row each: %s", self.packing_note)
         self._scores: Any = None  # the traced graph: inputs and mask positions in, softmax at the masks out
         self._packed_scores: Any = None  # the same for packed rows (None: the model does not pack)
+        #: The output projection's kernel in the traced graph: "torch" (the model's own) or "onednn-packed"
+        #: (``projection.py``: where the load measured it faster, and its logits agree; eager runs the own).
+        self.projection_kernel = "torch"
+        self._projection: Any = None
+        if forward == "traced" and projection == "auto":
+            self._projection = self._faster_projection()
         if forward == "traced":
             self._scores = self._trace()
             if self._scores is not None and self.pack_width:
                 self._packed_scores = self._trace(packed=True)
+            if self._projection is not None and self._scores is not None:
+                self.projection_kernel = "onednn-packed"
+                log.info("%s", self._projection.line())
+            self._projection = None  # (the traced graphs hold the kernel they were traced with)
         else:
             self.forward_note = "--forward eager"
         self.forward_mode = "traced" if self._scores is not None else "eager"
@@ -408,12 +427,42 @@ class FillMaskModel:
         if self.dtype == "int8":  # see the module docstring: no layer is per-position under dynamic quantisation
             return None
         expected = full[rows, cols].float()
-        # Units in the last place of the largest logit: what the number of rows changes in a product (up
-        # to a few in float32 on the families of tests/test_families.py, none in bfloat16); 16 leaves room.
-        slack = 16 * torch.finfo(full.dtype).eps * max(1.0, expected.abs().max().item())
-        if (at_masks.float() - expected).abs().max().item() > slack:
+        if (at_masks.float() - expected).abs().max().item() > _rounding_slack(expected, full.dtype):
             return "the MLM head on the mask positions alone differs from the model's own (it is not per-position)"
         return None
+
+    def _faster_projection(self) -> Any:
+        """The output projection's packed kernel (``projection.Projection``) when the load measures it
+        faster and the logits at the masks with it agree with the model's own within rounding; else
+        None (the model's own kernel runs). The log says what was measured."""
+        import torch
+
+        from . import projection
+
+        if self.device.type != "cpu" or self.dtype != "float32":
+            return None
+        chosen = projection.choose(self.model)
+        if chosen is None:
+            return None
+        if not chosen.faster:
+            log.info("%s", chosen.line())
+            return None
+        ids, attention, rows, cols = self._check_inputs(4, 12, padded=1, masks=8)
+        try:
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                own = self._logits(ids, attention, rows, cols).float()
+                with chosen.swapped():
+                    packed = self._logits(ids, attention, rows, cols).float()
+        except Exception as exc:  # a head that cannot take the swapped module: the model's own is right
+            log.warning("the output projection keeps torch's own kernel: the model's head failed with the "
+                        "packed one (%s)", first_line(exc))
+            return None
+        if (packed - own).abs().max().item() > _rounding_slack(own, torch.float32):
+            log.warning("the output projection keeps torch's own kernel: the packed one's logits differ from "
+                        "it by more than rounding")
+            return None
+        return chosen
 
     def _check_packing(self, unquantized: Any = None) -> str | None:
         """None when the model gives packed rows the logits it gives padded ones (see "Packed rows"),
@@ -553,12 +602,15 @@ class FillMaskModel:
         if packed:  # (32 rows of one mask add no case to two texts a row)
             shapes = [shape for shape in shapes if shape[0] < 32]
         check = self._packed_check_inputs if packed else self._check_inputs
+        # The projection's packed kernel (if chosen) is what gets traced, and what eager runs in the checks.
+        swap = self._projection.swapped() if self._projection is not None else contextlib.nullcontext()
         try:
-            fusing = _fuses(self.device.type)
-            traced, differs = self._traced_and_checked(module, check, shapes, 3 if fusing else 1)
-            if differs is not None and fusing:
-                _stop_fusing(f"the fused graph {differs} in {self.dtype}")
-                traced, differs = self._traced_and_checked(module, check, shapes, 1)
+            with swap:
+                fusing = _fuses(self.device.type)
+                traced, differs = self._traced_and_checked(module, check, shapes, 3 if fusing else 1)
+                if differs is not None and fusing:
+                    _stop_fusing(f"the fused graph {differs} in {self.dtype}")
+                    traced, differs = self._traced_and_checked(module, check, shapes, 1)
         except Exception as exc:  # an architecture the tracer cannot follow: eager still works
             return self._untraced(packed, f"cannot trace the forward pass ({first_line(exc)})")
         if differs is not None:
@@ -775,6 +827,16 @@ def _reduced_in_float32(model: Any) -> Iterator[None]:
         with torch.inference_mode(False):
             for key, tensor in tensors.items():
                 tensor.data = tensor.data.to(dtypes[key])
+
+
+def _rounding_slack(expected: Any, dtype: Any) -> float:
+    """How far logits may move by rounding alone: 16 units in the last place (of ``dtype``) of the
+    largest of ``expected``. What the number of rows changes in a product is up to a few in float32 on the
+    families of tests/test_families.py (none in bfloat16), and another kernel's order of sums about as
+    much (``projection.py``); 16 leaves room."""
+    import torch
+
+    return 16 * torch.finfo(dtype).eps * max(1.0, expected.abs().max().item())
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:

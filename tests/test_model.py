@@ -40,8 +40,16 @@ def test_the_tiny_bert_runs_traced_by_default_and_eager_on_request(traced: FillM
     assert traced.forward_mode == "traced" and eager.forward_mode == "eager"
 
 
-def test_traced_and_eager_give_the_same_bits(traced: FillMaskModel, eager: FillMaskModel) -> None:
+@pytest.fixture(scope="module")
+def traced_own(tiny_model_dir: Path) -> FillMaskModel:
+    """Traced, with the model's own output projection (``--projection torch``: test_projection.py has the other)."""
+    return load_model(str(tiny_model_dir), projection="torch")
+
+
+def test_traced_and_eager_give_the_same_bits(traced_own: FillMaskModel, eager: FillMaskModel) -> None:
     """Padding (texts of different lengths), several masks, targets and top_k 100 in one batch."""
+    traced = traced_own
+    assert traced.projection_kernel == "torch"
     a, b = traced.forward(items(traced)), eager.forward(items(eager))
     assert a.spans == b.spans and a.columns == b.columns
     assert torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)

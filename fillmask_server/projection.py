@@ -1,0 +1,179 @@
+"""The output projection (hidden states to vocabulary logits) on oneDNN's packed kernel, where the
+load measures it faster than torch's own.
+
+At the masks, a fill-mask model's last step is one matrix product: a few rows of hidden states by
+the vocabulary's weight (30,522 columns for BERT, 250,002 for XLM-R). ``nn.Linear`` runs it through
+torch's BLAS, which on some CPUs runs so wide and short a product at a fraction of the speed it
+gets on the encoder's square ones; oneDNN's kernel, on a copy of the weight reordered once for it
+(``mkldnn._reorder_linear_weight``), runs it faster there, and not on every CPU. So ``choose``
+times both on this machine, at ``ROWS`` rows, the kernels in turn for ``ROUNDS`` rounds (each
+keeping its fastest: a neighbour's burst weighs on both alike), and ``Projection.swapped`` puts
+the packed kernel in the model's place while the forward pass is traced when it took at most
+``MARGIN`` of the time of torch's own.
+
+Invariants:
+
+- only a float32 ``nn.Linear`` on the CPU is ever swapped (the model's ``get_output_embeddings``),
+  and only where torch has oneDNN's ops; anything else keeps the model's own module;
+- ``swapped`` puts the model's own module back when the block ends, whatever happens in it: the
+  model object is as it was loaded (a traced graph keeps the module it was traced with), so eager
+  paths run the model's own code;
+- ``PackedLinear`` computes the same product as the ``nn.Linear`` it was made from, rounded
+  otherwise (the sums run in another order): ``FillMaskModel`` keeps it only if the logits at the
+  masks agree within the few units in the last place that a product's row count changes already;
+- the copy costs the weight's size in memory once (``Projection.copy_bytes``).
+
+Test hook: ``FILLMASK_TEST_PROJECTION_SPEED=F`` multiplies the packed kernel's measured time by ``F``
+(the measurement still runs), so a test can see either choice on any CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, List, Optional, Union  # noqa: UP035 (TorchScript reads these names)
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ROWS = (8, 64)  # the product timed at these many rows (a lone request's few masks, a full batch's) ...
+ROUNDS = 3  # ... the two kernels in turn, this many rounds, each keeping its fastest
+MARGIN = 0.9  # the packed kernel replaces torch's own when its time is at most this share of it
+SPEED_ENV = "FILLMASK_TEST_PROJECTION_SPEED"
+
+
+with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced graph is TorchScript anyway)
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+    class PackedLinear(torch.jit.ScriptModule):
+        """A linear layer's product on oneDNN's kernel, on a copy of its weight reordered once for it (the
+        model's own weight stays: it is often the input embeddings' too)."""
+
+        def __init__(self, linear: torch.nn.Linear, rows: int = max(ROWS)) -> None:
+            super().__init__()
+            with torch.inference_mode(False), torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+            self.register_buffer("packed", packed)
+            self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+        @torch.jit.script_method
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045 (TorchScript)
+            return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.packed, self.bias, "none", scalars, "")
+
+
+@dataclass
+class Projection:
+    """The model's output projection and its packed replacement, with what the load measured."""
+
+    parent: torch.nn.Module  # the module that holds the projection ...
+    name: str  # ... under this attribute name
+    own: torch.nn.Linear
+    packed: PackedLinear
+    own_s: float  # the fastest time of each kernel, summed over ``ROWS``
+    packed_s: float
+
+    @property
+    def faster(self) -> bool:
+        """Whether the packed kernel is the one to run (``faster_by_margin``)."""
+        return faster_by_margin(self.own_s, self.packed_s)
+
+    @property
+    def copy_bytes(self) -> int:
+        """The memory the packed copy of the weight takes."""
+        return self.own.weight.numel() * self.own.weight.element_size()
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The packed kernel in the model's place for the block; the model's own module back after it."""
+        setattr(self.parent, self.name, self.packed)
+        try:
+            yield
+        finally:
+            setattr(self.parent, self.name, self.own)
+
+    def line(self) -> str:
+        """What the load measured and chose, for the log."""
+        shape = f"{self.own.in_features} -> {self.own.out_features}"
+        rows = " and ".join(str(n) for n in ROWS)
+        ratio = self.packed_s / self.own_s if self.own_s > 0 else math.inf
+        if self.faster:
+            return (f"the output projection ({shape}) runs on oneDNN's packed kernel: {ratio:.2f}x the time of "
+                    f"torch's own at {rows} rows, measured at load (a {self.copy_bytes / 2**20:.1f} MiB copy of "
+                    "its weight)")
+        return (f"the output projection ({shape}) keeps torch's own kernel: oneDNN's packed one took {ratio:.2f}x "
+                f"its time at {rows} rows, measured at load")
+
+
+def faster_by_margin(own_s: float, packed_s: float) -> bool:
+    """Whether a kernel that took ``packed_s`` replaces one that took ``own_s`` (``MARGIN``)."""
+    return packed_s <= MARGIN * own_s
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's linear kernels (a CPU build with mkldnn)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def output_linear(model: Any) -> tuple[torch.nn.Module, str, torch.nn.Linear] | None:
+    """The model's output projection as (its parent module, its name there, the layer), when it is a
+    float32 ``nn.Linear`` on the CPU that the model holds as a submodule; else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        linear = get() if callable(get) else None
+    except Exception:  # a model whose head was replaced by one its own code cannot find the layer in
+        return None
+    if type(linear) is not torch.nn.Linear:  # (a quantised or a subclassed layer computes something else)
+        return None
+    if linear.weight.dtype != torch.float32 or linear.weight.device.type != "cpu":
+        return None
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is linear:
+                return parent, name, linear
+    return None
+
+
+def choose(model: Any) -> Projection | None:
+    """The model's projection and its packed replacement, timed (see the module docstring); None where
+    nothing can be swapped or the packed kernel cannot be made (then the model's own runs)."""
+    found = output_linear(model) if available() else None
+    if found is None:
+        return None
+    parent, name, own = found
+    try:
+        packed = PackedLinear(own)
+        own_s, packed_s = time_kernels(own, packed)
+        packed_s *= float(os.environ.get(SPEED_ENV, "1"))
+    except Exception as exc:  # a torch whose oneDNN op refuses this weight: torch's own is right anyway
+        log.info("the output projection keeps torch's own kernel: oneDNN's packed one failed (%s)", exc)
+        return None
+    return Projection(parent, name, own, packed, own_s, packed_s)
+
+
+def time_kernels(own: torch.nn.Module, packed: torch.nn.Module) -> tuple[float, float]:
+    """Each kernel's fastest time at each of ``ROWS`` rows (on fixed random hidden states), summed."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, own.in_features, generator=generator) for rows in ROWS]
+    best = {id(own): [math.inf] * len(ROWS), id(packed): [math.inf] * len(ROWS)}
+    with torch.inference_mode():
+        for kernel in (own, packed):  # the first pass of each: allocations, the reorder's own first run
+            for hidden in inputs:
+                kernel(hidden)
+        for _ in range(ROUNDS):
+            for n, hidden in enumerate(inputs):
+                for kernel in (own, packed):
+                    start = time.perf_counter()
+                    kernel(hidden)
+                    best[id(kernel)][n] = min(best[id(kernel)][n], time.perf_counter() - start)
+    return sum(best[id(own)]), sum(best[id(packed)])

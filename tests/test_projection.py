@@ -1,0 +1,165 @@
+"""The output projection on oneDNN's packed kernel (projection.py), chosen at load where it is faster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fillmask_server import projection
+from fillmask_server.items import Item
+from fillmask_server.loading import load_model
+from fillmask_server.model import FillMaskModel
+
+pytestmark = pytest.mark.skipif(not projection.available(), reason="this torch has no oneDNN kernels")
+
+TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
+         "[MASK] is a word."]
+
+
+def test_the_packed_kernel_computes_the_linear_layers_product() -> None:
+    """Any row count (the weight is packed for 64), 2-d and 3-d inputs, with and without a bias, within
+    rounding; a graph traced through it keeps it after the model's own layer is put back."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        linear = torch.nn.Linear(96, 3000, bias=bias)
+        packed = projection.PackedLinear(linear)
+        with torch.inference_mode():
+            for shape in ((1, 96), (5, 96), (64, 96), (130, 96), (3, 7, 96)):
+                hidden = torch.randn(*shape)
+                want = linear(hidden)
+                assert packed(hidden).shape == want.shape
+                assert (packed(hidden) - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = linear
+
+        def forward(self, hidden: Any) -> Any:
+            return self.decoder(hidden).softmax(-1)
+
+    head = Head().eval()
+    found = projection.Projection(head, "decoder", linear, projection.PackedLinear(linear), 1.0, 0.5)
+    hidden = torch.randn(4, 96)
+    with torch.inference_mode():
+        with found.swapped():
+            assert isinstance(head.decoder, projection.PackedLinear)
+            traced = torch.jit.trace(head, (hidden,), check_trace=False)
+            swapped = head(hidden)
+        assert head.decoder is linear
+        assert torch.equal(traced(hidden), swapped)
+        assert isinstance(traced.decoder, torch.jit.ScriptModule)  # (not the model's own layer)
+
+
+def test_the_models_own_layer_is_back_after_the_block_whatever_happened_in_it(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir))
+    found = projection.output_linear(model)
+    assert found is not None
+    parent, name, own = found
+    assert own is model.get_output_embeddings() and getattr(parent, name) is own
+    chosen = projection.Projection(parent, name, own, projection.PackedLinear(own), 1.0, 0.5)
+    with pytest.raises(RuntimeError), chosen.swapped():
+        assert getattr(parent, name) is chosen.packed
+        raise RuntimeError("a trace that fails")
+    assert getattr(parent, name) is own and model.get_output_embeddings() is own
+    assert chosen.copy_bytes == own.weight.numel() * 4
+
+
+def test_only_a_float32_linear_layer_on_the_cpu_is_ever_swapped(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForMaskedLM
+
+    class NoProjection(torch.nn.Module):
+        def get_output_embeddings(self) -> None:
+            return None
+
+    class Subclassed(torch.nn.Linear):
+        pass
+
+    class Unfindable(torch.nn.Module):  # (BERT's code after its ``cls`` was replaced: tests/test_model.py)
+        def get_output_embeddings(self) -> None:
+            raise AttributeError("'Mixing' object has no attribute 'predictions'")
+
+    assert projection.output_linear(NoProjection()) is None
+    assert projection.output_linear(Unfindable()) is None
+    model = AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir))
+    own = model.get_output_embeddings()
+    model.cls.predictions.decoder = Subclassed(own.in_features, own.out_features)  # (a layer of its own kind)
+    assert projection.output_linear(model) is None
+    assert projection.output_linear(AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir)).bfloat16()) is None
+
+
+def test_the_packed_kernel_replaces_torchs_own_only_when_faster_by_the_margin() -> None:
+    assert projection.faster_by_margin(1.0, projection.MARGIN)
+    assert not projection.faster_by_margin(1.0, projection.MARGIN + 0.01)
+    assert not projection.faster_by_margin(1.0, 1.0)
+
+
+def top(model: FillMaskModel) -> Any:
+    ids = model.tokenize(TEXTS)
+    return model.forward([Item(ids[0], 5), Item(ids[1], 3), Item(ids[2], 7)])
+
+
+@pytest.mark.parametrize("speed", [0.01, 100.0])
+def test_the_load_runs_the_kernel_it_measured_faster_and_answers_as_the_pipeline(
+        tiny_model_dir: Path, reference_pipeline: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, speed: float) -> None:
+    """The packed kernel measured 100x faster, or 100x slower (``SPEED_ENV``): the traced graph runs the
+    faster, the log says which and what was measured, the answers are the pipeline's (same tokens in
+    the same order, scores within 1e-6), and the model object keeps its own layer (eager runs it)."""
+    monkeypatch.setenv(projection.SPEED_ENV, str(speed))
+    with caplog.at_level("INFO", logger="fillmask_server.model"):
+        model = load_model(str(tiny_model_dir))
+    kernel = "onednn-packed" if speed < 1 else "torch"
+    assert (model.forward_mode, model.projection_kernel) == ("traced", kernel)
+    said = [r.getMessage() for r in caplog.records if "the output projection (128 -> 30522)" in r.getMessage()]
+    assert len(said) == 1 and ("runs on oneDNN's packed kernel" in said[0]) == (speed < 1), said
+    assert type(model.model.get_output_embeddings()) is torch.nn.Linear
+    for graph in (model._scores, model._packed_scores):  # what the traced graphs run (padded and packed rows)
+        assert ("PackedLinear" in {m.original_name for m in graph.modules()}) == (speed < 1)
+    got = top(model)
+    for n, (text, k) in enumerate(zip(TEXTS, (5, 3, 7), strict=True)):
+        expected = reference_pipeline(text, top_k=k)
+        expected = expected if isinstance(expected[0], list) else [expected]
+        first, last = got.spans[n]
+        for row, predictions in zip(range(first, last), expected, strict=True):
+            assert got.indices[row][:k].tolist() == [p["token"] for p in predictions]
+            assert got.values[row][:k].tolist() == pytest.approx([p["score"] for p in predictions], abs=1e-6)
+    if speed > 1:  # torch's own kernel traced: eager's bits
+        eager = load_model(str(tiny_model_dir), forward="eager")
+        assert torch.equal(top(eager).values, got.values)
+
+
+def test_projection_torch_keeps_the_models_own_kernel_without_measuring(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(projection.SPEED_ENV, "0.01")
+    with caplog.at_level("INFO", logger="fillmask_server.model"):
+        model = load_model(str(tiny_model_dir), projection="torch")
+    assert model.projection_kernel == "torch"
+    assert not [r for r in caplog.records if "output projection" in r.getMessage()]
+
+
+def test_a_packed_kernel_whose_logits_differ_is_not_used(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel measured faster whose logits at the masks are not the model's within rounding (here: made
+    from another weight) is put back, and the log says why."""
+    real_choose = projection.choose
+
+    def choose_another_weight(model: Any) -> projection.Projection | None:
+        chosen = real_choose(model)
+        assert chosen is not None
+        other = torch.nn.Linear(chosen.own.in_features, chosen.own.out_features)
+        with torch.no_grad():
+            other.weight.copy_(chosen.own.weight * 1.001)
+            other.bias.copy_(chosen.own.bias)
+        return projection.Projection(chosen.parent, chosen.name, chosen.own, projection.PackedLinear(other), 1.0, 0.5)
+
+    monkeypatch.setattr(projection, "choose", choose_another_weight)
+    with caplog.at_level("INFO", logger="fillmask_server.model"):
+        model = load_model(str(tiny_model_dir))
+    assert (model.forward_mode, model.projection_kernel) == ("traced", "torch")
+    assert any("differ from it by more than rounding" in r.getMessage() for r in caplog.records)
