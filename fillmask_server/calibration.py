@@ -370,7 +370,8 @@ def _dtype_speed(model: FillMaskModel, model_name: str, device: str, forward: st
 
     items = batch_items(model, *THREAD_SHAPE)
     # (not announced: its "loaded ... (float32)" line read as if the server had loaded float32 instead)
-    reference = load_model(model_name, device, "float32", forward=forward, announce=False)
+    reference = load_model(model_name, device, "float32", forward=forward, announce=False,
+                           projection=model.projection_setting)
     log.info("measuring --dtype %s against a float32 copy of %s (loaded for the measurement only)", model.dtype,
              model_name)
     _warm(model, items)

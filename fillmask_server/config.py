@@ -136,8 +136,8 @@ _HELP: dict[str, str] = {
                "bit for bit against eager at start-up, which it falls back to); eager: plain PyTorch modules",
     "projection": "auto: on a CPU in float32, the traced graph runs the output projection (hidden states to the "
                   "vocabulary) on oneDNN's kernel with a packed copy of its weight where the start-up measures it "
-                  "faster than torch's own and its logits agree within rounding (the copy costs the weight's "
-                  "memory); torch: the model's own kernel always",
+                  "at most 0.9x the time of torch's own and its logits agree within rounding (the copy costs the "
+                  "weight's memory); torch: the model's own kernel always",
     "shutdown_timeout": "seconds to let accepted requests finish after SIGTERM, SIGINT or SIGHUP",
     "drain_delay": "on SIGTERM, seconds to go on serving with /readyz answering 503 before the drain starts, so "
                    "that a load balancer's health check takes this server out first (the Kubernetes preStop "

@@ -167,8 +167,9 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
                              "cannot serve requests: check that its tokenizer and its weights belong together")
     facts = loaded.engine_facts()
     if announce:
-        log.info("loaded %s on %s (%s): forward %s, head %s", name, facts["device"], dtype, facts["forward"],
-                 "at the masks" if facts["head"] == "masks" else "at every position (full model)")
+        kernel = ", output projection on oneDNN's packed kernel" if loaded.projection_kernel != "torch" else ""
+        log.info("loaded %s on %s (%s): forward %s, head %s%s", name, facts["device"], dtype, facts["forward"],
+                 "at the masks" if facts["head"] == "masks" else "at every position (full model)", kernel)
     return loaded
 
 

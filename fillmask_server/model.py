@@ -202,10 +202,16 @@ class FillMaskModel:
         #: (``projection.py``: where the load measured it faster, and its logits agree; eager runs the own).
         self.projection_kernel = "torch"
         self._projection: Any = None
+        self.projection_setting = projection  # (``calibration`` loads its float32 reference with it)
         if forward == "traced" and projection == "auto":
             self._projection = self._faster_projection()
         if forward == "traced":
             self._scores = self._trace()
+            if self._scores is None and self._projection is not None:  # (the model's own may trace)
+                log.warning("the output projection keeps torch's own kernel: the forward pass did not trace with "
+                            "the packed one")
+                self._projection, self.forward_note = None, None
+                self._scores = self._trace()
             if self._scores is not None and self.pack_width:
                 self._packed_scores = self._trace(packed=True)
             if self._projection is not None and self._scores is not None:
@@ -433,34 +439,42 @@ class FillMaskModel:
 
     def _faster_projection(self) -> Any:
         """The output projection's packed kernel (``projection.Projection``) when the load measures it
-        faster and the logits at the masks with it agree with the model's own within rounding; else
-        None (the model's own kernel runs). The log says what was measured."""
+        faster, the model's head calls it, and the logits at the masks with it agree with the model's own
+        within rounding at 1 to 130 masks (the weight is packed for 64 rows); else None (the model's own
+        kernel runs). The log says what was measured, and why a faster kernel is not used."""
         import torch
 
-        from . import projection
+        try:
+            from . import projection
 
-        if self.device.type != "cpu" or self.dtype != "float32":
+            chosen = projection.choose(self.model)
+        except Exception as exc:  # (a torch without what it needs: the model's own kernel is right anyway)
+            log.warning("the output projection keeps torch's own kernel (%s)", first_line(exc))
             return None
-        chosen = projection.choose(self.model)
         if chosen is None:
             return None
         if not chosen.faster:
             log.info("%s", chosen.line())
             return None
-        ids, attention, rows, cols = self._check_inputs(4, 12, padded=1, masks=8)
+        shapes = ((1, 12, 0, 1), (4, 12, 1, 5), (4, 12, 1, 8), (16, 20, 2, 65), (16, 20, 2, 130))
+        checks = [self._check_inputs(*shape) for shape in shapes]
+        problem = None
         try:
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                own = self._logits(ids, attention, rows, cols).float()
-                with chosen.swapped():
-                    packed = self._logits(ids, attention, rows, cols).float()
+                if not chosen.called_by(lambda: self._logits(*checks[0])):
+                    problem = "the model's head does not call that layer (it reads its weight itself)"
+                for ids, attention, rows, cols in checks if problem is None else ():
+                    own = self._logits(ids, attention, rows, cols).float()
+                    with chosen.swapped():
+                        packed = self._logits(ids, attention, rows, cols).float()
+                    if not (packed - own).abs().max().item() <= _rounding_slack(own, torch.float32):  # (NaN too)
+                        problem = f"the packed one's logits differ from it by more than rounding at {len(rows)} masks"
+                        break
         except Exception as exc:  # a head that cannot take the swapped module: the model's own is right
-            log.warning("the output projection keeps torch's own kernel: the model's head failed with the "
-                        "packed one (%s)", first_line(exc))
-            return None
-        if (packed - own).abs().max().item() > _rounding_slack(own, torch.float32):
-            log.warning("the output projection keeps torch's own kernel: the packed one's logits differ from "
-                        "it by more than rounding")
+            problem = f"the model's head failed with the packed one ({first_line(exc)})"
+        if problem is not None:
+            log.warning("the output projection keeps torch's own kernel: %s", problem)
             return None
         return chosen
 

@@ -25,6 +25,12 @@ def traced(tiny_model_dir: Path) -> FillMaskModel:
 
 
 @pytest.fixture(scope="module")
+def traced_own(tiny_model_dir: Path) -> FillMaskModel:
+    """Traced, with the model's own output projection (``--projection torch``: test_projection.py has the other)."""
+    return load_model(str(tiny_model_dir), projection="torch")
+
+
+@pytest.fixture(scope="module")
 def eager(tiny_model_dir: Path) -> FillMaskModel:
     return load_model(str(tiny_model_dir), forward="eager")
 
@@ -38,12 +44,6 @@ def items(model: FillMaskModel) -> list[Item]:
 def test_the_tiny_bert_runs_traced_by_default_and_eager_on_request(traced: FillMaskModel,
                                                                    eager: FillMaskModel) -> None:
     assert traced.forward_mode == "traced" and eager.forward_mode == "eager"
-
-
-@pytest.fixture(scope="module")
-def traced_own(tiny_model_dir: Path) -> FillMaskModel:
-    """Traced, with the model's own output projection (``--projection torch``: test_projection.py has the other)."""
-    return load_model(str(tiny_model_dir), projection="torch")
 
 
 def test_traced_and_eager_give_the_same_bits(traced_own: FillMaskModel, eager: FillMaskModel) -> None:
@@ -75,9 +75,10 @@ def with_head_then(model: FillMaskModel, then: Callable[[Any, Any], Any]) -> Fil
     return copied
 
 
-def test_a_model_the_tracer_cannot_follow_runs_eager(traced: FillMaskModel) -> None:
+def test_a_model_the_tracer_cannot_follow_runs_eager(traced_own: FillMaskModel) -> None:
     """A head with a Python branch on the number of masks: the tracer bakes in one branch, the start-up
     check (which tries 1 to 32 masks) sees the difference, and the model runs eager, correctly."""
+    traced = traced_own  # (the model's own projection, as eager runs it)
     model = with_head_then(traced, lambda hidden, logits: logits if hidden.shape[0] < 8 else logits.flip(-1))
     model._scores = model._trace()
     assert model._scores is None  # fell back to eager
@@ -91,13 +92,15 @@ def test_a_model_the_tracer_cannot_follow_runs_eager(traced: FillMaskModel) -> N
 
 @pytest.mark.parametrize("fuses", [True, False], ids=["fusing", "not-fusing"])
 def test_a_graph_whose_fused_kernels_round_otherwise_is_traced_again_without_fusion(
-        traced: FillMaskModel, monkeypatch: pytest.MonkeyPatch, fuses: bool) -> None:
+        traced_own: FillMaskModel, monkeypatch: pytest.MonkeyPatch, fuses: bool) -> None:
     """Where TorchScript fuses (CUDA), a fused kernel rounds a reduced dtype's intermediates otherwise
     than eager PyTorch: the first graph differs, fusion goes off and the second graph gives eager's bits.
     Here a head stands in for the fused kernel: traced while fusion is on, it moves every logit by a
     little. Where nothing fuses (``fuses`` False, the CPU), such a graph is given up for eager, as before.
     """
     from fillmask_server import model as model_module
+
+    traced = traced_own  # (the model's own projection: the copy below is traced again with it)
 
     def rounds_otherwise_when_fused(hidden: Any, logits: Any) -> Any:
         fused = torch.jit.is_tracing() and torch._C._jit_texpr_fuser_enabled()

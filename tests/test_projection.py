@@ -13,12 +13,13 @@ from fillmask_server.items import Item
 from fillmask_server.loading import load_model
 from fillmask_server.model import FillMaskModel
 
-pytestmark = pytest.mark.skipif(not projection.available(), reason="this torch has no oneDNN kernels")
+needs_onednn = pytest.mark.skipif(not projection.available(), reason="this torch has no oneDNN kernels")
 
 TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
          "[MASK] is a word."]
 
 
+@needs_onednn
 def test_the_packed_kernel_computes_the_linear_layers_product() -> None:
     """Any row count (the weight is packed for 64), 2-d and 3-d inputs, with and without a bias, within
     rounding; a graph traced through it keeps it after the model's own layer is put back."""
@@ -42,7 +43,7 @@ def test_the_packed_kernel_computes_the_linear_layers_product() -> None:
             return self.decoder(hidden).softmax(-1)
 
     head = Head().eval()
-    found = projection.Projection(head, "decoder", linear, projection.PackedLinear(linear), 1.0, 0.5)
+    found = projection.Projection(head, "decoder", linear, projection.PackedLinear(linear), (1.0,), (0.5,))
     hidden = torch.randn(4, 96)
     with torch.inference_mode():
         with found.swapped():
@@ -51,9 +52,10 @@ def test_the_packed_kernel_computes_the_linear_layers_product() -> None:
             swapped = head(hidden)
         assert head.decoder is linear
         assert torch.equal(traced(hidden), swapped)
-        assert isinstance(traced.decoder, torch.jit.ScriptModule)  # (not the model's own layer)
+        assert traced.decoder.original_name == "PackedLinear"
 
 
+@needs_onednn
 def test_the_models_own_layer_is_back_after_the_block_whatever_happened_in_it(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForMaskedLM
 
@@ -62,7 +64,7 @@ def test_the_models_own_layer_is_back_after_the_block_whatever_happened_in_it(ti
     assert found is not None
     parent, name, own = found
     assert own is model.get_output_embeddings() and getattr(parent, name) is own
-    chosen = projection.Projection(parent, name, own, projection.PackedLinear(own), 1.0, 0.5)
+    chosen = projection.Projection(parent, name, own, projection.PackedLinear(own), (1.0,), (0.5,))
     with pytest.raises(RuntimeError), chosen.swapped():
         assert getattr(parent, name) is chosen.packed
         raise RuntimeError("a trace that fails")
@@ -91,6 +93,23 @@ def test_only_a_float32_linear_layer_on_the_cpu_is_ever_swapped(tiny_model_dir: 
     model.cls.predictions.decoder = Subclassed(own.in_features, own.out_features)  # (a layer of its own kind)
     assert projection.output_linear(model) is None
     assert projection.output_linear(AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir)).bfloat16()) is None
+    narrower = AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir))
+    assert projection.output_linear(narrower) is not None
+    narrower.config.vocab_size += 1  # (a layer that is not the vocabulary's: DeBERTa-v2 returns its dense transform)
+    assert projection.output_linear(narrower) is None
+
+
+@needs_onednn
+def test_the_packed_kernel_replaces_torchs_own_only_when_faster_at_every_row_count_timed(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir))
+    found = projection.output_linear(model)
+    assert found is not None
+    packed = projection.PackedLinear(found[2])
+    assert projection.Projection(*found, packed, (1.0, 2.0), (0.9, 1.8)).faster
+    assert not projection.Projection(*found, packed, (1.0, 2.0), (0.5, 1.9)).faster  # (slower for lone requests)
+    assert not projection.Projection(*found, packed, (1.0, 2.0), (0.95, 0.5)).faster
 
 
 def test_the_packed_kernel_replaces_torchs_own_only_when_faster_by_the_margin() -> None:
@@ -104,6 +123,7 @@ def top(model: FillMaskModel) -> Any:
     return model.forward([Item(ids[0], 5), Item(ids[1], 3), Item(ids[2], 7)])
 
 
+@needs_onednn
 @pytest.mark.parametrize("speed", [0.01, 100.0])
 def test_the_load_runs_the_kernel_it_measured_faster_and_answers_as_the_pipeline(
         tiny_model_dir: Path, reference_pipeline: Any, monkeypatch: pytest.MonkeyPatch,
@@ -134,19 +154,93 @@ def test_the_load_runs_the_kernel_it_measured_faster_and_answers_as_the_pipeline
         assert torch.equal(top(eager).values, got.values)
 
 
+@needs_onednn
 def test_projection_torch_keeps_the_models_own_kernel_without_measuring(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv(projection.SPEED_ENV, "0.01")
+    def refuse(model: Any) -> None:
+        raise AssertionError("measured with --projection torch")
+
+    monkeypatch.setattr(projection, "choose", refuse)
     with caplog.at_level("INFO", logger="fillmask_server.model"):
         model = load_model(str(tiny_model_dir), projection="torch")
-    assert model.projection_kernel == "torch"
+    assert (model.forward_mode, model.projection_kernel) == ("traced", "torch")
     assert not [r for r in caplog.records if "output projection" in r.getMessage()]
 
 
-def test_a_packed_kernel_whose_logits_differ_is_not_used(
+@needs_onednn
+def test_a_head_that_reads_the_layers_weight_itself_keeps_torchs_own(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A head that computes the product from the layer's weight without calling the layer would never
+    run the packed kernel: it is not counted as running it, and its copy is not kept."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    model = AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir)).eval()
+    head = model.cls.predictions
+    head.forward = lambda hidden: torch.nn.functional.linear(head.transform(hidden), head.decoder.weight,
+                                                             head.decoder.bias)
+    monkeypatch.setenv(projection.SPEED_ENV, "0.01")
+    with caplog.at_level("INFO", logger="fillmask_server.model"):
+        fill = FillMaskModel("reads-weight", tokenizer, model, "cpu", "float32")
+    assert (fill.forward_mode, fill.projection_kernel) == ("traced", "torch")
+    assert any("does not call that layer" in r.getMessage() for r in caplog.records)
+    assert "PackedLinear" not in {m.original_name for m in fill._scores.modules()}
+
+
+@needs_onednn
+def test_a_forward_pass_that_traces_only_with_the_models_own_layer_keeps_it(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The packed kernel is a speed-up: where the graph cannot be traced with it, the model is traced
+    again with its own layer (not run eager)."""
+    real_choose = projection.choose
+
+    class Untraceable(torch.nn.Module):
+        def __init__(self, own: torch.nn.Linear) -> None:
+            super().__init__()
+            self.own = own
+
+        def forward(self, hidden: Any) -> Any:
+            if torch.jit.is_tracing():
+                raise RuntimeError("cannot trace this kernel")
+            return self.own(hidden)
+
+    def choose_untraceable(model: Any) -> projection.Projection | None:
+        chosen = real_choose(model)
+        assert chosen is not None
+        return projection.Projection(chosen.parent, chosen.name, chosen.own, Untraceable(chosen.own), (1.0,), (0.5,))
+
+    monkeypatch.setattr(projection, "choose", choose_untraceable)
+    with caplog.at_level("INFO", logger="fillmask_server.model"):
+        model = load_model(str(tiny_model_dir))
+    assert (model.forward_mode, model.projection_kernel) == ("traced", "torch") and model.forward_note is None
+    assert any("did not trace with the packed one" in r.getMessage() for r in caplog.records)
+    assert model._packed_scores is not None  # (packed rows traced too, with the model's own layer)
+
+
+@needs_onednn
+def test_no_packed_copy_is_made_that_would_crowd_the_memory_left(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(str(tiny_model_dir))
+    found = projection.output_linear(model)
+    assert found is not None
+    size = projection.weight_bytes(found[2])
+    monkeypatch.setattr(projection, "memory_available", lambda: int(size / projection.MEMORY_SHARE) - 1)
+    with caplog.at_level("INFO", logger="fillmask_server.projection"):
+        assert projection.choose(model) is None
+    assert any("more than a quarter of the memory available" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(projection, "memory_available", lambda: int(size / projection.MEMORY_SHARE) + 1)
+    assert projection.choose(model) is not None
+    assert projection.memory_available() is None or projection.memory_available() > 0
+
+
+@needs_onednn
+@pytest.mark.parametrize("scale", [1.001, float("nan")])
+def test_a_packed_kernel_whose_logits_differ_is_not_used(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, scale: float) -> None:
     """A kernel measured faster whose logits at the masks are not the model's within rounding (here: made
-    from another weight) is put back, and the log says why."""
+    from another weight, or one that gives NaN) is put back, and the log says why."""
     real_choose = projection.choose
 
     def choose_another_weight(model: Any) -> projection.Projection | None:
@@ -154,12 +248,16 @@ def test_a_packed_kernel_whose_logits_differ_is_not_used(
         assert chosen is not None
         other = torch.nn.Linear(chosen.own.in_features, chosen.own.out_features)
         with torch.no_grad():
-            other.weight.copy_(chosen.own.weight * 1.001)
+            other.weight.copy_(chosen.own.weight * scale)
             other.bias.copy_(chosen.own.bias)
-        return projection.Projection(chosen.parent, chosen.name, chosen.own, projection.PackedLinear(other), 1.0, 0.5)
+        return projection.Projection(chosen.parent, chosen.name, chosen.own, projection.PackedLinear(other), (1.0,),
+                                     (0.5,))
 
     monkeypatch.setattr(projection, "choose", choose_another_weight)
     with caplog.at_level("INFO", logger="fillmask_server.model"):
         model = load_model(str(tiny_model_dir))
     assert (model.forward_mode, model.projection_kernel) == ("traced", "torch")
     assert any("differ from it by more than rounding" in r.getMessage() for r in caplog.records)
+    assert type(model.model.get_output_embeddings()) is torch.nn.Linear
+    for graph in (model._scores, model._packed_scores):
+        assert "PackedLinear" not in {m.original_name for m in graph.modules()}
