@@ -61,9 +61,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
     progress("torch import and device check")
-    return on_a_thread_that_ends(lambda: _load_model(name, device, dtype, threads, forward, progress, announce,
-                                                             projection),
-                                 "fillmask-load")
+    return on_a_thread_that_ends(
+        lambda: _load_model(name, device, dtype, threads, forward, progress, announce, projection), "fillmask-load")
 
 
 def on_a_thread_that_ends(work: Callable[[], T], name: str) -> T:

@@ -206,12 +206,7 @@ class FillMaskModel:
         if forward == "traced" and projection == "auto":
             self._projection = self._faster_projection()
         if forward == "traced":
-            self._scores = self._trace()
-            if self._scores is None and self._projection is not None:  # (the model's own may trace)
-                log.warning("the output projection keeps torch's own kernel: the forward pass did not trace with "
-                            "the packed one")
-                self._projection, self.forward_note = None, None
-                self._scores = self._trace()
+            self._scores = self._trace()  # (falls back to the model's own projection where it must: ``_trace``)
             if self._scores is not None and self.pack_width:
                 self._packed_scores = self._trace(packed=True)
             if self._projection is not None and self._scores is not None:
@@ -600,7 +595,9 @@ class FillMaskModel:
         """The encoder, the head at the masks (or the full model) and the softmax as one TorchScript graph
         (of padded rows, or of ``packed`` rows), or None when tracing fails or the graph differs from
         eager PyTorch by one bit on any check input; ``forward_note`` (``packing_note`` for packed
-        rows, which are then given up: padded rows still run traced) then says why.
+        rows, which are then given up: padded rows still run traced) then says why. With the projection's
+        packed kernel chosen (``_faster_projection``) it is traced with that, and where that fails, with
+        the model's own layer (a failure of the padded graph gives the packed kernel up for both).
 
         Where TorchScript fuses operators (its fuser runs on CUDA; on the CPU only in a torch built with
         LLVM), a fused kernel keeps its intermediates in float32 where eager PyTorch rounds each one to
@@ -616,8 +613,20 @@ class FillMaskModel:
         if packed:  # (32 rows of one mask add no case to two texts a row)
             shapes = [shape for shape in shapes if shape[0] < 32]
         check = self._packed_check_inputs if packed else self._check_inputs
-        # The projection's packed kernel (if chosen) is what gets traced, and what eager runs in the checks.
-        swap = self._projection.swapped() if self._projection is not None else contextlib.nullcontext()
+        if self._projection is not None:  # the projection's packed kernel traced, and run by eager in the checks
+            traced, problem = self._traced_or_why(module, check, shapes, self._projection.swapped())
+            if problem is None:
+                return traced
+            log.warning("the output projection keeps torch's own kernel in the graph of %s rows: the forward pass "
+                        "did not trace with the packed one (%s)", "packed" if packed else "padded", problem)
+            if not packed:  # (the padded graph decides: the packed one then traces with the model's own too)
+                self._projection = None
+        traced, problem = self._traced_or_why(module, check, shapes, contextlib.nullcontext())
+        return traced if problem is None else self._untraced(packed, problem)
+
+    def _traced_or_why(self, module: Any, check: Callable[..., tuple[Any, ...]],
+                       shapes: Sequence[tuple[int, int, int, int]], swap: Any) -> tuple[Any, str | None]:
+        """``_trace``'s attempt inside ``swap``: the traced graph and None, or None and why not."""
         try:
             with swap:
                 fusing = _fuses(self.device.type)
@@ -626,10 +635,10 @@ class FillMaskModel:
                     _stop_fusing(f"the fused graph {differs} in {self.dtype}")
                     traced, differs = self._traced_and_checked(module, check, shapes, 1)
         except Exception as exc:  # an architecture the tracer cannot follow: eager still works
-            return self._untraced(packed, f"cannot trace the forward pass ({first_line(exc)})")
+            return None, f"cannot trace the forward pass ({first_line(exc)})"
         if differs is not None:
-            return self._untraced(packed, f"the traced forward pass {differs}")
-        return traced
+            return None, f"the traced forward pass {differs}"
+        return traced, None
 
     @staticmethod
     def _traced_and_checked(module: Any, check: Callable[..., tuple[Any, ...]],

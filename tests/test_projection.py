@@ -215,6 +215,7 @@ def test_a_forward_pass_that_traces_only_with_the_models_own_layer_keeps_it(
         model = load_model(str(tiny_model_dir))
     assert (model.forward_mode, model.projection_kernel) == ("traced", "torch") and model.forward_note is None
     assert any("did not trace with the packed one" in r.getMessage() for r in caplog.records)
+    assert not any("running eager" in r.getMessage() for r in caplog.records)  # (it never did)
     assert model._packed_scores is not None  # (packed rows traced too, with the model's own layer)
 
 
