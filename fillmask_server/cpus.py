@@ -1,5 +1,6 @@
 """The CPUs this process may use: its CPU affinity, within the CPU quota of its cgroup and of every cgroup
-above it (a container's or a Kubernetes pod's CPU limit), which neither the CPU count nor the affinity shows.
+above it (a container's or a Kubernetes pod's CPU limit), which neither the CPU count nor the affinity shows;
+and (``memory_left``) the memory it may still take, within the same cgroups' memory limits.
 
 No torch and no threads: the settings' checks (``config``) and the start-up calibration both ask it, so a
 ``--torch-threads`` warning and the calibration's candidate counts agree on the same number.
@@ -14,6 +15,8 @@ from collections.abc import Callable
 CGROUP_ROOT = "/sys/fs/cgroup"  # cgroup v2's mount (a container's own cgroup, as it sees it)
 CGROUP_V2_CPU_MAX = f"{CGROUP_ROOT}/cpu.max"
 CGROUP_V1_CPU_DIRS = (f"{CGROUP_ROOT}/cpu", f"{CGROUP_ROOT}/cpu,cpuacct")
+CGROUP_V1_MEMORY_DIR = f"{CGROUP_ROOT}/memory"
+PROC_MEMINFO = "/proc/meminfo"
 PROC_SELF_CGROUP = "/proc/self/cgroup"  # this process's cgroup in each hierarchy
 
 
@@ -59,9 +62,34 @@ def cpu_quota(read: Callable[[str], str | None]) -> float | None:
     return min(quotas) if quotas else None
 
 
+def memory_left(read: Callable[[str], str | None] | None = None) -> int | None:
+    """Bytes of memory this process may still take, or None when none of it can be read: the kernel's
+    ``MemAvailable``, and at each cgroup level from the process's own up to the mount's root (as
+    ``cpu_quota`` walks them) its limit less its usage (v2's ``memory.max`` and ``memory.current``; where
+    no level has them, v1's ``memory.limit_in_bytes`` and ``memory.usage_in_bytes`` under the ``memory``
+    controller's mount): the least of them."""
+    read = read or _read_text
+    found: list[int] = []
+    for line in (read(PROC_MEMINFO) or "").splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0] == "MemAvailable:" and fields[1].isdigit():
+            found.append(int(fields[1]) * 1024)
+    paths = _cgroup_paths(read(PROC_SELF_CGROUP))
+    levels = [(f"{d}/memory.max", f"{d}/memory.current") for d in _levels(CGROUP_ROOT, paths.get(""))]
+    v1 = [(f"{d}/memory.limit_in_bytes", f"{d}/memory.usage_in_bytes")
+          for d in _levels(CGROUP_V1_MEMORY_DIR, paths.get("memory"))]
+    limits = [(read(limit), read(usage)) for limit, usage in levels]
+    if not any(limit is not None for limit, _ in limits):
+        limits = [(read(limit), read(usage)) for limit, usage in v1]
+    for limit, usage in limits:
+        if limit is not None and usage is not None and limit.isdigit() and usage.isdigit():
+            found.append(int(limit) - int(usage))  # (v1's "no limit" is a huge number: never the least)
+    return max(0, min(found)) if found else None
+
+
 def _cgroup_paths(text: str | None) -> dict[str, str]:
-    """``/proc/self/cgroup``'s paths: the unified (v2) hierarchy's under "", the v1 hierarchy that holds
-    the ``cpu`` controller under "cpu"."""
+    """``/proc/self/cgroup``'s paths: the unified (v2) hierarchy's under "", the v1 hierarchies that hold
+    the ``cpu`` and the ``memory`` controllers under "cpu" and "memory"."""
     paths: dict[str, str] = {}
     for line in (text or "").splitlines():
         fields = line.split(":", 2)
@@ -69,8 +97,10 @@ def _cgroup_paths(text: str | None) -> dict[str, str]:
             continue
         if fields[1] == "":
             paths[""] = fields[2]
-        elif "cpu" in fields[1].split(","):
-            paths["cpu"] = fields[2]
+            continue
+        for controller in ("cpu", "memory"):
+            if controller in fields[1].split(","):
+                paths[controller] = fields[2]
     return paths
 
 

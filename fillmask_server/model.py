@@ -208,7 +208,10 @@ class FillMaskModel:
         if forward == "traced":
             self._scores = self._trace()  # (falls back to the model's own projection where it must: ``_trace``)
             if self._scores is not None and self.pack_width:
+                chosen = self._projection
                 self._packed_scores = self._trace(packed=True)
+                if chosen is not None and self._projection is None:  # packed rows gave the kernel up: one kernel
+                    self._scores = self._trace()
             if self._projection is not None and self._scores is not None:
                 self.projection_kernel = "onednn-packed"
                 log.info("%s", self._projection.line())
@@ -463,8 +466,10 @@ class FillMaskModel:
                     own = self._logits(ids, attention, rows, cols).float()
                     with chosen.swapped():
                         packed = self._logits(ids, attention, rows, cols).float()
-                    if not (packed - own).abs().max().item() <= _rounding_slack(own, torch.float32):  # (NaN too)
-                        problem = f"the packed one's logits differ from it by more than rounding at {len(rows)} masks"
+                    off, slack = (packed - own).abs().max().item(), _rounding_slack(own, torch.float32)
+                    if not off <= slack:  # (NaN too)
+                        problem = (f"the packed one's logits differ from it by more than rounding at {len(rows)} "
+                                   f"masks ({off:.2g}, against {slack:.2g})")
                         break
         except Exception as exc:  # a head that cannot take the swapped module: the model's own is right
             problem = f"the model's head failed with the packed one ({first_line(exc)})"
@@ -597,7 +602,8 @@ class FillMaskModel:
         eager PyTorch by one bit on any check input; ``forward_note`` (``packing_note`` for packed
         rows, which are then given up: padded rows still run traced) then says why. With the projection's
         packed kernel chosen (``_faster_projection``) it is traced with that, and where that fails, with
-        the model's own layer (a failure of the padded graph gives the packed kernel up for both).
+        the model's own layer; the kernel is then given up for both graphs (``__init__`` traces the padded
+        one again), so that one kernel runs whatever the rows.
 
         Where TorchScript fuses operators (its fuser runs on CUDA; on the CPU only in a torch built with
         LLVM), a fused kernel keeps its intermediates in float32 where eager PyTorch rounds each one to
@@ -617,10 +623,9 @@ class FillMaskModel:
             traced, problem = self._traced_or_why(module, check, shapes, self._projection.swapped())
             if problem is None:
                 return traced
-            log.warning("the output projection keeps torch's own kernel in the graph of %s rows: the forward pass "
-                        "did not trace with the packed one (%s)", "packed" if packed else "padded", problem)
-            if not packed:  # (the padded graph decides: the packed one then traces with the model's own too)
-                self._projection = None
+            log.warning("the output projection keeps torch's own kernel: the forward pass of %s rows did not trace "
+                        "with the packed one (%s)", "packed" if packed else "padded", problem)
+            self._projection = None  # (for both graphs: ``__init__`` traces the padded one again if it had it)
         traced, problem = self._traced_or_why(module, check, shapes, contextlib.nullcontext())
         return traced if problem is None else self._untraced(packed, problem)
 

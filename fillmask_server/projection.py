@@ -10,7 +10,8 @@ times both on this machine, at each of ``ROWS`` rows, the kernels in turn for ``
 (each keeping its fastest: a neighbour's burst weighs on both alike), and ``Projection.swapped``
 puts the packed kernel in the model's place while the forward pass is traced when it took at most
 ``MARGIN`` of the time of torch's own at every one of them. A copy that would take more than
-``MEMORY_SHARE`` of the memory still available is not made.
+``MEMORY_SHARE`` of the memory still available (``cpus.memory_left``: the kernel's, within every
+cgroup limit above the process) is not made.
 
 Invariants:
 
@@ -44,6 +45,7 @@ from typing import Any, List, Optional, Union  # noqa: UP035 (TorchScript reads 
 
 import torch
 
+from .cpus import memory_left
 from .diagnosis import first_line
 
 log = logging.getLogger(__name__)
@@ -163,27 +165,6 @@ def weight_bytes(linear: torch.nn.Linear) -> int:
     return linear.weight.numel() * linear.weight.element_size()
 
 
-def memory_available() -> int | None:
-    """Bytes of memory this process may still take: the kernel's ``MemAvailable``, or less where its
-    cgroup's limit leaves less; None where neither can be read."""
-    found: list[int] = []
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as current:
-            cap = limit.read().strip()
-            if cap != "max":
-                found.append(int(cap) - int(current.read().strip()))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
-
-
 def output_linear(model: Any) -> tuple[torch.nn.Module, str, torch.nn.Linear] | None:
     """The model's output projection as (its parent module, its name there, the layer), when it is a
     float32 ``nn.Linear`` on the CPU, as wide as the model's vocabulary, that the model holds as a
@@ -215,7 +196,7 @@ def choose(model: Any) -> Projection | None:
     if found is None:
         return None
     parent, name, own = found
-    room = memory_available()
+    room = memory_left()
     if room is not None and weight_bytes(own) > MEMORY_SHARE * room:
         log.info("the output projection keeps torch's own kernel: a packed copy of its weight (%.0f MiB) would "
                  "take more than a quarter of the memory available (%.0f MiB)", weight_bytes(own) / 2**20,

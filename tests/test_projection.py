@@ -14,7 +14,20 @@ from fillmask_server.items import Item
 from fillmask_server.loading import load_model
 from fillmask_server.model import FillMaskModel
 
-needs_onednn = pytest.mark.skipif(not projection.available(), reason="this torch has no oneDNN kernels")
+
+def packs() -> bool:
+    """Whether this torch and CPU run the packed kernel at all (the op names alone do not say so)."""
+    if not projection.available():
+        return False
+    try:
+        with torch.inference_mode():
+            projection.PackedLinear(torch.nn.Linear(8, 16))(torch.ones(2, 8))
+    except Exception:
+        return False
+    return True
+
+
+needs_onednn = pytest.mark.skipif(not packs(), reason="this torch or CPU has no oneDNN packed linear kernel")
 
 TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
          "[MASK] is a word."]
@@ -220,6 +233,40 @@ def test_a_forward_pass_that_traces_only_with_the_models_own_layer_keeps_it(
 
 
 @needs_onednn
+def test_a_packed_rows_graph_that_traces_only_with_the_models_own_layer_gives_the_kernel_up_for_both(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padded rows' graph traces with the packed kernel and the packed rows' does not: both run the
+    model's own layer then (one kernel whatever the rows), and the model says so."""
+    real_choose = projection.choose
+    traces = []
+
+    class SecondTraceFails(torch.nn.Module):
+        def __init__(self, own: torch.nn.Linear) -> None:
+            super().__init__()
+            self.own = own
+
+        def forward(self, hidden: Any) -> Any:
+            if torch.jit.is_tracing():
+                traces.append(1)
+                if len(traces) == 2:  # (the first trace is the padded rows' graph, the second the packed rows')
+                    raise RuntimeError("cannot trace this kernel on packed rows")
+            return self.own(hidden)
+
+    def choose_it(model: Any) -> projection.Projection | None:
+        chosen = real_choose(model)
+        assert chosen is not None
+        return projection.Projection(chosen.parent, chosen.name, chosen.own, SecondTraceFails(chosen.own), (1.0,),
+                                     (0.5,))
+
+    monkeypatch.setattr(projection, "choose", choose_it)
+    model = load_model(str(tiny_model_dir))
+    assert len(traces) == 2 and model.pack_width
+    assert (model.forward_mode, model.projection_kernel) == ("traced", "torch")
+    for graph in (model._scores, model._packed_scores):
+        assert "SecondTraceFails" not in {m.original_name for m in graph.modules()}
+
+
+@needs_onednn
 def test_no_packed_copy_is_made_that_would_crowd_the_memory_left(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from transformers import AutoModelForMaskedLM
@@ -228,13 +275,42 @@ def test_no_packed_copy_is_made_that_would_crowd_the_memory_left(
     found = projection.output_linear(model)
     assert found is not None
     size = projection.weight_bytes(found[2])
-    monkeypatch.setattr(projection, "memory_available", lambda: int(size / projection.MEMORY_SHARE) - 1)
+    monkeypatch.setattr(projection, "memory_left", lambda: int(size / projection.MEMORY_SHARE) - 1)
     with caplog.at_level("INFO", logger="fillmask_server.projection"):
         assert projection.choose(model) is None
     assert any("more than a quarter of the memory available" in r.getMessage() for r in caplog.records)
-    monkeypatch.setattr(projection, "memory_available", lambda: int(size / projection.MEMORY_SHARE) + 1)
+    monkeypatch.setattr(projection, "memory_left", lambda: int(size / projection.MEMORY_SHARE) + 1)
     assert projection.choose(model) is not None
-    assert projection.memory_available() is None or projection.memory_available() > 0
+    monkeypatch.setattr(projection, "memory_left", lambda: None)  # (nothing readable: no bound)
+    assert projection.choose(model) is not None
+
+
+def test_the_memory_left_is_the_least_of_the_kernels_and_every_cgroup_limits() -> None:
+    """``MemAvailable``, and each cgroup level's limit less its usage, v2 or else v1, from the process's own
+    cgroup up to the mount's root (a pod's limit sits above the container's)."""
+    from fillmask_server.cpus import CGROUP_ROOT, CGROUP_V1_MEMORY_DIR, PROC_MEMINFO, PROC_SELF_CGROUP, memory_left
+
+    gib = 2**30
+    meminfo = f"MemTotal: {64 * gib // 1024} kB\nMemAvailable: {20 * gib // 1024} kB\n"
+
+    def files(found: dict[str, str]) -> Any:
+        return lambda path: found.get(path)
+
+    assert memory_left(files({})) is None
+    assert memory_left(files({PROC_MEMINFO: meminfo})) == 20 * gib
+    v2 = {PROC_MEMINFO: meminfo, PROC_SELF_CGROUP: "0::/kubepods/pod1/box\n",
+          f"{CGROUP_ROOT}/kubepods/pod1/box/memory.max": "max",
+          f"{CGROUP_ROOT}/kubepods/pod1/box/memory.current": str(gib),
+          f"{CGROUP_ROOT}/kubepods/pod1/memory.max": str(3 * gib),
+          f"{CGROUP_ROOT}/kubepods/pod1/memory.current": str(gib)}
+    assert memory_left(files(v2)) == 2 * gib  # (the pod's limit, a level above the container's)
+    v1 = {PROC_MEMINFO: meminfo, PROC_SELF_CGROUP: "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n",
+          f"{CGROUP_V1_MEMORY_DIR}/docker/abc/memory.limit_in_bytes": str(4 * gib),
+          f"{CGROUP_V1_MEMORY_DIR}/docker/abc/memory.usage_in_bytes": str(3 * gib),
+          f"{CGROUP_V1_MEMORY_DIR}/memory.limit_in_bytes": "9223372036854771712",
+          f"{CGROUP_V1_MEMORY_DIR}/memory.usage_in_bytes": str(5 * gib)}
+    assert memory_left(files(v1)) == gib
+    assert memory_left(files({**v1, f"{CGROUP_V1_MEMORY_DIR}/docker/abc/memory.usage_in_bytes": "junk"})) == 20 * gib
 
 
 @needs_onednn
