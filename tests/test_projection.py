@@ -199,29 +199,42 @@ def test_a_head_that_reads_the_layers_weight_itself_keeps_torchs_own(
     assert "PackedLinear" not in {m.original_name for m in fill._scores.modules()}
 
 
+class FailsTracing(torch.nn.Module):
+    """The model's own layer in the packed one's place, raising when traced the ``nth`` time (None: each time)."""
+
+    def __init__(self, own: torch.nn.Linear, nth: int | None = None) -> None:
+        super().__init__()
+        self.own, self.nth, self.traces = own, nth, 0
+
+    def forward(self, hidden: Any) -> Any:
+        if torch.jit.is_tracing():
+            self.traces += 1
+            if self.nth is None or self.traces == self.nth:
+                raise RuntimeError("cannot trace this kernel")
+        return self.own(hidden)
+
+
+def chosen_with(monkeypatch: pytest.MonkeyPatch, make: Any) -> list[torch.nn.Module]:
+    """``projection.choose`` as measured faster (``(1.0,), (0.5,)``) with ``make(own)`` in the packed
+    kernel's place; the modules it made, in order."""
+    real_choose, made = projection.choose, []
+
+    def choose(model: Any) -> projection.Projection | None:
+        chosen = real_choose(model)
+        assert chosen is not None
+        made.append(make(chosen.own))
+        return projection.Projection(chosen.parent, chosen.name, chosen.own, made[-1], (1.0,), (0.5,))
+
+    monkeypatch.setattr(projection, "choose", choose)
+    return made
+
+
 @needs_onednn
 def test_a_forward_pass_that_traces_only_with_the_models_own_layer_keeps_it(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The packed kernel is a speed-up: where the graph cannot be traced with it, the model is traced
     again with its own layer (not run eager)."""
-    real_choose = projection.choose
-
-    class Untraceable(torch.nn.Module):
-        def __init__(self, own: torch.nn.Linear) -> None:
-            super().__init__()
-            self.own = own
-
-        def forward(self, hidden: Any) -> Any:
-            if torch.jit.is_tracing():
-                raise RuntimeError("cannot trace this kernel")
-            return self.own(hidden)
-
-    def choose_untraceable(model: Any) -> projection.Projection | None:
-        chosen = real_choose(model)
-        assert chosen is not None
-        return projection.Projection(chosen.parent, chosen.name, chosen.own, Untraceable(chosen.own), (1.0,), (0.5,))
-
-    monkeypatch.setattr(projection, "choose", choose_untraceable)
+    chosen_with(monkeypatch, FailsTracing)
     with caplog.at_level("INFO", logger="fillmask_server.model"):
         model = load_model(str(tiny_model_dir))
     assert (model.forward_mode, model.projection_kernel) == ("traced", "torch") and model.forward_note is None
@@ -235,33 +248,13 @@ def test_a_packed_rows_graph_that_traces_only_with_the_models_own_layer_gives_th
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The padded rows' graph traces with the packed kernel and the packed rows' does not: both run the
     model's own layer then (one kernel whatever the rows), and the model says so."""
-    real_choose = projection.choose
-    traces = []
-
-    class SecondTraceFails(torch.nn.Module):
-        def __init__(self, own: torch.nn.Linear) -> None:
-            super().__init__()
-            self.own = own
-
-        def forward(self, hidden: Any) -> Any:
-            if torch.jit.is_tracing():
-                traces.append(1)
-                if len(traces) == 2:  # (the first trace is the padded rows' graph, the second the packed rows')
-                    raise RuntimeError("cannot trace this kernel on packed rows")
-            return self.own(hidden)
-
-    def choose_it(model: Any) -> projection.Projection | None:
-        chosen = real_choose(model)
-        assert chosen is not None
-        return projection.Projection(chosen.parent, chosen.name, chosen.own, SecondTraceFails(chosen.own), (1.0,),
-                                     (0.5,))
-
-    monkeypatch.setattr(projection, "choose", choose_it)
+    # (the first trace is the padded rows' graph, the second the packed rows')
+    made = chosen_with(monkeypatch, lambda own: FailsTracing(own, nth=2))
     model = load_model(str(tiny_model_dir))
-    assert len(traces) == 2 and model.pack_width
+    assert made[0].traces == 2 and model.pack_width
     assert (model.forward_mode, model.projection_kernel) == ("traced", "torch")
     for graph in (model._scores, model._packed_scores):
-        assert "SecondTraceFails" not in {m.original_name for m in graph.modules()}
+        assert "FailsTracing" not in {m.original_name for m in graph.modules()}
 
 
 @needs_onednn
@@ -317,19 +310,15 @@ def test_a_packed_kernel_whose_logits_differ_is_not_used(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, scale: float) -> None:
     """A kernel measured faster whose logits at the masks are not the model's within rounding (here: made
     from another weight, or one that gives NaN) is put back, and the log says why."""
-    real_choose = projection.choose
 
-    def choose_another_weight(model: Any) -> projection.Projection | None:
-        chosen = real_choose(model)
-        assert chosen is not None
-        other = torch.nn.Linear(chosen.own.in_features, chosen.own.out_features)
+    def packed_from_another_weight(own: torch.nn.Linear) -> projection.PackedLinear:
+        other = torch.nn.Linear(own.in_features, own.out_features)
         with torch.no_grad():
-            other.weight.copy_(chosen.own.weight * scale)
-            other.bias.copy_(chosen.own.bias)
-        return projection.Projection(chosen.parent, chosen.name, chosen.own, projection.PackedLinear(other), (1.0,),
-                                     (0.5,))
+            other.weight.copy_(own.weight * scale)
+            other.bias.copy_(own.bias)
+        return projection.PackedLinear(other)
 
-    monkeypatch.setattr(projection, "choose", choose_another_weight)
+    chosen_with(monkeypatch, packed_from_another_weight)
     with caplog.at_level("INFO", logger="fillmask_server.model"):
         model = load_model(str(tiny_model_dir))
     assert (model.forward_mode, model.projection_kernel) == ("traced", "torch")
