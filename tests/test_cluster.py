@@ -92,7 +92,7 @@ class Replica:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "ws_server.py", "--model", "models/tiny", "--host", "127.0.0.1",
                 "--port", str(self.port), "--drain-delay", str(DRAIN_DELAY_S), "--shutdown-timeout", "10",
-                "--torch-threads", "1", "--log-level", "warning",
+                "--torch-threads", "1", "--calibration-s", "0", "--log-level", "warning",
                 cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=log, start_new_session=True)
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), START_TIMEOUT_S)

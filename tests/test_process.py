@@ -31,6 +31,9 @@ from tests.wire import recv, request, send, session
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+#: For servers whose signals, drains and faults a test follows: the start-up calibration (a second of
+#: both cores, tested in test_engine.py and by the default starts here) is not what they are about.
+NO_CALIBRATION = ("--calibration-s", "0")
 
 
 def run_server(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -344,7 +347,7 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
 async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_model_dir: Path) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--max-batch-size", "4",
-        cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        *NO_CALIBRATION, cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
         url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
@@ -510,7 +513,7 @@ async def test_sigterm_waits_the_drain_delay_with_readyz_503_and_sigint_does_not
     a person's Ctrl-C, starts the drain at once, and so does SIGHUP, a closed terminal (it killed the
     server at once, found by an operator's trial). Either way the connection hears going_away, then
     1001, and the process ends 0."""
-    process, url = await start_server("--model", str(tiny_model_dir), "--drain-delay", "3")
+    process, url = await start_server("--model", str(tiny_model_dir), "--drain-delay", "3", *NO_CALIBRATION)
     try:
         async with session(url) as (ws, _):
             assert await readyz(url) == 200
@@ -538,7 +541,7 @@ async def test_under_nohup_sighup_is_left_ignored_and_a_signal_after_the_drain_k
     """Started with SIGHUP ignored (``nohup``), the server goes on after its terminal closes, as asked.
     And a signal that comes once the drain is over (a supervisor that signals again, GNU timeout's
     second) no longer turns exit 0 into 143 (found by an operator's trial)."""
-    process, url = await start_server("--model", str(tiny_model_dir), nohup=True)
+    process, url = await start_server("--model", str(tiny_model_dir), *NO_CALIBRATION, nohup=True)
     try:
         async with session(url) as (ws, _):
             process.send_signal(signal.SIGHUP)
@@ -625,7 +628,8 @@ async def test_a_server_whose_model_thread_stopped_drains_and_exits_1(tiny_model
     """§6: a server whose model thread stopped can answer nothing but 503 engine_stopped. It stayed up
     for good, its /healthz at 200, so Kubernetes never restarted it (found by an operator's review). Now
     it drains at once (going_away, then 1001) and exits 1, for its supervisor to start a fresh one."""
-    process, url = await start_dying_server(tmp_path, "--model", str(tiny_model_dir), "--drain-delay", "30")
+    process, url = await start_dying_server(tmp_path, "--model", str(tiny_model_dir), "--drain-delay", "30",
+                                            *NO_CALIBRATION)
     try:
         async with session(url) as (ws, _):
             assert (await request(ws, 1, "a [MASK] day."))["type"] == "result"
@@ -652,7 +656,8 @@ async def test_a_model_thread_that_stops_during_a_signals_drain_still_exits_1(ti
     and then exited 0, as if all had gone well, leaving a supervisor no record of the fault: the exit
     status now says the model thread stopped."""
     started = tmp_path / "started"
-    process, url = await start_dying_server(tmp_path, "--model", str(tiny_model_dir), "--drain-delay", "0")
+    process, url = await start_dying_server(tmp_path, "--model", str(tiny_model_dir), "--drain-delay", "0",
+                                            *NO_CALIBRATION)
     try:
         async with session(url) as (ws, _):
             await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK] day.", "top_k": 14})
@@ -746,8 +751,8 @@ async def test_a_second_signal_during_the_drain_stops_at_once(tiny_model_dir: Pa
     and more than signals.SAME_SIGNAL_S after it."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--shutdown-timeout", "60",
-        "--max-batch-size", "1", "--drain-delay", "60", cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        "--max-batch-size", "1", "--drain-delay", "60", *NO_CALIBRATION, cwd=ROOT, env=ENV,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
         url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
