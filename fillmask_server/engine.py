@@ -35,11 +35,15 @@ out-of-memory split, the hand-over of outcomes, and, for the second look at the 
 (``layout.SecondLook``), the CPU time that the event loop and the two stages report as they call
 in. The event loop only calls the cheap methods ``submit``, ``withdraw``, ``withdraw_all``,
 ``forget``, ``release`` and the counters; finished work reaches it as typed ``Outcome``\\ s through
-``deliver``, called on a stage thread under the engine's lock (the server makes it thread-safe and
-non-blocking with ``call_soon_threadsafe``).
+``deliver``, called on a stage thread just after it released the engine's lock (the server makes it
+thread-safe and non-blocking with ``call_soon_threadsafe``). Not under the lock: waking the event loop
+is a system call, after which the stage thread waits for the GIL, and the event loop, which holds the
+GIL, blocked on the engine lock meanwhile (docs/performance-log.md, "The engine lock held across a
+wake-up").
 
-Invariants: every call into the core is made under ``self._lock``, and the outcomes it returns are
-handed over before that lock is released (``_hand_over_locked``), so once ``busy()`` is False every
+Invariants: every call into the core is made under ``self._lock``; the outcomes it returns are queued
+under that lock (``_hand_over_locked``) and delivered by the thread that queued them as it releases it
+(``_handing_over``), and ``busy()`` counts a delivery under way, so once ``busy()`` is False every
 outcome has been delivered. If a stage thread ends abnormally, ``_die`` marks the engine not ``alive``
 (``/readyz`` answers 503, ``submit`` refuses) and answers every request it held (``EngineCore.stop_all``).
 """
@@ -157,6 +161,8 @@ class Engine:
         self._model_wake = threading.Condition(self._lock)
         self._decode_wake = threading.Condition(self._lock)
         self._decoding: deque[_Forwarded] = deque()  # the hand-over from the model thread to the decode stage
+        self._outbox: list[Outcome] = []  # outcomes made final under the lock, delivered once it is released
+        self._delivering = 0  # deliveries under way outside the lock (``busy``)
         self._undecoded = 0  # batches handed over whose jobs are not all decoded yet (DECODE_BACKLOG)
         self._batch_ids = itertools.count(1)
         self._paused = False
@@ -233,9 +239,9 @@ class Engine:
             return self.core.started()
 
     def busy(self) -> bool:
-        """True while any accepted request has no outcome yet."""
+        """True while any accepted request has no outcome yet, or one is still being delivered."""
         with self._lock:
-            return self.core.busy()
+            return self.core.busy() or self._delivering > 0
 
     def retry_after_ms(self) -> int:
         """Estimate of how long the current queue takes to clear, for 503/504 answers."""
@@ -312,10 +318,25 @@ class Engine:
         self.core.beside(now - last)
 
     def _hand_over_locked(self, outcomes: list[Outcome]) -> None:
-        """Give outcomes to ``deliver`` before the lock that made them final is released, so that once
-        ``busy()`` is False every outcome has been handed over (``deliver`` must not block)."""
+        """Queue outcomes the core made final under the lock; ``_handing_over`` delivers them."""
+        self._outbox.extend(outcomes)
+
+    @contextlib.contextmanager
+    def _handing_over(self) -> Iterator[None]:
+        """The engine lock, for a block that may make outcomes final (``_hand_over_locked``): once the
+        lock is released, this thread gives them to ``deliver`` in one call (``deliver`` must not block),
+        and ``busy()`` stays True until it has. (Outcomes another thread queued while this block waited
+        on a condition, the lock released, go with them: each is delivered once, by whoever takes it.)"""
+        with self._lock:
+            yield
+            outcomes, self._outbox = self._outbox, []
+            self._delivering += bool(outcomes)
         if outcomes:
-            self._deliver(outcomes)
+            try:
+                self._deliver(outcomes)
+            finally:
+                with self._lock:
+                    self._delivering -= 1
 
     # --- the stage threads --------------------------------------------------------------------------
 
@@ -340,7 +361,7 @@ class Engine:
             try:
                 verdicts = self._check_all(fresh)
             finally:
-                with self._lock:
+                with self._handing_over():
                     self._count_cpu_locked()
                     self._hand_over_locked(self.core.checked(list(zip(fresh, verdicts, strict=True))))
                     self._prepare_locked()
@@ -362,7 +383,7 @@ class Engine:
 
     def _model_loop(self) -> None:
         while True:
-            with self._lock:
+            with self._handing_over():
                 while not self._stopping and (self._paused or not (self._next or self.core.runnable())
                                               or self._undecoded >= DECODE_BACKLOG):
                     self._model_wake.wait()
@@ -441,7 +462,7 @@ class Engine:
         if quiet is not None and count >= quiet.team:
             self._team_ran_at = finished
         forwarded = [i for indices, _ in groups for i in indices]
-        with self._lock:
+        with self._handing_over():
             if ruled and not failed_items and quiet is not None:  # timed for the rule, at the calibration's length
                 cost = self.core.cost
                 scale = cost.forward_s(1, padded_tokens) / max(1e-9, cost.forward_s(1, quiet.tokens))
@@ -595,7 +616,7 @@ class Engine:
                 del left[work.batch_id]
                 finished += 1
         seconds = time.perf_counter() - started
-        with self._lock:
+        with self._handing_over():
             self._count_cpu_locked()
             self._hand_over_locked(self.core.decoded(chunk, decoded_bytes, seconds))
             self._prepare_locked()
@@ -607,20 +628,19 @@ class Engine:
         """A stage thread is ending abnormally: refuse new work, stop the other stages, answer everything held."""
         log.critical("an engine thread stopped (%s); /readyz now answers 503 and requests get 503 engine_stopped",
                      type(exc).__name__, exc_info=exc)
-        with self._lock:
-            self.alive = False
-            self.faulted = True
-            self._stopping = True
-            for wake in (self._intake_wake, self._model_wake, self._decode_wake):
-                wake.notify_all()
-            self._decoding.clear()
-            self._undecoded = 0
-            self._next = None
-            outcomes = self.core.stop_all()
-            try:
-                self._hand_over_locked(outcomes)
-            except Exception:
-                log.exception("answering the requests of the stopped engine failed")
+        try:
+            with self._handing_over():
+                self.alive = False
+                self.faulted = True
+                self._stopping = True
+                for wake in (self._intake_wake, self._model_wake, self._decode_wake):
+                    wake.notify_all()
+                self._decoding.clear()
+                self._undecoded = 0
+                self._next = None
+                self._hand_over_locked(self.core.stop_all())
+        except Exception:
+            log.exception("answering the requests of the stopped engine failed")
 
 
 def name_os_thread(name: str) -> None:

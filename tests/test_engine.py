@@ -99,6 +99,43 @@ def wait_runnable(engine: Engine, count: int) -> None:
         time.sleep(0.002)
 
 
+def test_outcomes_are_delivered_with_the_engine_lock_free_and_busy_until_they_are(model: FillMaskModel) -> None:
+    """``deliver`` runs after its stage thread released the engine's lock: waking the event loop is a
+    system call, after which that thread waits for the GIL, and the event loop, which holds the GIL,
+    blocked on the lock meanwhile. And ``busy()`` stays True until the delivery is done, so a drain
+    that sees it False has every answer (refusals from the tokenizer stage, expiries from the model
+    thread, results from the decode stage)."""
+    seen: list[tuple[str, bool, bool]] = []  # (stage thread, the lock could be taken, busy) at each delivery
+    collector = Collector()
+
+    def deliver(outcomes: list[Outcome]) -> None:
+        taken = engine._lock.acquire(timeout=1.0)  # held by this very thread: never taken (not reentrant)
+        if taken:
+            engine._lock.release()
+        seen.append((threading.current_thread().name, taken, engine.busy() if taken else True))
+        collector(outcomes)
+
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=deliver)
+    engine.start()
+    try:
+        with engine.paused():
+            assert engine.submit(job("old", deadline=time.monotonic() - 1))
+            assert engine.submit(job("no mask", text="no mask here"))
+            assert engine.submit(job("fresh"))
+            wait_runnable(engine, 2)
+        outcomes = collector.wait_for(3)
+        deadline = time.monotonic() + 10
+        while engine.busy():  # bounded: the last delivery has returned
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+    finally:
+        engine.stop()
+    assert isinstance(outcomes["old"], Expired) and isinstance(outcomes["fresh"], Result)
+    assert isinstance(outcomes["no mask"], Rejected)
+    assert {name for name, _, _ in seen} == {"fillmask-intake", "fillmask-model", "fillmask-decode"}, seen
+    assert all(taken and busy for _, taken, busy in seen), seen
+
+
 def test_expired_requests_are_answered_504_without_running(engine: Engine, collector: Collector) -> None:
     with engine.paused():
         assert engine.submit(job("old", deadline=time.monotonic() - 1))
