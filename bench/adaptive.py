@@ -16,7 +16,8 @@ to the seed design (at the same concurrency, and in an open loop at the same arr
 and p99. Then, for the default server's batches (their shapes, rows x padded width, from the results'
 ``batch_size`` and ``batch_tokens``), it times the same shapes in a child process with the same torch
 thread count (``model.forward`` alone, nothing else running) and prints the server's per-batch forward
-time (``inference_ms``) against it. Figures on a shared machine are noisy: compare the ratios of one run.
+time (``inference_ms``) against it. Last, what each server's log said of its engine (``log_lines``).
+Figures on a shared machine are noisy: compare the ratios of one run.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import loadgen  # noqa: E402
+from bench import loadgen, report  # noqa: E402
 from bench.pipeline_limits import bench_corpus  # noqa: E402
 from bench.server_proc import ServerProcess  # noqa: E402
 
@@ -92,8 +93,11 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
                   open_share: float = 0.0, open_rate: float = 0.0) -> dict[str, Any]:
     """One server: 32 closed-loop clients x ``in_flight`` (unless ``open_rate`` is given), then, with
     ``open_share`` or ``open_rate``, an open loop at that share of the closed loop's throughput or at
-    that rate (``summary["open"]``)."""
-    with ServerProcess(model_dir, args, script=script) as server:
+    that rate (``summary["open"]``). Our server runs at ``--log-level info``; its engine's lines
+    (``report.engine_lines``: the calibration, the tuner's probes and switches) are kept in
+    ``summary["log"]``, so a repeat that ended on another layout says why."""
+    ours = script == "ws_server.py"
+    with ServerProcess(model_dir, args, script=script, log_level="info" if ours else "warning") as server:
         await loadgen.settle(server.url)
         recorder = loadgen.Recorder()
         summary: dict[str, Any] = {}
@@ -102,7 +106,8 @@ async def measure(model_dir: Path, args: list[str], texts: list[str], warmup: fl
             open_rate = open_share * summary["throughput_rps"]
         if open_rate > 0:
             summary["open"] = await loadgen.open_loop(server.url, texts, 32, open_rate, warmup, duration)
-        threads, parts = await hello_threads(server.url) if script == "ws_server.py" else (0, 1)  # (the seed: none)
+        threads, parts = await hello_threads(server.url) if ours else (0, 1)  # (the seed: none)
+        summary["log"] = report.engine_lines(server.log_lines()) if ours else []
     summary["torch_threads"], summary["forward_parts"] = threads, parts
     summary.setdefault("batch", {}).setdefault("mean_rows_per_batch", float("nan"))
     if keep_batches:
@@ -243,6 +248,14 @@ def layouts(runs: list[dict[str, Any]]) -> str:
     return ", ".join(f"{layout} ×{each.count(layout)}" if len(each) > 1 else layout for layout in dict.fromkeys(each))
 
 
+def log_lines(runs: dict[str, list[dict[str, Any]]], corpus: str) -> list[str]:
+    """What each repeat's server said of its engine (``report.log_section``), named by its flags, its
+    repeat and the layout it ended on."""
+    servers = [{"name": f"{name}, repeat {n}, ended on {layouts([run])}", "corpus": corpus, "log": run["log"]}
+               for name, each in runs.items() for n, run in enumerate(each, start=1) if run.get("log")]
+    return report.log_section({"servers": servers})
+
+
 def in_process(model_dir: Path, threads: int, shapes: list[tuple[int, int]], parts: int = 1) -> dict[str, float]:
     """Median ms of a pass per shape in a fresh process, at ``threads`` torch threads in ``parts`` parts."""
     done = subprocess.run([sys.executable, "-c", INPROCESS, str(model_dir), str(threads), json.dumps(shapes),
@@ -330,6 +343,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 print("|---|---|---|---|")
                 for key in top:
                     print(f"| {key} | {shapes[key]:.2f} | {alone[key]:.2f} | {shapes[key] / alone[key]:.2f} |")
+            print("\n".join(log_lines(runs, corpus)))
     return 0
 
 

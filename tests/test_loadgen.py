@@ -400,6 +400,24 @@ def test_the_sweep_names_the_flag_sets_ahead_of_the_defaults_on_both_throughput_
     assert adaptive.ahead_line(rows).endswith(": none (none served more with a lower p99)")
 
 
+def test_the_sweep_keeps_what_each_repeats_server_said_of_its_engine() -> None:
+    """Two of eight default servers once ended a sweep on one thread, and the sweep kept no log to say
+    why. Now each repeat's engine lines are printed under its flags, its repeat and the layout it
+    ended on; a server with nothing to say (the seed design) is left out."""
+    from bench import adaptive
+
+    said = ["21:46:41.161 calibrated in 1.41 s: torch threads 2 in 2 parts of 1", "21:46:50.001 torch threads "
+            "2 in 2 parts -> 1: batches so won"]
+    runs = {"defaults": [{"torch_threads": 2, "forward_parts": 2, "log": said[:1]},
+                         {"torch_threads": 1, "forward_parts": 1, "log": said}],
+            "seed design": [{"torch_threads": 0, "forward_parts": 1, "log": []}]}
+    text = "\n".join(adaptive.log_lines(runs, "short"))
+    assert "`defaults, repeat 1, ended on 2 in 2 parts` [short]:" in text
+    assert "`defaults, repeat 2, ended on 1` [short]:" in text and "    21:46:50.001 torch threads 2 in 2" in text
+    assert "seed design" not in text
+    assert adaptive.log_lines({"seed design": runs["seed design"]}, "short") == []
+
+
 def test_the_seed_design_is_also_compared_at_the_same_arrival_rate() -> None:
     """At the same concurrency a closed loop's p99 ratio is about 1 / its throughput ratio, so the seed
     design is also compared in an open loop at the same rate; a seed that answered nothing in its window
