@@ -13,8 +13,11 @@ own tokens around its mask token), all within ``--calibration-s``:
    turn for ``THREAD_ROUNDS`` rounds (1, 2, 1, 2, ...; fewer, but at least ``MIN_THREAD_ROUNDS``, when
    they would take more than half the budget) and each count's fastest pass kept, so that a
    neighbour's passing burst of load (another replica starting beside this one) weighs on every count
-   alike instead of deciding for the one it happened to hit. The forward pass is not all the CPU a
-   request takes: the same batch's requests are also parsed, tokenized, checked, decoded and encoded
+   alike instead of deciding for the one it happened to hit. Each timed pass follows untimed ones in
+   its own layout (``SETTLE_PASSES``), as a busy server runs a layout's batches back to back: the
+   first passes after another layout's are slower, parts above all (``_LayoutTimer``). The forward
+   pass is not all the CPU a request takes: the same batch's requests are also parsed, tokenized,
+   checked, decoded and encoded
    (``stages_s``, timed once, CPU seconds per request). The layout that wins is the one predicted to
    serve the most requests a second with both (``serving_rate``), on a tie within ``THREAD_TIE`` the
    one with fewer threads, then the one with the narrower team: a model whose forward pass is cheap
@@ -85,6 +88,7 @@ K = TypeVar("K")
 
 THREAD_ROUNDS = 4  # timed passes per candidate thread count, the counts in turn ...
 MIN_THREAD_ROUNDS = 2  # ... and at least this many, whatever the time budget
+SETTLE_PASSES = 2  # untimed passes in a layout before one is timed, where the last pass was in another
 THREAD_SHAPE = (16, 16)  # rows x tokens of the batch the thread counts are timed on
 # rows x width, cheapest first. A tight budget times only the first three, so they alone must tell the
 # overhead, the row price and the token price apart: rows and padded tokens vary independently there
@@ -394,20 +398,24 @@ class _LayoutTimer:
     by side, or whole at all the layout's threads when the batch is one item. A context manager: the
     part runners' helper threads end with it.
 
-    A pass in parts right after a whole pass on a wider team is timed only once the process is quiet
-    (``wait_until_quiet``): that team's OpenMP workers go on spinning after their pass, on the cores
-    the parts need (libgomp's default spins for milliseconds: the part on the helper thread then
-    started late and lost its core for part of its pass, and the first one or two passes in parts
-    took longer, so one untimed pass in parts, the old remedy, was not enough:
-    docs/performance-log.md, "A second look at the layout while serving"), and
-    a server that runs batches in parts meets that only when a lone request came just before (its
-    steady state is batches in parts one after the other)."""
+    A busy server runs one layout's batches back to back, and so each timed pass follows passes in its
+    own layout: where the last pass was in another (or of another cut), ``SETTLE_PASSES`` untimed
+    ones come first. The first passes after a change are slower, and not by a fixed cost: a core the
+    last layout left idle wakes slowly (above all on a virtual machine), and half of the passes in
+    parts that followed a pass on one thread or on the whole team took about twice as long, so that
+    one start in ten timed its parts slow in every round and kept a layout that served less
+    (docs/performance-log.md, "Parts timed as a busy server runs them"). And a pass in parts right
+    after a whole pass on a wider team comes only once the process is quiet (``wait_until_quiet``):
+    that team's OpenMP workers go on spinning after their pass, on the cores the parts need
+    (libgomp's default spins for milliseconds; docs/performance-log.md, "A second look at the layout
+    while serving")."""
 
     def __init__(self, model: FillMaskModel, layouts: list[Layout]) -> None:
         self.model = model
         self.runners = {parts: PartRunner(parts - 1, threads // parts, _set_threads, name="fillmask-calibrate-part")
                         for threads, parts in layouts if parts > 1}
         self.team = 0  # the threads of the team that ran the last pass
+        self._last: tuple[Layout, int] | None = None  # the layout of the last pass, and its number of parts
 
     def __enter__(self) -> _LayoutTimer:
         return self
@@ -421,22 +429,27 @@ class _LayoutTimer:
         return self.run(items, layout)[0]
 
     def run(self, items: list[Item], layout: Layout) -> tuple[float, list[tuple[list[int], TopK]]]:
-        """Seconds of one pass over ``items`` in ``layout``, and its top-k: (indices, top-k) per part."""
+        """Seconds of one pass over ``items`` in ``layout``, and its top-k: (indices, top-k) per part;
+        after untimed passes where the last was in another layout (see the class docstring)."""
         cuts, each = plan([len(item.input_ids) for item in items], *layout)
         _set_threads(each)
-        if len(cuts) == 1:
-            self.team = each
-            clock = time.perf_counter()
-            topk = self.model.forward(items)
-            return time.perf_counter() - clock, [(cuts[0], topk)]
-        runner = self.runners[layout[1]]
-        calls = [functools.partial(self.model.forward, [items[i] for i in cut]) for cut in cuts]
-        if self.team > each:
-            wait_until_quiet()
-        self.team = each
+        if self._last != (layout, len(cuts)):
+            if len(cuts) > 1 and self.team > each:
+                wait_until_quiet()
+            for _ in range(SETTLE_PASSES):
+                self._pass(items, layout, cuts, each)
+            self._last = (layout, len(cuts))
         clock = time.perf_counter()
-        tops = runner.run(calls, each)
-        return time.perf_counter() - clock, list(zip(cuts, tops, strict=True))
+        tops = self._pass(items, layout, cuts, each)
+        return time.perf_counter() - clock, tops
+
+    def _pass(self, items: list[Item], layout: Layout, cuts: list[list[int]], each: int
+              ) -> list[tuple[list[int], TopK]]:
+        self.team = each
+        if len(cuts) == 1:
+            return [(cuts[0], self.model.forward(items))]
+        calls = [functools.partial(self.model.forward, [items[i] for i in cut]) for cut in cuts]
+        return list(zip(cuts, self.runners[layout[1]].run(calls, each), strict=True))
 
 
 #: How often ``wait_until_quiet`` looks at the process's CPU time: no shorter than the kernel's

@@ -317,6 +317,58 @@ def test_the_timer_sees_another_thread_of_the_process_spin_on_the_real_clocks() 
     assert wait_until_quiet() <= 5 * QUIET_TICK_S  # quiet now: the first look or so
 
 
+def test_each_timed_pass_follows_untimed_passes_in_its_own_layout(tiny_model_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy server runs one layout's batches back to back, and the first passes in parts after a
+    pass in another layout took about twice as long half of the time (an idle core waking), so one
+    start in ten timed its parts slow in every round. Now where the last pass was in another layout
+    (or cut otherwise), ``SETTLE_PASSES`` untimed ones come first, after a wait until quiet where a
+    wider team ran last; a layout timed again at once is timed at once."""
+    import threading
+
+    import torch
+
+    from fillmask_server import calibration, loading
+    from fillmask_server.calibration import SETTLE_PASSES, _LayoutTimer, batch_items
+
+    model = loading.load_model(str(tiny_model_dir))
+    events: list[tuple[str, int, int]] = []  # ("pass", torch threads, rows) or ("quiet", 0, 0)
+    lock = threading.Lock()
+    forward = model.forward
+
+    def recording(items: list[object]) -> object:
+        with lock:
+            events.append(("pass", torch.get_num_threads(), len(items)))
+        return forward(items)
+
+    def quiet() -> float:
+        events.append(("quiet", 0, 0))
+        return 0.0
+
+    monkeypatch.setattr(model, "forward", recording)
+    monkeypatch.setattr(calibration, "wait_until_quiet", quiet)
+    items = batch_items(model, 8, 12)
+    before = torch.get_num_threads()
+    taken: list[list[tuple[str, int, int]]] = []
+    try:
+        with _LayoutTimer(model, [(1, 1), (2, 1), (2, 2)]) as timer:
+            for layout in [(1, 1), (2, 1), (2, 2), (2, 2), (1, 1), (2, 2)]:
+                events.clear()
+                assert 0 < timer.time(items, layout) < 10
+                taken.append(sorted(events))  # (a part's pass on the helper may come first)
+            events.clear()
+            timer.time(items[:1], (2, 2))  # one text: one pass on the layout's threads, a cut of its own
+            taken.append(events[:])
+    finally:
+        torch.set_num_threads(before)
+    settle = SETTLE_PASSES + 1
+    whole = [[("pass", threads, 8)] * settle for threads in (1, 2)]
+    parts = sorted([("pass", 1, 4)] * 2 * settle + [("quiet", 0, 0)])  # after a wider team: quiet first
+    assert taken == [*whole, parts, [("pass", 1, 4)] * 2, whole[0], sorted([("pass", 1, 4)] * 2 * settle),
+                     [("pass", 2, 1)] * settle]
+
+
+# --- a lone request after a quiet spell ---------------------------------------------------------------------
 # --- a lone request after a quiet spell ---------------------------------------------------------------------
 
 

@@ -428,7 +428,9 @@ def test_the_cost_models_shapes_are_timed_in_turn_each_keeping_its_fastest_pass(
         torch.set_num_threads(before)
     fitted = list(calibration.FIT_SHAPES[:len(result.samples)])
     assert len(fitted) >= 3 and [(rows, padded // rows) for rows, padded, _ in result.samples] == fitted
-    warm, timed = shapes[:2 * len(fitted)], shapes[2 * len(fitted):]
+    settle = calibration.SETTLE_PASSES  # the layout's first passes, before its first shape's (_LayoutTimer)
+    warm, timed = shapes[settle:settle + 2 * len(fitted)], shapes[settle + 2 * len(fitted):]
+    assert shapes[:settle] == fitted[:1] * settle
     assert warm == [shape for shape in fitted for _ in range(2)]  # each shape's first passes, not timed
     rounds = len(timed) // len(fitted)
     assert rounds >= calibration.MIN_THREAD_ROUNDS and timed == fitted * rounds
