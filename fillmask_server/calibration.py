@@ -88,7 +88,10 @@ K = TypeVar("K")
 
 THREAD_ROUNDS = 4  # timed passes per candidate thread count, the counts in turn ...
 MIN_THREAD_ROUNDS = 2  # ... and at least this many, whatever the time budget
-SETTLE_PASSES = 2  # untimed passes in a layout before one is timed, where the last pass was in another
+SETTLE_PASSES = 2  # untimed passes in a layout before one is timed, where the last pass was in another ...
+#: ... while that layout's last timed pass was shorter than this: a slow first pass after a change costs
+#: milliseconds, within ``THREAD_TIE`` of a longer pass, which settling would make seconds longer to time.
+SETTLE_BELOW_S = 0.1
 THREAD_SHAPE = (16, 16)  # rows x tokens of the batch the thread counts are timed on
 # rows x width, cheapest first. A tight budget times only the first three, so they alone must tell the
 # overhead, the row price and the token price apart: rows and padded tokens vary independently there
@@ -309,9 +312,8 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
                 def time_at(layout: Layout) -> float:
                     return timer.time(items, layout)
 
-                for layout in candidates:
-                    for _ in range(2):  # the first passes at a count start its workers (``_warm``)
-                        time_at(layout)
+                for layout in candidates:  # its first passes start its workers (and settle it: ``_LayoutTimer``)
+                    time_at(layout)
                 beside = stages_s(model, items, decoder) if device == "cpu" else 0.0  # a GPU's leaves the CPUs free
                 result.stages_us = beside * 1e6
                 thread_until = started + budget_s / 2  # the other half is the cost model's
@@ -400,10 +402,11 @@ class _LayoutTimer:
 
     A busy server runs one layout's batches back to back, and so each timed pass follows passes in its
     own layout: where the last pass was in another (or of another cut), ``SETTLE_PASSES`` untimed
-    ones come first. The first passes after a change are slower, and not by a fixed cost: a core the
-    last layout left idle wakes slowly (above all on a virtual machine), and half of the passes in
-    parts that followed a pass on one thread or on the whole team took about twice as long, so that
-    one start in ten timed its parts slow in every round and kept a layout that served less
+    ones come first (unless that layout's last timed pass took ``SETTLE_BELOW_S`` or more). The first
+    passes after a change are slower, by milliseconds: a core the last layout left idle wakes slowly
+    (above all on a virtual machine), and half or more of tiny's passes in parts that followed a pass
+    on one thread or on the whole team took about twice as long, so that one start in ten timed its
+    parts slow in every round and kept a layout that served less
     (docs/performance-log.md, "Parts timed as a busy server runs them"). And a pass in parts right
     after a whole pass on a wider team comes only once the process is quiet (``wait_until_quiet``):
     that team's OpenMP workers go on spinning after their pass, on the cores the parts need
@@ -416,6 +419,7 @@ class _LayoutTimer:
                         for threads, parts in layouts if parts > 1}
         self.team = 0  # the threads of the team that ran the last pass
         self._last: tuple[Layout, int] | None = None  # the layout of the last pass, and its number of parts
+        self._took: dict[tuple[Layout, int], float] = {}  # each one's last timed pass, seconds
 
     def __enter__(self) -> _LayoutTimer:
         return self
@@ -433,15 +437,18 @@ class _LayoutTimer:
         after untimed passes where the last was in another layout (see the class docstring)."""
         cuts, each = plan([len(item.input_ids) for item in items], *layout)
         _set_threads(each)
-        if self._last != (layout, len(cuts)):
+        key = (layout, len(cuts))
+        if self._last != key:
             if len(cuts) > 1 and self.team > each:
                 wait_until_quiet()
-            for _ in range(SETTLE_PASSES):
-                self._pass(items, layout, cuts, each)
-            self._last = (layout, len(cuts))
+            if self._took.get(key, 0.0) < SETTLE_BELOW_S:
+                for _ in range(SETTLE_PASSES):
+                    self._pass(items, layout, cuts, each)
+            self._last = key
         clock = time.perf_counter()
         tops = self._pass(items, layout, cuts, each)
-        return time.perf_counter() - clock, tops
+        self._took[key] = seconds = time.perf_counter() - clock
+        return seconds, tops
 
     def _pass(self, items: list[Item], layout: Layout, cuts: list[list[int]], each: int
               ) -> list[tuple[list[int], TopK]]:

@@ -38,8 +38,8 @@ in. The event loop only calls the cheap methods ``submit``, ``withdraw``, ``with
 ``deliver``, called on a stage thread just after it released the engine's lock (the server makes it
 thread-safe and non-blocking with ``call_soon_threadsafe``). Not under the lock: waking the event loop
 is a system call, after which the stage thread waits for the GIL, and the event loop, which holds the
-GIL, blocked on the engine lock meanwhile (docs/performance-log.md, "The engine lock held across a
-wake-up").
+GIL, blocked on the engine lock meanwhile (docs/performance-log.md, "Parts timed as a busy server
+runs them, and the engine lock held across a wake-up").
 
 Invariants: every call into the core is made under ``self._lock``; the outcomes it returns are queued
 under that lock (``_hand_over_locked``) and delivered by the thread that queued them as it releases it
@@ -241,7 +241,7 @@ class Engine:
     def busy(self) -> bool:
         """True while any accepted request has no outcome yet, or one is still being delivered."""
         with self._lock:
-            return self.core.busy() or self._delivering > 0
+            return self.core.busy() or self._delivering > 0 or bool(self._outbox)
 
     def retry_after_ms(self) -> int:
         """Estimate of how long the current queue takes to clear, for 503/504 answers."""
@@ -325,12 +325,15 @@ class Engine:
     def _handing_over(self) -> Iterator[None]:
         """The engine lock, for a block that may make outcomes final (``_hand_over_locked``): once the
         lock is released, this thread gives them to ``deliver`` in one call (``deliver`` must not block),
-        and ``busy()`` stays True until it has. (Outcomes another thread queued while this block waited
-        on a condition, the lock released, go with them: each is delivered once, by whoever takes it.)"""
+        and ``busy()`` stays True until it has, also when the block raised after queueing some. (Were a
+        block to wait on a condition after queueing, another thread's block could take them: each is
+        delivered once, by whoever takes it.)"""
         with self._lock:
-            yield
-            outcomes, self._outbox = self._outbox, []
-            self._delivering += bool(outcomes)
+            try:
+                yield
+            finally:  # (a block that raised after queueing: its outcomes still go)
+                outcomes, self._outbox = self._outbox, []
+                self._delivering += bool(outcomes)
         if outcomes:
             try:
                 self._deliver(outcomes)

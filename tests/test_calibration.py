@@ -323,7 +323,8 @@ def test_each_timed_pass_follows_untimed_passes_in_its_own_layout(tiny_model_dir
     pass in another layout took about twice as long half of the time (an idle core waking), so one
     start in ten timed its parts slow in every round. Now where the last pass was in another layout
     (or cut otherwise), ``SETTLE_PASSES`` untimed ones come first, after a wait until quiet where a
-    wider team ran last; a layout timed again at once is timed at once."""
+    wider team ran last; a layout timed again at once is timed at once, and so is one whose last
+    timed pass took ``SETTLE_BELOW_S`` or more (a pass of seconds is not settled for milliseconds)."""
     import threading
 
     import torch
@@ -350,15 +351,24 @@ def test_each_timed_pass_follows_untimed_passes_in_its_own_layout(tiny_model_dir
     items = batch_items(model, 8, 12)
     before = torch.get_num_threads()
     taken: list[list[tuple[str, int, int]]] = []
+    firsts: list[tuple[str, int, int]] = []
+    long: list[list[tuple[str, int, int]]] = []
     try:
         with _LayoutTimer(model, [(1, 1), (2, 1), (2, 2)]) as timer:
             for layout in [(1, 1), (2, 1), (2, 2), (2, 2), (1, 1), (2, 2)]:
                 events.clear()
                 assert 0 < timer.time(items, layout) < 10
-                taken.append(sorted(events))  # (a part's pass on the helper may come first)
+                firsts.append(events[0])
+                taken.append(sorted(events))  # (a part's pass on the helper may come before one here)
             events.clear()
             timer.time(items[:1], (2, 2))  # one text: one pass on the layout's threads, a cut of its own
             taken.append(events[:])
+        monkeypatch.setattr(calibration, "SETTLE_BELOW_S", 1e-9)  # every timed pass now counts as long
+        with _LayoutTimer(model, [(1, 1), (2, 1)]) as timer:
+            for layout in [(1, 1), (2, 1), (1, 1)]:
+                events.clear()
+                timer.time(items, layout)
+                long.append(events[:])
     finally:
         torch.set_num_threads(before)
     settle = SETTLE_PASSES + 1
@@ -366,9 +376,10 @@ def test_each_timed_pass_follows_untimed_passes_in_its_own_layout(tiny_model_dir
     parts = sorted([("pass", 1, 4)] * 2 * settle + [("quiet", 0, 0)])  # after a wider team: quiet first
     assert taken == [*whole, parts, [("pass", 1, 4)] * 2, whole[0], sorted([("pass", 1, 4)] * 2 * settle),
                      [("pass", 2, 1)] * settle]
+    assert firsts[2] == ("quiet", 0, 0) and ("quiet", 0, 0) not in [*firsts[:2], *firsts[3:]]
+    assert long == [*whole, [("pass", 1, 8)]]  # (1, 1) again: its last timed pass was "long"
 
 
-# --- a lone request after a quiet spell ---------------------------------------------------------------------
 # --- a lone request after a quiet spell ---------------------------------------------------------------------
 
 

@@ -109,7 +109,7 @@ def test_outcomes_are_delivered_with_the_engine_lock_free_and_busy_until_they_ar
     collector = Collector()
 
     def deliver(outcomes: list[Outcome]) -> None:
-        taken = engine._lock.acquire(timeout=1.0)  # held by this very thread: never taken (not reentrant)
+        taken = engine._lock.acquire(timeout=10.0)  # held by this very thread: never taken (not reentrant)
         if taken:
             engine._lock.release()
         seen.append((threading.current_thread().name, taken, engine.busy() if taken else True))
@@ -119,9 +119,8 @@ def test_outcomes_are_delivered_with_the_engine_lock_free_and_busy_until_they_ar
     engine.start()
     try:
         with engine.paused():
-            assert engine.submit(job("old", deadline=time.monotonic() - 1))
-            assert engine.submit(job("no mask", text="no mask here"))
-            assert engine.submit(job("fresh"))
+            for each in (job("old", deadline=time.monotonic() - 1), job("no mask", text="no mask here"), job("fresh")):
+                assert engine.submit(each) is Admission.ACCEPTED
             wait_runnable(engine, 2)
         outcomes = collector.wait_for(3)
         deadline = time.monotonic() + 10
