@@ -312,11 +312,10 @@ def _calibrate(model: FillMaskModel, budget_s: float, torch_threads: int, model_
                 def time_at(layout: Layout) -> float:
                     return timer.time(items, layout)
 
-                for layout in candidates:  # its first passes start its workers (and settle it: ``_LayoutTimer``)
-                    time_at(layout)
                 beside = stages_s(model, items, decoder) if device == "cpu" else 0.0  # a GPU's leaves the CPUs free
                 result.stages_us = beside * 1e6
                 thread_until = started + budget_s / 2  # the other half is the cost model's
+                # (Each layout's first timed pass follows untimed ones, which start its workers: _LayoutTimer.)
                 fastest = fastest_per_count(time_at, candidates, THREAD_ROUNDS,
                                             lambda: time.perf_counter() < thread_until)
             result.threads_ms = {count: s * 1000 for (count, parts), s in fastest.items() if parts == 1}
