@@ -328,18 +328,21 @@ class Engine:
         and ``busy()`` stays True until it has, also when the block raised after queueing some. (Were a
         block to wait on a condition after queueing, another thread's block could take them: each is
         delivered once, by whoever takes it.)"""
-        with self._lock:
-            try:
-                yield
-            finally:  # (a block that raised after queueing: its outcomes still go)
-                outcomes, self._outbox = self._outbox, []
-                self._delivering += bool(outcomes)
-        if outcomes:
-            try:
-                self._deliver(outcomes)
-            finally:
-                with self._lock:
-                    self._delivering -= 1
+        outcomes: list[Outcome] = []
+        try:
+            with self._lock:
+                try:
+                    yield
+                finally:
+                    outcomes, self._outbox = self._outbox, []
+                    self._delivering += bool(outcomes)
+        finally:  # (also where the block raised after queueing: its outcomes still go, then the exception)
+            if outcomes:
+                try:
+                    self._deliver(outcomes)
+                finally:
+                    with self._lock:
+                        self._delivering -= 1
 
     # --- the stage threads --------------------------------------------------------------------------
 

@@ -135,6 +135,19 @@ def test_outcomes_are_delivered_with_the_engine_lock_free_and_busy_until_they_ar
     assert all(taken and busy for _, taken, busy in seen), seen
 
 
+def test_outcomes_queued_before_a_stage_block_raised_are_still_delivered(model: FillMaskModel) -> None:
+    """A stage's block under the lock that raised after it had queued outcomes (a fault in the batch
+    choice, say) still delivers them as the exception goes on to end that thread, and ``busy()`` does
+    not stay True for a delivery that never comes."""
+    delivered: list[Outcome] = []
+    engine = Engine(model, BatchPolicy(8, 4096), max_queue=10, max_masks=4, deliver=delivered.extend)
+    expired = Expired(job("late"), 1.0, 100)
+    with pytest.raises(RuntimeError, match="the block failed"), engine._handing_over():
+        engine._hand_over_locked([expired])
+        raise RuntimeError("the block failed")
+    assert delivered == [expired] and not engine.busy()
+
+
 def test_expired_requests_are_answered_504_without_running(engine: Engine, collector: Collector) -> None:
     with engine.paused():
         assert engine.submit(job("old", deadline=time.monotonic() - 1))
