@@ -407,7 +407,7 @@ async def test_out_of_file_descriptors_accepts_fail_with_a_line_now_and_then_and
     accept, thousands a second (18 MB in 30 s). Now: a warning at start that the limit is too low for
     --max-connections, one line per 10 s while accepts fail, no traceback, and service once the
     descriptors are free again."""
-    process, url = await start_server("--model", str(tiny_model_dir), "--calibration-s", "0", open_files=256)
+    process, url = await start_server("--model", str(tiny_model_dir), *NO_CALIBRATION, open_files=256)
     said: list[bytes] = []
     reader = asyncio.ensure_future(_collect(process.stderr, said))  # (a flood must not fill the pipe)
     port = int(url.rsplit(":", 1)[1].strip("/"))
@@ -454,7 +454,7 @@ async def test_a_stdout_nobody_reads_does_not_stop_a_server_that_serves(tiny_mod
     os.close(read_end)  # nobody will ever read the server's stdout
     try:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--calibration-s", "0",
+            sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", *NO_CALIBRATION,
             cwd=ROOT, env=ENV, stdout=write_end, stderr=asyncio.subprocess.PIPE)
     finally:
         os.close(write_end)
