@@ -18,8 +18,8 @@
   one item runs whole, on all of them, but on the fewer threads of ``quiet`` (``layout.QuietLone``,
   measured by the calibration, then by these passes) when they are the team it was timed against
   and the model thread's last pass on all of them ended long enough ago for the team to have gone
-  quiet: on the rule's count in use (the team where it is the faster), or, one in
-  ``layout.QUIET_PROBE_EVERY``, on another count to time it. Each such pass that did not fail
+  quiet: on the rule's count in use (the team where it is the faster), or, now and then
+  (``layout.QuietLone.probe_gap``), on another count to time it. Each such pass that did not fail
   gives the rule its time, and the rule may choose again.
   Nothing else: no tokenizing, no strings, no JSON. Faults are isolated here: a batch the model
   fails on is retried in halves while the failure is out of memory and item by item otherwise, so

@@ -40,11 +40,12 @@ one thread is the faster (``choose_quiet_lone``), by more than it is slower than
 back, a lone request that starts at least as long after the model thread's last pass on the team as
 the calibration waited runs on one thread. The calibration's few rounds can misjudge that wake-up,
 and the host's share of slow ones moves from minute to minute, so the choice is made again while
-serving, from the lone requests' own passes after a quiet and a rare probe of the count not in use
-(``QuietLone.ran``). It is the team's own quiet that counts: a team left asleep while the model
-thread ran passes on one thread, tens of milliseconds apart, was as slow to wake (the performance
-log has the figures). So once lone requests run on one thread, the team runs again only for a batch
-that its layout gives all of it (a one-pass layout's batch of several texts), or for a probe.
+serving, from the lone requests' own passes after a quiet and a probe of the count not in use, rare
+once that count's passes while serving have replaced the calibration's timing (``QuietLone.ran``).
+It is the team's own quiet that counts: a team left asleep while the model thread ran passes on one
+thread, tens of milliseconds apart, was as slow to wake (the performance log has the figures). So
+once lone requests run on one thread, the team runs again only for a batch that its layout gives
+all of it (a one-pass layout's batch of several texts), or for a probe.
 Invariant: that rule changes only batches of one request whose layout gives them the team it was
 timed against, and only to a count it timed.
 """
@@ -66,7 +67,8 @@ LOOK_REQUESTS = 100  # ... that ran at least this many requests
 
 QUIET_SAMPLES = 5  # a count's estimate for a lone request after a quiet: the mean of its last this many passes ...
 QUIET_MARGIN = 0.1  # ... and another count's must beat the count in use's with this much added to it
-QUIET_PROBE_EVERY = 256  # one such request in this many runs on another count, to time it (well under a p99's 1%)
+QUIET_PROBE_EVERY = 256  # one such request in this many runs on another count, to time it (well under a p99's 1%),
+# once that count's last QUIET_SAMPLES passes were all timed while serving; half as many for each not yet
 
 
 def preference(layout: Layout) -> tuple[int, int]:
@@ -184,7 +186,13 @@ class QuietLone:
 
     The count in use is timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of
     them runs on another count, to time that one again (a probe, which costs at most that share of
-    such requests).
+    such requests). A count whose estimate still holds the calibration's timing is probed sooner:
+    the gap halves for each of its last ``QUIET_SAMPLES`` passes not timed while serving (one in 8
+    at first, then 16, 32 ...). A calibration that timed the team once at a bad moment put lone
+    requests on one thread, and one probe in 256 would have needed hundreds of such requests to
+    bring them back (base on the 2-core KVM guest: docs/performance-log.md, "A calibration's bad
+    moment undone while serving"); a team that does wake slowly costs five slow wakes in the first
+    250 or so, and then one in 256 as before.
 
     Invariant: the rule changes only batches of one request whose layout gives them the team it was
     timed against, after that team's quiet, and only to a count it timed."""
@@ -208,7 +216,7 @@ class QuietLone:
                         for count, seconds in self.lone_s.items()}
         self._served = dict.fromkeys(self.lone_s, 0)  # passes timed while serving, per count (at most the window)
         self._probe_every = probe_every  # (``QUIET_PROBE_EVERY``; a test's may be smaller)
-        self._until_probe = probe_every
+        self._since_probe = 0  # the rule's requests since the last probe (or since the start)
 
     @property
     def served(self) -> dict[int, int]:
@@ -223,16 +231,25 @@ class QuietLone:
 
     def threads_for(self, rows: int, threads: int, quiet_s: float) -> int:
         """The threads that batch runs on (``applies``' arguments): ``threads`` unless it is the rule's;
-        then the count in use, or every ``QUIET_PROBE_EVERY``-th time another one (counted here)."""
+        then the count in use, or once every ``probe_gap`` of the rule's requests another one, in turn
+        (counted here)."""
         if not self.applies(rows, threads, quiet_s):
             return threads
-        self._until_probe -= 1
-        if self._until_probe > 0:
-            return self.threads
-        self._until_probe = self._probe_every
+        self._since_probe += 1
         others = [count for count in self.lone_s if count != self.threads]
+        other = others[(self.probes + 1) % len(others)]
+        if self._since_probe < self.probe_gap(other):
+            return self.threads
+        self._since_probe = 0
         self.probes += 1
-        return others[self.probes % len(others)]
+        return other
+
+    def probe_gap(self, count: int) -> int:
+        """How many of the rule's requests run from one probe to the next when the next runs on
+        ``count``: ``QUIET_PROBE_EVERY`` (``probe_every``) once each of that count's last
+        ``QUIET_SAMPLES`` passes was timed while serving, half as many for each that was not (at
+        least 2: the count in use is timed in between)."""
+        return max(2, self._probe_every >> (QUIET_SAMPLES - self._served[count]))
 
     def ran(self, threads: int, seconds: float, scale: float = 1.0) -> str | None:
         """The rule's batch (``applies``) ran on ``threads`` threads in ``seconds``; ``scale``: a warm
