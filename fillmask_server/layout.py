@@ -67,8 +67,8 @@ LOOK_REQUESTS = 100  # ... that ran at least this many requests
 
 QUIET_SAMPLES = 5  # a count's estimate for a lone request after a quiet: the mean of its last this many passes ...
 QUIET_MARGIN = 0.1  # ... and another count's must beat the count in use's with this much added to it
-QUIET_PROBE_EVERY = 256  # one such request in this many runs on another count, to time it (well under a p99's 1%),
-# once that count's last QUIET_SAMPLES passes were all timed while serving; half as many for each not yet
+QUIET_PROBE_EVERY = 256  # one such request in this many runs on another count, to time it (well under a p99's 1%);
+# sooner while that count's passes while serving are fewer than QUIET_SAMPLES and won (``QuietLone.probe_gap``)
 
 
 def preference(layout: Layout) -> tuple[int, int]:
@@ -186,13 +186,13 @@ class QuietLone:
 
     The count in use is timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of
     them runs on another count, to time that one again (a probe, which costs at most that share of
-    such requests). A count whose estimate still holds the calibration's timing is probed sooner:
-    the gap halves for each of its last ``QUIET_SAMPLES`` passes not timed while serving (one in 8
-    at first, then 16, 32 ...). A calibration that timed the team once at a bad moment put lone
-    requests on one thread, and one probe in 256 would have needed hundreds of such requests to
-    bring them back (base on the 2-core KVM guest: docs/performance-log.md, "A calibration's bad
-    moment undone while serving"); a team that does wake slowly costs five slow wakes in the first
-    250 or so, and then one in 256 as before.
+    such requests). A count whose estimate still holds the calibration's timing is probed sooner
+    while its passes while serving beat the count in use (``probe_gap``): the first probe comes
+    after 8 such requests, and while each probe wins, the next after twice as many (16, 32 ...). A
+    calibration that timed the team once at a bad moment put lone requests on one thread, and one
+    probe in 256 would have needed hundreds of such requests to bring them back (base on the 2-core
+    KVM guest: docs/performance-log.md, "A calibration's bad moment undone while serving"); a team
+    that does wake slowly loses its first probe, and costs one slow wake early, then one in 256.
 
     Invariant: the rule changes only batches of one request whose layout gives them the team it was
     timed against, after that team's quiet, and only to a count it timed."""
@@ -246,10 +246,14 @@ class QuietLone:
 
     def probe_gap(self, count: int) -> int:
         """How many of the rule's requests run from one probe to the next when the next runs on
-        ``count``: ``QUIET_PROBE_EVERY`` (``probe_every``) once each of that count's last
-        ``QUIET_SAMPLES`` passes was timed while serving, half as many for each that was not (at
-        least 2: the count in use is timed in between)."""
-        return max(2, self._probe_every >> (QUIET_SAMPLES - self._served[count]))
+        ``count``: ``QUIET_PROBE_EVERY`` (``probe_every``), or, while that count's last pass timed
+        while serving beat the count in use's estimate (or none has been timed yet), half as many for
+        each of its last ``QUIET_SAMPLES`` passes not timed while serving (at least 2: the count in
+        use is timed in between)."""
+        served = self._served[count]
+        if served and self._recent[count][-1] >= self.estimates()[self.threads]:
+            return self._probe_every  # (its last probe lost: the calibration's verdict stands for now)
+        return max(2, self._probe_every >> (QUIET_SAMPLES - served))
 
     def ran(self, threads: int, seconds: float, scale: float = 1.0) -> str | None:
         """The rule's batch (``applies``) ran on ``threads`` threads in ``seconds``; ``scale``: a warm

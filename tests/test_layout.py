@@ -270,8 +270,10 @@ def test_a_count_still_timed_by_the_calibration_alone_is_probed_sooner() -> None
     quiet, where it takes 55-60) put lone requests on one thread (83 ms). One probe in
     ``QUIET_PROBE_EVERY`` would have needed hundreds of such requests to bring them back. The gap
     from one probe to the next is 8 while none of the team's last five passes was timed while
-    serving, and doubles with each that was; the rule is back on the team after three probes (one
-    thread's 17 ms more back to back outweighs the 2.6 ms it still seems to save after the quiet)."""
+    serving, and doubles with each that was while the team's probes beat one thread; the rule is back
+    on the team after three probes (one thread's 17 ms more back to back outweighs the 2.6 ms it
+    still seems to save after the quiet). A team that does wake slowly loses its first probe, and
+    the next comes ``QUIET_PROBE_EVERY`` later."""
     quiet = QuietLone({1: 83e-3, 2: 130e-3}, 0.02, {1: 62e-3, 2: 45e-3})
     assert quiet.threads == 1
     probed_at = []
@@ -287,6 +289,13 @@ def test_a_count_still_timed_by_the_calibration_alone_is_probed_sooner() -> None
     assert quiet.threads == 2 and quiet.served == {1: 5, 2: 3}
     assert quiet.probe_gap(1) == QUIET_PROBE_EVERY and quiet.probe_gap(2) == 64
     assert QuietLone({1: 1e-3, 2: 1e-3}, 0.02, probe_every=2).probe_gap(2) == 2  # (the count in use in between)
+    slow = QuietLone({1: 3.5e-3, 2: 15.1e-3}, 0.041, {1: 2.6e-3, 2: 2.4e-3})
+    runs = []
+    for _ in range(8 + QUIET_PROBE_EVERY):
+        runs.append(slow.threads_for(1, 2, 1.0))
+        slow.ran(runs[-1], 12e-3 if runs[-1] == 2 else 3.5e-3)
+    assert [i + 1 for i, count in enumerate(runs) if count == 2] == [8, 8 + QUIET_PROBE_EVERY]
+    assert slow.threads == 1
 
 
 def test_the_quiet_lone_rule_needs_each_counts_time_and_the_quiet() -> None:
