@@ -68,7 +68,7 @@ LOOK_REQUESTS = 100  # ... that ran at least this many requests
 QUIET_SAMPLES = 5  # a count's estimate for a lone request after a quiet: the mean of its last this many passes ...
 QUIET_MARGIN = 0.1  # ... and another count's must beat the count in use's with this much added to it
 QUIET_PROBE_EVERY = 256  # one such request in this many runs on another count, to time it (well under a p99's 1%);
-# sooner while that count's passes while serving are fewer than QUIET_SAMPLES and won (``QuietLone.probe_gap``)
+# sooner while that count's probes win and its passes while serving are fewer than QUIET_SAMPLES (``probe_gap``)
 
 
 def preference(layout: Layout) -> tuple[int, int]:
@@ -187,12 +187,13 @@ class QuietLone:
     The count in use is timed by every lone request after a quiet; one in ``QUIET_PROBE_EVERY`` of
     them runs on another count, to time that one again (a probe, which costs at most that share of
     such requests). A count whose estimate still holds the calibration's timing is probed sooner
-    while its passes while serving beat the count in use (``probe_gap``): the first probe comes
-    after 8 such requests, and while each probe wins, the next after twice as many (16, 32 ...). A
-    calibration that timed the team once at a bad moment put lone requests on one thread, and one
-    probe in 256 would have needed hundreds of such requests to bring them back (base on the 2-core
-    KVM guest: docs/performance-log.md, "A calibration's bad moment undone while serving"); a team
-    that does wake slowly loses its first probe, and costs one slow wake early, then one in 256.
+    while its probes win, that is while the rule would choose it were it always as fast as in its
+    last probe (``probe_gap``): the 8th such request is the first probe, and while each probe wins,
+    the next comes twice as many later (16, 32 ...). A calibration that timed the team once at a bad
+    moment put lone requests on one thread, and one probe in 256 would have needed hundreds of such
+    requests to bring them back (base on the 2-core KVM guest: docs/performance-log.md, "A
+    calibration's bad moment undone while serving"); a team that does wake slowly loses its first
+    probe, and costs one slow wake early, then one in 256.
 
     Invariant: the rule changes only batches of one request whose layout gives them the team it was
     timed against, after that team's quiet, and only to a count it timed."""
@@ -217,6 +218,7 @@ class QuietLone:
         self._served = dict.fromkeys(self.lone_s, 0)  # passes timed while serving, per count (at most the window)
         self._probe_every = probe_every  # (``QUIET_PROBE_EVERY``; a test's may be smaller)
         self._since_probe = 0  # the rule's requests since the last probe (or since the start)
+        self._won = dict.fromkeys(self.lone_s, True)  # per count: its last probe won (``probe_gap``); none yet: True
 
     @property
     def served(self) -> dict[int, int]:
@@ -242,18 +244,20 @@ class QuietLone:
             return self.threads
         self._since_probe = 0
         self.probes += 1
+        self._won[other] = False  # (until its pass, counted, says otherwise: ``ran``)
         return other
 
     def probe_gap(self, count: int) -> int:
         """How many of the rule's requests run from one probe to the next when the next runs on
-        ``count``: ``QUIET_PROBE_EVERY`` (``probe_every``), or, while that count's last pass timed
-        while serving beat the count in use's estimate (or none has been timed yet), half as many for
-        each of its last ``QUIET_SAMPLES`` passes not timed while serving (at least 2: the count in
-        use is timed in between)."""
-        served = self._served[count]
-        if served and self._recent[count][-1] >= self.estimates()[self.threads]:
-            return self._probe_every  # (its last probe lost: the calibration's verdict stands for now)
-        return max(2, self._probe_every >> (QUIET_SAMPLES - served))
+        ``count``: ``QUIET_PROBE_EVERY`` (``probe_every``), or, while that count's probes win (none
+        made yet, or the last one won), half as many for each of its last ``QUIET_SAMPLES`` passes
+        not timed while serving (at least 2: the count in use is timed in between). A probe wins when
+        the rule, with that probe's pass standing for its count, would choose the count (``ran``,
+        judged once, when it ran); one whose pass was not counted (failed, or a length the cost
+        model's scale could not bring to the calibration's) lost."""
+        if not self._won[count]:
+            return self._probe_every
+        return max(2, self._probe_every >> (QUIET_SAMPLES - self._served[count]))
 
     def ran(self, threads: int, seconds: float, scale: float = 1.0) -> str | None:
         """The rule's batch (``applies``) ran on ``threads`` threads in ``seconds``; ``scale``: a warm
@@ -268,11 +272,12 @@ class QuietLone:
         at_length = seconds - warm * (scale - 1)
         if at_length <= 0:  # the cost model's scale, far off for this pass: nothing to learn from it
             return None
+        if threads != self.threads:  # a probe: won if the rule would choose its count were it always so fast
+            self._won[threads] = self._choose({**self.estimates(), threads: at_length}) == threads
         self._recent[threads].append(at_length)
         self._served[threads] = min(QUIET_SAMPLES, self._served[threads] + 1)
         estimates = self.estimates()
-        handicapped = {count: s * (1 + QUIET_MARGIN) if count != self.threads else s for count, s in estimates.items()}
-        chosen = choose_quiet_lone(handicapped, self.warm_s)
+        chosen = self._choose(estimates)
         if chosen == self.threads or (chosen > self.threads and 2 * self._served[chosen] <= QUIET_SAMPLES):
             return None  # (more threads only on their own passes while serving: the class doc)
         before, self.threads = self.threads, chosen
@@ -280,6 +285,12 @@ class QuietLone:
         return (f"a lone request after {self.after_s * 1e3:.0f} ms of quiet now runs on {chosen} "
                 f"thread{'s' if chosen > 1 else ''}, not {before}: the mean of its last passes after a quiet "
                 f"on each count ({timed})")
+
+    def _choose(self, estimates: dict[int, float]) -> int:
+        """The count the rule chooses with ``estimates``: ``choose_quiet_lone``, the counts not in use
+        handicapped by ``QUIET_MARGIN`` (the class doc's first brake)."""
+        handicapped = {count: s * (1 + QUIET_MARGIN) if count != self.threads else s for count, s in estimates.items()}
+        return choose_quiet_lone(handicapped, self.warm_s)
 
     def estimates(self) -> dict[int, float]:
         """Each count's seconds for a lone request after the quiet, as now estimated (the class doc)."""
