@@ -27,7 +27,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # time and the CPU of the files that start servers (docs/test-suite-history.md, the twenty-ninth
 # session). Set here, before torch loads, for this process and every one the tests start; the speed
 # of the server's own default is the benchmarks' business (bench/), not the tests'.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if not os.environ.get("OMP_WAIT_POLICY"):  # (an empty one, libgomp warns of on every process's stderr)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -241,15 +242,17 @@ BYTECODE_DIRS = (ROOT / "fillmask_server", CLIENT_DIR / "fillmask_client", ROOT 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the project's own modules to bytecode once, before any test (the controller of a run
-    with workers, or the run without): where Python is told not to write bytecode
-    (``PYTHONDONTWRITEBYTECODE``, set on these machines), each of the suite's subprocesses compiled
-    them again at its start, a fifth of a second of CPU in each of well over a hundred. Only what
-    changed since the last run is compiled again; an installed package's bytecode is its installer's."""
+    with workers, or the run without): where the environment tells Python not to write bytecode
+    (``PYTHONDONTWRITEBYTECODE``; these machines do), each of the suite's subprocesses compiled them
+    again at its start, a fifth of a second of CPU in each of well over a hundred. Only what changed
+    since the last run is compiled again (into the ``__pycache__`` folders git ignores); an installed
+    package's bytecode is its installer's."""
     if getattr(session.config, "workerinput", None) is None:
         import compileall
 
         for directory in BYTECODE_DIRS:
             compileall.compile_dir(directory, quiet=2)
+        compileall.compile_file(ROOT / "ws_server.py", quiet=2)  # (a module too: some tests' scripts import it)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -291,7 +291,7 @@ async def test_rolling_restart_under_load_loses_no_call(
         callers = [asyncio.create_task(caller(client, n)) for n in range(12)]
         try:
             for replica in cluster.replicas:  # one at a time, as a Deployment's rolling update does
-                before = len(answered)  # calls flowing again (through every replica now running) first
+                before = len(answered)  # calls flowing again first
                 await wait_until(lambda before=before: len(answered) >= before + 40 or bool(failed), timeout=30)
                 await cluster.restart(replica)
             restarted.set()
