@@ -574,7 +574,7 @@ async def test_what_start_up_made_is_frozen_out_of_the_garbage_collectors_walks(
     many, with Python's own collection counts."""
     import urllib.request
 
-    process, url = await start_server("--model", str(tiny_model_dir), *NO_CALIBRATION)
+    process, url = await start_server("--model", str(tiny_model_dir))
     try:
         http = url.replace("ws://", "http://").rstrip("/") + "/metrics"
         with await asyncio.to_thread(urllib.request.urlopen, http, timeout=5) as response:
