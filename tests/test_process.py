@@ -383,12 +383,13 @@ async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_mo
 async def start_server(*args: str, nohup: bool = False, open_files: int = 0,
                        script: str = "ws_server.py") -> tuple[asyncio.subprocess.Process, str]:
     """``ws_server.py`` (or ``script``, which runs it) in a subprocess, once it printed its ready line:
-    (process, WebSocket URL). ``nohup``: started with SIGHUP ignored, as ``nohup`` starts it;
-    ``open_files``: with that limit (soft and hard) on its file descriptors."""
+    (process, WebSocket URL). ``nohup``: started with SIGHUP ignored, as ``nohup`` starts it, and
+    otherwise with SIGHUP's default, whatever the suite's own was (a suite run under ``nohup`` left
+    it ignored, and the server then rightly kept it so); ``open_files``: with that limit (soft and
+    hard) on its file descriptors."""
 
     def before() -> None:
-        if nohup:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL)
         if open_files:
             import resource
 
