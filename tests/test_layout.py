@@ -267,38 +267,6 @@ def test_one_lone_request_in_so_many_after_a_quiet_times_the_other_count_and_the
     assert later.index(1) == QUIET_PROBE_EVERY - 1 and later.count(1) == 1  # now one thread is probed
 
 
-def test_a_count_still_timed_by_the_calibration_alone_is_probed_sooner() -> None:
-    """A calibration that timed the team once at a bad moment (base on the KVM guest: 130 ms after the
-    quiet, where it takes 55-60) put lone requests on one thread (83 ms). One probe in
-    ``QUIET_PROBE_EVERY`` would have needed hundreds of such requests to bring them back. The gap
-    from one probe to the next is 8 while none of the team's last five passes was timed while
-    serving, and doubles with each that was while the team's probes beat one thread; the rule is back
-    on the team after three probes (one thread's 17 ms more back to back outweighs the 2.6 ms it
-    still seems to save after the quiet). A team that does wake slowly loses its first probe, and
-    the next comes ``QUIET_PROBE_EVERY`` later."""
-    quiet = QuietLone({1: 83e-3, 2: 130e-3}, 0.02, {1: 62e-3, 2: 45e-3})
-    assert quiet.threads == 1
-    probed_at = []
-    for request in range(1, 200):
-        if quiet.threads_for(1, 2, 1.0) == 2:
-            probed_at.append(request)
-            quiet.ran(2, 56e-3)
-        else:
-            quiet.ran(1, 83e-3)
-        if quiet.threads == 2:
-            break
-    assert probed_at == [8, 8 + 16, 8 + 16 + 32]
-    assert quiet.threads == 2 and quiet.served == {1: 5, 2: 3} and quiet.probe_gap(1) == QUIET_PROBE_EVERY
-    assert QuietLone({1: 1e-3, 2: 1e-3}, 0.02, probe_every=2).probe_gap(2) == 2  # (the count in use in between)
-    slow = QuietLone({1: 3.5e-3, 2: 15.1e-3}, 0.041, {1: 2.6e-3, 2: 2.4e-3})
-    runs = []
-    for _ in range(8 + QUIET_PROBE_EVERY):
-        runs.append(slow.threads_for(1, 2, 1.0))
-        slow.ran(runs[-1], 12e-3 if runs[-1] == 2 else 3.5e-3)
-    assert [i + 1 for i, count in enumerate(runs) if count == 2] == [8, 8 + QUIET_PROBE_EVERY]
-    assert slow.threads == 1
-
-
 def probes_of(quiet: QuietLone, requests: int, seconds: Callable[[int, int], float], scale: float = 1.0
               ) -> list[int]:
     """Which of ``requests`` of the rule's requests were probes (numbered from 1), each request's pass
@@ -310,6 +278,27 @@ def probes_of(quiet: QuietLone, requests: int, seconds: Callable[[int, int], flo
             probed.append(request)
         quiet.ran(count, seconds(request, count), scale=scale)
     return probed
+
+
+def test_a_count_still_timed_by_the_calibration_alone_is_probed_sooner() -> None:
+    """A calibration that timed the team once at a bad moment (base on the KVM guest: 130 ms after the
+    quiet, where it takes 55-60) put lone requests on one thread (83 ms). One probe in
+    ``QUIET_PROBE_EVERY`` would have needed hundreds of such requests to bring them back. The gap
+    from one probe to the next is 8 while none of the team's last five passes was timed while
+    serving, and doubles with each that was while the team's probes beat one thread; the rule is back
+    on the team after three probes (one thread's 17 ms more back to back outweighs the 2.6 ms it
+    still seems to save after the quiet). A team that does wake slowly loses its first probe, and
+    the next comes ``QUIET_PROBE_EVERY`` later."""
+    quiet = QuietLone({1: 83e-3, 2: 130e-3}, 0.02, {1: 62e-3, 2: 45e-3})
+    assert quiet.threads == 1
+    probed = probes_of(quiet, 8 + 16 + 32, lambda request, count: 56e-3 if count == 2 else 83e-3)
+    assert probed == [8, 8 + 16, 8 + 16 + 32]
+    assert quiet.threads == 2 and quiet.served == {1: 5, 2: 3} and quiet.probe_gap(1) == QUIET_PROBE_EVERY
+    assert QuietLone({1: 1e-3, 2: 1e-3}, 0.02, probe_every=2).probe_gap(2) == 2  # (the count in use in between)
+    slow = QuietLone({1: 3.5e-3, 2: 15.1e-3}, 0.041, {1: 2.6e-3, 2: 2.4e-3})
+    assert probes_of(slow, 8 + QUIET_PROBE_EVERY, lambda request, count: 12e-3 if count == 2 else 3.5e-3) == [
+        8, 8 + QUIET_PROBE_EVERY]
+    assert slow.threads == 1
 
 
 def test_a_probes_verdict_is_the_rules_own_made_once_and_a_pass_not_counted_loses() -> None:
