@@ -17,7 +17,8 @@ Invariants:
 - Every request passes, in this order: well-formed (400: one value of each header we decide on, a
   valid ``Host``), the method (405: GET or HEAD), the ``Host`` rule (421; ``/healthz`` and ``/readyz``
   are exempt). A handshake then passes the path (404), the Origin rule (403), the token (401),
-  readiness (503) and ``--max-connections`` (503), then websockets' own RFC 6455 checks (400/426/505).
+  readiness (503) and ``--max-connections`` (503), then websockets' own RFC 6455 checks (505, 426 and
+  400, in protocol.md §9's order).
   The connection count is read here and the connection becomes OPEN before the loop runs anything
   else (websockets sends the 101 without yielding after these synchronous hooks), so concurrent
   handshakes cannot overshoot the limit.

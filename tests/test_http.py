@@ -340,6 +340,34 @@ async def test_websockets_own_handshake_refusals_are_json(server: FillMaskServer
     assert refused(server, "bad_request") == before + len(cases)
 
 
+async def test_a_handshake_that_fails_several_checks_gets_the_first_in_section_9s_order(
+        server: FillMaskServer) -> None:
+    """§9's table of handshake refusals is in the order they are checked: 505, then 426 for Connection and
+    Upgrade, then 400 for the key, then 400 or 426 for the version (found by a conformance run: the
+    table had 400 and 426 before 505). Each handshake here fails two of those checks."""
+    key, bad_key = "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==", "Sec-WebSocket-Key: short"
+    upgrade, not_upgrade = ["Upgrade: websocket", "Connection: Upgrade"], ["Upgrade: websocket", "Connection: close"]
+    cases: list[tuple[list[str], str, int, str]] = [
+        ([*upgrade, key, "Sec-WebSocket-Version: 8"], "HTTP/1.0", 505, "HTTP/1.1"),
+        ([*upgrade, "Sec-WebSocket-Version: 13"], "HTTP/1.0", 505, "HTTP/1.1"),
+        ([*not_upgrade, "Sec-WebSocket-Version: 13"], "HTTP/1.0", 505, "HTTP/1.1"),
+        ([*not_upgrade, "Sec-WebSocket-Version: 13"], "HTTP/1.1", 426, "Connection header must include Upgrade"),
+        (["Upgrade: websocket, h2c", "Connection: Upgrade"], "HTTP/1.1", 426, "Upgrade header"),
+        ([*upgrade, bad_key], "HTTP/1.1", 400, "Sec-WebSocket-Key header has an invalid value"),
+        ([*upgrade, "Sec-WebSocket-Version: 8"], "HTTP/1.1", 400, "Sec-WebSocket-Key header is missing"),
+        ([*upgrade, key], "HTTP/1.1", 400, "Sec-WebSocket-Version header is missing"),
+    ]
+    for extra, protocol, status_wanted, message in cases:
+        status, headers, body = await get(server.port, "/", extra=extra, protocol=protocol)
+        assert (status, message in error_line(headers, body)) == (status_wanted, True), (extra, protocol, body)
+    # The table itself, in that order (the spec and the server in lockstep).
+    spec = (Path(__file__).resolve().parent.parent / "protocol.md").read_text()
+    table = spec.split("is then refused, in\nthis order:", 1)[1].split("\n\n## ", 1)[0]
+    statuses = [int(line.split("|")[1]) for line in table.splitlines() if line.startswith("| ") and
+                line.split("|")[1].strip().isdigit()]
+    assert statuses == [404, 403, 401, 503, 503, 505, 426, 400, 400, 426], statuses
+
+
 async def test_requests_websockets_cannot_parse_are_answered_in_json(server: FillMaskServer,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     port = server.port
