@@ -49,16 +49,33 @@ SIZES: dict[str, dict[str, int]] = {
 }
 VOCAB_FILE = "bert-base-uncased-vocab.txt"
 RANDOM_WEIGHTS_KEY = "fillmask_random_weights"  # in config.json: these weights were never trained
+SEED_KEY = "fillmask_seed"  # in config.json: the seed the weights were drawn with (checkpoints without it: 0)
 
 
-def is_checkpoint(directory: Path) -> bool:
-    """True when ``directory`` already holds a complete checkpoint of this command (so set-up can skip the work)."""
+def is_checkpoint(directory: Path, size: str | None = None, seed: int | None = None) -> bool:
+    """True when ``directory`` already holds a complete BERT checkpoint of this command (so set-up can skip
+    the work): of ``size`` and drawn with ``seed``, where given."""
     if not all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
         return False
+    config = _config(directory)
+    return (config.get(RANDOM_WEIGHTS_KEY) is True and FAMILY_KEY not in config
+            and (size is None or _bert_size(config) == size)
+            and (seed is None or config.get(SEED_KEY, 0) == seed))
+
+
+def _config(directory: Path) -> dict[str, Any]:
+    """``directory``'s config.json as a dict; empty when there is none, or it is not a JSON object."""
     try:
-        return json.loads((directory / "config.json").read_text()).get(RANDOM_WEIGHTS_KEY) is True
+        config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _bert_size(config: dict[str, Any]) -> str | None:
+    """The name in ``SIZES`` of the shape ``config`` has, or None."""
+    return next((name for name, shape in SIZES.items()
+                 if all(config.get(key) == value for key, value in shape.items())), None)
 
 
 def write_checkpoint(size: str, directory: Path, seed: int = 0, init_range: float = 0.2) -> Path:
@@ -76,7 +93,7 @@ def write_checkpoint(size: str, directory: Path, seed: int = 0, init_range: floa
         tokenizer = BertTokenizer(vocab=str(vocab), do_lower_case=True, model_max_length=512)
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512,
-                        initializer_range=init_range, **SIZES[size], **{RANDOM_WEIGHTS_KEY: True})
+                        initializer_range=init_range, **SIZES[size], **{RANDOM_WEIGHTS_KEY: True, SEED_KEY: seed})
     model = BertForMaskedLM(config).eval()
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -132,17 +149,18 @@ def training_text(lines: int = 3000, seed: int = 0) -> list[str]:
     return text
 
 
-def is_family_checkpoint(directory: Path, shape: str = "tiny", family: str | None = None) -> bool:
-    """True when ``directory`` holds a family checkpoint of ``shape`` written by this version of
-    ``write_family``, with ``family``'s real vocabulary size where the shape has one (``family``: by
-    default the directory's name, as ``ensure_family`` names them)."""
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
+def is_family_checkpoint(directory: Path, shape: str = "tiny", family: str | None = None,
+                         seed: int | None = None) -> bool:
+    """True when ``directory`` holds a checkpoint of ``family`` in ``shape`` written by this version of
+    ``write_family``, with the family's real vocabulary size where the shape has one, drawn with ``seed``
+    where given (``family``: by default the directory's name, as ``ensure_family`` names them)."""
+    config = _config(directory)
+    family = family or directory.name
     real = FAMILY_SHAPES.get(shape, {}).get("real_vocab", False)
-    return (config.get(FAMILY_KEY) == FAMILY_VERSION and config.get(FAMILY_SHAPE_KEY, "tiny") == shape
-            and (not real or config.get("vocab_size") == FAMILY_REAL_VOCAB.get(family or directory.name))
+    return (config.get(FAMILY_KEY) == FAMILY_VERSION and config.get("model_type") == family
+            and config.get(FAMILY_SHAPE_KEY, "tiny") == shape
+            and (not real or config.get("vocab_size") == FAMILY_REAL_VOCAB.get(family))
+            and (seed is None or config.get(SEED_KEY, 0) == seed)
             and (directory / "model.safetensors").is_file()
             and (directory / "tokenizer_config.json").is_file())
 
@@ -195,6 +213,7 @@ def write_family(family: str, directory: Path, seed: int = 0, shape: str = "tiny
     config = _family_config(family, tokenizer, **widths)
     setattr(config, RANDOM_WEIGHTS_KEY, True)
     setattr(config, FAMILY_KEY, FAMILY_VERSION)
+    setattr(config, SEED_KEY, seed)
     if shape != "tiny":
         setattr(config, FAMILY_SHAPE_KEY, shape)
     torch.manual_seed(seed)
@@ -369,17 +388,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path, metavar="DIRECTORY",
                         help="where to write config, weights and tokenizer")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
-    parser.add_argument("--force", action="store_true", help="rewrite even if the directory holds a checkpoint")
+    parser.add_argument("--force", action="store_true",
+                        help="write even where the directory holds a checkpoint of this command (the one asked for, "
+                             "or another) or files it did not write")
     parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
                         help="a family model's shape: tiny (2 layers, hidden 32-64), small (4 layers, hidden 384) "
                              "or base (12 layers, hidden 768)")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
-    there = (is_family_checkpoint(args.directory, args.family_shape, args.size) if family
-             else is_checkpoint(args.directory))
+    there = (is_family_checkpoint(args.directory, args.family_shape, args.size, args.seed) if family
+             else is_checkpoint(args.directory, args.size, args.seed))
     if there and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0
+    drawn = f" (seed {args.seed})" if args.seed != 0 else ""
+    asked = f"{args.family_shape} '{args.size}'{drawn}" if family else f"'{args.size}' BERT{drawn}"
+    if not args.force and (problem := in_the_way(args.directory, asked)) is not None:
+        print(f"error: {args.directory} {problem}", file=sys.stderr)
+        return 1
     if family:
         write_family(args.size, args.directory, seed=args.seed, shape=args.family_shape)
     else:
@@ -387,6 +413,48 @@ def main(argv: list[str] | None = None) -> int:
     kind = f"{args.family_shape} '{args.size}' fill-mask" if family else f"'{args.size}' BERT fill-mask"
     print(f"{args.directory}: wrote random-weight {kind} checkpoint")
     return 0
+
+
+def in_the_way(directory: Path, asked: str) -> str | None:
+    """Why writing the checkpoint asked for into ``directory`` would overwrite something worth keeping
+    (the end of a sentence that starts with the directory), or None: it does not exist, it is empty,
+    or it holds only a checkpoint of this command that is incomplete or from an older ``write_family``
+    (which is a cache to build again). The caller has checked that it does not hold the checkpoint asked
+    for (``asked``, as ``_described`` names one); any other complete checkpoint of this command, or any
+    file this command did not write (a trained model's, say), is in the way."""
+    if not directory.exists():
+        return None
+    if not directory.is_dir():
+        return "is not a directory: name a directory to write the checkpoint into"
+    config = _config(directory)
+    if config.get(RANDOM_WEIGHTS_KEY) is True:
+        held = _described(directory, config)
+        if held is None:
+            return None
+        return (f"holds the random-weight {held} checkpoint, not the {asked} one asked for: pass --force to "
+                "replace it, or name another directory")
+    names = sorted(path.name for path in directory.iterdir())
+    if not names:
+        return None
+    listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"holds files this command did not write ({listed}): name a new or empty directory, or pass --force "
+            "to write over them")
+
+
+def _described(directory: Path, config: dict[str, Any]) -> str | None:
+    """How the command line names the complete checkpoint of this command in ``directory`` (``'tiny'
+    BERT``, ``small 'roberta'``, with its seed where not 0), or None: it is incomplete, or an older
+    ``write_family``'s."""
+    seed = config.get(SEED_KEY, 0)
+    drawn = f" (seed {seed})" if seed != 0 else ""  # (as ``main`` names the one asked for)
+    if FAMILY_KEY in config:
+        family, shape = str(config.get("model_type")), str(config.get(FAMILY_SHAPE_KEY, "tiny"))
+        complete = is_family_checkpoint(directory, shape, family)
+        return f"{shape} '{family}'{drawn}" if complete else None
+    if not is_checkpoint(directory):
+        return None
+    size = _bert_size(config)
+    return f"'{size}' BERT{drawn}" if size is not None else f"BERT{drawn} of another shape"
 
 
 if __name__ == "__main__":

@@ -633,9 +633,10 @@ def test_a_cached_base_family_checkpoint_of_another_vocabulary_size_is_not_reuse
         is_family_checkpoint,
     )
 
-    def fake(directory: Path, vocab_size: int) -> Path:
+    def fake(directory: Path, vocab_size: int, family: str | None = None) -> Path:
         directory.mkdir()
-        config = {FAMILY_KEY: FAMILY_VERSION, FAMILY_SHAPE_KEY: "base", "vocab_size": vocab_size}
+        config = {FAMILY_KEY: FAMILY_VERSION, FAMILY_SHAPE_KEY: "base", "vocab_size": vocab_size,
+                  "model_type": family or directory.name}
         (directory / "config.json").write_text(json.dumps(config))
         (directory / "model.safetensors").write_bytes(b"")
         (directory / "tokenizer_config.json").write_text("{}")
@@ -643,7 +644,7 @@ def test_a_cached_base_family_checkpoint_of_another_vocabulary_size_is_not_reuse
 
     assert is_family_checkpoint(fake(tmp_path / "roberta", FAMILY_REAL_VOCAB["roberta"]), "base")
     assert not is_family_checkpoint(fake(tmp_path / "bert", 1000), "base")
-    elsewhere = fake(tmp_path / "x", FAMILY_REAL_VOCAB["xlm-roberta"])
+    elsewhere = fake(tmp_path / "x", FAMILY_REAL_VOCAB["xlm-roberta"], "xlm-roberta")
     assert is_family_checkpoint(elsewhere, "base", "xlm-roberta") and not is_family_checkpoint(elsewhere, "base")
 
 

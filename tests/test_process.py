@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -700,6 +701,63 @@ def test_checkpoint_command_writes_a_loadable_model(tmp_path: Path) -> None:
     again = subprocess.run([sys.executable, "-m", "fillmask_server.checkpoint", "tiny", str(target)], cwd=ROOT,
                            env=ENV, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "already there" in again.stdout
+
+
+def fake_checkpoint(directory: Path, **config: object) -> Path:
+    """The files by which the checkpoint command recognises a complete checkpoint of its own, with
+    ``config`` as config.json (nothing in them loads: the command only reads the config)."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_text("kept")
+    return directory
+
+
+def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A newcomer's find: it wrote random weights over a directory holding a trained model (only its own
+    checkpoints were recognised), and answered "already there" for a directory holding another of its
+    checkpoints (another size, family, family shape or seed), leaving the wrong model in place. Now
+    each is refused with one line naming what is there, and nothing is touched; ``--force`` writes."""
+    from fillmask_server.checkpoint import FAMILY_KEY, FAMILY_SHAPE_KEY, FAMILY_VERSION, RANDOM_WEIGHTS_KEY, SIZES
+    from fillmask_server.checkpoint import main as checkpoint
+
+    ours = {RANDOM_WEIGHTS_KEY: True}
+    trained = fake_checkpoint(tmp_path / "trained", model_type="bert", **SIZES["base"])
+    tiny = fake_checkpoint(tmp_path / "tiny", model_type="bert", **SIZES["tiny"], **ours)
+    roberta = fake_checkpoint(tmp_path / "roberta", model_type="roberta", **{FAMILY_KEY: FAMILY_VERSION}, **ours)
+    small_roberta = fake_checkpoint(tmp_path / "small-roberta", model_type="roberta",
+                                    **{FAMILY_KEY: FAMILY_VERSION, FAMILY_SHAPE_KEY: "small"}, **ours)
+    (tmp_path / "a-file").write_text("kept")
+    cases = [
+        (["tiny", str(trained)], "holds files this command did not write (config.json, model.safetensors, "
+                                 "tokenizer.json, tokenizer_config.json): name a new or empty directory, or pass "
+                                 "--force to write over them"),
+        (["small", str(tiny)], "holds the random-weight 'tiny' BERT checkpoint, not the 'small' BERT one asked for"),
+        (["tiny", str(tiny), "--seed", "1"], "holds the random-weight 'tiny' BERT checkpoint, not the 'tiny' BERT "
+                                              "(seed 1) one asked for"),
+        (["bert", str(tiny)], "holds the random-weight 'tiny' BERT checkpoint, not the tiny 'bert' one asked for"),
+        (["electra", str(roberta)], "holds the random-weight tiny 'roberta' checkpoint, not the tiny 'electra' one"),
+        (["roberta", str(small_roberta)], "holds the random-weight small 'roberta' checkpoint, not the tiny "
+                                          "'roberta' one"),
+        (["tiny", str(tmp_path / "a-file")], "is not a directory"),
+    ]
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    for argv, said in cases:
+        assert checkpoint(argv) == 1, argv
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"error: {argv[1]} ") and said in err, err
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before  # nothing touched
+    # What was asked for is there: nothing to do (its own seed, 0, given or not).
+    assert checkpoint(["tiny", str(tiny), "--seed", "0"]) == 0
+    assert capsys.readouterr().out == f"{tiny}: checkpoint already there (use --force to rewrite)\n"
+    assert checkpoint(["roberta", str(small_roberta), "--family-shape", "small"]) == 0
+    assert "already there" in capsys.readouterr().out
+    # --force writes over a trained model's files when told to.
+    assert checkpoint(["tiny", str(trained), "--force"]) == 0
+    assert "wrote random-weight 'tiny' BERT" in capsys.readouterr().out
+    config = json.loads((trained / "config.json").read_text())
+    assert config[RANDOM_WEIGHTS_KEY] is True and config["num_hidden_layers"] == SIZES["tiny"]["num_hidden_layers"]
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> None:
