@@ -361,6 +361,14 @@ async def test_texts_from_a_file_or_file_dash_are_named_by_their_line(server: An
     assert "text 2 (standard input line 2: 'no mask'): no_mask" in err, err
     code, _, err = await run_cli("--url", server.url, "-q", "-", "no mask either", stdin=f"{TEXT}\n")
     assert code == 1 and "text 2 (argument 2: 'no mask either'): no_mask" in err, err
+    # A file's only text is named too (a newcomer's find: it was named only among others); an argument
+    # alone is not: the line is about the one text the command was given.
+    listing.write_text("\n\nno mask alone\n")
+    code, _, err = await run_cli("--url", server.url, "--file", str(listing))
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"fillmask-client: text 1 (--file {listing} line 3: 'no mask alone'): no_mask: "), err
+    code, _, err = await run_cli("--url", server.url, "no mask alone")
+    assert code == 1 and err.startswith("fillmask-client: no_mask: "), err
 
 
 async def test_reading_texts_from_a_terminal_says_how_to_end_them(server: Any) -> None:

@@ -7,7 +7,8 @@ Ctrl-D). Prints one table per text (one per mask when a text has several), or wi
 text's raw terminal frame on one line, in input order (a request the client refuses before sending,
 such as one over the server's ``limits.max_frame_bytes``, gets a line of the same shape as an
 ``error`` frame, with ``"id": null`` and ``"source": "client"``). A failed text is named by its
-number and where it came from: ``text 3 (--file texts.txt line 4: '...')``. Texts refused because
+number and where it came from: ``text 3 (--file texts.txt line 4: '...')`` (all but a lone text given
+as an argument, whose line is about it alone). Texts refused because
 the server was busy end the run with a line saying what to do (``--retry``, a lower ``--concurrency``).
 
 Exit status: 0 when every text got a result; 1 when a request failed (one line on stderr per failed
@@ -459,7 +460,10 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                     if tally.failed[reason] <= NAMED_PER_REASON:
                         origin = getattr(text, "origin", None)
                         quoted = f"{origin}: {_one_line(text)!r}" if origin else repr(_one_line(text))
-                        where = f"text {index} ({quoted}): " if len(texts) > 1 else ""
+                        # Named unless it is the only text and was given as an argument (a file's one line
+                        # is named, by its line: blank lines are skipped).
+                        named = len(texts) > 1 or (origin is not None and not origin.startswith("argument"))
+                        where = f"text {index} ({quoted}): " if named else ""
                         say(f"{where}{item}")
                     elif tally.failed[reason] == NAMED_PER_REASON + 1:
                         counted = "their count follows at the end" if args.quiet else "the summary counts them"
