@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import math
 import os
 import re
@@ -176,6 +177,7 @@ _HELP: dict[str, str] = {
     "keyfile": "PEM private key for --certfile, when the certificate file does not hold it",
 }
 
+#: Settings with a fixed set of values, each in lower case; a value is taken in any case (``WARNING``).
 _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16", "float16", "int8"),
     "log_level": ("debug", "info", "warning", "error"),
@@ -183,6 +185,13 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "projection": ("auto", "torch"),
     "quiet_lone": ("auto", "off"),
 }
+
+
+def _value(name: str, raw: str) -> object:
+    """The setting ``name``'s value from the text ``raw`` (a flag's or a variable's): of its default's
+    type, in lower case for a setting of ``_CHOICES``; ValueError when it is not of that type."""
+    kind = type(next(f for f in fields(Config) if f.name == name).default)
+    return raw.lower() if name in _CHOICES else kind(raw)
 
 
 def env_name(field_name: str) -> str:
@@ -246,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(
                 "--" + name.replace("_", "-"),
                 dest=name,
-                type=type(default),
+                type=functools.partial(_value, name) if name in _CHOICES else type(default),
                 default=argparse.SUPPRESS,
                 choices=_CHOICES.get(name),
                 metavar=None if name in _CHOICES else _METAVAR.get(name, "N"),
@@ -283,7 +292,7 @@ def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = 
         problem = _variable_problem(f.name, raw)
         if problem:
             parser.error(problem)
-        values[f.name] = type(f.default)(raw)
+        values[f.name] = _value(f.name, raw)
     config = Config(**values)  # type: ignore[arg-type]
     problem = validate(config)
     if problem:
@@ -297,7 +306,7 @@ def _variable_problem(name: str, raw: str, alone: bool = False) -> str | None:
     at its default."""
     kind = type(next(f for f in fields(Config) if f.name == name).default)
     try:
-        value = kind(raw)
+        value = _value(name, raw)
     except ValueError:
         return f"{env_name(name)}={raw!r} is not a valid {kind.__name__}"
     choices = _CHOICES.get(name)

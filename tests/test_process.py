@@ -72,6 +72,20 @@ def test_flags_beat_environment_which_beats_defaults() -> None:
     assert (config.port, config.max_queue, config.dtype, config.max_batch_size) == (9100, 7, "bfloat16", 64)
 
 
+def test_a_setting_of_named_values_takes_them_in_any_case(capsys: pytest.CaptureFixture) -> None:
+    """``--log-level WARNING``, as Python's logging spells it, was refused (a newcomer's find): the named
+    values of every such setting are taken in any case, from a flag or a variable, and kept in lower case."""
+    config = load_config(["--log-level", "WARNING", "--forward", "Eager"], {"FILLMASK_DTYPE": "BFloat16",
+                                                                          "FILLMASK_PROJECTION": "TORCH"})
+    assert (config.log_level, config.forward, config.dtype, config.projection) == ("warning", "eager", "bfloat16",
+                                                                                   "torch")
+    for argv, env in [(["--log-level", "LOUD"], {}), ([], {"FILLMASK_LOG_LEVEL": "Loud"})]:
+        with pytest.raises(SystemExit):
+            load_config(argv, env)
+        [line] = capsys.readouterr().err.splitlines()
+        assert "debug, info, warning" in line or "'debug', 'info', 'warning'" in line, line
+
+
 @pytest.mark.parametrize(("argv", "env", "named"), [
     ([], {"FILLMASK_PORT": "eighty"}, "FILLMASK_PORT"), ([], {"FILLMASK_DTYPE": "float64"}, "FILLMASK_DTYPE"),
     (["--port", "eighty"], {}, "--port"), (["--no-such-flag"], {}, "--no-such-flag"),
