@@ -138,7 +138,8 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
         cause = _warned_cause(said)
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
-        return (f"cannot load model from directory {name!r}: {first_line(exc)}; check the files --model names "
+        cause = first_line(exc).rstrip(". ")  # (transformers' sentence ends with its full stop: no ".;")
+        return (f"cannot load model from directory {name!r}: {cause}; check the files --model names "
                 "(incomplete, or written for another model or version of transformers?)")
     return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
             f"Hugging Face Hub (offline, or no such model); {_HINT}")

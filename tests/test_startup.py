@@ -220,3 +220,16 @@ def test_outside_its_environment_the_server_says_so_in_one_line() -> None:
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: No module named 'fillmask_client'") and ".venv/bin/python" in lines[0]
+
+
+def test_a_load_failure_quoted_from_transformers_reads_as_one_sentence(tmp_path: Path) -> None:
+    """A newcomer's find: a directory with config.json alone said "... found in directory X.; check the
+    files ...": transformers' sentence kept its full stop before the server's own clause."""
+    from fillmask_server.diagnosis import explain_load_failure
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    said = explain_load_failure(str(tmp_path), OSError(f"Error no file named model.safetensors found in directory "
+                                                       f"{tmp_path}.\nmore detail"))
+    assert said == (f"cannot load model from directory {str(tmp_path)!r}: Error no file named model.safetensors found "
+                    f"in directory {tmp_path}; check the files --model names (incomplete, or written for another "
+                    "model or version of transformers?)")
