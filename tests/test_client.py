@@ -890,6 +890,19 @@ async def test_cli_options_and_texts_mix_and_argparse_errors_are_one_line(server
     assert await run_cli("--version") == (0, f"fillmask-client {__version__}\n", "")
 
 
+async def test_cli_json_lines_follow_the_input_over_several_connections_whatever_their_ids(server: Any) -> None:
+    """The README's rule for --json (a newcomer joined results by ``id``, which repeats across connections):
+    the n-th line is the n-th text's."""
+    texts = [f"item {n} is the [MASK] one." for n in range(30)]
+    code, out, err = await run_cli("--url", server.url, "--json", "-k", "1", "--connections", "3", *texts)
+    assert code == 0, err
+    frames = [orjson.loads(line) for line in out.splitlines()]
+    assert [frame["type"] for frame in frames] == ["result"] * len(texts)
+    sequences = [frame["predictions"][0]["sequence"] for frame in frames]  # (a ##piece joins "the": no space)
+    assert all(sequence.startswith(f"item {n} is the") for n, sequence in enumerate(sequences)), sequences
+    assert len({frame["id"] for frame in frames}) < len(texts)  # (why the README says to join by line)
+
+
 async def test_cli_json_prints_a_line_for_a_text_the_client_refuses_to_send(server: Any) -> None:
     huge = TEXT + " word" * (server.config.max_frame_bytes // 5)  # over limits.max_frame_bytes once encoded
     code, out, err = await run_cli("--url", server.url, "--json", "-q", "-", stdin=f"{TEXT}\n{huge}\n{TEXT}\n")

@@ -122,8 +122,9 @@ def build_parser() -> Parser:
                              "replicas behind one load-balancer URL: use about one per replica) "
                              "(default: %(default)s)")
     parser.add_argument("--json", action="store_true",
-                        help="print each text's raw terminal frame as one line of JSON, in input order (a "
-                             "request refused before sending gets an error line with \"source\": \"client\")")
+                        help="print each text's raw terminal frame as one line of JSON, in input order: the n-th "
+                             "line is the n-th text's (ids are per connection, so join by line); a request refused "
+                             "before sending gets an error line with \"source\": \"client\"")
     parser.add_argument("--retry", action="store_true",
                         help="resend requests the server answers 503 queue_full or 429 queue_share, after its "
                              "retry_after_ms")
