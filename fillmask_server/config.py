@@ -344,11 +344,16 @@ OTHER_VARIABLES = ("FILLMASK_URL", "FILLMASK_REPLICA_", "FILLMASK_LB_", "FILLMAS
 MIN_TOKEN_CHARS = 16
 
 
+#: The smallest ``fill_mask`` frame (protocol.md §3) around an empty text: what a frame holds beside its text.
+_SMALLEST_REQUEST = b'{"type":"fill_mask","id":0,"text":""}'
+
+
 def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     """One warning line for each setting that works but is unwise (start-up prints them): a short
     ``--token``, which a client could guess (the server answers wrong tokens at full speed); more
     ``--torch-threads`` or ``--forward-parts`` than the ``cpus`` this process may use (``usable_cpus``),
-    which only slow the forward pass (far more are refused: ``validate``)."""
+    which only slow the forward pass (far more are refused: ``validate``); a ``--max-text-chars`` that
+    no frame within ``--max-frame-bytes`` can carry."""
     lines = []
     if config.token and len(config.token) < MIN_TOKEN_CHARS:
         lines.append(f"warning: --token is {len(config.token)} characters long, and the server does not slow down "
@@ -362,6 +367,11 @@ def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     if config.forward_parts > cpus:
         lines.append(f"warning: --forward-parts {config.forward_parts} is more than the {_cpus(cpus)} this process may "
                      f"use, and each part is a thread of its own: use at most {cpus}")
+    longest = config.max_frame_bytes - len(_SMALLEST_REQUEST)  # (a character is one byte or more in UTF-8)
+    if config.max_text_chars > longest:
+        lines.append(f"warning: --max-text-chars {config.max_text_chars} is more than a frame of --max-frame-bytes "
+                     f"{config.max_frame_bytes} can carry: a text of more than {longest} bytes closes its connection "
+                     "with 1009 instead of being answered; raise --max-frame-bytes or lower --max-text-chars")
     threads = config.torch_threads or cpus
     if config.forward_parts > 1 and threads % config.forward_parts and config.forward_parts <= threads:
         used = threads // config.forward_parts * config.forward_parts

@@ -235,6 +235,17 @@ def test_more_torch_threads_than_cpus_get_a_warning_and_far_more_name_the_most_a
     assert validate(Config(torch_threads=MAX_THREADS_PER_CPU * cpus)) is None
 
 
+def test_a_text_limit_no_frame_can_carry_gets_a_warning() -> None:
+    """A newcomer's find: ``--max-text-chars 100000`` started without a word, though a frame over
+    ``--max-frame-bytes`` (65,536 by default) closes the connection: such texts never reach the check."""
+    assert setting_warnings(Config(), cpus=2) == []
+    assert setting_warnings(Config(max_text_chars=65536 - 37, max_frame_bytes=65536), cpus=2) == []
+    (warned,) = setting_warnings(Config(max_text_chars=100_000), cpus=2)
+    assert warned.startswith("warning: --max-text-chars 100000 is more than a frame of --max-frame-bytes 65536 "
+                             "can carry: a text of more than 65499 bytes closes its connection with 1009"), warned
+    assert setting_warnings(Config(max_text_chars=100_000, max_frame_bytes=500_000), cpus=2) == []
+
+
 def test_forward_parts_beyond_the_cpus_or_their_threads_are_named_and_far_beyond_refused() -> None:
     """``--forward-parts``: each part is a thread of its own with an equal share of ``--torch-threads``
     (or of the CPUs): more parts than CPUs is a warning, more than threads (one a part) or than four per
