@@ -29,6 +29,12 @@ and ``bench/run.py --families`` cache them under ``models/families/``)::
 
 ``--family-shape`` (``FAMILY_SHAPES``) sets the width and depth; ``base`` also gives the vocabulary its
 family's real size (``FAMILY_REAL_VOCAB``) by padding the trained tokenizer with filler tokens.
+
+The command does nothing where the checkpoint asked for (its name, family shape and seed, which
+config.json records) is already there. It writes a checkpoint into a fresh directory beside the target
+and renames it into place, so none is ever seen half written. It refuses, with one line and exit
+status 1, to replace another complete checkpoint of its own or files that are not one (a trained
+model's); ``--force`` replaces them.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import functools
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -55,8 +62,10 @@ SEED_KEY = "fillmask_seed"  # in config.json: the seed the weights were drawn wi
 def is_checkpoint(directory: Path, size: str | None = None, seed: int | None = None) -> bool:
     """True when ``directory`` already holds a complete BERT checkpoint of this command (so set-up can skip
     the work): of ``size`` and drawn with ``seed``, where given."""
-    if not all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json")):
-        return False
+    files = ("config.json", "model.safetensors")
+    if not (all((directory / name).is_file() for name in files)
+            and any((directory / name).is_file() for name in ("tokenizer.json", "vocab.txt"))):
+        return False  # (transformers 5 saves the tokenizer as tokenizer.json; 4 as vocab.txt)
     config = _config(directory)
     return (config.get(RANDOM_WEIGHTS_KEY) is True and FAMILY_KEY not in config
             and (size is None or _bert_size(config) == size)
@@ -171,26 +180,11 @@ def ensure_family(family: str, root: Path, shape: str = "tiny") -> Path:
 
     Safe for several processes at once (the test suite's workers): each writes into a directory of its
     own beside the target and renames it into place, which is atomic, so a reader never sees a half
-    written checkpoint; a process that loses the race throws its copy away."""
-    import shutil
-    import tempfile
-
+    written checkpoint; a process that loses the race throws its copy away (``_write_in_place``)."""
     directory = root / family
-    if is_family_checkpoint(directory, shape, family):
-        return directory
-    root.mkdir(parents=True, exist_ok=True)
-    made = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
-    try:
-        write_family(family, made, shape=shape)
-        if directory.exists() and not is_family_checkpoint(directory, shape, family):
-            shutil.rmtree(directory, ignore_errors=True)  # an older version's (or another shape's) checkpoint
-        try:
-            made.rename(directory)
-        except OSError:  # another process put a checkpoint there first
-            if not is_family_checkpoint(directory, shape, family):
-                raise
-    finally:
-        shutil.rmtree(made, ignore_errors=True)
+    if not is_family_checkpoint(directory, shape, family):
+        _write_in_place(directory, lambda made: write_family(family, made, shape=shape),
+                        wanted=lambda there: is_family_checkpoint(there, shape, family))
     return directory
 
 
@@ -389,46 +383,65 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write config, weights and tokenizer")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true",
-                        help="write even where the directory holds a checkpoint of this command (the one asked for, "
-                             "or another) or files it did not write")
+                        help="replace whatever the directory holds (the checkpoint asked for, another one, or files "
+                             "that are not a checkpoint of this command) with the checkpoint")
     parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
                         help="a family model's shape: tiny (2 layers, hidden 32-64), small (4 layers, hidden 384) "
                              "or base (12 layers, hidden 768)")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
-    there = (is_family_checkpoint(args.directory, args.family_shape, args.size, args.seed) if family
-             else is_checkpoint(args.directory, args.size, args.seed))
+    target = args.directory.resolve() if args.directory.is_symlink() and args.directory.exists() else args.directory
+    there = (is_family_checkpoint(target, args.family_shape, args.size, args.seed) if family
+             else is_checkpoint(target, args.size, args.seed))
     if there and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0
-    drawn = f" (seed {args.seed})" if args.seed != 0 else ""
-    asked = f"{args.family_shape} '{args.size}'{drawn}" if family else f"'{args.size}' BERT{drawn}"
-    if not args.force and (problem := in_the_way(args.directory, asked)) is not None:
+    asked = _name(args.size, args.family_shape if family else None, args.seed)
+    problem = _problem(args.directory) or (None if args.force else _in_the_way(target, asked))
+    if problem is not None:
         print(f"error: {args.directory} {problem}", file=sys.stderr)
         return 1
     if family:
-        write_family(args.size, args.directory, seed=args.seed, shape=args.family_shape)
+        _write_in_place(target, lambda made: write_family(args.size, made, seed=args.seed, shape=args.family_shape))
     else:
-        write_checkpoint(args.size, args.directory, seed=args.seed)
-    kind = f"{args.family_shape} '{args.size}' fill-mask" if family else f"'{args.size}' BERT fill-mask"
-    print(f"{args.directory}: wrote random-weight {kind} checkpoint")
+        _write_in_place(target, lambda made: write_checkpoint(args.size, made, seed=args.seed))
+    print(f"{args.directory}: wrote random-weight {asked} fill-mask checkpoint")
     return 0
 
 
-def in_the_way(directory: Path, asked: str) -> str | None:
-    """Why writing the checkpoint asked for into ``directory`` would overwrite something worth keeping
-    (the end of a sentence that starts with the directory), or None: it does not exist, it is empty,
-    or it holds only a checkpoint of this command that is incomplete or from an older ``write_family``
-    (which is a cache to build again). The caller has checked that it does not hold the checkpoint asked
-    for (``asked``, as ``_described`` names one); any other complete checkpoint of this command, or any
-    file this command did not write (a trained model's, say), is in the way."""
-    if not directory.exists():
-        return None
-    if not directory.is_dir():
+def _name(kind: str, family_shape: str | None, seed: int) -> str:
+    """How this command names a checkpoint: ``'tiny' BERT`` (a BERT size), ``small 'roberta'`` (a family
+    in a shape), with ``(seed N)`` where the seed is not 0."""
+    return (f"{family_shape} '{kind}'" if family_shape is not None else f"'{kind}' BERT") + _drawn(seed)
+
+
+def _drawn(seed: object) -> str:
+    """`` (seed N)``, or nothing for the default seed, 0."""
+    return f" (seed {seed})" if seed != 0 else ""
+
+
+def _problem(directory: Path) -> str | None:
+    """Why nothing can be written at ``directory`` whatever ``--force`` says (the end of a sentence that
+    starts with the directory), or None."""
+    if directory.is_symlink() and not directory.exists():
+        return "is a symbolic link to a path that does not exist: name a directory to write the checkpoint into"
+    if directory.exists() and not directory.is_dir():
         return "is not a directory: name a directory to write the checkpoint into"
+    return None
+
+
+def _in_the_way(directory: Path, asked: str) -> str | None:
+    """Why writing the checkpoint ``asked`` for (as ``_name`` names it) at ``directory`` would replace
+    something worth keeping (the end of a sentence that starts with the directory), or None: it does
+    not exist, it is empty, or it holds a checkpoint of this command that is incomplete or from an
+    older ``write_family`` (a cache to build again). The caller has checked that it does not hold the
+    checkpoint asked for; any other complete checkpoint of this command, or any file that is not this
+    command's (a trained model's, say), is in the way."""
+    if not directory.is_dir():
+        return None
     config = _config(directory)
     if config.get(RANDOM_WEIGHTS_KEY) is True:
-        held = _described(directory, config)
+        held = _held(directory, config)
         if held is None:
             return None
         return (f"holds the random-weight {held} checkpoint, not the {asked} one asked for: pass --force to "
@@ -437,24 +450,54 @@ def in_the_way(directory: Path, asked: str) -> str | None:
     if not names:
         return None
     listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return (f"holds files this command did not write ({listed}): name a new or empty directory, or pass --force "
-            "to write over them")
+    return (f"holds files that are not a checkpoint of this command ({listed}): name a new or empty directory, "
+            "or pass --force to replace them with the checkpoint")
 
 
-def _described(directory: Path, config: dict[str, Any]) -> str | None:
-    """How the command line names the complete checkpoint of this command in ``directory`` (``'tiny'
-    BERT``, ``small 'roberta'``, with its seed where not 0), or None: it is incomplete, or an older
-    ``write_family``'s."""
+def _held(directory: Path, config: dict[str, Any]) -> str | None:
+    """The name (``_name``) of the complete checkpoint of this command in ``directory``, whose config is
+    ``config``; None: it is incomplete, or an older ``write_family``'s."""
     seed = config.get(SEED_KEY, 0)
-    drawn = f" (seed {seed})" if seed != 0 else ""  # (as ``main`` names the one asked for)
     if FAMILY_KEY in config:
         family, shape = str(config.get("model_type")), str(config.get(FAMILY_SHAPE_KEY, "tiny"))
-        complete = is_family_checkpoint(directory, shape, family)
-        return f"{shape} '{family}'{drawn}" if complete else None
+        return _name(family, shape, seed) if is_family_checkpoint(directory, shape, family) else None
     if not is_checkpoint(directory):
         return None
     size = _bert_size(config)
-    return f"'{size}' BERT{drawn}" if size is not None else f"BERT{drawn} of another shape"
+    return _name(size, None, seed) if size is not None else f"BERT of another shape{_drawn(seed)}"
+
+
+def _write_in_place(directory: Path, write: Callable[[Path], object],
+                    wanted: Callable[[Path], bool] = lambda _: False) -> None:
+    """Call ``write`` on a fresh directory beside ``directory`` and rename it into place: a reader, or a
+    later run, never sees a half-written checkpoint, and nothing of what ``directory`` held is left
+    beside the new one. What it held is removed once the new one is in place, unless it is ``wanted``
+    (another process put the checkpoint there meanwhile: this copy is thrown away); if the new one
+    cannot be put in place, the old one is put back."""
+    import shutil
+    import tempfile
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    aside: Path | None = None
+    try:
+        write(made)
+        if directory.exists():
+            if wanted(directory):
+                return
+            aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}-old-", dir=directory.parent))
+            directory.rename(aside / directory.name)
+        try:
+            made.rename(directory)
+        except OSError:
+            if aside is not None and not directory.exists():
+                (aside / directory.name).rename(directory)  # (nothing lost: the old one is back)
+            if not wanted(directory):
+                raise
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 if __name__ == "__main__":

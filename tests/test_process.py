@@ -739,7 +739,7 @@ def fake_checkpoint(directory: Path, **config: object) -> Path:
 
 
 def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture) -> None:
     """A newcomer's find: it wrote random weights over a directory holding a trained model (only its own
     checkpoints were recognised), and answered "already there" for a directory holding another of its
     checkpoints (another size, family, family shape or seed), leaving the wrong model in place. Now
@@ -755,9 +755,9 @@ def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
                                     **{FAMILY_KEY: FAMILY_VERSION, FAMILY_SHAPE_KEY: "small"}, **ours)
     (tmp_path / "a-file").write_text("kept")
     cases = [
-        (["tiny", str(trained)], "holds files this command did not write (config.json, model.safetensors, "
-                                 "tokenizer.json, tokenizer_config.json): name a new or empty directory, or pass "
-                                 "--force to write over them"),
+        (["tiny", str(trained)], "holds files that are not a checkpoint of this command (config.json, "
+                                 "model.safetensors, tokenizer.json, tokenizer_config.json): name a new or empty "
+                                 "directory, or pass --force to replace them with the checkpoint"),
         (["small", str(tiny)], "holds the random-weight 'tiny' BERT checkpoint, not the 'small' BERT one asked for"),
         (["tiny", str(tiny), "--seed", "1"], "holds the random-weight 'tiny' BERT checkpoint, not the 'tiny' BERT "
                                               "(seed 1) one asked for"),
@@ -766,23 +766,61 @@ def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
         (["roberta", str(small_roberta)], "holds the random-weight small 'roberta' checkpoint, not the tiny "
                                           "'roberta' one"),
         (["tiny", str(tmp_path / "a-file")], "is not a directory"),
+        (["tiny", str(tmp_path / "dangling")], "is a symbolic link to a path that does not exist"),
     ]
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     for argv, said in cases:
         assert checkpoint(argv) == 1, argv
         out, err = capsys.readouterr()
         assert out == "" and len(err.splitlines()) == 1 and err.startswith(f"error: {argv[1]} ") and said in err, err
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before  # nothing touched
+    assert checkpoint(["tiny", str(tmp_path / "dangling"), "--force"]) == 1  # (nowhere to write, whatever it says)
+    capsys.readouterr()
     # What was asked for is there: nothing to do (its own seed, 0, given or not).
     assert checkpoint(["tiny", str(tiny), "--seed", "0"]) == 0
     assert capsys.readouterr().out == f"{tiny}: checkpoint already there (use --force to rewrite)\n"
     assert checkpoint(["roberta", str(small_roberta), "--family-shape", "small"]) == 0
     assert "already there" in capsys.readouterr().out
-    # --force writes over a trained model's files when told to.
-    assert checkpoint(["tiny", str(trained), "--force"]) == 0
-    assert "wrote random-weight 'tiny' BERT" in capsys.readouterr().out
-    config = json.loads((trained / "config.json").read_text())
-    assert config[RANDOM_WEIGHTS_KEY] is True and config["num_hidden_layers"] == SIZES["tiny"]["num_hidden_layers"]
+    # --force replaces a trained model's files when told to: the checkpoint alone is left, and it loads
+    # (a review's find: written over them file by file, a tokenizer file of theirs stayed beside it, and
+    # the result did not load). Through a symbolic link, the directory it points to is the one replaced.
+    (trained / "special_tokens_map.json").write_text('{"mask_token": "<mask>"}')
+    (tmp_path / "link").symlink_to(trained)
+    assert checkpoint(["tiny", str(tmp_path / "link"), "--force"]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'link'}: wrote random-weight 'tiny' BERT fill-mask checkpoint\n"
+    assert (tmp_path / "link").is_symlink()
+    assert sorted(path.name for path in trained.iterdir()) == sorted(path.name for path in tiny_model_dir.iterdir())
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(  # nothing left beside it
+        ["trained", "tiny", "roberta", "small-roberta", "a-file", "dangling", "link"])
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(trained).mask_token_id == 103
+    assert checkpoint(["tiny", str(trained)]) == 0 and "already there" in capsys.readouterr().out
+
+
+def test_a_checkpoint_is_written_beside_its_directory_and_renamed_into_place(tmp_path: Path) -> None:
+    """A review's find: written file by file into its directory, an interrupted write (Ctrl-C during a
+    base family's minutes) left a part that the next run took for a checkpoint of its own (a family's
+    tokenizer_config.json comes before its tokenizer.json) or for files it had not written (ESM's
+    vocab.txt comes first). A write that fails now leaves the directory as it was, and nothing beside."""
+    from fillmask_server.checkpoint import _write_in_place
+
+    def fails(made: Path) -> None:
+        (made / "vocab.txt").write_text("a part")
+        raise KeyboardInterrupt
+
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "kept.txt").write_text("kept")
+    for directory in (tmp_path / "new", held):
+        with pytest.raises(KeyboardInterrupt):
+            _write_in_place(directory, fails)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["held"]
+    assert [path.name for path in held.iterdir()] == ["kept.txt"]
+    _write_in_place(held, lambda made: (made / "config.json").write_text("{}"))
+    assert [path.name for path in held.iterdir()] == ["config.json"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["held"]
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> None:
