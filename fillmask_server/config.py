@@ -194,6 +194,15 @@ def _value(name: str, raw: str) -> object:
     return raw.lower() if name in _CHOICES else kind(raw)
 
 
+def _choice(name: str, raw: str) -> str:
+    """A flag's value for the setting ``name`` of ``_CHOICES``, in lower case; the refusal names the value
+    as given."""
+    value = raw.lower()
+    if value not in _CHOICES[name]:
+        raise argparse.ArgumentTypeError(f"invalid choice: {raw!r} (choose from {', '.join(_CHOICES[name])})")
+    return value
+
+
 def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
@@ -255,10 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(
                 "--" + name.replace("_", "-"),
                 dest=name,
-                type=functools.partial(_value, name) if name in _CHOICES else type(default),
+                type=functools.partial(_choice, name) if name in _CHOICES else type(default),
                 default=argparse.SUPPRESS,
-                choices=_CHOICES.get(name),
-                metavar=None if name in _CHOICES else _METAVAR.get(name, "N"),
+                metavar="{" + ",".join(_CHOICES[name]) + "}" if name in _CHOICES else _METAVAR.get(name, "N"),
                 help=f"{_HELP[name]} [env {env_name(name)}] (default: {_shown_default(default)})",
             )
     return parser
@@ -370,8 +378,9 @@ def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     longest = config.max_frame_bytes - len(_SMALLEST_REQUEST)  # (a character is one byte or more in UTF-8)
     if config.max_text_chars > longest:
         lines.append(f"warning: --max-text-chars {config.max_text_chars} is more than a frame of --max-frame-bytes "
-                     f"{config.max_frame_bytes} can carry: a text of more than {longest} bytes closes its connection "
-                     "with 1009 instead of being answered; raise --max-frame-bytes or lower --max-text-chars")
+                     f"{config.max_frame_bytes} can carry: a text of more than about {longest} bytes (a character "
+                     "outside ASCII takes two to four) closes its connection with 1009 instead of being answered; "
+                     "raise --max-frame-bytes or lower --max-text-chars")
     threads = config.torch_threads or cpus
     if config.forward_parts > 1 and threads % config.forward_parts and config.forward_parts <= threads:
         used = threads // config.forward_parts * config.forward_parts

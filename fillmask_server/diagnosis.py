@@ -138,7 +138,9 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
         cause = _warned_cause(said)
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
-        cause = first_line(exc).rstrip(". ")  # (transformers' sentence ends with its full stop: no ".;")
+        cause = first_line(exc)
+        if cause.endswith(".") and not cause.endswith("..."):  # transformers' full stop (not a cut's "...")
+            cause = cause[:-1]  # before "; ..." (one dot only: "directory .." names the directory ".")
         return (f"cannot load model from directory {name!r}: {cause}; check the files --model names "
                 "(incomplete, or written for another model or version of transformers?)")
     return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "

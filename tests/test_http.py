@@ -344,7 +344,8 @@ async def test_a_handshake_that_fails_several_checks_gets_the_first_in_section_9
         server: FillMaskServer) -> None:
     """§9's table of handshake refusals is in the order they are checked: 505, then 426 for Connection and
     Upgrade, then 400 for the key, then 400 or 426 for the version (found by a conformance run: the
-    table had 400 and 426 before 505). Each handshake here fails two of those checks."""
+    table had 400 and 426 before 505). Each handshake here but the last fails two of those checks; the
+    last, the version's 400 alone (its 426 is ``test_websockets_own_handshake_refusals_are_json``'s)."""
     key, bad_key = "Sec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==", "Sec-WebSocket-Key: short"
     upgrade, not_upgrade = ["Upgrade: websocket", "Connection: Upgrade"], ["Upgrade: websocket", "Connection: close"]
     cases: list[tuple[list[str], str, int, str]] = [

@@ -224,12 +224,19 @@ def test_outside_its_environment_the_server_says_so_in_one_line() -> None:
 
 def test_a_load_failure_quoted_from_transformers_reads_as_one_sentence(tmp_path: Path) -> None:
     """A newcomer's find: a directory with config.json alone said "... found in directory X.; check the
-    files ...": transformers' sentence kept its full stop before the server's own clause."""
+    files ...": transformers' sentence kept its full stop before the server's own clause. Only that
+    stop goes: not a directory named ".", nor the "..." of a line cut short."""
+    from transformers import AutoModelForMaskedLM
+
     from fillmask_server.diagnosis import explain_load_failure
 
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    said = explain_load_failure(str(tmp_path), OSError(f"Error no file named model.safetensors found in directory "
-                                                       f"{tmp_path}.\nmore detail"))
-    assert said == (f"cannot load model from directory {str(tmp_path)!r}: Error no file named model.safetensors found "
-                    f"in directory {tmp_path}; check the files --model names (incomplete, or written for another "
-                    "model or version of transformers?)")
+    with pytest.raises(OSError) as raised:  # transformers' own failure, in its own words
+        AutoModelForMaskedLM.from_pretrained(tmp_path)
+    said = explain_load_failure(str(tmp_path), raised.value)
+    assert f"{tmp_path}; check the files --model names" in said and ".;" not in said, said
+    assert said.startswith(f"cannot load model from directory {str(tmp_path)!r}: ") and "\n" not in said
+    here = explain_load_failure(str(tmp_path), OSError("no file named model.safetensors found in directory .."))
+    assert "found in directory .; check the files" in here, here
+    cut = explain_load_failure(str(tmp_path), OSError("x" * 300))
+    assert "x...; check the files" in cut, cut

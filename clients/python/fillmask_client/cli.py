@@ -149,14 +149,16 @@ def build_parser() -> Parser:
 
 class Text(str):
     """A text to send, and where it came from (``origin``: ``argument 2``, ``--file texts.txt line 4``,
-    ``standard input line 3``), for the line that reports its failure. Blank lines are skipped, so
-    the n-th text is not always on line n. Equal to (and sent as) the plain string."""
+    ``standard input line 3``), for the line that reports its failure; ``line``: its line number when it
+    was read from lines (a file or standard input), else None. Blank lines are skipped, so the n-th
+    text is not always on line n. Equal to (and sent as) the plain string."""
 
     origin: str
+    line: int | None
 
-    def __new__(cls, text: str, origin: str) -> Text:
+    def __new__(cls, text: str, origin: str, line: int | None = None) -> Text:
         made = super().__new__(cls, text)
-        made.origin = origin
+        made.origin, made.line = origin, line
         return made
 
 
@@ -180,7 +182,7 @@ def read_lines(stream: BinaryIO | TextIO, name: str = "standard input") -> list[
         line = len(re.split(rb"\r\n|\r|\n", data[: exc.start]))  # the lines before it, plus its own
         raise BadInput(f"{name}: line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
                        f"save it as UTF-8") from None
-    return [Text(line.strip(), f"{name} line {number}")
+    return [Text(line.strip(), f"{name} line {number}", number)
             for number, line in enumerate(re.split(r"\r\n|\r|\n", content), start=1) if line.strip()]
 
 
@@ -463,7 +465,7 @@ async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: Text
                         quoted = f"{origin}: {_one_line(text)!r}" if origin else repr(_one_line(text))
                         # Named unless it is the only text and was given as an argument (a file's one line
                         # is named, by its line: blank lines are skipped).
-                        named = len(texts) > 1 or (origin is not None and not origin.startswith("argument"))
+                        named = len(texts) > 1 or getattr(text, "line", None) is not None
                         where = f"text {index} ({quoted}): " if named else ""
                         say(f"{where}{item}")
                     elif tally.failed[reason] == NAMED_PER_REASON + 1:
