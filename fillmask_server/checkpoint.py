@@ -467,6 +467,20 @@ def _held(directory: Path, config: dict[str, Any]) -> str | None:
     return _name(size, None, seed) if size is not None else f"BERT of another shape{_drawn(seed)}"
 
 
+def _readable(directory: Path) -> None:
+    """Give ``directory`` and its files the modes a plain ``mkdir`` and ``open`` give under this process's
+    umask (usually readable by all): ``tempfile.mkdtemp`` makes the directory 0700, and transformers
+    saves ``model.safetensors`` as 0600, so a container's user other than the writer (the Dockerfile's,
+    uid 10001, reading a mounted ``models/``) could not read the weights."""
+    import os
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def _write_in_place(directory: Path, write: Callable[[Path], object],
                     wanted: Callable[[Path], bool] = lambda _: False) -> None:
     """Call ``write`` on a fresh directory beside ``directory`` and rename it into place: a reader, or a
@@ -482,6 +496,7 @@ def _write_in_place(directory: Path, write: Callable[[Path], object],
     aside: Path | None = None
     try:
         write(made)
+        _readable(made)
         if directory.exists():
             if wanted(directory):
                 return

@@ -7,6 +7,7 @@ explanation of a library's failure (``explain_load_failure``, reading the warnin
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import sys
@@ -130,9 +131,27 @@ def _warned_cause(said: Sequence[str]) -> str | None:
     return None
 
 
+def _unreadable(directory: Path) -> str | None:
+    """What in ``directory`` this process may not read, or None. (The safetensors library reports a file
+    it may not open as not found: an operator's container user, other than the weights' owner, was told
+    model.safetensors did not exist.)"""
+    if not os.access(directory, os.R_OK | os.X_OK):
+        names = "the directory"
+    else:
+        files = sorted(path.name for path in directory.iterdir() if path.is_file() and not os.access(path, os.R_OK))
+        if not files:
+            return None
+        names = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    return (f"this process (uid {os.getuid()}) may not read {names}: make the files readable by it (chmod a+r; "
+            "a+rx for the directory), or run it as their owner")
+
+
 def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
+        unreadable = _unreadable(path)
+        if unreadable is not None:
+            return f"cannot load model from directory {name!r}: {unreadable}"
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
         cause = _warned_cause(said)

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -819,9 +820,22 @@ def test_a_checkpoint_is_written_beside_its_directory_and_renamed_into_place(tmp
             _write_in_place(directory, fails)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["held"]
     assert [path.name for path in held.iterdir()] == ["kept.txt"]
-    _write_in_place(held, lambda made: (made / "config.json").write_text("{}"))
-    assert [path.name for path in held.iterdir()] == ["config.json"]
+
+
+    def writes(made: Path) -> None:
+        (made / "config.json").write_text("{}")
+        (made / "model.safetensors").write_bytes(b"")
+        (made / "model.safetensors").chmod(0o600)  # as transformers saves it
+
+    _write_in_place(held, writes)
+    assert sorted(path.name for path in held.iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["held"]
+    # Readable as a plain mkdir and open make them (an operator's find: the Dockerfile's user, uid 10001,
+    # could not read a mounted checkpoint's weights, nor, after tempfile.mkdtemp, its directory).
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(held.stat().st_mode) == 0o777 & ~umask
+    assert {stat.S_IMODE(path.stat().st_mode) for path in held.iterdir()} == {0o666 & ~umask}
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> None:

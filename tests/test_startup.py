@@ -240,3 +240,27 @@ def test_a_load_failure_quoted_from_transformers_reads_as_one_sentence(tmp_path:
     assert "found in directory .; check the files" in here, here
     cut = explain_load_failure(str(tmp_path), OSError("x" * 300))
     assert "x...; check the files" in cut, cut
+
+
+def test_weights_this_process_may_not_read_are_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator's find: run as the Dockerfile's user (uid 10001) on a mounted checkpoint whose
+    model.safetensors is 0600 (as transformers saves it), the server said the file did not exist (the
+    safetensors library reports it so) and to check the files. The suite runs as root, who may read
+    everything, so ``os.access`` says here what it would say to that user."""
+    import os
+
+    from fillmask_server.diagnosis import explain_load_failure
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    failure = FileNotFoundError(f"No such file or directory: {tmp_path / 'model.safetensors'}")
+    assert "may not read" not in explain_load_failure(str(tmp_path), failure)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "model.safetensors"
+                        and real_access(path, mode))
+    said = explain_load_failure(str(tmp_path), failure)
+    assert said == (f"cannot load model from directory {str(tmp_path)!r}: this process (uid {os.getuid()}) may not "
+                    "read model.safetensors: make the files readable by it (chmod a+r; a+rx for the directory), "
+                    "or run it as their owner")
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    assert "may not read the directory: " in explain_load_failure(str(tmp_path), failure)
