@@ -244,3 +244,9 @@ def test_haproxy_refuses_to_start_without_a_replica() -> None:
     few seconds", as if the replicas were loading: it refuses to start, naming the variable."""
     checked = haproxy_check({"FILLMASK_REPLICA_ONE": "127.0.0.1:18765"})
     assert checked.returncode != 0 and "FILLMASK_REPLICA_1 is not set" in checked.stdout + checked.stderr
+    # Empty, as `FILLMASK_REPLICA_1=$UNSET` makes it (an operator's find: it got past the check, and
+    # HAProxy then said "'server' expects <name> and <addr>[:<port>]"); an empty second one is left out.
+    checked = haproxy_check({"FILLMASK_REPLICA_1": ""})
+    assert checked.returncode != 0 and "FILLMASK_REPLICA_1 is not set, or empty" in checked.stdout + checked.stderr
+    checked = haproxy_check({"FILLMASK_REPLICA_1": "127.0.0.1:18765", "FILLMASK_REPLICA_2": ""})
+    assert checked.returncode == 0, checked.stdout + checked.stderr
