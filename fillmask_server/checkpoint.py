@@ -31,10 +31,12 @@ and ``bench/run.py --families`` cache them under ``models/families/``)::
 family's real size (``FAMILY_REAL_VOCAB``) by padding the trained tokenizer with filler tokens.
 
 The command does nothing where the checkpoint asked for (its name, family shape and seed, which
-config.json records) is already there. It writes a checkpoint into a fresh directory beside the target
-and renames it into place, so none is ever seen half written. It refuses, with one line and exit
-status 1, to replace another complete checkpoint of its own or files that are not one (a trained
-model's); ``--force`` replaces them.
+config.json records) is already there, and writes over an incomplete one of its own (an interrupted
+write). It refuses, with one line and exit status 1, to write over another complete checkpoint of its
+own or any other file (a trained model's, notes beside a checkpoint); ``--force`` first removes what
+the directory holds, so the checkpoint is all that is left in it. Its files get the modes a plain
+``open`` gives (transformers saves the weights as 0600): a container's user other than the writer
+can read them.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ import functools
 import itertools
 import json
 import sys
-from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -170,8 +171,8 @@ def is_family_checkpoint(directory: Path, shape: str = "tiny", family: str | Non
             and config.get(FAMILY_SHAPE_KEY, "tiny") == shape
             and (not real or config.get("vocab_size") == FAMILY_REAL_VOCAB.get(family))
             and (seed is None or config.get(SEED_KEY, 0) == seed)
-            and (directory / "model.safetensors").is_file()
-            and (directory / "tokenizer_config.json").is_file())
+            and all((directory / name).is_file() for name in ("model.safetensors", "tokenizer_config.json"))
+            and any((directory / name).is_file() for name in ("tokenizer.json", "vocab.txt")))  # (saved last)
 
 
 def ensure_family(family: str, root: Path, shape: str = "tiny") -> Path:
@@ -180,11 +181,27 @@ def ensure_family(family: str, root: Path, shape: str = "tiny") -> Path:
 
     Safe for several processes at once (the test suite's workers): each writes into a directory of its
     own beside the target and renames it into place, which is atomic, so a reader never sees a half
-    written checkpoint; a process that loses the race throws its copy away (``_write_in_place``)."""
+    written checkpoint; a process that loses the race throws its copy away."""
+    import shutil
+    import tempfile
+
     directory = root / family
-    if not is_family_checkpoint(directory, shape, family):
-        _write_in_place(directory, lambda made: write_family(family, made, shape=shape),
-                        wanted=lambda there: is_family_checkpoint(there, shape, family))
+    if is_family_checkpoint(directory, shape, family):
+        return directory
+    root.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
+    try:
+        write_family(family, made, shape=shape)
+        _readable(made, directory_too=True)  # (mkdtemp makes it 0700)
+        if directory.exists() and not is_family_checkpoint(directory, shape, family):
+            shutil.rmtree(directory, ignore_errors=True)  # an older version's (or another shape's) checkpoint
+        try:
+            made.rename(directory)
+        except OSError:  # another process put a checkpoint there first
+            if not is_family_checkpoint(directory, shape, family):
+                raise
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
     return directory
 
 
@@ -401,10 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"error: {args.directory} {problem}", file=sys.stderr)
         return 1
-    if family:
-        _write_in_place(target, lambda made: write_family(args.size, made, seed=args.seed, shape=args.family_shape))
-    else:
-        _write_in_place(target, lambda made: write_checkpoint(args.size, made, seed=args.seed))
+    try:
+        if args.force:
+            _clear(target)  # (what --force replaces: nothing of it is left beside the checkpoint)
+        if family:
+            write_family(args.size, target, seed=args.seed, shape=args.family_shape)
+        else:
+            write_checkpoint(args.size, target, seed=args.seed)
+        _readable(target)
+    except OSError as exc:  # a directory this user may not write, a full disk...
+        print(f"error: {args.directory}: cannot write the checkpoint there: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"{args.directory}: wrote random-weight {asked} fill-mask checkpoint")
     return 0
 
@@ -431,22 +455,22 @@ def _problem(directory: Path) -> str | None:
 
 
 def _in_the_way(directory: Path, asked: str) -> str | None:
-    """Why writing the checkpoint ``asked`` for (as ``_name`` names it) at ``directory`` would replace
+    """Why writing the checkpoint ``asked`` for (as ``_name`` names it) at ``directory`` would overwrite
     something worth keeping (the end of a sentence that starts with the directory), or None: it does
-    not exist, it is empty, or it holds a checkpoint of this command that is incomplete or from an
-    older ``write_family`` (a cache to build again). The caller has checked that it does not hold the
-    checkpoint asked for; any other complete checkpoint of this command, or any file that is not this
-    command's (a trained model's, say), is in the way."""
+    not exist, it is empty, or it holds only files of a checkpoint of this command that is incomplete
+    or from an older ``write_family`` (a cache to build again; ``WRITTEN`` names them). The caller has
+    checked that it does not hold the checkpoint asked for; any other complete checkpoint of this
+    command, or any other file (a trained model's, notes beside a checkpoint), is in the way."""
     if not directory.is_dir():
         return None
     config = _config(directory)
+    names = sorted(path.name for path in directory.iterdir())
     if config.get(RANDOM_WEIGHTS_KEY) is True:
         held = _held(directory, config)
-        if held is None:
-            return None
-        return (f"holds the random-weight {held} checkpoint, not the {asked} one asked for: pass --force to "
-                "replace it, or name another directory")
-    names = sorted(path.name for path in directory.iterdir())
+        if held is not None:
+            return (f"holds the random-weight {held} checkpoint, not the {asked} one asked for: pass --force to "
+                    "replace it, or name another directory")
+        names = [name for name in names if name not in WRITTEN]  # (an incomplete one of ours is written over)
     if not names:
         return None
     listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -467,52 +491,52 @@ def _held(directory: Path, config: dict[str, Any]) -> str | None:
     return _name(size, None, seed) if size is not None else f"BERT of another shape{_drawn(seed)}"
 
 
-def _readable(directory: Path) -> None:
-    """Give ``directory`` and its files the modes a plain ``mkdir`` and ``open`` give under this process's
-    umask (usually readable by all): ``tempfile.mkdtemp`` makes the directory 0700, and transformers
-    saves ``model.safetensors`` as 0600, so a container's user other than the writer (the Dockerfile's,
-    uid 10001, reading a mounted ``models/``) could not read the weights."""
+#: The files this command writes into a checkpoint's directory (transformers 5's names; 4's too).
+WRITTEN = frozenset({"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                     "special_tokens_map.json", "added_tokens.json", "generation_config.json"})
+
+
+def _clear(directory: Path) -> None:
+    """Remove what ``directory`` holds (files, links and folders; the directory itself stays, so a mount
+    point, ``.`` or a directory whose parent this user may not write can be written into)."""
+    import shutil
+
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
     import os
 
-    umask = os.umask(0o022)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def _write_in_place(directory: Path, write: Callable[[Path], object],
-                    wanted: Callable[[Path], bool] = lambda _: False) -> None:
-    """Call ``write`` on a fresh directory beside ``directory`` and rename it into place: a reader, or a
-    later run, never sees a half-written checkpoint, and nothing of what ``directory`` held is left
-    beside the new one. What it held is removed once the new one is in place, unless it is ``wanted``
-    (another process put the checkpoint there meanwhile: this copy is thrown away); if the new one
-    cannot be put in place, the old one is put back."""
-    import shutil
-    import tempfile
-
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    made = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-    aside: Path | None = None
     try:
-        write(made)
-        _readable(made)
-        if directory.exists():
-            if wanted(directory):
-                return
-            aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}-old-", dir=directory.parent))
-            directory.rename(aside / directory.name)
-        try:
-            made.rename(directory)
-        except OSError:
-            if aside is not None and not directory.exists():
-                (aside / directory.name).rename(directory)  # (nothing lost: the old one is back)
-            if not wanted(directory):
-                raise
-    finally:
-        shutil.rmtree(made, ignore_errors=True)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # (elsewhere: set and put back at once)
+    os.umask(mask)
+    return mask
+
+
+def _readable(directory: Path, directory_too: bool = False) -> None:
+    """Give the files in ``directory`` (and, ``directory_too``, the directory itself) the modes a plain
+    ``open`` (and ``mkdir``) give under this process's umask, usually readable by all: transformers saves
+    ``model.safetensors`` as 0600, and ``tempfile.mkdtemp`` makes a directory 0700, so a container's user
+    other than the writer (the Dockerfile's, uid 10001, reading a mounted ``models/``) could not read
+    the weights. Links are left alone (their targets are not this command's)."""
+    umask = _umask()
+    if directory_too:
+        directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
 
 
 if __name__ == "__main__":

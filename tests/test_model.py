@@ -640,6 +640,7 @@ def test_a_cached_base_family_checkpoint_of_another_vocabulary_size_is_not_reuse
         (directory / "config.json").write_text(json.dumps(config))
         (directory / "model.safetensors").write_bytes(b"")
         (directory / "tokenizer_config.json").write_text("{}")
+        (directory / "tokenizer.json").write_text("{}")
         return directory
 
     assert is_family_checkpoint(fake(tmp_path / "roberta", FAMILY_REAL_VOCAB["roberta"]), "base")

@@ -786,7 +786,7 @@ def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
     assert "already there" in capsys.readouterr().out
     # --force replaces a trained model's files when told to: the checkpoint alone is left, and it loads
     # (a review's find: written over them file by file, a tokenizer file of theirs stayed beside it, and
-    # the result did not load). Through a symbolic link, the directory it points to is the one replaced.
+    # the result did not load). Through a symbolic link, the directory it points to is the one emptied.
     (trained / "special_tokens_map.json").write_text('{"mask_token": "<mask>"}')
     (tmp_path / "link").symlink_to(trained)
     assert checkpoint(["tiny", str(tmp_path / "link"), "--force"]) == 0
@@ -801,41 +801,36 @@ def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
     assert checkpoint(["tiny", str(trained)]) == 0 and "already there" in capsys.readouterr().out
 
 
-def test_a_checkpoint_is_written_beside_its_directory_and_renamed_into_place(tmp_path: Path) -> None:
-    """A review's find: written file by file into its directory, an interrupted write (Ctrl-C during a
-    base family's minutes) left a part that the next run took for a checkpoint of its own (a family's
-    tokenizer_config.json comes before its tokenizer.json) or for files it had not written (ESM's
-    vocab.txt comes first). A write that fails now leaves the directory as it was, and nothing beside."""
-    from fillmask_server.checkpoint import _write_in_place
+def test_the_checkpoint_command_finishes_its_own_interrupted_write_and_leaves_readable_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """What an interrupted write leaves (the config saved, the tokenizer not yet) is written over without
+    ``--force``, unless anything else is beside it (a review's find: notes and results beside such a
+    directory went with it). The files get a plain ``open``'s modes: transformers saves the weights as
+    0600, which the Dockerfile's user (uid 10001) could not read from a mounted checkpoint (an operator's
+    find). ``.`` is a directory like any other (a review's find: a rename into place failed there)."""
+    from fillmask_server.checkpoint import RANDOM_WEIGHTS_KEY, SIZES
+    from fillmask_server.checkpoint import main as checkpoint
 
-    def fails(made: Path) -> None:
-        (made / "vocab.txt").write_text("a part")
-        raise KeyboardInterrupt
-
-    held = tmp_path / "held"
-    held.mkdir()
-    (held / "kept.txt").write_text("kept")
-    for directory in (tmp_path / "new", held):
-        with pytest.raises(KeyboardInterrupt):
-            _write_in_place(directory, fails)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["held"]
-    assert [path.name for path in held.iterdir()] == ["kept.txt"]
-
-
-    def writes(made: Path) -> None:
-        (made / "config.json").write_text("{}")
-        (made / "model.safetensors").write_bytes(b"")
-        (made / "model.safetensors").chmod(0o600)  # as transformers saves it
-
-    _write_in_place(held, writes)
-    assert sorted(path.name for path in held.iterdir()) == ["config.json", "model.safetensors"]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["held"]
-    # Readable as a plain mkdir and open make them (an operator's find: the Dockerfile's user, uid 10001,
-    # could not read a mounted checkpoint's weights, nor, after tempfile.mkdtemp, its directory).
+    partial = fake_checkpoint(tmp_path / "partial", model_type="bert", **SIZES["tiny"], **{RANDOM_WEIGHTS_KEY: True})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (partial / name).unlink()  # (interrupted before the tokenizer was saved)
+    noted = fake_checkpoint(tmp_path / "noted", model_type="bert", **SIZES["tiny"], **{RANDOM_WEIGHTS_KEY: True})
+    (noted / "tokenizer.json").unlink()
+    (noted / "notes.txt").write_text("kept")
+    assert checkpoint(["tiny", str(noted)]) == 1
+    assert "holds files that are not a checkpoint of this command (notes.txt)" in capsys.readouterr().err
+    assert (noted / "notes.txt").read_text() == "kept"
+    assert checkpoint(["tiny", str(partial)]) == 0 and "wrote random-weight" in capsys.readouterr().out
     umask = os.umask(0o022)
     os.umask(umask)
-    assert stat.S_IMODE(held.stat().st_mode) == 0o777 & ~umask
-    assert {stat.S_IMODE(path.stat().st_mode) for path in held.iterdir()} == {0o666 & ~umask}
+    written = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    assert {path.name: stat.S_IMODE(path.stat().st_mode) for path in partial.iterdir()} == {
+        name: 0o666 & ~umask for name in written}
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert checkpoint(["tiny", "."]) == 0, capsys.readouterr().err
+    assert sorted(path.name for path in here.iterdir()) == sorted(path.name for path in partial.iterdir())
 
 
 def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path: Path) -> None:
