@@ -379,7 +379,8 @@ def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     if config.max_text_chars > longest:
         lines.append(f"warning: --max-text-chars {config.max_text_chars} is more than a frame of --max-frame-bytes "
                      f"{config.max_frame_bytes} can carry: a text of more than about {longest} bytes (a character "
-                     "outside ASCII takes two to four) closes its connection with 1009 instead of being answered; "
+                     "outside ASCII takes two to four, more where the client escapes it) closes its connection "
+                     "with 1009 instead of being answered; "
                      "raise --max-frame-bytes or lower --max-text-chars")
     threads = config.torch_threads or cpus
     if config.forward_parts > 1 and threads % config.forward_parts and config.forward_parts <= threads:

@@ -39,11 +39,20 @@ def check_source(name: str) -> None:
     hold config.json; a path-like name must be a directory; any other name is a Hub model id, which
     needs the Hub in reach, or (offline) a copy in the local cache."""
     path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"cannot load model from directory {name!r}: it has no config.json; {_HINT}")
-        return
-    if path.exists():
+    try:
+        if path.is_dir():
+            unreadable = _unreadable(path)
+            if unreadable is not None:
+                raise ModelLoadError(f"cannot load model from directory {name!r}: {unreadable}")
+            if not (path / "config.json").is_file():
+                raise ModelLoadError(f"cannot load model from directory {name!r}: it has no config.json; {_HINT}")
+            return
+        exists = path.exists()
+    except PermissionError:  # (a directory on its way this process may not search)
+        raise ModelLoadError(f"cannot load model {name!r}: this process (uid {os.getuid()}) may not reach it (a "
+                             "directory on its path is not readable by it): make them readable (chmod a+rx), or "
+                             "run it as their owner") from None
+    if exists:
         raise ModelLoadError(f"cannot load model {name!r}: it is a file, not a directory; {_HINT}")
     if name.startswith(("/", "./", "../", "~")):
         raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
@@ -135,21 +144,26 @@ def _unreadable(directory: Path) -> str | None:
     """What in ``directory`` this process may not read, or None. (The safetensors library reports a file
     it may not open as not found: an operator's container user, other than the weights' owner, was told
     model.safetensors did not exist.)"""
-    if not os.access(directory, os.R_OK | os.X_OK):
-        names = "the directory"
-    else:
-        files = sorted(path.name for path in directory.iterdir() if path.is_file() and not os.access(path, os.R_OK))
+    files: list[str] = []
+    if os.access(directory, os.R_OK | os.X_OK):
+        try:  # (os.path.isfile and os.access never raise: a link into a directory it may not search is False)
+            files = sorted(path.name for path in directory.iterdir()
+                           if os.path.isfile(path) and not os.access(path, os.R_OK))
+        except OSError:
+            files = ["the directory"]
         if not files:
             return None
         names = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    else:
+        names = "the directory"
     return (f"this process (uid {os.getuid()}) may not read {names}: make the files readable by it (chmod a+r; "
             "a+rx for the directory), or run it as their owner")
 
 
 def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()) -> str:
     path = Path(name).expanduser()
-    if path.is_dir():
-        unreadable = _unreadable(path)
+    if os.path.isdir(path):
+        unreadable = _unreadable(path) if isinstance(exc, OSError) else None  # (only what failed to open)
         if unreadable is not None:
             return f"cannot load model from directory {name!r}: {unreadable}"
         if not (path / "config.json").is_file():

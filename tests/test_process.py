@@ -244,7 +244,7 @@ def test_a_text_limit_no_frame_can_carry_gets_a_warning() -> None:
     (warned,) = setting_warnings(Config(max_text_chars=100_000), cpus=2)
     assert warned.startswith("warning: --max-text-chars 100000 is more than a frame of --max-frame-bytes 65536 "
                              "can carry: a text of more than about 65499 bytes (a character outside ASCII takes two "
-                             "to four) closes its connection with 1009"), warned
+                             "to four, more where the client escapes it) closes its connection with 1009"), warned
     assert setting_warnings(Config(max_text_chars=100_000, max_frame_bytes=500_000), cpus=2) == []
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fillmask_server.diagnosis import ModelLoadError
+from fillmask_server.diagnosis import ModelLoadError, check_source
 from fillmask_server.loading import load_model
 from fillmask_server.startup import LOG_FORMAT, LogTimes, StartupLines
 
@@ -222,7 +222,8 @@ def test_outside_its_environment_the_server_says_so_in_one_line() -> None:
     assert lines[0].startswith("error: No module named 'fillmask_client'") and ".venv/bin/python" in lines[0]
 
 
-def test_a_load_failure_quoted_from_transformers_reads_as_one_sentence(tmp_path: Path) -> None:
+def test_a_load_failure_quoted_from_transformers_reads_as_one_sentence(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A newcomer's find: a directory with config.json alone said "... found in directory X.; check the
     files ...": transformers' sentence kept its full stop before the server's own clause. Only that
     stop goes: not a directory named ".", nor the "..." of a line cut short."""
@@ -230,23 +231,25 @@ def test_a_load_failure_quoted_from_transformers_reads_as_one_sentence(tmp_path:
 
     from fillmask_server.diagnosis import explain_load_failure
 
-    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    monkeypatch.chdir(tmp_path)  # (a short name: transformers' line is cut at 200 characters)
+    Path("m").mkdir()
+    Path("m", "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(OSError) as raised:  # transformers' own failure, in its own words
-        AutoModelForMaskedLM.from_pretrained(tmp_path)
-    said = explain_load_failure(str(tmp_path), raised.value)
-    assert f"{tmp_path}; check the files --model names" in said and ".;" not in said, said
-    assert said.startswith(f"cannot load model from directory {str(tmp_path)!r}: ") and "\n" not in said
-    here = explain_load_failure(str(tmp_path), OSError("no file named model.safetensors found in directory .."))
+        AutoModelForMaskedLM.from_pretrained("m")
+    said = explain_load_failure("m", raised.value)
+    assert said.startswith("cannot load model from directory 'm': ") and "\n" not in said, said
+    assert "m; check the files --model names" in said and ".;" not in said, said
+    here = explain_load_failure("m", OSError("no file named model.safetensors found in directory .."))
     assert "found in directory .; check the files" in here, here
-    cut = explain_load_failure(str(tmp_path), OSError("x" * 300))
+    cut = explain_load_failure("m", OSError("x" * 300))
     assert "x...; check the files" in cut, cut
 
 
 def test_weights_this_process_may_not_read_are_named_as_such(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An operator's find: run as the Dockerfile's user (uid 10001) on a mounted checkpoint whose
     model.safetensors is 0600 (as transformers saves it), the server said the file did not exist (the
-    safetensors library reports it so) and to check the files. The suite runs as root, who may read
-    everything, so ``os.access`` says here what it would say to that user."""
+    safetensors library reports it so) and to check the files. Root may read everything, and the suite
+    may run as root, so ``os.access`` says here what it would say to that user."""
     import os
 
     from fillmask_server.diagnosis import explain_load_failure
@@ -264,3 +267,10 @@ def test_weights_this_process_may_not_read_are_named_as_such(tmp_path: Path, mon
                     "or run it as their owner")
     monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
     assert "may not read the directory: " in explain_load_failure(str(tmp_path), failure)
+    # Found before any loading, by the checks that need no torch (a review's find: a directory it may not
+    # read, or a path through one, gave a traceback there).
+    with pytest.raises(ModelLoadError, match=r"may not read the directory: make the files readable"):
+        check_source(str(tmp_path))
+    monkeypatch.setattr(Path, "is_dir", lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+    with pytest.raises(ModelLoadError, match=r"may not reach it \(a directory on its path is not readable by it\)"):
+        check_source(str(tmp_path / "below"))
