@@ -33,8 +33,9 @@ family's real size (``FAMILY_REAL_VOCAB``) by padding the trained tokenizer with
 The command does nothing where the checkpoint asked for (its name, family shape and seed, which
 config.json records) is already there, and writes over an incomplete one of its own (an interrupted
 write). It refuses, with one line and exit status 1, to write over another complete checkpoint of its
-own or any other file (a trained model's, notes beside a checkpoint); ``--force`` first removes what
-the directory holds, so the checkpoint is all that is left in it. Its files get the modes a plain
+own or any other file (a trained model's, notes beside a checkpoint); ``--force`` first removes the
+model files there (``MODEL_FILES``: config, weights, tokenizer), so none of another model's is read
+beside the new one, and leaves anything else. Its files get the modes a plain
 ``open`` gives (transformers saves the weights as 0600): a container's user other than the writer
 can read them.
 """
@@ -400,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write config, weights and tokenizer")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
     parser.add_argument("--force", action="store_true",
-                        help="replace whatever the directory holds (the checkpoint asked for, another one, or files "
-                             "that are not a checkpoint of this command) with the checkpoint")
+                        help="write even where the directory holds the checkpoint asked for, another one, or files "
+                             "that are not one: its model files (config, weights, tokenizer) are removed first, "
+                             "anything else stays")
     parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
                         help="a family model's shape: tiny (2 layers, hidden 32-64), small (4 layers, hidden 384) "
                              "or base (12 layers, hidden 768)")
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         if args.force:
-            _clear(target)  # (what --force replaces: nothing of it is left beside the checkpoint)
+            _clear(target)  # (no file of the model it replaces is left beside the checkpoint)
         if family:
             write_family(args.size, target, seed=args.seed, shape=args.family_shape)
         else:
@@ -475,7 +477,7 @@ def _in_the_way(directory: Path, asked: str) -> str | None:
         return None
     listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return (f"holds files that are not a checkpoint of this command ({listed}): name a new or empty directory, "
-            "or pass --force to replace them with the checkpoint")
+            "or pass --force to write there anyway (model files there are removed first)")
 
 
 def _held(directory: Path, config: dict[str, Any]) -> str | None:
@@ -496,17 +498,25 @@ WRITTEN = frozenset({"config.json", "model.safetensors", "tokenizer.json", "toke
                      "special_tokens_map.json", "added_tokens.json", "generation_config.json"})
 
 
+#: The files a checkpoint is made of, any model's (shell patterns): what ``--force`` removes before it
+#: writes, so that no file of another model (a tokenizer's added tokens, a second weights file) is read
+#: beside the new one. Anything else in the directory (notes, folders) stays.
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+               "pytorch_model*.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+               "vocab.txt", "vocab.json", "merges.txt", "*.model", "chat_template.*")
+
+
 def _clear(directory: Path) -> None:
-    """Remove what ``directory`` holds (files, links and folders; the directory itself stays, so a mount
-    point, ``.`` or a directory whose parent this user may not write can be written into)."""
-    import shutil
+    """Remove the model files (``MODEL_FILES``) ``directory`` holds; the directory itself and anything
+    else in it stay (a mount point, or ``.``, can be written into)."""
+    import fnmatch
 
     if not directory.is_dir():
         return
     for path in directory.iterdir():
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
+        model_file = any(fnmatch.fnmatch(path.name, pattern) for pattern in MODEL_FILES)
+        if model_file and (path.is_file() or path.is_symlink()):
             path.unlink()
 
 

@@ -759,7 +759,8 @@ def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
     cases = [
         (["tiny", str(trained)], "holds files that are not a checkpoint of this command (config.json, "
                                  "model.safetensors, tokenizer.json, tokenizer_config.json): name a new or empty "
-                                 "directory, or pass --force to replace them with the checkpoint"),
+                                 "directory, or pass --force to write there anyway (model files there are removed "
+                                 "first)"),
         (["small", str(tiny)], "holds the random-weight 'tiny' BERT checkpoint, not the 'small' BERT one asked for"),
         (["tiny", str(tiny), "--seed", "1"], "holds the random-weight 'tiny' BERT checkpoint, not the 'tiny' BERT "
                                               "(seed 1) one asked for"),
@@ -788,11 +789,14 @@ def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
     # (a review's find: written over them file by file, a tokenizer file of theirs stayed beside it, and
     # the result did not load). Through a symbolic link, the directory it points to is the one emptied.
     (trained / "special_tokens_map.json").write_text('{"mask_token": "<mask>"}')
+    (trained / "pytorch_model.bin").write_text("kept?")
+    (trained / "README.md").write_text("kept")  # (not a model file: stays)
     (tmp_path / "link").symlink_to(trained)
     assert checkpoint(["tiny", str(tmp_path / "link"), "--force"]) == 0
     assert capsys.readouterr().out == f"{tmp_path / 'link'}: wrote random-weight 'tiny' BERT fill-mask checkpoint\n"
     assert (tmp_path / "link").is_symlink()
-    assert sorted(path.name for path in trained.iterdir()) == sorted(path.name for path in tiny_model_dir.iterdir())
+    assert sorted(path.name for path in trained.iterdir()) == sorted(
+        [path.name for path in tiny_model_dir.iterdir()] + ["README.md"])
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(  # nothing left beside it
         ["trained", "tiny", "roberta", "small-roberta", "a-file", "dangling", "link"])
     from transformers import AutoTokenizer
