@@ -409,25 +409,24 @@ def main(argv: list[str] | None = None) -> int:
                              "or base (12 layers, hidden 768)")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
-    target = args.directory.resolve() if args.directory.is_symlink() and args.directory.exists() else args.directory
-    there = (is_family_checkpoint(target, args.family_shape, args.size, args.seed) if family
-             else is_checkpoint(target, args.size, args.seed))
+    there = (is_family_checkpoint(args.directory, args.family_shape, args.size, args.seed) if family
+             else is_checkpoint(args.directory, args.size, args.seed))
     if there and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0
     asked = _name(args.size, args.family_shape if family else None, args.seed)
-    problem = _problem(args.directory) or (None if args.force else _in_the_way(target, asked))
+    problem = _problem(args.directory) or (None if args.force else _in_the_way(args.directory, asked))
     if problem is not None:
         print(f"error: {args.directory} {problem}", file=sys.stderr)
         return 1
     try:
         if args.force:
-            _clear(target)  # (no file of the model it replaces is left beside the checkpoint)
+            _clear(args.directory)  # (no file of the model it replaces is left beside the checkpoint)
         if family:
-            write_family(args.size, target, seed=args.seed, shape=args.family_shape)
+            write_family(args.size, args.directory, seed=args.seed, shape=args.family_shape)
         else:
-            write_checkpoint(args.size, target, seed=args.seed)
-        _readable(target)
+            write_checkpoint(args.size, args.directory, seed=args.seed)
+        _readable(args.directory)
     except OSError as exc:  # a directory this user may not write, a full disk...
         print(f"error: {args.directory}: cannot write the checkpoint there: {exc.strerror or exc}", file=sys.stderr)
         return 1
