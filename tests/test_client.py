@@ -20,6 +20,7 @@ import re
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -192,6 +193,76 @@ def test_a_malformed_url_is_a_usage_error_at_construction() -> None:
     for url in ("http://h:99999/", "http://"):  # no valid URL to suggest: the general form instead
         with pytest.raises(UsageError, match="expected ws://HOST:PORT/ or wss://HOST:PORT/"):
             FillMaskClient(url)
+
+
+#: What a typed program does with the client, checked by mypy --strict beside the README's example.
+TYPED_USES = """
+import contextlib
+
+from fillmask_client import FillMaskClient, FillMaskError, FillMaskResult, Prediction, Predictions, SyncFillMaskClient
+
+
+async def each(client: FillMaskClient) -> list[list[Prediction]]:
+    found = []
+    async with contextlib.aclosing(client.fill_mask_iter(["A [MASK]."])) as outcomes:  # (its docstring's advice)
+        async for outcome in outcomes:
+            if isinstance(outcome, FillMaskResult):
+                found.append(outcome.per_mask()[0])
+    return found
+
+
+def blocking(client: SyncFillMaskClient, keep: bool) -> list[Predictions]:
+    strict: list[Predictions] = client.fill_mask_many(["A [MASK]."])  # no FillMaskError in it
+    loose = client.fill_mask_many(["A [MASK]."], return_exceptions=keep)  # a bool: either list
+    return strict + [p for p in loose if not isinstance(p, FillMaskError)]
+"""
+
+
+def test_the_package_and_the_readmes_example_pass_mypy_strict(tmp_path: Path) -> None:
+    """The package says it is typed (``py.typed``). A trial found eleven errors in it under ``mypy
+    --strict``, the README's first example failing it (it indexed the union ``fill_mask`` returns),
+    ``contextlib.aclosing(client.fill_mask_iter(...))`` refused (typed ``AsyncIterator``, which has no
+    ``aclose``), and the blocking ``fill_mask_many`` typed with ``FillMaskError`` in every list."""
+    section = (ROOT / "README.md").read_text().split("## Python client and command line", 1)[1]
+    (tmp_path / "readme_example.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    (tmp_path / "uses.py").write_text(TYPED_USES)
+    checked = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
+         str(ROOT / "clients" / "python" / "fillmask_client"), "readme_example.py", "uses.py"],
+        cwd=tmp_path, env={**os.environ, "MYPYPATH": str(ROOT / "clients" / "python")},
+        capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_options_of_the_wrong_kind_are_usage_errors_at_construction() -> None:
+    """A trial: ``retry=3`` was taken, then every call raised ``AttributeError`` at the server's first 503;
+    ``backoff=5`` at the first redial; ``reconnect="false"`` turned reconnecting on; ``ssl=`` with a
+    ws:// URL failed only when connecting. Each is refused when the client is made, by both clients."""
+    url, context = "ws://127.0.0.1:8765/", ssl.create_default_context()
+    refusals = [
+        ({"retry": 3}, "retry must be True, False or a RetryPolicy, not 3: for 3 tries, RetryPolicy(attempts=3)"),
+        ({"retry": "yes"}, "retry must be True, False or a RetryPolicy, not 'yes'"),
+        ({"retry": 0.5}, "not 0.5"),
+        ({"reconnect": "false"}, "reconnect must be True or False, not 'false'"),
+        ({"reconnect": 1}, "not 1"),
+        ({"backoff": 5}, "backoff must be a ReconnectBackoff or None, not 5"),
+        ({"ssl": context}, "ssl= is for wss:// URLs, and 'ws://127.0.0.1:8765/' is ws://"),
+        ({"ssl": "cert.pem"}, "ssl must be an ssl.SSLContext or None, not 'cert.pem'"),
+    ]
+    for options, words in refusals:
+        for make in (FillMaskClient, SyncFillMaskClient):
+            with pytest.raises(UsageError) as refused:
+                make(url, **options)
+            assert words in str(refused.value), refused.value
+    with pytest.raises(UsageError, match=r"is ws://"):  # one plain URL in a list is enough
+        FillMaskClient(["wss://h:1/", url], ssl=context)
+    for attempts in ("3", True, 0, 2.5):
+        refusal = rf"RetryPolicy\.attempts must be an integer of at least 1, not {attempts!r}"
+        with pytest.raises(UsageError, match=refusal):
+            RetryPolicy(attempts=attempts)  # type: ignore[arg-type]
+    made = FillMaskClient("wss://h:1/", ssl=context, retry=RetryPolicy(attempts=3), reconnect=True,
+                          backoff=ReconnectBackoff(cap=1.0))
+    assert made.retry == RetryPolicy(attempts=3) and made.reconnect
 
 
 def test_durations_refuse_nan_and_infinity() -> None:
@@ -702,6 +773,59 @@ async def test_fill_mask_many_keeps_at_most_k_in_flight_and_input_order(server: 
         await wait_until(lambda: client.in_flight == 0)
 
 
+async def test_fill_mask_iter_reads_its_texts_as_it_sends_them(server: Any) -> None:
+    """A trial: ``fill_mask_iter`` read its whole input before sending anything, so an endless (or long
+    and slow) generator blocked the event loop, where no ``asyncio.timeout`` could end it. Now a text is
+    read as its request goes, at most ``2 * concurrency`` ahead of the consumer; what the iterable raises
+    comes after the outcomes of the texts before it."""
+    pulled = 0
+
+    def texts(count: int, fail_after: int | None = None) -> Iterator[str]:
+        nonlocal pulled
+        for n in range(count):
+            if n == fail_after:
+                raise LookupError("the source broke")
+            pulled += 1
+            yield f"Number {n} is the [MASK] one."
+
+    async with FillMaskClient(server.url) as client:
+        got = []
+        async with contextlib.aclosing(client.fill_mask_iter(texts(10_000), concurrency=4, top_k=1)) as outcomes:
+            async for outcome in outcomes:
+                assert isinstance(outcome, FillMaskResult)
+                assert outcome.per_mask()[0][0]["sequence"].startswith(f"number {len(got)} is ")  # in order
+                got.append(outcome)
+                assert pulled <= len(got) + 2 * 4  # (before: all 10,000 were read first)
+                if len(got) == 20:
+                    break
+        await wait_until(lambda: client.in_flight == 0)  # the rest cancelled
+        pulled, seen = 0, []
+        with pytest.raises(LookupError, match="the source broke"):
+            async for outcome in client.fill_mask_iter(texts(10, fail_after=5), concurrency=2, top_k=1):
+                seen.append(outcome)
+        assert [type(outcome) for outcome in seen] == [FillMaskResult] * 5 and pulled == 5
+
+
+async def test_numbers_of_other_types_are_sent_as_json_numbers(server: Any) -> None:
+    """A trial: numpy's numbers (``top_k=np.int64(3)``) failed with orjson's ``TypeError``, neither a
+    ``UsageError`` nor sent. Integers and reals of any type go as JSON's; what JSON cannot carry is still
+    a ``UsageError``."""
+    import numpy as np
+
+    async with FillMaskClient(server.url) as client:
+        assert len(await client.fill_mask(TEXT, top_k=np.int64(3), deadline_ms=np.float32(30_000))) == 3
+        assert len(await client.fill_mask(TEXT, top_k=np.uint8(2), deadline_ms=np.float64(30_000))) == 2
+        with pytest.raises(UsageError, match="deadline_ms=nan is not a finite number"):
+            await client.fill_mask(TEXT, deadline_ms=np.float32("nan"))
+        with pytest.raises(UsageError, match=r"top_k of type numpy\.bool has no JSON form"):  # (before: TypeError)
+            await client.fill_mask(TEXT, top_k=np.True_)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match=r"targets\[2\] of type set has no JSON form"):
+            await client.fill_mask(TEXT, targets=["a", np.str_("b"), {"c"}])  # type: ignore[list-item]
+        assert client.in_flight == 0
+    assert orjson.loads(encode_fill_mask(1, TEXT, top_k=np.int16(4), deadline_ms=np.float16(10))) == {
+        "type": "fill_mask", "id": 1, "text": TEXT, "top_k": 4, "deadline_ms": 10.0}
+
+
 async def test_the_default_concurrency_never_meets_the_fair_share_of_a_client_alone(make_server: Any) -> None:
     """A newcomer's find: the default was the server's max_batch_size (64), and a server with a small
     ``--max-queue`` (the README's advice for base: about 50) refused most of a lone client's texts with 429
@@ -740,8 +864,8 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
             await wait_until(lambda: server.engine.queued() == 0)  # cancelled on the server, connection open
     finally:
         await asyncio.to_thread(client.close)
-    with pytest.raises(RuntimeError):
-        client.fill_mask(TEXT)
+    with pytest.raises(ConnectionLostError, match=r"the client for ws://127\.0\.0\.1:\d+/ was closed"):
+        client.fill_mask(TEXT)  # the async client's exception (a trial: a RuntimeError, not a FillMaskError)
 
 
 # --- the command line, as a subprocess ----------------------------------------------------------
@@ -851,6 +975,13 @@ async def test_cli_bad_urls_durations_and_input_are_one_line_usage_errors(tmp_pa
     assert_usage_error(code, err, "standard input", "line 2", "not valid UTF-8")
     assert out == "" and len(err.splitlines()) == 1
 
+    # A trial: --cafile with a ws:// URL failed only at the connect, as a server not speaking WebSocket.
+    certificate = tmp_path / "cert.pem"
+    certificate.write_text("unread\n")
+    for urls, shown in ((["--url", "ws://127.0.0.1:8765/?token=sesame"], "'ws://127.0.0.1:8765/?token=***'"),
+                        (["--url", "wss://h:1/", "--url", "ws://127.0.0.1:8765/"], "'ws://127.0.0.1:8765/'")):
+        code, out, err = await run_cli(*urls, "--cafile", str(certificate), TEXT)
+        assert_usage_error(code, err, "--cafile is for wss:// URLs", f"{shown} is ws://")
     not_a_certificate = tmp_path / "hostname"
     not_a_certificate.write_text("myhost\n")
     code, out, err = await run_cli("--url", "wss://127.0.0.1:8765/", "--cafile", str(not_a_certificate), TEXT)

@@ -276,8 +276,12 @@ async def test_the_read_limit_follows_max_result_bytes_and_a_mask_token_must_be_
 
 
 async def test_many_before_connect_says_not_connected() -> None:
+    client = FillMaskClient("ws://127.0.0.1:9/?token=sesame")
     with pytest.raises(ConnectionLostError, match="not connected"):  # was RuntimeError, from .limits
-        await FillMaskClient("ws://127.0.0.1:9/").fill_mask_many([TEXT])
+        await client.fill_mask_many([TEXT])
+    for name in ("hello", "limits", "model", "mask_token"):  # (a trial: RuntimeError, not a FillMaskError)
+        with pytest.raises(ConnectionLostError, match=r"not connected to ws://127\.0\.0\.1:9/\?token=\*\*\*: await"):
+            getattr(client, name)
 
 
 async def test_close_does_not_wait_long_for_a_peer_that_stopped_reading() -> None:

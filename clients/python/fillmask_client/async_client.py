@@ -22,14 +22,23 @@ answers, nor both a result and an error.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
-from .connection import Connection, NotSentError, redact, request_frame, retrieve, sleep_unless, url_problem
+from .connection import (
+    Connection,
+    NotSentError,
+    is_secure,
+    redact,
+    request_frame,
+    sleep_unless,
+    url_problem,
+)
 from .errors import (
     ConnectError,
     ConnectionLostError,
@@ -39,7 +48,7 @@ from .errors import (
     UsageError,
     check_seconds,
 )
-from .frames import FillMaskResult, Predictions, check_sendable, outcome
+from .frames import FillMaskResult, Predictions, check_sendable, outcome, plain_number
 from .pool import Pool
 from .retry import ReconnectBackoff, RetryPolicy
 from .wire import SERVER_GONE_REASONS, retryable
@@ -154,6 +163,20 @@ class FillMaskClient:
             raise UsageError(f"connections must be a positive integer, not {connections!r}")
         self.urls = tuple(urls)
         self.url = urls[0]
+        if not isinstance(retry, (bool, RetryPolicy)):  # (a number would fail at the first 503, not here)
+            hint = f": for {retry} tries, RetryPolicy(attempts={retry})" if type(retry) is int else ""
+            raise UsageError(f"retry must be True, False or a RetryPolicy, not {retry!r}{hint}")
+        if not isinstance(reconnect, bool):  # ("false" is true)
+            raise UsageError(f"reconnect must be True or False, not {reconnect!r}")
+        if ssl is not None:
+            if not isinstance(ssl, ssl_module.SSLContext):
+                raise UsageError(f"ssl must be an ssl.SSLContext or None, not {ssl!r}")
+            plain = [each for each in urls if not is_secure(each)]
+            if plain:  # (it would fail only when connecting, as a server that does not speak WebSocket)
+                raise UsageError(f"ssl= is for wss:// URLs, and {redact(plain[0])!r} is ws://: use wss://, "
+                                 "or leave ssl out")
+        if backoff is not None and not isinstance(backoff, ReconnectBackoff):
+            raise UsageError(f"backoff must be a ReconnectBackoff or None, not {backoff!r}")
         self.retry: RetryPolicy | None = RetryPolicy() if retry is True else (retry or None)
         self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout)
         self.open_timeout = check_seconds("open_timeout", open_timeout, zero_ok=False)
@@ -268,9 +291,12 @@ class FillMaskClient:
 
     @property
     def hello(self) -> dict[str, Any]:
-        """The ``hello`` frame (§2) of the connection opened last, as received."""
+        """The ``hello`` frame (§2) of the connection opened last, as received. Before ``connect()`` it
+        (and ``model``, ``limits``, ``mask_token``) raises the ``ConnectionLostError`` a call would."""
         if self._pool.hello is None:
-            raise RuntimeError("FillMaskClient is not connected: use 'async with FillMaskClient(url) as client'")
+            url = redact(self.url)
+            raise ConnectionLostError(f"not connected to {url}: await client.connect() first, or use "
+                                      "'async with FillMaskClient(url) as client'", url=url)
         return self._pool.hello
 
     @property
@@ -351,6 +377,7 @@ class FillMaskClient:
         Values JSON cannot carry as given (a lone surrogate, a NaN or infinite number) raise
         ``UsageError`` at once, before any connection is waited for.
         """
+        top_k, deadline_ms = plain_number(top_k), plain_number(deadline_ms)  # (numpy's numbers too)
         check_sendable(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -393,13 +420,16 @@ class FillMaskClient:
                     continue
                 raise answer
             tries += 1
-            again = type(answer) is OverloadedError and retryable(answer.reason)  # §14: unknown reasons too
+            # §14: unknown reasons too; not a 504 (a DeadlineExceededError): the caller's time is spent
+            again = (isinstance(answer, OverloadedError) and not isinstance(answer, DeadlineExceededError)
+                     and retryable(answer.reason))
             if not (self.retry and tries < self.retry.attempts and again):
                 if again:  # busy (queue_full, queue_share): what to do, in the traceback (str() stays §6's words)
                     answer.add_note("the server was busy: send fewer requests at once (a lower concurrency)"
                                     + (f"; refused {tries} times in a row" if self.retry
                                        else ", or let the client wait and resend (retry=True)"))
                 raise answer
+            assert isinstance(answer, OverloadedError)  # (for type checkers: ``again`` said so)
             wait = self.retry.delay(tries, answer.retry_after_ms)
             if isinstance(deadline_ms, (int, float)) and (loop.time() + wait - started) * 1000.0 >= deadline_ms:
                 raise answer  # waiting alone would use up the caller's deadline
@@ -414,62 +444,84 @@ class FillMaskClient:
         top_k: int | None = None,
         targets: str | Sequence[str] | None = None,
         deadline_ms: float | None = None,
-    ) -> AsyncIterator[FillMaskResult | FillMaskError]:
+    ) -> AsyncGenerator[FillMaskResult | FillMaskError, None]:
         """Run ``fill_mask_result`` on every text, at most ``concurrency`` at a time; yield in input order.
 
         Each outcome is yielded as soon as it and all before it are ready: a ``FillMaskResult``, or the
         ``FillMaskError`` that request raised (yielded, not raised, so one bad text does not stop the rest).
         ``concurrency`` defaults to ``default_concurrency``: enough to fill each connection's batches, and
-        never enough for this call alone on a server to meet its fair-share limit. Leaving the loop early
-        cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make that
-        happen at once rather than when the iterator is garbage-collected.
+        never enough for this call alone on a server to meet its fair-share limit.
+
+        ``texts`` is read as the requests go, never ahead of them: a generator of any length (endless
+        too) is read one text per request sent, and at most ``2 * concurrency`` outcomes are held for
+        the consumer at any time. An exception the iterable raises is raised here, after the outcomes
+        of the texts before it. Leaving the loop early cancels the requests still running; wrap the
+        iterator in ``contextlib.aclosing`` to make that happen at once rather than when it is
+        garbage-collected.
         """
         if isinstance(texts, (str, bytes, bytearray)):
             raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
                              "or call fill_mask")
         self._pool.check_loop()  # (raised, not yielded: no text could ever get through)
-        items = list(texts)
+        source = iter(texts)
         width = concurrency
         if width is None:
             hello = self._pool.hello or {}  # not connected: each call then fails as fill_mask does
-            limits = hello.get("limits") if isinstance(hello.get("limits"), dict) else {}
+            limits = hello.get("limits")
             urls = len(self.urls)  # (the pool holds each URL's connections)
-            width = default_concurrency(limits, len(self._pool.slots) // urls, urls)
+            width = default_concurrency(limits if isinstance(limits, dict) else {}, len(self._pool.slots) // urls, urls)
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise UsageError(f"concurrency must be a positive integer, not {width!r}")
-        loop = asyncio.get_running_loop()
-        slots: list[asyncio.Future[FillMaskResult]] = [loop.create_future() for _ in items]
-        for slot in slots:
-            slot.add_done_callback(retrieve)
-        order = iter(range(len(items)))
+        # The calls in input order, the first not yet yielded first; ``running`` counts those not done.
+        # A call that ends wakes the loop below (``progress``), which sends the next text while fewer
+        # than ``width`` run and fewer than ``2 * width`` wait to be yielded, and yields from the head.
+        calls: collections.deque[asyncio.Task[FillMaskResult]] = collections.deque()
+        progress = asyncio.Event()
+        running = 0
+        exhausted = False
+        failure: Exception | None = None  # what the iterable raised; no text is read after it
 
-        async def work() -> None:
-            for index in order:  # one shared iterator: each index is taken by exactly one worker
-                try:
-                    result: FillMaskResult | BaseException = await self.fill_mask_result(
-                        items[index], top_k=top_k, targets=targets, deadline_ms=deadline_ms
-                    )
-                except Exception as exc:
-                    result = exc
-                slot = slots[index]
-                if slot.done():  # the consumer was cancelled while awaiting it
-                    continue
-                if isinstance(result, FillMaskResult):
-                    slot.set_result(result)
-                else:
-                    slot.set_exception(result)
+        def ended(_: asyncio.Task[FillMaskResult]) -> None:
+            nonlocal running
+            running -= 1
+            progress.set()
 
-        workers = [asyncio.create_task(work()) for _ in range(min(width, len(items)))]
         try:
-            for slot in slots:
-                try:
-                    yield await slot
-                except FillMaskError as exc:
-                    yield exc
+            while True:
+                while not exhausted and running < width and len(calls) < 2 * width:
+                    try:
+                        text = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    except Exception as exc:  # the caller's iterable: raised after what came before it
+                        exhausted, failure = True, exc
+                        break
+                    call = asyncio.create_task(
+                        self.fill_mask_result(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms))
+                    call.add_done_callback(ended)
+                    calls.append(call)
+                    running += 1
+                if not calls:
+                    if failure is not None:
+                        raise failure
+                    return
+                if not calls[0].done():
+                    progress.clear()
+                    await progress.wait()
+                    continue
+                head = calls.popleft()
+                error = head.exception()
+                if error is None:
+                    yield head.result()
+                elif isinstance(error, FillMaskError):
+                    yield error
+                else:
+                    raise error
         finally:
-            for worker in workers:
-                worker.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
 
     @overload
     async def fill_mask_many(
@@ -495,6 +547,18 @@ class FillMaskClient:
         return_exceptions: Literal[True],
     ) -> list[Predictions | FillMaskError]: ...
 
+    @overload
+    async def fill_mask_many(
+        self,
+        texts: Iterable[str],
+        *,
+        concurrency: int | None = ...,
+        top_k: int | None = ...,
+        targets: str | Sequence[str] | None = ...,
+        deadline_ms: float | None = ...,
+        return_exceptions: bool,
+    ) -> list[Predictions] | list[Predictions | FillMaskError]: ...
+
     async def fill_mask_many(
         self,
         texts: Iterable[str],
@@ -509,7 +573,9 @@ class FillMaskClient:
 
         The first error is raised and the requests still running are cancelled, unless
         ``return_exceptions`` is true: then each failed text's exception takes its place in the list.
-        ``concurrency`` defaults to ``default_concurrency`` (see ``fill_mask_iter``).
+        ``concurrency`` defaults to ``default_concurrency`` (see ``fill_mask_iter``). Every text is read
+        before the first is sent (the list returned holds an outcome for each); for texts from a long or
+        endless generator, use ``fill_mask_iter``, which reads them as it sends them.
         """
         results: list[Predictions | FillMaskError] = []
         items = texts if isinstance(texts, (str, bytes, bytearray)) else list(texts)  # (one text: refused below)

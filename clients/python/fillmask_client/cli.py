@@ -54,7 +54,7 @@ import orjson
 
 from ._version import __version__
 from .async_client import DEFAULT_URL, FillMaskClient
-from .connection import GOING_AWAY_CODES, url_problem
+from .connection import GOING_AWAY_CODES, is_secure, redact, url_problem
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
 from .frames import FillMaskResult
 from .wire import SERVER_GONE_REASONS, retryable
@@ -410,7 +410,7 @@ def load_cafile(path: str) -> ssl.SSLContext:
         raise BadInput(f"--cafile {path}: cannot read it ({exc.strerror or exc})") from None
 
 
-async def run(args: argparse.Namespace, texts: list[str], out: TextIO, err: TextIO,
+async def run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, err: TextIO,
               context: ssl.SSLContext | None = None) -> int:
     """Send every text and print the outcomes in input order; the exit status (see the module docstring).
 
@@ -572,6 +572,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--deadline-ms {_number(args.deadline_ms)}: must be a finite number greater than 0")
     if args.cafile is not None and not os.path.isfile(args.cafile):
         parser.error(f"--cafile {args.cafile}: no such file")
+    plain = [url for url in args.url or [DEFAULT_URL] if not is_secure(url)]
+    if args.cafile is not None and plain:
+        parser.error(f"--cafile is for wss:// URLs, and {redact(plain[0])!r} is ws://: use wss://, or leave "
+                     "--cafile out")
     if not args.texts and args.file is None and sys.stdin.isatty():
         parser.error("no texts: pass TEXT arguments, --file PATH, or pipe lines on stdin")
     reads_stdin = "-" in args.texts or args.file == "-" or (not args.texts and args.file is None)

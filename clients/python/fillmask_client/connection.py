@@ -119,6 +119,11 @@ def url_problem(url: str) -> str | None:
     return f"invalid server URL {redact(url)!r}: {detail}; expected ws://HOST:PORT/ or wss://HOST:PORT/"
 
 
+def is_secure(url: str) -> bool:
+    """A ``wss://`` URL (``url_problem`` found none in it)."""
+    return parse_uri(url).secure
+
+
 def _websocket_url_of(url: str) -> str | None:
     """For an ``http(s)://`` address (the one the server prints for its demo page), the WebSocket URL of
     the same server: ``ws(s)://``, the same host and port, the path ``/`` (unless it is already one of
@@ -481,14 +486,14 @@ class Connection:
             raise ConnectError(f"{shown} refused the connection (HTTP {status}): {reason}", url=shown,
                                http_status=status) from exc
         except InvalidMessage as exc:
-            kind, status, why = bad_answer(exc, url)
+            kind, answered, why = bad_answer(exc, url)
             if kind == "reset" and url.startswith("ws://") and await speaks_tls(url, min(open_timeout, TLS_PROBE_S)):
                 # Closed without a word: a proxy whose backend is not up, or a TLS port. Only the
                 # second is final, and it answers a TLS hello: then say so, and stop waiting.
                 secure = "wss://" + url[len("ws://"):]
                 kind, why = "tls_expected", f"{_where(url)} speaks TLS: use {redact(secure)} (wss://, not ws://)"
             message = f"{shown} {why}" if kind == "http" else f"cannot connect to {shown}: {why}"
-            raise ConnectError(message, url=shown, http_status=status, kind=kind) from exc
+            raise ConnectError(message, url=shown, http_status=answered, kind=kind) from exc
         except InvalidHandshake as exc:  # a 101 without the right headers, a redirect loop...
             detail = str(exc) or type(exc).__name__
             raise ConnectError(f"cannot connect to {shown}: {detail}", url=shown, kind="not_websocket") from exc

@@ -8,9 +8,10 @@ those of ``protocol.md``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 import orjson
 
@@ -68,8 +69,21 @@ class FillMaskResult:
         """The predictions as one list per mask, whether the text had one mask or several."""
         preds = self.predictions
         if preds and isinstance(preds[0], list):
-            return list(preds)  # type: ignore[arg-type]
-        return [preds]  # type: ignore[list-item]
+            return cast("list[list[Prediction]]", list(preds))
+        return [cast("list[Prediction]", preds)]
+
+
+def plain_number(value: Any) -> Any:
+    """A number of another library's type (numpy's ``int64``, ``float32``...) as the ``int`` or ``float``
+    JSON writes, which the encoder would refuse; a ``bool`` and anything that is not a number as given
+    (the server judges them, §7)."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def encode_fill_mask(
@@ -83,9 +97,11 @@ def encode_fill_mask(
     """The ``fill_mask`` frame (§3) as UTF-8 JSON; fields left as ``None`` are omitted (server defaults).
 
     Values are not checked here: the server is the one authority on what is valid and answers with a
-    precise ``error`` (§7). Only ``targets`` is normalised from any sequence to a JSON list. What JSON
-    cannot carry as given is refused (``check_sendable``), never sent as something else.
+    precise ``error`` (§7). Only ``targets`` is normalised from any sequence to a JSON list, and other
+    libraries' numbers to Python's (``plain_number``). What JSON cannot carry as given is refused
+    (``check_sendable``), never sent as something else.
     """
+    top_k, deadline_ms = plain_number(top_k), plain_number(deadline_ms)
     check_sendable(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
     frame: dict[str, Any] = {"type": "fill_mask", "id": request_id, "text": text}
     if top_k is not None:
@@ -111,7 +127,9 @@ def check_sendable(
     A string with a lone surrogate is not valid Unicode and has no UTF-8 form (the JSON encoder would
     fail on it with a ``TypeError`` from deep inside the send). A NaN or infinite
     number has no JSON form: the encoder would write ``null``, which the server reads as the field left
-    out (§3), so ``deadline_ms=float("nan")`` would silently run without a deadline.
+    out (§3), so ``deadline_ms=float("nan")`` would silently run without a deadline. Nor has a value of a
+    type the encoder does not know (a set; numpy's ``bool``; other libraries' numbers are first made
+    Python's, ``plain_number``).
     """
     if isinstance(text, (bytes, bytearray, memoryview)):
         raise UsageError("text must be a str, not bytes: decode it first (UTF-8)")
@@ -133,12 +151,26 @@ def check_sendable(
                     f"{name} is not valid Unicode: it has a lone surrogate {value[exc.start]!r} at character "
                     f"{exc.start}, which has no UTF-8 form; remove it or decode the text correctly"
                 ) from None
-    for name, number, hint in (("top_k", top_k, "an integer, or None for the server's default"),
-                               ("deadline_ms", deadline_ms, "milliseconds > 0, or None for no deadline")):
+    fields = [("top_k", plain_number(top_k), "an integer, or None for the server's default"),
+              ("deadline_ms", plain_number(deadline_ms), "milliseconds > 0, or None for no deadline")]
+    for name, number, hint in fields:
         if isinstance(number, float) and not math.isfinite(number):
             raise UsageError(f"{name}={number!r} is not a finite number, which JSON cannot carry: give {hint}")
         if isinstance(number, int) and not isinstance(number, bool) and number not in JSON_INTEGERS:
             raise UsageError(f"{name}={number} is beyond 64 bits, which the JSON encoder cannot write: give {hint}")
+    if isinstance(targets, Sequence) and not isinstance(targets, str):
+        fields.extend((f"targets[{index}]", target, "a str") for index, target in enumerate(targets))
+    for name, value, hint in fields:  # anything else the encoder has no form for (a set, numpy's bool...)
+        try:
+            orjson.dumps(value)
+        except TypeError:
+            raise UsageError(f"{name} of type {_type_name(value)} has no JSON form: give {hint}") from None
+
+
+def _type_name(value: Any) -> str:
+    """``set``, ``numpy.bool``: the type's name, with its module unless it is a built-in."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def encode_cancel(request_id: int) -> bytes:

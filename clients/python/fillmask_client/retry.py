@@ -43,14 +43,14 @@ class RetryPolicy:
     jitter: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise UsageError("RetryPolicy.attempts must be at least 1")
+        if not isinstance(self.attempts, numbers.Integral) or isinstance(self.attempts, bool) or self.attempts < 1:
+            raise UsageError(f"RetryPolicy.attempts must be an integer of at least 1, not {self.attempts!r}")
         if not all(_finite(value) for value in (self.base_delay, self.max_delay, self.jitter)):
             raise UsageError("RetryPolicy delays and jitter must be finite numbers >= 0")
 
     def delay(self, attempt: int, retry_after_ms: float | None, rand: Callable[[], float] = random.random) -> float:
         """Seconds to wait after try number ``attempt`` (1-based) was answered ``overloaded``."""
-        backoff = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+        backoff = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
         floor = (wait_hint_ms(retry_after_ms) or 0.0) / 1000.0  # at most WAIT_HINT_CAP_MS, whatever it says
         return max(floor, backoff) * (1.0 + self.jitter * rand())
 
@@ -84,7 +84,7 @@ class ReconnectBackoff:
         """The upper bound of the wait before attempt number ``attempt`` (0-based), in seconds."""
         if attempt == 0 and first_window is not None:
             return (wait_hint_ms(first_window * 1000.0) or 0.0) / 1000.0  # at most WAIT_HINT_CAP_MS
-        return min(self.cap, self.base * 2 ** min(attempt, 60))  # 2**60 already exceeds any cap
+        return min(self.cap, self.base * 2.0 ** min(attempt, 60))  # 2**60 already exceeds any cap
 
     def delay(self, attempt: int, first_window: float | None = None,
               rand: Callable[[], float] = random.random) -> float:

@@ -16,7 +16,7 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 from .async_client import FillMaskClient
 from .connection import redact
@@ -27,12 +27,14 @@ _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
 
-def same_options_as(source: Callable[_P, None]) -> Callable[[Callable[..., None]], Callable[_P, None]]:
+def same_options_as(
+    source: Callable[Concatenate[Any, _P], None],
+) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, _P], None]]:
     """Give the decorated ``__init__`` the signature of ``source`` (for ``help``, ``inspect`` and type
     checkers): it takes ``*args, **options`` and hands them to ``source``'s class unchanged, so the two
     constructors cannot drift apart (tests/test_client.py compares them)."""
 
-    def apply(target: Callable[..., None]) -> Callable[_P, None]:
+    def apply(target: Callable[..., None]) -> Callable[Concatenate[Any, _P], None]:
         target.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]
         return target
 
@@ -80,7 +82,7 @@ class SyncFillMaskClient:
     def close(self) -> None:
         """Close the connection and stop the background thread; safe to call twice, and from any thread
         while other threads' calls are under way (they end with ``ConnectionLostError``, as the async
-        client's do; a call made after ``close`` raises ``RuntimeError``)."""
+        client's do, and so does a call made after ``close``)."""
         with self._lock:
             if self._closing:
                 return
@@ -91,12 +93,16 @@ class SyncFillMaskClient:
             self._stop_loop()
             with self._lock:
                 abandoned = list(self._calls.items())
-            url = redact(self._client.url)
             for future, coro in abandoned:  # handed to the loop as it stopped: never to be run
                 if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                     coro.close()
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    future.set_exception(ConnectionLostError(f"the client for {url} was closed", url=url))
+                    future.set_exception(self._closed_error())
+
+    def _closed_error(self) -> ConnectionLostError:
+        """What a call cut short by ``close``, or made after it, raises: the async client's words."""
+        url = redact(self._client.url)
+        return ConnectionLostError(f"the client for {url} was closed", url=url)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -114,7 +120,7 @@ class SyncFillMaskClient:
         with self._lock:
             if (self._closing and not closing) or self._loop.is_closed():
                 coro.close()
-                raise RuntimeError("SyncFillMaskClient is closed")
+                raise self._closed_error()
             future = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._calls[future] = coro
         try:
@@ -176,6 +182,45 @@ class SyncFillMaskClient:
         coro = self._client.fill_mask_result(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
         return self._call(coro, timeout)
 
+    @overload
+    def fill_mask_many(
+        self,
+        texts: Iterable[str],
+        *,
+        concurrency: int | None = ...,
+        top_k: int | None = ...,
+        targets: str | Sequence[str] | None = ...,
+        deadline_ms: float | None = ...,
+        return_exceptions: Literal[False] = ...,
+        timeout: float | None = ...,
+    ) -> list[Predictions]: ...
+
+    @overload
+    def fill_mask_many(
+        self,
+        texts: Iterable[str],
+        *,
+        concurrency: int | None = ...,
+        top_k: int | None = ...,
+        targets: str | Sequence[str] | None = ...,
+        deadline_ms: float | None = ...,
+        return_exceptions: Literal[True],
+        timeout: float | None = ...,
+    ) -> list[Predictions | FillMaskError]: ...
+
+    @overload
+    def fill_mask_many(
+        self,
+        texts: Iterable[str],
+        *,
+        concurrency: int | None = ...,
+        top_k: int | None = ...,
+        targets: str | Sequence[str] | None = ...,
+        deadline_ms: float | None = ...,
+        return_exceptions: bool,
+        timeout: float | None = ...,
+    ) -> list[Predictions] | list[Predictions | FillMaskError]: ...
+
     def fill_mask_many(
         self,
         texts: Iterable[str],
@@ -190,12 +235,13 @@ class SyncFillMaskClient:
         """Blocking ``FillMaskClient.fill_mask_many``; ``timeout`` bounds the whole batch."""
         # A list here, in the caller's thread, not on the loop; one bare text goes as it is, for the
         # async client's UsageError (a list of it would be one request per character).
+        coro: Coroutine[Any, Any, list[Predictions] | list[Predictions | FillMaskError]]
         coro = self._client.fill_mask_many(
             texts if isinstance(texts, (str, bytes, bytearray)) else list(texts),
             concurrency=concurrency,
             top_k=top_k,
             targets=targets,
             deadline_ms=deadline_ms,
-            return_exceptions=return_exceptions,  # type: ignore[call-overload]
+            return_exceptions=return_exceptions,
         )
         return self._call(coro, timeout)
