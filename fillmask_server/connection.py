@@ -21,7 +21,9 @@ moves bytes and reports how the client keeps up:
 - ``last_progress`` is the last time the client was seen taking bytes: a frame's write finished (its
   bytes went below websockets' write buffer limit), or the transport's unsent buffer shrank between
   two looks (``note_progress``). A client that reads, however slowly, keeps moving it; one that reads
-  nothing does not, whatever the size of the frame it is stuck on (protocol.md §12).
+  nothing does not, whatever the size of the frame it is stuck on (protocol.md §12). The socket shows
+  reading only as the client's kernel reopens its TCP window, a segment (its MSS) at a time: a client
+  that reads less than that within ``--send-timeout`` cannot be told from one that reads nothing.
 - Answers about requests are counted in the metrics when they are handed to the socket; answers still
   in the outbox when it is dropped (the connection closed, or the server gave up on it) are counted as
   ``dropped``. So every answer is counted once, as what happened to it.
