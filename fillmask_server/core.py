@@ -162,9 +162,12 @@ class EngineCore:
         """Accept ``job`` for the tokenizer stage, or say why not (nothing is kept then).
 
         A fair share of the queue: while half of ``max_queue`` or more waits, a connection may hold
-        at most ``max_queue`` divided by (the connections waiting, itself included, plus one): the share
-        of one more connection always stays free, so connections that send as fast as they can never
-        fill the queue that a newcomer needs, even one that had the queue to itself.
+        at most ``max_queue`` divided by (the connections waiting, itself included, plus one), and one
+        that already has requests waiting may not take the places the share of one more connection
+        needs (``max_queue`` divided by those connections plus two). So the share of one more
+        connection always stays free, even while connections that came earlier hold more than their
+        shares have since become (each newcomer shrinks them, but takes nothing already accepted):
+        connections that send as fast as they can never fill the queue that a newcomer needs.
         """
         if not self.accepting:
             return Admission.STOPPED
@@ -176,6 +179,8 @@ class EngineCore:
             owners = len(self._waiting_by) + (0 if mine else 1)
             if mine >= max(1, self.max_queue // (owners + 1)):
                 return Admission.QUEUE_SHARE
+            if mine and self.max_queue - waiting - 1 < max(1, self.max_queue // (owners + 2)):
+                return Admission.QUEUE_SHARE  # the room kept for one more connection
         if job.state is not State.TOKENIZING:
             raise ValueError("a new job starts TOKENIZING")
         self._jobs[State.TOKENIZING][job] = None

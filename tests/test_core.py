@@ -221,6 +221,26 @@ def test_the_fair_share_is_rounded_down_but_never_below_one_request() -> None:
     assert c.submit(job("g", owner="g")) is Admission.QUEUE_FULL
 
 
+def test_connections_that_came_earlier_leave_a_newcomer_its_share_whatever_they_hold() -> None:
+    """A hostile peer's trial (protocol.md §6): A, B and C each sent 40 requests at once, one after the
+    other, into a queue of 64. A kept the 32 of its share while alone, B took 21 and C 11, and D, the
+    newcomer, got 503 ``queue_full`` (3 trials in 5): a share is checked only when a request comes, and
+    the shares of those that came earlier shrink after they took them. Now a connection that already
+    has requests waiting leaves the places one more connection's share needs."""
+    c = core(max_queue=64)
+    taken = {}
+    for name in "ABC":
+        answers = [c.submit(job(f"{name}{n}", owner=name)) for n in range(40)]
+        taken[name] = answers.count(Admission.ACCEPTED)
+        assert set(answers[taken[name]:]) == {Admission.QUEUE_SHARE}  # refused as over its share, never full
+    assert taken == {"A": 32, "B": 16, "C": 4}  # (before: 32, 21, 11 and a full queue)
+    assert 64 - c.waiting() >= 64 // (3 + 2)  # one more connection's share is free...
+    assert c.submit(job("D0", owner="D")) is Admission.ACCEPTED  # ...and the newcomer gets in
+    answers = [c.submit(job(f"D{n}", owner="D")) for n in range(1, 40)]
+    assert answers.count(Admission.ACCEPTED) == 1 and 64 - c.waiting() >= 64 // (4 + 2)
+    assert c.submit(job("E0", owner="E")) is Admission.ACCEPTED  # and the one after it
+
+
 def test_expired_requests_are_answered_at_schedule_time() -> None:
     c = core()
     old, fresh = job("old", arrival=0.0, deadline=0.5), job("fresh", arrival=0.0)
