@@ -34,6 +34,7 @@ import logging
 import mimetypes
 import re
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,9 +144,15 @@ class HttpFront:
             method = request.method if _TOKEN.match(request.method) else "this method"
             return json_response(405, {"error": f"{method} is not allowed here; use GET or HEAD (method names are "
                                         "case-sensitive)"}, [("Allow", ", ".join(ALLOWED_METHODS))])
-        path = request.path.split("?", 1)[0]
         handshake = request.method == "GET" and asks_for_websocket(headers)
-        host = headers.get("Host")  # well-formed (header_problem); None only in HTTP/1.0, which predates it
+        # Well-formed (header_problem); None only in HTTP/1.0, which predates it.
+        target, host = origin_form(request.path, headers.get("Host"))
+        if target is None:
+            if handshake:
+                self.metrics.handshakes_refused.labels("bad_request").inc()
+            return self._refuse_bad_request(connection, 400, "the request target is neither a path nor an "
+                                            "http:// or https:// URL with a host; send 'GET / HTTP/1.1'")
+        path = target.split("?", 1)[0]
         if host is not None and path not in PROBE_PATHS and not self._answers_for(host):
             if handshake:
                 self.metrics.handshakes_refused.labels("host").inc()
@@ -155,7 +162,7 @@ class HttpFront:
                                         "its address or an allowed name, or its operator can allow this one with "
                                         "--allowed-hosts"})
         if handshake:
-            return self._handshake(connection, path, request)
+            return self._handshake(connection, target, host, request)
         if path == "/healthz":
             return json_response(200, {"status": "ok"})
         if path == "/readyz":
@@ -165,7 +172,7 @@ class HttpFront:
                 return json_response(503, {"status": "engine_stopped"})
             return json_response(200, {"status": "ready"})
         if path == "/metrics":
-            if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
+            if not token_matches(self.config.token, presented_token(headers.get("Authorization"), target)):
                 self.log.warning("token", "refused %s /metrics from %s with 401: missing or wrong token",
                                  request.method, self.peer(connection))
                 return json_response(401, {"error": TOKEN_HELP}, [("WWW-Authenticate", "Bearer")])
@@ -182,17 +189,20 @@ class HttpFront:
         authority = parse_host(host)
         return authority is not None and self.hosts.allows(authority, self.tls)
 
-    def _handshake(self, connection: ServerConnection, path: str, request: Request) -> Response | None:
+    def _handshake(self, connection: ServerConnection, target: str, host: str | None,
+                   request: Request) -> Response | None:
+        """``target``: the path and query; ``host``: the host it was sent to (``origin_form``)."""
         headers = request.headers
+        path = target.split("?", 1)[0]
         if path not in WEBSOCKET_PATHS:
             return self._refuse("not_found", 404, f"no WebSocket endpoint at {path[:100]}; connect to /")
-        if not self.origins.allows(headers.get("Origin"), headers.get("Host"), self.tls):
+        if not self.origins.allows(headers.get("Origin"), host, self.tls):
             # Logged (at most once per LOG_INTERVAL_S of each kind): who was refused access, never the token.
             self.log.warning("origin", "refused a WebSocket handshake from %s with 403: Origin %r is not in "
                              "--allowed-origins", self.peer(connection), _shorten(headers.get("Origin") or ""))
             return self._refuse("origin", 403, "pages of this origin may not connect to this server; its "
                                 "operator can allow them with --allowed-origins")
-        if not token_matches(self.config.token, presented_token(headers.get("Authorization"), request.path)):
+        if not token_matches(self.config.token, presented_token(headers.get("Authorization"), target)):
             self.log.warning("token", "refused a WebSocket handshake from %s with 401: missing or wrong token",
                              self.peer(connection))
             return self._refuse("token", 401, TOKEN_HELP, [("WWW-Authenticate", "Bearer")])
@@ -312,6 +322,27 @@ class LogThrottle:
         if left_out:
             message += f" (and {left_out} more like it in the last {since:.0f} s, not logged)"
         self.logger.log(level, message, *args)
+
+
+_ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def origin_form(target: str, host: str | None) -> tuple[str | None, str | None]:
+    """The request target as a path and query, and the host the request was sent to.
+
+    A target in absolute form (``http://host:port/path?query``, which proxies send) is accepted, as
+    RFC 9112 §3.2.2 asks of a server and RFC 6455 §4.1 allows for a handshake: its path and query are
+    the target, and its host replaces the ``Host`` header's. ``(None, host)`` for an absolute form that
+    is not an ``http``/``https`` URL with a host (or has user information); any other target as given."""
+    if not _ABSOLUTE_FORM.match(target):
+        return target, host
+    try:
+        parts = urllib.parse.urlsplit(target)
+    except ValueError:  # (a broken [IPv6] host)
+        return None, host
+    if parts.scheme.lower() not in ("http", "https") or "@" in parts.netloc or parse_host(parts.netloc) is None:
+        return None, host
+    return (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), parts.netloc
 
 
 def header_problem(request: Request) -> str | None:

@@ -369,6 +369,25 @@ async def test_a_handshake_that_fails_several_checks_gets_the_first_in_section_9
     assert statuses == [404, 403, 401, 503, 503, 505, 426, 400, 400, 426], statuses
 
 
+async def test_a_target_in_absolute_form_is_served_as_its_path_on_its_host(server: FillMaskServer) -> None:
+    """A hostile peer's trial: ``GET http://127.0.0.1:P/ HTTP/1.1`` (as proxies send it) got 404 "no
+    WebSocket endpoint at http://...". RFC 9112 §3.2.2 asks a server to accept the absolute form and to
+    take its host in place of the Host header's; RFC 6455 §4.1 allows it for a handshake (§9)."""
+    port, authority = server.port, f"127.0.0.1:{server.port}"
+    status, _, _ = await get(port, f"http://{authority}/", extra=handshake_headers())
+    assert status == 101
+    assert (await get(port, f"HTTP://{authority}/healthz"))[0] == 200
+    status, headers, body = await get(port, f"http://{authority}/nope?token=x")
+    assert status == 404 and "nothing at '/nope'" in error_line(headers, body)
+    before = refused(server, "host")
+    status, headers, body = await get(port, f"http://rebound.example:{port}/", extra=handshake_headers())
+    assert status == 421 and "'rebound.example:" in error_line(headers, body)  # its host, not the Host header's
+    assert refused(server, "host") == before + 1
+    for target in ("ftp://127.0.0.1/", "http:///", "http://user@127.0.0.1/", "ws://127.0.0.1/"):
+        status, headers, body = await get(port, target, extra=handshake_headers())
+        assert status == 400 and "neither a path nor an http:// or https:// URL" in error_line(headers, body), target
+
+
 async def test_requests_websockets_cannot_parse_are_answered_in_json(server: FillMaskServer,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     port = server.port
