@@ -210,6 +210,11 @@ def _type_name(value: Any) -> str:
     return "an object"
 
 
+#: The mask tokens people most often mix up (``[MASK]``: BERT, ALBERT, DeBERTa, ELECTRA, ModernBERT;
+#: ``<mask>``: RoBERTa, XLM-R, ESM): a text with the other one gets a hint naming it.
+MASK_TOKENS = ("[MASK]", "<mask>")
+
+
 def parse_frame(data: str | bytes, limits: Limits) -> Parsed:
     """Turn one incoming WebSocket message into a request, a cancel, or an error (never raises)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
@@ -282,7 +287,14 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
         return ProtocolError("invalid_field", "\"text\" holds an unpaired surrogate; send valid Unicode", frame_id)
     masks = text.count(limits.mask_token)
     if masks == 0:
-        hint = " (it is case-sensitive)" if limits.mask_token.lower() in text.lower() else ""
+        folded = text.lower()
+        other = next((token for token in MASK_TOKENS if token.lower() in folded and token != limits.mask_token), None)
+        if limits.mask_token.lower() in folded:
+            hint = " (it is case-sensitive)"
+        elif other is not None:  # BERT's [MASK] sent to RoBERTa, or the other way round
+            hint = f" (this model's mask token; {other} is another model family's)"
+        else:
+            hint = ""
         return ProtocolError("no_mask", f"the text has no {limits.mask_token} token; put {limits.mask_token}"
                              f"{hint} where the missing word goes", frame_id)
     if masks > limits.max_masks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import orjson
@@ -235,6 +236,20 @@ def test_an_unknown_type_is_quoted_whole_or_cut_with_an_ellipsis() -> None:
 def test_a_lower_case_mask_gets_a_hint() -> None:
     got = parse({"type": "fill_mask", "id": 1, "text": "a [mask] b"})
     assert isinstance(got, ProtocolError) and got.code == "no_mask" and "case-sensitive" in got.message
+
+
+def test_another_model_familys_mask_gets_a_hint() -> None:
+    """A browser trial: ``<mask>`` sent to BERT got no hint (``[mask]`` did: case-sensitive)."""
+    got = parse({"type": "fill_mask", "id": 1, "text": "a <mask> b"})
+    assert isinstance(got, ProtocolError) and got.code == "no_mask"
+    assert got.message == ("the text has no [MASK] token; put [MASK] (this model's mask token; <mask> is another "
+                           "model family's) where the missing word goes")
+    roberta = dataclasses.replace(LIMITS, mask_token="<mask>")
+    for text in ("a [MASK] b", "a [mask] b"):
+        got = parse_frame(orjson.dumps({"type": "fill_mask", "id": 1, "text": text}).decode(), roberta)
+        assert isinstance(got, ProtocolError) and "; [MASK] is another model family's" in got.message
+    got = parse_frame(orjson.dumps({"type": "fill_mask", "id": 1, "text": "a <MASK> b"}).decode(), roberta)
+    assert isinstance(got, ProtocolError) and "case-sensitive" in got.message
 
 
 def test_huge_integer_is_an_error_not_an_exception() -> None:
