@@ -331,9 +331,10 @@ def origin_form(target: str, host: str | None) -> tuple[str | None, str | None]:
     """The request target as a path and query, and the host the request was sent to.
 
     A target in absolute form (``http://host:port/path?query``, which proxies send) is accepted, as
-    RFC 9112 §3.2.2 asks of a server and RFC 6455 §4.1 allows for a handshake: its path and query are
-    the target, and its host replaces the ``Host`` header's. ``(None, host)`` for an absolute form that
-    is not an ``http``/``https`` URL with a host (or has user information); any other target as given."""
+    RFC 9112 §3.2.2 asks of a server and RFC 6455 §4.1 allows for a handshake: what follows its host
+    is the target, as sent (so both forms are read alike), and its host replaces the ``Host``
+    header's. ``(None, host)`` for an absolute form that is not an ``http``/``https`` URL with a host
+    (or has user information); any other target as given."""
     if not _ABSOLUTE_FORM.match(target):
         return target, host
     try:
@@ -342,7 +343,8 @@ def origin_form(target: str, host: str | None) -> tuple[str | None, str | None]:
         return None, host
     if parts.scheme.lower() not in ("http", "https") or "@" in parts.netloc or parse_host(parts.netloc) is None:
         return None, host
-    return (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), parts.netloc
+    rest = target.split("://", 1)[1][len(parts.netloc):]  # as sent: a fragment stays, as in origin form
+    return (rest if rest.startswith("/") else "/" + rest), parts.netloc
 
 
 def header_problem(request: Request) -> str | None:

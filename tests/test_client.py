@@ -47,6 +47,7 @@ from fillmask_client import (
     SyncFillMaskClient,
     UsageError,
 )
+from fillmask_client.async_client import AHEAD
 from fillmask_client.cli import build_parser, collect_texts, format_table, parse_targets
 from fillmask_client.frames import encode_fill_mask, outcome, terminal_id
 from fillmask_client.pool import least_loaded
@@ -795,7 +796,7 @@ async def test_fill_mask_iter_reads_its_texts_as_it_sends_them(server: Any) -> N
                 assert isinstance(outcome, FillMaskResult)
                 assert outcome.per_mask()[0][0]["sequence"].startswith(f"number {len(got)} is ")  # in order
                 got.append(outcome)
-                assert pulled <= len(got) + 2 * 4  # (before: all 10,000 were read first)
+                assert pulled <= len(got) + AHEAD * 4  # (before: all 10,000 were read first)
                 if len(got) == 20:
                     break
         await wait_until(lambda: client.in_flight == 0)  # the rest cancelled
@@ -804,6 +805,39 @@ async def test_fill_mask_iter_reads_its_texts_as_it_sends_them(server: Any) -> N
             async for outcome in client.fill_mask_iter(texts(10, fail_after=5), concurrency=2, top_k=1):
                 seen.append(outcome)
         assert [type(outcome) for outcome in seen] == [FillMaskResult] * 5 and pulled == 5
+
+
+async def test_a_slow_request_holds_back_a_generators_texts_but_not_a_lists() -> None:
+    """A review: reading at most ``AHEAD * concurrency`` ahead made ``fill_mask_many`` and the command
+    line (which hold every text anyway) wait behind one slow request (a retry's back-off, a resend):
+    3.8 times slower with one text in forty taking 0.5 s. A list is now sent as fast as ``concurrency``
+    allows; a generator is held back, as its bound says. (The request itself is a stand-in here: only
+    the order of sending is under test, with the head held for as long as the test likes.)"""
+    client = FillMaskClient("ws://127.0.0.1:9/")
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def call(text: str, **_: Any) -> FillMaskResult:
+        started.append(text)
+        if text == "0":
+            await release.wait()
+        return FillMaskResult([], None, None, None, None, None, {})
+
+    client.fill_mask_result = call  # type: ignore[method-assign]
+    texts = [str(n) for n in range(40)]
+    for given, most in ((texts, 40), ((text for text in texts), AHEAD * 2)):
+        started.clear()
+        release.clear()
+        outcomes = asyncio.create_task(asyncio.wait_for(
+            _collect(client.fill_mask_iter(given, concurrency=2)), 10))
+        await asyncio.sleep(0.1)  # every text the bound lets go has been sent by now
+        assert len(started) == most, (type(given).__name__, len(started))
+        release.set()
+        assert len(await outcomes) == 40 and started == texts  # in order, each once
+
+
+async def _collect(outcomes: AsyncIterator[Any]) -> list[Any]:
+    return [outcome async for outcome in outcomes]
 
 
 async def test_numbers_of_other_types_are_sent_as_json_numbers(server: Any) -> None:
@@ -1527,7 +1561,8 @@ async def test_connect_wait_is_how_long_async_with_and_the_blocking_client_keep_
 async def test_closing_the_blocking_client_while_other_threads_call_ends_every_call(server: Any) -> None:
     """Found by an audit: a call handed to the client's loop just as ``close()`` stopped it waited
     forever. Now each call made while another thread closes the client ends: a result, the
-    ``ConnectionLostError`` of a call the close cut short, or ``RuntimeError`` for a call made after."""
+    ``ConnectionLostError`` of a call the close cut short, or of a call made after (once a
+    ``RuntimeError``, which is no ``FillMaskError``)."""
 
     def trials() -> tuple[Counter[str], int]:
         seen: Counter[str] = Counter()
@@ -1541,9 +1576,9 @@ async def test_closing_the_blocking_client_while_other_threads_call_ends_every_c
                     try:
                         client.fill_mask(TEXT, top_k=1)
                         seen["result"] += 1
-                    except (ConnectionLostError, RuntimeError) as exc:
+                    except ConnectionLostError as exc:
                         seen[type(exc).__name__] += 1
-                        if isinstance(exc, RuntimeError):
+                        if "was closed" in str(exc) and client._closing:  # made after close: no more
                             return
 
             threads = [threading.Thread(target=caller, daemon=True) for _ in range(4)]
@@ -1558,7 +1593,7 @@ async def test_closing_the_blocking_client_while_other_threads_call_ends_every_c
         return seen, hung
 
     seen, hung = await asyncio.to_thread(trials)
-    assert hung == 0 and seen["result"] > 0 and set(seen) <= {"result", "ConnectionLostError", "RuntimeError"}, seen
+    assert hung == 0 and seen["result"] > 0 and set(seen) <= {"result", "ConnectionLostError"}, seen
 
 
 async def test_a_token_no_http_header_can_carry_is_a_usage_error_that_does_not_show_it() -> None:

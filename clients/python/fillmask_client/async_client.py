@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import logging
 import ssl as ssl_module
-from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Iterable, Sequence
 from typing import Any, Literal, overload
 
 from .connection import (
@@ -57,6 +57,9 @@ log = logging.getLogger("fillmask_client")
 
 #: Where ``python ws_server.py`` listens by default.
 DEFAULT_URL = "ws://127.0.0.1:8765/"
+#: ``fill_mask_iter`` reads a generator's texts at most this many times its concurrency ahead of the
+#: outcome its consumer waits for.
+AHEAD = 4
 #: How many times one call is sent again after a send ended without an answer. A bound, so that a
 #: request which itself brings servers down (a "poison" request) cannot take a whole fleet with it.
 MAX_RESENDS = 3
@@ -149,7 +152,7 @@ class FillMaskClient:
         open_timeout: float = 10.0,
         connect_wait: float = 0.0,
         token: str | None = None,
-        ssl: ssl_module.SSLContext | None = None,
+        ssl: ssl_module.SSLContext | Literal[True] | None = None,
         backoff: ReconnectBackoff | None = None,
     ) -> None:
         urls = [url] if isinstance(url, str) else list(url)
@@ -168,8 +171,8 @@ class FillMaskClient:
             raise UsageError(f"retry must be True, False or a RetryPolicy, not {retry!r}{hint}")
         if not isinstance(reconnect, bool):  # ("false" is true)
             raise UsageError(f"reconnect must be True or False, not {reconnect!r}")
-        if ssl is not None:
-            if not isinstance(ssl, ssl_module.SSLContext):
+        if ssl is not None:  # (True: the system's certificates, as websockets takes it, and as None gives wss://)
+            if ssl is not True and not isinstance(ssl, ssl_module.SSLContext):
                 raise UsageError(f"ssl must be an ssl.SSLContext or None, not {ssl!r}")
             plain = [each for each in urls if not is_secure(each)]
             if plain:  # (it would fail only when connecting, as a server that does not speak WebSocket)
@@ -187,7 +190,7 @@ class FillMaskClient:
             raise UsageError("token must be printable ASCII without line breaks or surrounding spaces (it is "
                              "sent in the HTTP header 'Authorization: Bearer TOKEN')")
         self._token = token
-        self._ssl = ssl
+        self._ssl = None if ssl is True else ssl  # (None: the system's certificates for wss://)
         self._awaiting_hello = 0
         self._pool = Pool(urls, connections, self._open, reconnect=reconnect, backoff=backoff or ReconnectBackoff())
 
@@ -452,17 +455,20 @@ class FillMaskClient:
         ``concurrency`` defaults to ``default_concurrency``: enough to fill each connection's batches, and
         never enough for this call alone on a server to meet its fair-share limit.
 
-        ``texts`` is read as the requests go, never ahead of them: a generator of any length (endless
-        too) is read one text per request sent, and at most ``2 * concurrency`` outcomes are held for
-        the consumer at any time. An exception the iterable raises is raised here, after the outcomes
-        of the texts before it. Leaving the loop early cancels the requests still running; wrap the
-        iterator in ``contextlib.aclosing`` to make that happen at once rather than when it is
-        garbage-collected.
+        ``texts`` that is not a collection (a generator, of any length, endless too) is read as the
+        requests go, one text per request sent, at most ``AHEAD * concurrency`` texts ahead of the
+        outcome the consumer waits for: a slow request at the head (a retry's back-off, a resend)
+        then holds the sending back once that many have come after it. A collection (a list) is
+        already in memory, and is sent as fast as ``concurrency`` allows. An exception the iterable
+        raises is raised here, after the outcomes of the texts before it. Leaving the loop early
+        cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make that
+        happen at once rather than when it is garbage-collected.
         """
         if isinstance(texts, (str, bytes, bytearray)):
             raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
                              "or call fill_mask")
         self._pool.check_loop()  # (raised, not yielded: no text could ever get through)
+        ahead = None if isinstance(texts, Collection) else AHEAD  # (a collection's texts are already held)
         source = iter(texts)
         width = concurrency
         if width is None:
@@ -474,7 +480,8 @@ class FillMaskClient:
             raise UsageError(f"concurrency must be a positive integer, not {width!r}")
         # The calls in input order, the first not yet yielded first; ``running`` counts those not done.
         # A call that ends wakes the loop below (``progress``), which sends the next text while fewer
-        # than ``width`` run and fewer than ``2 * width`` wait to be yielded, and yields from the head.
+        # than ``width`` run (and fewer than ``ahead * width`` wait to be yielded), and yields the head.
+        most = None if ahead is None else ahead * width
         calls: collections.deque[asyncio.Task[FillMaskResult]] = collections.deque()
         progress = asyncio.Event()
         running = 0
@@ -488,7 +495,7 @@ class FillMaskClient:
 
         try:
             while True:
-                while not exhausted and running < width and len(calls) < 2 * width:
+                while not exhausted and running < width and (most is None or len(calls) < most):
                     try:
                         text = next(source)
                     except StopIteration:
