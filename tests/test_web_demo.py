@@ -842,6 +842,92 @@ async def test_cancel_of_a_queued_request(server: Any, open_page: Any) -> None:
     await expect(page.by("inflight")).to_have_attribute("data-count", "0")
 
 
+async def test_a_frame_larger_than_the_server_takes_is_never_sent(server: Any, open_page: Any) -> None:
+    """A web-demo trial's find: a 68 KB text was sent although hello's max_frame_bytes is 65,536, the
+    server closed the connection with 1009, and every card in flight on it became "Not answered". The
+    page now measures the frame's UTF-8 bytes as the server does: one byte over the limit gets a card of
+    its own that says why and sends nothing (no Retry; a Retry made too big is refused the same way), the
+    request waiting beside it is answered, and a frame of exactly the limit still goes (the server
+    answers text_too_long on its card)."""
+    from playwright.async_api import expect
+
+    limit = server.config.max_frame_bytes
+    page = await open_page(server.http_url + "/")
+
+    def frame_bytes(request_id: int, text: str) -> int:
+        return len(orjson.dumps({"type": "fill_mask", "id": request_id, "text": text, "top_k": 5}))
+
+    def text_of(request_id: int, size: int) -> str:  # é and 😀: 2 and 4 bytes, 1 and 2 UTF-16 units
+        head = "[MASK] " + "é😀" * 1000
+        return head + "x" * (size - frame_bytes(request_id, head))
+
+    with server.engine.paused():
+        await page.ask("The [MASK] waits in the queue.")                  # 1
+        await wait_until(lambda: server.engine.queued() == 1)
+        big = "Paris is the [MASK] of France. " * 2200                   # 2: the trial's 68 KB
+        await page.ask(big)
+        card = page.card(2)
+        await expect(card).to_have_attribute("data-state", "error")
+        await expect(card.get_by_test_id("card-status")).to_have_text("Not sent")
+        await expect(card.get_by_test_id("card-message")).to_have_text(
+            f"Not sent: as JSON this request is {frame_bytes(2, big):,} bytes, and the server takes frames of at "
+            f"most {limit:,} bytes (limits.max_frame_bytes). Shorten the text.")
+        await expect(card.get_by_test_id("retry")).to_be_hidden()
+        await expect(card.get_by_test_id("cancel")).to_be_hidden()
+        await page.ask(text_of(3, limit))                                  # 3: exactly the limit: sent
+        assert (await page.frame_for(3))["code"] == "text_too_long"
+        await page.ask(text_of(4, limit + 1))                              # 4: a byte more: not sent
+        await expect(page.card(4).get_by_test_id("card-status")).to_have_text("Not sent")
+        await expect(page.card(1)).to_have_attribute("data-state", "pending")
+        # Retry builds its frame again: one grown too big (here: the limit lowered, as another server's
+        # hello could) is refused as a new request is.
+        await page.ask("Retry [MASK] me.")                                  # 5
+        await wait_until(lambda: server.engine.queued() == 2)
+        await page.page.evaluate("f => FillMaskDemo.receive(JSON.stringify(f))", {
+            "type": "overloaded", "id": 5, "status": 503, "reason": "queue_full", "retry_after_ms": 0})
+        await expect(page.card(5).get_by_test_id("retry")).to_be_enabled()
+        await page.page.evaluate("FillMaskDemo.client.current.hello.limits.max_frame_bytes = 60")
+        await page.card(5).get_by_test_id("retry").click()                # 6
+        await expect(page.card(6).get_by_test_id("card-message")).to_contain_text("the server takes frames of "
+                                                                                   "at most 60 bytes")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    await expect(page.by("conn-status")).to_have_attribute("data-state", "connected")
+    assert [f["id"] for f in page.sent if f["type"] == "fill_mask"] == [1, 3, 5]
+    assert max(len(raw.encode()) for raw in page.raw_out) == limit
+    assert not [f for f in page.frames if f.get("type") == "error" and f.get("id") is None]
+
+
+async def test_invalid_top_k_and_burst_size_are_refused_with_a_notice(server: Any, open_page: Any) -> None:
+    """A web-demo trial's find: "e", "-", "3e" or "--5" in Top k (which the browser reads as empty) sent
+    the request without top_k, its card saying "server default", and a burst of "2.5" went as 3. Both now
+    get a notice, as Deadline does, and nothing is sent."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/")
+    top_k = page.by("top-k")
+    notice = page.by("notice")
+    for typed in ("e", "-", "3e", "--5"):
+        await top_k.click()
+        await top_k.press("Control+a")
+        await top_k.press_sequentially(typed)  # (fill refuses text that is not a number)
+        await page.ask("Top [MASK] here.")
+        await expect(notice).to_have_text("Top k: give a whole number from 1 to 100, or leave the field empty for "
+                                          "the server's default.")
+        await expect(top_k).to_be_focused()
+        await page.page.evaluate("document.getElementById('notice').hidden = true")  # the next one shows afresh
+    await top_k.fill("3")
+    await page.by("burst-size").fill("2.5")
+    await page.by("burst-send").click()
+    await expect(notice).to_have_text("A burst is a whole number of sentences, 2 to 64; nothing was sent.")
+    await expect(page.by("burst-status")).to_have_text("A burst is a whole number of sentences, 2 to 64; nothing "
+                                                        "was sent.")
+    await page.ask("Top [MASK] here.")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    await expect(page.card(1).get_by_test_id("card-tag")).to_have_text("top 3")
+    assert [(f["id"], f["top_k"]) for f in page.sent if f["type"] == "fill_mask"] == [(1, 3)]  # nothing before it
+    await expect(page.page.locator('[data-testid="burst-card"]')).to_have_count(0)
+
+
 @SIZES
 async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
     """Targets and deadline go into the request; its card can be copied as Python, JavaScript and a
@@ -938,7 +1024,7 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
 
     # A result with targets that were not one token each (fed to the page while the real answer waits):
     # a note for each, in order, next to the predictions.
-    await page.by("targets").fill("new york, capital, zzzzqqq")
+    await page.by("targets").fill("new york, Capital, zzzzqqq")
     await page.by("deadline-ms").fill("")
     with server.engine.paused():
         await page.ask("I live in [MASK].")
@@ -947,18 +1033,21 @@ async def test_targets_deadline_and_copy_as_code(server: Any, open_page: Any, vi
                      {"score": 0.5, "token": 2047, "token_str": "new", "sequence": "i live in new."},
                      {"score": 0.25, "token": 3007, "token_str": "capital", "sequence": "i live in capital."},
                      {"score": 0.125, "token": 1062, "token_str": "z", "sequence": "i live in z."}],
-                 "targets": [{"given": "new york", "scored": "new"}, {"given": "zzzzqqq", "scored": "z"}],
+                 "targets": [{"given": "new york", "scored": "new"}, {"given": "Capital", "scored": "capital"},
+                             {"given": "zzzzqqq", "scored": "z"}],
                  "queue_ms": 1.0, "inference_ms": 2.0, "batch_size": 1, "batch_tokens": 8, "batch_id": 10**6}
         await page.page.evaluate("f => FillMaskDemo.receive(JSON.stringify(f))", frame)
         noted = page.card(3)
         await expect(noted).to_have_attribute("data-state", "done")
         await expect(noted.get_by_test_id("targets-note")).to_have_text([
-            'Note: target "new york" was scored as "new" (it is not one token of the vocabulary).',
-            'Note: target "zzzzqqq" was scored as "z" (it is not one token of the vocabulary).'])
+            'Note: target "new york" was scored as "new", its first piece (it is not one token of the vocabulary).',
+            # (A browser trial: an uncased model's "capital" was called "not one token of the vocabulary".)
+            'Note: target "Capital" was scored as "capital", the vocabulary\'s spelling of it.',
+            'Note: target "zzzzqqq" was scored as "z", its first piece (it is not one token of the vocabulary).'])
         await expect(noted.get_by_test_id("prediction")).to_have_count(3)
         await assert_in_view(noted.get_by_test_id("targets-note").last)
     await page.frame_for(3)  # the real answer comes and changes nothing: the card is settled
-    await expect(noted.get_by_test_id("targets-note")).to_have_count(2)
+    await expect(noted.get_by_test_id("targets-note")).to_have_count(3)
 
 
 @SIZES
@@ -1223,6 +1312,33 @@ async def test_live_panel_hidden_quietly_when_server_lacks_stats(server: Any, op
         assert [m for m in received if "stats" in m] == []
 
 
+async def test_update_every_takes_effect_before_the_first_stats_frame(server: Any, open_page: Any) -> None:
+    """A web-demo trial's find: "Update every" changed before the first stats frame came (within a second of
+    connecting) sent nothing, and frames kept coming every second. The server here is a stand-in that
+    says the real hello and sends no stats frame, so the page never has one. The 0.25 s window read
+    "over the last 0.3 s"."""
+    from playwright.async_api import expect
+    from websockets.asyncio.server import serve
+
+    async with connect(server.url) as ws:
+        hello = await ws.recv()
+    received: list[dict[str, Any]] = []
+
+    async def quiet_server(ws: Any) -> None:
+        await ws.send(hello)
+        async for message in ws:
+            received.append(orjson.loads(message))
+
+    async with serve(quiet_server, "127.0.0.1", 0) as stand_in:
+        port = stand_in.sockets[0].getsockname()[1]
+        page = await open_page(f"{server.http_url}/?ws=ws://127.0.0.1:{port}/")
+        await wait_until(lambda: received == [{"type": "subscribe_stats", "interval_ms": 1000}])
+        await page.by("live-interval").select_option("250")
+        await wait_until(lambda: received[-1:] == [{"type": "subscribe_stats", "interval_ms": 250}])
+        await page.page.evaluate("f => FillMaskDemo.receive(JSON.stringify(f))", stats_frame([], window_s=0.25))
+        await expect(page.by("live-window")).to_have_text("over the last 0.25 s")
+
+
 @SIZES
 async def test_live_panel_follows_the_servers_stats(server: Any, open_page: Any, viewport: dict[str, int]) -> None:
     """Against the real server's stats frames: the interval control, queue depth while the engine is
@@ -1372,9 +1488,10 @@ async def test_page_opened_from_disk_says_why_it_is_refused(make_server: Any, op
         page = await open_page(f"{page_url}?ws={strict.url}", wait=False)
         await wait_until(lambda: refused._value.get() >= 1)
         await expect(page.by("conn-status")).to_have_attribute("data-state", "refused")
-        await expect(page.by("conn-status")).to_contain_text("Refused by the server")
+        # (From disk it cannot read the server's answers: it says the likely cause, not that it knows it.)
+        await expect(page.by("conn-status")).to_contain_text("Refused, or no fill-mask server")
         notice = page.by("notice")
-        await expect(notice).to_contain_text("is running but refused this page")
+        await expect(notice).to_contain_text("If it is a fill-mask server, it refused this page")
         await expect(notice).to_contain_text("--allowed-origins same-origin,localhost,null")
         await expect(notice).not_to_contain_text("Is it running?")
         assert not strict.connections
@@ -1401,6 +1518,74 @@ async def test_a_wss_address_of_a_plain_server_is_told_to_use_ws(server: Any, op
     await page.by("ws-url").fill(server.url)
     await page.by("ws-url").press("Enter")
     await page.wait_connected()
+
+
+async def test_a_malformed_address_says_so_next_to_the_form(server: Any, open_page: Any) -> None:
+    """A web-demo trial's find: "ws://", "ws://[::1" or "ws://127.0.0.1:99999/" typed under "Server and
+    limits" left the status on "Reconnecting" for good (no countdown, a Retry now that did nothing), said
+    why only at the top of the page, out of view, and went into ?ws=, so a reload was stuck the same way.
+    Now the status says it, the reason is under the field, and the page's address keeps the last good one."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/")
+    await page.page.get_by_text("Server and limits").click()
+    field = page.by("ws-url")
+    error = page.by("ws-error")
+    for bad, why in (("ws://", "it has no host"), ("ws://[::1", "its IPv6 address has no closing ]"),
+                     ("ws://127.0.0.1:99999/", "its port, 99999, is above 65535")):
+        await field.fill(bad)
+        await field.press("Enter")
+        await expect(page.by("conn-status")).to_have_attribute("data-state", "offline")
+        await expect(page.page.locator("#conn-text")).to_have_text("Not a WebSocket URL")
+        await expect(page.by("reconnect-now")).to_be_hidden()
+        await expect(error).to_have_text(f'"{bad}" is not a WebSocket URL: {why}. Enter one like '
+                                         "ws://127.0.0.1:8765/ and press Connect.")
+        await expect(field).to_have_attribute("aria-invalid", "true")
+        await assert_in_view(error)
+        assert "ws=" not in page.page.url, page.page.url
+    await field.fill(server.url)
+    await field.press("Enter")
+    await page.wait_connected()
+    await expect(error).to_be_hidden()
+    assert f"ws={quote(server.url, safe='')}" in page.page.url, page.page.url
+    # One in the page's address (a link, a bookmark from before): the same, and said at the top too.
+    stuck = await open_page(f"{server.http_url}/?ws={quote('ws://[::1', safe='')}", wait=False)
+    await expect(stuck.page.locator("#conn-text")).to_have_text("Not a WebSocket URL")
+    await expect(stuck.by("notice")).to_contain_text('"ws://[::1" is not a WebSocket URL')
+    await expect(stuck.by("ws-error")).to_be_visible()
+
+
+async def test_another_origin_that_is_no_fill_mask_server_is_not_called_a_refusal(server: Any, open_page: Any,
+                                                                                   tmp_path: Path) -> None:
+    """A web-demo trial's find: ?ws= pointing at a plain HTTP server on another origin (python -m http.server)
+    said "Refused by the server ... start it with --allowed-origins", wrong advice: a page cannot read
+    another origin's answers (nor, in any browser, a handshake's status), so it cannot tell an Origin
+    refusal from a server that is not a fill-mask server. The page says what it knows, and both causes."""
+    import functools
+    import http.server
+    import threading
+
+    from playwright.async_api import expect
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{plain.server_address[1]}"
+        page = await open_page(f"{server.http_url}/?ws=ws://127.0.0.1:{plain.server_address[1]}/", wait=False)
+        notice = page.by("notice")
+        await expect(notice).to_contain_text(f"Something answers HTTP at {base}, but it did not take a WebSocket "
+                                             "connection from this page, and browsers do not tell a page why.")
+        await expect(notice).to_contain_text("If it is a fill-mask server, it refused this page")
+        await expect(notice).to_contain_text("If it is not a fill-mask server, set the fill-mask server's address")
+        await expect(notice).not_to_contain_text("is running but refused this page")
+        await expect(page.page.locator("#conn-text")).to_have_text("Refused, or no fill-mask server")
+    finally:
+        plain.shutdown()
+        plain.server_close()
 
 
 async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: Any, open_page: Any) -> None:

@@ -8,7 +8,7 @@ const path = require('node:path');
 const test = require('node:test');
 
 const ROOT = path.resolve(__dirname, '..');
-const { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, redactToken } =
+const { State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, redactToken, utf8Bytes } =
   require(path.join(ROOT, 'web_demo', 'client.js'));
 
 function schema(name) {
@@ -299,7 +299,7 @@ test('connect() to a new address closes the old connection and starts afresh', (
   assert.deepEqual(settled(events), [[1, 'lost']]);
   assert.equal(socket().url, 'ws://y/');
   assert.deepEqual(client.status(), { state: State.CONNECTING, url: 'ws://y/', attempt: 0, retryAt: 0,
-    restarting: false, everConnected: false, lastClose: null });
+    restarting: false, everConnected: false, lastClose: null, badUrl: false });
 });
 
 test('a URL the WebSocket constructor refuses is reported, and nothing is scheduled', () => {
@@ -309,4 +309,39 @@ test('a URL the WebSocket constructor refuses is reported, and nothing is schedu
   assert.deepEqual(events.filter((e) => e[0] === 'badUrl').map((e) => e[1]), ['nonsense']);
   assert.equal(timers.length, 0);
   assert.equal(client.state, State.CLOSED);
+  // The status says so (the page shows "Not a WebSocket URL", no Retry now), until a good address.
+  assert.equal(client.status().badUrl, true);
+  client.retryNow();
+  assert.equal(client.status().badUrl, true);
+  assert.equal(timers.length, 0);
+  client.WebSocket = FakeSocket;
+  client.connect('ws://good/');
+  assert.equal(client.status().badUrl, false);
+});
+
+test('a frame larger than hello.limits.max_frame_bytes (UTF-8 bytes) is never sent (§1: 1009)', () => {
+  assert.deepEqual(['', 'a', 'é', '€', '😀', '\ud800', 'a😀é'].map(utf8Bytes), [0, 1, 2, 3, 4, 3, 7]);
+  for (const text of ['Paris é 😀 [MASK]', '\u0000\u2028"\\']) {
+    const json = JSON.stringify({ text });
+    assert.equal(utf8Bytes(json), Buffer.byteLength(json, 'utf8'));
+  }
+  const { client, socket } = harness();
+  client.connect();
+  socket().open();
+  socket().frame({ type: 'hello', protocol: 1, model: 'm', mask_token: '[MASK]', limits: { max_frame_bytes: 100 } });
+  assert.equal(client.maxFrameBytes, 100);
+  const first = client.request({ text: 'a [MASK]' });
+  assert.equal(first.outcome, null);
+  // {"type":"fill_mask","id":N,"text":"..."}: 37 bytes around the text; 63 bytes of text fit, 64 do not.
+  const fits = client.request({ text: 'é'.repeat(31) + 'x' });
+  assert.equal(fits.tooBig, undefined);
+  assert.equal(utf8Bytes(JSON.stringify(fits.frame)), 100);
+  const big = client.request({ text: 'é'.repeat(32) });
+  assert.deepEqual([big.id, big.outcome, big.tooBig], [3, 'too_big', { bytes: 101, limit: 100 }]);
+  assert.ok(!client.inflight.has(big.id));
+  assert.deepEqual(socket().sent.map((f) => f.id), [1, 2]);  // the others are still in flight
+  assert.deepEqual(Array.from(client.inflight.keys()), [1, 2]);
+  assert.equal(client.send({ type: 'cancel', id: 'x'.repeat(200) }), false);
+  assert.equal(client.request({ text: 'b [MASK]' }).id, 4);  // ids still only grow
+  assert.deepEqual(socket().sent.map((f) => f.id), [1, 2, 4]);
 });

@@ -71,7 +71,7 @@
     live: $('live'), liveInterval: $('live-interval'), liveStale: $('live-stale'),
     inflight: $('inflight'), cancelAll: $('cancel-all'), clear: $('clear'), empty: $('empty'), cards: $('cards'),
     burstForm: $('burst-form'), burstSize: $('burst-size'), burstSend: $('burst-send'), burstStatus: $('burst-status'),
-    serverInfo: $('server-info'), limits: $('limits'), serverForm: $('server-form'), wsUrl: $('ws-url'),
+    serverInfo: $('server-info'), limits: $('limits'), serverForm: $('server-form'), wsUrl: $('ws-url'), wsError: $('ws-error'),
     frameLog: $('frame-log'), logList: $('log-list'), logCount: $('log-count'), logDropped: $('log-dropped'),
     logHideStats: $('log-hide-stats'), logClear: $('log-clear'),
     notice: $('notice'), announcer: $('announcer'),
@@ -92,6 +92,7 @@
     lastAnswerAt: 0,       // when the last terminal frame came (performance.now())
     stallMs: STALL_MS,     // (the browser test shortens it)
     stalled: false,        // the status says "no answer for N s" (watchStall)
+    urlFromForm: false,    // the address being connected to was typed under "Server and limits"
   };
 
   // ---------------------------------------------------------------- small helpers
@@ -208,13 +209,14 @@
     return url;
   }
 
-  /** `text` is announced (it changes only with the state); `detail` (the countdown) is not. */
-  function setConn(kind, text, detail) {
+  /** `text` is announced (it changes only with the state); `detail` (the countdown) is not. `noRetry`:
+   *  no "Retry now" (an address that is no WebSocket URL: trying it again does nothing). */
+  function setConn(kind, text, detail, noRetry) {
     el.conn.dataset.state = kind;
     if (el.connText.textContent !== text) el.connText.textContent = text;
     el.connDetail.textContent = detail || '';
     el.conn.title = (kind === 'connected' ? 'Connected to ' : '') + redactToken(client.url);
-    el.reconnectNow.hidden = kind === 'connected' || kind === 'connecting';
+    el.reconnectNow.hidden = kind === 'connected' || kind === 'connecting' || Boolean(noRetry);
     const usable = kind === 'connected';
     el.submit.disabled = !usable;
     el.burstSend.disabled = !usable;
@@ -240,6 +242,8 @@
     markLive(s.state === State.OPEN);
     const label = connLabel(s);
     if (s.state === State.OPEN) { setConn(label.kind, label.text); return; }
+    // No WebSocket URL: nothing is scheduled and nothing to retry until another address is given.
+    if (s.badUrl) { setConn('offline', 'Not a WebSocket URL', '', true); return; }
     if (!s.retryAt) {
       setConn(label.kind, label.text, s.attempt > 0 || s.everConnected ? 'now' : '');
       return;
@@ -338,10 +342,29 @@
       (owed ? ' ' + plural(owed, 'request', 'requests') + ' already sent still get their answers.' : ''));
   }
 
+  /** The WebSocket constructor refused `url`: say why under the address field (where it is typed; the
+   *  notice at the top is out of view there), and at the top too when the address came from the page's
+   *  own ?ws= (at load nobody is looking at the field). The status says it (showStatus). */
   function onBadUrl(url) {
-    setConn('offline', 'Cannot connect');
-    showNotice('"' + redactToken(url) + '" is not a WebSocket URL. Enter one like ws://127.0.0.1:8765 under "Server and limits".');
+    const why = lib.wsUrlProblem(url);
+    const message = '"' + redactToken(url) + '" is not a WebSocket URL' + (why ? ': ' + why : '') +
+      '. Enter one like ws://127.0.0.1:8765/ and press Connect.';
+    el.wsError.textContent = message;
+    el.wsError.hidden = false;
+    el.wsUrl.setAttribute('aria-invalid', 'true');
     el.serverInfo.open = true;
+    if (state.urlFromForm) {
+      // The field is often at the window's bottom edge: bring the line under it into view.
+      el.wsError.scrollIntoView({ block: 'nearest', behavior: REDUCED_MOTION.matches ? 'auto' : 'smooth' });
+    } else {
+      showNotice(message);
+    }
+  }
+
+  function clearUrlError() {
+    el.wsError.textContent = '';
+    el.wsError.hidden = true;
+    el.wsUrl.removeAttribute('aria-invalid');
   }
 
   // ---------------------------------------------------------------- frames in
@@ -492,7 +515,10 @@
   function drawStats() {
     const frame = state.stats.last;
     if (!frame) return;
-    live.render(el.live, live.view(frame, state.stats.history, { maxBatchSize: limits().max_batch_size, ours: state.stats.ours }));
+    const v = live.view(frame, state.stats.history, { maxBatchSize: limits().max_batch_size, ours: state.stats.ours });
+    // live.js writes the window with one decimal: the 0.25 s interval read "over the last 0.3 s".
+    if (v.window) v.window = 'over the last ' + lib.formatSeconds(frame.window_s);
+    live.render(el.live, v);
   }
 
   // ---------------------------------------------------------------- requests
@@ -501,6 +527,7 @@
   function readRequest() {
     const fields = { text: el.text.value };
     const topK = readTopK();
+    if (topK === undefined) return null;
     if (topK !== null) fields.top_k = topK;
     const targets = lib.parseTargets(el.targets.value);
     if (targets !== null) {
@@ -518,8 +545,19 @@
     return fields;
   }
 
+  /** top_k, null for none (the server's default), undefined (after a notice) for something that is not
+   *  a number: the browser reads "e", "-" or "3e" in a number field as empty, and the request went
+   *  without top_k, its card saying "server default" (a trial's find). */
   function readTopK() {
+    if (el.topK.validity.badInput) {
+      const topK = limits().top_k || {};
+      const range = Number.isInteger(topK.min) && Number.isInteger(topK.max) ? ' from ' + topK.min + ' to ' + topK.max : '';
+      showNotice('Top k: give a whole number' + range + ', or leave the field empty for the server\'s default.');
+      el.topK.focus();
+      return undefined;
+    }
     const raw = el.topK.value.trim();
+    // Out-of-range values are sent as they are: the server's invalid_top_k answer says the rule.
     return raw === '' ? null : Number(raw);
   }
 
@@ -548,8 +586,17 @@
     Object.assign(rec, { text: fields.text, maskToken: state.maskToken, burst, kind: 'pending', sentAt,
       doneAt: 0, result: null, card: null, hello: client.hello });
     rec.card = makeCard(rec);
+    // Larger than the server takes: client.js sent nothing (the server would have closed the
+    // connection with 1009, losing every request in flight on it). Its card says so; no Retry, which
+    // would be refused the same way.
+    if (rec.tooBig) settle(rec, 'error', 'Not sent', tooBigText(rec.tooBig));
     updateInflight();
     return rec;
+  }
+
+  function tooBigText(big) {
+    return 'Not sent: as JSON this request is ' + lib.formatCount(big.bytes) + ' bytes, and the server takes ' +
+      'frames of at most ' + lib.formatCount(big.limit) + ' bytes (limits.max_frame_bytes). Shorten the text.';
   }
 
   /** The card's tag: what the request asked for; without a top_k, the server's default (hello, §2). */
@@ -584,7 +631,7 @@
       delete fields.type;
       delete fields.id;
       const again = sendRequest(fields, null);
-      if (again) again.card.querySelector('.cancel').focus();
+      if (again) (again.tooBig ? again.card : again.card.querySelector('.cancel')).focus();
     });
     wireCopyButtons(card, rec);
     if (rec.burst) {
@@ -729,10 +776,14 @@
       li.dataset.testid = 'targets-note';
       li.dataset.given = String(t.given);
       li.dataset.scored = String(t.scored);
+      const scored = t.scored === null ? '' : readable(String(t.scored)).text;
+      // The same word but for case, accents or the tokenizer's word-start mark (an uncased model's
+      // "capital" for "Capital"), or only its first piece (the pipeline scores that, §4).
+      const spelling = t.scored !== null && lib.foldWord(scored) === lib.foldWord(String(t.given));
       li.textContent = t.scored === null
         ? 'Note: target "' + String(t.given) + '" was ignored: it has no token in the vocabulary.'
-        : 'Note: target "' + String(t.given) + '" was scored as "' + readable(String(t.scored)).text +
-          '" (it is not one token of the vocabulary).';
+        : 'Note: target "' + String(t.given) + '" was scored as "' + scored + '"' + (spelling
+          ? ', the vocabulary\'s spelling of it.' : ', its first piece (it is not one token of the vocabulary).');
       return li;
     }));
     box.hidden = replaced.length === 0;
@@ -999,6 +1050,7 @@
   function sendBurst(n) {
     const fields = {};
     const topK = readTopK();
+    if (topK === undefined) return;
     if (topK !== null) fields.top_k = topK;
     const deadline = readDeadline();
     if (deadline === undefined) return;
@@ -1208,10 +1260,15 @@
   el.burstForm.addEventListener('submit', (event) => {
     event.preventDefault();
     if (el.burstSend.disabled) return;
-    const n = Math.round(Number(el.burstSize.value));
+    // A whole number, as typed: "2.5" was rounded to 3, and "e" (read as empty by the browser) refused
+    // only by accident.
+    const raw = el.burstSize.value.trim();
+    const n = Number(raw);
     const max = Number(el.burstSize.max);
-    if (!Number.isFinite(n) || n < 2 || n > max) {
-      showNotice('A burst is 2 to ' + max + ' sentences.');
+    if (el.burstSize.validity.badInput || raw === '' || !Number.isInteger(n) || n < 2 || n > max) {
+      const message = 'A burst is a whole number of sentences, 2 to ' + max + '; nothing was sent.';
+      showNotice(message);
+      el.burstStatus.textContent = message;  // (next to the form: the notice may be out of view)
       el.burstSize.focus();
       return;
     }
@@ -1230,9 +1287,10 @@
     const raw = el.wsUrl.value.trim();
     if (!raw) return;
     const url = normaliseUrl(raw);
-    keepInAddress(url);
     showNotice('');
-    connectTo(url);
+    connectTo(url, true);
+    // Only an address the browser takes goes into ?ws= (a bad one made every reload stuck on it).
+    if (!client.status().badUrl) keepInAddress(url);
   });
 
   el.reconnectNow.addEventListener('click', () => client.retryNow());
@@ -1246,7 +1304,10 @@
   });
 
   el.liveInterval.addEventListener('change', () => {
-    if (state.stats.supported === true) subscribeStats();  // sending it again changes the interval
+    // Sending it again changes the interval (§13), also while the first subscription has had no stats
+    // frame yet (supported null: a choice made then was ignored, a trial found). subscribeStats sends
+    // nothing to a server without stats, or while not connected (the next hello uses this choice).
+    subscribeStats();
   });
   document.addEventListener('visibilitychange', () => {
     // Nobody is looking at a hidden tab: stop the stats frames until it is shown again.
@@ -1276,9 +1337,12 @@
     set stallMs(ms) { state.stallMs = ms; },
   };
 
-  /** Connect to `url` afresh: no diagnosis, no backoff carried over from another address. */
-  function connectTo(url) {
+  /** Connect to `url` afresh: no diagnosis, no backoff carried over from another address. `fromForm`:
+   *  typed under "Server and limits" (else the page's own ?ws= or default). */
+  function connectTo(url, fromForm) {
     state.diagnosis = null;
+    state.urlFromForm = Boolean(fromForm);
+    clearUrlError();
     el.wsUrl.value = url;
     client.connect(url);
   }

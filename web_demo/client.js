@@ -112,6 +112,23 @@
 
   const WS_OPEN = 1;  // WebSocket.OPEN, the same in browsers and in Node's ws package
 
+  /**
+   * The length of `text` in UTF-8 bytes: what the server counts against hello.limits.max_frame_bytes
+   * (§1, §14), not String.length's UTF-16 units ("é" is 1 unit and 2 bytes, "😀" 2 units and 4 bytes).
+   * A lone surrogate counts 3, as the U+FFFD a browser sends for it (JSON.stringify escapes them anyway).
+   */
+  function utf8Bytes(text) {
+    let n = 0;
+    for (let i = 0; i < text.length; i++) {
+      const c = text.charCodeAt(i);
+      if (c < 0x80) n += 1;
+      else if (c < 0x800) n += 2;
+      else if (c >= 0xd800 && c <= 0xdbff && (text.charCodeAt(i + 1) & 0xfc00) === 0xdc00) { n += 4; i++; }
+      else n += 3;
+    }
+    return n;
+  }
+
   // ---------------------------------------------------------------- the client
 
   /**
@@ -145,6 +162,7 @@
       // otherwise hold the page on "Connecting" for good.
       this.helloTimeoutMs = options.helloTimeoutMs ?? 10000;
       this.url = options.url || '';
+      this.badUrl = false;       // the WebSocket constructor refused this.url (not an address): no retry
       this.current = null;       // the connection new requests go to (connecting or open), or null
       this.draining = new Set(); // connections after going_away, until they close
       this.attempt = 0;          // reconnections since the last connection that lasted
@@ -183,7 +201,16 @@
       return {
         state: this.state, url: this.url, attempt: this.attempt, retryAt: this.retryAt,
         restarting: this.restarting, everConnected: this.everConnected, lastClose: this.lastClose,
+        badUrl: this.badUrl,
       };
+    }
+
+    /** The largest frame the current server takes (hello.limits.max_frame_bytes, §2), in UTF-8 bytes;
+     *  Infinity while there is no hello or it names none. */
+    get maxFrameBytes() {
+      const limits = this.hello && this.hello.limits;
+      const most = limits && limits.max_frame_bytes;
+      return Number.isInteger(most) && most > 0 ? most : Infinity;
     }
 
     // ------------------------------------------------ connecting
@@ -208,7 +235,10 @@
       const conn = { url: this.url, ws: null, state: State.CONNECTING, hello: null, opened: false };
       try {
         conn.ws = new this.WebSocket(conn.url);
+        this.badUrl = false;
       } catch (err) {
+        // Not an address (the constructor's SyntaxError): nothing to retry until another URL is given.
+        this.badUrl = true;
         this.emit('badUrl', conn.url);
         this.emit('status', this.status());
         return;
@@ -399,22 +429,35 @@
 
     // ------------------------------------------------ frames out
 
-    /** Send a frame on the open current connection; false (nothing sent) when there is none. */
+    /** Send a frame on the open current connection; false (nothing sent) when there is none, or when
+     *  the frame is larger than the server takes (§1: it would close the connection with 1009, and
+     *  every request in flight on it would be lost). */
     send(frame) {
       if (!this.isOpen) return false;
       const text = JSON.stringify(frame);
+      if (utf8Bytes(text) > this.maxFrameBytes) return false;
       this.current.ws.send(text);
       this.emit('log', 'out', text, frame.type);
       return true;
     }
 
     /** Send one fill_mask request with `fields`. Returns its record {id, frame, conn, data, ...}, or
-     *  null (nothing sent) while not open. `data` is the caller's, carried along. */
+     *  null (nothing sent) while not open. `data` is the caller's, carried along. A frame larger than
+     *  the server's max_frame_bytes is not sent: its record comes back settled, with `tooBig` {bytes,
+     *  limit} and outcome 'too_big' (its id is used up, never sent; the connection and the requests
+     *  in flight on it are untouched). */
     request(fields, data) {
       if (!this.isOpen) return null;
       const id = this.nextId++;
       const frame = Object.assign({ type: 'fill_mask', id: id }, fields);
       const rec = { id, frame, conn: this.current, url: this.current.url, data, cancelAsked: false, outcome: null };
+      const bytes = utf8Bytes(JSON.stringify(frame));
+      if (bytes > this.maxFrameBytes) {
+        rec.conn = null;
+        rec.outcome = 'too_big';
+        rec.tooBig = { bytes, limit: this.maxFrameBytes };
+        return rec;
+      }
       this.inflight.set(id, rec);
       this.send(frame);
       return rec;
@@ -461,7 +504,7 @@
     return parsed.toString();
   }
 
-  const api = { redactToken, State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS, hintMs, PROTOCOL_VERSION };
+  const api = { redactToken, utf8Bytes, State, transition, backoffMs, Client, OVERLOAD_REASONS, ERROR_CODES, overloadText, MAX_HINT_MS, hintMs, PROTOCOL_VERSION };
   if (typeof module === 'object' && module.exports) module.exports = api;
   else (root.FillMask = root.FillMask || {}).client = api;
 })(typeof window !== 'undefined' ? window : globalThis);

@@ -28,6 +28,20 @@
 
   function plural(n, one, many) { return n + ' ' + (n === 1 ? one : many); }
 
+  /** A span of seconds, as the live view's "over the last ...": 0.25 s, 1.0 s, 12 s. (Two decimals
+   *  under a second: the shortest interval, 0.25 s, read "0.3 s" with one.) */
+  function formatSeconds(s) {
+    if (typeof s !== 'number' || !isFinite(s)) return '–';
+    return s.toFixed(s < 1 ? 2 : s < 10 ? 1 : 0) + ' s';
+  }
+
+  /** A word as spelled apart from case, accents, surrounding spaces and a tokenizer's word-start mark
+   *  (SentencePiece's ▁, byte-level BPE's Ġ): equal for "Capital" and an uncased model's "capital". */
+  function foldWord(word) {
+    return String(word).trim().replace(/^[\u2581\u0120]+/, '').normalize('NFKD').replace(/\p{M}/gu, '')
+      .toLowerCase();
+  }
+
   // ---------------------------------------------------------------- text as the server counts it
 
   /**
@@ -379,6 +393,27 @@
 
   // ---------------------------------------------------------------- why a connection failed
 
+  /**
+   * Why `url` is no WebSocket address (a few words, for "... is not a WebSocket URL: ..."), or '' when
+   * it is one as far as the page can tell. The browser's WebSocket constructor is the judge; this only
+   * names the usual slips.
+   */
+  function wsUrlProblem(url) {
+    const m = /^(wss?):\/\/([^/?#]*)/i.exec(String(url));
+    if (!m) return 'it does not start with ws:// or wss://';
+    const authority = m[2].replace(/^.*@/, '');
+    if (!authority) return 'it has no host';
+    if (authority.startsWith('[') && !authority.includes(']')) return 'its IPv6 address has no closing ]';
+    const port = /:(\d+)$/.exec(authority.startsWith('[') ? authority.slice(authority.indexOf(']')) : authority);
+    if (port && Number(port[1]) > 65535) return 'its port, ' + port[1] + ', is above 65535';
+    try {
+      new URL(url);
+    } catch (err) {
+      return 'it is not a valid address';
+    }
+    return '';
+  }
+
   /** The HTTP address of the server behind a WebSocket URL, for its /healthz and /readyz. */
   function httpBase(wsUrl) {
     const u = new URL(wsUrl);
@@ -389,7 +424,10 @@
   /**
    * What to tell the user after a WebSocket handshake failed (no `open`), from what the page could
    * learn without it. Browsers hide the HTTP status of a refused handshake, but the server answers
-   * /healthz to anyone (no Origin rule): if it answers, the server is up and refused this page.
+   * /healthz to anyone (no Origin rule): if something answers there, a server is up. On the page's own
+   * origin /readyz says whether it is a fill-mask server (and draining or not); on another origin (or
+   * from disk) the answer is opaque, so a refusal of this page cannot be told from a server that is
+   * no fill-mask server, and the notice says so rather than name one cause.
    *
    * facts: {url (its token redacted, not removed), pageProtocol, pageOrigin, reachable, ready ('ready',
    * 'draining', 'engine_stopped' or null when unknown), fillMask (false: a same-origin server whose
@@ -455,29 +493,41 @@
       return { kind: 'refused', label: 'Refused by the server', notice: 'The server at ' + httpBase(url) +
         ' is running but has no WebSocket endpoint at ' + path + '. Connect to ' + httpBase(url).replace(/^http/, 'ws') + '/ .' };
     }
-    const refused = 'The server at ' + url + ' is running but refused this page';
     const withToken = /[?&]token=/.test(url);  // (the page's copy: the token itself is redacted)
     const token = withToken
       ? 'it may have refused the token in this address (a wrong token? check the server\'s --token)'
       : 'it may need its token: add ?token=TOKEN to the address under "Server and limits"';
+    // Only on its own origin can the page read /readyz, and so know that a fill-mask server answers
+    // there (facts.ready). Elsewhere it knows only that something answers HTTP (an opaque /healthz):
+    // browsers hide the handshake's status, so it cannot tell a refusal of this page's Origin from a
+    // server that is not a fill-mask server at all. It says both, and claims neither.
+    const unknown = 'Something answers HTTP at ' + httpBase(url) + ', but it did not take a WebSocket ' +
+      'connection from this page, and browsers do not tell a page why. ';
+    const notOne = ' If it is not a fill-mask server, set the fill-mask server\'s address under "Server and limits".';
     if (facts.pageProtocol === 'file:') {
       return {
-        kind: 'refused', label: 'Refused by the server',
-        notice: refused + ': a page opened from disk sends "Origin: null", which the server refuses by ' +
-          'default. Start the server with --allowed-origins same-origin,localhost,null (or open the page ' +
-          'it serves, ' + httpBase(url) + '/). If it already allows null, ' + token + '.',
+        kind: 'refused', label: 'Refused, or no fill-mask server',
+        notice: unknown + 'If it is a fill-mask server, it refused this page: a page opened from disk sends ' +
+          '"Origin: null", which the server refuses by default. Start the server with --allowed-origins ' +
+          'same-origin,localhost,null (or open the page it serves, ' + httpBase(url) + '/). If it already ' +
+          'allows null, ' + token + '.' + notOne,
       };
     }
     const sameOrigin = facts.pageOrigin === httpBase(url);
-    const causes = sameOrigin && withToken
+    if (!sameOrigin) {
+      return {
+        kind: 'refused', label: 'Refused, or no fill-mask server',
+        notice: unknown + 'If it is a fill-mask server, it refused this page: pages of this origin (' +
+          facts.pageOrigin + ') may not be allowed (start it with --allowed-origins same-origin,localhost,' +
+          facts.pageOrigin + '), or ' + token + ', or it has reached its --max-connections.' + notOne,
+      };
+    }
+    const refused = 'The server at ' + url + ' is running but refused this page';
+    const causes = withToken
       ? ': it refused the token in this address (a wrong token? check the server\'s --token), or it has ' +
         'reached its --max-connections.'
-      : sameOrigin
-      ? ': it was probably started with --token; add ?token=TOKEN to the WebSocket address under ' +
-        '"Server and limits". Or it has reached its --max-connections.'
-      : ': either pages of this origin (' + facts.pageOrigin + ') are not allowed (start it with ' +
-        '--allowed-origins same-origin,localhost,' + facts.pageOrigin + '), or ' + token + ', or it has ' +
-        'reached its --max-connections.';
+      : ': it was probably started with --token; add ?token=TOKEN to the WebSocket address under ' +
+        '"Server and limits". Or it has reached its --max-connections.';
     return { kind: 'refused', label: 'Refused by the server', notice: refused + causes };
   }
 
@@ -590,8 +640,8 @@
   }
 
   FillMask.lib = {
-    formatScore, formatMs, plural, codePoints, countOccurrences, parseTargets, clipText, formatCount,
-    filledSegments, excerptSegments, readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, diagnose,
+    formatScore, formatMs, formatSeconds, foldWord, plural, codePoints, countOccurrences, parseTargets, clipText, formatCount,
+    filledSegments, excerptSegments, readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, wsUrlProblem, diagnose,
     prettyJson, logText, FrameLog,
   };
 })();
