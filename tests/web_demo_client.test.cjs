@@ -319,6 +319,26 @@ test('a URL the WebSocket constructor refuses is reported, and nothing is schedu
   assert.equal(client.status().badUrl, false);
 });
 
+test('an address the constructor refuses leaves the open connection and its requests alone', () => {
+  // A review: a typo in the address field (or ws:// typed on an https page, Chromium's SecurityError)
+  // closed the working connection first, and every request in flight on it was lost.
+  const { client, events, socket } = harness();
+  client.connect();
+  const old = socket();
+  old.hello();
+  client.request({ text: 'a' });
+  client.WebSocket = function () { const err = new Error('insecure'); err.name = 'SecurityError'; throw err; };
+  client.connect('ws://elsewhere:8765/');
+  assert.deepEqual(events.filter((e) => e[0] === 'badUrl').map((e) => e.slice(1)),
+    [['ws://elsewhere:8765/', 'SecurityError']]);
+  assert.equal(old.closedWith, null);  // never closed
+  assert.deepEqual(settled(events), []);
+  assert.equal(client.isOpen, true);
+  assert.equal(client.url, 'ws://x/');
+  old.frame({ type: 'result', id: 1, predictions: [] });
+  assert.deepEqual(settled(events), [[1, 'result']]);
+});
+
 test('a frame larger than hello.limits.max_frame_bytes (UTF-8 bytes) is never sent (§1: 1009)', () => {
   assert.deepEqual(['', 'a', 'é', '€', '😀', '\ud800', 'a😀é'].map(utf8Bytes), [0, 1, 2, 3, 4, 3, 7]);
   for (const text of ['Paris é 😀 [MASK]', '\u0000\u2028"\\']) {

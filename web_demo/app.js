@@ -201,11 +201,25 @@
     }
   }
 
-  /** Accept ws://h:p, wss://..., http(s)://... (mapped to ws(s)) or a bare host:port. */
+  /** Take ?ws= out of the page address (it named no usable WebSocket URL). */
+  function dropFromAddress() {
+    const params = new URLSearchParams(window.location.search);
+    if (!params.has('ws')) return;
+    params.delete('ws');
+    const query = params.toString();
+    try {
+      window.history.replaceState(null, '', (query ? '?' + query : window.location.pathname) + window.location.hash);
+    } catch (err) {
+      // (file:// pages: as keepInAddress)
+    }
+  }
+
+  /** Accept ws://h:p, wss://..., http(s)://... (mapped to ws(s)) or a bare host:port (wss:// on an
+   *  https page, which browsers allow no ws:// but to loopback). */
   function normaliseUrl(raw) {
     let url = raw.trim();
     if (/^https?:\/\//i.test(url)) url = url.replace(/^http/i, 'ws');
-    else if (!/^wss?:\/\//i.test(url)) url = 'ws://' + url;
+    else if (!/^wss?:\/\//i.test(url)) url = (window.location.protocol === 'https:' ? 'wss://' : 'ws://') + url;
     return url;
   }
 
@@ -345,10 +359,16 @@
   /** The WebSocket constructor refused `url`: say why under the address field (where it is typed; the
    *  notice at the top is out of view there), and at the top too when the address came from the page's
    *  own ?ws= (at load nobody is looking at the field). The status says it (showStatus). */
-  function onBadUrl(url) {
+  function onBadUrl(url, errorName) {
     const why = lib.wsUrlProblem(url);
-    const message = '"' + redactToken(url) + '" is not a WebSocket URL' + (why ? ': ' + why : '') +
-      '. Enter one like ws://127.0.0.1:8765/ and press Connect.';
+    // Chromium's SecurityError: a ws:// address from an https page (loopback excepted), a valid URL.
+    const message = errorName === 'SecurityError'
+      ? 'This page was loaded over https, and browsers let it open only wss:// connections: "' + redactToken(url) +
+        '" is refused. Use the wss:// address (a server started with --certfile), or open the page over http.'
+      : '"' + redactToken(url) + '" is not a WebSocket URL' + (why ? ': ' + why : '') +
+        '. Enter one like ws://127.0.0.1:8765/ and press Connect.';
+    // (Emptied first, so that the same message after a second try is announced again.)
+    el.wsError.textContent = '';
     el.wsError.textContent = message;
     el.wsError.hidden = false;
     el.wsUrl.setAttribute('aria-invalid', 'true');
@@ -358,6 +378,7 @@
       el.wsError.scrollIntoView({ block: 'nearest', behavior: REDUCED_MOTION.matches ? 'auto' : 'smooth' });
     } else {
       showNotice(message);
+      dropFromAddress();  // a link's bad ?ws= would leave every reload stuck on it
     }
   }
 
@@ -778,8 +799,9 @@
       li.dataset.scored = String(t.scored);
       const scored = t.scored === null ? '' : readable(String(t.scored)).text;
       // The same word but for case, accents or the tokenizer's word-start mark (an uncased model's
-      // "capital" for "Capital"), or only its first piece (the pipeline scores that, §4).
-      const spelling = t.scored !== null && lib.foldWord(scored) === lib.foldWord(String(t.given));
+      // "capital" for "Capital"), or only its first piece (the pipeline scores that, §4). Compared as
+      // the token is, not as shown (readable() may mark invisible characters).
+      const spelling = t.scored !== null && lib.foldWord(String(t.scored)) === lib.foldWord(String(t.given));
       li.textContent = t.scored === null
         ? 'Note: target "' + String(t.given) + '" was ignored: it has no token in the vocabulary.'
         : 'Note: target "' + String(t.given) + '" was scored as "' + scored + '"' + (spelling
@@ -1050,7 +1072,10 @@
   function sendBurst(n) {
     const fields = {};
     const topK = readTopK();
-    if (topK === undefined) return;
+    if (topK === undefined) {
+      el.burstStatus.textContent = 'Top k is not a number; nothing was sent.';  // (the notice may be out of view)
+      return;
+    }
     if (topK !== null) fields.top_k = topK;
     const deadline = readDeadline();
     if (deadline === undefined) return;

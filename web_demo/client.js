@@ -216,8 +216,23 @@
     // ------------------------------------------------ connecting
 
     /** Connect now; given a `url`, to it, afresh (no backoff or history carried over). The current
-     *  connection, if any, is closed and its requests are lost. */
+     *  connection, if any, is closed and its requests are lost, once the new one could be made: an
+     *  address the WebSocket constructor refuses (not a URL, or ws:// from an https page: its
+     *  SecurityError) changes nothing but `badUrl`, and is reported with the error's name. */
     connect(url) {
+      const target = url !== undefined ? url : this.url;
+      let ws;
+      try {
+        ws = new this.WebSocket(target);
+      } catch (err) {
+        // Nothing to retry until another URL is given; a connection still open stays (a typo in the
+        // address field must not cost the requests in flight).
+        this.badUrl = true;
+        this.emit('badUrl', target, (err && err.name) || 'SyntaxError');
+        this.emit('status', this.status());
+        return;
+      }
+      this.badUrl = false;
       if (url !== undefined) {
         this.url = url;
         this.attempt = 0;
@@ -232,17 +247,7 @@
         this.closeConnection(old, { code: 1000, reason: '', wasClean: true });
         old.ws.close(1000);
       }
-      const conn = { url: this.url, ws: null, state: State.CONNECTING, hello: null, opened: false };
-      try {
-        conn.ws = new this.WebSocket(conn.url);
-        this.badUrl = false;
-      } catch (err) {
-        // Not an address (the constructor's SyntaxError): nothing to retry until another URL is given.
-        this.badUrl = true;
-        this.emit('badUrl', conn.url);
-        this.emit('status', this.status());
-        return;
-      }
+      const conn = { url: this.url, ws, state: State.CONNECTING, hello: null, opened: false };
       this.current = conn;
       if (this.helloTimeoutMs > 0) {
         conn.helloTimer = this.setTimeout(() => this.onNoHello(conn), this.helloTimeoutMs);
