@@ -807,13 +807,14 @@ async def test_fill_mask_iter_reads_its_texts_as_it_sends_them(server: Any) -> N
         assert [type(outcome) for outcome in seen] == [FillMaskResult] * 5 and pulled == 5
 
 
-async def test_a_slow_request_holds_back_a_generators_texts_but_not_a_lists() -> None:
+async def test_a_slow_request_holds_back_a_generators_texts_but_not_a_lists(server: Any) -> None:
     """A review: reading at most ``AHEAD * concurrency`` ahead made ``fill_mask_many`` and the command
     line (which hold every text anyway) wait behind one slow request (a retry's back-off, a resend):
     3.8 times slower with one text in forty taking 0.5 s. A list is now sent as fast as ``concurrency``
     allows; a generator is held back, as its bound says. (The request itself is a stand-in here: only
     the order of sending is under test, with the head held for as long as the test likes.)"""
-    client = FillMaskClient("ws://127.0.0.1:9/")
+    client = FillMaskClient(server.url)
+    await client.connect()
     started: list[str] = []
     release = asyncio.Event()
 
@@ -834,10 +835,43 @@ async def test_a_slow_request_holds_back_a_generators_texts_but_not_a_lists() ->
         assert len(started) == most, (type(given).__name__, len(started))
         release.set()
         assert len(await outcomes) == 40 and started == texts  # in order, each once
+    await client.close()
 
 
 async def _collect(outcomes: AsyncIterator[Any]) -> list[Any]:
     return [outcome async for outcome in outcomes]
+
+
+async def test_fill_mask_iter_raises_once_when_no_text_could_be_answered(make_server: Any) -> None:
+    """A newcomer's trial: after ``close()``, ``fill_mask_iter`` yielded one ``ConnectionLostError`` per
+    text, and with an endless generator that loop never ended. Closed or never connected, it raises at
+    once; a generator's connection lost without ``reconnect``, it raises after the outcomes before (a
+    list's texts each still get their outcome, as ``fill_mask_many(return_exceptions=True)`` says)."""
+    async with make_server() as srv:
+        never = FillMaskClient(srv.url)
+        with pytest.raises(ConnectionLostError, match="not connected"):
+            async for _ in never.fill_mask_iter(itertools.repeat(TEXT, 100_000)):  # (bounded, were it to yield)
+                pass
+        async with FillMaskClient(srv.url) as client:
+            assert len([o async for o in client.fill_mask_iter([TEXT] * 3, top_k=1)]) == 3
+        with pytest.raises(ConnectionLostError, match="was closed"):
+            async for _ in client.fill_mask_iter(itertools.repeat(TEXT, 100_000)):
+                pass
+        lost = FillMaskClient(srv.url)
+        await lost.connect()
+        seen: list[Any] = []
+
+        async def endless() -> None:
+            async for outcome in lost.fill_mask_iter(itertools.repeat(TEXT), concurrency=2, top_k=1):
+                seen.append(outcome)
+
+        iterating = asyncio.create_task(endless())
+        await wait_until(lambda: len(seen) >= 10)
+    # The server drained and closed the connection (§10); the client does not reconnect.
+    with pytest.raises((ConnectionLostError, OverloadedError)):
+        await asyncio.wait_for(iterating, 20)
+    assert len(seen) < 100_000 and all(isinstance(o, (FillMaskResult, FillMaskError)) for o in seen)
+    await lost.close()
 
 
 async def test_numbers_of_other_types_are_sent_as_json_numbers(server: Any) -> None:
@@ -855,6 +889,8 @@ async def test_numbers_of_other_types_are_sent_as_json_numbers(server: Any) -> N
             await client.fill_mask(TEXT, top_k=np.True_)  # type: ignore[arg-type]
         with pytest.raises(UsageError, match=r"targets\[2\] of type set has no JSON form"):
             await client.fill_mask(TEXT, targets=["a", np.str_("b"), {"c"}])  # type: ignore[list-item]
+        with pytest.raises(UsageError, match="targets must be a str or a list of str, not bytes"):
+            await client.fill_mask(TEXT, targets=b"a")  # (a newcomer: it went as [97])
         assert client.in_flight == 0
     assert orjson.loads(encode_fill_mask(1, TEXT, top_k=np.int16(4), deadline_ms=np.float16(10))) == {
         "type": "fill_mask", "id": 1, "text": TEXT, "top_k": 4, "deadline_ms": 10.0}

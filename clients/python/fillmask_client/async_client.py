@@ -297,9 +297,7 @@ class FillMaskClient:
         """The ``hello`` frame (§2) of the connection opened last, as received. Before ``connect()`` it
         (and ``model``, ``limits``, ``mask_token``) raises the ``ConnectionLostError`` a call would."""
         if self._pool.hello is None:
-            url = redact(self.url)
-            raise ConnectionLostError(f"not connected to {url}: await client.connect() first, or use "
-                                      "'async with FillMaskClient(url) as client'", url=url)
+            raise self._pool.not_connected_error()
         return self._pool.hello
 
     @property
@@ -460,7 +458,11 @@ class FillMaskClient:
         outcome the consumer waits for: a slow request at the head (a retry's back-off, a resend)
         then holds the sending back once that many have come after it. A collection (a list) is
         already in memory, and is sent as fast as ``concurrency`` allows. An exception the iterable
-        raises is raised here, after the outcomes of the texts before it. Leaving the loop early
+        raises is raised here, after the outcomes of the texts before it; so is, for a generator, the
+        reason no text could be answered any more (the client closed, or every connection lost without
+        ``reconnect``: one error, not one per text, which an endless generator would never end). A
+        collection's texts each get their outcome. Closed or not connected from the start, it raises at
+        once, whatever the texts. Leaving the loop early
         cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make that
         happen at once rather than when it is garbage-collected.
         """
@@ -468,6 +470,9 @@ class FillMaskClient:
             raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
                              "or call fill_mask")
         self._pool.check_loop()  # (raised, not yielded: no text could ever get through)
+        hopeless = self._pool.hopeless()
+        if hopeless is not None:  # the same (closed, or never connected): one error, not one per text
+            raise hopeless
         ahead = None if isinstance(texts, Collection) else AHEAD  # (a collection's texts are already held)
         source = iter(texts)
         width = concurrency
@@ -496,6 +501,10 @@ class FillMaskClient:
         try:
             while True:
                 while not exhausted and running < width and (most is None or len(calls) < most):
+                    hopeless = self._pool.hopeless() if ahead is not None else None
+                    if hopeless is not None:  # a generator's, every connection lost for good: read no more
+                        exhausted, failure = True, hopeless
+                        break
                     try:
                         text = next(source)
                     except StopIteration:

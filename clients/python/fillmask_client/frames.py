@@ -135,6 +135,8 @@ def check_sendable(
         raise UsageError("text must be a str, not bytes: decode it first (UTF-8)")
     if not isinstance(text, str):  # the one field whose type never depends on the server
         raise UsageError(f"text must be a str, not {type(text).__name__}")
+    if isinstance(targets, (bytes, bytearray, memoryview)):  # (else sent as a list of numbers, one a byte)
+        raise UsageError("targets must be a str or a list of str, not bytes: decode it first (UTF-8)")
     strings = [("text", text)]
     if isinstance(targets, str):
         strings.append(("targets", targets))

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from .connection import RECONNECT_CODES, REDIAL_CODES, Connection, redact
-from .errors import ConnectError, ConnectionLostError, OverloadedError, UsageError
+from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, UsageError
 from .retry import ReconnectBackoff
 from .state import ConnState
 
@@ -221,11 +221,25 @@ class Pool:
         for slot in self.slots:
             if slot.failure is not None:
                 return _copy(slot.failure)
-        url = redact(self.slots[0].url)
         if not self.opened and not self.closed:
-            return ConnectionLostError(f"not connected to {url}: await client.connect() first, or use "
-                                       "'async with FillMaskClient(url) as client'", url=url)
+            return self.not_connected_error()
+        url = redact(self.slots[0].url)
         return ConnectionLostError(f"no connection to {url}", url=url)
+
+    def not_connected_error(self) -> ConnectionLostError:
+        """A fresh ``not connected``: what a call (or ``hello``) before ``connect()`` raises."""
+        url = redact(self.slots[0].url)
+        return ConnectionLostError(f"not connected to {url}: await client.connect() first, or use "
+                                   "'async with FillMaskClient(url) as client'", url=url)
+
+    def hopeless(self) -> FillMaskError | None:
+        """Why no call could be answered now or later, or None: the client was closed, was never
+        connected, or lost every connection without ``reconnect`` (``lost_for_good``)."""
+        if self.closed:
+            return self.closed_error()
+        if not self.opened:
+            return self.not_connected_error()
+        return self.lost_for_good()
 
     @property
     def last_failure(self) -> ConnectError | None:
