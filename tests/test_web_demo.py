@@ -1686,3 +1686,23 @@ async def test_screenshots_desktop_and_phone(server: Any, open_page: Any) -> Non
                 await page.ask("Paris is the [MASK] of France.")
                 await expect(page.card(8)).to_have_attribute("data-state", "done")
                 await page.page.screenshot(path=str(README_PHONE_SCREENSHOT))
+
+
+async def test_the_status_line_wraps_between_its_parts_not_inside_them_on_a_phone(server: Any,
+                                                                                   open_page: Any) -> None:
+    """A browser trial: at 360 px "Server not reachable · in 1 s · Retry now" wrapped inside its parts
+    ("in 1 / s", "Retry / now"). Each part now stays on one line, and the line wraps between them."""
+    from playwright.async_api import expect
+
+    page = await open_page(f"{server.http_url}/?ws=ws://127.0.0.1:{free_port()}/",
+                           viewport={"width": 360, "height": 740}, wait=False)
+    await expect(page.by("reconnect-now")).to_be_visible(timeout=15_000)
+    await expect(page.page.locator("#conn-detail")).not_to_be_empty(timeout=15_000)
+    heights = await page.page.evaluate("""() => ['conn-text', 'conn-detail', 'reconnect-now'].map((id) => {
+        const el = document.getElementById(id);
+        return [el.getBoundingClientRect().height, parseFloat(getComputedStyle(el).lineHeight) || 20];
+    })""")
+    for height, line in heights:
+        assert height < 1.6 * line, heights  # one line each
+    width = await page.page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 360, width  # and nothing sideways
