@@ -871,7 +871,29 @@ async def test_fill_mask_iter_raises_once_when_no_text_could_be_answered(make_se
     with pytest.raises((ConnectionLostError, OverloadedError)):
         await asyncio.wait_for(iterating, 20)
     assert len(seen) < 100_000 and all(isinstance(o, (FillMaskResult, FillMaskError)) for o in seen)
+    # A list's texts each still get their outcome (a review: they raised at once), an empty list none.
+    listed = await lost.fill_mask_many([TEXT] * 3, return_exceptions=True)
+    assert len(listed) == 3 and all(isinstance(o, (ConnectionLostError, OverloadedError)) for o in listed), listed
+    assert await lost.fill_mask_many([]) == []
     await lost.close()
+
+
+def test_a_reconnecting_pool_whose_every_redial_was_refused_for_good_is_hopeless() -> None:
+    """A review: with ``reconnect=True``, a pool whose redials were all refused for good (a wrong token
+    after a restart) still gave a generator one error per text, for ever; ``fill_mask_iter`` now ends
+    on it as it does without ``reconnect``. (The pool's state is set here, as its dialler leaves it.)"""
+    from fillmask_client.pool import Pool
+
+    async def never(url: str) -> Any:
+        raise AssertionError("no dial in this test")
+
+    pool = Pool(["ws://h:1/", "ws://h:2/"], 1, never, reconnect=True, backoff=ReconnectBackoff())
+    pool.opened = True
+    refused = ConnectError("ws://h:1/ refused the connection (HTTP 401): wrong token", url="ws://h:1/", http_status=401)
+    pool.slots[0].failure, pool.slots[0].final = refused, True
+    assert pool.hopeless() is None  # the other may still be redialled
+    pool.slots[1].failure, pool.slots[1].final = refused, True
+    assert isinstance(pool.hopeless(), ConnectError) and "401" in str(pool.hopeless())
 
 
 async def test_numbers_of_other_types_are_sent_as_json_numbers(server: Any) -> None:

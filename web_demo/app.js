@@ -219,7 +219,10 @@
   function normaliseUrl(raw) {
     let url = raw.trim();
     if (/^https?:\/\//i.test(url)) url = url.replace(/^http/i, 'ws');
-    else if (!/^wss?:\/\//i.test(url)) url = (window.location.protocol === 'https:' ? 'wss://' : 'ws://') + url;
+    else if (!/^wss?:\/\//i.test(url)) {
+      const loopback = /^(localhost|127\.[\d.]+|\[::1\])(:|\/|$)/i.test(url);  // (ws:// allowed there from https)
+      url = (window.location.protocol === 'https:' && !loopback ? 'wss://' : 'ws://') + url;
+    }
     return url;
   }
 
@@ -257,7 +260,9 @@
     const label = connLabel(s);
     if (s.state === State.OPEN) { setConn(label.kind, label.text); return; }
     // No WebSocket URL: nothing is scheduled and nothing to retry until another address is given.
-    if (s.badUrl) { setConn('offline', 'Not a WebSocket URL', '', true); return; }
+    // (Only while nothing else is under way: a refused address keeps the connection there was, and its
+    // scheduled retry, which the status then shows.)
+    if (s.badUrl && !s.retryAt && !client.current) { setConn('offline', 'Not a WebSocket URL', '', true); return; }
     if (!s.retryAt) {
       setConn(label.kind, label.text, s.attempt > 0 || s.everConnected ? 'now' : '');
       return;

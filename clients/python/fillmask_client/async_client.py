@@ -461,8 +461,8 @@ class FillMaskClient:
         raises is raised here, after the outcomes of the texts before it; so is, for a generator, the
         reason no text could be answered any more (the client closed, or every connection lost without
         ``reconnect``: one error, not one per text, which an endless generator would never end). A
-        collection's texts each get their outcome. Closed or not connected from the start, it raises at
-        once, whatever the texts. Leaving the loop early
+        collection's texts each get their outcome (also once the client is lost for good). Closed or
+        not connected from the start, it raises at once, whatever the texts. Leaving the loop early
         cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make that
         happen at once rather than when it is garbage-collected.
         """
@@ -470,9 +470,9 @@ class FillMaskClient:
             raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
                              "or call fill_mask")
         self._pool.check_loop()  # (raised, not yielded: no text could ever get through)
-        hopeless = self._pool.hopeless()
-        if hopeless is not None:  # the same (closed, or never connected): one error, not one per text
-            raise hopeless
+        unopened = self._pool.unopened()
+        if unopened is not None:  # the same (closed, or never connected): one error, not one per text
+            raise unopened
         ahead = None if isinstance(texts, Collection) else AHEAD  # (a collection's texts are already held)
         source = iter(texts)
         width = concurrency

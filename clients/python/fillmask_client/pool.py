@@ -232,13 +232,21 @@ class Pool:
         return ConnectionLostError(f"not connected to {url}: await client.connect() first, or use "
                                    "'async with FillMaskClient(url) as client'", url=url)
 
-    def hopeless(self) -> FillMaskError | None:
-        """Why no call could be answered now or later, or None: the client was closed, was never
-        connected, or lost every connection without ``reconnect`` (``lost_for_good``)."""
+    def unopened(self) -> ConnectionLostError | None:
+        """Why no call could be sent at all, or None: the client was closed, or never connected."""
         if self.closed:
             return self.closed_error()
-        if not self.opened:
-            return self.not_connected_error()
+        return None if self.opened else self.not_connected_error()
+
+    def hopeless(self) -> FillMaskError | None:
+        """Why no call could be answered now or later, or None: ``unopened``, every connection lost
+        without ``reconnect`` (``lost_for_good``), or, with it, every redial refused for good (a wrong
+        token, TLS against a plain server: ``final``)."""
+        unopened = self.unopened()
+        if unopened is not None:
+            return unopened
+        if self.reconnect and not self.usable and all(slot.final for slot in self.slots):
+            return self._why_none()
         return self.lost_for_good()
 
     @property
