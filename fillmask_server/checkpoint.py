@@ -43,9 +43,11 @@ can read them.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import functools
 import itertools
 import json
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -64,14 +66,19 @@ SEED_KEY = "fillmask_seed"  # in config.json: the seed the weights were drawn wi
 def is_checkpoint(directory: Path, size: str | None = None, seed: int | None = None) -> bool:
     """True when ``directory`` already holds a complete BERT checkpoint of this command (so set-up can skip
     the work): of ``size`` and drawn with ``seed``, where given."""
-    files = ("config.json", "model.safetensors")
-    if not (all((directory / name).is_file() for name in files)
-            and any((directory / name).is_file() for name in ("tokenizer.json", "vocab.txt"))):
-        return False  # (transformers 5 saves the tokenizer as tokenizer.json; 4 as vocab.txt)
+    weights = ("config.json", "model.safetensors")
+    if not (all((directory / name).is_file() for name in weights) and _tokenized(directory)):
+        return False
     config = _config(directory)
     return (config.get(RANDOM_WEIGHTS_KEY) is True and FAMILY_KEY not in config
             and (size is None or _bert_size(config) == size)
             and (seed is None or config.get(SEED_KEY, 0) == seed))
+
+
+def _tokenized(directory: Path) -> bool:
+    """``directory`` holds a tokenizer's vocabulary, the last file a checkpoint is saved with
+    (transformers 5 saves it as tokenizer.json; 4 as vocab.txt)."""
+    return any((directory / name).is_file() for name in ("tokenizer.json", "vocab.txt"))
 
 
 def _config(directory: Path) -> dict[str, Any]:
@@ -173,7 +180,7 @@ def is_family_checkpoint(directory: Path, shape: str = "tiny", family: str | Non
             and (not real or config.get("vocab_size") == FAMILY_REAL_VOCAB.get(family))
             and (seed is None or config.get(SEED_KEY, 0) == seed)
             and all((directory / name).is_file() for name in ("model.safetensors", "tokenizer_config.json"))
-            and any((directory / name).is_file() for name in ("tokenizer.json", "vocab.txt")))  # (saved last)
+            and _tokenized(directory))
 
 
 def ensure_family(family: str, root: Path, shape: str = "tiny") -> Path:
@@ -509,8 +516,6 @@ MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safe
 def _clear(directory: Path) -> None:
     """Remove the model files (``MODEL_FILES``) ``directory`` holds; the directory itself and anything
     else in it stay (a mount point, or ``.``, can be written into)."""
-    import fnmatch
-
     if not directory.is_dir():
         return
     for path in directory.iterdir():
@@ -521,8 +526,6 @@ def _clear(directory: Path) -> None:
 
 def _umask() -> int:
     """This process's umask, read without changing it where Linux says it (``/proc/self/status``)."""
-    import os
-
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):

@@ -288,13 +288,11 @@ def _parse_fill_mask(obj: dict[str, Any], frame_id: RequestId | None, limits: Li
     masks = text.count(limits.mask_token)
     if masks == 0:
         folded = text.lower()
-        other = next((token for token in MASK_TOKENS if token.lower() in folded and token != limits.mask_token), None)
         if limits.mask_token.lower() in folded:
             hint = " (it is case-sensitive)"
-        elif other is not None:  # BERT's [MASK] sent to RoBERTa, or the other way round
-            hint = f" (this model's mask token; {other} is another model family's)"
-        else:
-            hint = ""
+        else:  # BERT's [MASK] sent to RoBERTa, or the other way round
+            other = next((token for token in MASK_TOKENS if token.lower() in folded), None)
+            hint = f" (this model's mask token; {other} is another model family's)" if other else ""
         return ProtocolError("no_mask", f"the text has no {limits.mask_token} token; put {limits.mask_token}"
                              f"{hint} where the missing word goes", frame_id)
     if masks > limits.max_masks:

@@ -128,8 +128,8 @@ def check_sendable(
     fail on it with a ``TypeError`` from deep inside the send). A NaN or infinite
     number has no JSON form: the encoder would write ``null``, which the server reads as the field left
     out (§3), so ``deadline_ms=float("nan")`` would silently run without a deadline. Nor has a value of a
-    type the encoder does not know (a set; numpy's ``bool``; other libraries' numbers are first made
-    Python's, ``plain_number``).
+    type the encoder does not know (a set; numpy's ``bool``). Its callers give other libraries' numbers
+    as Python's (``plain_number``).
     """
     if isinstance(text, (bytes, bytearray, memoryview)):
         raise UsageError("text must be a str, not bytes: decode it first (UTF-8)")
@@ -153,8 +153,8 @@ def check_sendable(
                     f"{name} is not valid Unicode: it has a lone surrogate {value[exc.start]!r} at character "
                     f"{exc.start}, which has no UTF-8 form; remove it or decode the text correctly"
                 ) from None
-    fields = [("top_k", plain_number(top_k), "an integer, or None for the server's default"),
-              ("deadline_ms", plain_number(deadline_ms), "milliseconds > 0, or None for no deadline")]
+    fields = [("top_k", top_k, "an integer, or None for the server's default"),
+              ("deadline_ms", deadline_ms, "milliseconds > 0, or None for no deadline")]
     for name, number, hint in fields:
         if isinstance(number, float) and not math.isfinite(number):
             raise UsageError(f"{name}={number!r} is not a finite number, which JSON cannot carry: give {hint}")
