@@ -38,6 +38,7 @@ CLIENT_DIR = ROOT / "clients" / "python"
 sys.path.insert(0, str(CLIENT_DIR))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(CLIENT_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
 
+from fillmask_server.calibration import Calibration  # noqa: E402
 from fillmask_server.checkpoint import is_checkpoint, write_checkpoint  # noqa: E402
 from fillmask_server.config import Config  # noqa: E402
 from fillmask_server.loading import load_model  # noqa: E402
@@ -66,8 +67,9 @@ _IDLE_MODELS: dict[tuple[str, str, str, str], list[FillMaskModel]] = collections
 
 
 @contextlib.asynccontextmanager
-async def running_server(config: Config) -> AsyncIterator[FillMaskServer]:
-    """A started server with its own engine; drained (closed with 1001) on exit.
+async def running_server(config: Config, calibration: Calibration | None = None) -> AsyncIterator[FillMaskServer]:
+    """A started server with its own engine (and ``calibration``, where given: what a start-up measured);
+    drained (closed with 1001) on exit.
 
     Its model is its own while it runs: one no other running server holds, loaded with the same
     arguments by an earlier server of this process that has ended, else loaded now. Serving leaves a
@@ -78,7 +80,7 @@ async def running_server(config: Config) -> AsyncIterator[FillMaskServer]:
     key = (config.model, config.device, config.dtype, config.forward)
     idle = _IDLE_MODELS[key]
     model = idle.pop() if idle else load_model(config.model, config.device, config.dtype, forward=config.forward)
-    server = FillMaskServer(config, model)
+    server = FillMaskServer(config, model, calibration)
     await server.start()
     try:
         yield server
@@ -98,10 +100,12 @@ async def server(tiny_config: Config) -> AsyncIterator[FillMaskServer]:
 
 @pytest.fixture
 def make_server(tiny_config: Config) -> Callable[..., contextlib.AbstractAsyncContextManager[FillMaskServer]]:
-    """``async with make_server(max_queue=2) as srv:`` — a private server with Config overrides."""
+    """``async with make_server(max_queue=2) as srv:`` — a private server with Config overrides (and
+    ``calibration=``, what its start-up would have measured)."""
 
-    def factory(**overrides: Any) -> contextlib.AbstractAsyncContextManager[FillMaskServer]:
-        return running_server(replace(tiny_config, **overrides))
+    def factory(calibration: Calibration | None = None,
+                **overrides: Any) -> contextlib.AbstractAsyncContextManager[FillMaskServer]:
+        return running_server(replace(tiny_config, **overrides), calibration)
 
     return factory
 

@@ -292,7 +292,14 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
     """The real server process measures at load: its torch threads and cost model appear in
     ``hello.engine``, on /metrics and in the log; a reduced dtype that measures slower than float32
     gets one warning line with the ratio (the test makes bfloat16 look slow through the test hook,
-    on top of the real measurement, so that the outcome does not depend on this CPU)."""
+    on top of the real measurement, so that the outcome does not depend on this CPU).
+
+    The same server shows what start-up made frozen out of the garbage collector's walks: a full
+    collection walked every object start-up made (torch's and transformers' modules, the tokenizer, the
+    model, the calibration's leftovers) while holding the GIL, and under connection churn one ran every
+    few seconds and stalled every thread for about as long as a batch takes (README, Performance). The
+    server freezes them once start-up is done (allocator.freeze_start_up_heap), and §11 exports how many,
+    with Python's own collection counts."""
     import asyncio
     import re
     import subprocess
@@ -329,6 +336,9 @@ async def test_calibration_is_reported_in_hello_metrics_and_the_start_up_lines(t
         assert f"fillmask_torch_threads {float(engine['torch_threads'])}" in metrics
         assert f"fillmask_forward_parts {float(engine['forward_parts'])}" in metrics
         assert re.search(r'fillmask_cost_model_seconds\{term="overhead"\} [0-9.e-]+', metrics)
+        values = dict(text.rsplit(" ", 1) for text in metrics.splitlines() if text and not text.startswith("#"))
+        assert float(values["fillmask_gc_frozen_objects"]) > 50_000  # imports and model: hundreds of thousands
+        assert 'python_gc_collections_total{generation="2"}' in values
         quiet = calibration.get("quiet_lone")  # the rule for a lone request after a quiet spell, where timed
         in_use = re.search(r"^fillmask_quiet_lone_threads ([0-9.]+)$", metrics, re.MULTILINE)
         assert (in_use is not None) is (quiet is not None)

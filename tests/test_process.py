@@ -34,7 +34,7 @@ from tests.wire import recv, request, send, session
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 #: For servers whose signals, drains and faults a test follows: the start-up calibration (a second of
-#: both cores, tested in test_engine.py and by the default starts here) is not what they are about.
+#: both cores, tested in test_engine.py) is not what they are about.
 NO_CALIBRATION = ("--calibration-s", "0")
 
 
@@ -324,26 +324,10 @@ def test_the_settings_checks_count_the_cpus_within_a_container_quota_as_the_cali
     assert problem is not None and f"the most accepted is {MAX_THREADS_PER_CPU}" in problem
 
 
-@pytest.mark.parametrize(
-    ("model", "expected"),
-    [
-        ("/nonexistent/model-dir", "no such directory"),
-        ("google-bert/bert-base-uncased", "not a local directory"),
-        ("{empty}", "has no config.json"),
-        ("{gpt2}", "has no masked-language-model head"),
-        ("{corrupt}", "cannot load model from directory"),
-        # A checkpoint audit: these said "look at the above report" (hidden) and "install tiktoken".
-        ("{resized}", "where its config.json makes it [30722"),  # (the bias, [30722], or the embeddings, [30722, 128])
-        ("{sentencepiece}", "the sentencepiece package is not installed: install it (pip install sentencepiece)"),
-    ],
-)
-def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_model_dir: Path, model: str,
-                                                           expected: str) -> None:
-    import importlib.util
+def broken_checkpoints(tmp_path: Path, tiny_model_dir: Path) -> dict[str, Path]:
+    """Directories that cannot be served, each in its own way, by name (``{name}`` in the tests' ids)."""
     import json
 
-    if model == "{sentencepiece}" and importlib.util.find_spec("sentencepiece") is not None:
-        pytest.skip("sentencepiece is installed here: the tokenizer below fails another way")
     (tmp_path / "empty").mkdir()
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
@@ -361,8 +345,25 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
         (sentencepiece / leftover).unlink(missing_ok=True)
     (sentencepiece / "tokenizer_config.json").write_text('{"tokenizer_class": "AlbertTokenizer"}')
     (sentencepiece / "spiece.model").write_bytes(b"\x00" * 64)
-    dirs = {"empty": tmp_path / "empty", "gpt2": tmp_path / "gpt2", "corrupt": corrupt, "resized": resized,
+    return {"empty": tmp_path / "empty", "gpt2": tmp_path / "gpt2", "corrupt": corrupt, "resized": resized,
             "sentencepiece": sentencepiece}
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("/nonexistent/model-dir", "no such directory"),
+        ("google-bert/bert-base-uncased", "not a local directory"),
+        ("{empty}", "has no config.json"),
+        ("{corrupt}", "cannot load model from directory"),
+    ],
+)
+def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_model_dir: Path, model: str,
+                                                           expected: str) -> None:
+    """The process: what start-up said it loads, one ``error:`` line, status 1, no traceback. The first
+    three fail before torch is imported, the last while loading; every other way a load fails takes
+    the same path from the same exception (``test_other_load_failures_are_one_line_naming_the_cause``)."""
+    dirs = broken_checkpoints(tmp_path, tiny_model_dir)
     result = run_server("--model", model.format(**dirs), "--port", "0")
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -372,52 +373,42 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
     assert "Traceback" not in result.stderr
 
 
-async def test_sigterm_drains_answers_everything_closes_1001_and_exits_0(tiny_model_dir: Path) -> None:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", "--max-batch-size", "4",
-        *NO_CALIBRATION, cwd=ROOT, env=ENV, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()  # type: ignore[union-attr]
-        url = re.search(r"ready: (ws://\S+)", line).group(1)  # type: ignore[union-attr]
-        async with session(url) as (ws, _):
-            count = 200
-            for i in range(count):
-                await send(ws, {"type": "fill_mask", "id": i, "text": "a long sentence about the [MASK] " * 8})
-            process.send_signal(signal.SIGTERM)
-            answers: dict[int, str] = {}
-            notices = 0
-            with pytest.raises(ConnectionClosed):
-                while True:
-                    frame = await recv(ws, timeout=30)
-                    if frame["type"] == "going_away":
-                        notices += 1
-                        continue
-                    assert frame["id"] not in answers, f"answered twice: {frame}"
-                    answers[frame["id"]] = frame["type"] if frame["type"] == "result" else frame["reason"]
-            assert ws.close_code == 1001
-        assert notices == 1
-        assert sorted(answers) == list(range(count))  # every request exactly one terminal frame
-        assert set(answers.values()) <= {"result", "shutting_down"}
-        assert "result" in answers.values()
-        assert await asyncio.wait_for(process.wait(), 30) == 0
-        said = (await process.stderr.read()).decode().splitlines()  # type: ignore[union-attr]
-        assert said[0] == f"loading {tiny_model_dir} on cuda or cpu (auto), float32…"  # the first thing it says
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("gpt2", "has no masked-language-model head"),
+        # A checkpoint audit: these said "look at the above report" (hidden) and "install tiktoken".
+        ("resized", "where its config.json makes it [30722"),  # (the bias, [30722], or the embeddings, [30722, 128])
+        ("sentencepiece", "the sentencepiece package is not installed: install it (pip install sentencepiece)"),
+    ],
+)
+def test_other_load_failures_are_one_line_naming_the_cause(tmp_path: Path, tiny_model_dir: Path, model: str,
+                                                           expected: str) -> None:
+    """The ``ModelLoadError`` that ws_server.py prints as its one ``error:`` line (as for the ways in
+    ``test_load_failure_is_one_clear_line_and_a_nonzero_exit``), raised in this process: one line that
+    names the cause and the flag to change."""
+    import importlib.util
+
+    from fillmask_server.diagnosis import ModelLoadError
+    from fillmask_server.loading import load_model
+
+    if model == "sentencepiece" and importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed here: the tokenizer below fails another way")
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(str(broken_checkpoints(tmp_path, tiny_model_dir)[model]))
+    said = str(refused.value)
+    assert expected in said and "--model" in said and "\n" not in said, said
 
 
-async def start_server(*args: str, nohup: bool = False, open_files: int = 0,
+async def start_server(*args: str, open_files: int = 0,
                        script: str = "ws_server.py") -> tuple[asyncio.subprocess.Process, str]:
     """``ws_server.py`` (or ``script``, which runs it) in a subprocess, once it printed its ready line:
-    (process, WebSocket URL). ``nohup``: started with SIGHUP ignored, as ``nohup`` starts it, and
-    otherwise with SIGHUP's default, whatever the suite's own was (a suite run under ``nohup`` left
-    it ignored, and the server then rightly kept it so); ``open_files``: with that limit (soft and
-    hard) on its file descriptors."""
+    (process, WebSocket URL). It starts with SIGHUP's default, whatever the suite's own was (a suite
+    run under ``nohup`` left it ignored, and the server then rightly kept it so); ``open_files``: with
+    that limit (soft and hard) on its file descriptors."""
 
     def before() -> None:
-        signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         if open_files:
             import resource
 
@@ -474,39 +465,6 @@ async def test_out_of_file_descriptors_accepts_fail_with_a_line_now_and_then_and
     assert "Traceback" not in text, text[-3000:]
 
 
-async def test_a_stdout_nobody_reads_does_not_stop_a_server_that_serves(tiny_model_dir: Path) -> None:
-    """An operator's audit: with stdout a closed pipe (``ws_server.py | true``), writing the ready line
-    failed, and the whole run's ``except OSError`` reported it as ``cannot listen on ...: Broken pipe``
-    and exited 1, without draining, from a server that was listening. Now the line is logged instead,
-    the server serves, and a signal drains it to exit 0."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # nobody will ever read the server's stdout
-    try:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", *NO_CALIBRATION,
-            cwd=ROOT, env=ENV, stdout=write_end, stderr=asyncio.subprocess.PIPE)
-    finally:
-        os.close(write_end)
-    said: list[bytes] = []
-    try:
-        async with asyncio.timeout(60):
-            while not (found := re.search(rb"ready: (ws://\S+)", b"".join(said))):  # bounded by the timeout
-                line = await process.stderr.readline()  # type: ignore[union-attr]
-                assert line, b"".join(said).decode()[-3000:]
-                said.append(line)
-        async with session(found.group(1).decode()) as (ws, _):
-            assert (await request(ws, 1, "a [MASK] day."))["type"] == "result"
-        process.send_signal(signal.SIGTERM)
-        said.append(await process.stderr.read())  # type: ignore[union-attr]
-        assert await asyncio.wait_for(process.wait(), 30) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    text = b"".join(said).decode()
-    assert "stdout is gone" in text and "cannot listen" not in text and "Traceback" not in text, text[-3000:]
-
-
 async def _collect(stream: asyncio.StreamReader | None, into: list[bytes]) -> None:
     assert stream is not None
     while chunk := await stream.read(65536):
@@ -536,51 +494,90 @@ async def readyz(url: str) -> int:
 
 @pytest.mark.parametrize(("signum", "delayed"), [(signal.SIGTERM, True), (signal.SIGINT, False),
                                                (signal.SIGHUP, False)])
-async def test_sigterm_waits_the_drain_delay_with_readyz_503_and_sigint_does_not(
+async def test_a_signal_drains_answering_every_request_once_closes_1001_and_exits_0(
         tiny_model_dir: Path, signum: signal.Signals, delayed: bool) -> None:
     """§10.1: SIGTERM keeps serving for --drain-delay with /readyz at 503 (a load balancer's cue); SIGINT,
     a person's Ctrl-C, starts the drain at once, and so does SIGHUP, a closed terminal (it killed the
-    server at once, found by an operator's trial). Either way the connection hears going_away, then
-    1001, and the process ends 0."""
-    process, url = await start_server("--model", str(tiny_model_dir), "--drain-delay", "3", *NO_CALIBRATION)
+    server at once, found by an operator's trial). Those two come with 200 requests still queued
+    (batches of 4): each gets exactly one terminal frame (counted, ids included). Whichever signal, the
+    connection hears going_away once, then 1001, and the process ends 0; the first thing it said was
+    what it loads. (SIGTERM without a delay is the same drain as SIGINT's: ws_server.py takes the delay
+    for SIGTERM alone.)"""
+    process, url = await start_server("--model", str(tiny_model_dir), "--drain-delay", "3", "--max-batch-size", "4",
+                                      *NO_CALIBRATION)
+    count = 0 if delayed else 200  # (with the delay, an empty queue: the request sent during it is answered first)
     try:
         async with session(url) as (ws, _):
             assert await readyz(url) == 200
+            for i in range(count):
+                await send(ws, {"type": "fill_mask", "id": i, "text": "a long sentence about the [MASK] " * 8})
             signalled = time.monotonic()
             process.send_signal(signum)
-            if delayed:  # still served meanwhile: a request sent now is answered before going_away comes
+            answers: dict[int, str] = {}
+            notices: list[float] = []  # when each going_away came, seconds after the signal
+            if delayed:  # still served meanwhile: a request sent now is accepted, and answered before going_away
                 await asyncio.sleep(0.3)
                 assert await readyz(url) == 503
-                await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK] day."})
-                assert (await recv(ws, timeout=10))["type"] == "result"
-            assert (await recv(ws, timeout=10))["type"] == "going_away"
-            assert (time.monotonic() - signalled >= 3) is delayed
+                await send(ws, {"type": "fill_mask", "id": count, "text": "a [MASK] day."})
             with pytest.raises(ConnectionClosed):
-                await recv(ws, timeout=10)
+                while True:  # bounded: the server closes the connection, or recv's timeout fails the test
+                    frame = await recv(ws, timeout=30)
+                    if frame["type"] == "going_away":
+                        notices.append(time.monotonic() - signalled)
+                        continue
+                    assert frame["id"] not in answers, f"answered twice: {frame}"
+                    assert not (delayed and notices), "the request sent during the delay answered after going_away"
+                    answers[frame["id"]] = frame["type"] if frame["type"] == "result" else frame["reason"]
             assert ws.close_code == 1001
+        assert len(notices) == 1 and (notices[0] >= 3) is delayed, notices
+        assert sorted(answers) == list(range(count + delayed))  # every request exactly one terminal frame
+        assert set(answers.values()) <= {"result", "shutting_down"} and "result" in answers.values()
         assert await asyncio.wait_for(process.wait(), 30) == 0
+        said = (await process.stderr.read()).decode().splitlines()  # type: ignore[union-attr]
+        assert said[0] == f"loading {tiny_model_dir} on cuda or cpu (auto), float32…"  # the first thing it says
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
 
 
-async def test_under_nohup_sighup_is_left_ignored_and_a_signal_after_the_drain_keeps_exit_0(
+async def test_under_nohup_with_a_stdout_nobody_reads_it_serves_and_a_signal_after_the_drain_keeps_exit_0(
         tiny_model_dir: Path) -> None:
-    """Started with SIGHUP ignored (``nohup``), the server goes on after its terminal closes, as asked.
-    And a signal that comes once the drain is over (a supervisor that signals again, GNU timeout's
-    second) no longer turns exit 0 into 143 (found by an operator's trial)."""
-    process, url = await start_server("--model", str(tiny_model_dir), *NO_CALIBRATION, nohup=True)
+    """``nohup ws_server.py | true``, three operator's finds in one server:
+
+    - Started with SIGHUP ignored (``nohup``), the server goes on after its terminal closes, as asked.
+    - With stdout a closed pipe, writing the ready line failed, and the whole run's ``except OSError``
+      reported it as ``cannot listen on ...: Broken pipe`` and exited 1, without draining, from a
+      server that was listening. Now the line is logged instead, and the server serves.
+    - A signal that comes once the drain is over (a supervisor that signals again, GNU timeout's
+      second) no longer turns exit 0 into 143."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody will ever read the server's stdout
     try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "ws_server.py", "--model", str(tiny_model_dir), "--port", "0", *NO_CALIBRATION,
+            cwd=ROOT, env=ENV, stdout=write_end, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    finally:
+        os.close(write_end)
+    assert process.stderr is not None
+    said: list[bytes] = []
+    try:
+        async with asyncio.timeout(60):
+            while not (found := re.search(rb"ready: (ws://\S+)", b"".join(said))):  # bounded by the timeout
+                line = await process.stderr.readline()
+                assert line, b"".join(said).decode()[-3000:]
+                said.append(line)
+        url = found.group(1).decode()
         async with session(url) as (ws, _):
             process.send_signal(signal.SIGHUP)
             await asyncio.sleep(0.3)
             assert (await request(ws, 1, "a [MASK] day."))["type"] == "result"
             assert await readyz(url) == 200
         process.send_signal(signal.SIGTERM)
-        assert process.stderr is not None
         while b"stopped" not in (line := await asyncio.wait_for(process.stderr.readline(), 30)):
             assert line, "stderr ended before the drain said it stopped"
+            said.append(line)
         while process.returncode is None:  # signals from the end of the drain until the process is gone
             with contextlib.suppress(ProcessLookupError):
                 # os.kill, not send_signal: Popen.send_signal polls first, and a poll that reaps the
@@ -588,32 +585,14 @@ async def test_under_nohup_sighup_is_left_ignored_and_a_signal_after_the_drain_k
                 os.kill(process.pid, signal.SIGTERM)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(process.wait(), 0.005)
-        assert process.returncode == 0, (await process.stderr.read()).decode()[-2000:]
+        said.append(await process.stderr.read())
+        assert process.returncode == 0, b"".join(said).decode()[-2000:]
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
-
-
-async def test_what_start_up_made_is_frozen_out_of_the_garbage_collectors_walks(tiny_model_dir: Path) -> None:
-    """A full collection walked every object start-up made (torch's and transformers' modules, the
-    tokenizer, the model) while holding the GIL: under connection churn one ran every few seconds and
-    stalled every thread for about as long as a batch of requests takes (README, Performance). The
-    server freezes them once start-up is done (allocator.freeze_start_up_heap), and §11 exports how
-    many, with Python's own collection counts."""
-    import urllib.request
-
-    process, url = await start_server("--model", str(tiny_model_dir))
-    try:
-        http = url.replace("ws://", "http://").rstrip("/") + "/metrics"
-        with await asyncio.to_thread(urllib.request.urlopen, http, timeout=5) as response:
-            text = response.read().decode()
-        values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-        assert float(values["fillmask_gc_frozen_objects"]) > 50_000  # imports and model: hundreds of thousands
-        assert 'python_gc_collections_total{generation="2"}' in values
-    finally:
-        process.kill()
-        await process.wait()
+    text = b"".join(said).decode()
+    assert "stdout is gone" in text and "cannot listen" not in text and "Traceback" not in text, text[-3000:]
 
 
 #: ``ws_server.py`` whose model thread dies (an exception no stage catches) on a request with top_k 13.

@@ -517,14 +517,11 @@ async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_
         sys.setswitchinterval(before)
 
 
-async def test_hello_and_metrics_give_the_thread_count_in_use_after_the_engine_switches(tiny_config: Any) -> None:
+async def test_hello_and_metrics_give_the_thread_count_in_use_after_the_engine_switches(make_server: Any) -> None:
     from fillmask_server.calibration import Calibration
-    from fillmask_server.loading import load_model
 
     measured = Calibration(2, "calibration", {1: 1.0, 2: 0.5})  # as if the calibration had chosen 2 threads
-    server = FillMaskServer(tiny_config, load_model(tiny_config.model), measured)
-    await server.start()
-    try:
+    async with make_server(measured) as server:
         tuner = server.engine.core.threads
         assert tuner is not None and tuner.adaptive and tuner.candidates == [1, 2]
 
@@ -539,24 +536,19 @@ async def test_hello_and_metrics_give_the_thread_count_in_use_after_the_engine_s
         with server.engine._lock:
             tuner.current = 1  # what a switch does (tests/test_tuning.py)
         assert await threads_now() == (1, 1.0)  # a later hello is encoded again
-    finally:
-        await server.drain(timeout=2.0)
 
 
 async def test_automatic_batch_caps_come_from_the_calibration_and_hello_and_metrics_give_them(
-        tiny_config: Any) -> None:
+        make_server: Any, tiny_config: Any) -> None:
     """--max-batch-size 0 --max-batch-tokens 0: the caps come from the start-up calibration's cost model
     (tests/test_batching.py has the rule). A calibration that found a GPU's launch-bound prices sets
     them at 8x the defaults, and batches that run later (this CPU's) change nothing. hello and /metrics
     give the caps, never 0. Caps the user set stay what they are, whatever the prices."""
-    import dataclasses
 
     from fillmask_server.calibration import Calibration
     from fillmask_server.costmodel import Coefficients
-    from fillmask_server.loading import load_model
 
     launch_bound = Coefficients(overhead_s=4.8e-3, token_s=1e-8, row_s=3.6e-5, byte_s=8e-8)
-    model = load_model(tiny_config.model)
 
     async def caps_after_batches(server: FillMaskServer) -> tuple[tuple[int, int], tuple[int, int]]:
         """The caps in a new connection's hello and on /metrics, after a few batches."""
@@ -573,14 +565,10 @@ async def test_automatic_batch_caps_come_from_the_calibration_and_hello_and_metr
                   for line in text.splitlines() if line.startswith(f'fillmask_batch_cap{{cap="{cap}"}}')}
         return (limits["max_batch_size"], limits["max_batch_tokens"]), (gauges["rows"], gauges["tokens"])
 
-    for config, caps in ((dataclasses.replace(tiny_config, max_batch_size=0, max_batch_tokens=0), (512, 65536)),
-                         (tiny_config, (tiny_config.max_batch_size, tiny_config.max_batch_tokens))):
-        server = FillMaskServer(config, model, Calibration(1, "flag", coefficients=launch_bound))
-        await server.start()
-        try:
+    for overrides, caps in (({"max_batch_size": 0, "max_batch_tokens": 0}, (512, 65536)),
+                            ({}, (tiny_config.max_batch_size, tiny_config.max_batch_tokens))):
+        async with make_server(Calibration(1, "flag", coefficients=launch_bound), **overrides) as server:
             assert await caps_after_batches(server) == (caps, caps)
-        finally:
-            await server.drain(timeout=2.0)
 
 
 # --- messages handled as they are read (FrontConnection.process_event) --------------------------------
