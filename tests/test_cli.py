@@ -272,12 +272,14 @@ async def test_waits_for_a_server_that_is_starting(make_server: Any) -> None:
         code, out, err = await finish(proc)
     assert (code, split_waiting(err)[1]) == (0, []) and tables(out) == 1, err
 
-    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "2", TEXT)
+    # Two that never get a server, side by side (each waits out its --timeout).
+    (code, out, err), (quiet_code, _, quiet_err) = await asyncio.gather(
+        run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "2", TEXT),
+        run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "1", "-q", TEXT))
     seconds, others = split_waiting(err)
     assert code == 3 and out == "" and seconds[:1] == [1], err  # it said it was waiting, then gave up
     assert len(others) == 1 and "cannot connect" in err and "after trying for 2 s" in err
-    code, out, err = await run_cli("--url", f"ws://127.0.0.1:{free_port()}/", "--timeout", "1", "-q", TEXT)
-    assert code == 3 and split_waiting(err)[0] == [], err  # --quiet: no waiting lines
+    assert quiet_code == 3 and split_waiting(quiet_err)[0] == [], quiet_err  # --quiet: no waiting lines
 
 
 async def refusing_proxy(status: str, body: bytes) -> asyncio.Server:

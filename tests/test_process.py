@@ -439,7 +439,10 @@ async def test_out_of_file_descriptors_accepts_fail_with_a_line_now_and_then_and
             with contextlib.suppress(BlockingIOError):
                 sock.connect(("127.0.0.1", port))
             held.append(sock)
-        await asyncio.sleep(3.0)  # asyncio retries a failed accept every second
+        async with asyncio.timeout(30):  # the first failed accept's line (bounded by the timeout)...
+            while b"could not accept" not in b"".join(said):
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)  # ...and asyncio's retry a second later, which fails too
         for sock in held:
             sock.close()
         held.clear()
