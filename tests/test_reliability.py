@@ -7,9 +7,11 @@ import asyncio
 import contextlib
 import logging
 import random
+import string
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from websockets.exceptions import ConnectionClosed
 
@@ -59,6 +61,37 @@ def test_an_id_outside_the_vocabulary_is_priced_as_its_longest_token(model: Fill
     assert plain == 5 * (CANDIDATE_OVERHEAD_BYTES + sum(sizes[i] for i in ids) + 2 * model.longest_token_json)
     outside = result_bound(model, [*ids, len(sizes)], 1, 5)
     assert outside == plain + 5 * model.longest_token_json
+
+
+def test_the_rules_of_thumb_for_the_result_bound_hold_for_berts_vocabulary(model: FillMaskModel) -> None:
+    """§3's rules of thumb, per mask and candidate, with the tiny model's vocabulary (bert-base-uncased's):
+    text bytes + 200 for prose (words, capitals, sentence punctuation, ``'s``), 3 × text bytes + 160 for
+    any printable text. A spec reader's trial found the former rule's + 150 too small for prose: the
+    decoded text puts spaces around punctuation, so some prose needs more (checked here too)."""
+    from transformers import AutoTokenizer
+
+    vocabulary = AutoTokenizer.from_pretrained(model.name).get_vocab()
+    assert max(len(orjson.dumps(token)) for token in vocabulary) == len(b'"telecommunications"') == 20
+    words = sorted(w for w in vocabulary if w.isascii() and w.isalpha())
+    rng = random.Random(3)
+    prose_over = []
+    for _ in range(300):
+        masks = rng.randint(1, 8)
+        chosen = [rng.choice(words) for _ in range(rng.randint(3, 100))]
+        chosen = [w.capitalize() if rng.random() < 0.1 else w for w in chosen]
+        chosen = [w + rng.choice([".", ",", "'s", "?", "!", ";", ":"]) if rng.random() < 0.1 else w for w in chosen]
+        for _ in range(masks):
+            chosen.insert(rng.randrange(len(chosen) + 1), "[MASK]")
+        prose = " ".join(chosen)
+        printable = "".join(rng.choice(string.printable[:95]) for _ in range(rng.randint(1, 300))) + " [MASK]" * masks
+        for text, over in ((prose, lambda n: n + 200), (printable, lambda n: 3 * n + 160)):
+            ids = model.tokenize([text])[0]
+            found = ids.count(model.mask_token_id)
+            per_candidate = result_bound(model, ids, found, 1) / found
+            assert per_candidate <= over(len(text.encode())), (text, per_candidate)
+            if text is prose:
+                prose_over.append(per_candidate - len(text.encode()))
+    assert max(prose_over) > 150  # (the rule this replaced)
 
 
 def test_target_notes_count_against_the_result_bound(model: FillMaskModel) -> None:
