@@ -174,6 +174,8 @@ def test_socket_errors_name_a_cause_even_when_they_carry_no_message() -> None:
     assert "failed (no reason given);" in why(ssl.SSLError(1, "(_ssl.c:1006)"), "wss://fill.example/")
     assert why(ConnectionRefusedError(111, "Connect call failed")).startswith(
         "connection refused: nothing listens on fill.example:8765")
+    assert why(ConnectionRefusedError(111, "Connect call failed"), "ws://[::1]:8765/").startswith(
+        "connection refused: nothing listens on [::1]:8765 ")  # (a pytest trial: "on ::1:8765")
     assert why(socket.gaierror(-2, "Name or service not known")) == (
         "cannot resolve the host name 'fill.example' (Name or service not known)")
     assert why(OSError()) == "OSError"

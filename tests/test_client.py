@@ -227,9 +227,14 @@ def test_the_package_and_the_readmes_example_pass_mypy_strict(tmp_path: Path) ->
     section = (ROOT / "README.md").read_text().split("## Python client and command line", 1)[1]
     (tmp_path / "readme_example.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
     (tmp_path / "uses.py").write_text(TYPED_USES)
+    testing = (ROOT / "README.md").read_text().split("### Testing your application against a real server", 1)[1]
+    fixture, test = (block.split("```", 1)[0] for block in testing.split("```python\n")[1:3])
+    (tmp_path / "app_tests").mkdir()  # (the README's example of testing an application: typed too)
+    (tmp_path / "app_tests" / "conftest.py").write_text(fixture)
+    (tmp_path / "app_tests" / "test_app.py").write_text(test)
     checked = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
-         str(ROOT / "clients" / "python" / "fillmask_client"), "readme_example.py", "uses.py"],
+         str(ROOT / "clients" / "python" / "fillmask_client"), "readme_example.py", "uses.py", "app_tests"],
         cwd=tmp_path, env={**os.environ, "MYPYPATH": str(ROOT / "clients" / "python")},
         capture_output=True, text=True, timeout=120)
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -327,6 +332,16 @@ async def test_a_call_with_values_json_cannot_carry_fails_alone_before_sending(s
         assert len(outcomes[0]) == 1 and isinstance(outcomes[1], UsageError)  # one bad value, not the whole batch
         with pytest.raises(UsageError, match="not one text"):
             await client.fill_mask_many(TEXT)  # would be one request per character
+
+        async def texts_as_they_come() -> AsyncIterator[str]:
+            yield TEXT
+
+        # A pytest trial: these raised TypeError ("not iterable"), outside the FillMaskError family.
+        for texts, said in ((None, "not NoneType"), (3, "not int"), (texts_as_they_come(), "not an async iterable")):
+            with pytest.raises(UsageError, match=said):
+                await client.fill_mask_many(texts)  # type: ignore[arg-type]
+            with pytest.raises(UsageError, match=said):
+                await anext(client.fill_mask_iter(texts))  # type: ignore[arg-type]
         for width in (0, True, 1.5):
             with pytest.raises(UsageError, match="concurrency must be a positive integer"):
                 await client.fill_mask_many([TEXT], concurrency=width)  # type: ignore[arg-type]
@@ -1385,6 +1400,12 @@ async def test_a_client_used_on_another_event_loop_says_so_at_once(server: Any) 
     finally:
         await asyncio.to_thread(other.run_until_complete, client.close())
         other.close()
+    # Closed, it says so on any loop (a pytest trial: "connected on another event loop" sent the user
+    # after the wrong cause), and closing it again is still nothing.
+    for attempt in (client.fill_mask(TEXT), client.fill_mask_many([TEXT]), iterate(), client.connect()):
+        with pytest.raises(ConnectionLostError, match="was closed"):
+            await asyncio.wait_for(attempt, 10)
+    await asyncio.wait_for(client.close(), 10)
 
 
 async def test_redial_waits_a_random_share_of_the_servers_reconnect_window(make_server: Any) -> None:

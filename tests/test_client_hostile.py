@@ -9,6 +9,7 @@ import base64
 import contextlib
 import hashlib
 import math
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -395,3 +396,64 @@ async def test_a_server_that_closes_every_connection_at_once_is_redialled_with_a
     lasted = len(attempts) - 1 - attempts[::-1].index(0)
     quick = attempts[:lasted]
     assert len(quick) >= 6 and quick == sorted(set(quick)) and quick[0] >= 1, attempts
+
+
+#: The blocking client interrupted by Ctrl-C (a real SIGINT) while it waits: ``connect`` where nothing
+#: listens yet, or ``close`` against a peer that greets and then answers nothing, not even the close.
+CTRL_C_SCRIPT = r"""
+import base64, gc, hashlib, os, signal, socket, sys, threading, time
+import orjson
+from fillmask_client import SyncFillMaskClient
+
+HELLO = orjson.dumps({HELLO!r})
+
+def hung_peer(listener):
+    conn, _ = listener.accept()
+    request = b""
+    while b"\r\n\r\n" not in request:
+        request += conn.recv(4096)
+    key = next(line.split(b":", 1)[1].strip() for line in request.split(b"\r\n")
+               if line.lower().startswith(b"sec-websocket-key:"))
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n" + bytes([0x81, 126])
+                 + len(HELLO).to_bytes(2, "big") + HELLO)
+    time.sleep(60)  # reads nothing more: the client's close frame is never answered
+
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+url = f"ws://127.0.0.1:{{listener.getsockname()[1]}}/"
+try:
+    if sys.argv[1] == "connect":  # bound, not listening: refused until connect_wait runs out
+        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        SyncFillMaskClient(url, connect_wait=30)
+    else:
+        listener.listen()
+        threading.Thread(target=hung_peer, args=(listener,), daemon=True).start()
+        client = SyncFillMaskClient(url)
+        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        interrupt.start()
+        client.close()  # waits for the peer's close frame (at most 2 s)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+listener.close()
+gc.collect()
+print("threads:", sorted(thread.name for thread in threading.enumerate() if thread.name.startswith("fillmask")))
+"""
+
+
+@pytest.mark.parametrize("waiting_in", ["connect", "close"])
+async def test_ctrl_c_in_the_blocking_client_leaves_no_task_socket_or_thread(waiting_in: str) -> None:
+    """A user's pytest trial: Ctrl-C while the blocking client connected (to a server not up yet) printed
+    "Task was destroyed but it is pending!" twice; while it closed (a server that stopped answering),
+    three of those, "Event loop is closed" from its reader, and a ResourceWarning for the socket left
+    open. The client's loop now ends as ``asyncio.run`` ends its own (its tasks cancelled and awaited),
+    and a close cut short cuts its socket. Run under ``-X dev``, which shows every ResourceWarning."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-X", "dev", "-c", CTRL_C_SCRIPT.format(HELLO=HELLO), waiting_in,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert out.decode().splitlines() == ["interrupted", "threads: []"], (out, err)
+    assert err.decode() == "", err.decode()[-3000:]

@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import logging
 import ssl as ssl_module
-from collections.abc import AsyncGenerator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Collection, Iterable, Sequence
 from typing import Any, Literal, overload
 
 from .connection import (
@@ -79,6 +79,20 @@ def default_concurrency(limits: dict[str, Any], per_url: int, urls: int = 1) -> 
     if type(queue) is int and queue > 0:
         width = min(width, max(1, queue // 2))
     return width * max(1, urls)
+
+
+def check_texts(texts: object) -> None:
+    """``UsageError`` unless ``texts`` is an iterable of texts, as ``fill_mask_iter`` and
+    ``fill_mask_many`` take: one text, ``None``, or an async iterable is a mistake to say, not a
+    ``TypeError`` from deep inside."""
+    if isinstance(texts, (str, bytes, bytearray)):
+        raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
+                         "or call fill_mask")
+    if isinstance(texts, AsyncIterable):
+        raise UsageError("texts must be a list (or any iterable) of texts, not an async iterable: collect "
+                         "its texts first, or call fill_mask for each as it comes")
+    if not isinstance(texts, Iterable):
+        raise UsageError(f"texts must be a list (or any iterable) of texts, not {type(texts).__name__}")
 
 
 class FillMaskClient:
@@ -466,9 +480,7 @@ class FillMaskClient:
         cancels the requests still running; wrap the iterator in ``contextlib.aclosing`` to make that
         happen at once rather than when it is garbage-collected.
         """
-        if isinstance(texts, (str, bytes, bytearray)):
-            raise UsageError("texts must be a list (or any iterable) of texts, not one text: wrap it, [text], "
-                             "or call fill_mask")
+        check_texts(texts)
         self._pool.check_loop()  # (raised, not yielded: no text could ever get through)
         unopened = self._pool.unopened()
         if unopened is not None:  # the same (closed, or never connected): one error, not one per text
@@ -593,8 +605,9 @@ class FillMaskClient:
         before the first is sent (the list returned holds an outcome for each); for texts from a long or
         endless generator, use ``fill_mask_iter``, which reads them as it sends them.
         """
+        check_texts(texts)
         results: list[Predictions | FillMaskError] = []
-        items = texts if isinstance(texts, (str, bytes, bytearray)) else list(texts)  # (one text: refused below)
+        items = list(texts)
         outcomes = self.fill_mask_iter(
             items, concurrency=concurrency, top_k=top_k, targets=targets, deadline_ms=deadline_ms
         )

@@ -279,9 +279,11 @@ def _tls_words(detail: str) -> str:
 
 
 def _where(url: str) -> str:
-    """``host:port`` of a WebSocket URL, the port filled in from the scheme when the URL has none."""
+    """``host:port`` of a WebSocket URL, the port filled in from the scheme when the URL has none; an IPv6
+    address in brackets, as in the URL (``[::1]:8765``)."""
     parts = urllib.parse.urlsplit(url)
-    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'wss' else 80)}"
+    host = parts.hostname or ""
+    return f"{f'[{host}]' if ':' in host else host}:{parts.port or (443 if parts.scheme == 'wss' else 80)}"
 
 
 def _not_websocket(url: str, answer: str) -> str:
@@ -744,10 +746,16 @@ class Connection:
 
     async def close(self) -> None:
         """Close the WebSocket; calls still waiting fail with ``ConnectionLostError`` (those waiting out
-        a back-off at once, the others when the socket has closed: within ``CLOSE_TIMEOUT_S``)."""
+        a back-off at once, the others when the socket has closed: within ``CLOSE_TIMEOUT_S``). Cancelled
+        while it waits for the server's side of the closing handshake, it cuts the socket: no transport
+        is left open behind a close that nobody waits for any more."""
         self._closed_by_client = True
         self._stopped.set()
-        await self.ws.close()
+        try:
+            await self.ws.close()
+        except asyncio.CancelledError:
+            self.ws.transport.abort()
+            raise
         if self.reader is not None:
             await self.reader
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -113,8 +113,11 @@ class Pool:
 
     def check_loop(self) -> None:
         """``UsageError`` unless called on the event loop the pool opened on (or before it opened): on
-        another loop its connections' readers never run, and a call would wait for ever."""
+        another loop its connections' readers never run, and a call would wait for ever. A closed pool
+        says it is closed, whichever the loop: that is the cause to fix."""
         if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            if self.closed:
+                raise self.closed_error()
             raise UsageError("this client was connected on another event loop, and a client works only on the "
                              "loop it connected on: make a client on this loop (with pytest-asyncio, give a "
                              "client fixture the same loop_scope as the tests that use it), or use "
@@ -409,6 +412,8 @@ class Pool:
 
     async def close(self) -> None:
         """Stop dialling and close every connection; calls still waiting fail promptly."""
+        if self.closed and self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            return  # closed already, on the loop it ran on: nothing is left to close from here
         self.check_loop()
         self.closed = True
         self.closed_event.set()

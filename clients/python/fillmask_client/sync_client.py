@@ -26,6 +26,18 @@ from .frames import FillMaskResult, Predictions
 _T = TypeVar("_T")
 _P = ParamSpec("_P")
 
+#: How long the background loop's last tasks have to end once cancelled, when the client closes.
+STOP_GRACE_S = 1.0
+
+
+async def _cancel_the_others() -> None:
+    """Cancel every other task of the running loop and wait, at most ``STOP_GRACE_S``, for them to end."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others, timeout=STOP_GRACE_S)
+
 
 def same_options_as(
     source: Callable[Concatenate[Any, _P], None],
@@ -47,7 +59,10 @@ class SyncFillMaskClient:
     Use it as a context manager, or call ``close()`` when done. Each call takes an optional ``timeout`` in
     seconds (``None``: no limit; otherwise a finite number >= 0, else ``UsageError`` before anything is
     sent): when it passes, the request is cancelled on the server (§5) and ``TimeoutError`` is raised.
-    Ctrl-C while waiting cancels the request the same way before ``KeyboardInterrupt`` propagates.
+    Ctrl-C while waiting cancels the request the same way as ``KeyboardInterrupt`` propagates (the
+    ``cancel`` frame leaves from the client's thread a moment later; ``in_flight`` counts the request
+    until the server's answer to it comes), and Ctrl-C while it connects or closes leaves no socket
+    or task behind.
     """
 
     @same_options_as(FillMaskClient.__init__)
@@ -105,9 +120,19 @@ class SyncFillMaskClient:
         return ConnectionLostError(f"the client for {url} was closed", url=url)
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        """End the background loop as ``asyncio.run`` ends its own: the tasks still on it (a ``connect``
+        or ``close`` that Ctrl-C cut short, a connection's reader and keepalive) are cancelled and given
+        up to ``STOP_GRACE_S`` to finish, so that they close their sockets and none is destroyed
+        pending; then the loop stops, its thread ends and it is closed. A second Ctrl-C meanwhile only
+        shortens the wait."""
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_the_others(), self._loop).result(STOP_GRACE_S + 1)
+        except BaseException:  # (a Ctrl-C, or a wait past the grace: stop the loop all the same)
+            pass
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None, *, closing: bool = False) -> _T:
         """Run ``coro`` on the client's loop and wait for it; ``timeout`` is checked before it starts."""
