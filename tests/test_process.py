@@ -939,3 +939,25 @@ def test_readme_commands_use_the_projects_python() -> None:
     offenders = [line for text in [*blocks, *inline] for line in text.splitlines()
                  if bare.search(line) and not line.lstrip().startswith("#")]
     assert offenders == [], offenders
+
+
+def readme_testing_example() -> tuple[str, str]:
+    """The README's ``conftest.py`` and test for testing an application against a real server."""
+    section = (ROOT / "README.md").read_text().split("### Testing your application against a real server", 1)[1]
+    blocks = [block.split("```", 1)[0] for block in section.split("```python\n")[1:3]]
+    return blocks[0], blocks[1]
+
+
+def test_the_readmes_fixture_for_testing_an_application_starts_serves_and_drains_a_server(tmp_path: Path) -> None:
+    """A pytest user's trial: the README never said where the ``ready:`` line goes, how to learn the port
+    of ``--port 0``, or that SIGTERM drains and exits 0. Its example now says it, and runs here as a user's
+    own suite: the fixture's server answers, and its SIGTERM ends it with status 0 (the fixture asserts
+    it), with warnings as errors."""
+    conftest, test = readme_testing_example()
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "test_app.py").write_text(test)
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-W", "error",
+         "-o", "asyncio_default_fixture_loop_scope=function", str(tmp_path)],
+        cwd=tmp_path, env={**ENV, "FILLMASK_SERVER_DIR": str(ROOT)}, capture_output=True, text=True, timeout=180)
+    assert ran.returncode == 0 and "1 passed" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-3000:]
