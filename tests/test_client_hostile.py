@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import math
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -27,6 +28,7 @@ from fillmask_client import (
     FillMaskError,
     OverloadedError,
     RequestError,
+    SyncFillMaskClient,
 )
 from fillmask_client.connection import MAX_INCOMING_BYTES
 from fillmask_client.errors import one_line
@@ -457,3 +459,37 @@ async def test_ctrl_c_in_the_blocking_client_leaves_no_task_socket_or_thread(wai
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert out.decode().splitlines() == ["interrupted", "threads: []"], (out, err)
     assert err.decode() == "", err.decode()[-3000:]
+
+
+async def test_closing_the_blocking_client_ends_another_threads_calls_with_connection_lost() -> None:
+    """A review: ``close`` now cancels the tasks left on the blocking client's loop (so that none is
+    destroyed pending), and another thread's ``fill_mask_many`` still running on a server that does not
+    answer then raised ``concurrent.futures.CancelledError`` (no ``FillMaskError``) in most trials. Its
+    outcome is the ``ConnectionLostError`` the docstring promises: raised, or one per text."""
+
+    async def never(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+        pass
+
+    async with fake(never) as server:
+        def trials() -> list[str]:
+            outcomes = []
+            for _ in range(5):
+                client = SyncFillMaskClient(server.url)
+                got: list[str] = []
+
+                def caller(client: SyncFillMaskClient = client, got: list[str] = got) -> None:
+                    try:
+                        listed = client.fill_mask_many([TEXT] * 200, return_exceptions=True)
+                        got.extend(sorted({type(outcome).__name__ for outcome in listed}))
+                    except BaseException as exc:  # (what a caller would see, whatever it is)
+                        got.append(type(exc).__name__)
+
+                thread = threading.Thread(target=caller, daemon=True)
+                thread.start()
+                time.sleep(0.3)  # its requests sent, none answered
+                client.close()
+                thread.join(10)
+                outcomes.append("hung" if thread.is_alive() else ",".join(got))
+            return outcomes
+
+        assert set(await asyncio.to_thread(trials)) == {"ConnectionLostError"}

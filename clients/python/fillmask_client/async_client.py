@@ -91,8 +91,10 @@ def check_texts(texts: object) -> None:
     if isinstance(texts, AsyncIterable):
         raise UsageError("texts must be a list (or any iterable) of texts, not an async iterable: collect "
                          "its texts first, or call fill_mask for each as it comes")
-    if not isinstance(texts, Iterable):
-        raise UsageError(f"texts must be a list (or any iterable) of texts, not {type(texts).__name__}")
+    try:
+        iter(texts)  # type: ignore[call-overload]  # (whatever list() takes: __iter__, or __getitem__ alone)
+    except TypeError:
+        raise UsageError(f"texts must be a list (or any iterable) of texts, not {type(texts).__name__}") from None
 
 
 class FillMaskClient:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
-from .async_client import FillMaskClient
+from .async_client import FillMaskClient, check_texts
 from .connection import redact
 from .errors import ConnectionLostError, FillMaskError, check_seconds
 from .frames import FillMaskResult, Predictions
@@ -105,14 +105,16 @@ class SyncFillMaskClient:
         try:
             self._call(self._client.close(), None, closing=True)
         finally:
-            self._stop_loop()
-            with self._lock:
-                abandoned = list(self._calls.items())
-            for future, coro in abandoned:  # handed to the loop as it stopped: never to be run
-                if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
-                    coro.close()
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    future.set_exception(self._closed_error())
+            try:
+                self._stop_loop()
+            finally:  # (also after a Ctrl-C during the stop: no other thread's call is left waiting)
+                with self._lock:
+                    abandoned = list(self._calls.items())
+                for future, coro in abandoned:  # handed to the loop as it stopped: never to be run
+                    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                        coro.close()
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        future.set_exception(self._closed_error())
 
     def _closed_error(self) -> ConnectionLostError:
         """What a call cut short by ``close``, or made after it, raises: the async client's words."""
@@ -125,14 +127,18 @@ class SyncFillMaskClient:
         up to ``STOP_GRACE_S`` to finish, so that they close their sockets and none is destroyed
         pending; then the loop stops, its thread ends and it is closed. A second Ctrl-C meanwhile only
         shortens the wait."""
+        interrupted: BaseException | None = None
         try:
             asyncio.run_coroutine_threadsafe(_cancel_the_others(), self._loop).result(STOP_GRACE_S + 1)
-        except BaseException:  # (a Ctrl-C, or a wait past the grace: stop the loop all the same)
-            pass
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+        except concurrent.futures.TimeoutError:
+            pass  # tasks that outlast the grace: the loop stops all the same
+        except BaseException as exc:  # a Ctrl-C meanwhile: raised once the loop is closed
+            interrupted = exc
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        if interrupted is not None:
+            raise interrupted
 
     def _call(self, coro: Coroutine[Any, Any, _T], timeout: float | None, *, closing: bool = False) -> _T:
         """Run ``coro`` on the client's loop and wait for it; ``timeout`` is checked before it starts."""
@@ -156,6 +162,10 @@ class SyncFillMaskClient:
             raise TimeoutError(f"no answer within timeout={timeout:g} s; the call was cancelled") from None
         except KeyboardInterrupt:
             future.cancel()
+            raise
+        except concurrent.futures.CancelledError:  # its task cancelled as ``close`` stopped the loop
+            if self._closing and not closing:
+                raise self._closed_error() from None
             raise
         finally:
             with self._lock:
@@ -258,11 +268,13 @@ class SyncFillMaskClient:
         timeout: float | None = None,
     ) -> list[Predictions] | list[Predictions | FillMaskError]:
         """Blocking ``FillMaskClient.fill_mask_many``; ``timeout`` bounds the whole batch."""
-        # A list here, in the caller's thread, not on the loop; one bare text goes as it is, for the
-        # async client's UsageError (a list of it would be one request per character).
+        # A list here, in the caller's thread, not on the loop (checked first: one bare text, None...
+        # are the async client's UsageError, not a TypeError, and one text listed would be one request
+        # per character).
+        check_texts(texts)
         coro: Coroutine[Any, Any, list[Predictions] | list[Predictions | FillMaskError]]
         coro = self._client.fill_mask_many(
-            texts if isinstance(texts, (str, bytes, bytearray)) else list(texts),
+            list(texts),
             concurrency=concurrency,
             top_k=top_k,
             targets=targets,
