@@ -40,7 +40,7 @@ TEXT = "Paris is the [MASK] of France."
 HAPROXY = shutil.which("haproxy") or ("/usr/sbin/haproxy" if os.access("/usr/sbin/haproxy", os.X_OK) else None)
 #: Long enough for the balancer's checks (every 250 ms, 2 failures) to take a draining replica out,
 #: with room for a loaded machine, while it still serves (deploy/haproxy.cfg explains the numbers).
-DRAIN_DELAY_S = 3.0  # the balancer sees the 503 within ~1 s; the rest is room for a slow machine
+DRAIN_DELAY_S = 4.0  # the balancer sees the 503 within ~1 s; the rest is room for a slow machine
 START_TIMEOUT_S = 90.0
 
 pytestmark = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (bash scripts/setup.sh --test "

@@ -383,10 +383,11 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
     ],
 )
 def test_other_load_failures_are_one_line_naming_the_cause(tmp_path: Path, tiny_model_dir: Path, model: str,
-                                                           expected: str) -> None:
+                                                           expected: str, capfd: pytest.CaptureFixture[str]) -> None:
     """The ``ModelLoadError`` that ws_server.py prints as its one ``error:`` line (as for the ways in
     ``test_load_failure_is_one_clear_line_and_a_nonzero_exit``), raised in this process: one line that
-    names the cause and the flag to change."""
+    names the cause and the flag to change, and nothing else said meanwhile (no traceback, no library
+    report beside it)."""
     import importlib.util
 
     from fillmask_server.diagnosis import ModelLoadError
@@ -394,10 +395,13 @@ def test_other_load_failures_are_one_line_naming_the_cause(tmp_path: Path, tiny_
 
     if model == "sentencepiece" and importlib.util.find_spec("sentencepiece") is not None:
         pytest.skip("sentencepiece is installed here: the tokenizer below fails another way")
+    broken = broken_checkpoints(tmp_path, tiny_model_dir)[model]
+    capfd.readouterr()
     with pytest.raises(ModelLoadError) as refused:
-        load_model(str(broken_checkpoints(tmp_path, tiny_model_dir)[model]))
+        load_model(str(broken))
     said = str(refused.value)
     assert expected in said and "--model" in said and "\n" not in said, said
+    assert capfd.readouterr() == ("", "")
 
 
 async def start_server(*args: str, open_files: int = 0,
@@ -443,6 +447,7 @@ async def test_out_of_file_descriptors_accepts_fail_with_a_line_now_and_then_and
             while b"could not accept" not in b"".join(said):
                 await asyncio.sleep(0.05)
         await asyncio.sleep(1.5)  # ...and asyncio's retry a second later, which fails too
+        lines_while_held = b"".join(said).count(b"could not accept")
         for sock in held:
             sock.close()
         held.clear()
@@ -464,7 +469,8 @@ async def test_out_of_file_descriptors_accepts_fail_with_a_line_now_and_then_and
         await reader
     text = b"".join(said).decode()
     assert "warning: this process may open 256 files (ulimit -n), and --max-connections 1000" in text
-    assert 1 <= text.count("could not accept a connection") <= 3, text[-3000:]  # (one each 10 s at most)
+    assert lines_while_held == 1, text[-3000:]  # one line each 10 s at most: not one per failed accept
+    assert 1 <= text.count("could not accept a connection") <= 3, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
 
 
