@@ -464,8 +464,10 @@ async def test_ctrl_c_in_the_blocking_client_leaves_no_task_socket_or_thread(wai
 async def test_closing_the_blocking_client_ends_another_threads_calls_with_connection_lost() -> None:
     """A review: ``close`` now cancels the tasks left on the blocking client's loop (so that none is
     destroyed pending), and another thread's ``fill_mask_many`` still running on a server that does not
-    answer then raised ``concurrent.futures.CancelledError`` (no ``FillMaskError``) in most trials. Its
-    outcome is the ``ConnectionLostError`` the docstring promises: raised, or one per text."""
+    answer then raised ``concurrent.futures.CancelledError`` (no ``FillMaskError``) in most trials, and
+    once that was mended (a second review), one ``ConnectionLostError`` where ``return_exceptions``
+    promises a list. Its outcome is the list, a ``ConnectionLostError`` in each place, as the async
+    client gives."""
 
     async def never(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
         pass
@@ -480,9 +482,9 @@ async def test_closing_the_blocking_client_ends_another_threads_calls_with_conne
                 def caller(client: SyncFillMaskClient = client, got: list[str] = got) -> None:
                     try:
                         listed = client.fill_mask_many([TEXT] * 200, return_exceptions=True)
-                        got.extend(sorted({type(outcome).__name__ for outcome in listed}))
+                        got.extend(f"list of {name}" for name in sorted({type(one).__name__ for one in listed}))
                     except BaseException as exc:  # (what a caller would see, whatever it is)
-                        got.append(type(exc).__name__)
+                        got.append(f"raised {type(exc).__name__}")
 
                 thread = threading.Thread(target=caller, daemon=True)
                 thread.start()
@@ -492,4 +494,26 @@ async def test_closing_the_blocking_client_ends_another_threads_calls_with_conne
                 outcomes.append("hung" if thread.is_alive() else ",".join(got))
             return outcomes
 
-        assert set(await asyncio.to_thread(trials)) == {"ConnectionLostError"}
+        assert set(await asyncio.to_thread(trials)) == {"list of ConnectionLostError"}
+
+
+async def test_open_timeout_bounds_the_handshake_and_the_hello_together() -> None:
+    """A review: ``open_timeout`` ("seconds to open a connection and receive hello") was given to the
+    handshake and then again to the wait for ``hello``, so one try could take twice as long (and the
+    README's "connect_wait plus one open_timeout" was false). A peer whose handshake takes 1.5 s and
+    then says nothing now fails at 2 s with ``open_timeout=2``, not at 3.5."""
+
+    async def slow_handshake(connection: ServerConnection, request: Any) -> None:
+        await asyncio.sleep(1.5)
+
+    async def silent(ws: ServerConnection) -> None:
+        await ws.wait_closed()
+
+    async with serve(silent, "127.0.0.1", 0, process_request=slow_handshake) as running:
+        url = f"ws://127.0.0.1:{running.sockets[0].getsockname()[1]}/"
+        started = time.monotonic()
+        with pytest.raises(ConnectError) as failed:
+            await FillMaskClient(url, open_timeout=2).connect()
+        took = time.monotonic() - started
+    assert failed.value.kind == "no_hello" and "within 2 s" in str(failed.value), failed.value
+    assert 1.9 < took < 2.9, took  # (each with its own timeout: 3.5 s)

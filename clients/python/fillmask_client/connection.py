@@ -463,8 +463,10 @@ class Connection:
         """Open the WebSocket and read the ``hello`` (§2); ``ConnectError`` on any failure, with its
         ``kind`` (whether waiting may fix it is ``ConnectError.transient``'s call, not this method's).
 
-        ``on_handshake`` is called once the WebSocket is open, before the wait for the ``hello``."""
+        ``on_handshake`` is called once the WebSocket is open, before the wait for the ``hello``.
+        ``open_timeout`` bounds the handshake and the ``hello`` together (a review: each had its own)."""
         shown = redact(url)
+        give_up = asyncio.get_running_loop().time() + open_timeout
         options: dict[str, Any] = {"open_timeout": open_timeout, "max_size": MAX_INCOMING_BYTES,
                                    "close_timeout": CLOSE_TIMEOUT_S}
         if token:
@@ -514,7 +516,8 @@ class Connection:
             on_handshake()
         kind = "bad_hello"
         try:
-            hello = decode_frame(await asyncio.wait_for(ws.recv(decode=False), open_timeout))
+            left = max(0.0, give_up - asyncio.get_running_loop().time())
+            hello = decode_frame(await asyncio.wait_for(ws.recv(decode=False), left))
             problem = check_hello(hello)
         except TimeoutError:  # (its message is empty)
             kind, problem = "no_hello", (f"connected, but no hello frame came within {open_timeout:g} s "

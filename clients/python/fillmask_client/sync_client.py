@@ -104,6 +104,12 @@ class SyncFillMaskClient:
             self._closing = True
         try:
             self._call(self._client.close(), None, closing=True)
+            # Other threads' calls end on their own once the client is closed (a long fill_mask_many
+            # with return_exceptions takes a few turns of the loop to fill its list): let them, for up to
+            # STOP_GRACE_S, before the stop cancels what is left.
+            with self._lock:
+                running = [future for future in self._calls if not future.done()]
+            concurrent.futures.wait(running, timeout=STOP_GRACE_S)
         finally:
             try:
                 self._stop_loop()
@@ -125,8 +131,8 @@ class SyncFillMaskClient:
         """End the background loop as ``asyncio.run`` ends its own: the tasks still on it (a ``connect``
         or ``close`` that Ctrl-C cut short, a connection's reader and keepalive) are cancelled and given
         up to ``STOP_GRACE_S`` to finish, so that they close their sockets and none is destroyed
-        pending; then the loop stops, its thread ends and it is closed. A second Ctrl-C meanwhile only
-        shortens the wait."""
+        pending; then the loop stops, its thread ends and it is closed. A Ctrl-C meanwhile ends the
+        wait, and is raised once the loop is closed."""
         interrupted: BaseException | None = None
         try:
             asyncio.run_coroutine_threadsafe(_cancel_the_others(), self._loop).result(STOP_GRACE_S + 1)
