@@ -464,7 +464,7 @@ class Connection:
         ``kind`` (whether waiting may fix it is ``ConnectError.transient``'s call, not this method's).
 
         ``on_handshake`` is called once the WebSocket is open, before the wait for the ``hello``.
-        ``open_timeout`` bounds the handshake and the ``hello`` together (a review: each had its own)."""
+        ``open_timeout`` bounds the handshake and the ``hello`` together, not each."""
         shown = redact(url)
         give_up = asyncio.get_running_loop().time() + open_timeout
         options: dict[str, Any] = {"open_timeout": open_timeout, "max_size": MAX_INCOMING_BYTES,
