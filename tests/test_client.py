@@ -362,6 +362,8 @@ async def test_a_call_with_values_json_cannot_carry_fails_alone_before_sending(s
                     sync.fill_mask(TEXT, timeout=bad)
                 assert sync._client.in_flight == 0  # refused before the call was handed to the loop
             assert sync.fill_mask(TEXT, top_k=1, timeout=30)
+            for forever in (1e10, 1e300):  # past threading.TIMEOUT_MAX: no limit (a trial: OverflowError,
+                assert sync.fill_mask(TEXT, top_k=1, timeout=forever)  # with the request left running)
             with pytest.raises(UsageError, match="not one text"):  # listed, it went as one request per character
                 sync.fill_mask_many(TEXT)
             with pytest.raises(UsageError, match="not NoneType"):  # (a review: a TypeError in the blocking one)

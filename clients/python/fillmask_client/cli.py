@@ -102,7 +102,7 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("texts", nargs="*", metavar="TEXT",
                         help="texts containing the mask token; '-' reads texts from stdin, one per line "
-                             "(the default when no TEXT and no --file is given)")
+                             "(the default when no TEXT and no --file is given and stdin is not a terminal)")
     parser.add_argument("--file", "-f", metavar="PATH",
                         help="read texts from PATH, one per line ('-': standard input); blank lines are skipped, "
                              "and a failed text is reported with its line number")

@@ -161,7 +161,9 @@ class SyncFillMaskClient:
             future = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._calls[future] = coro
         try:
-            return future.result(timeout)
+            # Beyond threading.TIMEOUT_MAX (about 292 years) a wait is no wait the platform can time:
+            # no limit, as it means (Future.result would raise OverflowError, the request sent).
+            return future.result(None if timeout is not None and timeout > threading.TIMEOUT_MAX else timeout)
         except concurrent.futures.TimeoutError:
             # Cancelling the concurrent future cancels the task on the loop, which sends `cancel` frames.
             future.cancel()
