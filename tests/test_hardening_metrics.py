@@ -202,6 +202,9 @@ async def test_the_rule_for_a_lone_request_after_a_quiet_spell_is_on_metrics_and
             _, samples = await scrape(server)
             rule = server.engine.quiet
             if threads == 1 and rule is not None:  # fast wakes of the team while serving: the gauge follows
+                # One thread's last passes at the calibration's time first, whatever the real request's
+                # pass took on this machine (a busy core's run: a fast one kept the rule on one thread).
+                assert not [line for line in (rule.ran(1, 3.8e-3) for _ in range(5)) if line is not None]
                 assert [rule.ran(2, 3.0e-3) for _ in range(5)][-1] is not None and rule.threads == 2
                 _, later = await scrape(server)
                 assert later[("fillmask_quiet_lone_threads", ())] == 2
