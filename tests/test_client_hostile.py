@@ -9,6 +9,7 @@ import base64
 import contextlib
 import hashlib
 import math
+import socket
 import sys
 import threading
 import time
@@ -287,21 +288,23 @@ async def test_many_before_connect_says_not_connected() -> None:
             getattr(client, name)
 
 
+async def handshake_then_deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A peer (``asyncio.start_server``'s handler) that answers the handshake and sends ``hello``, then
+    reads nothing and answers nothing, not even a close."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+               if line.lower().startswith(b"sec-websocket-key:"))
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+    payload = orjson.dumps(HELLO)
+    writer.write(bytes([0x81, 126]) + len(payload).to_bytes(2, "big") + payload)
+    await writer.drain()
+    await asyncio.sleep(30)
+
+
 async def test_close_does_not_wait_long_for_a_peer_that_stopped_reading() -> None:
     """close() waited websockets' 10 s for the closing handshake of a peer that reads nothing."""
-
-    async def handshake_then_deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"sec-websocket-key:"))
-        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                     b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
-        payload = orjson.dumps(HELLO)
-        writer.write(bytes([0x81, 126]) + len(payload).to_bytes(2, "big") + payload)
-        await writer.drain()
-        await asyncio.sleep(30)  # reads nothing, answers nothing
-
     deaf = await asyncio.start_server(handshake_then_deaf, "127.0.0.1", 0)
     try:
         client = FillMaskClient(f"ws://127.0.0.1:{deaf.sockets[0].getsockname()[1]}/")
@@ -401,46 +404,24 @@ async def test_a_server_that_closes_every_connection_at_once_is_redialled_with_a
 
 
 #: The blocking client interrupted by Ctrl-C (a real SIGINT) while it waits: ``connect`` where nothing
-#: listens yet, or ``close`` against a peer that greets and then answers nothing, not even the close.
+#: listens yet, or ``close`` against a peer that greets and then answers nothing, not even the close
+#: (both given by the test, in its own process: argv is the mode and the URL).
 CTRL_C_SCRIPT = r"""
-import base64, gc, hashlib, os, signal, socket, sys, threading, time
-import orjson
+import gc, os, signal, sys, threading
 from fillmask_client import SyncFillMaskClient
 
-HELLO = orjson.dumps({HELLO!r})
-
-def hung_peer(listener):
-    conn, _ = listener.accept()
-    request = b""
-    while b"\r\n\r\n" not in request:
-        request += conn.recv(4096)
-    key = next(line.split(b":", 1)[1].strip() for line in request.split(b"\r\n")
-               if line.lower().startswith(b"sec-websocket-key:"))
-    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-    conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n" + bytes([0x81, 126])
-                 + len(HELLO).to_bytes(2, "big") + HELLO)
-    time.sleep(60)  # reads nothing more: the client's close frame is never answered
-
-listener = socket.socket()
-listener.bind(("127.0.0.1", 0))
-url = f"ws://127.0.0.1:{{listener.getsockname()[1]}}/"
+mode, url = sys.argv[1:]
 try:
-    if sys.argv[1] == "connect":  # bound, not listening: refused until connect_wait runs out
-        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-        interrupt.start()
+    if mode == "connect":  # refused until connect_wait runs out
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         SyncFillMaskClient(url, connect_wait=30)
     else:
-        listener.listen()
-        threading.Thread(target=hung_peer, args=(listener,), daemon=True).start()
         client = SyncFillMaskClient(url)
-        interrupt = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-        interrupt.start()
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         client.close()  # waits for the peer's close frame (at most 2 s)
     print("not interrupted")
 except KeyboardInterrupt:
     print("interrupted")
-listener.close()
 gc.collect()
 print("threads:", sorted(thread.name for thread in threading.enumerate() if thread.name.startswith("fillmask")))
 """
@@ -453,10 +434,17 @@ async def test_ctrl_c_in_the_blocking_client_leaves_no_task_socket_or_thread(wai
     three of those, "Event loop is closed" from its reader, and a ResourceWarning for the socket left
     open. The client's loop now ends as ``asyncio.run`` ends its own (its tasks cancelled and awaited),
     and a close cut short cuts its socket. Run under ``-X dev``, which shows every ResourceWarning."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-X", "dev", "-c", CTRL_C_SCRIPT.format(HELLO=HELLO), waiting_in,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    with socket.socket() as unlistened:  # bound, never listening: connecting is refused
+        unlistened.bind(("127.0.0.1", 0))
+        deaf = await asyncio.start_server(handshake_then_deaf, "127.0.0.1", 0)
+        try:
+            port = (unlistened if waiting_in == "connect" else deaf.sockets[0]).getsockname()[1]
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-X", "dev", "-c", CTRL_C_SCRIPT, waiting_in, f"ws://127.0.0.1:{port}/",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            deaf.close()
     assert out.decode().splitlines() == ["interrupted", "threads: []"], (out, err)
     assert err.decode() == "", err.decode()[-3000:]
 

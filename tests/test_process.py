@@ -324,29 +324,29 @@ def test_the_settings_checks_count_the_cpus_within_a_container_quota_as_the_cali
     assert problem is not None and f"the most accepted is {MAX_THREADS_PER_CPU}" in problem
 
 
-def broken_checkpoints(tmp_path: Path, tiny_model_dir: Path) -> dict[str, Path]:
-    """Directories that cannot be served, each in its own way, by name (``{name}`` in the tests' ids)."""
+def broken_checkpoint(name: str, tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A directory that cannot be served in the way ``name`` says (``{name}`` in the tests' ids)."""
     import json
 
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
-    corrupt = tmp_path / "corrupt"
-    shutil.copytree(tiny_model_dir, corrupt)
-    (corrupt / "model.safetensors").write_bytes(b"\x00" * 100)  # truncated weights
-    resized = tmp_path / "resized"  # config.json's vocabulary larger than the weights'
-    shutil.copytree(tiny_model_dir, resized)
-    config = json.loads((resized / "config.json").read_text())
-    assert config["vocab_size"] == 30522, config["vocab_size"]  # (bert-base-uncased's vocabulary)
-    (resized / "config.json").write_text(json.dumps({**config, "vocab_size": 30722}))
-    sentencepiece = tmp_path / "sentencepiece"  # an older checkpoint's tokenizer: spiece.model, no tokenizer.json
-    shutil.copytree(tiny_model_dir, sentencepiece)
-    for leftover in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
-        (sentencepiece / leftover).unlink(missing_ok=True)
-    (sentencepiece / "tokenizer_config.json").write_text('{"tokenizer_class": "AlbertTokenizer"}')
-    (sentencepiece / "spiece.model").write_bytes(b"\x00" * 64)
-    return {"empty": tmp_path / "empty", "gpt2": tmp_path / "gpt2", "corrupt": corrupt, "resized": resized,
-            "sentencepiece": sentencepiece}
+    directory = tmp_path / name
+    if name in ("empty", "gpt2"):
+        directory.mkdir()
+        if name == "gpt2":
+            (directory / "config.json").write_text('{"model_type": "gpt2"}')
+        return directory
+    shutil.copytree(tiny_model_dir, directory)
+    if name == "corrupt":
+        (directory / "model.safetensors").write_bytes(b"\x00" * 100)  # truncated weights
+    elif name == "resized":  # config.json's vocabulary larger than the weights'
+        config = json.loads((directory / "config.json").read_text())
+        assert config["vocab_size"] == 30522, config["vocab_size"]  # (bert-base-uncased's vocabulary)
+        (directory / "config.json").write_text(json.dumps({**config, "vocab_size": 30722}))
+    elif name == "sentencepiece":  # an older checkpoint's tokenizer: spiece.model, no tokenizer.json
+        for leftover in ("tokenizer.json", "vocab.txt", "special_tokens_map.json"):
+            (directory / leftover).unlink(missing_ok=True)
+        (directory / "tokenizer_config.json").write_text('{"tokenizer_class": "AlbertTokenizer"}')
+        (directory / "spiece.model").write_bytes(b"\x00" * 64)
+    return directory
 
 
 @pytest.mark.parametrize(
@@ -363,8 +363,9 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
     """The process: what start-up said it loads, one ``error:`` line, status 1, no traceback. The first
     three fail before torch is imported, the last while loading; every other way a load fails takes
     the same path from the same exception (``test_other_load_failures_are_one_line_naming_the_cause``)."""
-    dirs = broken_checkpoints(tmp_path, tiny_model_dir)
-    result = run_server("--model", model.format(**dirs), "--port", "0")
+    if model.startswith("{"):
+        model = str(broken_checkpoint(model.strip("{}"), tmp_path, tiny_model_dir))
+    result = run_server("--model", model, "--port", "0")
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     *said, error = lines  # what start-up said it loads, then one error line
@@ -395,7 +396,7 @@ def test_other_load_failures_are_one_line_naming_the_cause(tmp_path: Path, tiny_
 
     if model == "sentencepiece" and importlib.util.find_spec("sentencepiece") is not None:
         pytest.skip("sentencepiece is installed here: the tokenizer below fails another way")
-    broken = broken_checkpoints(tmp_path, tiny_model_dir)[model]
+    broken = broken_checkpoint(model, tmp_path, tiny_model_dir)
     capfd.readouterr()
     with pytest.raises(ModelLoadError) as refused:
         load_model(str(broken))
