@@ -1606,6 +1606,22 @@ async def test_connect_fails_at_once_on_what_waiting_cannot_fix(server: Any, tmp
     assert str(silent) == (f"cannot use {url}: connected, but no hello frame came within 0.5 s "
                            "(is this a fill-mask server?)")
 
+    # One step earlier, a port that takes the TCP connection and never answers the handshake: the
+    # message says the connection was made (it said only "timed out after 0.5 s", as for a dead host).
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up
+
+    mute_peer = await asyncio.start_server(mute, "127.0.0.1", 0)
+    try:
+        url = f"ws://127.0.0.1:{mute_peer.sockets[0].getsockname()[1]}/"
+        stalled, took = await connect_failure_of(url, wait=0, open_timeout=0.5)
+    finally:
+        mute_peer.close()
+    assert took < 2 and stalled.kind == "timeout" and stalled.transient, (took, stalled)
+    assert str(stalled) == (f"cannot connect to {url}: timed out after 0.5 s: connected, but no answer to the "
+                            "WebSocket handshake came (a server too busy to answer, or a port that does not "
+                            "speak WebSocket?)")
+
 
 async def test_connect_keeps_waiting_through_what_a_starting_server_or_balancer_gives() -> None:
     async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

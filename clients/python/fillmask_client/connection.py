@@ -473,6 +473,14 @@ class Connection:
             options["additional_headers"] = {"Authorization": f"Bearer {token}"}
         if ssl is not None:
             options["ssl"] = ssl
+        transport_made = asyncio.Event()  # set once TCP (and TLS) connected: a timeout then says which part stalled
+
+        class Watched(ClientConnection):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                transport_made.set()
+                super().connection_made(transport)
+
+        options["create_connection"] = Watched
         try:
             ws = await connect(url, **options)
         except InvalidURI as exc:
@@ -502,8 +510,12 @@ class Connection:
             detail = str(exc) or type(exc).__name__
             raise ConnectError(f"cannot connect to {shown}: {detail}", url=shown, kind="not_websocket") from exc
         except TimeoutError as exc:
-            raise ConnectError(f"cannot connect to {shown}: timed out after {open_timeout:g} s", url=shown,
-                               kind="timeout") from exc
+            made = "no TLS session" if url.startswith("wss://") else "no connection"
+            stalled = ("connected, but no answer to the WebSocket handshake came (a server too busy to answer, "
+                       "or a port that does not speak WebSocket?)" if transport_made.is_set() else
+                       f"{made} (a host that is down, or a firewall that drops packets?)")
+            raise ConnectError(f"cannot connect to {shown}: timed out after {open_timeout:g} s: {stalled}",
+                               url=shown, kind="timeout") from exc
         except OSError as exc:
             raise ConnectError(f"cannot connect to {shown}: {connect_failure(exc, url)}", url=shown,
                                kind=failure_kind(exc)) from exc
