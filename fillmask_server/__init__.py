@@ -22,7 +22,8 @@ Modules, each one idea:
 - ``cpus``: the CPUs this process may use, its affinity within its cgroups' CPU quota.
 - ``connection``: one socket's ordered, byte-counted outbox.
 - ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines and checks;
-  ``signals``: what a shutdown signal means when it comes, pure.
+  ``signals``: what a shutdown signal means when it comes, pure; ``lifecycle``: the process's signal
+  handlers, ready line and last words, in the order of its life.
 - ``http``: the HTTP routes and the decision on each WebSocket handshake; ``front_connection``: websockets'
   connection as the server runs it (JSON refusals, held requests, messages handed over as parsed).
 - ``access``: the handshake's Origin rule, shared token and TLS context, pure.

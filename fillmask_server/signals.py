@@ -6,12 +6,17 @@ delivered twice (GNU ``timeout`` signals the process and then its process group,
 apart), which a person pressing Ctrl-C twice never is. During a drain that the model thread's fault
 started, the first signal already stops.
 
+The drain's first wait (``drain_delay``): SIGTERM is how an orchestrator stops a replica, and its load
+balancer needs ``--drain-delay`` to notice ``/readyz`` at 503; a person's Ctrl-C (SIGINT) or a closed
+terminal (SIGHUP) wants the drain now.
+
 Invariant: ``take`` answers DRAIN at most once.
 """
 
 from __future__ import annotations
 
 import enum
+import signal
 
 SAME_SIGNAL_S = 0.25  # a signal of the first one's kind this soon after it is the first delivered twice
 
@@ -44,3 +49,8 @@ class SignalGate:
         if signum == first and now - at < self._same_signal_s:
             return Verdict.TWIN
         return Verdict.STOP
+
+
+def drain_delay(signum: int, configured_s: float) -> float:
+    """Seconds the drain that ``signum`` started waits first, with ``/readyz`` at 503 (module docstring)."""
+    return configured_s if signum == signal.SIGTERM else 0.0

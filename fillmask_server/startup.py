@@ -16,17 +16,18 @@ loading thread, then the caller of ``done`` after it has joined it).
 
 Also the start-up's other lines and checks: the open-files limit raised (``raise_open_files_limit``),
 the port checked before the model loads (``check_can_listen``, and ``listen_problem``'s one line when
-it cannot be listened on), and the ``serving`` line (``serving_line``).
+it cannot be listened on, raised as ``CannotListen`` inside ``listening``), and the ``serving`` line (``serving_line``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import TextIO
 
@@ -134,6 +135,21 @@ def serving_line(model: str, host: str, port: int, url: str, token: bool) -> str
     else:
         where, open_to = url, "no token: whoever reaches the port may use it"
     return f"{model} on {where} ({'clients must present the token' if token else open_to})"
+
+
+class CannotListen(Exception):
+    """``host:port`` cannot be listened on: the one line that says why (``listen_problem``). Only the
+    check before the model loads and the listen itself raise it (inside ``listening``): any other
+    ``OSError`` is not about the port, and must not be reported as if it were."""
+
+
+@contextlib.contextmanager
+def listening(host: str, port: int) -> Iterator[None]:
+    """An ``OSError`` inside is ``host:port`` that cannot be listened on: ``CannotListen``, saying why."""
+    try:
+        yield
+    except OSError as exc:  # the port is taken, the host does not resolve, the address is not this machine's
+        raise CannotListen(listen_problem(host, port, exc)) from exc
 
 
 def check_can_listen(host: str, port: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from fillmask_server.signals import SAME_SIGNAL_S, SignalGate, Verdict
+from fillmask_server.signals import SAME_SIGNAL_S, SignalGate, Verdict, drain_delay
 
 TERM, INT, HUP = signal.SIGTERM, signal.SIGINT, signal.SIGHUP
 
@@ -34,3 +34,10 @@ def test_during_a_drain_after_the_model_thread_stopped_the_first_signal_stops() 
     gate = SignalGate()
     gate.draining_without_signal()
     assert gate.take(TERM, 1.0) is Verdict.STOP
+
+
+def test_only_sigterm_waits_the_drain_delay_first() -> None:
+    """An orchestrator's SIGTERM gives its balancer ``--drain-delay`` to see ``/readyz`` at 503; a
+    person's Ctrl-C or a closed terminal drains at once (tests/test_process.py times both live)."""
+    assert drain_delay(TERM, 4.0) == 4.0
+    assert drain_delay(INT, 4.0) == 0.0 and drain_delay(HUP, 4.0) == 0.0
