@@ -7,9 +7,9 @@ it a moment after connections close. On other C libraries it is a no-op.
 
 glibc's mmap threshold is deliberately left alone. Fixing it low (so that every large block gets its
 own mapping, given back at once when freed) was tried: RSS after the memory scenario of
-``scripts/reliability.py`` was the same within a few MB (+19 against +23 MB), but every activation
-tensor of a forward pass then came from a fresh mapping that the kernel zeroes page by page, and the
-tiny model's forward pass in the server took 26 ms instead of 19 (1.34× fewer requests per second).
+``scripts/reliability.py`` was about the same, but every activation tensor of a forward pass then
+came from a fresh mapping that the kernel zeroes page by page, and the forward pass in the server
+slowed by about a third (docs/performance-log.md, "The allocator").
 
 Start-up (the imports of torch and transformers, the tokenizer, the model) leaves hundreds of
 thousands of objects that live as long as the process. Each full (oldest-generation) collection

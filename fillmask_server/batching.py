@@ -148,7 +148,7 @@ class Queued(Protocol):
     n_tokens: int
     result_bytes: int  # room its answer may take (an upper bound)
     owner: object
-    missed: int  # batches the cost model left it out of (the tail bound)
+    missed: int  # batches the fixed band left it out of (the tail bound; the cost model's rounds leave none out)
 
 
 J = TypeVar("J", bound=Queued)

@@ -96,8 +96,9 @@ _HELP: dict[str, str] = {
                         "that take the least time in all (padding against per-batch overhead), each at most 3x wide",
     "max_batch_ms": "most predicted time of one batch (forward pass and decoding, from the measured cost model), so "
                     "that a light request never waits behind one long batch; 0 = automatic: 20 times the measured "
-                    "per-batch overhead (at most 5%% of throughput lost to overhead); also at most half the time "
-                    "left to the tightest deadline waiting",
+                    "per-batch overhead (at most 5%% of throughput lost to overhead), but never below 5 ms nor "
+                    "below a full batch of plain requests as long as the longest waiting; also at most half the "
+                    "time left to the tightest deadline waiting",
     "max_missed_batches": "tail bound with --max-length-ratio: a request the band has left out of this many "
                           "batches is in the next one (the cost model's rounds need none: a request runs in the "
                           "round that takes it in)",

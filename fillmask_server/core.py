@@ -148,7 +148,7 @@ class EngineCore:
         return self._reserved_total
 
     def retry_after_ms(self) -> int:
-        """Estimate of how long the current queue takes to clear, for 503/504 answers: its rows at the
+        """Estimate of how long the current queue takes to clear, for overload answers (429, 503, 504): its rows at the
         recent time per row, or with ``--max-wait-ms`` that wait where it is longer (a batch that is
         not full waits for company up to that long, counted from its oldest request, which runs while
         earlier rows do)."""

@@ -244,7 +244,7 @@ class Engine:
             return self.core.busy() or self._delivering > 0 or bool(self._outbox)
 
     def retry_after_ms(self) -> int:
-        """Estimate of how long the current queue takes to clear, for 503/504 answers."""
+        """Estimate of how long the current queue takes to clear, for overload answers (429, 503, 504)."""
         with self._lock:
             return self.core.retry_after_ms()
 

@@ -104,7 +104,7 @@ class Job:
     result_bytes: int = 0  # an upper bound on its predictions' and target notes' JSON (intake.check)
     reserved: int = 0  # answer memory reserved for it while its answer is being computed (engine)
     started: float = 0.0  # when its batch started on the model (set by the core once the batch ran)
-    missed: int = 0  # batches the cost model left it out of while it was queued (batching.py's tail bound)
+    missed: int = 0  # batches the fixed band left it out of while it was queued (batching.py's tail bound)
 
 
 def can(job: Job, event: Event) -> bool:

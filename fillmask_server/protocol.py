@@ -392,7 +392,7 @@ def encode_error(request_id: RequestId | None, code: str, message: str) -> bytes
 
 def encode_overloaded(request_id: RequestId, status: int, reason: str, retry_after_ms: int,
                       queue_ms: float | None = None) -> bytes:
-    """A 503 or 504 answer (§6)."""
+    """An ``overloaded`` answer (§6): 429 ``queue_share``, 503 or 504."""
     assert OVERLOADED_REASONS.get(reason) == status, (reason, status)
     frame: dict[str, Any] = {"type": "overloaded", "id": request_id, "status": status, "reason": reason,
                              "retry_after_ms": retry_after_ms}

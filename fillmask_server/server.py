@@ -8,8 +8,9 @@ Everything here runs on the asyncio event loop and stays cheap. Per connection t
 - the engine's outcomes arrive from its stage threads in one ``call_soon_threadsafe`` per batch; each
   goes to its job's session (``Session.on_outcome``), and the answer to that session's outbox;
 - one timer per connection wakes ``Session.expire`` at its next request deadline;
-- the watchdog closes a client that takes no bytes at all for ``--send-timeout`` while its outbox is
-  over ``--max-send-buffer-bytes`` (protocol.md §12); a client that reads, however slowly, is kept;
+- the watchdog closes a client that takes no bytes at all for ``--send-timeout`` while it has
+  answers waiting to be sent, whether its outbox is over ``--max-send-buffer-bytes`` or within it
+  (protocol.md §12); a client that reads, however slowly, is kept;
 - ``drain`` carries out protocol.md §10.
 
 No model code runs on the loop: admission is ``Engine.submit`` (a lock and an append).

@@ -15,7 +15,9 @@ Admission order (stated in protocol.md §3), for each frame read:
    answer); a ``cancel`` for an id in flight is the exception: it is what cancels;
 3. other field errors of the frame → ``error`` under its id;
 4. ``too_many_inflight``; 5. the server is draining → 503 ``shutting_down``; 6. the engine stopped →
-   503 ``engine_stopped``; 7. the queue is full → 503 ``queue_full``; otherwise the request is accepted.
+   503 ``engine_stopped``; 7. the queue is full → 503 ``queue_full``; 8. the queue is half full or more
+   and this connection holds its fair share of it → 429 ``queue_share``; otherwise the request is
+   accepted.
 
 Invariants:
 

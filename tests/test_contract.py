@@ -35,6 +35,7 @@ from jsonschema import Draft202012Validator
 from websockets.asyncio.client import connect
 
 from fillmask_client import FillMaskClient, SyncFillMaskClient
+from fillmask_server.config import Config
 from fillmask_server.protocol import (
     ERROR_CODES,
     OVERLOADED_REASONS,
@@ -93,10 +94,14 @@ def parse_asyncapi(document: Path) -> dict[str, Any]:
 
 
 def default_hello(**limits: Any) -> dict[str, Any]:
-    """The hello a server with default settings (and ``limits``' Limits fields) sends, from its encoder."""
+    """The hello a server with default settings (and ``limits``' Limits fields) sends for a model of
+    BERT's 512 positions, from its encoder and ``Config``'s defaults."""
+    config = Config()
     return orjson.loads(encode_hello("fillmask-server/0.1.0", "tiny", True, Limits("[MASK]", **limits), {
-        "max_batch_size": 32, "max_batch_tokens": 8192, "max_queue": 1024, "max_tokens": 512,
-        "max_frame_bytes": 65536, "max_result_bytes": 1_048_576, "max_inflight_per_connection": 256},
+        "max_batch_size": config.max_batch_size, "max_batch_tokens": config.max_batch_tokens,
+        "max_queue": config.max_queue, "max_tokens": 512, "max_frame_bytes": config.max_frame_bytes,
+        "max_result_bytes": config.max_result_bytes,
+        "max_inflight_per_connection": config.max_inflight_per_connection},
         {"forward": "traced", "head": "masks", "layout": "packed", "device": "cpu", "dtype": "float32"}))
 
 
@@ -165,7 +170,8 @@ def test_the_schemas_name_every_code_and_reason_the_server_has() -> None:
 
 def test_the_examples_fit_the_schemas(asyncapi: dict[str, Any]) -> None:
     """AsyncAPI's examples and every frame in protocol.md's JSON examples, against the closed schemas."""
-    contract = Contract(default_hello())
+    defaults = default_hello()
+    contract = Contract(defaults)
     examples = [(name, example) for name, message in asyncapi["messages"].items() for example in message["examples"]]
     assert {name for name, _ in examples} == set(CLIENT_SCHEMAS) | set(SERVER_SCHEMAS)
     spec = (ROOT / "protocol.md").read_text()
@@ -177,6 +183,12 @@ def test_the_examples_fit_the_schemas(asyncapi: dict[str, Any]) -> None:
     for name, frame in examples:
         kinds = CLIENT_SCHEMAS if frame["type"] in CLIENT_SCHEMAS else SERVER_SCHEMAS
         assert contract.problems(frame, kinds) == [], (name, frame)
+    # The hellos shown are a default server's (for BERT): they said max_batch_size 32 for five days
+    # after the default became 64 (a reader's trial).
+    hellos = [(name, frame) for name, frame in examples if frame["type"] == "hello"]
+    assert {name for name, _ in hellos} == {"protocol.md", "hello"}, hellos
+    for name, frame in hellos:
+        assert frame["limits"] == defaults["limits"], (name, frame["limits"])
 
 
 def test_the_frame_unions_dispatch_on_type() -> None:

@@ -42,7 +42,8 @@ SERVER_GONE_REASONS = frozenset({"shutting_down", "engine_stopped"})
 #: frame only: the request in flight under that id still gets its own terminal frame (§7).
 TERMINAL_TYPES = frozenset({"result", "error", "overloaded", "cancelled"})
 
-# WebSocket close codes the server sends (§1, §10, §12) and the client acts on.
+# WebSocket close codes the client acts on: those the server sends (§1, §10, §12), and 1012 and 1013,
+# which this server never sends but a proxy or another implementation in front of one may.
 #: The server is shutting down (§10), after its ``going_away`` frame.
 CLOSE_GOING_AWAY = 1001
 #: The client broke a rule of §12 (too many early resends, or it does not read its answers).
