@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 TLS_HANDSHAKE = b"\x16"  # the first byte of any TLS record that opens a connection (a handshake record)
 
 
+#: How many of a connection's first bytes are kept (``FrontConnection.opening``): enough for ``HEAD ``.
+OPENING_BYTES = 5
+
 class FrontConnection(ServerConnection):
     """websockets' server connection, with these changes: a request it refuses while parsing, before any
     hook runs (request line or headers too long, not HTTP at all), is answered with the front's JSON
@@ -71,7 +74,9 @@ class FrontConnection(ServerConnection):
     on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
     on_close_frame: Callable[[], None] | None = None  # set by the server: called when the client's close frame comes
     _unfinished = False  # counted in the front's ``unfinished`` (until ``finished``)
-    opening = b""  # the connection's first byte (a TLS handshake's is ``TLS_HANDSHAKE``)
+    # The connection's first bytes, up to OPENING_BYTES: a TLS handshake's first is ``TLS_HANDSHAKE``; a
+    # request that cannot be parsed is a HEAD request if they are ``HEAD `` (its refusal then has no body).
+    opening = b""
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -98,9 +103,10 @@ class FrontConnection(ServerConnection):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self.opening:
-            self.opening = data[:1]
-            if self.opening == TLS_HANDSHAKE and not self.front.tls:
+        if len(self.opening) < OPENING_BYTES:
+            first = not self.opening
+            self.opening += data[:OPENING_BYTES - len(self.opening)]
+            if first and self.opening[:1] == TLS_HANDSHAKE and not self.front.tls:
                 self.front.refuse_tls(self)
                 return
         super().data_received(data)

@@ -278,7 +278,10 @@ class HttpFront:
                                     "malformed); send 'GET /path HTTP/1.1' and well-formed headers")
         # Unread, it may have been a handshake: counted like one (as a TLS hello on this port is).
         self.metrics.handshakes_refused.labels("bad_request").inc()
-        return self._refuse_bad_request(connection, status, message)
+        refusal = self._refuse_bad_request(connection, status, message)
+        if getattr(connection, "opening", b"").startswith(b"HEAD "):  # (as a parsed HEAD's: process_request)
+            return Response(refusal.status_code, refusal.reason_phrase, refusal.headers, b"")
+        return refusal
 
     def connection_class(self) -> type[ServerConnection]:
         """``serve(create_connection=...)``: websockets' connection, bound to this front."""
@@ -334,9 +337,12 @@ def origin_form(target: str, host: str | None) -> tuple[str | None, str | None]:
     RFC 9112 §3.2.2 asks of a server and RFC 6455 §4.1 allows for a handshake: what follows its host
     is the target, as sent (so both forms are read alike), and its host replaces the ``Host``
     header's. ``(None, host)`` for an absolute form that is not an ``http``/``https`` URL with a host
-    (or has user information); any other target as given."""
-    if not _ABSOLUTE_FORM.match(target):
+    (or has user information), and for a target that is neither that nor a path (``http:/x``,
+    ``mailto:a@b``, ``*``, ``?a``: RFC 9112 §3.2's origin form starts with ``/``); a path as given."""
+    if target.startswith("/"):
         return target, host
+    if not _ABSOLUTE_FORM.match(target):
+        return None, host
     try:
         parts = urllib.parse.urlsplit(target)
     except ValueError:  # (a broken [IPv6] host)
