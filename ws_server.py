@@ -26,7 +26,6 @@ import sys
 
 try:
     from fillmask_server.allocator import freeze_start_up_heap
-    from fillmask_server.calibration import Calibration, calibrate
     from fillmask_server.config import (
         Config,
         load_config,
@@ -36,6 +35,7 @@ try:
         unknown_variables,
     )
     from fillmask_server.diagnosis import ModelLoadError
+    from fillmask_server.launch import load_and_calibrate
     from fillmask_server.lifecycle import (
         EXIT_ENGINE_STOPPED,
         drain_on_signals,
@@ -45,8 +45,6 @@ try:
         signals_handled,
         stop_while_starting,
     )
-    from fillmask_server.loading import load_model, resolve_device
-    from fillmask_server.model import FillMaskModel
     from fillmask_server.server import FillMaskServer, quiet_accept_failures
     from fillmask_server.signals import SignalGate, drain_delay
     from fillmask_server.startup import (
@@ -102,7 +100,7 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
     too_few_files = raise_open_files_limit(config.max_connections)
     if too_few_files:
         print(too_few_files, file=sys.stderr, flush=True)
-    model, calibration = _load_and_calibrate(config)
+    model, calibration = load_and_calibrate(config, StartupLines(quiet=config.log_level in ("warning", "error")))
     freeze_start_up_heap()  # full collections while serving skip what start-up made (allocator.py)
     server = FillMaskServer(config, model, calibration)
     with listening(config.host, config.port):
@@ -129,29 +127,6 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         status = EXIT_ENGINE_STOPPED
     exit_on_signal(handled, status)  # drained: a signal from now on only hurries the exit
     return status
-
-
-def _load_and_calibrate(config: Config) -> tuple[FillMaskModel, Calibration]:
-    """The model, loaded and checked, and what the calibration measured with it; their lines on stderr."""
-    lines = StartupLines(quiet=config.log_level in ("warning", "error"))
-    model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines,
-                       projection=config.projection)
-    if config.calibration_s > 0:
-        lines("calibration of threads and the cost model")
-    device = resolve_device(config.device)
-    parts = config.forward_parts
-    if parts > 1 and model.device.type != "cpu":
-        print(f"warning: --forward-parts {parts} applies on a CPU; on {model.device} each batch runs as one pass",
-              file=sys.stderr, flush=True)
-        parts = 1
-    calibration = calibrate(model, config.calibration_s, config.torch_threads, config.model, device,
-                            config.forward, parts, quiet_lone=config.quiet_lone != "off")
-    lines.done()
-    if config.calibration_s > 0:
-        log.info("%s", calibration.line())
-    if calibration.warning:
-        print(calibration.warning, file=sys.stderr, flush=True)
-    return model, calibration
 
 
 if __name__ == "__main__":

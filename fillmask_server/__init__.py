@@ -22,6 +22,8 @@ Modules, each one idea:
 - ``cpus``: the CPUs this process may use, its affinity within its cgroups' CPU quota.
 - ``connection``: one socket's ordered, byte-counted outbox.
 - ``server``: the thin websockets shell (wiring, watchdog, drain); ``startup``: the start-up's lines and checks;
+  ``launch``: the model loaded and calibrated, the server built (``load_server``, for a program that
+  embeds it);
   ``signals``: what a shutdown signal means when it comes, pure; ``lifecycle``: the process's signal
   handlers, ready line and last words, in the order of its life.
 - ``http``: the HTTP routes and the decision on each WebSocket handshake; ``front_connection``: websockets'

@@ -449,6 +449,9 @@ def validate(config: Config) -> str | None:
         value = getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{f.name.replace('_', '-')} must be a finite number, not {value}"
+    for name, choices in _CHOICES.items():  # (the command line's parser checks them; a Config built in code too)
+        if getattr(config, name) not in choices:
+            return f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(config, name)!r}"
     positive = ("max_queue", "max_text_chars", "max_masks",
                 "max_top_k", "max_targets", "max_frame_bytes", "max_connections", "max_inflight_per_connection",
                 "max_send_buffer_bytes", "max_result_bytes", "max_answer_bytes")

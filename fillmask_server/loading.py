@@ -46,7 +46,13 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
     ``announce``: log the ``loaded NAME on DEVICE (DTYPE): ...`` line (not for a copy loaded to compare).
     ``projection``: ``auto`` (the output projection's kernel measured at load, ``projection.py``) or
-    ``torch`` (the model's own).
+    ``torch`` (the model's own). ``threads``: torch's thread count to load with (0: torch's own).
+    ``forward``, ``projection`` and ``threads`` out of range raise ``ModelLoadError`` too.
+
+    Process-wide effects, as for any program that loads a model through transformers: with
+    ``threads``, torch's thread count (``torch.set_num_threads``, which threads started later inherit);
+    ``TOKENIZERS_PARALLELISM`` set to ``false`` unless already set (the server tokenizes on a thread of
+    its own); transformers' and huggingface_hub's loggers at ERROR, transformers' progress bars off.
 
     The work runs on a thread of its own that ends when the model is ready. Loading, tracing and the
     start-up checks run forward passes, and the first parallel operator on a thread gives that thread
@@ -57,6 +63,9 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     which cost throughput and idle latency (docs/performance-log.md, "OpenMP's throttled mode"); the
     pool of a thread that has ended is freed.
     """
+    if forward not in ("traced", "eager") or projection not in ("auto", "torch") or threads < 0:
+        raise ModelLoadError(f"cannot load with forward={forward!r}, projection={projection!r}, threads={threads}: "
+                             "forward is traced or eager, projection auto or torch, threads 0 or more")
     check_source(name)
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")

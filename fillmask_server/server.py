@@ -42,7 +42,7 @@ from . import __version__, allocator
 from .access import WILDCARD_HOSTS, OriginPolicy, tls_context
 from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS, BatchPolicy
 from .calibration import Calibration, uncalibrated
-from .config import Config
+from .config import Config, validate
 from .connection import Connection, UnsentBytes
 from .core import AnswerMemory
 from .costmodel import CostModel
@@ -124,10 +124,40 @@ def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
+class _SwitchInterval:
+    """The interpreter's switch interval is the process's, not a server's: the first server to start
+    keeps the value it found, and the last to stop puts it back, whatever the order they stop in."""
+
+    def __init__(self) -> None:
+        self._serving = 0
+        self._found = 0.0
+
+    def acquire(self) -> None:
+        if self._serving == 0:
+            self._found = sys.getswitchinterval()
+        self._serving += 1
+
+    def release(self) -> None:
+        self._serving -= 1
+        if self._serving == 0:
+            sys.setswitchinterval(self._found)
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
+
+
 class FillMaskServer:
-    """Wires the protocol, the engine and websockets together. Create, ``await start()``, ``await drain()``."""
+    """Wires the protocol, the engine and websockets together. Create, ``await start()``, ``await drain()``;
+    or ``async with`` (start, then drain). A server serves once: build a new one to serve again.
+
+    ``config`` is checked here (``ValueError``, one line, as ``--help``'s words name it); the model's
+    own settings (``--device``, ``--dtype``, ``--forward``, ``--projection``, ``--calibration-s``) are
+    ``load_server``'s, which reads them from the same ``Config``."""
 
     def __init__(self, config: Config, model: FillMaskModel, calibration: Calibration | None = None) -> None:
+        problem = validate(config)
+        if problem is not None:
+            raise ValueError(problem)
         self.config = config
         self.model = model
         self.calibration = calibration or uncalibrated(config.torch_threads, config.forward_parts)
@@ -191,12 +221,15 @@ class FillMaskServer:
                              quiet=quiet)
         if quiet is not None:
             self.metrics.quiet_lone(lambda: quiet.threads, quiet.after_s, lambda: self.engine.stats.quiet_lone)
-        self._switch_before: float | None = None  # the process's switch interval before start() set it
+        self._started = False  # start() was called: a server serves once
+        self._switch_held = False  # this server holds the process's switch interval (_SWITCH_INTERVAL)
+        self._port: int | None = None  # the port listened on, known from start() on (after drain() too)
+        self._told_going_away = False  # every connection was sent going_away (a second drain() sends none)
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
                                         lambda: (policy.max_batch_size, policy.max_batch_tokens),
                                         lambda: self.engine.forward_parts)
         self._hello_layout = self._layout_now()
-        self._hello_args = (SERVER_NAME, model_display_name(config.model), model.random_weights, self.limits, {
+        self._hello_args = (SERVER_NAME, model_display_name(model.name), model.random_weights, self.limits, {
             "max_batch_size": policy.max_batch_size,
             "max_batch_tokens": policy.max_batch_tokens,
             "max_queue": config.max_queue,
@@ -223,40 +256,67 @@ class FillMaskServer:
     # --- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine's threads and listen; ready once this returns."""
+        """Start the engine's threads and listen; ready once this returns. If it fails (the port is
+        taken, say) or is cancelled, it leaves nothing running: the engine's threads are stopped and
+        the switch interval is put back before the exception is raised."""
+        if self._started:
+            raise RuntimeError("this FillMaskServer has already been started: a server serves once, so build a "
+                               "new one (with the same model) to serve again")
+        self._started = True
         self._loop = asyncio.get_running_loop()
-        self._switch_before = sys.getswitchinterval()
+        _SWITCH_INTERVAL.acquire()
+        self._switch_held = True
         self._follow_thread_count(self._team_threads())
         self.engine.start()
-        self._server = await serve(
-            self._handle, self.config.host, self.config.port,
-            process_request=self.http.process_request,
-            process_response=self.http.process_response,
-            create_connection=self.http.connection_class(),
-            max_size=self.config.max_frame_bytes,
-            compression=None,
-            server_header=SERVER_NAME,
-            ssl=self._tls,
-            backlog=max(MIN_LISTEN_BACKLOG, self.config.max_connections),
-        )
+        try:
+            self._server = await serve(
+                self._handle, self.config.host, self.config.port,
+                process_request=self.http.process_request,
+                process_response=self.http.process_response,
+                create_connection=self.http.connection_class(),
+                max_size=self.config.max_frame_bytes,
+                compression=None,
+                server_header=SERVER_NAME,
+                ssl=self._tls,
+                backlog=max(MIN_LISTEN_BACKLOG, self.config.max_connections),
+            )
+        except BaseException:
+            self.engine.stop()  # (idle threads: they end at once)
+            self._release_switch_interval()
+            raise
         for listener in self._server.sockets:  # accepted sockets inherit it
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
+        self._port = self._server.sockets[0].getsockname()[1]
         self.ready.loaded = True
-        log.info("serving %s", serving_line(self.config.model, self.config.host, self.port, self.url,
+        log.info("serving %s", serving_line(self.model.name, self.config.host, self.port, self.url,
                                             bool(self.config.token)))
+
+    async def __aenter__(self) -> FillMaskServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.drain()
+
+    def _release_switch_interval(self) -> None:
+        if self._switch_held:
+            self._switch_held = False
+            _SWITCH_INTERVAL.release()
 
     def _follow_thread_count(self, count: int) -> None:
         """Set the interpreter's switch interval for a model on ``count`` torch threads: ``--gil-switch-ms``
         when set, else the one that suits the count (``tuning.switch_interval_s``). Called by ``start``
         and, on the model thread, by the engine after each change of the count. Process-wide, like
-        torch's thread count: ``drain`` puts back what ``start`` found."""
+        torch's thread count: the last server to stop puts back what the first one found."""
         ms = self.config.gil_switch_ms
         sys.setswitchinterval(ms / 1000 if ms else switch_interval_s(count, self.model.device.type))
 
     @property
     def port(self) -> int:
-        assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
+        """The port listened on (the one chosen for ``port=0``), from ``start()`` on, after ``drain()`` too."""
+        if self._port is None:
+            raise RuntimeError("the server has no port yet: await start() first")
+        return self._port
 
     @property
     def url(self) -> str:
@@ -278,10 +338,11 @@ class FillMaskServer:
         return sum(len(conn.session.inflight) for conn in self.connections)
 
     async def engine_stopped(self) -> None:
-        """Return once the engine has stopped by a fault (a stage thread ended: §6 ``engine_stopped``).
-        Never returns while it runs; the process's shell drains and exits then, so that its supervisor
+        """Return once the engine has stopped by a fault (a stage thread ended: §6 ``engine_stopped``),
+        and only then: not before ``start()``, not while it runs, not after a ``drain()`` (cancel the
+        wait once you have drained). The process's shell drains and exits then, so that its supervisor
         starts a fresh one (a server whose model thread is gone can answer nothing but 503)."""
-        while self.engine.alive:
+        while not self.engine.faulted:
             await asyncio.sleep(ENGINE_WATCH_S)
 
     def settled(self) -> bool:
@@ -292,16 +353,22 @@ class FillMaskServer:
 
     async def drain(self, timeout: float | None = None, delay: float = 0.0) -> None:
         """Graceful shutdown (protocol.md §10): after ``delay`` seconds of serving with ``/readyz`` at 503,
-        refuse new work, tell every connection ``going_away``, finish accepted work, close with 1001."""
+        refuse new work, tell every connection ``going_away``, finish accepted work, close with 1001.
+        Called again after a drain that was cancelled, it finishes that drain (``going_away`` is sent
+        once); after one that ended, it does nothing."""
+        if self._started and not self._switch_held:
+            return  # drained already (or a failed start(), which left nothing running)
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         self.ready.unready = True
         if delay > 0:
             log.info("draining in %g s: /readyz answers 503 meanwhile, everything is still served", delay)
             await asyncio.sleep(delay)
         self.ready.draining = True
-        for conn in list(self.connections):
-            conn.session.shut_down()
-            conn.send(self._going_away)
+        if not self._told_going_away:  # (once: a drain that was cancelled has told them)
+            self._told_going_away = True
+            for conn in list(self.connections):
+                conn.session.shut_down()
+                conn.send(self._going_away)
         log.info("draining: %d requests in flight", self.in_flight())
         give_up = time.monotonic() + timeout
         while self.in_flight() and time.monotonic() < give_up:
@@ -323,8 +390,7 @@ class FillMaskServer:
             self._server.close(close_connections=True, code=GOING_AWAY)
             await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
-        if self._switch_before is not None:  # the process's setting back, as it was before start()
-            sys.setswitchinterval(self._switch_before)
+        self._release_switch_interval()
         log.info("stopped")
 
     # --- WebSocket --------------------------------------------------------------------------------

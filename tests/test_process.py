@@ -276,13 +276,15 @@ def test_forward_parts_on_a_gpu_say_so_and_run_one_pass(monkeypatch: pytest.Monk
 
     import torch
 
-    import ws_server
+    from fillmask_server import launch
+    from fillmask_server.startup import StartupLines
 
     on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
-    monkeypatch.setattr(ws_server, "load_model", lambda *args, **kwargs: on_gpu)
+    monkeypatch.setattr(launch, "load_model", lambda *args, **kwargs: on_gpu)
     before = torch.get_num_threads()
     try:
-        model, calibration = ws_server._load_and_calibrate(Config(model="tiny", forward_parts=2, calibration_s=0))
+        model, calibration = launch.load_and_calibrate(Config(model="tiny", forward_parts=2, calibration_s=0),
+                                                       StartupLines())
     finally:
         torch.set_num_threads(before)
     assert model is on_gpu and calibration.forward_parts == 1
@@ -297,15 +299,16 @@ def test_quiet_lone_off_reaches_the_calibration_and_auto_asks_for_the_timing(mon
 
     import torch
 
-    import ws_server
+    from fillmask_server import launch
     from fillmask_server.calibration import uncalibrated
+    from fillmask_server.startup import StartupLines
 
     asked: list[bool] = []
-    monkeypatch.setattr(ws_server, "load_model", lambda *args, **kwargs: SimpleNamespace(device=torch.device("cpu")))
-    monkeypatch.setattr(ws_server, "calibrate", lambda *args, quiet_lone=True, **kwargs: (asked.append(quiet_lone),
-                                                                                           uncalibrated())[1])
+    monkeypatch.setattr(launch, "load_model", lambda *args, **kwargs: SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setattr(launch, "calibrate", lambda *args, quiet_lone=True, **kwargs: (asked.append(quiet_lone),
+                                                                                        uncalibrated())[1])
     for setting in ("off", "auto"):
-        ws_server._load_and_calibrate(Config(model="tiny", calibration_s=0, quiet_lone=setting))
+        launch.load_and_calibrate(Config(model="tiny", calibration_s=0, quiet_lone=setting), StartupLines())
     assert asked == [False, True]
 
 

@@ -481,16 +481,21 @@ async def test_a_light_connection_is_not_starved_by_a_heavy_one(make_server: Any
         await recv_n(heavy, 999, timeout=60)
 
 
-async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_one(tiny_config: Any) -> None:
+async def test_the_switch_interval_follows_the_thread_count_unless_the_user_set_one(
+        tiny_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """--gil-switch-ms 0 (the default): a started server sets the interval that suits its torch thread
     count, and again each time the engine changes the count (``on_threads``); a value the user set is
-    kept whatever the count. Draining puts back what the process had before."""
+    kept whatever the count. Draining puts back what the process had before (the last server to
+    drain does: this test's servers are the only ones, not the suite's others in this process)."""
     import dataclasses
     import sys
 
+    from fillmask_server import server as server_module
     from fillmask_server.calibration import Calibration
     from fillmask_server.loading import load_model
     from fillmask_server.tuning import SWITCH_ONE_THREAD_S, SWITCH_TEAM_S
+
+    monkeypatch.setattr(server_module, "_SWITCH_INTERVAL", server_module._SwitchInterval())
 
     model = load_model(tiny_config.model)
     before = sys.getswitchinterval()
@@ -599,6 +604,28 @@ async def test_messages_are_handled_in_the_order_they_were_read_whichever_way_th
         assert conn.ws.queued == 0 and conn.ws.on_message is not None  # caught up: handled as read again
         await send(ws, {"type": "fill_mask", "id": "after", "text": "Paris is the [MASK] of France."})
         assert (await recv(ws))["id"] == "after"
+
+
+async def test_a_message_in_more_than_4096_fragments_is_closed_with_1009_as_protocol_md_says(server: Any) -> None:
+    """A fuzzing trial: 4,098 bytes in 4,097 fragments was closed with 1009 ("too many fragments", the
+    WebSocket library's cap), which §1 did not say; 4,096 fragments are one message like any other."""
+    frame = orjson.dumps({"type": "fill_mask", "id": "f", "text": "a [MASK] " + "b" * 8000}).decode()
+
+    async def in_fragments(count: int) -> Any:
+        async with session(server.url) as (ws, _):
+            ws.protocol.send_text(frame[:1].encode(), fin=False)
+            for i in range(1, count - 1):
+                ws.protocol.send_continuation(frame[i:i + 1].encode(), fin=False)
+            ws.protocol.send_continuation(frame[count - 1:].encode(), fin=True)
+            ws.send_data()
+            try:
+                return await recv(ws)
+            except ConnectionClosed:
+                assert ws.close_code is not None
+                return ws.close_code
+
+    assert (await in_fragments(4096))["id"] == "f"
+    assert await in_fragments(4097) == 1009
 
 
 async def test_a_close_frame_inside_a_fragmented_message_is_answered_1002_as_protocol_md_says(

@@ -1,0 +1,153 @@
+"""A server inside another program (README, "Embedding the server"): ``load_server``, ``async with``,
+and what a program that embeds it may rely on. Found by an embedder's trial: a fault watch that
+fired on every clean stop, a failed start that left the engine's threads running, a switch interval
+put back wrong by two servers, a ``Config`` never checked, a second drain that said ``going_away``
+twice."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from fillmask_client import FillMaskClient
+from fillmask_server import server as server_module
+from fillmask_server.config import Config
+from fillmask_server.launch import load_server
+from fillmask_server.server import ENGINE_WATCH_S, FillMaskServer
+from tests.wire import recv, send, session, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def running_threads(server: FillMaskServer) -> list[str]:
+    """The server's engine threads still running (the suite's other servers in this process have theirs)."""
+    return [thread.name for thread in server.engine._threads if thread.is_alive()]
+
+
+@pytest.fixture(autouse=True)
+def only_these_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switch interval as held by this test's servers alone: the suite's shared server, in the same
+    process, holds the process's (the last server to stop puts it back)."""
+    monkeypatch.setattr(server_module, "_SWITCH_INTERVAL", server_module._SwitchInterval())
+
+
+async def test_load_server_and_async_with_serve_once_and_leave_nothing_running(tiny_config: Config) -> None:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.0042)  # the embedding program's own
+    try:
+        config = replace(tiny_config, calibration_s=0)
+        server = await asyncio.to_thread(load_server, config)
+        fault = asyncio.ensure_future(server.engine_stopped())
+        async with server:
+            async with FillMaskClient(server.url) as client:
+                assert client.hello["model"] == "tiny"  # the model it runs (Config.model names it too)
+                assert (await client.fill_mask("Paris is the [MASK] of France."))[0]
+            assert running_threads(server) and sys.getswitchinterval() != 0.0042
+        # Drained: nothing left running, the process's setting back, the port still known for a log line.
+        assert running_threads(server) == [] and sys.getswitchinterval() == 0.0042
+        assert server.url.endswith(f":{server.port}/")
+        # A clean stop is no fault: the watch still waits (two looks of it later).
+        await asyncio.sleep(2 * ENGINE_WATCH_S)
+        assert not fault.done()
+        fault.cancel()
+        await server.drain()  # again: nothing to do
+        with pytest.raises(RuntimeError, match="serves once"):
+            await server.start()
+    finally:
+        sys.setswitchinterval(before)
+
+
+async def test_a_start_that_cannot_listen_leaves_nothing_running(tiny_config: Config, make_server: Any) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        before = sys.getswitchinterval()
+        async with make_server() as model_holder:  # (a loaded model, from the suite's pool)
+            model = model_holder.model
+        server = FillMaskServer(replace(tiny_config, port=taken.getsockname()[1]), model)
+        with pytest.raises(OSError):
+            await server.start()
+        assert running_threads(server) == [] and sys.getswitchinterval() == before
+        with pytest.raises(RuntimeError, match="no port yet"):
+            _ = server.port
+        await asyncio.wait_for(server.drain(), 1)  # nothing to drain
+
+
+async def test_two_servers_stopped_in_either_order_put_the_switch_interval_back(make_server: Any) -> None:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.0042)
+    try:
+        first = make_server()
+        a = await first.__aenter__()
+        async with make_server() as b:
+            serving = sys.getswitchinterval()
+            await first.__aexit__(None, None, None)  # A stops first: B still serves with its setting
+            assert sys.getswitchinterval() == serving
+            async with session(b.url) as (ws, _):
+                await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK]"})
+                assert (await recv(ws))["type"] == "result"
+        assert sys.getswitchinterval() == 0.0042 and a.engine.ended
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    ({"max_queue": 0}, "--max-queue must be at least 1"),
+    ({"token": "has space"}, "--token must be printable ASCII"),
+    ({"forward": "bogus"}, "--forward must be one of traced, eager"),
+    ({"keyfile": "key.pem"}, "--keyfile needs --certfile"),
+])
+async def test_a_config_built_in_code_is_checked_as_the_command_line_is(
+        tiny_config: Config, make_server: Any, change: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        load_server(replace(tiny_config, **change))  # before loading anything
+    async with make_server() as running:
+        with pytest.raises(ValueError, match=problem):
+            FillMaskServer(replace(tiny_config, **change), running.model)
+
+
+async def test_a_drain_called_again_after_one_was_cancelled_says_going_away_once(make_server: Any) -> None:
+    async with make_server() as srv, session(srv.url) as (ws, _):
+        with srv.engine.paused():  # its request stays queued: the drain waits for it
+            await send(ws, {"type": "fill_mask", "id": "kept", "text": "a [MASK]"})
+            await wait_until(lambda: srv.in_flight() == 1)
+            first = asyncio.ensure_future(srv.drain(timeout=30))
+            assert (await recv(ws))["type"] == "going_away"
+            first.cancel()
+        await srv.drain(timeout=30)
+        frames = []
+        with pytest.raises(ConnectionClosed):
+            for _ in range(10):  # (bounded: the drain closes the connection after the answer)
+                frames.append(await recv(ws))
+        assert [(frame["type"], frame.get("id")) for frame in frames] == [("result", "kept")], frames
+        assert ws.close_code == 1001
+
+
+async def test_the_readmes_embedding_example_serves(tiny_config: Config, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's example as written, its model the suite's tiny one and its own work one request."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Embedding the server in your own program"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    work = "        await asyncio.sleep(60)  # your program's own work\n"
+    assert work in code.group(1) and '"models/tiny"' in code.group(1)
+    source = code.group(1).replace('"models/tiny"', repr(tiny_config.model)).replace(work, (
+        "        async with FillMaskClient(server.url) as client:\n"
+        "            print(len(await client.fill_mask('Paris is the [MASK] of France.')))\n"))
+    source = source.replace("        print(\"serving on\", server.url)\n",
+                            "        print(\"serving on\", server.url)\n        served.append(server)\n")
+    served: list[FillMaskServer] = []
+    namespace: dict[str, Any] = {"FillMaskClient": FillMaskClient, "served": served}
+    exec(compile(source, "README.md", "exec"), namespace)
+    await namespace["main"]()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("serving on ws://127.0.0.1:") and printed[1] == "5", printed
+    assert len(served) == 1 and running_threads(served[0]) == []
