@@ -17,14 +17,15 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from .connection import cut
+
 if TYPE_CHECKING:
     from .http import HttpFront
 
 TLS_HANDSHAKE = b"\x16"  # the first byte of any TLS record that opens a connection (a handshake record)
-
-
 #: How many of a connection's first bytes are kept (``FrontConnection.opening``): enough for ``HEAD ``.
 OPENING_BYTES = 5
+
 
 class FrontConnection(ServerConnection):
     """websockets' server connection, with these changes: a request it refuses while parsing, before any
@@ -101,6 +102,17 @@ class FrontConnection(ServerConnection):
     def connection_lost(self, exc: Exception | None) -> None:
         self.finished()
         super().connection_lost(exc)
+
+    def eof_received(self) -> None:
+        """The client ended its side. A WebSocket then ends at once (protocol.md §8): with answers still
+        unsent, the connection is cut (``connection.cut``: a reset, the kernel's buffer dropped too).
+        (asyncio's own close, which follows, would write them first, and once written it ends the
+        connection without marking the transport lost, so websockets' abort at the handler's end
+        failed with a traceback in the log: CPython's ``_write_ready``.)"""
+        upgraded = self.protocol.state in (State.OPEN, State.CLOSING)  # (the end of the stream closes it)
+        super().eof_received()
+        if upgraded and self.transport.get_write_buffer_size():
+            cut(self.transport)
 
     def data_received(self, data: bytes) -> None:
         if len(self.opening) < OPENING_BYTES:

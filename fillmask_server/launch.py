@@ -30,7 +30,7 @@ def load_server(config: Config) -> FillMaskServer:
     problem = validate(config)
     if problem is not None:
         raise ValueError(problem)
-    model, calibration = load_and_calibrate(config, StartupLines(quiet=True), warn=log.warning)
+    model, calibration = load_and_calibrate(config, StartupLines(quiet=True), warn=_to_log)
     return FillMaskServer(config, model, calibration)
 
 
@@ -60,3 +60,7 @@ def load_and_calibrate(config: Config, lines: StartupLines, warn: Callable[[str]
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _to_log(line: str) -> None:
+    log.warning("%s", line.removeprefix("warning: "))  # (the record's level says it)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import functools
 import logging
 import socket
@@ -125,25 +126,33 @@ def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
 
 
 class _SwitchInterval:
-    """The interpreter's switch interval is the process's, not a server's: the first server to start
-    keeps the value it found, and the last to stop puts it back, whatever the order they stop in."""
+    """The interpreter's switch interval is the process's, not a server's. The first server to start
+    keeps the value it found; when one stops, the latest started of those still serving sets its own
+    again, and the last to stop puts back what the first found, whatever the order they stop in."""
 
     def __init__(self) -> None:
-        self._serving = 0
+        self._holders: list[FillMaskServer] = []
         self._found = 0.0
 
-    def acquire(self) -> None:
-        if self._serving == 0:
+    def acquire(self, holder: FillMaskServer) -> None:
+        if not self._holders:
             self._found = sys.getswitchinterval()
-        self._serving += 1
+        self._holders.append(holder)
 
-    def release(self) -> None:
-        self._serving -= 1
-        if self._serving == 0:
-            sys.setswitchinterval(self._found)
+    def release(self, holder: FillMaskServer) -> None:
+        self._holders.remove(holder)
+        sys.setswitchinterval(self._holders[-1].switch_interval_s if self._holders else self._found)
 
 
 _SWITCH_INTERVAL = _SwitchInterval()
+
+
+class _Phase(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"  # start() runs
+    SERVING = "serving"
+    DRAINING = "draining"  # drain() runs, or ran and was cancelled (it may be called again to finish)
+    ENDED = "ended"  # drained, or a start() that failed: nothing runs
 
 
 class FillMaskServer:
@@ -221,8 +230,10 @@ class FillMaskServer:
                              quiet=quiet)
         if quiet is not None:
             self.metrics.quiet_lone(lambda: quiet.threads, quiet.after_s, lambda: self.engine.stats.quiet_lone)
-        self._started = False  # start() was called: a server serves once
-        self._switch_held = False  # this server holds the process's switch interval (_SWITCH_INTERVAL)
+        self._phase = _Phase.NEW  # a server serves once: NEW, STARTING, SERVING, DRAINING, ENDED
+        self._start_done = asyncio.Event()  # set once start() has returned or raised (a drain waits for it)
+        self._switch: _SwitchInterval | None = None  # the process's switch interval, held while it runs
+        self.switch_interval_s = sys.getswitchinterval()  # the one it set last (_follow_thread_count)
         self._port: int | None = None  # the port listened on, known from start() on (after drain() too)
         self._told_going_away = False  # every connection was sent going_away (a second drain() sends none)
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
@@ -258,17 +269,18 @@ class FillMaskServer:
     async def start(self) -> None:
         """Start the engine's threads and listen; ready once this returns. If it fails (the port is
         taken, say) or is cancelled, it leaves nothing running: the engine's threads are stopped and
-        the switch interval is put back before the exception is raised."""
-        if self._started:
-            raise RuntimeError("this FillMaskServer has already been started: a server serves once, so build a "
-                               "new one (with the same model) to serve again")
-        self._started = True
-        self._loop = asyncio.get_running_loop()
-        _SWITCH_INTERVAL.acquire()
-        self._switch_held = True
-        self._follow_thread_count(self._team_threads())
-        self.engine.start()
+        the switch interval is put back before the exception is raised. A server starts once."""
+        if self._phase is not _Phase.NEW:
+            raise RuntimeError(f"this FillMaskServer was started before (it is {self._phase.value}): a server "
+                               "starts once, even after a failed start, so build a new one (with the same "
+                               "model) to serve again")
+        self._phase = _Phase.STARTING
         try:
+            self._loop = asyncio.get_running_loop()
+            self._switch = _SWITCH_INTERVAL
+            self._switch.acquire(self)
+            self._follow_thread_count(self._team_threads())
+            self.engine.start()
             self._server = await serve(
                 self._handle, self.config.host, self.config.port,
                 process_request=self.http.process_request,
@@ -280,13 +292,20 @@ class FillMaskServer:
                 ssl=self._tls,
                 backlog=max(MIN_LISTEN_BACKLOG, self.config.max_connections),
             )
+            for listener in self._server.sockets:  # accepted sockets inherit it
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
+            self._port = self._server.sockets[0].getsockname()[1]
         except BaseException:
+            if self._server is not None:
+                self._server.close()
             self.engine.stop()  # (idle threads: they end at once)
             self._release_switch_interval()
+            self._phase = _Phase.ENDED
             raise
-        for listener in self._server.sockets:  # accepted sockets inherit it
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
-        self._port = self._server.sockets[0].getsockname()[1]
+        finally:
+            self._start_done.set()
+        if self._phase is _Phase.STARTING:  # (not when a drain began meanwhile: it goes on from here)
+            self._phase = _Phase.SERVING
         self.ready.loaded = True
         log.info("serving %s", serving_line(self.model.name, self.config.host, self.port, self.url,
                                             bool(self.config.token)))
@@ -299,9 +318,9 @@ class FillMaskServer:
         await self.drain()
 
     def _release_switch_interval(self) -> None:
-        if self._switch_held:
-            self._switch_held = False
-            _SWITCH_INTERVAL.release()
+        if self._switch is not None:
+            self._switch, held = None, self._switch
+            held.release(self)
 
     def _follow_thread_count(self, count: int) -> None:
         """Set the interpreter's switch interval for a model on ``count`` torch threads: ``--gil-switch-ms``
@@ -309,7 +328,8 @@ class FillMaskServer:
         and, on the model thread, by the engine after each change of the count. Process-wide, like
         torch's thread count: the last server to stop puts back what the first one found."""
         ms = self.config.gil_switch_ms
-        sys.setswitchinterval(ms / 1000 if ms else switch_interval_s(count, self.model.device.type))
+        self.switch_interval_s = ms / 1000 if ms else switch_interval_s(count, self.model.device.type)
+        sys.setswitchinterval(self.switch_interval_s)
 
     @property
     def port(self) -> int:
@@ -355,9 +375,18 @@ class FillMaskServer:
         """Graceful shutdown (protocol.md §10): after ``delay`` seconds of serving with ``/readyz`` at 503,
         refuse new work, tell every connection ``going_away``, finish accepted work, close with 1001.
         Called again after a drain that was cancelled, it finishes that drain (``going_away`` is sent
-        once); after one that ended, it does nothing."""
-        if self._started and not self._switch_held:
-            return  # drained already (or a failed start(), which left nothing running)
+        once); after one that ended, or before ``start()``, it does nothing (and the server will not
+        start); during ``start()``, it waits for the start to end."""
+        if self._phase is _Phase.NEW:
+            self._phase = _Phase.ENDED
+        if self._phase is _Phase.ENDED:
+            return
+        if self._phase is _Phase.STARTING:
+            self._phase = _Phase.DRAINING
+            await self._start_done.wait()
+            if self._phase is _Phase.ENDED:  # the start failed: nothing runs
+                return
+        self._phase = _Phase.DRAINING
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         self.ready.unready = True
         if delay > 0:
@@ -391,6 +420,7 @@ class FillMaskServer:
             await self._server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
         self._release_switch_interval()
+        self._phase = _Phase.ENDED
         log.info("stopped")
 
     # --- WebSocket --------------------------------------------------------------------------------

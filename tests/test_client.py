@@ -1615,8 +1615,12 @@ async def test_connect_fails_at_once_on_what_waiting_cannot_fix(server: Any, tmp
     try:
         url = f"ws://127.0.0.1:{mute_peer.sockets[0].getsockname()[1]}/"
         stalled, took = await connect_failure_of(url, wait=0, open_timeout=0.5)
+        # With wss:// the connection is made once TLS is: a port that takes TCP and says nothing may
+        # not speak TLS (a review: it read as a host that is down).
+        secure, _ = await connect_failure_of(url.replace("ws://", "wss://"), wait=0, open_timeout=0.5)
     finally:
         mute_peer.close()
+    assert secure.kind == "timeout" and "a port that does not speak TLS?" in str(secure), secure
     assert took < 2 and stalled.kind == "timeout" and stalled.transient, (took, stalled)
     assert str(stalled) == (f"cannot connect to {url}: timed out after 0.5 s: connected, but no answer to the "
                             "WebSocket handshake came (a server too busy to answer, or a port that does not "

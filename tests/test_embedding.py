@@ -32,6 +32,12 @@ def running_threads(server: FillMaskServer) -> list[str]:
     return [thread.name for thread in server.engine._threads if thread.is_alive()]
 
 
+def microseconds(seconds: float) -> Any:
+    """A switch interval as the interpreter keeps it: whole microseconds, rounded down as it is set
+    (``setswitchinterval(getswitchinterval())`` may lose one: 0.000199 comes back as 0.000198)."""
+    return pytest.approx(seconds, abs=1.5e-6)
+
+
 @pytest.fixture(autouse=True)
 def only_these_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The switch interval as held by this test's servers alone: the suite's shared server, in the same
@@ -52,14 +58,14 @@ async def test_load_server_and_async_with_serve_once_and_leave_nothing_running(t
                 assert (await client.fill_mask("Paris is the [MASK] of France."))[0]
             assert running_threads(server) and sys.getswitchinterval() != 0.0042
         # Drained: nothing left running, the process's setting back, the port still known for a log line.
-        assert running_threads(server) == [] and sys.getswitchinterval() == 0.0042
+        assert running_threads(server) == [] and sys.getswitchinterval() == microseconds(0.0042)
         assert server.url.endswith(f":{server.port}/")
         # A clean stop is no fault: the watch still waits (two looks of it later).
         await asyncio.sleep(2 * ENGINE_WATCH_S)
         assert not fault.done()
         fault.cancel()
         await server.drain()  # again: nothing to do
-        with pytest.raises(RuntimeError, match="serves once"):
+        with pytest.raises(RuntimeError, match="starts once"):
             await server.start()
     finally:
         sys.setswitchinterval(before)
@@ -75,28 +81,53 @@ async def test_a_start_that_cannot_listen_leaves_nothing_running(tiny_config: Co
         server = FillMaskServer(replace(tiny_config, port=taken.getsockname()[1]), model)
         with pytest.raises(OSError):
             await server.start()
-        assert running_threads(server) == [] and sys.getswitchinterval() == before
+        assert running_threads(server) == [] and sys.getswitchinterval() == microseconds(before)
         with pytest.raises(RuntimeError, match="no port yet"):
             _ = server.port
         await asyncio.wait_for(server.drain(), 1)  # nothing to drain
 
 
-async def test_two_servers_stopped_in_either_order_put_the_switch_interval_back(make_server: Any) -> None:
+@pytest.mark.parametrize("first_to_stop", ["first started", "last started"])
+async def test_two_servers_stopped_in_either_order_put_the_switch_interval_back(
+        make_server: Any, first_to_stop: str) -> None:
+    """While one serves it has its own switch interval, whichever stopped; once both stopped, the
+    program's (the first form put back, per server, what that server had found)."""
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.0042)
     try:
-        first = make_server()
-        a = await first.__aenter__()
-        async with make_server() as b:
-            serving = sys.getswitchinterval()
-            await first.__aexit__(None, None, None)  # A stops first: B still serves with its setting
-            assert sys.getswitchinterval() == serving
-            async with session(b.url) as (ws, _):
-                await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK]"})
-                assert (await recv(ws))["type"] == "result"
-        assert sys.getswitchinterval() == 0.0042 and a.engine.ended
+        a_context, b_context = make_server(gil_switch_ms=3.0), make_server(gil_switch_ms=5.0)
+        a = await a_context.__aenter__()
+        b = await b_context.__aenter__()
+        assert sys.getswitchinterval() == microseconds(0.005)
+        (stops, stays), context = ((a, b), a_context) if first_to_stop == "first started" else ((b, a), b_context)
+        await context.__aexit__(None, None, None)
+        assert sys.getswitchinterval() == microseconds(stays.config.gil_switch_ms / 1000) and stops.engine.ended
+        async with session(stays.url) as (ws, _):
+            await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK]"})
+            assert (await recv(ws))["type"] == "result"
+        await (b_context if stays is b else a_context).__aexit__(None, None, None)
+        assert sys.getswitchinterval() == microseconds(0.0042)
     finally:
         sys.setswitchinterval(before)
+
+
+async def test_a_drain_during_start_waits_for_it_then_closes_the_port(tiny_config: Config, make_server: Any) -> None:
+    """A review: a drain while start() awaited its listening socket found none to close, and the port
+    then listened for good, with the engine stopped."""
+    async with make_server() as holder:
+        model = holder.model
+    server = FillMaskServer(tiny_config, model)
+    starting = asyncio.ensure_future(server.start())
+    await asyncio.sleep(0)
+    await server.drain(timeout=1)
+    await starting
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", server.port)
+    assert running_threads(server) == []
+    never = FillMaskServer(tiny_config, model)
+    await never.drain()  # before start: nothing to do, and no start after it
+    with pytest.raises(RuntimeError, match="starts once"):
+        await never.start()
 
 
 @pytest.mark.parametrize(("change", "problem"), [

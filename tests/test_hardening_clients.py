@@ -474,6 +474,26 @@ async def test_clients_that_stop_reading_are_closed_whatever_the_kernel_would_bu
             assert (await request(ws, 1, TEXT))["type"] == "result"
 
 
+async def test_a_half_close_while_answers_wait_unsent_ends_the_connection_at_once_without_a_traceback(
+        make_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A soak trial: a client that ended its side (``shutdown(SHUT_WR)``, no close frame) while its
+    answers waited in the server's socket buffer, and then read, was given them all, and the server
+    logged "connection handler failed" with a traceback: asyncio's close, once it had written the
+    buffer, ended the connection without marking the transport lost, and websockets' abort at the
+    handler's end failed on it. §8: a half-close ends a WebSocket at once; the rest is dropped."""
+    with caplog.at_level(logging.INFO):
+        async with make_server() as srv:
+            raw = small_receive_socket(srv)
+            send_raw_requests(raw, srv, [fill(f"big-{i}", **BIG) for i in range(8)])
+            await wait_until(lambda: any(conn.ws.transport.get_write_buffer_size() > 0 for conn in srv.connections))
+            raw.shutdown(socket.SHUT_WR)
+            assert await ends_with_a_reset(raw), "the server wrote what it held, then closed"
+            await wait_until(lambda: not srv.connections)
+            async with session(srv.url) as (ws, _):
+                assert (await request(ws, 1, TEXT))["type"] == "result"
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
 async def ends_with_a_reset(sock: socket.socket, within: float = 10.0) -> bool:
     """Read ``sock`` (non-blocking) to its end: True when it ends with a TCP reset, False at a plain end
     of stream. Fails after ``within`` seconds without either."""

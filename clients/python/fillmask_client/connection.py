@@ -473,9 +473,15 @@ class Connection:
             options["additional_headers"] = {"Authorization": f"Bearer {token}"}
         if ssl is not None:
             options["ssl"] = ssl
-        transport_made = asyncio.Event()  # set once TCP (and TLS) connected: a timeout then says which part stalled
+        # Set once the connection (TCP, and TLS for wss://) of the latest try is made, so that a timeout
+        # says which part stalled (each redirect's hop builds its own connection, and clears it).
+        transport_made = asyncio.Event()
 
         class Watched(ClientConnection):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                transport_made.clear()
+                super().__init__(*args, **kwargs)
+
             def connection_made(self, transport: asyncio.BaseTransport) -> None:
                 transport_made.set()
                 super().connection_made(transport)
@@ -510,10 +516,14 @@ class Connection:
             detail = str(exc) or type(exc).__name__
             raise ConnectError(f"cannot connect to {shown}: {detail}", url=shown, kind="not_websocket") from exc
         except TimeoutError as exc:
-            made = "no TLS session" if url.startswith("wss://") else "no connection"
-            stalled = ("connected, but no answer to the WebSocket handshake came (a server too busy to answer, "
-                       "or a port that does not speak WebSocket?)" if transport_made.is_set() else
-                       f"{made} (a host that is down, or a firewall that drops packets?)")
+            if transport_made.is_set():
+                stalled = ("connected, but no answer to the WebSocket handshake came (a server too busy to "
+                           "answer, or a port that does not speak WebSocket?)")
+            elif url.startswith("wss://"):  # (TLS: the connection counts as made once its handshake is done)
+                stalled = ("no TLS session was made (a host that is down, a firewall that drops packets, or a "
+                           "port that does not speak TLS?)")
+            else:
+                stalled = "no connection was made (a host that is down, or a firewall that drops packets?)"
             raise ConnectError(f"cannot connect to {shown}: timed out after {open_timeout:g} s: {stalled}",
                                url=shown, kind="timeout") from exc
         except OSError as exc:
