@@ -104,14 +104,16 @@ class FrontConnection(ServerConnection):
         super().connection_lost(exc)
 
     def eof_received(self) -> None:
-        """The client ended its side. A WebSocket then ends at once (protocol.md §8): with answers still
-        unsent, the connection is cut (``connection.cut``: a reset, the kernel's buffer dropped too).
+        """The client ended its side without its close frame. A WebSocket then ends at once (protocol.md
+        §8): with answers still unsent, the connection is cut (``connection.cut``: a reset, the kernel's
+        buffer dropped too). After its close frame, what was sent before the echo is still written.
         (asyncio's own close, which follows, would write them first, and once written it ends the
         connection without marking the transport lost, so websockets' abort at the handler's end
         failed with a traceback in the log: CPython's ``_write_ready``.)"""
         upgraded = self.protocol.state in (State.OPEN, State.CLOSING)  # (the end of the stream closes it)
+        closed_by_client = self.protocol.close_rcvd is not None
         super().eof_received()
-        if upgraded and self.transport.get_write_buffer_size():
+        if upgraded and not closed_by_client and self.transport.get_write_buffer_size():
             cut(self.transport)
 
     def data_received(self, data: bytes) -> None:

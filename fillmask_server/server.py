@@ -281,6 +281,8 @@ class FillMaskServer:
             self._switch.acquire(self)
             self._follow_thread_count(self._team_threads())
             self.engine.start()
+            # Bound but not accepting until start_serving: a cancel at any await leaves no listener
+            # that this server does not know of (asyncio's own start awaits once after accepting).
             self._server = await serve(
                 self._handle, self.config.host, self.config.port,
                 process_request=self.http.process_request,
@@ -291,12 +293,15 @@ class FillMaskServer:
                 server_header=SERVER_NAME,
                 ssl=self._tls,
                 backlog=max(MIN_LISTEN_BACKLOG, self.config.max_connections),
+                start_serving=False,
             )
             for listener in self._server.sockets:  # accepted sockets inherit it
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER_BYTES)
             self._port = self._server.sockets[0].getsockname()[1]
+            await self._server.start_serving()
         except BaseException:
             if self._server is not None:
+                self._server.server.close()  # (asyncio's: the sockets close now, not a loop step later)
                 self._server.close()
             self.engine.stop()  # (idle threads: they end at once)
             self._release_switch_interval()
@@ -381,12 +386,11 @@ class FillMaskServer:
             self._phase = _Phase.ENDED
         if self._phase is _Phase.ENDED:
             return
-        if self._phase is _Phase.STARTING:
-            self._phase = _Phase.DRAINING
+        self._phase = _Phase.DRAINING  # (from STARTING too: start() then leaves the phase to this drain)
+        if not self._start_done.is_set():  # every drain during start() waits for it to end
             await self._start_done.wait()
-            if self._phase is _Phase.ENDED:  # the start failed: nothing runs
+            if self._phase is _Phase.ENDED:  # the start failed (nothing runs), or another drain ended
                 return
-        self._phase = _Phase.DRAINING
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         self.ready.unready = True
         if delay > 0:

@@ -1618,9 +1618,25 @@ async def test_connect_fails_at_once_on_what_waiting_cannot_fix(server: Any, tmp
         # With wss:// the connection is made once TLS is: a port that takes TCP and says nothing may
         # not speak TLS (a review: it read as a host that is down).
         secure, _ = await connect_failure_of(url.replace("ws://", "wss://"), wait=0, open_timeout=0.5)
+
+        # And what a timeout says is of the hop that stalled: here a redirect's (a second review).
+        async def to_the_mute_port(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(f"HTTP/1.1 302 Found\r\nLocation: {url.replace('ws://', 'wss://')}\r\n"
+                         "Content-Length: 0\r\n\r\n".encode())
+            await writer.drain()
+            writer.close()
+
+        redirector = await asyncio.start_server(to_the_mute_port, "127.0.0.1", 0)
+        try:
+            redirected, _ = await connect_failure_of(f"ws://127.0.0.1:{redirector.sockets[0].getsockname()[1]}/",
+                                                     wait=0, open_timeout=1)
+        finally:
+            redirector.close()
     finally:
         mute_peer.close()
-    assert secure.kind == "timeout" and "a port that does not speak TLS?" in str(secure), secure
+    for failure in (secure, redirected):
+        assert failure.kind == "timeout" and "no TLS session was made" in str(failure), failure
     assert took < 2 and stalled.kind == "timeout" and stalled.transient, (took, stalled)
     assert str(stalled) == (f"cannot connect to {url}: timed out after 0.5 s: connected, but no answer to the "
                             "WebSocket handshake came (a server too busy to answer, or a port that does not "

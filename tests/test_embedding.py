@@ -32,6 +32,12 @@ def running_threads(server: FillMaskServer) -> list[str]:
     return [thread.name for thread in server.engine._threads if thread.is_alive()]
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def microseconds(seconds: float) -> Any:
     """A switch interval as the interpreter keeps it: whole microseconds, rounded down as it is set
     (``setswitchinterval(getswitchinterval())`` may lose one: 0.000199 comes back as 0.000198)."""
@@ -116,14 +122,38 @@ async def test_a_drain_during_start_waits_for_it_then_closes_the_port(tiny_confi
     then listened for good, with the engine stopped."""
     async with make_server() as holder:
         model = holder.model
-    server = FillMaskServer(tiny_config, model)
-    starting = asyncio.ensure_future(server.start())
-    await asyncio.sleep(0)
-    await server.drain(timeout=1)
-    await starting
-    with pytest.raises(OSError):
-        await asyncio.open_connection("127.0.0.1", server.port)
-    assert running_threads(server) == []
+    for way in ("one drain", "two drains", "a cancelled drain, then another"):
+        server = FillMaskServer(tiny_config, model)
+        starting = asyncio.ensure_future(server.start())
+        await asyncio.sleep(0)
+        first = asyncio.ensure_future(server.drain(timeout=1))
+        await asyncio.sleep(0)
+        if way == "a cancelled drain, then another":
+            first.cancel()
+        drains = [server.drain(timeout=1)] if way != "one drain" else []
+        await asyncio.gather(first, *drains, return_exceptions=True)
+        await starting
+        with pytest.raises(OSError):  # (a second drain closed no listener: the start had not made it yet)
+            await asyncio.open_connection("127.0.0.1", server.port)
+        assert running_threads(server) == [], way
+    # A start cancelled at any of its awaits leaves nothing listening or running (a review: cancelled
+    # just after asyncio's server began accepting, it left that listener behind).
+    port = free_port()
+    for steps in range(12):
+        server = FillMaskServer(replace(tiny_config, port=port), model)
+        starting = asyncio.ensure_future(server.start())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        else:  # started before the cancel came: drained as any other
+            await server.drain(timeout=1)
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)
+        assert running_threads(server) == [], steps
     never = FillMaskServer(tiny_config, model)
     await never.drain()  # before start: nothing to do, and no start after it
     with pytest.raises(RuntimeError, match="starts once"):

@@ -473,22 +473,23 @@ class Connection:
             options["additional_headers"] = {"Authorization": f"Bearer {token}"}
         if ssl is not None:
             options["ssl"] = ssl
-        # Set once the connection (TCP, and TLS for wss://) of the latest try is made, so that a timeout
-        # says which part stalled (each redirect's hop builds its own connection, and clears it).
+        # Set while the connection (TCP, and TLS for wss://) of the latest hop is made, so that a timeout
+        # says which part stalled (a redirect ends one hop's connection before the next is made).
         transport_made = asyncio.Event()
 
         class Watched(ClientConnection):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                transport_made.clear()
-                super().__init__(*args, **kwargs)
-
             def connection_made(self, transport: asyncio.BaseTransport) -> None:
                 transport_made.set()
                 super().connection_made(transport)
 
+            def connection_lost(self, exc: Exception | None) -> None:
+                transport_made.clear()
+                super().connection_lost(exc)
+
         options["create_connection"] = Watched
+        connecting = connect(url, **options)
         try:
-            ws = await connect(url, **options)
+            ws = await connecting
         except InvalidURI as exc:
             if exc.uri != url:  # the server redirected there
                 raise ConnectError(f"cannot connect to {shown}: it redirected to {redact(exc.uri)!r}, which is "
@@ -519,7 +520,7 @@ class Connection:
             if transport_made.is_set():
                 stalled = ("connected, but no answer to the WebSocket handshake came (a server too busy to "
                            "answer, or a port that does not speak WebSocket?)")
-            elif url.startswith("wss://"):  # (TLS: the connection counts as made once its handshake is done)
+            elif connecting.uri.startswith("wss://"):  # (TLS: made once its handshake is; the hop's URL)
                 stalled = ("no TLS session was made (a host that is down, a firewall that drops packets, or a "
                            "port that does not speak TLS?)")
             else:
