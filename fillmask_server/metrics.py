@@ -195,6 +195,8 @@ class Metrics:
                                           ["reason"], registry=registry)
         for reason in REFUSED_REASONS:
             self.handshakes_refused.labels(reason)
+        self.connections = Counter("fillmask_connections", "WebSocket connections opened (handshakes answered "
+                                   "101); those closed are this less fillmask_open_connections.", registry=registry)
         self.reading_paused = Counter("fillmask_reading_paused", "Times the server stopped reading a connection "
                                       "because its unsent answers passed --max-send-buffer-bytes.", registry=registry)
         self.resenders_closed = Counter("fillmask_resenders_closed", "Connections closed with 1008 because their "

@@ -478,6 +478,7 @@ class FillMaskServer:
                           peer=conn)
         conn.session = session
         self.connections.add(conn)
+        self.metrics.connections.inc()
         conn.start()
         conn.send(self._current_hello())
         if self.ready.draining:  # the handshake passed just before the drain began

@@ -11,7 +11,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from fillmask_server.server import FillMaskServer
-from tests.wire import recv, recv_n, request, send, session
+from tests.wire import recv, recv_n, request, send, session, wait_until
 
 TEXT = "Paris is the [MASK] of France."
 
@@ -54,7 +54,14 @@ async def test_every_outcome_batches_and_live_values(make_server: Any) -> None:
                 _, held = await scrape(srv)
                 assert held[("fillmask_queue_depth", ())] == 1
                 assert held[("fillmask_open_connections", ())] == 1
+                assert held[("fillmask_connections_total", ())] == 1
             assert (await recv(ws))["id"] == "q1"
+        async with session(srv.url), session(srv.url):
+            pass
+        # Opened: three; closed: opened less open (a soak trial had no count of connections to check).
+        await wait_until(lambda: not srv.connections)
+        _, after = await scrape(srv)
+        assert after[("fillmask_connections_total", ())] == 3 and after[("fillmask_open_connections", ())] == 0
 
         for _ in range(100):  # the decode stage records a batch before decoding its results, on its thread
             content_type, samples = await scrape(srv)
