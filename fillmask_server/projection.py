@@ -55,28 +55,6 @@ ROUNDS = 3  # ... the two kernels in turn, this many rounds, each keeping its fa
 MARGIN = 0.9  # the packed kernel replaces torch's own when its time is at most this share of it, at each row count
 MEMORY_SHARE = 0.25  # the packed copy is made only when it takes at most this share of the memory available
 SPEED_ENV = "FILLMASK_TEST_PROJECTION_SPEED"
-# oneDNN compiles a kernel for each row count the packed product meets and keeps it (ideep too) until
-# its cache of 1,024 is full, so memory grew with every new count a server's batches made (a soak:
-# docs/performance-log.md). Up to EXACT_ROWS (a full default batch of one mask a text) each count runs
-# as it is; above, the rows are padded with zeros to the next of STEPS_PER_OCTAVE counts between a
-# power of two and the next: at most 1/STEPS_PER_OCTAVE more rows, and a few dozen counts up to 512.
-EXACT_ROWS = 64
-STEPS_PER_OCTAVE = 16
-
-
-with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced graph is TorchScript anyway)
-    warnings.simplefilter("ignore", DeprecationWarning)
-
-    @torch.jit.script
-    def kernel_rows(rows: int, exact: int, steps: int) -> int:
-        """The row count the packed product runs ``rows`` at: ``rows`` up to ``exact``, else rounded up
-        to a multiple of the largest power of two ``step`` with ``step * steps <= rows``."""
-        if rows <= exact:
-            return rows
-        step = 1
-        while step * 2 * steps <= rows:
-            step *= 2
-        return (rows + step - 1) // step * step
 
 
 with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced graph is TorchScript anyway)
@@ -93,20 +71,11 @@ with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced
                 bias = None if linear.bias is None else linear.bias.detach()  # (shared with the model's)
             self.register_buffer("packed", packed)
             self.register_buffer("bias", bias)
-            self.exact_rows = EXACT_ROWS
-            self.steps_per_octave = STEPS_PER_OCTAVE
 
         @torch.jit.script_method
         def forward(self, hidden: torch.Tensor) -> torch.Tensor:
             scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045 (TorchScript)
-            rows = hidden.size(0)
-            if hidden.dim() != 2 or rows <= self.exact_rows:
-                return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.packed, self.bias, "none",
-                                                          scalars, "")
-            shape = kernel_rows(rows, self.exact_rows, self.steps_per_octave)
-            padded = torch.cat([hidden, hidden.new_zeros(shape - rows, hidden.size(1))]) if shape > rows else hidden
-            return torch.ops.mkldnn._linear_pointwise(padded.contiguous(), self.packed, self.bias, "none", scalars,
-                                                      "")[:rows]
+            return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.packed, self.bias, "none", scalars, "")
 
 
 class _LayerCalled(Exception):

