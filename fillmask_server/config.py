@@ -179,7 +179,7 @@ _HELP: dict[str, str] = {
 }
 
 #: Settings with a fixed set of values, each in lower case; a value is taken in any case (``WARNING``).
-_CHOICES: dict[str, tuple[str, ...]] = {
+CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("float32", "bfloat16", "float16", "int8"),
     "log_level": ("debug", "info", "warning", "error"),
     "forward": ("traced", "eager"),
@@ -190,17 +190,17 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 def _value(name: str, raw: str) -> object:
     """The setting ``name``'s value from the text ``raw`` (a flag's or a variable's): of its default's
-    type, in lower case for a setting of ``_CHOICES``; ValueError when it is not of that type."""
+    type, in lower case for a setting of ``CHOICES``; ValueError when it is not of that type."""
     kind = type(next(f for f in fields(Config) if f.name == name).default)
-    return raw.lower() if name in _CHOICES else kind(raw)
+    return raw.lower() if name in CHOICES else kind(raw)
 
 
 def _choice(name: str, raw: str) -> str:
-    """A flag's value for the setting ``name`` of ``_CHOICES``, in lower case; the refusal names the value
+    """A flag's value for the setting ``name`` of ``CHOICES``, in lower case; the refusal names the value
     as given."""
     value = raw.lower()
-    if value not in _CHOICES[name]:
-        raise argparse.ArgumentTypeError(f"invalid choice: {raw!r} (choose from {', '.join(_CHOICES[name])})")
+    if value not in CHOICES[name]:
+        raise argparse.ArgumentTypeError(f"invalid choice: {raw!r} (choose from {', '.join(CHOICES[name])})")
     return value
 
 
@@ -265,9 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(
                 "--" + name.replace("_", "-"),
                 dest=name,
-                type=functools.partial(_choice, name) if name in _CHOICES else type(default),
+                type=functools.partial(_choice, name) if name in CHOICES else type(default),
                 default=argparse.SUPPRESS,
-                metavar="{" + ",".join(_CHOICES[name]) + "}" if name in _CHOICES else _METAVAR.get(name, "N"),
+                metavar="{" + ",".join(CHOICES[name]) + "}" if name in CHOICES else _METAVAR.get(name, "N"),
                 help=f"{_HELP[name]} [env {env_name(name)}] (default: {_shown_default(default)})",
             )
     return parser
@@ -318,7 +318,7 @@ def _variable_problem(name: str, raw: str, alone: bool = False) -> str | None:
         value = _value(name, raw)
     except ValueError:
         return f"{env_name(name)}={raw!r} is not a valid {kind.__name__}"
-    choices = _CHOICES.get(name)
+    choices = CHOICES.get(name)
     if choices and value not in choices:
         return f"{env_name(name)}={raw!r} must be one of {', '.join(choices)}"
     problem = validate(replace(Config(), **{name: value})) if alone else None
@@ -443,13 +443,22 @@ def _cpus(count: int) -> str:
     return f"{count} CPU" if count == 1 else f"{count} CPUs"
 
 
+def checked(config: Config) -> Config:
+    """``config``, for a ``Config`` built in code (a program that embeds the server); ``ValueError``
+    with ``validate``'s one line where the command line would refuse it."""
+    problem = validate(config)
+    if problem is not None:
+        raise ValueError(problem)
+    return config
+
+
 def validate(config: Config) -> str | None:
     """Return a one-line description of the first nonsensical value, or None."""
     for f in fields(Config):  # NaN passes every comparison below (all are false), and no duration is endless
         value = getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{f.name.replace('_', '-')} must be a finite number, not {value}"
-    for name, choices in _CHOICES.items():  # (the command line's parser checks them; a Config built in code too)
+    for name, choices in CHOICES.items():  # (the command line's parser checks them; a Config built in code too)
         if getattr(config, name) not in choices:
             return f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(config, name)!r}"
     positive = ("max_queue", "max_text_chars", "max_masks",

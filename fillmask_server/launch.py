@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from .calibration import Calibration, calibrate
-from .config import Config, validate
+from .config import Config, checked
 from .loading import load_model, resolve_device
 from .model import FillMaskModel
 from .server import FillMaskServer
@@ -27,9 +27,7 @@ def load_server(config: Config) -> FillMaskServer:
     model loaded (``ModelLoadError``, one line) and calibrated for ``config.calibration_s`` seconds.
     Prints nothing: its warnings are logged (logger ``fillmask_server``). Blocks for seconds to minutes.
     Loading sets process-wide state, as ``load_model``'s docstring lists."""
-    problem = validate(config)
-    if problem is not None:
-        raise ValueError(problem)
+    checked(config)  # (before loading: a wrong setting fails at once)
     model, calibration = load_and_calibrate(config, StartupLines(quiet=True), warn=_to_log)
     return FillMaskServer(config, model, calibration)
 

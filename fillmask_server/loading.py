@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .config import CHOICES
 from .diagnosis import (
     ModelLoadError,
     check_source,
@@ -63,7 +64,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     which cost throughput and idle latency (docs/performance-log.md, "OpenMP's throttled mode"); the
     pool of a thread that has ended is freed.
     """
-    if forward not in ("traced", "eager") or projection not in ("auto", "torch") or threads < 0:
+    if forward not in CHOICES["forward"] or projection not in CHOICES["projection"] or threads < 0:
         raise ModelLoadError(f"cannot load with forward={forward!r}, projection={projection!r}, threads={threads}: "
                              "forward is traced or eager, projection auto or torch, threads 0 or more")
     check_source(name)

@@ -43,7 +43,7 @@ from . import __version__, allocator
 from .access import WILDCARD_HOSTS, OriginPolicy, tls_context
 from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS, BatchPolicy
 from .calibration import Calibration, uncalibrated
-from .config import Config, validate
+from .config import Config, checked
 from .connection import Connection, UnsentBytes
 from .core import AnswerMemory
 from .costmodel import CostModel
@@ -164,10 +164,7 @@ class FillMaskServer:
     ``load_server``'s, which reads them from the same ``Config``."""
 
     def __init__(self, config: Config, model: FillMaskModel, calibration: Calibration | None = None) -> None:
-        problem = validate(config)
-        if problem is not None:
-            raise ValueError(problem)
-        self.config = config
+        self.config = checked(config)
         self.model = model
         self.calibration = calibration or uncalibrated(config.torch_threads, config.forward_parts)
         self.limits = Limits(
@@ -235,7 +232,6 @@ class FillMaskServer:
         self._switch: _SwitchInterval | None = None  # the process's switch interval, held while it runs
         self.switch_interval_s = sys.getswitchinterval()  # the one it set last (_follow_thread_count)
         self._port: int | None = None  # the port listened on, known from start() on (after drain() too)
-        self._told_going_away = False  # every connection was sent going_away (a second drain() sends none)
         self.metrics.engine_calibration(self._torch_threads, lambda: cost.coefficients,
                                         lambda: (policy.max_batch_size, policy.max_batch_tokens),
                                         lambda: self.engine.forward_parts)
@@ -396,9 +392,8 @@ class FillMaskServer:
         if delay > 0:
             log.info("draining in %g s: /readyz answers 503 meanwhile, everything is still served", delay)
             await asyncio.sleep(delay)
-        self.ready.draining = True
-        if not self._told_going_away:  # (once: a drain that was cancelled has told them)
-            self._told_going_away = True
+        if not self.ready.draining:  # (once: a drain that was cancelled after this has told them)
+            self.ready.draining = True
             for conn in list(self.connections):
                 conn.session.shut_down()
                 conn.send(self._going_away)

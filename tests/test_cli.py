@@ -21,18 +21,12 @@ from fillmask_client.cli import Tally, format_table, limits_problem, stop_line
 from fillmask_client.connection import connect_failure
 from fillmask_client.errors import ConnectionLostError, OverloadedError
 from fillmask_client.frames import FillMaskResult, outcome
-from tests.wire import wait_until
+from tests.wire import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Paris is the [MASK] of France."
 LIMITS = {"top_k": {"min": 1, "max": 100, "default": 5}, "max_targets": 3, "max_target_chars": 10,
           "max_deadline_ms": 600000}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def start_cli(*args: str, stdin: str = "") -> asyncio.subprocess.Process:

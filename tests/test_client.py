@@ -18,7 +18,6 @@ import os
 import random
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -53,19 +52,12 @@ from fillmask_client.frames import encode_fill_mask, outcome, terminal_id
 from fillmask_client.pool import least_loaded
 from fillmask_client.state import ConnState, Event, transition
 from tests.test_hardening_clients import sample
-from tests.wire import assert_same_predictions, wait_until
+from tests.wire import assert_same_predictions, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "Paris is the [MASK] of France."
 TWO_MASKS = "The [MASK] of France is [MASK]."
 
-
-
-def free_port() -> int:
-    """A local port with nothing listening on it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from fillmask_server import server as server_module
 from fillmask_server.config import Config
 from fillmask_server.launch import load_server
 from fillmask_server.server import ENGINE_WATCH_S, FillMaskServer
-from tests.wire import recv, send, session, wait_until
+from tests.wire import free_port, recv, send, session, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,12 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def running_threads(server: FillMaskServer) -> list[str]:
     """The server's engine threads still running (the suite's other servers in this process have theirs)."""
     return [thread.name for thread in server.engine._threads if thread.is_alive()]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def microseconds(seconds: float) -> Any:

@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +32,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from fillmask_server.protocol import STATS_INTERVAL_MS
-from tests.wire import wait_until
+from tests.wire import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_JS_TESTS = ROOT / "tests" / "web_demo_client.test.cjs"
@@ -193,13 +192,6 @@ async def reference(url: str, frame: dict[str, Any] | None) -> tuple[dict[str, A
             return hello, None
         await ws.send(orjson.dumps(frame).decode())
         return hello, orjson.loads(await asyncio.wait_for(ws.recv(), 10))
-
-
-def free_port() -> int:
-    """A loopback port where nothing listens (bound and released at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def run(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
+
+
+def free_port() -> int:
+    """A loopback port where nothing listens (bound and released at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
