@@ -202,6 +202,8 @@ class FillMaskModel:
         #: (``projection.py``: where the load measured it faster, and its logits agree; eager runs the own).
         self.projection_kernel = "torch"
         self._projection: Any = None
+        #: The packed kernel's row counts met (``projection.RowCounts``: they bound oneDNN's kernel cache).
+        self._row_counts: Any = None
         self.projection_setting = projection  # (``calibration`` loads its float32 reference with it)
         if forward == "traced" and projection == "auto":
             self._projection = self._faster_projection()
@@ -214,6 +216,9 @@ class FillMaskModel:
                     self._scores = self._trace()
             if self._projection is not None and self._scores is not None:
                 self.projection_kernel = "onednn-packed"
+                from .projection import RowCounts
+
+                self._row_counts = RowCounts()
                 log.info("%s", self._projection.line())
             self._projection = None  # (the traced graphs hold the kernel they were traced with)
         else:
@@ -310,7 +315,9 @@ class FillMaskModel:
         the model thread up to a switch interval while the event loop or the decode stage runs
         Python (see ``graph.py``). The top-k runs over every mask row, at each item's own ``top_k``
         (items with targets: at the largest ``top_k`` of the others, unused); items with targets pick
-        their own columns from the probabilities.
+        their own columns from the probabilities. On the packed projection, the mask rows may run
+        rounded up to a count its kernels met before (``projection.RowCounts``: the extra rows'
+        answers are dropped here).
         """
         import torch
 
@@ -359,8 +366,16 @@ class FillMaskModel:
             for item, count in zip(items, counts, strict=True):
                 ks += [k if item.target_ids is not None else item.top_k] * count
         keep = len(plain) < len(items)
+        masks = len(rows)
+        extra = (self._row_counts.rows(masks) - masks) if self._row_counts is not None else 0
+        if extra:  # (the last mask again: rows whose answers are dropped, ``projection.RowCounts``)
+            rows, at = rows + [rows[-1]] * extra, at + [at[-1]] * extra
+            ks = ks + [ks[-1]] * extra if ks else ks
         with torch.inference_mode():
             probs, values, indices = self._batch(ids, lengths, rows, at, width, k, ks, keep, segments, places)
+        if extra:
+            probs = None if probs is None else probs[:masks]
+            values, indices = values[:masks], indices[:masks]
         out = TopK(spans=spans, columns=columns, values=values, indices=indices)
         if plain:
             out.plain_rows = {i: spans[i][0] for i in plain}

@@ -25,7 +25,21 @@ Invariants:
   otherwise (the sums run in another order): ``FillMaskModel`` keeps it only if the model's head
   calls the layer (``Projection.called_by``) and the logits at the masks agree within the few units
   in the last place that a product's row count changes already;
-- the copy costs the weight's size in memory once (``Projection.copy_bytes``).
+- the copy costs the weight's size in memory once (``Projection.copy_bytes``);
+- ``RowCounts.rows(n)`` is at least ``n``, at most ``n`` plus ``n / PER_OCTAVE`` (rounded up), and
+  ``n`` itself while ``n <= EXACT_ROWS``, or ``n`` was met before, or fewer than ``FREE_COUNTS``
+  counts were; it may be called from several threads at once.
+
+**Row counts.** oneDNN compiles a kernel for each row count the packed product is called with (the
+masks in a batch) and keeps it, in its own cache and in ideep's, until each holds 1,024: about half
+a MiB each for good, so a server that met every count from 1 to 512 kept a few hundred MiB more than
+one that met a few (docs/performance-log.md, "Memory that grows with every new batch shape").
+``RowCounts`` bounds that without slowing steady loads: a count met before runs as it is, and so
+does any new one until ``FREE_COUNTS`` counts have been met; after that, a new count above
+``EXACT_ROWS`` runs on the smallest count met between it and its round-up to one of ``PER_OCTAVE``
+counts per octave, or on the round-up (at most ``1 / PER_OCTAVE`` more rows: the extra rows repeat
+the last mask and their answers are dropped). The counts met are then at most ``FREE_COUNTS``, plus
+``EXACT_ROWS``, plus ``PER_OCTAVE`` per octave above ``EXACT_ROWS``, whatever the load.
 
 Test hook: ``FILLMASK_TEST_PROJECTION_SPEED=F`` multiplies the packed kernel's measured time by ``F``
 (the measurement still runs), so a test can see either choice on any CPU.
@@ -36,6 +50,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -55,6 +70,9 @@ ROUNDS = 3  # ... the two kernels in turn, this many rounds, each keeping its fa
 MARGIN = 0.9  # the packed kernel replaces torch's own when its time is at most this share of it, at each row count
 MEMORY_SHARE = 0.25  # the packed copy is made only when it takes at most this share of the memory available
 SPEED_ENV = "FILLMASK_TEST_PROJECTION_SPEED"
+EXACT_ROWS = 32  # row counts up to this many always run as they are ...
+FREE_COUNTS = 64  # ... and so does any count until this many have been met; after that a new one is rounded up ...
+PER_OCTAVE = 16  # ... to one of this many counts per octave (a power of two), or a count met in between
 
 
 with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced graph is TorchScript anyway)
@@ -76,6 +94,38 @@ with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced
         def forward(self, hidden: torch.Tensor) -> torch.Tensor:
             scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045 (TorchScript)
             return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), self.packed, self.bias, "none", scalars, "")
+
+
+class RowCounts:
+    """The row counts the packed product has been called with, and the count to call it with next
+    (the module docstring's "Row counts"; thread-safe: the model thread and a part's helper threads
+    run forward passes at once)."""
+
+    def __init__(self, free: int = FREE_COUNTS) -> None:
+        self._free = free
+        self._met: set[int] = set()
+        self._lock = threading.Lock()
+
+    def rows(self, n: int) -> int:
+        """The row count to run ``n`` rows at (``n`` or more; the caller adds the extra rows)."""
+        with self._lock:
+            if n not in self._met and n > EXACT_ROWS and len(self._met) >= self._free:
+                top = rounded_up(n)
+                n = next((m for m in range(n, top) if m in self._met), top)
+            self._met.add(n)
+            return n
+
+    @property
+    def met(self) -> frozenset[int]:
+        """The row counts the product has been called with."""
+        with self._lock:
+            return frozenset(self._met)
+
+
+def rounded_up(n: int) -> int:
+    """``n`` rounded up to one of ``PER_OCTAVE`` counts per octave (``n`` itself up to ``PER_OCTAVE``)."""
+    step = max(1, 2 ** (n.bit_length() - PER_OCTAVE.bit_length()))
+    return -(-n // step) * step
 
 
 class _LayerCalled(Exception):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,69 @@ def top(model: FillMaskModel) -> Any:
     return model.forward([Item(ids[0], 5), Item(ids[1], 3), Item(ids[2], 7)])
 
 
+def test_row_counts_run_as_they_are_until_many_have_been_met() -> None:
+    """A count up to ``EXACT_ROWS``, a count met before, and any count while fewer than ``FREE_COUNTS``
+    were met run as they are; after that a new count runs on the smallest count met between it and
+    its round-up, or on the round-up."""
+    counts = projection.RowCounts(free=4)
+    assert [counts.rows(n) for n in (33, 100, 7, 515)] == [33, 100, 7, 515]  # four free
+    assert counts.rows(101) == 104 and counts.rows(102) == 104  # full: rounded up (4 per step at 64-127) ...
+    assert counts.rows(100) == 100 and counts.rows(515) == 515  # ... a count met runs as it is ...
+    assert counts.rows(509) == 512 and counts.rows(513) == 515  # ... and one met between n and its round-up wins
+    assert counts.rows(32) == 32 and counts.rows(1) == 1  # up to EXACT_ROWS: always as it is
+    assert counts.met == {1, 7, 32, 33, 100, 104, 512, 515}
+
+
+def test_row_counts_keep_the_kernels_met_bounded_and_add_at_most_a_sixteenth() -> None:
+    """Whatever the order, every count from 1 to 4,096 met many times: at most ``FREE_COUNTS``, plus
+    ``EXACT_ROWS``, plus ``PER_OCTAVE`` counts per octave above ``EXACT_ROWS`` are ever met, and a count
+    never runs on more than ``n + n / PER_OCTAVE`` rows (without the rule: 4,096 kernels)."""
+    assert projection.rounded_up(33) == 34 and projection.rounded_up(64) == 64 and projection.rounded_up(129) == 136
+    generator = random.Random(7)
+    counts = projection.RowCounts()
+    for _ in range(3):
+        load = list(range(1, 4097))
+        generator.shuffle(load)
+        for n in load:
+            rows = counts.rows(n)
+            assert n <= rows <= n + -(-n // projection.PER_OCTAVE), (n, rows)
+    octaves = math.log2(4096 / projection.EXACT_ROWS)
+    most = projection.FREE_COUNTS + projection.EXACT_ROWS + projection.PER_OCTAVE * octaves
+    assert len(counts.met) <= most, len(counts.met)
+
+
+@needs_onednn
+def test_a_batch_at_a_rounded_up_row_count_answers_as_at_its_own(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the packed kernel's free counts spent, 33 masks (with a request's targets, and several
+    ``top_k``) run at 34 rows, the last mask repeated: each request gets the answers it gets at 33 rows
+    (same tokens, scores within rounding), and the extra row's are dropped."""
+    monkeypatch.setenv(projection.SPEED_ENV, "0.01")
+    model = load_model(str(tiny_model_dir))
+    assert model.projection_kernel == "onednn-packed"
+    eight = model.tokenize([" ".join(["[MASK]"] * 8) + " is a word."])[0]
+    ids = model.tokenize(TEXTS)
+    targets = model.target_ids(("paris", "france", "word"))
+    items = [Item(eight, 5), Item(eight, 3), Item(eight, 5, targets), Item(eight, 4), Item(ids[0], 2)]
+    graph, called = model._batch, []
+
+    def batch(*inputs: Any) -> Any:  # (the real graph, and the row count it was given)
+        called.append(len(inputs[2]))
+        return graph(*inputs)
+
+    monkeypatch.setattr(model, "_batch", batch)
+    answers = []
+    for free in (projection.FREE_COUNTS, 0):
+        model._row_counts = projection.RowCounts(free=free)
+        got = model.forward(items)
+        assert model._row_counts.met == {33 if free else 34} and called[-1] == (33 if free else 34)
+        assert got.values.shape[0] == got.indices.shape[0] == got.spans[-1][1] == 33
+        answers.append([got.candidates(n, item) for n, item in enumerate(items)])
+    for exact, rounded in zip(*answers, strict=True):
+        assert exact[0] == rounded[0] and exact[2] == rounded[2]  # the mask positions and the tokens
+        assert exact[1] == [pytest.approx(row, abs=1e-6) for row in rounded[1]]
+
+
 @needs_onednn
 @pytest.mark.parametrize("speed", [0.01, 100.0])
 def test_the_load_runs_the_kernel_it_measured_faster_and_answers_as_the_pipeline(
@@ -156,6 +221,7 @@ def test_the_load_runs_the_kernel_it_measured_faster_and_answers_as_the_pipeline
     assert type(model.model.get_output_embeddings()) is torch.nn.Linear
     for graph in (model._scores, model._packed_scores):  # what the traced graphs run (padded and packed rows)
         assert ("PackedLinear" in {m.original_name for m in graph.modules()}) == (speed < 1)
+    assert (model._row_counts is not None) == (speed < 1)  # (torch's own kernel keeps no kernel per row count)
     got = top(model)
     for n, (text, k) in enumerate(zip(TEXTS, (5, 3, 7), strict=True)):
         expected = reference_pipeline(text, top_k=k)
