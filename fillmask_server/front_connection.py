@@ -86,18 +86,15 @@ class FrontConnection(ServerConnection):
         bound = self.front.config.max_send_buffer_bytes
         if bound < self.write_limit_high:  # so that a socket backed up past the bound always gets resume_writing
             transport.set_write_buffer_limits(bound)
-        if self.front.unfinished >= self.front.max_unfinished:
-            self.front.refuse_unfinished(self)
-            return
-        self.front.unfinished += 1
-        self._unfinished = True
+        if self.front.admit_unfinished(self):
+            self._unfinished = True
 
     def finished(self) -> None:
         """The handshake is done (the server's handler runs) or the connection ended: it no longer counts
         in the front's ``unfinished``. Idempotent."""
         if self._unfinished:
             self._unfinished = False
-            self.front.unfinished -= 1
+            self.front.unfinished_ended(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.finished()

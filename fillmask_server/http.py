@@ -98,9 +98,12 @@ class FrontState:
 #: Connections accepted whose WebSocket handshake is not done, or whose HTTP answer is not taken yet,
 #: each hold memory (up to websockets' 128 header lines of 8 KiB) for up to its open timeout (10 s), and
 #: nothing else bounds how many there are (``--max-connections`` counts open WebSocket connections):
-#: at most this many, or a quarter of ``--max-connections`` where that is more; one past it is reset at
-#: once (§12). A burst of clients reconnecting after a drain finishes each handshake far sooner than
-#: the open timeout, so it stays far below it.
+#: at most this many, or a quarter of ``--max-connections`` where that is more (§12). One past it makes
+#: room by resetting the oldest of them that has not sent a whole request yet, so clients that open
+#: connections and send nothing (or a byte now and then) cannot keep a probe or a client that asks at
+#: once from getting in; where every one of them has sent its request, the newcomer is reset instead.
+#: A burst of clients reconnecting after a drain finishes each handshake far sooner than the open
+#: timeout, so it stays far below it.
 MIN_UNFINISHED = 256
 
 
@@ -117,7 +120,8 @@ class HttpFront:
         self.metrics = metrics
         self.state = state
         self.log = LogThrottle(log, LOG_INTERVAL_S)
-        self.unfinished = 0  # connections accepted and not yet upgraded or ended (``FrontConnection``)
+        # Connections accepted and not yet upgraded or ended (``FrontConnection``), oldest first.
+        self._unfinished: dict[ServerConnection, None] = {}
         self.max_unfinished = max(MIN_UNFINISHED, config.max_connections // 4)
 
     def peer(self, connection: ServerConnection) -> str:
@@ -220,13 +224,35 @@ class HttpFront:
         self.metrics.handshakes_refused.labels(reason).inc()
         return json_response(status, {"error": message}, extra_headers)
 
-    def refuse_unfinished(self, connection: ServerConnection) -> None:
-        """A connection accepted while ``max_unfinished`` others have not finished their handshake (or
-        taken their answer): reset at once, before it may hold anything."""
+    @property
+    def unfinished(self) -> int:
+        """How many connections have not finished their handshake or taken their answer (``MIN_UNFINISHED``)."""
+        return len(self._unfinished)
+
+    def admit_unfinished(self, connection: ServerConnection) -> bool:
+        """A connection just accepted: counted among the unfinished (True), after the oldest of them
+        that has not sent a whole request was reset to make room where ``max_unfinished`` are; or, where
+        every one of them has sent its request, reset itself (False). See ``MIN_UNFINISHED``."""
+        if len(self._unfinished) >= self.max_unfinished:
+            oldest = next((waiting for waiting in self._unfinished if waiting.request is None), None)
+            if oldest is None:
+                self._reset_unfinished(connection, "a new connection", "every one of them has sent its request")
+                return False
+            del self._unfinished[oldest]
+            self._reset_unfinished(oldest, "the connection that had waited longest without a whole request",
+                                   "to make room for a new one")
+        self._unfinished[connection] = None
+        return True
+
+    def unfinished_ended(self, connection: ServerConnection) -> None:
+        """``connection`` upgraded or ended: it no longer counts among the unfinished."""
+        self._unfinished.pop(connection, None)
+
+    def _reset_unfinished(self, connection: ServerConnection, which: str, why: str) -> None:
         self.metrics.handshakes_refused.labels("unfinished").inc()
-        self.log.warning("unfinished", "reset a new connection from %s: %d connections have not finished their "
-                         "handshake or taken their answer (a client opening connections it does not use?)",
-                         self.peer(connection), self.unfinished)
+        self.log.warning("unfinished", "reset %s, from %s: %d connections had not finished their handshake or "
+                         "taken their answer, %s (a client opening connections it does not use?)",
+                         which, self.peer(connection), self.max_unfinished, why)
         cut(connection.transport)
 
     def refuse_tls(self, connection: ServerConnection) -> None:

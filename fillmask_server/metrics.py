@@ -191,7 +191,8 @@ class Metrics:
                                           "bad_request (400, 405, 426, 505; also 414 and 431, and any request that "
                                           "could not be read), not_found (404), host (421), "
                                           "origin (403), token (401), max_connections or unavailable (503), "
-                                          "unfinished (reset at accept: too many handshakes under way).",
+                                          "unfinished (reset to bound handshakes under way: the oldest "
+                                          "without a whole request, or the new connection).",
                                           ["reason"], registry=registry)
         for reason in REFUSED_REASONS:
             self.handshakes_refused.labels(reason)

@@ -145,25 +145,47 @@ async def test_a_close_frame_withdraws_its_requests_at_once_and_its_connection_k
             raw.close()
 
 
+async def reset_or_closed(sock: socket.socket) -> bool:
+    """Whether the server ended ``sock`` within 5 s (less than the open timeout: a reset, not its close);
+    read on a thread, since the server runs on this loop."""
+    sock.settimeout(5)
+    try:
+        return await asyncio.to_thread(sock.recv, 1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 async def test_connections_that_never_finish_a_handshake_are_bounded(make_server: Any, monkeypatch: Any) -> None:
     """§12: nothing bounded connections that had not finished their handshake (--max-connections counts
     open WebSocket connections), and each may hold about a megabyte of headers for 10 s (a helper's
-    audit: 400 of them took 340 MB). One past the bound is reset as it is accepted, and counted."""
+    audit: 400 of them took 340 MB). At the bound, a new connection makes room by resetting the oldest
+    that has not sent a whole request (a half-sent one counts), counted; so connections that send
+    nothing cannot keep a probe out (they did: the newcomer was the one reset)."""
     from fillmask_server import http as http_module
 
     monkeypatch.setattr(http_module, "MIN_UNFINISHED", 4)
     async with make_server(max_connections=8) as srv:  # (a quarter of 8 is below 4: the bound is 4)
-        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4)]  # they send nothing
+        idle = []
         try:
-            await wait_until(lambda: srv.http.unfinished == 4)
-            extra = socket.create_connection(("127.0.0.1", srv.port))
-            extra.settimeout(5)  # (less than the open timeout: a reset, not the timeout's close)
-            try:
-                with contextlib.suppress(ConnectionResetError):  # (read on a thread: the server is on this loop)
-                    assert await asyncio.to_thread(extra.recv, 1) == b""
-            finally:
-                extra.close()
-            assert sample(srv, "fillmask_handshakes_refused_total", reason="unfinished") == 1
+            for n in range(4):  # they send nothing, or half a request line
+                idle.append(socket.create_connection(("127.0.0.1", srv.port)))
+                if n == 0:
+                    idle[0].sendall(b"GET /heal")
+                await wait_until(lambda: srv.http.unfinished == len(idle))
+            for n in range(2):  # probes at the bound: each resets the oldest idle one, and is answered
+                if n:  # (the bound filled again: the first probe took the place of the one it reset, and left)
+                    idle.append(socket.create_connection(("127.0.0.1", srv.port)))
+                    await wait_until(lambda: srv.http.unfinished == 4)
+                reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+                writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                answer = await asyncio.wait_for(reader.read(), 5)
+                writer.close()
+                assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+                assert await reset_or_closed(idle[n])
+                assert sample(srv, "fillmask_handshakes_refused_total", reason="unfinished") == n + 1
+            await wait_until(lambda: srv.http.unfinished == 3)  # the idle ones left
         finally:
             for sock in idle:
                 sock.close()
@@ -171,6 +193,35 @@ async def test_connections_that_never_finish_a_handshake_are_bounded(make_server
         async with session(srv.url) as (ws, _):  # upgraded: it no longer counts as unfinished
             assert (await request(ws, 1, TEXT))["type"] == "result"
             assert srv.http.unfinished == 0
+
+
+async def test_at_the_bound_with_every_request_sent_the_newcomer_is_reset(make_server: Any, monkeypatch: Any
+                                                                         ) -> None:
+    """§12: where every unfinished connection has sent a whole request (answers that their clients do
+    not take), none is cut for a newcomer: the newcomer is reset, as it is accepted, and counted."""
+    from fillmask_server import http as http_module
+
+    monkeypatch.setattr(http_module, "MIN_UNFINISHED", 4)
+    async with make_server(max_connections=8) as srv:
+        waiting = []
+        try:
+            for _ in range(4):  # a request each, for an answer larger than the sockets' buffers, never read
+                sock = small_buffer_socket(srv)
+                sock.setblocking(True)
+                sock.sendall(b"GET /screenshot.png HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                waiting.append(sock)
+            await wait_until(lambda: srv.http.unfinished == 4 and all(
+                c.request is not None for c in srv.http._unfinished))
+            extra = socket.create_connection(("127.0.0.1", srv.port))
+            try:
+                assert await reset_or_closed(extra)
+            finally:
+                extra.close()
+            assert sample(srv, "fillmask_handshakes_refused_total", reason="unfinished") == 1
+            assert srv.http.unfinished == 4
+        finally:
+            for sock in waiting:
+                sock.close()
 
 
 # --- clients that do not read ------------------------------------------------------------------------
