@@ -75,9 +75,11 @@ class FrontConnection(ServerConnection):
     on_drained: Callable[[], None] | None = None  # ... and each time it turns False again
     on_close_frame: Callable[[], None] | None = None  # set by the server: called when the client's close frame comes
     _unfinished = False  # counted in the front's ``unfinished`` (until ``finished``)
-    # The connection's first bytes, up to OPENING_BYTES: a TLS handshake's first is ``TLS_HANDSHAKE``; a
-    # request that cannot be parsed is a HEAD request if they are ``HEAD `` (its refusal then has no body).
+    # The connection's first bytes after any empty lines, up to OPENING_BYTES: a request that cannot be
+    # parsed is a HEAD request if they are ``HEAD `` (its refusal then has no body). The connection's very
+    # first byte is ``TLS_HANDSHAKE`` for a TLS handshake.
     opening = b""
+    _read_any = False  # a byte has been read
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -115,9 +117,10 @@ class FrontConnection(ServerConnection):
 
     def data_received(self, data: bytes) -> None:
         if len(self.opening) < OPENING_BYTES:
-            first = not self.opening
-            self.opening += data[:OPENING_BYTES - len(self.opening)]
-            if first and self.opening[:1] == TLS_HANDSHAKE and not self.front.tls:
+            first, self._read_any = not self._read_any, True
+            # (the empty lines a client may send before its request line are not part of it: RFC 9112 §2.2)
+            self.opening += (data if self.opening else data.lstrip(b"\r\n"))[:OPENING_BYTES - len(self.opening)]
+            if first and data[:1] == TLS_HANDSHAKE and not self.front.tls:
                 self.front.refuse_tls(self)
                 return
         super().data_received(data)

@@ -103,7 +103,7 @@ async def exchange(port: int, raw: bytes, address: str = "127.0.0.1") -> tuple[i
         if status == 101:
             return status, headers, b""
         body = await asyncio.wait_for(reader.read(), 5)  # the server ends the stream after one answer
-        expected = 0 if raw.startswith(b"HEAD ") else int(headers.get("Content-Length", "0"))
+        expected = 0 if raw.lstrip(b"\r\n").startswith(b"HEAD ") else int(headers.get("Content-Length", "0"))
         assert len(body) == expected, (status, body[:200])
         return status, headers, body
     finally:
@@ -414,11 +414,14 @@ async def test_requests_websockets_cannot_parse_are_answered_in_json(server: Fil
         for raw, status_wanted, message in cases:
             status, headers, body = await exchange(port, raw.encode())
             assert status == status_wanted and message in error_line(headers, body), (raw[:40], body)
-            if raw.startswith("GET "):  # HEAD: the same status and headers, no body (§9; a fuzzing trial)
+            if raw.startswith("GET "):  # HEAD: the same status and headers, no body (§9; a fuzzing trial) ...
                 status, head_headers, body = await exchange(port, b"HEAD " + raw.encode()[4:])
                 assert (status, body) == (status_wanted, b""), (raw[:40], body)
                 assert [h for h in head_headers.raw_items() if h[0] != "Date"] == [
                     h for h in headers.raw_items() if h[0] != "Date"]
+                for lead in (b"\r\n", b"\n\r\n"):  # ... after empty lines too (RFC 9112 §2.2), which
+                    status, _, body = await exchange(port, lead + b"HEAD " + raw.encode()[4:])  # websockets refuses
+                    assert (status, body) == (400, b""), (lead, raw[:40], body)
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     # A client that hangs up halfway gets nothing, and the server is none the worse for it.
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
