@@ -118,7 +118,8 @@ class FrontConnection(ServerConnection):
     def data_received(self, data: bytes) -> None:
         if len(self.opening) < OPENING_BYTES:
             first, self._read_any = not self._read_any, True
-            # (the empty lines a client may send before its request line are not part of it: RFC 9112 §2.2)
+            # (the empty lines a client may send before its request line are not part of it: RFC 9112 §2.2;
+            # websockets refuses them, so this holds where they arrive with ``HEAD``, in one read)
             self.opening += (data if self.opening else data.lstrip(b"\r\n"))[:OPENING_BYTES - len(self.opening)]
             if first and data[:1] == TLS_HANDSHAKE and not self.front.tls:
                 self.front.refuse_tls(self)

@@ -231,15 +231,18 @@ class HttpFront:
 
     def admit_unfinished(self, connection: ServerConnection) -> bool:
         """A connection just accepted: counted among the unfinished (True), after the oldest of them
-        that has not sent a whole request was reset to make room where ``max_unfinished`` are; or, where
-        every one of them has sent its request, reset itself (False). See ``MIN_UNFINISHED``."""
+        that has not sent a whole request (and is not closing already) was reset to make room where
+        ``max_unfinished`` are; or, where there is none such, reset itself (False). See ``MIN_UNFINISHED``."""
         if len(self._unfinished) >= self.max_unfinished:
-            oldest = next((waiting for waiting in self._unfinished if waiting.request is None), None)
+            oldest = next((waiting for waiting in self._unfinished  # (one answered early is closing: let it go)
+                           if waiting.request is None and not waiting.transport.is_closing()), None)
             if oldest is None:
-                self._reset_unfinished(connection, "a new connection", "every one of them has sent its request")
+                self._reset_unfinished("unfinished_new", connection, "a new connection",
+                                       "every one of them has sent its request")
                 return False
             del self._unfinished[oldest]
-            self._reset_unfinished(oldest, "the connection that had waited longest without a whole request",
+            self._reset_unfinished("unfinished_oldest", oldest,
+                                   "the connection that had waited longest without a whole request",
                                    "to make room for a new one")
         self._unfinished[connection] = None
         return True
@@ -248,9 +251,9 @@ class HttpFront:
         """``connection`` upgraded or ended: it no longer counts among the unfinished."""
         self._unfinished.pop(connection, None)
 
-    def _reset_unfinished(self, connection: ServerConnection, which: str, why: str) -> None:
+    def _reset_unfinished(self, kind: str, connection: ServerConnection, which: str, why: str) -> None:
         self.metrics.handshakes_refused.labels("unfinished").inc()
-        self.log.warning("unfinished", "reset %s, from %s: %d connections had not finished their handshake or "
+        self.log.warning(kind, "reset %s, from %s: %d connections had not finished their handshake or "
                          "taken their answer, %s (a client opening connections it does not use?)",
                          which, self.peer(connection), self.max_unfinished, why)
         cut(connection.transport)
