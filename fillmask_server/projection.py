@@ -31,9 +31,9 @@ Invariants:
   counts were; it may be called from several threads at once.
 
 **Row counts.** oneDNN compiles a kernel for each row count the packed product is called with (the
-masks in a batch) and keeps it, in its own cache and in ideep's, until each holds 1,024: about half
-a MiB each for good, so a server that met every count from 1 to 512 kept a few hundred MiB more than
-one that met a few (docs/performance-log.md, "Memory that grows with every new batch shape").
+masks in a batch) and keeps it, in its own cache and in ideep's, until each holds 1,024, so the
+memory a server keeps grows with every count its load happens to meet (docs/performance-log.md,
+"Memory that grows with every new batch shape", and the README's "Memory for each row count").
 ``RowCounts`` bounds that without slowing steady loads: a count met before runs as it is, and so
 does any new one until ``FREE_COUNTS`` counts have been met; after that, a new count above
 ``EXACT_ROWS`` runs on the smallest count met between it and its round-up to one of ``PER_OCTAVE``
