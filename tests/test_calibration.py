@@ -290,7 +290,9 @@ def test_the_timer_sees_another_thread_of_the_process_spin_on_the_real_clocks() 
     """The process's CPU time counts a thread that runs on another core only at the kernel's scheduler
     tick: with looks of a millisecond, a spinning thread read as quiet. On the real clocks, a thread
     hashing without the GIL for 0.15 s keeps ``wait_until_quiet`` looking past its first look, and once
-    it has stopped the first look or so is quiet."""
+    it has stopped the first look or so is quiet. Up to five tries, each needing to be seen once: beside
+    a busy core the spinner may get no CPU during a look, and the process's other threads (a server of
+    another test, its OpenMP workers) may not be quiet yet; a timer blind to other threads never sees it."""
     import hashlib
     import threading
     import time
@@ -308,13 +310,19 @@ def test_the_timer_sees_another_thread_of_the_process_spin_on_the_real_clocks() 
         while time.perf_counter() < until:
             hashlib.sha256(data).digest()  # (releases the GIL: the waiting thread goes on looking)
 
-    spinner = threading.Thread(target=spin)
-    spinner.start()
-    started.wait()
-    waited = wait_until_quiet()
-    spinner.join()
-    assert waited > 1.5 * QUIET_TICK_S  # more than one look: the spinning thread was seen
-    assert wait_until_quiet() <= 5 * QUIET_TICK_S  # quiet now: the first look or so
+    seen = quiet = False
+    for _ in range(5):
+        started.clear()
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        started.wait()
+        waited = wait_until_quiet()
+        spinner.join()
+        seen = seen or waited > 1.5 * QUIET_TICK_S  # more than one look: the spinning thread was seen
+        quiet = quiet or wait_until_quiet() <= 5 * QUIET_TICK_S  # quiet now: the first look or so
+        if seen and quiet:
+            break
+    assert seen and quiet, (seen, quiet)
 
 
 def test_each_timed_pass_follows_untimed_passes_in_its_own_layout(tiny_model_dir: Path,
