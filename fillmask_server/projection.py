@@ -123,7 +123,7 @@ class RowCounts:
 
 
 def rounded_up(n: int) -> int:
-    """``n`` rounded up to one of ``PER_OCTAVE`` counts per octave (``n`` itself up to ``PER_OCTAVE``)."""
+    """``n`` rounded up to one of ``PER_OCTAVE`` counts per octave (``n`` itself below ``2 * PER_OCTAVE``)."""
     step = max(1, 2 ** (n.bit_length() - PER_OCTAVE.bit_length()))
     return -(-n // step) * step
 
