@@ -45,7 +45,8 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
     with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
     yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
-    ``announce``: log the ``loaded NAME on DEVICE (DTYPE): ...`` line (not for a copy loaded to compare).
+    ``announce``: log the ``loaded NAME on DEVICE (DTYPE): ...`` line and the load's choices (the output
+    projection's kernel, padded rows) at INFO (not for a copy loaded to compare: at DEBUG).
     ``projection``: ``auto`` (the output projection's kernel measured at load, ``projection.py``) or
     ``torch`` (the model's own). ``threads``: torch's thread count to load with (0: torch's own).
     ``forward``, ``projection`` and ``threads`` out of range raise ``ModelLoadError`` too.
@@ -160,7 +161,7 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         progress("int8 quantisation")
         unquantized, model = model, _quantize_dynamic(model)  # (a copy: the float32 model is checked against)
     progress("forward pass traced and checked" if forward == "traced" else "model set-up")
-    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized, projection)
+    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized, projection, announce)
     del unquantized
     shortest = len(loaded.tokenize([loaded.mask_token])[0])
     if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)

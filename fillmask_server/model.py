@@ -133,13 +133,15 @@ class FillMaskModel:
     """A tokenizer and a masked-LM model on one device; each method has one owner thread (see above)."""
 
     def __init__(self, name: str, tokenizer: Any, model: Any, device: str, dtype: str, forward: str = "traced",
-                 unquantized: Any = None, projection: str = "auto") -> None:
+                 unquantized: Any = None, projection: str = "auto", announce: bool = True) -> None:
         """``unquantized``: for ``int8``, the float32 model ``model`` was quantised from, which the packing
         check reads at load (and keeps no reference to); without it an int8 model keeps padded rows.
         ``projection``: ``auto``, the output projection's kernel in the traced graph measured at load
-        (``projection.py``); ``torch``, the model's own."""
+        (``projection.py``); ``torch``, the model's own. ``announce``: log what the load chose at INFO
+        (else at DEBUG: a copy loaded to compare, whose choices are not the server's); warnings either way."""
         import torch
 
+        self._choice = log.info if announce else log.debug
         self.name = name
         # A checkpoint made by ``fillmask_server.checkpoint`` says its weights are random (hello tells clients).
         self.random_weights = getattr(model.config, RANDOM_WEIGHTS_KEY, False) is True
@@ -195,7 +197,7 @@ class FillMaskModel:
         if self.packing_note is None:
             self.pack_width = PACK_WIDTH
         else:
-            log.info("texts get a padded row each: %s", self.packing_note)
+            self._choice("texts get a padded row each: %s", self.packing_note)
         self._scores: Any = None  # the traced graph: inputs and mask positions in, softmax at the masks out
         self._packed_scores: Any = None  # the same for packed rows (None: the model does not pack)
         #: The output projection's kernel in the traced graph: "torch" (the model's own) or "onednn-packed"
@@ -219,7 +221,7 @@ class FillMaskModel:
                 from .projection import RowCounts
 
                 self._row_counts = RowCounts()
-                log.info("%s", self._projection.line())
+                self._choice("%s", self._projection.line())
             self._projection = None  # (the traced graphs hold the kernel they were traced with)
         else:
             self.forward_note = "--forward eager"
@@ -467,7 +469,7 @@ class FillMaskModel:
         if chosen is None:
             return None
         if not chosen.faster:
-            log.info("%s", chosen.line())
+            self._choice("%s", chosen.line())
             return None
         shapes = ((1, 12, 0, 1), (4, 12, 1, 5), (4, 12, 1, 8), (16, 20, 2, 65), (16, 20, 2, 130))
         checks = [self._check_inputs(*shape) for shape in shapes]
