@@ -97,9 +97,12 @@ def timed(model_dir: str, repeats: int) -> list[tuple[int, float, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(ROOT / "models" / "tiny"))
-    parser.add_argument("--counts", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--model", default=str(ROOT / "models" / "tiny"), help="a checkpoint directory or id")
+    parser.add_argument("--counts", type=int, default=512,
+                        help="one batch at each mask count from 1 to this, each way (tiny at 512: about a minute)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help=f"the timing's passes per count ({', '.join(map(str, TIMED))} masks, whatever "
+                             "--counts; a few give noise)")
     parser.add_argument("--child", choices=("rule", "exact"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
