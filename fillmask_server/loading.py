@@ -180,7 +180,21 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         kernel = ", output projection on oneDNN's packed kernel" if loaded.projection_kernel != "torch" else ""
         log.info("loaded %s on %s (%s): forward %s, head %s%s", name, facts["device"], dtype, facts["forward"],
                  "at the masks" if facts["head"] == "masks" else "at every position (full model)", kernel)
+        if dtype == "bfloat16" and device.startswith("cpu"):
+            log.info("%s", kernel_cache_line())
     return loaded
+
+
+#: oneDNN's two caches of compiled kernels, by the environment variable that sizes each (README, "Fast modes").
+KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def kernel_cache_line() -> str:
+    """What bfloat16 on a CPU keeps in memory for each batch shape, and the caches' sizes in force."""
+    sizes = ", ".join(f"{variable}={os.environ.get(variable, '1024 (its default)')}" for variable in KERNEL_CACHES)
+    return (f"bfloat16 on a CPU: oneDNN keeps compiled kernels for each batch shape the load meets, up to its "
+            f"caches' sizes ({sizes}); set both lower to bound that memory, at a price where shapes vary "
+            "(README, Fast modes)")
 
 
 def _quantize_dynamic(model: Any) -> Any:
