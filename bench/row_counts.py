@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.server_proc import rss_mb  # noqa: E402
 from fillmask_server import projection  # noqa: E402
 from fillmask_server.items import Item  # noqa: E402
 from fillmask_server.loading import load_model  # noqa: E402
@@ -37,8 +39,7 @@ TIMED = (33, 65, 129, 257)  # counts that round up (``rounded_up``): 34, 68, 136
 
 def memory_mib() -> tuple[float, float]:
     """(resident, malloc's in use) of this process, in MiB."""
-    resident = next(int(line.split()[1]) / 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                    if line.startswith("VmRSS:"))
+    resident = rss_mb(os.getpid())
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
