@@ -80,6 +80,8 @@ SINGLE_VALUED_HEADERS = ("Host", "Origin", "Authorization", "Upgrade", "Accept",
                          "Sec-WebSocket-Version")
 LOG_INTERVAL_S = 10.0
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,20}$")  # an HTTP method as RFC 9110 §5.6.2 spells it
+#: websockets' refusal of a request line whose version is well-formed (RFC 9112 §2.3) but neither 1.1 nor 1.0.
+_OTHER_VERSION = re.compile(r"^unsupported protocol\b.*: \S+ \S+ HTTP/[0-9]\.[0-9]$")
 
 TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or as one query "
               "parameter ?token=TOKEN, URL-encoded (a + in it as %2B)")
@@ -300,6 +302,10 @@ class HttpFront:
             status, message = 431, "the request has too many headers; send fewer"
         elif isinstance(cause, EOFError) and connection.protocol.reader.eof:
             return None  # (an EOFError without the end of the stream: a line ended by a bare LF, a 400)
+        elif isinstance(cause, ValueError) and _OTHER_VERSION.match(str(cause)):
+            # RFC 9110 §15.6.6 (a minor version above 1.1 too: websockets parses 1.1 and 1.0 alone).
+            status, message = 505, ("this server speaks HTTP/1.1 (and answers HTTP/1.0), not the request's version; "
+                                    "send 'GET /path HTTP/1.1'")
         elif isinstance(cause, NotImplementedError) or "body" in str(cause):
             status, message = 400, "requests with a body are not accepted; this server answers GET and HEAD"
         else:

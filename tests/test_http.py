@@ -403,7 +403,12 @@ async def test_requests_websockets_cannot_parse_are_answered_in_json(server: Fil
         ("GET / HTTP/1.1\r\n" + host + "".join(f"X-{i}: {i}\r\n" for i in range(200)) + "\r\n", 431,
          "too many headers"),
         ("HELLO\r\n\r\n", 400, "not valid HTTP/1.1"),
-        (f"GET / HTTP/2.0\r\n{host}\r\n", 400, "not valid HTTP/1.1"),
+        # Another version, well-formed: 505 (RFC 9110 §15.6.6), an h2c preface among them; a malformed one: 400.
+        (f"GET / HTTP/2.0\r\n{host}\r\n", 505, "speaks HTTP/1.1"),
+        (f"GET /healthz HTTP/1.2\r\n{host}\r\n", 505, "speaks HTTP/1.1"),
+        ("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505, "speaks HTTP/1.1"),
+        (f"GET /healthz HTTP/1.10\r\n{host}\r\n", 400, "not valid HTTP/1.1"),
+        (f"GET /healthz http/1.1\r\n{host}\r\n", 400, "not valid HTTP/1.1"),
         (f"GET / HTTP/1.1\r\n{host}Bad Header: x\r\n\r\n", 400, "not valid HTTP/1.1"),
         (f"GET /healthz HTTP/1.1\r\n{host}Transfer-Encoding: chunked\r\n\r\n", 400, "body"),
         # Lines ended by a bare LF (found by a fuzz run: the server hung up without a word)
