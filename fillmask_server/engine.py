@@ -127,7 +127,7 @@ class Engine:
                  on_batch: BatchObserver | None = None, max_result_bytes: int = 1 << 62,
                  memory: AnswerMemory | None = None, cost: CostModel | None = None,
                  threads: ThreadTuner | None = None, on_threads: Callable[[int], None] | None = None,
-                 forward_parts: int = 1, part_threads: int = 1, layouts: list[Layout] | None = None,
+                 forward_parts: int = 1, part_threads: int = 0, layouts: list[Layout] | None = None,
                  second_look: SecondLook | None = None, quiet: QuietLone | None = None) -> None:
         self.model = model
         on_cpu = model.device.type == "cpu"
@@ -139,6 +139,7 @@ class Engine:
         # (all the threads, parts) of the batches it gives that rank.
         self._layouts = layouts if on_cpu and threads is not None else None
         self._fixed_parts = forward_parts if on_cpu else 1  # (parts only share CPU cores)
+        # Each part's threads; in one pass without a tuner, the model thread's count (0: as it finds them).
         self._part_threads = part_threads
         self._quiet = quiet if on_cpu else None  # a lone request after the team's quiet (``layout.QuietLone``)
         self._team_ran_at = -math.inf  # when the model thread's last pass on all of the rule's team ended
@@ -184,7 +185,8 @@ class Engine:
         self.started_at = self._clock()
         most = max((parts for _, parts in self._layouts), default=1) if self._layouts else self._fixed_parts
         if most > 1:
-            self._runner = PartRunner(most - 1, self._part_threads, self.model.set_threads, on_start=name_os_thread)
+            self._runner = PartRunner(most - 1, max(1, self._part_threads), self.model.set_threads,
+                                      on_start=name_os_thread)
         for thread in self._threads:
             thread.start()
 
@@ -292,12 +294,14 @@ class Engine:
 
     def layout(self, threads: int) -> Layout:
         """(all the threads, parts) of a batch the core gives ``threads``: with ``layouts``, its rank's;
-        else that count (0: as they are) in the fixed layout."""
+        else that count in the fixed layout, or without one (0) the fixed layout's own (``part_threads``;
+        0: as they are). A server built around a model it did not load (``FillMaskServer(config,
+        model)``) thus runs on its config's count, which no load set."""
         if self._layouts is not None and threads:
             return self._layouts[threads - 1]
         if self._fixed_parts > 1:
             return self._part_threads * self._fixed_parts, self._fixed_parts
-        return threads, 1
+        return threads or self._part_threads, 1
 
     @property
     def ended(self) -> bool:

@@ -206,3 +206,33 @@ async def test_the_readmes_embedding_example_serves(tiny_config: Config, capsys:
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("serving on ws://127.0.0.1:") and printed[1] == "5", printed
     assert len(served) == 1 and running_threads(served[0]) == []
+
+
+async def test_a_hand_built_server_runs_its_passes_on_the_torch_threads_its_config_names(make_server: Any) -> None:
+    """Left alone for sessions: ``FillMaskServer(Config(torch_threads=1), model)`` said 1 in ``hello``
+    and ran its passes on the process's count (torch's default: one per core). The model thread now
+    takes the count its layout names before its first pass; the process's count is left as it was."""
+    import torch
+
+    process = torch.get_num_threads()
+    for wanted in (1, 2):
+        torch.set_num_threads(3 - wanted)  # the embedding program's own count: another one
+        async with make_server(torch_threads=wanted, calibration_s=0) as server:
+            seen: list[int] = []
+            model = server.model
+            own = model.forward
+
+            def counted(items: Any, own: Any = own, seen: list[int] = seen) -> Any:
+                seen.append(torch.get_num_threads())  # (on the model thread, in its pass)
+                return own(items)
+
+            model.forward = counted
+            try:
+                async with FillMaskClient(server.url) as client:
+                    assert client.hello["engine"]["torch_threads"] == wanted
+                    await client.fill_mask("Paris is the [MASK] of France.")
+            finally:
+                del model.forward  # (the instance's own attribute: the class's method again)
+            assert seen == [wanted], seen
+        assert torch.get_num_threads() == 3 - wanted  # (this thread's: the model thread set its own)
+    torch.set_num_threads(process)
