@@ -54,6 +54,9 @@ ENGINE_STOPPED_RETRY_MS = 1000
 INTAKE_BATCH = 256  # most requests the tokenizer stage takes in one call
 SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
 MODEL_FAILED = "the model failed on this request, also when run alone; other requests are unaffected"
+NOT_NUMBERS = ("the model's scores for this text are not numbers (NaN: its activations overflow on it, as in "
+               "float16 on long texts, or its weights hold NaN); other requests are unaffected; a shorter text may "
+               "be answered")
 
 
 class Admission(enum.Enum):

@@ -66,6 +66,7 @@ from . import intake
 from .batching import BatchPolicy
 from .core import (
     INTAKE_BATCH,
+    NOT_NUMBERS,
     SERVER_FAILED,
     Admission,
     AnswerMemory,
@@ -73,7 +74,7 @@ from .core import (
     Scheduled,
 )
 from .costmodel import CostModel
-from .decode import SequenceDecoder, predictions_json
+from .decode import NotNumbers, SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
 from .layout import Layout, QuietLone, SecondLook, words
@@ -154,6 +155,7 @@ class Engine:
         self.max_result_bytes = max_result_bytes
         self.stats = EngineStats()
         self.decoder = SequenceDecoder(model.decode_tokenizer)
+        self._not_numbers = 0  # texts whose scores were not numbers (the first is logged as a warning)
         self._deliver = deliver
         self._on_batch = on_batch
         self._clock = clock
@@ -616,6 +618,12 @@ class Engine:
                 decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
                 chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, len(work.jobs),
                                     work.padded_tokens, work.batch_id))
+            except NotNumbers:
+                log.log(logging.DEBUG if self._not_numbers else logging.WARNING,
+                        "the model's scores for a text of %d tokens are not numbers (NaN); answering it "
+                        "internal_error (the next such texts are logged at DEBUG)", len(job.input_ids))
+                self._not_numbers += 1
+                chunk.append(Failed(job, NOT_NUMBERS))
             except BaseException as exc:
                 if not intake.request_fault(exc):
                     raise

@@ -109,6 +109,37 @@ async def test_an_input_that_makes_the_model_raise_fails_only_that_request(
         assert srv.engine.alive
 
 
+async def test_a_text_whose_scores_are_not_numbers_fails_alone_with_a_clear_error(
+        base_model: FillMaskModel, make_server_for: Any, reference_pipeline: Any,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A model-bringer's trial: a model whose scores were NaN for some texts only (the load's check runs
+    two short ones) was served with ``"score": null`` (§4's score is a number), which the client then
+    called a malformed frame. Here NaN in the position table's row 100 makes texts of more than 100
+    tokens NaN: such a text gets ``internal_error`` saying so, one warning is logged, and the next text
+    is answered."""
+    weight = base_model.model.base_model.embeddings.position_embeddings.weight
+    saved = weight[100].clone()
+    long_text = "word " * 110 + "[MASK] ."
+    with torch.no_grad():
+        weight[100] = float("nan")
+    try:
+        async with make_server_for(base_model) as srv, session(srv.url) as (ws, _):
+            with caplog.at_level(logging.WARNING, logger="fillmask_server"):
+                failed = [await request(ws, i, long_text) for i in range(2)]
+                answered = await request(ws, "short", TEXT)
+            await assert_answered(srv, 0, 3, ws)
+    finally:
+        with torch.no_grad():
+            weight[100] = saved
+    for frame in failed:
+        assert_clean_internal_error(frame)
+        assert "not numbers" in frame["message"] and "shorter text" in frame["message"], frame
+    assert answered["type"] == "result"
+    assert_same_predictions(answered["predictions"], reference_pipeline(TEXT))
+    said = [r.getMessage() for r in caplog.records if "not numbers" in r.getMessage()]
+    assert len(said) == 1 and "114 tokens" in said[0], said  # (the second at DEBUG)
+
+
 #: Out of memory as torch raises it: its own type; Python's; the CPU allocator's plain RuntimeError; and
 #: a CUDA out-of-memory inside a traced graph, which TorchScript's interpreter raises again as a
 #: RuntimeError quoting it (the server's default, traced path).
