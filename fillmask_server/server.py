@@ -23,6 +23,7 @@ import contextlib
 import enum
 import functools
 import logging
+import os
 import socket
 import ssl
 import sys
@@ -713,6 +714,6 @@ def model_display_name(model: str) -> str:
     """How ``hello`` names the model (§2): a hub id as given, a local directory by its name only, so that
     no client learns the server's file system layout."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve().name
+    if path.is_dir():  # (its own name, not a link's target's: ``/models/current``, not what it points at)
+        return Path(os.path.abspath(path)).name
     return model

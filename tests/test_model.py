@@ -14,6 +14,7 @@ from fillmask_server import batching
 from fillmask_server.items import Item
 from fillmask_server.loading import load_model
 from fillmask_server.model import PACK_WIDTH, FillMaskModel
+from fillmask_server.server import model_display_name
 
 TEXTS = ["Paris is the [MASK] of France.", "The [MASK] sat on the [MASK] all day long, didn't it?",
          "[MASK] is a word.", "A much longer sentence, about the old [MASK] who lived by the river in a small house."]
@@ -535,11 +536,21 @@ def test_a_forward_pass_that_gives_other_bits_once_keeps_the_head_at_the_masks(
     assert any("matched on try 2" in record.getMessage() for record in caplog.records)
 
 
-def test_the_start_up_line_names_the_path(tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_start_up_line_names_the_path_and_a_home_link_loads_under_its_own_name(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A model-bringer's trial: ``FILLMASK_MODEL='~/models/current'`` (no shell to expand it) passed the
+    directory check, then transformers took it for a Hub id and the load failed blaming the files; and
+    ``hello`` named a linked directory by its target's name (``bert-2026-12-01``, not ``current``)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "current").symlink_to(tiny_model_dir)
     with caplog.at_level("INFO", logger="fillmask_server.loading"):
-        load_model(str(tiny_model_dir), "cpu", forward="eager")
+        load_model("~/models/current", "cpu", forward="eager")
     assert any(record.getMessage().endswith("on cpu (float32): forward eager, head at the masks")
                for record in caplog.records), [record.getMessage() for record in caplog.records]
+    assert [model_display_name(name) for name in ("~/models/current", f"{tmp_path}/models/current/",
+                                                  str(tiny_model_dir))] == ["current", "current", "tiny"]
 
 
 def test_deberta_v2_with_its_newer_head_gets_the_head_at_the_masks() -> None:
