@@ -6,6 +6,7 @@ explanation of a library's failure (``explain_load_failure``, reading the warnin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -57,8 +58,10 @@ def check_source(name: str) -> None:
     if name.startswith(("/", "./", "../", "~")):
         raise ModelLoadError(f"cannot load model {name!r}: no such directory; {_HINT}")
     if not _hub_reachable():
+        cached = ("; it is in the local Hugging Face cache: set HF_HUB_OFFLINE=1 to load it from there"
+                  if _in_hub_cache(name) else f"; {_HINT}")
         raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory and the Hugging Face Hub "
-                             f"cannot be reached from here; {_HINT}")
+                             f"cannot be reached from here{cached}")
     if not _in_hub_cache_if_offline(name):
         raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory, and with the Hugging Face "
                              f"Hub off (HF_HUB_OFFLINE) it is not in the local cache either; {_HINT}")
@@ -66,14 +69,20 @@ def check_source(name: str) -> None:
 
 def _in_hub_cache_if_offline(name: str) -> bool:
     """Online: True (the Hub decides). Offline: whether the local cache holds the model's config."""
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import constants
 
-    if not constants.HF_HUB_OFFLINE:
-        return True
+    return not constants.HF_HUB_OFFLINE or _in_hub_cache(name, invalid=True)
+
+
+def _in_hub_cache(name: str, invalid: bool = False) -> bool:
+    """Whether the local Hugging Face cache holds the model's config (``invalid`` for a name that is
+    not a valid repo id: from_pretrained will say so)."""
+    from huggingface_hub import try_to_load_from_cache
+
     try:
         return isinstance(try_to_load_from_cache(name, "config.json"), str)
-    except Exception:  # not a valid repo id: from_pretrained will say so
-        return True
+    except Exception:
+        return invalid
 
 
 def device_problem(exc: BaseException) -> str:
@@ -140,6 +149,30 @@ def _warned_cause(said: Sequence[str]) -> str | None:
     return None
 
 
+def _config_cause(directory: Path, exc: BaseException) -> str | None:
+    """What ``directory``'s config.json says that explains ``exc``, or None: it names Python code of its
+    own (``auto_map``), or a ``model_type`` this version of transformers does not know (whose error
+    the one-line cut would end mid-sentence)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if "auto_map" in config and ("custom code" in str(exc) or "trust_remote_code" in str(exc)):
+        return ("its config.json names Python code of its own (auto_map), which this server never runs: it serves "
+                "the architectures transformers implements; point --model at a checkpoint of one of those")
+    model_type = config.get("model_type")
+    if isinstance(model_type, str):
+        from transformers import CONFIG_MAPPING, __version__
+
+        if model_type not in CONFIG_MAPPING:
+            return (f"its config.json's model_type {model_type!r} is not one transformers {__version__} knows: check "
+                    "the model_type in the config.json of --model's directory, or install a newer transformers "
+                    "(pip install -U transformers)")
+    return None
+
+
 def _unreadable(directory: Path) -> str | None:
     """What in ``directory`` this process may not read, or None. (The safetensors library reports a file
     it may not open as not found: an operator's container user, other than the weights' owner, was told
@@ -168,7 +201,7 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
             return f"cannot load model from directory {name!r}: {unreadable}"
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
-        cause = _warned_cause(said)
+        cause = _warned_cause(said) or _config_cause(path, exc)
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
         cause = first_line(exc)

@@ -349,6 +349,13 @@ def broken_checkpoint(name: str, tmp_path: Path, tiny_model_dir: Path) -> Path:
             (directory / leftover).unlink(missing_ok=True)
         (directory / "tokenizer_config.json").write_text('{"tokenizer_class": "AlbertTokenizer"}')
         (directory / "spiece.model").write_bytes(b"\x00" * 64)
+    elif name in ("custom-code", "unknown-type"):  # a model-bringer's trial: both said "check the files"
+        config = json.loads((directory / "config.json").read_text())
+        config["model_type"] = "fancybert"
+        if name == "custom-code":
+            config["auto_map"] = {"AutoConfig": "configuration_x.XConfig",
+                                  "AutoModelForMaskedLM": "modeling_x.XForMaskedLM"}
+        (directory / "config.json").write_text(json.dumps(config))
     return directory
 
 
@@ -384,6 +391,8 @@ def test_load_failure_is_one_clear_line_and_a_nonzero_exit(tmp_path: Path, tiny_
         # A checkpoint audit: these said "look at the above report" (hidden) and "install tiktoken".
         ("resized", "where its config.json makes it [30722"),  # (the bias, [30722], or the embeddings, [30722, 128])
         ("sentencepiece", "the sentencepiece package is not installed: install it (pip install sentencepiece)"),
+        ("custom-code", "names Python code of its own (auto_map), which this server never runs"),
+        ("unknown-type", "model_type 'fancybert' is not one transformers 5."),  # (and not cut mid-sentence)
     ],
 )
 def test_other_load_failures_are_one_line_naming_the_cause(tmp_path: Path, tiny_model_dir: Path, model: str,

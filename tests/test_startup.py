@@ -68,6 +68,25 @@ def test_a_wrong_model_fails_with_one_line_before_torch_is_imported(tmp_path: Pa
     assert "--model" in lines[0] and result.stdout == ""
 
 
+def test_a_cached_hub_model_with_the_hub_out_of_reach_is_told_where_it_is(tmp_path: Path) -> None:
+    """A model-bringer's trial: with the network down and ``HF_HUB_OFFLINE`` unset, a model in the local
+    Hugging Face cache was refused with no word of the cache (the pipeline retried for minutes)."""
+    repo = tmp_path / "hf" / "hub" / "models--myorg--mybert"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    env = {**ENV, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://hub.invalid"}
+    said: dict[str, str] = {}
+    for model in ("myorg/mybert", "myorg/other"):
+        result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "--model", model, "--port", "0"], cwd=ROOT,
+                                env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+        said[model] = result.stderr
+    assert "cannot be reached" in said["myorg/mybert"] and "set HF_HUB_OFFLINE=1" in said["myorg/mybert"]
+    assert "cannot be reached" in said["myorg/other"] and "HF_HUB_OFFLINE" not in said["myorg/other"]
+
+
 def test_a_port_in_use_fails_before_torch_is_imported(tiny_model_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
