@@ -159,6 +159,10 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     problem = unservable(tokenizer, model, sorted(loading.get("missing_keys") or ()))
     if problem is not None:
         raise ModelLoadError(f"model {name!r} {problem}")
+    if getattr(model.config, "is_decoder", False):
+        log.warning("model %s has is_decoder true in its config.json: each position attends to those before it "
+                    "only, so a mask sees none of the words after it (the pipeline answers the same); a fill-mask "
+                    "checkpoint is saved with is_decoder false", name)
     model = model.to(device).eval()
     unquantized = None
     if dtype == "int8":

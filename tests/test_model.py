@@ -553,6 +553,28 @@ def test_the_start_up_line_names_the_path_and_a_home_link_loads_under_its_own_na
                                                   str(tiny_model_dir))] == ["current", "current", "tiny"]
 
 
+def test_a_checkpoint_saved_as_a_decoder_is_served_with_a_warning_that_says_so(
+        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A model-bringer's trial: a BERT saved with ``is_decoder: true`` attends left to right, so a mask
+    never sees the words after it; transformers' own warning is silenced with its logger, so nothing
+    said so."""
+    import json
+    import shutil
+
+    directory = tmp_path / "decoder"
+    shutil.copytree(tiny_model_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "is_decoder": True}))
+    with caplog.at_level("WARNING", logger="fillmask_server.loading"):
+        model = load_model(str(directory), "cpu", forward="eager")
+    said = [record.getMessage() for record in caplog.records if "is_decoder" in record.getMessage()]
+    assert len(said) == 1 and "a mask sees none of the words after it" in said[0], said
+    before = model.forward([Item(model.tokenize(["the [MASK] sat on the mat ."])[0], 3)])
+    after = model.forward([Item(model.tokenize(["the [MASK] is red , blue and green today ."])[0], 3)])
+    # Left to right: what follows the mask changes nothing.
+    assert before.indices.tolist() == after.indices.tolist() and torch.allclose(before.values, after.values)
+
+
 def test_deberta_v2_with_its_newer_head_gets_the_head_at_the_masks() -> None:
     """``legacy=False``: DeBERTa-v2's ``lm_predictions`` takes the word embeddings as a second argument, so
     no single submodule is the head; running the model's own forward after the encoder finds it all the same."""
