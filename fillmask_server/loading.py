@@ -180,6 +180,10 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     if failure == NOT_NUMBERS and dtype in ("float16", "bfloat16"):  # (an audit: it blamed weights and tokenizer)
         raise ModelLoadError(f"model {name!r} gives scores that are not numbers in {dtype} (its activations "
                              "overflow, or its weights hold NaN); use --dtype float32, or bfloat16 for float16")
+    if failure == NOT_NUMBERS:  # (a trial: it blamed the tokenizer)
+        raise ModelLoadError(f"model {name!r} gives scores that are not numbers on a batch of two short texts with "
+                             "a mask (its weights hold NaN or infinite values?); it cannot serve requests: use a "
+                             "checkpoint whose weights are all numbers")
     if failure is not None:
         raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
                              "cannot serve requests: check that its tokenizer and its weights belong together")

@@ -706,7 +706,8 @@ def odd_bert(tmp_path: Path, name: str, edit: Any) -> Path:
     ("a pad token beyond the embeddings", "pad token '<newpad>' is id 1000"),
     ("an encoder without its head", "has no weights for cls.predictions"),
     ("no token type embeddings", "fails on a batch of two short texts with a mask"),
-    ("NaN weights", "its scores are not numbers"),
+    ("NaN weights", "gives scores that are not numbers on a batch of two short texts with a mask (its weights "
+                    "hold NaN or infinite values?); it cannot serve requests: use a checkpoint whose weights"),
     ("no tokenizer files", "has a tokenizer of 5 special tokens and no others"),
     # A checkpoint audit: these said "check that its tokenizer and its weights belong together", and started.
     ("a float16 overflow", "gives scores that are not numbers in float16 (its activations overflow"),
