@@ -575,6 +575,38 @@ def test_a_checkpoint_saved_as_a_decoder_is_served_with_a_warning_that_says_so(
     assert before.indices.tolist() == after.indices.tolist() and torch.allclose(before.values, after.values)
 
 
+def test_a_pass_whose_scores_are_nan_on_some_inputs_is_traced_where_the_graph_gives_the_same_nan() -> None:
+    """A model-bringer's trial: a model whose scores were NaN on long inputs (NaN in a position row) was
+    run eager, the log blaming the traced graph ("differs from eager PyTorch on inputs of 2 x 512
+    tokens"): NaN is not equal to NaN. The same NaN traced as eager is the same bits; other values,
+    or NaN in other places, still differ."""
+
+    class Scores(torch.nn.Module):
+        def __init__(self, nan_from: int) -> None:
+            super().__init__()
+            self.nan_from = nan_from
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.where(ids >= self.nan_from, torch.full_like(ids, float("nan"), dtype=torch.float),
+                               ids.float() / 7)
+
+    def check(rows: int, width: int, *_: Any, **__: Any) -> tuple[torch.Tensor]:
+        return (torch.arange(rows * width).reshape(rows, width),)
+
+    shapes = [(2, 8, 0, 1), (2, 64, 0, 1)]
+    assert FillMaskModel._traced_and_checked(Scores(100), check, shapes, 1)[1] is None  # NaN in the long one
+    assert FillMaskModel._traced_and_checked(Scores(10_000), check, shapes, 1)[1] is None
+
+    class Moved(Scores):  # traced with NaN from 100, run eager with NaN from 101: another bit pattern
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            out = super().forward(ids)
+            self.nan_from += 1
+            return out
+
+    assert "differs from eager PyTorch on inputs of 2 x 64" in FillMaskModel._traced_and_checked(
+        Moved(100), check, shapes, 1)[1]
+
+
 def test_deberta_v2_with_its_newer_head_gets_the_head_at_the_masks() -> None:
     """``legacy=False``: DeBERTa-v2's ``lm_predictions`` takes the word embeddings as a second argument, so
     no single submodule is the head; running the model's own forward after the encoder finds it all the same."""
