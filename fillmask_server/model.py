@@ -820,33 +820,50 @@ def _head_after_encoder(model: Any, encoder: Any) -> Any:
     """The part of ``model.forward`` after ``encoder``, as a module: hidden states of some positions
     (rows × hidden) in, their logits (rows × vocabulary) out.
 
-    It calls the model's own ``forward`` with the encoder's output given: the encoder's ``forward`` is
-    replaced, for the duration of the call, by one that returns those hidden states as one sequence.
+    It calls the model's own ``forward`` with the encoder's output given: the encoder's ``forward``,
+    during that call and on the calling thread alone, returns those hidden states as one sequence.
     So the head runs as the model's code runs it, whatever its modules are called; ``_check_head``
     verifies that the result is the model's. It registers no submodule (the model's parameters stay
     the model's: nothing is counted twice when traced).
+
+    Invariant: the encoder's ``forward`` gives the hidden states only to the thread whose head call
+    gave them; every other call, on any thread, runs the encoder. (Passes side by side, ``parts.py``,
+    run the encoder on one thread while another runs the head: a replacement of the shared module's
+    ``forward`` for the call gave one thread's hidden states to the other.) So the encoder's instance
+    gets a ``forward`` of its own for good, which runs what it ran before (a hook library's wrapper,
+    if any) unless this thread's head call is under way.
     """
+    import functools
+    import threading
+    import types
+
     import torch
     from transformers.modeling_outputs import BaseModelOutput
+
+    giving = threading.local()  # .given: the hidden states this thread's head call gives the encoder's place
+    # What the encoder's instance ran before: a hook library's own wrapper (or an earlier head's), or its
+    # class's forward, bound. Its signature is the encoder's (``_check_packing`` reads it).
+    before = encoder.__dict__.get("forward") or types.MethodType(type(encoder).forward, encoder)
+
+    @functools.wraps(before)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        given = getattr(giving, "given", None)
+        return given if given is not None else before(*args, **kwargs)
+
+    encoder.forward = forward
 
     class HeadAfterEncoder(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self._owner = (model, encoder)  # a tuple: not registered as submodules
+            self._owner = (model,)  # a tuple: not registered as a submodule
 
         def forward(self, hidden: Any) -> Any:
-            whole, inner = self._owner
-            given = BaseModelOutput(last_hidden_state=hidden.unsqueeze(0))
             placeholder = torch.zeros(1, hidden.shape[0], dtype=torch.long, device=hidden.device)
-            wrapped = inner.__dict__.get("forward")  # a hook library's own wrapper, if any: put back after
-            inner.forward = lambda *args, **kwargs: given
+            giving.given = BaseModelOutput(last_hidden_state=hidden.unsqueeze(0))
             try:
-                output = whole(input_ids=placeholder)
+                output = self._owner[0](input_ids=placeholder)
             finally:
-                if wrapped is None:
-                    del inner.forward
-                else:
-                    inner.forward = wrapped
+                giving.given = None
             logits = output.logits if hasattr(output, "logits") else output[0]
             return logits[0]
 

@@ -844,3 +844,35 @@ def test_the_attention_switch_leaves_one_kernel_and_a_cpu_load_leaves_torch_as_i
     finally:
         backends.enable_cudnn_sdp(True)
         backends.enable_flash_sdp(True)
+
+
+def test_eager_passes_on_two_threads_at_once_each_get_their_own_answers(eager: FillMaskModel) -> None:
+    """A review's find: the eager head ran the model's own ``forward`` with the encoder's ``forward``
+    replaced on the shared module for the call, so two passes at once (the parts side by side that the
+    calibration times and the engine runs) took each other's hidden states: an IndexError at start-up
+    with ``--forward eager`` on two cores, or another text's answers. The replacement is now per thread."""
+    import threading
+
+    texts = {"short": "Paris is the [MASK] of France.",
+             "long": "the [MASK] sat on the mat while the rain kept falling on the roof all night ."}
+    items = {name: [Item(ids, 5) for ids in eager.tokenize([text] * 3)] for name, text in texts.items()}
+    alone = {name: eager.forward(batch).values.tolist() for name, batch in items.items()}
+    wrong: list[str] = []
+
+    def run(name: str) -> None:
+        for _ in range(60):
+            try:
+                got = eager.forward(items[name]).values.tolist()
+            except Exception as exc:  # (the old replacement's IndexError, among others)
+                wrong.append(f"{name}: {type(exc).__name__}")
+                return
+            if got != alone[name]:
+                wrong.append(f"{name}: another text's answers")
+                return
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
