@@ -30,7 +30,6 @@ sequences; any difference (an unknown tokenizer, a new library version) turns it
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -233,17 +232,11 @@ class SequenceDecoder:
         return None
 
 
-class NotNumbers(ValueError):
-    """The model's scores for a text are not numbers (NaN): JSON would carry them as ``null``."""
-
-
 def predictions(decoder: SequenceDecoder, item: Item, topk: TopK, i: int) -> Any:
     """The pipeline's output for item ``i`` of a batch: a list of candidates, or one list per mask.
-    Raises ``NotNumbers`` where a score is NaN or infinite (a model whose activations overflow on some
-    texts: the load's check runs two short ones), so that no answer carries a score that is not one."""
+    (Scores that are not numbers would be JSON's ``null``: the engine answers such an item
+    ``internal_error`` first, ``TopK.numbers``.)"""
     positions, scores, tokens = topk.candidates(i, item)
-    if not math.isfinite(sum(map(sum, scores))):  # (one NaN makes the sum NaN; probabilities sum to little)
-        raise NotNumbers
     single = len(positions) == 1
     out = []
     for position, row_scores, row_tokens in zip(positions, scores, tokens, strict=True):

@@ -74,7 +74,7 @@ from .core import (
     Scheduled,
 )
 from .costmodel import CostModel
-from .decode import NotNumbers, SequenceDecoder, predictions_json
+from .decode import SequenceDecoder, predictions_json
 from .items import Item, TopK
 from .jobs import Failed, Job, Outcome, Result, Stopped
 from .layout import Layout, QuietLone, SecondLook, words
@@ -93,6 +93,10 @@ BatchObserver = Callable[[int, int, int, list[float], float], None]
 HAND_OVER_S = 0.002  # the decode stage hands results over at least this often while it works on a batch
 ROOM_RECHECK_S = 0.02  # how often the model thread looks again when every queued request waits for answer room
 DECODE_BACKLOG = 2  # the model thread runs at most this many batches ahead of the decode stage
+
+
+class _NotNumbers(Exception):
+    """A text's scores are not numbers (``TopK.numbers``): it is answered ``NOT_NUMBERS``."""
 
 
 @dataclass
@@ -614,11 +618,13 @@ class Engine:
             _, _, job, n, topk, work = heapq.heappop(heap)
             try:
                 item = Item(job.input_ids, job.request.top_k, job.target_ids)
+                if not topk.numbers(n, item):
+                    raise _NotNumbers
                 data = predictions_json(self.decoder, item, topk, n)
                 decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
                 chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, len(work.jobs),
                                     work.padded_tokens, work.batch_id))
-            except NotNumbers:
+            except _NotNumbers:
                 log.log(logging.DEBUG if self._not_numbers else logging.WARNING,
                         "the model's scores for a text of %d tokens are not numbers (NaN); answering it "
                         "internal_error (the next such texts are logged at DEBUG)", len(job.input_ids))

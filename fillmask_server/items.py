@@ -44,6 +44,24 @@ class TopK:
     plain_rows: dict[int, int] | None = None
     targeted: dict[int, tuple[Any, Any]] | None = None
     lists: tuple[list[list[float]], list[list[int]]] | None = field(default=None, repr=False, compare=False)
+    all_numbers: bool | None = field(default=None, repr=False, compare=False)  # (``numbers``: once per batch)
+
+    def numbers(self, i: int, item: Item) -> bool:
+        """Whether item ``i``'s scores are all numbers (none NaN or infinite, as a model whose activations
+        overflow on some texts gives): one look at the whole batch's tensors, item by item only in a batch
+        where that look found some that are not."""
+        if self.all_numbers is None:
+            tensors = [self.values] if self.values is not None else []
+            tensors += [values for values, _ in (self.targeted or {}).values()]
+            self.all_numbers = all(bool(tensor.isfinite().all()) for tensor in tensors)
+        if self.all_numbers:
+            return True
+        if self.targeted is not None and i in self.targeted:
+            return bool(self.targeted[i][0].isfinite().all())
+        assert self.plain_rows is not None and self.values is not None
+        first, last = self.spans[i]
+        row = self.plain_rows[i]
+        return bool(self.values[row: row + last - first, :item.top_k].isfinite().all())
 
     def candidates(self, i: int, item: Item) -> tuple[list[int], list[list[float]], list[list[int]]]:
         """Item ``i``'s mask positions, and per mask its scores and token ids, best first (Python lists)."""
