@@ -605,6 +605,12 @@ def test_a_pass_whose_scores_are_nan_on_some_inputs_is_traced_where_the_graph_gi
 
     assert "differs from eager PyTorch on inputs of 2 x 64" in FillMaskModel._traced_and_checked(
         Moved(100), check, shapes, 1)[1]
+    from fillmask_server.model import _same_bits
+
+    nan, inf = float("nan"), float("inf")
+    assert _same_bits(torch.tensor([nan, inf, 1.0]), torch.tensor([nan, inf, 1.0]))
+    assert not _same_bits(torch.tensor([inf]), torch.tensor([torch.finfo(torch.float32).max]))
+    assert not _same_bits(torch.tensor([nan, 1.0]), torch.tensor([1.0, nan]))
 
 
 def test_deberta_v2_with_its_newer_head_gets_the_head_at_the_masks() -> None:
