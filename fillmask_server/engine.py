@@ -462,8 +462,11 @@ class Engine:
             self.stats.quiet_lone += 1
         if count and count != self._threads_set:
             self.model.set_threads(count)
+            # (untuned, the first batch's count is the one the server set everything else for at start:
+            # only a change of count is news to it)
+            told = self._threads_set or self._layouts is not None
             self._threads_set = count
-            if self._on_threads is not None:
+            if self._on_threads is not None and told:
                 self._on_threads(count)
         forward_at = self._clock()  # (the rule compares forward passes alone, as the calibration timed them)
         if runner is None or len(parts) == 1:

@@ -111,6 +111,20 @@ async def test_two_servers_stopped_in_either_order_put_the_switch_interval_back(
         sys.setswitchinterval(before)
 
 
+async def test_the_first_batch_of_an_earlier_server_leaves_the_latest_servers_switch_interval(
+        make_server: Any) -> None:
+    """A review's find: once an untuned server's model thread set its count at its first batch, it also
+    set the switch interval for it, over that of a server started later (README: the latest started of
+    those still serving holds it)."""
+    async with make_server(torch_threads=1, calibration_s=0) as first, \
+            make_server(torch_threads=2, calibration_s=0):
+        latest = sys.getswitchinterval()
+        async with session(first.url) as (ws, _):
+            await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK]"})
+            assert (await recv(ws))["type"] == "result"
+        assert sys.getswitchinterval() == latest
+
+
 async def test_a_drain_during_start_waits_for_it_then_closes_the_port(tiny_config: Config, make_server: Any) -> None:
     """A review: a drain while start() awaited its listening socket found none to close, and the port
     then listened for good, with the engine stopped."""
@@ -211,28 +225,30 @@ async def test_the_readmes_embedding_example_serves(tiny_config: Config, capsys:
 async def test_a_hand_built_server_runs_its_passes_on_the_torch_threads_its_config_names(make_server: Any) -> None:
     """Left alone for sessions: ``FillMaskServer(Config(torch_threads=1), model)`` said 1 in ``hello``
     and ran its passes on the process's count (torch's default: one per core). The model thread now
-    takes the count its layout names before its first pass; the process's count is left as it was."""
+    takes the count its layout names before its first pass; this thread's count is left as it was."""
     import torch
 
     process = torch.get_num_threads()
-    for wanted in (1, 2):
-        torch.set_num_threads(3 - wanted)  # the embedding program's own count: another one
-        async with make_server(torch_threads=wanted, calibration_s=0) as server:
-            seen: list[int] = []
-            model = server.model
-            own = model.forward
+    try:
+        for wanted in (1, 2):
+            torch.set_num_threads(3 - wanted)  # the embedding program's own count: another one
+            async with make_server(torch_threads=wanted, calibration_s=0) as server:
+                seen: list[int] = []
+                model = server.model
+                own = model.forward
 
-            def counted(items: Any, own: Any = own, seen: list[int] = seen) -> Any:
-                seen.append(torch.get_num_threads())  # (on the model thread, in its pass)
-                return own(items)
+                def counted(items: Any, own: Any = own, seen: list[int] = seen) -> Any:
+                    seen.append(torch.get_num_threads())  # (on the model thread, in its pass)
+                    return own(items)
 
-            model.forward = counted
-            try:
-                async with FillMaskClient(server.url) as client:
-                    assert client.hello["engine"]["torch_threads"] == wanted
-                    await client.fill_mask("Paris is the [MASK] of France.")
-            finally:
-                del model.forward  # (the instance's own attribute: the class's method again)
-            assert seen == [wanted], seen
-        assert torch.get_num_threads() == 3 - wanted  # (this thread's: the model thread set its own)
-    torch.set_num_threads(process)
+                model.forward = counted
+                try:
+                    async with FillMaskClient(server.url) as client:
+                        assert client.hello["engine"]["torch_threads"] == wanted
+                        await client.fill_mask("Paris is the [MASK] of France.")
+                finally:
+                    del model.forward  # (the instance's own attribute: the class's method again)
+                assert seen == [wanted], seen
+            assert torch.get_num_threads() == 3 - wanted  # (this thread's: the model thread set its own)
+    finally:
+        torch.set_num_threads(process)
