@@ -81,7 +81,7 @@ SINGLE_VALUED_HEADERS = ("Host", "Origin", "Authorization", "Upgrade", "Accept",
 LOG_INTERVAL_S = 10.0
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,20}$")  # an HTTP method as RFC 9110 §5.6.2 spells it
 #: websockets' refusal of a request line whose version is well-formed (RFC 9112 §2.3) but neither 1.1 nor 1.0.
-_OTHER_VERSION = re.compile(r"^unsupported protocol\b.*: \S+ \S+ HTTP/[0-9]\.[0-9]$")
+_OTHER_VERSION = re.compile(r"^unsupported protocol;[^:]*: \S+ \S+ HTTP/[0-9]\.[0-9]$")
 
 TOKEN_HELP = ("missing or wrong token; send it as the header 'Authorization: Bearer TOKEN' or as one query "
               "parameter ?token=TOKEN, URL-encoded (a + in it as %2B)")
@@ -306,7 +306,7 @@ class HttpFront:
             # RFC 9110 §15.6.6 (a minor version above 1.1 too: websockets parses 1.1 and 1.0 alone).
             status, message = 505, ("this server speaks HTTP/1.1 (and answers HTTP/1.0), not the request's version; "
                                     "send 'GET /path HTTP/1.1'")
-        elif isinstance(cause, NotImplementedError) or "body" in str(cause):
+        elif isinstance(cause, NotImplementedError) or str(cause) == "unsupported request body":
             status, message = 400, "requests with a body are not accepted; this server answers GET and HEAD"
         else:
             status, message = 400, ("the request is not valid HTTP/1.1 (its request line or a header line is "
