@@ -306,7 +306,7 @@ class Engine:
         if self._layouts is not None and threads:
             return self._layouts[threads - 1]
         if self._fixed_parts > 1:
-            return self._part_threads * self._fixed_parts, self._fixed_parts
+            return max(1, self._part_threads) * self._fixed_parts, self._fixed_parts
         return threads or self._part_threads, 1
 
     @property
