@@ -6,6 +6,7 @@ targets map to no token. No torch: the tensors come in from ``model``, and the c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,20 +49,27 @@ class TopK:
 
     def numbers(self, i: int, item: Item) -> bool:
         """Whether item ``i``'s scores are all numbers (none NaN or infinite, as a model whose activations
-        overflow on some texts gives): one look at the whole batch's tensors, item by item only in a batch
-        where that look found some that are not."""
+        overflow on some texts gives): one sum over the batch's lists (which ``candidates`` makes anyway),
+        item by item only in a batch where that sum is not a number. (No torch operation: the decode
+        stage's CPU is the server's, and small tensor operations there cost more than these sums.)"""
+        if self.targeted is not None and i in self.targeted:
+            return math.isfinite(sum(map(sum, self.targeted[i][0].tolist())))
+        values = self._lists()[0]
         if self.all_numbers is None:
-            tensors = [self.values] if self.values is not None else []
-            tensors += [values for values, _ in (self.targeted or {}).values()]
-            self.all_numbers = all(bool(tensor.isfinite().all()) for tensor in tensors)
+            self.all_numbers = math.isfinite(sum(map(sum, values)))
         if self.all_numbers:
             return True
-        if self.targeted is not None and i in self.targeted:
-            return bool(self.targeted[i][0].isfinite().all())
-        assert self.plain_rows is not None and self.values is not None
+        assert self.plain_rows is not None
         first, last = self.spans[i]
         row = self.plain_rows[i]
-        return bool(self.values[row: row + last - first, :item.top_k].isfinite().all())
+        return math.isfinite(sum(sum(line[:item.top_k]) for line in values[row: row + last - first]))
+
+    def _lists(self) -> tuple[list[list[float]], list[list[int]]]:
+        """The shared top-k as Python lists: one conversion per batch, not three tensor operations per item."""
+        if self.lists is None:
+            assert self.values is not None and self.indices is not None
+            self.lists = (self.values.tolist(), self.indices.tolist())
+        return self.lists
 
     def candidates(self, i: int, item: Item) -> tuple[list[int], list[list[float]], list[list[int]]]:
         """Item ``i``'s mask positions, and per mask its scores and token ids, best first (Python lists)."""
@@ -71,10 +79,8 @@ class TopK:
             values, picks = self.targeted[i]
             targets = item.target_ids or ()
             return positions, values.tolist(), [[targets[p] for p in row] for row in picks.tolist()]
-        assert self.plain_rows is not None and self.values is not None
-        if self.lists is None:  # one conversion per batch, not three tensor operations per item
-            self.lists = (self.values.tolist(), self.indices.tolist())
-        values, indices = self.lists
+        assert self.plain_rows is not None
+        values, indices = self._lists()
         row = self.plain_rows[i]
         count = last - first
         top_k = item.top_k
