@@ -35,10 +35,12 @@ _HINT = ("point --model at a local directory holding config.json, the weights an
          "models/tiny)")
 
 
-def check_source(name: str) -> None:
+def check_source(name: str) -> str:
     """The checks of ``--model`` that need no torch, or raise ``ModelLoadError``: a local directory must
     hold config.json; a path-like name must be a directory; any other name is a Hub model id, which
-    needs the Hub in reach, or (offline) a copy in the local cache."""
+    needs the Hub in reach, or (offline) a copy in the local cache. Returns the name to load: a
+    directory's with ``~`` expanded (a value no shell expanded, from an environment variable or a
+    container's argument, which transformers would take for a Hub id), else ``name``."""
     path = Path(name).expanduser()
     try:
         if path.is_dir():
@@ -47,7 +49,7 @@ def check_source(name: str) -> None:
                 raise ModelLoadError(f"cannot load model from directory {name!r}: {unreadable}")
             if not (path / "config.json").is_file():
                 raise ModelLoadError(f"cannot load model from directory {name!r}: it has no config.json; {_HINT}")
-            return
+            return os.path.expanduser(name)
         exists = path.exists()
     except PermissionError:  # (a directory on its way this process may not search)
         raise ModelLoadError(f"cannot load model {name!r}: this process (uid {os.getuid()}) may not reach it (a "
@@ -65,6 +67,7 @@ def check_source(name: str) -> None:
     if not _in_hub_cache_if_offline(name):
         raise ModelLoadError(f"cannot load model {name!r}: it is not a local directory, and with the Hugging Face "
                              f"Hub off (HF_HUB_OFFLINE) it is not in the local cache either; {_HINT}")
+    return name
 
 
 def _in_hub_cache_if_offline(name: str) -> bool:

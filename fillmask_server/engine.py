@@ -95,10 +95,6 @@ ROOM_RECHECK_S = 0.02  # how often the model thread looks again when every queue
 DECODE_BACKLOG = 2  # the model thread runs at most this many batches ahead of the decode stage
 
 
-class _NotNumbers(Exception):
-    """A text's scores are not numbers (``TopK.numbers``): it is answered ``NOT_NUMBERS``."""
-
-
 @dataclass
 class EngineStats:
     """Counters read by tests and logs; each written under the engine's lock, or by one stage thread only
@@ -621,18 +617,17 @@ class Engine:
             _, _, job, n, topk, work = heapq.heappop(heap)
             try:
                 item = Item(job.input_ids, job.request.top_k, job.target_ids)
-                if not topk.numbers(n, item):
-                    raise _NotNumbers
-                data = predictions_json(self.decoder, item, topk, n)
-                decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
-                chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms, len(work.jobs),
-                                    work.padded_tokens, work.batch_id))
-            except _NotNumbers:
-                log.log(logging.DEBUG if self._not_numbers else logging.WARNING,
-                        "the model's scores for a text of %d tokens are not numbers (NaN); answering it "
-                        "internal_error (the next such texts are logged at DEBUG)", len(job.input_ids))
-                self._not_numbers += 1
-                chunk.append(Failed(job, NOT_NUMBERS))
+                if topk.numbers(n, item):
+                    data = predictions_json(self.decoder, item, topk, n)
+                    decoded_bytes += job.result_bytes  # priced per byte of the bound that costs are made of
+                    chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms,
+                                        len(work.jobs), work.padded_tokens, work.batch_id))
+                else:
+                    log.log(logging.DEBUG if self._not_numbers else logging.WARNING,
+                            "the model's scores for a text of %d tokens are not numbers (NaN); answering it "
+                            "internal_error (the next such texts are logged at DEBUG)", len(job.input_ids))
+                    self._not_numbers += 1
+                    chunk.append(Failed(job, NOT_NUMBERS))
             except BaseException as exc:
                 if not intake.request_fault(exc):
                     raise

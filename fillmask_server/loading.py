@@ -68,11 +68,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     if forward not in CHOICES["forward"] or projection not in CHOICES["projection"] or threads < 0:
         raise ModelLoadError(f"cannot load with forward={forward!r}, projection={projection!r}, threads={threads}: "
                              "forward is traced or eager, projection auto or torch, threads 0 or more")
-    check_source(name)
-    if name.startswith("~") and os.path.isdir(os.path.expanduser(name)):
-        # A value no shell expanded (an environment variable, a container's argument), which check_source
-        # found as a directory: transformers would take it for a Hub id.
-        name = os.path.expanduser(name)
+    name = check_source(name)
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
     progress("torch import and device check")
