@@ -101,7 +101,7 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
                        "knows but the model has no embedding for; leave it out")
     if len(ids) > model.max_tokens:
         return Refusal("text_too_long", f"the text is {len(ids)} tokens long; this model accepts at most "
-                       f"{model.max_tokens}; shorten it")
+                       f"{model.max_tokens} ({model.max_tokens_source}); shorten it")
     masks = ids.count(model.mask_token_id)
     if masks == 0:
         return Refusal("no_mask", f"the text has no {model.mask_token} token after tokenizing; write "

@@ -169,9 +169,9 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     del unquantized
     shortest = len(loaded.tokenize([loaded.mask_token])[0])
     if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)
-        raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens (its tokenizer's "
-                             f"model_max_length, or its position table), and a text of one mask takes {shortest}: "
-                             "no request could run; fix model_max_length in its tokenizer_config.json")
+        raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens "
+                             f"({loaded.max_tokens_source}), and a text of one mask takes {shortest}: "
+                             "no request could run; fix that limit")
     failure = loaded.fails_a_batch()
     if failure == NOT_NUMBERS and dtype in ("float16", "bfloat16"):  # (an audit: it blamed weights and tokenizer)
         raise ModelLoadError(f"model {name!r} gives scores that are not numbers in {dtype} (its activations "
