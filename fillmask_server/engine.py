@@ -155,7 +155,7 @@ class Engine:
         self.max_result_bytes = max_result_bytes
         self.stats = EngineStats()
         self.decoder = SequenceDecoder(model.decode_tokenizer)
-        self._not_numbers = 0  # texts whose scores were not numbers (the first is logged as a warning)
+        self.not_numbers = 0  # texts whose scores were not numbers (the first is logged as a warning; /metrics)
         self._deliver = deliver
         self._on_batch = on_batch
         self._clock = clock
@@ -623,10 +623,10 @@ class Engine:
                     chunk.append(Result(job, data, (job.started - job.arrival) * 1000, work.inference_ms,
                                         len(work.jobs), work.padded_tokens, work.batch_id))
                 else:
-                    log.log(logging.DEBUG if self._not_numbers else logging.WARNING,
+                    log.log(logging.DEBUG if self.not_numbers else logging.WARNING,
                             "the model's scores for a text of %d tokens are not numbers (NaN); answering it "
                             "internal_error (the next such texts are logged at DEBUG)", len(job.input_ids))
-                    self._not_numbers += 1
+                    self.not_numbers += 1
                     chunk.append(Failed(job, NOT_NUMBERS))
             except BaseException as exc:
                 if not intake.request_fault(exc):

@@ -42,6 +42,7 @@ class LiveValues:
     engine_busy_seconds: Callable[[], float]
     engine_uptime_seconds: Callable[[], float]
     engine_alive: Callable[[], bool]
+    scores_not_numbers: Callable[[], int] = lambda: 0
 
 
 class _LiveCollector:
@@ -73,6 +74,9 @@ class _LiveCollector:
                               "it spent running batches.", value=ratio),
             GaugeMetricFamily("fillmask_engine_up", "1 while the engine thread runs, 0 once it stopped.",
                               value=None if live is None else float(live.engine_alive())),
+            CounterMetricFamily("fillmask_scores_not_numbers", "Requests answered internal_error because the "
+                                "model's scores for their text were not numbers (NaN).",
+                                value=live.scores_not_numbers() if live else None),
         ]
 
 

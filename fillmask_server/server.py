@@ -199,6 +199,7 @@ class FillMaskServer:
             engine_busy_seconds=lambda: self.engine.stats.busy_s,
             engine_uptime_seconds=lambda: time.monotonic() - self.engine.started_at,
             engine_alive=lambda: self.engine.alive,
+            scores_not_numbers=lambda: self.engine.not_numbers,
         ), engine=model.engine_facts())
         self.stats = LiveStats()
         self.unsent = UnsentBytes()

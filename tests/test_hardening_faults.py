@@ -115,9 +115,9 @@ async def test_a_text_whose_scores_are_not_numbers_fails_alone_with_a_clear_erro
     """A model-bringer's trial: a model whose scores were NaN for some texts only (the load's check runs
     two short ones) was served with ``"score": null`` (§4's score is a number), which the client then
     called a malformed frame. Here NaN in the position table's row 30 makes texts of more than 30
-    tokens NaN: such a text gets ``internal_error`` saying so, one warning is logged, and the next text
-    is answered. A start-up calibration, whose batches are that long, still completes (a review's find:
-    a first version of the check made it raise)."""
+    tokens NaN: such a text gets ``internal_error`` saying so, one warning is logged, each is counted in
+    ``/metrics``, and the next text is answered. A start-up calibration, whose batches are that long,
+    still completes (a review's find: a first version of the check made it raise)."""
     from fillmask_server.calibration import calibrate
 
     weight = base_model.model.base_model.embeddings.position_embeddings.weight
@@ -133,6 +133,7 @@ async def test_a_text_whose_scores_are_not_numbers_fails_alone_with_a_clear_erro
                 failed = [await request(ws, i, long_text) for i in range(2)]
                 answered = await request(ws, "short", TEXT)
             await assert_answered(srv, 0, 3, ws)
+            not_numbers = srv.metrics.registry.get_sample_value("fillmask_scores_not_numbers_total")
     finally:
         with torch.no_grad():
             weight[30] = saved
@@ -144,6 +145,7 @@ async def test_a_text_whose_scores_are_not_numbers_fails_alone_with_a_clear_erro
     assert_same_predictions(answered["predictions"], reference_pipeline(TEXT))
     said = [r.getMessage() for r in caplog.records if "not numbers" in r.getMessage()]
     assert len(said) == 1 and "114 tokens" in said[0], said  # (the second at DEBUG)
+    assert not_numbers == 2  # (counted for operators: the log says so once)
 
 
 #: Out of memory as torch raises it: its own type; Python's; the CPU allocator's plain RuntimeError; and

@@ -87,6 +87,7 @@ async def test_every_outcome_batches_and_live_values(make_server: Any) -> None:
         assert samples[("fillmask_queue_wait_seconds_bucket", (("le", "+Inf"),))] == 2
         assert samples[("fillmask_queue_depth", ())] == 0
         assert samples[("fillmask_engine_up", ())] == 1
+        assert samples[("fillmask_scores_not_numbers_total", ())] == 0  # there from the start
         assert 0 < samples[("fillmask_engine_busy_seconds_total", ())] <= samples[
             ("fillmask_inference_seconds_sum", ())] + 0.01
         assert 0 < samples[("fillmask_engine_busy_ratio", ())] < 1
