@@ -30,6 +30,49 @@ def first_line(exc: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
+#: The oldest release of each library the server works with, as pyproject.toml declares it (a trial
+#: tried older ones: transformers before 5.3 fails to load some families, to decode for some tokenizers,
+#: or to load at all; websockets before 17.4 lets a message through in any number of fragments, §1).
+OLDEST = {"transformers": (5, 3), "websockets": (17, 4)}
+
+
+def release(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: ``"5.3.0.dev0"`` is (5, 3, 0), ``"17.4rc1"`` (17, 4);
+    (0,) for a string that starts with none."""
+    numbers = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(part) for part in numbers[0].split(".")) if numbers else (0,)
+
+
+def too_old(installed: dict[str, str | None]) -> str | None:
+    """One line naming each library of ``installed`` (name -> its version, None: not installed) that
+    is older than ``OLDEST`` allows, with the pip command that fixes it; None when none is. A server
+    run from a checkout in an environment of its own (not installed by pip, which keeps the floors)
+    failed with some library's own error far from the cause, or served one family wrongly."""
+    old = [f"{name} {version}" for name, version in installed.items()
+           if version is not None and name in OLDEST and release(version) < OLDEST[name]]
+    if not old:
+        return None
+    wanted = " ".join(f"'{name}>={'.'.join(map(str, OLDEST[name]))}'" for name, version in installed.items()
+                      if version is not None and name in OLDEST and release(version) < OLDEST[name])
+    return (f"{' and '.join(old)} {'is' if len(old) == 1 else 'are'} older than this server works with "
+            f"(pyproject.toml): upgrade with pip install {wanted}")
+
+
+def check_libraries() -> None:
+    """``too_old`` for the libraries installed now, as ``ModelLoadError``; reads their metadata only."""
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    line = too_old({name: version(name) for name in OLDEST})
+    if line:
+        raise ModelLoadError(line)
+
+
 _HINT = ("point --model at a local directory holding config.json, the weights and the tokenizer files "
          f"(make an offline test model with: {shlex.quote(sys.executable)} -m fillmask_server.checkpoint tiny "
          "models/tiny)")

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from .config import CHOICES
 from .diagnosis import (
     ModelLoadError,
+    check_libraries,
     check_source,
     device_problem,
     explain_load_failure,
@@ -41,10 +42,11 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
                announce: bool = True, projection: str = "auto") -> FillMaskModel:
     """Load tokenizer and masked-LM model once; raise ``ModelLoadError`` with one readable line.
 
-    ``check_source`` runs first, on the caller's thread and before torch is imported, so a wrong
-    ``name`` fails without waiting for torch. ``progress``, when given, is called as each stage starts,
-    with one short line: first, at once, ``loading NAME on DEVICE, DTYPE`` (``auto`` is not resolved
-    yet: that needs torch), then the name of each stage (``fillmask_server.startup`` prints them).
+    ``check_libraries`` and ``check_source`` run first, on the caller's thread and before torch is
+    imported, so a library too old or a wrong ``name`` fails without waiting for torch. ``progress``,
+    when given, is called as each stage starts, with one short line: first, at once, ``loading NAME on
+    DEVICE, DTYPE`` (``auto`` is not resolved yet: that needs torch), then the name of each stage
+    (``fillmask_server.startup`` prints them).
     ``announce``: log the ``loaded NAME on DEVICE (DTYPE): ...`` line and the load's choices (the output
     projection's kernel, padded rows) at INFO (not for a copy loaded to compare: at DEBUG).
     ``projection``: ``auto`` (the output projection's kernel measured at load, ``projection.py``) or
@@ -68,6 +70,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     if forward not in CHOICES["forward"] or projection not in CHOICES["projection"] or threads < 0:
         raise ModelLoadError(f"cannot load with forward={forward!r}, projection={projection!r}, threads={threads}: "
                              "forward is traced or eager, projection auto or torch, threads 0 or more")
+    check_libraries()
     name = check_source(name)
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")

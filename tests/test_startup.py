@@ -87,6 +87,49 @@ def test_a_cached_hub_model_with_the_hub_out_of_reach_is_told_where_it_is(tmp_pa
     assert "cannot be reached" in said["myorg/other"] and "HF_HUB_OFFLINE" not in said["myorg/other"]
 
 
+def fake_distribution(where: Path, name: str, version: str) -> None:
+    """Installed-package metadata for ``name`` at ``version`` in ``where`` (no code: what
+    ``importlib.metadata`` reads when ``where`` comes first on the path)."""
+    info = where / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_a_library_older_than_the_server_works_with_is_named_before_torch_is_imported(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A trial of the declared floors: pyproject.toml said transformers>=4.45, on which every load failed
+    with "unexpected keyword argument 'dtype'"; on 4.56 to 5.2 some families failed or were served
+    without packed rows; websockets before 17.4 takes a message in any number of fragments (§1). Here
+    the process finds metadata saying transformers 4.57.6 and websockets 17.3 first on its path."""
+    fake_distribution(tmp_path, "transformers", "4.57.6")
+    fake_distribution(tmp_path, "websockets", "17.3")
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "--model", str(tiny_model_dir), "--port", "0"],
+                            cwd=ROOT, env={**ENV, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "error: transformers 4.57.6 and websockets 17.3 are older than this server works with (pyproject.toml): "
+        "upgrade with pip install 'transformers>=5.3' 'websockets>=17.4'"]
+
+
+def test_the_start_up_floors_are_pyproject_toml_s() -> None:
+    """The floors ``check_libraries`` keeps are the ones pip keeps; a release at or past them passes."""
+    import tomllib
+
+    from fillmask_server.diagnosis import OLDEST, release, too_old
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {m[1]: release(m[2]) for m in (re.match(r"([\w-]+)>=([\d.]+)", d) for d in declared) if m}
+    assert {name: floors[name] for name in OLDEST} == OLDEST
+    assert too_old({"transformers": "5.3.0", "websockets": "17.4"}) is None
+    assert too_old({"transformers": "5.25.0.dev0", "websockets": "17.10", "torch": "1.0"}) is None
+    assert too_old({"transformers": None, "websockets": "18.0"}) is None  # (not installed: its import says so)
+    assert too_old({"transformers": "5.2.9+local"}) == (
+        "transformers 5.2.9+local is older than this server works with (pyproject.toml): upgrade with "
+        "pip install 'transformers>=5.3'")
+    assert release("17.4rc1") == (17, 4) and release("5.3.0.dev0") == (5, 3, 0) and release("garbage") == (0,)
+
+
 def test_a_port_in_use_fails_before_torch_is_imported(tiny_model_dir: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
