@@ -30,45 +30,75 @@ def first_line(exc: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-#: The oldest release of each library the server works with, as pyproject.toml declares it (a trial
-#: tried older ones: transformers before 5.3 fails to load some families, to decode for some tokenizers,
-#: or to load at all; websockets before 17.4 lets a message through in any number of fragments, §1).
-OLDEST = {"transformers": (5, 3), "websockets": (17, 4)}
+#: The releases of each library the server works with, as pyproject.toml declares them (a trial tried
+#: older ones: transformers before 5.3 fails to load some families, to decode for some tokenizers, or
+#: to load at all; transformers 5.3 wants torch 2.4 and its newer releases 2.6; websockets before 17.4
+#: takes a message in any number of fragments, against protocol.md §1).
+WORKS_WITH = {"transformers": ">=5.3", "torch": ">=2.6", "websockets": ">=17.4,<18"}
+#: The file of each package that holds its version string, read without importing the package.
+_VERSION_FILES = {"transformers": "__init__.py", "torch": "version.py", "websockets": "version.py"}
+_VERSION_LINE = re.compile(r"""^(?:__version__|tag)\b[^\n]*?=\s*["']([^"']+)["']""", re.MULTILINE)
 
 
-def release(text: str) -> tuple[int, ...]:
-    """The leading numbers of a version string: ``"5.3.0.dev0"`` is (5, 3, 0), ``"17.4rc1"`` (17, 4);
-    (0,) for a string that starts with none."""
-    numbers = re.match(r"\d+(?:\.\d+)*", text.strip())
-    return tuple(int(part) for part in numbers[0].split(".")) if numbers else (0,)
-
-
-def too_old(installed: dict[str, str | None]) -> str | None:
-    """One line naming each library of ``installed`` (name -> its version, None: not installed) that
-    is older than ``OLDEST`` allows, with the pip command that fixes it; None when none is. A server
-    run from a checkout in an environment of its own (not installed by pip, which keeps the floors)
-    failed with some library's own error far from the cause, or served one family wrongly."""
-    old = [f"{name} {version}" for name, version in installed.items()
-           if version is not None and name in OLDEST and release(version) < OLDEST[name]]
-    if not old:
-        return None
-    wanted = " ".join(f"'{name}>={'.'.join(map(str, OLDEST[name]))}'" for name, version in installed.items()
-                      if version is not None and name in OLDEST and release(version) < OLDEST[name])
-    return (f"{' and '.join(old)} {'is' if len(old) == 1 else 'are'} older than this server works with "
-            f"(pyproject.toml): upgrade with pip install {wanted}")
-
-
-def check_libraries() -> None:
-    """``too_old`` for the libraries installed now, as ``ModelLoadError``; reads their metadata only."""
+def installed_version(name: str) -> str | None:
+    """The version of the copy of ``name`` that an import would find first on ``sys.path`` (read from
+    its version file, so that stale metadata left beside it, or a source tree on ``PYTHONPATH``, is
+    not what is judged); its distribution's metadata where no such file is found (an editable
+    install's finder); None when neither is there."""
     from importlib import metadata
 
-    def version(name: str) -> str | None:
+    for entry in sys.path:
+        path = Path(entry or ".") / name / _VERSION_FILES.get(name, "__init__.py")
         try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
+            found = _VERSION_LINE.search(path.read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            continue
+        if found:
+            return found[1]
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
-    line = too_old({name: version(name) for name in OLDEST})
+
+def not_working_with(installed: dict[str, str | None]) -> str | None:
+    """One line naming each library of ``installed`` (name -> version, None: not installed) outside
+    ``WORKS_WITH``, and the command that installs what the server works with; None when every one is
+    within it (or its version cannot be read: pip's rules judge, through ``packaging``). Pre-releases
+    of a floor are older than it, as pip counts them."""
+    try:
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # (packaging comes with transformers and torch: without it, neither is here)
+        return _line({name: None for name, version in installed.items() if version is None})
+
+    def outside(version: str | None, spec: str) -> bool:
+        if version is None:
+            return True
+        try:
+            return not SpecifierSet(spec).contains(Version(version), prereleases=True)
+        except InvalidVersion:
+            return False
+
+    return _line({name: version for name, version in installed.items()
+                  if name in WORKS_WITH and outside(version, WORKS_WITH[name])})
+
+
+def _line(wrong: dict[str, str | None]) -> str | None:
+    if not wrong:
+        return None
+    said = [f"{name} {version}" if version is not None else f"{name} (not installed)"
+            for name, version in wrong.items()]
+    wanted = " ".join(shlex.quote(f"{name}{WORKS_WITH[name]}") for name in wrong)
+    needs = ", ".join(f"{name}{WORKS_WITH[name]}" for name in wrong)
+    return (f"this server needs {needs} (pyproject.toml), and this Python has {' and '.join(said)}: install them "
+            f"with {shlex.quote(sys.executable)} -m pip install {wanted}")
+
+
+def check_libraries(*names: str) -> None:
+    """``not_working_with`` for the libraries ``names`` as installed now, as ``ModelLoadError``. Reads
+    files only: nothing is imported, so it runs before torch is."""
+    line = not_working_with({name: installed_version(name) for name in names})
     if line:
         raise ModelLoadError(line)
 

@@ -88,6 +88,10 @@ def result_bound(model: FillMaskModel, ids: list[int], masks: int, candidates: i
     return masks * candidates * (CANDIDATE_OVERHEAD_BYTES + text + 2 * model.longest_token_json)
 
 
+#: ``text_too_long``'s word for whose limit ``FillMaskModel.max_tokens`` is (no file or key names: §7).
+LIMIT_SOURCES = {"tokenizer": "its tokenizer's limit", "positions": "the positions it has room for"}
+
+
 def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None, max_masks: int,
           max_result_bytes: int) -> Checked | Refusal:
     """The §3 checks that need the tokenizer, in this order: tokenizable, length, masks, targets, result size."""
@@ -101,7 +105,7 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
                        "knows but the model has no embedding for; leave it out")
     if len(ids) > model.max_tokens:
         return Refusal("text_too_long", f"the text is {len(ids)} tokens long; this model accepts at most "
-                       f"{model.max_tokens} ({model.max_tokens_source}); shorten it")
+                       f"{model.max_tokens} ({LIMIT_SOURCES[model.max_tokens_source]}); shorten it")
     masks = ids.count(model.mask_token_id)
     if masks == 0:
         return Refusal("no_mask", f"the text has no {model.mask_token} token after tokenizing; write "

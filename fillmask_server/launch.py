@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from .calibration import Calibration, calibrate
 from .config import Config, checked
+from .diagnosis import WORKS_WITH, check_libraries
 from .loading import load_model, resolve_device
 from .model import FillMaskModel
 from .server import FillMaskServer
@@ -35,8 +36,10 @@ def load_server(config: Config) -> FillMaskServer:
 def load_and_calibrate(config: Config, lines: StartupLines, warn: Callable[[str], None] | None = None
                        ) -> tuple[FillMaskModel, Calibration]:
     """The model, loaded and checked, and what the calibration measured with it; the stages on
-    ``lines``, the calibration's line logged, each warning to ``warn`` (by default on stderr)."""
+    ``lines``, the calibration's line logged, each warning to ``warn`` (by default on stderr). First,
+    ``ModelLoadError`` if a library is not a release the server works with (``WORKS_WITH``)."""
     warn = warn or _to_stderr
+    check_libraries(*WORKS_WITH)  # (the server's: load_model checks only what loading needs)
     model = load_model(config.model, config.device, config.dtype, config.torch_threads, config.forward, lines,
                        projection=config.projection)
     if config.calibration_s > 0:

@@ -70,7 +70,7 @@ def load_model(name: str, device: str = "auto", dtype: str = "float32", threads:
     if forward not in CHOICES["forward"] or projection not in CHOICES["projection"] or threads < 0:
         raise ModelLoadError(f"cannot load with forward={forward!r}, projection={projection!r}, threads={threads}: "
                              "forward is traced or eager, projection auto or torch, threads 0 or more")
-    check_libraries()
+    check_libraries("transformers", "torch")
     name = check_source(name)
     progress = progress or _quiet
     progress(f"loading {name} on {'cuda or cpu (auto)' if device == 'auto' else device}, {dtype}")
@@ -172,9 +172,12 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     del unquantized
     shortest = len(loaded.tokenize([loaded.mask_token])[0])
     if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)
-        raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens "
-                             f"({loaded.max_tokens_source}), and a text of one mask takes {shortest}: "
-                             "no request could run; fix that limit")
+        whose, fix = (("its tokenizer's model_max_length", "raise it in its tokenizer_config.json")
+                      if loaded.max_tokens_source == "tokenizer" else
+                      ("the positions its config.json's max_position_embeddings has room for",
+                       "its weights were made for that many: use another checkpoint"))
+        raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens ({whose}), and a text "
+                             f"of one mask takes {shortest}: no request could run; {fix}")
     failure = loaded.fails_a_batch()
     if failure == NOT_NUMBERS and dtype in ("float16", "bfloat16"):  # (an audit: it blamed weights and tokenizer)
         raise ModelLoadError(f"model {name!r} gives scores that are not numbers in {dtype} (its activations "

@@ -42,7 +42,7 @@ class LiveValues:
     engine_busy_seconds: Callable[[], float]
     engine_uptime_seconds: Callable[[], float]
     engine_alive: Callable[[], bool]
-    scores_not_numbers: Callable[[], int] = lambda: 0
+    scores_not_numbers: Callable[[], int]
 
 
 class _LiveCollector:

@@ -164,7 +164,7 @@ class FillMaskModel:
         # The padding index of the model's position table (RoBERTa's positions count from it; -1: none).
         self._padding_index: int = _position_padding_index(model)
         self.vocab_size: int = model.config.vocab_size
-        # The longest input, special tokens included, and where that limit comes from (for refusals).
+        # The longest input, special tokens included, and whose limit it is: "tokenizer" or "positions".
         self.max_tokens, self.max_tokens_source = _max_tokens(tokenizer, model)
         self._wants_token_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
         self._check_ids = _ordinary_ids(tokenizer, self.vocab_size)
@@ -931,20 +931,20 @@ def _same_bits(got: Any, want: Any) -> bool:
 
 
 def _max_tokens(tokenizer: Any, model: Any) -> tuple[int, str]:
-    """Longest input the model accepts, special tokens included, and where that limit comes from: the
-    tokenizer's ``model_max_length`` when it has one, and never more than the position table's size (less
-    the offset of position ids that start after the padding index, as RoBERTa's do: a RoBERTa tokenizer
-    that says 514 for a table of 514 takes 512). A longer limit let texts through that the model then
-    failed on. The source names the smaller, the tokenizer's on a tie (the file a user would edit)."""
+    """Longest input the model accepts, special tokens included, and whose limit that is: the
+    tokenizer's ``model_max_length`` (``"tokenizer"``) when it has one, and never more than the
+    positions the model has room for (``"positions"``: ``max_position_embeddings``, less the offset of
+    position ids that start after the padding index, as RoBERTa's do: a RoBERTa tokenizer that says 514
+    for a table of 514 takes 512). A longer limit let texts through that the model then failed on. On a
+    tie, the tokenizer's (the file a user would edit)."""
     limit = getattr(tokenizer, "model_max_length", None)
     positions = getattr(model.config, "max_position_embeddings", 512)
     padding_idx = _position_padding_index(model)
     if padding_idx >= 0:
         positions -= padding_idx + 1
-    table = "its position table, max_position_embeddings in its config.json"
     if isinstance(limit, int) and 0 < limit < 1_000_000 and limit <= positions:
-        return limit, "its tokenizer's model_max_length, in its tokenizer_config.json"
-    return positions, table
+        return limit, "tokenizer"
+    return positions, "positions"
 
 
 def _token_json_bytes(tokenizer: Any) -> list[int]:

@@ -130,7 +130,11 @@ async def test_a_text_whose_scores_are_not_numbers_fails_alone_with_a_clear_erro
         assert calibrate(base_model, 0.2, torch_threads=1).coefficients is not None
         async with make_server_for(base_model) as srv, session(srv.url) as (ws, _):
             with caplog.at_level(logging.WARNING, logger="fillmask_server"):
-                failed = [await request(ws, i, long_text) for i in range(2)]
+                with srv.engine.paused():  # both in one batch: each text is counted, not each batch
+                    for i in range(2):
+                        await send(ws, {"type": "fill_mask", "id": i, "text": long_text})
+                    await wait_until(lambda: srv.engine.queued() == 2)
+                failed = await recv_n(ws, 2)
                 answered = await request(ws, "short", TEXT)
             await assert_answered(srv, 0, 3, ws)
             not_numbers = srv.metrics.registry.get_sample_value("fillmask_scores_not_numbers_total")

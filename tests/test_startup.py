@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -87,47 +88,62 @@ def test_a_cached_hub_model_with_the_hub_out_of_reach_is_told_where_it_is(tmp_pa
     assert "cannot be reached" in said["myorg/other"] and "HF_HUB_OFFLINE" not in said["myorg/other"]
 
 
-def fake_distribution(where: Path, name: str, version: str) -> None:
-    """Installed-package metadata for ``name`` at ``version`` in ``where`` (no code: what
-    ``importlib.metadata`` reads when ``where`` comes first on the path)."""
-    info = where / f"{name}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+def fake_package(where: Path, name: str, version_file: str, line: str) -> None:
+    """A package ``name`` in ``where`` whose ``version_file`` holds ``line`` (what the start-up check
+    reads of the copy an import would find first, when ``where`` comes first on the path)."""
+    (where / name).mkdir(parents=True)
+    (where / name / version_file).write_text(f"{line}\n")
 
 
 def test_a_library_older_than_the_server_works_with_is_named_before_torch_is_imported(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     """A trial of the declared floors: pyproject.toml said transformers>=4.45, on which every load failed
-    with "unexpected keyword argument 'dtype'"; on 4.56 to 5.2 some families failed or were served
-    without packed rows; websockets before 17.4 takes a message in any number of fragments (§1). Here
-    the process finds metadata saying transformers 4.57.6 and websockets 17.3 first on its path."""
-    fake_distribution(tmp_path, "transformers", "4.57.6")
-    fake_distribution(tmp_path, "websockets", "17.3")
+    with "unexpected keyword argument 'dtype'"; 4.56 and 4.57 served some families wrongly or not at
+    all, and 5.0 to 5.2 failed on ESM and on some tokenizers' decoding. Here the first transformers and
+    torch on the process's path are 4.57.6 and 2.5.1 (a source tree on PYTHONPATH, say)."""
+    fake_package(tmp_path, "transformers", "__init__.py", '__version__ = "4.57.6"')
+    fake_package(tmp_path, "torch", "version.py", "__version__ = '2.5.1+cpu'")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", WITHOUT_TORCH, "--model", str(tiny_model_dir), "--port", "0"],
-                            cwd=ROOT, env={**ENV, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
-                            timeout=60)
+                            cwd=ROOT, env={**ENV, "PYTHONPATH": path}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
-        "error: transformers 4.57.6 and websockets 17.3 are older than this server works with (pyproject.toml): "
-        "upgrade with pip install 'transformers>=5.3' 'websockets>=17.4'"]
+        "error: this server needs transformers>=5.3, torch>=2.6 (pyproject.toml), and this Python has "
+        f"transformers 4.57.6 and torch 2.5.1+cpu: install them with {shlex.quote(sys.executable)} -m pip install "
+        "'transformers>=5.3' 'torch>=2.6'"]
 
 
-def test_the_start_up_floors_are_pyproject_toml_s() -> None:
-    """The floors ``check_libraries`` keeps are the ones pip keeps; a release at or past them passes."""
+def test_the_start_up_floors_are_pyproject_toml_s(tmp_path: Path) -> None:
+    """The releases ``check_libraries`` accepts are the ones pip accepts, read from the copy an import
+    finds first (a trial's review: stale metadata beside a newer copy was judged instead)."""
     import tomllib
 
-    from fillmask_server.diagnosis import OLDEST, release, too_old
+    from fillmask_server.diagnosis import WORKS_WITH, installed_version, not_working_with
 
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    floors = {m[1]: release(m[2]) for m in (re.match(r"([\w-]+)>=([\d.]+)", d) for d in declared) if m}
-    assert {name: floors[name] for name in OLDEST} == OLDEST
-    assert too_old({"transformers": "5.3.0", "websockets": "17.4"}) is None
-    assert too_old({"transformers": "5.25.0.dev0", "websockets": "17.10", "torch": "1.0"}) is None
-    assert too_old({"transformers": None, "websockets": "18.0"}) is None  # (not installed: its import says so)
-    assert too_old({"transformers": "5.2.9+local"}) == (
-        "transformers 5.2.9+local is older than this server works with (pyproject.toml): upgrade with "
-        "pip install 'transformers>=5.3'")
-    assert release("17.4rc1") == (17, 4) and release("5.3.0.dev0") == (5, 3, 0) and release("garbage") == (0,)
+    specs = {m[1]: m[2] for m in (re.match(r"([\w-]+)([<>=!~].*)", d) for d in declared) if m}
+    assert {name: specs[name] for name in WORKS_WITH} == WORKS_WITH
+    assert not_working_with({"transformers": "5.3.0", "torch": "2.13.0+cpu", "websockets": "17.4"}) is None
+    assert not_working_with({"transformers": "5.25.0.dev0", "websockets": "17.10", "orjson": "1.0"}) is None
+    assert not_working_with({"transformers": "not a version"}) is None  # (unreadable: pip's rules can't judge)
+    line = not_working_with({"transformers": "5.3.0rc1", "websockets": "18.0", "torch": None})
+    assert line == ("this server needs transformers>=5.3, websockets>=17.4,<18, torch>=2.6 (pyproject.toml), and "
+                    "this Python has transformers 5.3.0rc1 and websockets 18.0 and torch (not installed): install "
+                    f"them with {shlex.quote(sys.executable)} -m pip install 'transformers>=5.3' "
+                    "'websockets>=17.4,<18' 'torch>=2.6'")
+    import transformers
+    import websockets.version
+
+    assert installed_version("transformers") == transformers.__version__
+    assert installed_version("torch") == torch_version()
+    assert installed_version("websockets") == websockets.version.tag
+    assert installed_version("no-such-package-here") is None
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def test_a_port_in_use_fails_before_torch_is_imported(tiny_model_dir: Path) -> None:
