@@ -339,6 +339,23 @@ def test_a_text_too_long_is_told_the_limit_and_whose_it_is(tokenizer_limit: int,
                                     "shorten it")
 
 
+def test_roberta_style_positions_leave_out_those_before_the_padding_index() -> None:
+    """RoBERTa's position ids start after its padding index (1), so a table of 18 takes 16 tokens; a
+    tokenizer saying 18 (as RoBERTa's say 514 for 512) is held to that (a review: nothing tested it)."""
+    from types import SimpleNamespace
+
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    from fillmask_server.model import _max_tokens
+
+    config = RobertaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, max_position_embeddings=18, pad_token_id=1)
+    model = RobertaForMaskedLM(config).eval()
+    assert _max_tokens(SimpleNamespace(model_max_length=int(1e30)), model) == (16, "positions")
+    assert _max_tokens(SimpleNamespace(model_max_length=18), model) == (16, "positions")
+    assert _max_tokens(SimpleNamespace(model_max_length=12), model) == (12, "tokenizer")
+
+
 #: Four texts of different lengths that ``batching.layout`` packs into rows of 64 tokens.
 RESIDUE_TEXTS = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L", "Q [MASK] S", "E V Q L Q E S G G G L V Q [MASK] G"]
 
