@@ -131,19 +131,14 @@ def test_the_start_up_floors_are_pyproject_toml_s(tmp_path: Path) -> None:
                     "this Python has transformers 5.3.0rc1 and websockets 18.0 and torch (not installed): install "
                     f"them with {shlex.quote(sys.executable)} -m pip install 'transformers>=5.3' "
                     "'websockets>=17.4,<18' 'torch>=2.6'")
+    import torch
     import transformers
     import websockets.version
 
     assert installed_version("transformers") == transformers.__version__
-    assert installed_version("torch") == torch_version()
+    assert installed_version("torch") == torch.__version__
     assert installed_version("websockets") == websockets.version.tag
     assert installed_version("no-such-package-here") is None
-
-
-def torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
 
 
 def test_a_port_in_use_fails_before_torch_is_imported(tiny_model_dir: Path) -> None:
