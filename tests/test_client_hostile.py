@@ -411,6 +411,9 @@ import gc, os, signal, sys, threading
 from fillmask_client import SyncFillMaskClient
 
 mode, url = sys.argv[1:]
+# Ctrl-C as a terminal delivers it: a shell that runs the suite in the background (`cmd &`) starts its
+# children with SIGINT ignored, and Python then leaves it so, with no KeyboardInterrupt to raise.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 try:
     if mode == "connect":  # refused until connect_wait runs out
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
