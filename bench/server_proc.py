@@ -82,6 +82,12 @@ class ServerProcess:
         if exc_type is None:  # keep the server's log only when something went wrong
             Path(self.log_path).unlink(missing_ok=True)
 
+    def stop(self) -> int | None:
+        """Stop it now as the block's end would (SIGTERM, then SIGKILL after 15 s); its exit status. Its
+        log stays readable (``log_lines``) until the block ends."""
+        self._stop()
+        return self.returncode
+
     def _wait_ready(self) -> tuple[str, int]:
         """Read stdout (in a thread, so that the wait is bounded) until the ready line."""
         assert self._process is not None and self._process.stdout is not None
