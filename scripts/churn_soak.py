@@ -1,7 +1,10 @@
 """Churn soak: connections that come and go with every kind of frame, and the server's resources when quiet.
 
     .venv/bin/python scripts/churn_soak.py --duration 60   # models/tiny, default flags
-    .venv/bin/python scripts/churn_soak.py --duration 2400 --model models/base --server-flags "--dtype bfloat16"
+    .venv/bin/python scripts/churn_soak.py --duration 2400 --model models/base
+    # bfloat16 on a CPU: oneDNN's kernel caches grow to their caps (README, "Fast modes"); set lower ones
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY=256 LRU_CACHE_CAPACITY=256 \
+        .venv/bin/python scripts/churn_soak.py --duration 600 --server-flags "--dtype bfloat16"
 
 It starts ``ws_server.py`` (``bench.server_proc.ServerProcess``) and runs waves of visitors, each wave
 followed by a quiet spell. A wave keeps a number of visitors chosen for it (1 to ``--visitors``) going for
