@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.server_proc import ServerProcess, ServerStartError  # noqa: E402
+from bench.server_proc import ServerProcess, ServerStartError, rss_mb  # noqa: E402
 
 VOCABULARY = ("the old library on the corner of square took a dusty book from top shelf and sat down by window to "
               "read until light was gone committee met on tuesday morning discuss new bridge which had been delayed "
@@ -226,10 +226,12 @@ def refusable(sentence: str, masks: int, top_k: int, targets: list[str] | None, 
     """The refusals a valid request of ASCII words may get for its size under these limits (§3), by an
     upper bound of what the server counts: at most a token per character and one more per word, and
     the result bound with every token's text three bytes a character plus ten, and vocabulary tokens
-    of up to 256 characters. Under the default limits and a BERT-sized model, none."""
+    of up to 256 characters; and a text over ``max_text_chars``. Under the default limits and a
+    BERT-sized model, none."""
     tokens = len(sentence) + len(sentence.split()) + 4
+    too_long = tokens > limits["max_tokens"] or len(sentence) > limits["max_text_chars"]
     size = masks * top_k * (96 + 3 * len(sentence) + 10 * tokens + 2 * (1 + 2 * 256)) + len(json.dumps(targets))
-    return frozenset(code for code, possible in (("text_too_long", tokens > limits["max_tokens"]),
+    return frozenset(code for code, possible in (("text_too_long", too_long),
                                                  ("result_too_large", size > limits["max_result_bytes"])) if possible)
 
 
@@ -257,8 +259,6 @@ def frame_for(rng: random.Random, kind: str, request_id: Any, mask: str, limits:
         if rng.random() < 0.15:
             fill["deadline_ms"] = round(rng.uniform(0.5, 10), 2)
         terms = Terms(refusable(fill["text"], masks, top_k, fill.get("targets"), limits), "deadline_ms" in fill)
-        if len(fill["text"]) > limits["max_text_chars"]:
-            terms = Terms(terms.refusals | {"text_too_long"}, terms.deadline)
         return json.dumps(fill), request_id, REQUEST, terms
     named = {  # a frame with a valid id, refused under it
         "missing_field": {"type": "fill_mask", "id": request_id},
@@ -451,9 +451,7 @@ def metrics(text: str) -> dict[str, Any]:
 
 def resources(pid: int) -> dict[str, float]:
     """The server's resident memory (MiB), threads and open file descriptors, from /proc."""
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    rss = next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
-    return {"rss_mb": rss, "threads": len(list(Path(f"/proc/{pid}/task").iterdir())),
+    return {"rss_mb": rss_mb(pid), "threads": len(list(Path(f"/proc/{pid}/task").iterdir())),
             "fds": len(list(Path(f"/proc/{pid}/fd").iterdir()))}
 
 
