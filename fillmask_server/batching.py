@@ -60,6 +60,10 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   is its window whole: a cut would only add an overhead. The round's own bounds stay (the window's
   size, tokens and time limit); a window whose footprint is over ``max_batch_tokens`` (long texts
   that share no row) is cut as above.
+- **One length a batch** (``one_length``: the model's answer for a text changes when it is padded,
+  ``FillMaskModel.one_length``): the cut above puts each length in a batch of its own, and a fixed
+  band takes only lengths already in its batch (a request the tail bound forces in may bring one:
+  the engine runs each length of a batch as a pass of its own).
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
@@ -320,6 +324,7 @@ class BatchPolicy:
     fair_tolerance: float = 0.5  # a connection is eligible while served at most 1 + this x the least
     fair_horizon: int = 32  # requests a connection over which what it was served fades (see the docstring)
     pack_width: int = 0  # the model packs texts into rows of up to this many tokens (``layout``); 0: it pads
+    one_length: bool = False  # padding changes the model's answers: one length a batch (see the module doc)
     auto_rows: bool = False  # ``max_batch_size`` is set by ``follow_cost`` (``cap_scale``); its value is the floor
     auto_tokens: bool = False  # the same for ``max_batch_tokens``
     # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
@@ -723,7 +728,7 @@ class BatchPolicy:
             count, out_bytes = 0, 0.0
             for i in range(j - 1, -1, -1):  # the batch of classes i .. j-1, longest lengths[j - 1]
                 count, out_bytes = count + rows[i], out_bytes + out[i]
-                if i < j - 1 and (longest > AUTO_GROWTH * lengths[i] or count * longest > budget):
+                if i < j - 1 and (self.one_length or longest > AUTO_GROWTH * lengths[i] or count * longest > budget):
                     break
                 total = best[i] + cost.batch_s(count, count * longest, out_bytes)
                 if total < bar * (1 - TIE):
@@ -751,6 +756,7 @@ class BatchPolicy:
         and the requests the band passed over."""
         batch = list(base)
         passed: list[J] = []
+        lengths = {job.n_tokens for job in base}  # (one length a batch: the base's own, no other)
         shortest = base_low = min(job.n_tokens for job in base)
         longest = base_high = max(job.n_tokens for job in base)
         out_bytes = float(sum(job.result_bytes for job in base))
@@ -763,7 +769,8 @@ class BatchPolicy:
             if (rows * high > self.max_batch_tokens
                     or cost.batch_s(rows, rows * high, out_bytes + job.result_bytes) > limit):
                 continue
-            if high > self.growth * low and not (base_low <= low and high <= base_high):
+            if (n not in lengths if self.one_length
+                    else high > self.growth * low and not (base_low <= low and high <= base_high)):
                 passed.append(job)  # outside the band (a forced request may have widened it)
                 continue
             batch.append(job)

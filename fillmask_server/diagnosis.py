@@ -335,11 +335,30 @@ def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
     if set(tokenizer.get_vocab()) <= set(tokenizer.all_special_tokens):
         return (f"has a tokenizer of {len(tokenizer)} special tokens and no others (are its tokenizer files "
                 "missing?): every word would be unknown to it; add the tokenizer files the model was trained with")
-    rows = model.get_input_embeddings().num_embeddings
+    rows = embedding_rows(model)
     for role in ("mask", "pad"):
         token, token_id = getattr(tokenizer, f"{role}_token", None), getattr(tokenizer, f"{role}_token_id", None)
-        if isinstance(token_id, int) and not 0 <= token_id < rows:
+        if rows is not None and isinstance(token_id, int) and not 0 <= token_id < rows:
             return (f"has a tokenizer whose {role} token {token!r} is id {token_id}, but the model has token "
                     f"embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
                     "(resize_token_embeddings) or use the tokenizer it was trained with")
     return None
+
+
+def embedding_rows(model: Any) -> int | None:
+    """How many token ids the model has input embeddings for, or None where it cannot tell.
+
+    ``get_input_embeddings()`` is an ``nn.Embedding`` for most models, but not for all that serve fill-mask:
+    I-BERT's is a ``QuantEmbedding`` (a module with a ``weight``), Perceiver's a bare ``Parameter``, and a
+    model may have none at all (``NotImplementedError``). The table's rows are the first dimension of its
+    weight either way."""
+    try:
+        table = model.get_input_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    rows = getattr(table, "num_embeddings", None)
+    if isinstance(rows, int):
+        return rows
+    weight = getattr(table, "weight", table)
+    shape = getattr(weight, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) == 2 else None

@@ -526,6 +526,8 @@ class Engine:
         error that leaves the device unusable (``_device_lost``) every later pass would fail too, so
         the engine stops (``_die``) and the server drains and exits for its supervisor to restart it.
         """
+        if self.model.one_length and len({len(items[i].input_ids) for i in indices}) > 1:
+            return self._forward_each_length(items, indices)
         try:
             return [(indices, self.model.forward([items[i] for i in indices]))], []
         except Exception as exc:
@@ -550,6 +552,23 @@ class Engine:
         failed: list[int] = []
         for part in parts:
             more_groups, more_failed = self._forward_all(items, part)
+            groups += more_groups
+            failed += more_failed
+        return groups, failed
+
+    def _forward_each_length(self, items: list[Item], indices: list[int]) -> tuple[list[tuple[list[int], TopK]],
+                                                                                 list[int]]:
+        """``_forward_all`` for a model whose answers padding would change (``FillMaskModel.one_length``): a
+        pass for each length among ``indices``, in the order of each length's first item. The batching
+        policy forms one-length batches for such a model; a batch that holds more (a request the fixed
+        band took in after ``--max-missed-batches``) still gets every text's answer alone."""
+        by_length: dict[int, list[int]] = {}
+        for i in indices:
+            by_length.setdefault(len(items[i].input_ids), []).append(i)
+        groups: list[tuple[list[int], TopK]] = []
+        failed: list[int] = []
+        for same in by_length.values():
+            more_groups, more_failed = self._forward_all(items, same)
             groups += more_groups
             failed += more_failed
         return groups, failed

@@ -80,6 +80,19 @@ that fault (random-weight base in bfloat16), the check cannot tell, and the rows
 Where positions skip the padding token (RoBERTa's), a batch with a text that holds it runs padded.
 The traced graph of packed rows is checked bit for bit against eager PyTorch as the padded one is.
 
+**One length a batch.** Most models give a text the same logits padded beside longer texts as alone
+(the attention mask keeps the padding out), which is what lets texts of different lengths share a
+batch. Not every fill-mask model does: FNet mixes tokens by a Fourier transform over the whole row,
+padding included; ConvBERT's convolutions and Funnel's pooling reach across the padding; YOSO's and
+Nyströmformer's approximate attention and Reformer's chunks depend on the row's length. Such a model's
+answers would depend on what else is in its batch, and differ from the pipeline's, which runs each
+text alone. So ``_check_padding`` runs texts of 3 to over a hundred tokens, each alone and padded
+together, in float32 (as the packing check does, on the same weights), and where a logit at one of
+several places in a text moves by more than ``_PACK_TOLERANCE`` of the largest, every batch holds
+texts of one length only (``one_length``: the batching policy forms one-length batches, and the
+engine runs each length of a batch that still holds more as a pass of its own), no text is packed,
+and ``hello.engine.layout`` says ``one_length``.
+
 **Check inputs** draw their ids from the tokenizer's own non-special ids (a protein model has 25
 tokens) and are never longer than the model accepts (``max_tokens``).
 """
@@ -194,10 +207,20 @@ class FillMaskModel:
         #: and the first position id of a text (RoBERTa's start after the padding index).
         self.pack_width = 0
         self._first_position = 0
-        self.packing_note = self._check_packing(unquantized)
+        #: Why a text's logits change when it is padded beside longer texts (None: they do not). Where they
+        #: do, a batch holds texts of one length only, and none is packed ("One length a batch").
+        self.padding_note = self._check_padding(unquantized)
+        self.one_length = self.padding_note is not None
+        if self.one_length:
+            self.packing_note = "a batch holds texts of one length only"
+            log.warning("%s: each batch holds texts of one length only, so that every answer is the one the text "
+                        "gets alone (as the pipeline runs it); batches are smaller where lengths vary",
+                        self.padding_note)
+        else:
+            self.packing_note = self._check_packing(unquantized)
         if self.packing_note is None:
             self.pack_width = PACK_WIDTH
-        else:
+        elif not self.one_length:
             self._choice("texts get a padded row each: %s", self.packing_note)
         self._scores: Any = None  # the traced graph: inputs and mask positions in, softmax at the masks out
         self._packed_scores: Any = None  # the same for packed rows (None: the model does not pack)
@@ -252,7 +275,7 @@ class FillMaskModel:
 
     def engine_facts(self) -> dict[str, str]:
         """Which path runs, for ``hello.engine``, ``/metrics`` and the start-up line (protocol.md §2)."""
-        layout = "packed" if self.pack_width else "padded"
+        layout = "one_length" if self.one_length else "packed" if self.pack_width else "padded"
         return {"forward": self.forward_mode, "head": self.head_mode, "layout": layout, "device": str(self.device),
                 "dtype": self.dtype}
 
@@ -495,6 +518,61 @@ class FillMaskModel:
             log.warning("the output projection keeps torch's own kernel: %s", problem)
             return None
         return chosen
+
+    def _check_padding(self, unquantized: Any = None) -> str | None:
+        """None when each check text (``_padding_check_inputs``) gets the same logits padded beside the
+        others as alone, within ``_PACK_TOLERANCE`` of the largest, at each of its compared positions;
+        else what padding does to them. In float32: a reduced dtype's weights made float32 for the
+        check, an int8 model's float32 original (an int8 model without it is not checked: its
+        quantisation scales each layer's input by the whole batch's range, so there no answer is quite
+        independent of its neighbours)."""
+        import torch
+
+        if self.dtype == "int8" and unquantized is None:
+            return None
+        texts, places = self._padding_check_inputs()
+        width, device = max(len(text) for text in texts), self.device
+        ids = torch.tensor([text + [self.pad_token_id] * (width - len(text)) for text in texts], device=device)
+        attention = torch.tensor([[1] * len(text) + [0] * (width - len(text)) for text in texts], device=device)
+        rows = torch.tensor([r for r, at in enumerate(places) for _ in at], device=device)
+        cols = torch.tensor([c for at in places for c in at], device=device)
+        try:
+            with torch.inference_mode(), warnings.catch_warnings(), (
+                    contextlib.nullcontext() if self.dtype == "float32" else self._as_float32(unquantized)):
+                warnings.simplefilter("ignore")
+                padded = self._logits(ids, attention, rows, cols).float()
+                alone = torch.cat([self._logits(
+                    ids[r:r + 1, :len(text)], attention[r:r + 1, :len(text)],
+                    torch.zeros(len(places[r]), dtype=torch.long, device=device),
+                    torch.tensor(places[r], device=device)).float() for r, text in enumerate(texts)])
+        except torch.OutOfMemoryError as exc:  # (the float32 weights of a reduced dtype's check)
+            log.warning("not enough memory to check in float32 whether padding changes this model's answers "
+                        "(%s); texts of different lengths share batches as for most models", first_line(exc))
+            return None
+        except Exception:  # a model that fails on these inputs fails on a batch too: ``fails_a_batch`` says why
+            return None
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # (what the check's float32 weights held)
+        moved = (padded - alone).abs().max().item()
+        largest = max(1.0, alone.abs().max().item())
+        if moved <= _PACK_TOLERANCE * largest:  # (not NaN either)
+            return None
+        return (f"padding moves this model's logits for a text beside longer ones ({moved:.3g} at most, the "
+                f"largest {largest:.3g}: its attention mask does not keep padding out of its answers)")
+
+    def _padding_check_inputs(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Texts for ``_check_padding`` (ordinary ids, a mask at the second place) of lengths from 3 to
+        past two packed rows, within ``max_tokens``: short ones beside long ones, some within one chunk
+        of a chunked attention and some across several (Reformer's local chunks reach the padding only
+        then); and the places compared in each, from its first to its last token."""
+        pool = self._check_ids
+        lengths = sorted({min(n, self.max_tokens) for n in (3, 9, 23, 40, PACK_WIDTH + 6)})
+        texts = [[pool[(7 * j + 3 * n) % len(pool)] for j in range(n)] for n in lengths]
+        for text in texts:
+            text[min(1, len(text) - 1)] = self.mask_token_id
+        places = [sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 2, n - 1} & set(range(n))) for n in lengths]
+        return texts, places
 
     def _check_packing(self, unquantized: Any = None) -> str | None:
         """None when the model gives packed rows the logits it gives padded ones (see "Packed rows"),

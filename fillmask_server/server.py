@@ -186,6 +186,7 @@ class FillMaskServer:
                              config.max_length_ratio,
                              anticipate_s=config.anticipate_ms / 1000, max_batch_s=config.max_batch_ms / 1000,
                              max_missed=config.max_missed_batches, pack_width=model.pack_width,
+                             one_length=model.one_length,
                              auto_rows=not config.max_batch_size, auto_tokens=not config.max_batch_tokens)
         cost = CostModel(self.calibration.coefficients)
         policy.follow_cost(cost.coefficients)  # automatic caps: from the calibration's fit, once (batching.py)

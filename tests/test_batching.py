@@ -405,6 +405,30 @@ def test_equal_lengths_keep_a_padded_row_each_and_no_packing_means_padded() -> N
     assert batching.layout([30], 64) is None  # one text: its own row
 
 
+def test_a_model_that_padding_changes_gets_batches_of_one_length_only() -> None:
+    """``one_length`` (FNet, ConvBERT, ...: a text's answer changes beside longer ones): on a GPU, where
+    lengths would mix in one batch, each length runs in a batch of its own, the head's first, every
+    request once; a user's fixed band is one length wide; a request the tail bound forces in is the one
+    way a batch holds two lengths (the engine then runs each as a pass of its own)."""
+    lengths = [10, 12, 10, 11, 12, 10, 30, 11]
+    jobs = [FakeJob(f"j{i}", arrival=i, n_tokens=n, owner=f"c{i}") for i, n in enumerate(lengths)]
+    assert len(policy(size=64, cost=GPU).take(queue(*jobs), now=0).batch) == 8  # (mixed without the flag)
+    q = queue(*jobs)
+    p = policy(size=64, cost=GPU, one_length=True)
+    batches = []
+    while q:
+        batches.append(p.take(q, now=0).batch)
+    assert [sorted({job.n_tokens for job in batch}) for batch in batches] == [[10], [12], [11], [30]]
+    assert sorted(job.name for batch in batches for job in batch) == sorted(job.name for job in jobs)
+    assert names(batches[0]) == ["j0", "j2", "j5"]
+    band = policy(size=64, cost=GPU, growth=3.0, one_length=True)
+    assert names(band.take(queue(*jobs), now=0).batch) == ["j0", "j2", "j5"]
+    fresh = [FakeJob(f"f{i}", arrival=i, n_tokens=n, owner=f"c{i}") for i, n in enumerate([10, 12, 10])]
+    forced = policy(size=64, cost=GPU, growth=3.0, one_length=True).take(
+        queue(*fresh, FakeJob("old", arrival=-1, n_tokens=30, owner="o", missed=2)), now=0)
+    assert sorted(names(forced.batch)) == ["f0", "f2", "old"]  # (f1, 12 tokens: a third length, passed over)
+
+
 def test_a_user_set_length_ratio_is_a_fixed_band_the_cost_model_does_not_narrow() -> None:
     jobs = [FakeJob(f"s{i}", arrival=i, n_tokens=10, owner=f"c{i}") for i in range(16)]
     jobs.insert(1, FakeJob("long", arrival=0.5, n_tokens=28, owner="long"))

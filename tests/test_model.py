@@ -443,16 +443,21 @@ def test_rounding_as_coarse_as_a_fault_keeps_rows_padded() -> None:
     assert fill.packing_note.startswith("rounding in bfloat16 moves this model's logits too far to check packed rows")
 
 
-def test_running_out_of_memory_in_the_float32_check_says_so_and_puts_the_weights_back() -> None:
+def test_running_out_of_memory_in_the_float32_check_says_so_and_puts_the_weights_back(
+        caplog: pytest.LogCaptureFixture) -> None:
     """The float32 weights of a reduced dtype's check may not fit (a large model on a full GPU): the note
-    says so rather than blaming the model, the rows stay padded, and every tensor is bfloat16 again."""
+    says so rather than blaming the model, the rows stay padded, and every tensor is bfloat16 again. The
+    padding check, also in float32, says it could not run, and batches mix lengths as for most models."""
     def out_of_memory_in_float32(output: Any, attention_mask: Any) -> None:
         if output.last_hidden_state.dtype == torch.float32:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     tokenizer, half = bfloat16_residues_with(out_of_memory_in_float32)
-    fill = FillMaskModel("residues", tokenizer, half, "cpu", "bfloat16")
-    assert fill.engine_facts()["layout"] == "padded"
+    with caplog.at_level("WARNING", logger="fillmask_server.model"):
+        fill = FillMaskModel("residues", tokenizer, half, "cpu", "bfloat16")
+    assert fill.engine_facts()["layout"] == "padded" and not fill.one_length
+    assert any(record.getMessage().startswith("not enough memory to check in float32 whether padding changes")
+               for record in caplog.records)
     assert fill.packing_note == ("not enough memory to check packed rows against float32 (CUDA out of memory. "
                                  "Tried to allocate 2.00 GiB)")
     assert {tensor.dtype for tensor in half.state_dict().values() if tensor.is_floating_point()} == {torch.bfloat16}
@@ -536,9 +541,10 @@ def test_a_head_that_is_not_per_position_runs_the_full_model_and_says_so(caplog:
         fill = FillMaskModel("mixing", tokenizer, model, "cpu", "float32")
     assert fill.engine_facts()["head"] == "full" and fill.forward_mode == "traced"
     assert fill.head_note is not None and "differs from the model's own forward pass" in fill.head_note
-    # Run whole on packed rows, the head would mix the texts that share a row: the rows stay padded.
-    assert fill.engine_facts()["layout"] == "padded"
-    assert fill.packing_note == "packed rows give other logits than padded ones"
+    # Its mean runs over the padding too, so a text's answer depends on what it is batched with: one
+    # length a batch (and no packed rows, where it would mix the texts that share a row).
+    assert fill.engine_facts()["layout"] == "one_length" and fill.pack_width == 0
+    assert fill.padding_note is not None and fill.padding_note.startswith("padding moves this model's logits")
     assert any("running the full model" in record.getMessage() for record in caplog.records)
     texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L"]
     ids = fill.tokenize(texts)

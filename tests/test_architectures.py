@@ -1,0 +1,181 @@
+"""Fill-mask architectures beyond the nine families (``test_families.py``), where they break what those
+nine take for granted, on a real socket against ``pipeline("fill-mask")``.
+
+- **Padding changes the answer.** FNet mixes its tokens by a Fourier transform over the whole row,
+  padding included (ConvBERT's convolutions, Funnel's pooling, YOSO's, Nyströmformer's and Reformer's
+  attention reach it too): a text batched beside a longer one got another answer than alone, a
+  different first token on the wire. The load now finds that out and runs one length a batch
+  (``hello.engine.layout`` ``one_length``; protocol.md §2).
+- **An embedding table that is not an ``nn.Embedding``.** I-BERT's is a ``QuantEmbedding`` and
+  Perceiver's a bare ``Parameter``: the start-up's check of the mask and padding ids read
+  ``num_embeddings`` and ended in a traceback.
+
+Each checkpoint is built here with random weights (a wider spread than the library's, so that
+predictions are peaked) around the suite's tiny BERT tokenizer, in a second or so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import warnings
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fillmask_server.config import Config
+from fillmask_server.diagnosis import embedding_rows
+from fillmask_server.loading import load_model
+from fillmask_server.server import FillMaskServer
+from tests.wire import assert_same_predictions, recv_n, send, session
+
+TOLERANCE = 1e-5
+#: Texts of nine different lengths (one mask; two in one), sent at once so that they share batches.
+TEXTS = ["[MASK] home.", "The old farmer bought a [MASK] bicycle.", "It was [MASK], [MASK] and cold.",
+         "The children were [MASK] near the river while the farmer bought a red bicycle in the morning.",
+         "a [MASK]", "She [MASK] the door and went out into the rain without her coat.",
+         "Paris is the [MASK] of France.", "[MASK]", "Nobody knew why the [MASK] had stopped."]
+
+
+def _write(directory: Path, tiny_model_dir: Path, config: Any) -> Path:
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(config)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(directory)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def fnet_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import FNetConfig
+
+    return _write(tmp_path_factory.mktemp("fnet"), tiny_model_dir, FNetConfig(
+        vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=512,
+        pad_token_id=0, initializer_range=0.2))
+
+
+@pytest.fixture(scope="module")
+def ibert_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import IBertConfig
+
+    return _write(tmp_path_factory.mktemp("ibert"), tiny_model_dir, IBertConfig(
+        vocab_size=30522, hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2,
+        max_position_embeddings=520, pad_token_id=0, type_vocab_size=1, initializer_range=0.2))
+
+
+@pytest.fixture(scope="module")
+def fnet_pipeline(fnet_dir: Path) -> Any:
+    from transformers import pipeline
+
+    return pipeline("fill-mask", model=str(fnet_dir), device="cpu")
+
+
+@contextlib.asynccontextmanager
+async def serving(directory: Path, **overrides: Any) -> AsyncIterator[FillMaskServer]:
+    config = replace(Config(model=str(directory), host="127.0.0.1", port=0, shutdown_timeout=5.0), **overrides)
+    server = FillMaskServer(config, load_model(config.model, config.device, config.dtype, forward=config.forward))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.drain(timeout=2.0)
+    assert server.double_answers == 0
+
+
+async def answers_at_once(server: FillMaskServer, texts: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every text sent on one connection before any answer is read; hello and the answers in text order."""
+    async with session(server.url) as (ws, hello):
+        with server.engine.paused():  # (held until all are queued: one round takes them all)
+            for n, text in enumerate(texts):
+                await send(ws, {"type": "fill_mask", "id": n, "text": text, "top_k": 5})
+            await wait_queued(server, len(texts))
+        frames = await recv_n(ws, len(texts))
+    return hello, sorted(frames, key=lambda frame: frame["id"])
+
+
+async def wait_queued(server: FillMaskServer, count: int) -> None:
+    for _ in range(1000):  # (bounded: 10 s)
+        if server.engine.runnable() >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{server.engine.runnable()} of {count} requests tokenized and queued")
+
+
+def same_as_alone(pipe: Any, frames: list[dict[str, Any]], texts: list[str]) -> None:
+    for frame, text in zip(frames, texts, strict=True):
+        assert frame["type"] == "result", frame
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert_same_predictions(frame["predictions"], pipe(text, top_k=5), TOLERANCE)
+
+
+def test_fnets_answers_change_with_padding_and_the_load_finds_it(fnet_dir: Path, tiny_model_dir: Path) -> None:
+    """The premise, in transformers alone, then the load's verdict; BERT's tiny checkpoint is not flagged."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(fnet_dir)
+    model = AutoModelForMaskedLM.from_pretrained(fnet_dir).eval()
+    with torch.inference_mode():
+        alone = model(**tokenizer([TEXTS[0]], return_tensors="pt")).logits[0]
+        padded = model(**tokenizer([TEXTS[0], TEXTS[3]], return_tensors="pt", padding=True)).logits[0, :len(alone)]
+    assert (alone - padded).abs().max().item() > 0.1
+    loaded = load_model(str(fnet_dir), "cpu", announce=False)
+    assert loaded.one_length and loaded.pack_width == 0 and loaded.engine_facts()["layout"] == "one_length"
+    assert loaded.padding_note is not None and "padding moves this model's logits" in loaded.padding_note
+    bert = load_model(str(tiny_model_dir), "cpu", announce=False)
+    assert not bert.one_length and bert.padding_note is None and bert.engine_facts()["layout"] == "packed"
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_length_ratio": 3.0, "max_missed_batches": 0}],
+                         ids=["cost-model", "band-forcing-every-request"])
+async def test_a_model_that_padding_changes_answers_each_text_as_the_pipeline_does_alone(
+        fnet_dir: Path, fnet_pipeline: Any, overrides: dict[str, Any]) -> None:
+    """Nine lengths at once. With the cost model's rounds each batch is one length; with a fixed band
+    whose tail bound forces every request into the next batch, batches hold several lengths, which
+    the engine runs as a pass each. Either way every answer is the pipeline's for the text alone
+    (before: a different first token for some)."""
+    async with serving(fnet_dir, **overrides) as server:
+        hello, frames = await answers_at_once(server, TEXTS)
+        assert hello["engine"]["layout"] == "one_length"
+        same_as_alone(fnet_pipeline, frames, TEXTS)
+        batches = len({frame["batch_id"] for frame in frames})
+        assert batches == 1 if overrides else batches > 1  # (forced: one batch of nine lengths, run apart)
+
+
+class _Table(torch.nn.Module):
+    """An embedding module with a ``weight`` and no ``num_embeddings`` (I-BERT's ``QuantEmbedding``)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(rows, 4))
+
+
+class _Holder:
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def get_input_embeddings(self) -> Any:
+        if self.table is None:
+            raise NotImplementedError
+        return self.table
+
+
+@pytest.mark.parametrize(("table", "rows"), [
+    (torch.nn.Embedding(7, 4), 7), (_Table(9), 9), (torch.nn.Parameter(torch.zeros(11, 4)), 11), (None, None),
+    (torch.nn.Parameter(torch.zeros(11)), None)])
+def test_the_embedding_tables_rows_whatever_its_kind(table: Any, rows: int | None) -> None:
+    assert embedding_rows(_Holder(table)) == rows
+
+
+def test_ibert_whose_embedding_table_is_no_nn_embedding_loads_and_serves(ibert_dir: Path) -> None:
+    """Before: ``AttributeError: 'QuantEmbedding' object has no attribute 'num_embeddings'``, a traceback
+    at start-up, for a checkpoint the pipeline serves."""
+    loaded = load_model(str(ibert_dir), "cpu", announce=False)
+    assert type(loaded.model.get_input_embeddings()).__name__ == "QuantEmbedding"
+    assert loaded.fails_a_batch() is None
