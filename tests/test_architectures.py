@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import subprocess
+import sys
 import warnings
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -33,6 +36,7 @@ from fillmask_server.loading import load_model
 from fillmask_server.server import FillMaskServer
 from tests.wire import assert_same_predictions, recv_n, send, session
 
+ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5
 #: Texts of nine different lengths (one mask; two in one), sent at once so that they share batches.
 TEXTS = ["[MASK] home.", "The old farmer bought a [MASK] bicycle.", "It was [MASK], [MASK] and cold.",
@@ -115,8 +119,8 @@ def same_as_alone(pipe: Any, frames: list[dict[str, Any]], texts: list[str]) -> 
             assert_same_predictions(frame["predictions"], pipe(text, top_k=5), TOLERANCE)
 
 
-def test_fnets_answers_change_with_padding_and_the_load_finds_it(fnet_dir: Path, tiny_model_dir: Path) -> None:
-    """The premise, in transformers alone, then the load's verdict; BERT's tiny checkpoint is not flagged."""
+def test_fnets_answers_change_with_padding_and_the_load_finds_it(fnet_dir: Path) -> None:
+    """The premise, in transformers alone, then the load's verdict."""
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(fnet_dir)
@@ -128,8 +132,7 @@ def test_fnets_answers_change_with_padding_and_the_load_finds_it(fnet_dir: Path,
     loaded = load_model(str(fnet_dir), "cpu", announce=False)
     assert loaded.one_length and loaded.pack_width == 0 and loaded.engine_facts()["layout"] == "one_length"
     assert loaded.padding_note is not None and "padding moves this model's logits" in loaded.padding_note
-    bert = load_model(str(tiny_model_dir), "cpu", announce=False)
-    assert not bert.one_length and bert.padding_note is None and bert.engine_facts()["layout"] == "packed"
+    # (No family is flagged: tests/test_families.py holds each to its packed or padded layout.)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"max_length_ratio": 3.0, "max_missed_batches": 0}],
@@ -179,3 +182,14 @@ def test_ibert_whose_embedding_table_is_no_nn_embedding_loads_and_serves(ibert_d
     loaded = load_model(str(ibert_dir), "cpu", announce=False)
     assert type(loaded.model.get_input_embeddings()).__name__ == "QuantEmbedding"
     assert loaded.fails_a_batch() is None
+
+
+def test_the_architectures_script_builds_serves_and_compares_one(tmp_path: Path) -> None:
+    """``scripts/architectures.py``, where the README's figures for forty architectures come from, on FNet:
+    its checkpoint kept, the server one length a batch, its answers the pipeline's."""
+    run = subprocess.run([sys.executable, "scripts/architectures.py", "fnet", "--keep", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"^fnet +same +traced/masks/one_length ", run.stdout, re.MULTILINE), run.stdout
+    assert "warning: padding moves this model's logits" in run.stdout
+    assert (tmp_path / "fnet" / "config.json").is_file()
