@@ -17,20 +17,16 @@ predictions are peaked) around the suite's tiny BERT tokenizer, in a second or s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import subprocess
 import sys
 import warnings
-from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from fillmask_server.config import Config
 from fillmask_server.diagnosis import embedding_rows
 from fillmask_server.loading import load_model
 from fillmask_server.server import FillMaskServer
@@ -80,18 +76,6 @@ def fnet_pipeline(fnet_dir: Path) -> Any:
     return pipeline("fill-mask", model=str(fnet_dir), device="cpu")
 
 
-@contextlib.asynccontextmanager
-async def serving(directory: Path, **overrides: Any) -> AsyncIterator[FillMaskServer]:
-    config = replace(Config(model=str(directory), host="127.0.0.1", port=0, shutdown_timeout=5.0), **overrides)
-    server = FillMaskServer(config, load_model(config.model, config.device, config.dtype, forward=config.forward))
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.drain(timeout=2.0)
-    assert server.double_answers == 0
-
-
 async def answers_at_once(server: FillMaskServer, texts: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Every text sent on one connection before any answer is read; hello and the answers in text order."""
     async with session(server.url) as (ws, hello):
@@ -138,12 +122,12 @@ def test_fnets_answers_change_with_padding_and_the_load_finds_it(fnet_dir: Path)
 @pytest.mark.parametrize("overrides", [{}, {"max_length_ratio": 3.0, "max_missed_batches": 0}],
                          ids=["cost-model", "band-forcing-every-request"])
 async def test_a_model_that_padding_changes_answers_each_text_as_the_pipeline_does_alone(
-        fnet_dir: Path, fnet_pipeline: Any, overrides: dict[str, Any]) -> None:
+        fnet_dir: Path, fnet_pipeline: Any, make_server: Any, overrides: dict[str, Any]) -> None:
     """Nine lengths at once. With the cost model's rounds each batch is one length; with a fixed band
     whose tail bound forces every request into the next batch, batches hold several lengths, which
     the engine runs as a pass each. Either way every answer is the pipeline's for the text alone
     (before: a different first token for some)."""
-    async with serving(fnet_dir, **overrides) as server:
+    async with make_server(model=str(fnet_dir), **overrides) as server:
         hello, frames = await answers_at_once(server, TEXTS)
         assert hello["engine"]["layout"] == "one_length"
         same_as_alone(fnet_pipeline, frames, TEXTS)
