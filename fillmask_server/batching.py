@@ -61,9 +61,10 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   size, tokens and time limit); a window whose footprint is over ``max_batch_tokens`` (long texts
   that share no row) is cut as above.
 - **One length a batch** (``one_length``: the model's answer for a text changes when it is padded,
-  ``FillMaskModel.one_length``): the cut above puts each length in a batch of its own, and a fixed
-  band takes only lengths already in its batch (a request the tail bound forces in may bring one:
-  the engine runs each length of a batch as a pass of its own).
+  ``FillMaskModel.one_length``): the cut above puts each length in a batch of its own. A fixed band
+  has no meaning there and is not used (``growth`` is 0 whatever was given): its tail bound would
+  force requests of every length into one batch, which the engine would run as a pass per length,
+  each with its overhead, at many times the batch's predicted time.
 - **A fixed band** (``growth`` set, ``--max-length-ratio``: the user's choice wins). The batch takes,
   in fair order, each request that keeps its longest row at most ``growth`` x its shortest and keeps
   it within the limits below.
@@ -346,6 +347,8 @@ class BatchPolicy:
                 or not 0 < self.slack < 1 or not 0 < self.deadline_share <= 1 or self.pack_width < 0):
             raise ValueError("batch limits must be positive")
         self._floor = (self.max_batch_size, self.max_batch_tokens)
+        if self.one_length:
+            self.growth = 0.0  # (rounds of one length: see the module doc)
 
     def follow_cost(self, cost: Coefficients) -> None:
         """Set the automatic caps (``auto_rows``, ``auto_tokens``) from ``cost``: each floor times
@@ -756,7 +759,6 @@ class BatchPolicy:
         and the requests the band passed over."""
         batch = list(base)
         passed: list[J] = []
-        lengths = {job.n_tokens for job in base}  # (one length a batch: the base's own, no other)
         shortest = base_low = min(job.n_tokens for job in base)
         longest = base_high = max(job.n_tokens for job in base)
         out_bytes = float(sum(job.result_bytes for job in base))
@@ -769,8 +771,7 @@ class BatchPolicy:
             if (rows * high > self.max_batch_tokens
                     or cost.batch_s(rows, rows * high, out_bytes + job.result_bytes) > limit):
                 continue
-            if (n not in lengths if self.one_length
-                    else high > self.growth * low and not (base_low <= low and high <= base_high)):
+            if high > self.growth * low and not (base_low <= low and high <= base_high):
                 passed.append(job)  # outside the band (a forced request may have widened it)
                 continue
             batch.append(job)

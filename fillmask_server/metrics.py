@@ -169,7 +169,8 @@ class Metrics:
         if engine is not None:  # an info-style gauge: always 1, the facts are its labels (hello.engine, §2)
             labels = ("forward", "head", "layout", "device", "dtype")
             info = Gauge("fillmask_engine_info", "Which path the model runs: forward traced or eager, head at the "
-                         "masks or full (every position), layout packed or padded rows, device and dtype.", labels,
+                         "masks or full (every position), layout packed or padded rows or one length a batch, "
+                         "device and dtype.", labels,
                          registry=registry)
             info.labels(*(str(engine.get(label, "")) for label in labels)).set(1)
         self.requests = Counter(

@@ -86,12 +86,13 @@ batch. Not every fill-mask model does: FNet mixes tokens by a Fourier transform 
 padding included; ConvBERT's convolutions and Funnel's pooling reach across the padding; YOSO's and
 Nyströmformer's approximate attention and Reformer's chunks depend on the row's length. Such a model's
 answers would depend on what else is in its batch, and differ from the pipeline's, which runs each
-text alone. So ``_check_padding`` runs texts of 3 to over a hundred tokens, each alone and padded
-together, in float32 (as the packing check does, on the same weights), and where a logit at one of
-several places in a text moves by more than ``_PACK_TOLERANCE`` of the largest, every batch holds
-texts of one length only (``one_length``: the batching policy forms one-length batches, and the
-engine runs each length of a batch that still holds more as a pass of its own), no text is packed,
-and ``hello.engine.layout`` says ``one_length``.
+text alone. So ``_check_padding`` runs texts of 3 to 70 tokens, each alone and padded together
+beside one of over a hundred, in float32 (as the packing check does, on the same weights), and where
+a logit at one of several places in a text moves by more than ``_PACK_TOLERANCE`` of the largest,
+every batch holds texts of one length only (``one_length``: the batching policy forms one-length
+batches, and the engine runs each length of a batch that still holds more as a pass of its own), no
+text is packed, and ``hello.engine.layout`` says ``one_length``. What padding would do only to texts
+longer than the check's, it cannot see.
 
 **Check inputs** draw their ids from the tokenizer's own non-special ids (a protein model has 25
 tokens) and are never longer than the model accepts (``max_tokens``).
@@ -213,8 +214,8 @@ class FillMaskModel:
         self.one_length = self.padding_note is not None
         if self.one_length:
             self.packing_note = "a batch holds texts of one length only"
-            log.warning("%s: each batch holds texts of one length only, so that every answer is the one the text "
-                        "gets alone (as the pipeline runs it); batches are smaller where lengths vary",
+            log.warning("%s. So each batch holds texts of one length only, and every answer is the one the text "
+                        "gets alone, as the pipeline runs it; batches are smaller where lengths vary",
                         self.padding_note)
         else:
             self.packing_note = self._check_packing(unquantized)
@@ -544,12 +545,15 @@ class FillMaskModel:
                 alone = torch.cat([self._logits(
                     ids[r:r + 1, :len(text)], attention[r:r + 1, :len(text)],
                     torch.zeros(len(places[r]), dtype=torch.long, device=device),
-                    torch.tensor(places[r], device=device)).float() for r, text in enumerate(texts)])
+                    torch.tensor(places[r], device=device)).float() for r, text in enumerate(texts) if places[r]])
         except torch.OutOfMemoryError as exc:  # (the float32 weights of a reduced dtype's check)
             log.warning("not enough memory to check in float32 whether padding changes this model's answers "
-                        "(%s); texts of different lengths share batches as for most models", first_line(exc))
+                        "(%s): texts of different lengths share batches as for most models, and where padding "
+                        "does change this model's answers they may differ from the pipeline's", first_line(exc))
             return None
-        except Exception:  # a model that fails on these inputs fails on a batch too: ``fails_a_batch`` says why
+        except Exception as exc:  # (a model that fails on every batch: ``fails_a_batch`` refuses it next)
+            log.warning("could not check whether padding changes this model's answers (%s): texts of different "
+                        "lengths share batches as for most models", first_line(exc))
             return None
         finally:
             if self.device.type == "cuda":
@@ -558,21 +562,25 @@ class FillMaskModel:
         largest = max(1.0, alone.abs().max().item())
         if moved <= _PACK_TOLERANCE * largest:  # (not NaN either)
             return None
-        return (f"padding moves this model's logits for a text beside longer ones ({moved:.3g} at most, the "
-                f"largest {largest:.3g}: its attention mask does not keep padding out of its answers)")
+        return (f"padding changes this model's answers: a text padded beside a longer one got logits up to "
+                f"{moved:.3g} away from its own alone (its largest {largest:.3g}); the padding reaches into what "
+                "it computes for the text")
 
     def _padding_check_inputs(self) -> tuple[list[list[int]], list[list[int]]]:
-        """Texts for ``_check_padding`` (ordinary ids, a mask at the second place) of lengths from 3 to
-        past two packed rows, within ``max_tokens``: short ones beside long ones, some within one chunk
-        of a chunked attention and some across several (Reformer's local chunks reach the padding only
-        then); and the places compared in each, from its first to its last token."""
+        """Texts for ``_check_padding`` (ordinary ids, a mask at the second place), within ``max_tokens``:
+        compared ones of 3 to 70 tokens, some within one chunk of a chunked attention and some across
+        several (Reformer's local chunks reach the padding only then: 16 tokens here, 64 by default),
+        and the widest, past two packed rows, which pads them all and is not compared itself; and the
+        places compared in each, from its first to its last token (none for the widest)."""
         pool = self._check_ids
-        lengths = sorted({min(n, self.max_tokens) for n in (3, 9, 23, 40, PACK_WIDTH + 6)})
+        compared = sorted({min(n, self.max_tokens) for n in (3, 12, 23, PACK_WIDTH + 6)})
+        widest = min(2 * PACK_WIDTH + 3, self.max_tokens)
+        lengths = compared + ([widest] if widest > compared[-1] else [])
         texts = [[pool[(7 * j + 3 * n) % len(pool)] for j in range(n)] for n in lengths]
         for text in texts:
             text[min(1, len(text) - 1)] = self.mask_token_id
-        places = [sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 2, n - 1} & set(range(n))) for n in lengths]
-        return texts, places
+        places = [sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 2, n - 1} & set(range(n))) for n in compared]
+        return texts, places + [[]] * (len(lengths) - len(compared))
 
     def _check_packing(self, unquantized: Any = None) -> str | None:
         """None when the model gives packed rows the logits it gives padded ones (see "Packed rows"),

@@ -188,6 +188,9 @@ class FillMaskServer:
                              max_missed=config.max_missed_batches, pack_width=model.pack_width,
                              one_length=model.one_length,
                              auto_rows=not config.max_batch_size, auto_tokens=not config.max_batch_tokens)
+        if config.max_length_ratio and model.one_length:
+            log.warning("--max-length-ratio is not used: this model runs one length a batch (its answers change "
+                        "with padding), so the cost model cuts each round by length")
         cost = CostModel(self.calibration.coefficients)
         policy.follow_cost(cost.coefficients)  # automatic caps: from the calibration's fit, once (batching.py)
         if policy.auto_rows or policy.auto_tokens:

@@ -163,9 +163,10 @@ def _tokenizer(arch: str, v: Vocabularies) -> Any:
     if arch == "esmc":
         from fillmask_server.checkpoint import ESM_VOCAB
 
-        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as listing:
-            listing.write("\n".join(ESM_VOCAB) + "\n")
-        return t.EsmTokenizer(listing.name, **limit)
+        with tempfile.TemporaryDirectory() as scratch:  # (the tokenizer reads its vocabulary file at once)
+            listing = Path(scratch) / "vocab.txt"
+            listing.write_text("\n".join(ESM_VOCAB) + "\n")
+            return t.EsmTokenizer(str(listing), **limit)
     if arch == "eurobert":  # Llama 3's special tokens on the byte-level BPE
         return v.fast({"<s>": "<|begin_of_text|>", "</s>": "<|end_of_text|>", "<mask>": "<|mask|>"},
                       "<|begin_of_text|> $A <|end_of_text|>", ["<|begin_of_text|>", "<|end_of_text|>"],
@@ -371,10 +372,12 @@ async def _served(directory: Path, sent: list[dict[str, Any]]) -> tuple[dict[str
             with server.engine.paused():
                 for request in batch:
                     await ws.send(json.dumps({"type": "fill_mask", **request}))
-                for _ in range(1000):  # (bounded: 10 s)
-                    if server.engine.runnable() + len(answers) >= len(batch):
+                for _ in range(3000):  # (bounded: 30 s)
+                    if server.engine.runnable() >= len(batch):
                         break
                     await asyncio.sleep(0.01)
+                else:
+                    raise TimeoutError(f"{server.engine.runnable()} of {len(batch)} requests queued after 30 s")
             while len(answers) < len(batch):
                 frame = json.loads(await asyncio.wait_for(ws.recv(), 60))
                 answers[frame.get("id")] = frame

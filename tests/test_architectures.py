@@ -115,24 +115,48 @@ def test_fnets_answers_change_with_padding_and_the_load_finds_it(fnet_dir: Path)
     assert (alone - padded).abs().max().item() > 0.1
     loaded = load_model(str(fnet_dir), "cpu", announce=False)
     assert loaded.one_length and loaded.pack_width == 0 and loaded.engine_facts()["layout"] == "one_length"
-    assert loaded.padding_note is not None and "padding moves this model's logits" in loaded.padding_note
+    assert loaded.padding_note is not None and "padding changes this model's answers" in loaded.padding_note
     # (No family is flagged: tests/test_families.py holds each to its packed or padded layout.)
 
 
 @pytest.mark.parametrize("overrides", [{}, {"max_length_ratio": 3.0, "max_missed_batches": 0}],
-                         ids=["cost-model", "band-forcing-every-request"])
+                         ids=["cost-model", "a-band-that-would-force-every-request"])
 async def test_a_model_that_padding_changes_answers_each_text_as_the_pipeline_does_alone(
         fnet_dir: Path, fnet_pipeline: Any, make_server: Any, overrides: dict[str, Any]) -> None:
-    """Nine lengths at once. With the cost model's rounds each batch is one length; with a fixed band
-    whose tail bound forces every request into the next batch, batches hold several lengths, which
-    the engine runs as a pass each. Either way every answer is the pipeline's for the text alone
-    (before: a different first token for some)."""
+    """Nine lengths at once: each batch is one length (a fixed band, whose tail bound would force every
+    request into one batch, is not used for such a model), and every answer is the pipeline's for the
+    text alone (before: a different first token for some)."""
     async with make_server(model=str(fnet_dir), **overrides) as server:
         hello, frames = await answers_at_once(server, TEXTS)
         assert hello["engine"]["layout"] == "one_length"
         same_as_alone(fnet_pipeline, frames, TEXTS)
-        batches = len({frame["batch_id"] for frame in frames})
-        assert batches == 1 if overrides else batches > 1  # (forced: one batch of nine lengths, run apart)
+        lengths: dict[int, set[int]] = {}
+        for frame in frames:
+            lengths.setdefault(frame["batch_id"], set()).add(frame["batch_tokens"] // frame["batch_size"])
+        assert len(lengths) > 1 and all(len(widths) == 1 for widths in lengths.values()), lengths
+
+
+async def test_a_batch_of_several_lengths_still_runs_each_text_alone(fnet_dir: Path, fnet_pipeline: Any,
+                                                                     make_server: Any) -> None:
+    """The engine's own guard, for a batch that holds several lengths all the same (no policy forms one
+    for such a model now; the fixed band's tail bound did): a pass for each length, each text's top
+    token the pipeline's."""
+    from fillmask_server.items import Item
+
+    async with make_server(model=str(fnet_dir)) as server:
+        model = server.model
+        items = [Item(ids, 5) for ids in model.tokenize(TEXTS)]
+        with server.engine.paused():
+            groups, failed = server.engine._forward_all(items, list(range(len(items))))
+    assert not failed and sorted(i for indices, _ in groups for i in indices) == list(range(len(items)))
+    assert all(len({len(items[i].input_ids) for i in indices}) == 1 for indices, _ in groups)
+    assert len(groups) == len({len(item.input_ids) for item in items})
+    for indices, top in groups:
+        for row, i in enumerate(indices):
+            first = top.spans[row][0]
+            expected = fnet_pipeline(TEXTS[i], top_k=1)
+            token = (expected[0] if isinstance(expected[0], list) else expected)[0]["token"]
+            assert int(top.indices[first][0]) == token, (TEXTS[i], int(top.indices[first][0]), token)
 
 
 class _Table(torch.nn.Module):
@@ -175,5 +199,5 @@ def test_the_architectures_script_builds_serves_and_compares_one(tmp_path: Path)
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"^fnet +same +traced/masks/one_length ", run.stdout, re.MULTILINE), run.stdout
-    assert "warning: padding moves this model's logits" in run.stdout
+    assert "warning: padding changes this model's answers" in run.stdout
     assert (tmp_path / "fnet" / "config.json").is_file()

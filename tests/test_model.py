@@ -544,7 +544,7 @@ def test_a_head_that_is_not_per_position_runs_the_full_model_and_says_so(caplog:
     # Its mean runs over the padding too, so a text's answer depends on what it is batched with: one
     # length a batch (and no packed rows, where it would mix the texts that share a row).
     assert fill.engine_facts()["layout"] == "one_length" and fill.pack_width == 0
-    assert fill.padding_note is not None and fill.padding_note.startswith("padding moves this model's logits")
+    assert fill.padding_note is not None and fill.padding_note.startswith("padding changes this model's answers")
     assert any("running the full model" in record.getMessage() for record in caplog.records)
     texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L"]
     ids = fill.tokenize(texts)
