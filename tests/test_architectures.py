@@ -122,7 +122,8 @@ def test_fnets_answers_change_with_padding_and_the_load_finds_it(fnet_dir: Path)
 @pytest.mark.parametrize("overrides", [{}, {"max_length_ratio": 3.0, "max_missed_batches": 0}],
                          ids=["cost-model", "a-band-that-would-force-every-request"])
 async def test_a_model_that_padding_changes_answers_each_text_as_the_pipeline_does_alone(
-        fnet_dir: Path, fnet_pipeline: Any, make_server: Any, overrides: dict[str, Any]) -> None:
+        fnet_dir: Path, fnet_pipeline: Any, make_server: Any, overrides: dict[str, Any],
+        caplog: pytest.LogCaptureFixture) -> None:
     """Nine lengths at once: each batch is one length (a fixed band, whose tail bound would force every
     request into one batch, is not used for such a model), and every answer is the pipeline's for the
     text alone (before: a different first token for some)."""
@@ -134,6 +135,8 @@ async def test_a_model_that_padding_changes_answers_each_text_as_the_pipeline_do
         for frame in frames:
             lengths.setdefault(frame["batch_id"], set()).add(frame["batch_tokens"] // frame["batch_size"])
         assert len(lengths) > 1 and all(len(widths) == 1 for widths in lengths.values()), lengths
+    said = any(record.getMessage().startswith("--max-length-ratio is not used") for record in caplog.records)
+    assert said == bool(overrides)
 
 
 async def test_a_batch_of_several_lengths_still_runs_each_text_alone(fnet_dir: Path, fnet_pipeline: Any,
