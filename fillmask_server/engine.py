@@ -560,8 +560,8 @@ class Engine:
                                                                                  list[int]]:
         """``_forward_all`` for a model whose answers padding would change (``FillMaskModel.one_length``): a
         pass for each length among ``indices``, in the order of each length's first item. The batching
-        policy forms one-length batches for such a model; a batch that holds more (a request the fixed
-        band took in after ``--max-missed-batches``) still gets every text's answer alone."""
+        policy forms one-length batches for such a model (``BatchPolicy.one_length``); should a batch
+        ever hold more, each text's answer is still the one it gets alone."""
         by_length: dict[int, list[int]] = {}
         for i in indices:
             by_length.setdefault(len(items[i].input_ids), []).append(i)
