@@ -572,15 +572,21 @@ class FillMaskModel:
         several (Reformer's local chunks reach the padding only then: 16 tokens here, 64 by default),
         and the widest, past two packed rows, which pads them all and is not compared itself; and the
         places compared in each, from its first to its last token (none for the widest)."""
-        pool = self._check_ids
         compared = sorted({min(n, self.max_tokens) for n in (3, 12, 23, PACK_WIDTH + 6)})
         widest = min(2 * PACK_WIDTH + 3, self.max_tokens)
         lengths = compared + ([widest] if widest > compared[-1] else [])
+        texts = self._check_texts(lengths)
+        places = [sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 2, n - 1} & set(range(n))) for n in compared]
+        return texts, places + [[]] * (len(lengths) - len(compared))
+
+    def _check_texts(self, lengths: Sequence[int]) -> list[list[int]]:
+        """A check text of each of ``lengths`` tokens: the tokenizer's ordinary ids, a different run for
+        each length, with the mask at the second place (the first, in a text of one token)."""
+        pool = self._check_ids
         texts = [[pool[(7 * j + 3 * n) % len(pool)] for j in range(n)] for n in lengths]
         for text in texts:
             text[min(1, len(text) - 1)] = self.mask_token_id
-        places = [sorted({0, 1, n // 4, n // 2, 3 * n // 4, n - 2, n - 1} & set(range(n))) for n in compared]
-        return texts, places + [[]] * (len(lengths) - len(compared))
+        return texts
 
     def _check_packing(self, unquantized: Any = None) -> str | None:
         """None when the model gives packed rows the logits it gives padded ones (see "Packed rows"),
@@ -672,10 +678,7 @@ class FillMaskModel:
         import torch
 
         lengths = [min(n, self.max_tokens) for n in (5, 9, 3, 12, 7, 2 * PACK_WIDTH + 3)]
-        pool = self._check_ids
-        texts = [[pool[(7 * j + 3 * n) % len(pool)] for j in range(n)] for n in lengths]
-        for text in texts:
-            text[min(1, len(text) - 1)] = self.mask_token_id
+        texts = self._check_texts(lengths)
         width, device = max(lengths), self.device
         ids = torch.tensor([text + [self.pad_token_id] * (width - len(text)) for text in texts], device=device)
         attention = torch.tensor([[1] * len(text) + [0] * (width - len(text)) for text in texts], device=device)

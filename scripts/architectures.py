@@ -99,8 +99,8 @@ class Vocabularies:
         import transformers
         from tokenizers import Tokenizer, processors
 
+        self.model("roberta")  # (its checkpoint written first, where it is not yet)
         text = json.dumps(json.loads((self.root / "roberta" / "tokenizer.json").read_text()))
-        self.model("roberta")  # (written by then)
         for old, new in rename.items():
             text = text.replace(json.dumps(old), json.dumps(new))
         tokenizer = Tokenizer.from_str(text)
