@@ -23,6 +23,7 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import Any
 
 try:
     from fillmask_server.allocator import freeze_start_up_heap
@@ -110,7 +111,8 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
     # Only now: whoever waits for this line may signal at once, and that signal must drain.
     say_ready(f"ready: {server.url} (demo page {server.http_url}/, health {server.http_url}/healthz)")
     stopped = asyncio.ensure_future(server.engine_stopped())
-    await asyncio.wait({received, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {received, stopped}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if received.done():
         stopped.cancel()
         signum = received.result()

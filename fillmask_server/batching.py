@@ -470,7 +470,7 @@ class BatchPolicy:
             decision.batch = sorted(chosen, key=waiting.place)  # arrival order
             for job in decision.batch:
                 waiting.discard(job)
-        if waiting is not queue and (expired or chosen):
+        if not isinstance(queue, Waiting) and (expired or chosen):  # (a deque: written back)
             queue.clear()
             queue.extend(waiting)
         if not chosen:
@@ -501,9 +501,9 @@ class BatchPolicy:
         queue = _waiting(ready)
         share = self._shares(queue.by_owner(), cost)
         tolerance = 1 + self.fair_tolerance
-        order = _arrival_order(queue, room, depth, share, tolerance * min(share.values(), default=0.0), cost)
-        if order is not None:
-            return order
+        shortcut = _arrival_order(queue, room, depth, share, tolerance * min(share.values(), default=0.0), cost)
+        if shortcut is not None:
+            return shortcut
         place = queue.place
         by_owner = {owner: deque(owned.values()) for owner, owned in queue.by_owner().items()}  # (copies)
         room = room.copy() if room is not None else None

@@ -155,7 +155,7 @@ class Calibration:
                                          "per_token_us": round(c.token_s * 1e6, 4),
                                          "per_row_us": round(c.row_s * 1e6, 4),
                                          "per_output_kb_us": round(c.byte_s * 1e9, 4)}
-        if (quiet := self.quiet_lone()) is not None:
+        if (quiet := self.quiet_lone()) is not None and self.quiet_after_ms is not None:  # (one needs the other)
             calibration["quiet_lone"] = {
                 "after_ms": round(self.quiet_after_ms, 3),
                 "threads_ms": [{"threads": n, "ms": round(ms, 3)} for n, ms in sorted(self.quiet_lone_ms.items())],
@@ -414,8 +414,9 @@ class _LayoutTimer:
 
     def __init__(self, model: FillMaskModel, layouts: list[Layout]) -> None:
         self.model = model
-        self.runners = {parts: PartRunner(parts - 1, threads // parts, _set_threads, name="fillmask-calibrate-part")
-                        for threads, parts in layouts if parts > 1}
+        self.runners: dict[int, PartRunner[TopK]] = {
+            parts: PartRunner(parts - 1, threads // parts, _set_threads, name="fillmask-calibrate-part")
+            for threads, parts in layouts if parts > 1}
         self.team = 0  # the threads of the team that ran the last pass
         self._last: tuple[Layout, int] | None = None  # the layout of the last pass, and its number of parts
         self._took: dict[tuple[Layout, int], float] = {}  # each one's last timed pass, seconds
@@ -522,7 +523,7 @@ def time_quiet_lone(model: FillMaskModel, team: int, more: Callable[[], bool] = 
         warm[count] = [_time(model, items, 1) for _ in range(QUIET_ROUNDS)]
     times: dict[int, list[float]] = {count: [] for count in counts}
     spell_s = 0.0
-    team_ended = clock()  # (the warm passes' last was the team's)
+    team_ended: float | None = clock()  # (the warm passes' last was the team's)
     for done in range(QUIET_ROUNDS):
         if done >= MIN_THREAD_ROUNDS and not more():
             break

@@ -243,7 +243,7 @@ def write_family(family: str, directory: Path, seed: int = 0, shape: str = "tiny
     return directory
 
 
-def _family_tokenizer(family: str, directory: Path, vocab_size: int | None = None) -> object:
+def _family_tokenizer(family: str, directory: Path, vocab_size: int | None = None) -> Any:
     """The family's tokenizer, trained to ``FAMILY_VOCAB`` tokens (and padded to ``vocab_size``: ``_pad``)."""
     import transformers
 
@@ -270,8 +270,8 @@ def _family_tokenizer(family: str, directory: Path, vocab_size: int | None = Non
     cls = {"xlm-roberta": transformers.XLMRobertaTokenizer, "albert": transformers.AlbertTokenizer,
            "deberta-v2": transformers.DebertaV2Tokenizer}[family]
     trained = _train("unigram", specials, lowercase=family == "albert", vocab_size=vocab_size)
-    vocab = [(piece, score) for piece, score in trained["vocab"]]
-    return cls(vocab=vocab, **limit)
+    pieces = [(piece, score) for piece, score in trained["vocab"]]
+    return cls(vocab=pieces, **limit)
 
 
 def _train(kind: str, specials: list[str], lowercase: bool = False, vocab_size: int | None = None) -> dict:
@@ -293,7 +293,7 @@ def _trained(kind: str, specials: tuple[str, ...], lowercase: bool) -> str:
         tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
         tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        trainer = trainers.WordPieceTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials),
+        trainer: Any = trainers.WordPieceTrainer(vocab_size=FAMILY_VOCAB, special_tokens=list(specials),
                                              show_progress=False)
     elif kind == "bpe":
         tokenizer = Tokenizer(models.BPE())
@@ -331,7 +331,7 @@ def _pad(model: dict, vocab_size: int) -> dict:
     return model
 
 
-def _modernbert_tokenizer(limit: dict[str, int], vocab_size: int | None = None) -> object:
+def _modernbert_tokenizer(limit: dict[str, int], vocab_size: int | None = None) -> Any:
     """ModernBERT's kind: byte-level BPE with BERT-style special tokens (``[CLS] text [SEP]``)."""
     from tokenizers import Tokenizer, decoders, models, processors
     from tokenizers import pre_tokenizers as pre

@@ -191,7 +191,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 def _value(name: str, raw: str) -> object:
     """The setting ``name``'s value from the text ``raw`` (a flag's or a variable's): of its default's
     type, in lower case for a setting of ``CHOICES``; ValueError when it is not of that type."""
-    kind = type(next(f for f in fields(Config) if f.name == name).default)
+    kind: type[typing.Any] = type(next(f for f in fields(Config) if f.name == name).default)
     return raw.lower() if name in CHOICES else kind(raw)
 
 
@@ -280,7 +280,7 @@ def _shown_default(default: object) -> str:
     return str(default).replace("%", "%%")
 
 
-def load_config(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> Config:
+def load_config(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """Flags over environment over defaults; exits with a one-line usage error on bad values."""
     environ = os.environ if environ is None else environ
     parser = build_parser()
@@ -321,7 +321,7 @@ def _variable_problem(name: str, raw: str, alone: bool = False) -> str | None:
     choices = CHOICES.get(name)
     if choices and value not in choices:
         return f"{env_name(name)}={raw!r} must be one of {', '.join(choices)}"
-    problem = validate(replace(Config(), **{name: value})) if alone else None
+    problem = validate(replace(Config(), **{name: value})) if alone else None  # type: ignore[arg-type]
     if problem and set(re.findall(r"--[a-z][a-z-]*", problem)) == {f"--{name.replace('_', '-')}"}:  # (not a
         # rule between two settings, such as --keyfile's need of --certfile, which the flags may meet)
         return f"{env_name(name)}={'(hidden)' if name == 'token' else repr(raw)}: {problem}"

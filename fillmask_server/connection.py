@@ -315,7 +315,7 @@ class Connection:
         self._drop_outbox()
 
 
-def cut(transport: asyncio.BaseTransport) -> None:
+def cut(transport: asyncio.WriteTransport) -> None:
     """Cut the TCP connection: a reset, and the unsent bytes thrown away (``SO_LINGER`` 0, then abort).
 
     A bare ``abort`` only closes the descriptor: the kernel then keeps the connection as an orphan with

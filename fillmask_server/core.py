@@ -40,6 +40,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import intake
 from .batching import BatchPolicy, Room, Waiting, footprint
@@ -77,7 +78,7 @@ class AnswerMemory:
 
     per_connection: int = 1 << 62
     total: int = 1 << 62
-    unsent: Callable[[object], int] = lambda owner: 0
+    unsent: Callable[[Any], int] = lambda owner: 0  # (an owner is the caller's: a session)
     unsent_total: Callable[[], int] = lambda: 0
 
 

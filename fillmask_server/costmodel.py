@@ -84,7 +84,7 @@ class CostModel:
         self._token_floor = self.TOKEN_FLOOR * max(self.prior.token_s, self.TOKEN_FLOOR * Coefficients.token_s)
         self.coefficients = replace(self.prior, token_s=max(self.prior.token_s, self._token_floor))
         self._fastest_s = float("inf")  # the fastest recent batch, slowly forgotten (above)
-        self._case = (0, 0, 0)  # which coefficients the last fit held at a bound (``_bounded_least_squares``)
+        self._case: tuple[int, ...] = (0, 0, 0)  # the coefficients the last fit held at a bound
 
     def observe_forward(self, rows: int, padded_tokens: int, seconds: float) -> None:
         """One forward pass of ``rows`` rows and ``padded_tokens`` padded tokens took ``seconds``."""

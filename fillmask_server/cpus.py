@@ -51,8 +51,8 @@ def cpu_quota(read: Callable[[str], str | None]) -> float | None:
             continue
         found_v2 = True
         fields = text.split()
-        if len(fields) == 2 and fields[0] != "max" and (quota := _ratio(fields[0], fields[1])) is not None:
-            quotas.append(quota)
+        if len(fields) == 2 and fields[0] != "max" and (ratio := _ratio(fields[0], fields[1])) is not None:
+            quotas.append(ratio)
     if not found_v2:
         for mount in CGROUP_V1_CPU_DIRS:
             for directory in _levels(mount, paths.get("cpu")):

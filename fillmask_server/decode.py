@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 _ANCHOR = "a"  # a plain token: decode([ANCHOR, t]) is ANCHOR followed by t's non-first piece
 PIECEWISE = ("WordPiece", "Metaspace", "ByteLevel")  # decoders whose output is one piece per token
 _BROKEN = "\ufffd"  # what a ByteLevel piece holds for bytes that are not a whole UTF-8 character
-_UNSEEN = object()  # not in a piece cache yet
+_UNSEEN: Any = object()  # not in a piece cache yet (typed Any: a cache's get gives it back, never kept)
 
 
 class SequenceDecoder:
@@ -74,11 +74,11 @@ class SequenceDecoder:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             return self._can_slot_python()
-        decoder = getattr(backend, "decoder", None)
+        decoder: Any = getattr(backend, "decoder", None)
         if type(decoder).__name__ not in PIECEWISE:
             return False
         self._python_anchor: int | None = None
-        self._backend = backend
+        self._backend: Any = backend
         self._decoder = decoder
         # One past the largest id (a vocabulary may have gaps, and then its size is smaller than that).
         self._vocab_size = max(self.tokenizer.get_vocab().values(), default=-1) + 1
@@ -134,10 +134,10 @@ class SequenceDecoder:
             piece = cache.get(candidate, _UNSEEN)
             if piece is _UNSEEN:
                 piece = self._piece_or_drop(candidate, first, skip_special)
-            if piece is None or _BROKEN in piece:  # (type checkers: an _UNSEEN is never left here)
+            if piece is None or _BROKEN in piece:
                 out.append(self._full(ids, position, candidate, skip_special))
                 continue
-            text = left + piece + right  # type: ignore[operator]
+            text = left + piece + right
             out.append(text if cleanup is None else cleanup(text))
         return out
 
@@ -151,14 +151,14 @@ class SequenceDecoder:
             if piece is _UNSEEN:
                 piece = self._piece_or_drop(token, not left, skip_special)
             if piece is not None:
-                left.append(piece)  # type: ignore[arg-type]
+                left.append(piece)
         right: list[str] = []
         for token in ids[position + 1:]:
             piece = rest.get(token, _UNSEEN)
             if piece is _UNSEEN:
                 piece = self._piece_or_drop(token, False, skip_special)
             if piece is not None:
-                right.append(piece)  # type: ignore[arg-type]
+                right.append(piece)
         joined_left, joined_right = "".join(left), "".join(right)
         if _BROKEN in joined_left or _BROKEN in joined_right:
             return None

@@ -446,7 +446,7 @@ class Engine:
         parts, count = plan([len(item.input_ids) for item in items], total, most if runner is not None else 1)
         layout_count, quiet, quiet_s = count, self._quiet, started - self._team_ran_at
         ruled = quiet is not None and count > 0 and quiet.applies(len(items), count, quiet_s)
-        if ruled:  # a lone request after the team's quiet: maybe fewer threads
+        if ruled and quiet is not None:  # a lone request after the team's quiet: maybe fewer threads
             count = quiet.threads_for(len(items), count, quiet_s)
         # A batch the rule moved, and one that wakes the team the rule keeps asleep (a probe, or a batch of
         # several texts), say nothing of the layout in use to the tuner's timings or the cost model

@@ -182,7 +182,8 @@ class FrontConnection(ServerConnection):
             if (deliver is not None and event.opcode is Opcode.TEXT and event.fin and not self.queued
                     and not self._fragmented):
                 try:
-                    text = event.data.decode()
+                    # (a frame read is bytes: websockets makes memoryviews only of frames it compresses to send)
+                    text = event.data.decode()  # type: ignore[union-attr]
                 except UnicodeDecodeError:
                     pass
                 else:

@@ -212,6 +212,7 @@ class FillMaskModel:
         #: do, a batch holds texts of one length only, and none is packed ("One length a batch").
         self.padding_note = self._check_padding(unquantized)
         self.one_length = self.padding_note is not None
+        self.packing_note: str | None  # why texts are not packed (None: they are)
         if self.one_length:
             self.packing_note = "a batch holds texts of one length only"
             log.warning("%s. So each batch holds texts of one length only, and every answer is the one the text "

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
@@ -118,12 +118,12 @@ class PartRunner(Generic[R]):
                 self._done.wait()
             if self._broken is not None:
                 raise RuntimeError(self._broken)
-            outcomes = [first, *self._results[:len(parts) - 1]]
+            outcomes = [first, *cast("list[tuple[bool, R | BaseException]]", self._results[:len(parts) - 1])]
             self._results = [None] * len(self._results)
         for ok, value in outcomes:
             if not ok:
-                raise value  # type: ignore[misc]
-        return [value for _, value in outcomes]  # type: ignore[misc]
+                raise cast(BaseException, value)
+        return [cast(R, value) for _, value in outcomes]
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the helpers (after the part they run or were handed, if any, so that a ``run`` under

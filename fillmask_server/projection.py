@@ -221,7 +221,7 @@ def output_linear(model: Any) -> tuple[torch.nn.Module, str, torch.nn.Linear] | 
     submodule; else None."""
     get = getattr(model, "get_output_embeddings", None)
     try:
-        linear = get() if callable(get) else None
+        linear: Any = get() if callable(get) else None
     except Exception:  # a model whose head was replaced by one its own code cannot find the layer in
         return None
     if type(linear) is not torch.nn.Linear:  # (a quantised or a subclassed layer computes something else)
@@ -263,7 +263,7 @@ def choose(model: Any) -> Projection | None:
     return Projection(parent, name, own, packed, own_s, tuple(seconds * slowdown for seconds in packed_s))
 
 
-def time_kernels(own: torch.nn.Module, packed: torch.nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def time_kernels(own: torch.nn.Linear, packed: torch.nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Each kernel's fastest time at each of ``ROWS`` rows (on fixed random hidden states)."""
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, own.in_features, generator=generator) for rows in ROWS]

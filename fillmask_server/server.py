@@ -29,6 +29,7 @@ import ssl
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -326,7 +327,7 @@ class FillMaskServer:
 
     def _release_switch_interval(self) -> None:
         if self._switch is not None:
-            self._switch, held = None, self._switch
+            held, self._switch = self._switch, None
             held.release(self)
 
     def _follow_thread_count(self, count: int) -> None:
@@ -607,7 +608,7 @@ class FillMaskServer:
             with self._transit_lock:
                 self._in_transit -= 1
 
-    def _on_outcomes(self, outcomes: list[Outcome], in_transit: bool = False) -> None:
+    def _on_outcomes(self, outcomes: Sequence[Outcome], in_transit: bool = False) -> None:
         """Each outcome to its job's session, and the answer to that session's connection; then the answer
         memory their computation reserved is given back (the answers are now counted as unsent bytes)."""
         self._route(outcomes)
@@ -616,7 +617,7 @@ class FillMaskServer:
             with self._transit_lock:
                 self._in_transit -= 1
 
-    def _route(self, outcomes: list[Outcome]) -> None:
+    def _route(self, outcomes: Sequence[Outcome]) -> None:
         touched: dict[Connection, None] = {}
         try:
             self._route_each(outcomes, touched)
@@ -624,7 +625,7 @@ class FillMaskServer:
             for conn in touched:  # each connection's answers of this hand-over in one write, written now
                 conn.flush()
 
-    def _route_each(self, outcomes: list[Outcome], touched: dict[Connection, None]) -> None:
+    def _route_each(self, outcomes: Sequence[Outcome], touched: dict[Connection, None]) -> None:
         for outcome in outcomes:
             session: Session = outcome.job.owner
             try:
