@@ -120,7 +120,7 @@ class Session:
         self._early: deque[float] = deque()  # times of early refusals within EARLY_WINDOW_S
         self._deadlines: list[tuple[float, int, Job]] = []
         self._order = itertools.count()
-        self._orphans: set[int] = set()  # id() of jobs still on the model when the connection closed
+        self._orphans: set[Job] = set()  # jobs still on the model when the connection closed (by identity)
 
     # --- input: one message from the client ----------------------------------------------------------
 
@@ -208,10 +208,10 @@ class Session:
         """The terminal answer for ``outcome``'s job; None when the connection has closed (dropped)."""
         job = outcome.job
         if self.closed:
-            if id(job) not in self._orphans:
+            if job not in self._orphans:
                 raise DoubleAnswer(f"an answer for request {job.request.id!r} after its connection closed, "
                                    "which it had no claim to")
-            self._orphans.discard(id(job))
+            self._orphans.discard(job)
             return None
         request_id = job.request.id
         if self.inflight.get(request_id) is not job:
@@ -257,7 +257,7 @@ class Session:
             if self.scheduler.withdraw(job):
                 withdrawn += 1
             else:
-                self._orphans.add(id(job))
+                self._orphans.add(job)
         self.inflight.clear()
         self._deadlines.clear()
         return withdrawn
