@@ -98,7 +98,8 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   requests only within a round. With a fixed band, a request *misses* a batch when the fair order
   offered it to that batch and it would have fitted the limits, but the band left it out. A request
   that has missed ``max_missed`` batches widens the band: it is in the next batch, whatever its
-  length (at most ``max_batch_size`` of them, oldest first). Either way, what can hold a request
+  length (at most ``max_batch_size`` of them, oldest first, within the limits below: the first of them
+  whatever its size). Either way, what can hold a request
   longer are only the limits (a full batch, the time bound: capacity, shared fairly) and answer room
   (a connection that is not reading).
 - **Room.** A request whose connection has no room left for answers (``Room``: answers unsent or
@@ -560,11 +561,15 @@ class BatchPolicy:
             groups = self._round(waiting, now, room, cost)
             return (groups[0], [], groups[1:]) if groups else ([], [], [])
         ready = list(waiting)
-        # The tail bound first: requests that have missed enough batches, oldest first, as room allows.
+        limit = self.time_limit(waiting, now, cost)
+        # The tail bound first: requests that have missed enough batches, oldest first, as room and the
+        # limits allow (the first of them whatever its size, as any batch's first request).
         trial = room.copy() if room is not None else None
         forced: list[J] = []
         for job in ready:
             if job.missed >= self.max_missed and len(forced) < self.max_batch_size:
+                if forced and not self._within_limits(forced, job, limit, cost):
+                    continue
                 if trial is not None:
                     if not trial.fits(job.owner, job.result_bytes):
                         continue
@@ -575,10 +580,19 @@ class BatchPolicy:
                                  REACH * self.max_batch_size, cost)
         if not order and not forced:
             return [], [], []
-        base = ([order[0]] if order and len(forced) < self.max_batch_size else []) + forced  # the fair head leads
+        leads = (bool(order) and len(forced) < self.max_batch_size
+                 and (not forced or self._within_limits(forced, order[0], limit, cost)))
+        base = ([order[0]] if leads else []) + forced  # the fair head leads (else it is offered with the rest)
         rest = order[1:] if base and order and base[0] is order[0] else order
-        batch, passed = self._fill_band(base, rest, self.time_limit(waiting, now, cost), cost)
+        batch, passed = self._fill_band(base, rest, limit, cost)
         return batch, passed, []
+
+    def _within_limits(self, group: list[J], job: J, limit: float, cost: Coefficients) -> bool:
+        """Whether ``group`` with ``job`` keeps a batch's token budget (rows x the widest row) and time
+        ``limit``, as ``_fill_band`` checks each request it adds."""
+        rows, high = len(group) + 1, max([job.n_tokens, *(member.n_tokens for member in group)])
+        return (rows * high <= self.max_batch_tokens
+                and cost.batch_s(rows, rows * high, job.result_bytes + sum(m.result_bytes for m in group)) <= limit)
 
     def _welcome(self, waiting: Waiting[J], cost: Coefficients) -> None:
         """Keep a share for each waiting connection that has none (a newcomer: new, or forgotten when it
