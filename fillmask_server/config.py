@@ -100,8 +100,8 @@ _HELP: dict[str, str] = {
                     "below a full batch of plain requests as long as the longest waiting; also at most half the "
                     "time left to the tightest deadline waiting",
     "max_missed_batches": "tail bound with --max-length-ratio: a request the band has left out of this many "
-                          "batches is in the next one, as its limits allow (the cost model's rounds need none: a request runs in the "
-                          "round that takes it in)",
+                          "batches is in the next one, as its limits allow (the cost model's rounds need none: a "
+                          "request runs in the round that takes it in)",
     "max_text_chars": "longest text accepted, in characters",
     "max_masks": "most mask tokens in one text",
     "max_top_k": "largest top_k a request may ask for",
