@@ -69,6 +69,7 @@ from fillmask_server.protocol import (
 )
 from fillmask_server.session import Answer, DoubleAnswer, Session
 from tests.contract import SERVER_SCHEMAS, TERMINAL_TYPES, Contract
+from tests.test_session import Clock
 
 LIMITS = Limits(mask_token="[MASK]", max_text_chars=40, max_masks=2, top_k_max=10, max_targets=3,
                 max_target_chars=8, max_id_chars=8, max_deadline_ms=10_000)
@@ -165,14 +166,6 @@ ENGINE_EVENTS = [Event.CHECKED, Event.REJECTED, Event.FAILED, Event.BATCHED, Eve
                  Event.DECODED]
 
 Key = tuple[str, Any, Any]  # a frame as (type, id, code or reason)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class StandInEngine:
