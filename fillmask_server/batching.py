@@ -98,10 +98,10 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   requests only within a round. With a fixed band, a request *misses* a batch when the fair order
   offered it to that batch and it would have fitted the limits, but the band left it out. A request
   that has missed ``max_missed`` batches widens the band: it is in the next batch, whatever its
-  length (at most ``max_batch_size`` of them, oldest first, within the limits below: the first of them
-  whatever its size). Either way, what can hold a request
-  longer are only the limits (a full batch, the time bound: capacity, shared fairly) and answer room
-  (a connection that is not reading).
+  length (at most ``max_batch_size`` of them, oldest first, within the token budget and the time
+  bound: the first of them whatever its size; one left out is due for the batch after). Either way,
+  what can hold a request longer are only the limits (a full batch, the time bound: capacity, shared
+  fairly) and answer room (a connection that is not reading).
 - **Room.** A request whose connection has no room left for answers (``Room``: answers unsent or
   being computed, per connection and in all) is not started; it keeps its place. A connection with
   nothing waiting always has room for one request, so nobody waits for room forever.
