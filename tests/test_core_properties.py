@@ -78,7 +78,8 @@ from fillmask_server.core import (
 )
 from fillmask_server.costmodel import Coefficients, CostModel
 from fillmask_server.jobs import Expired, Failed, Job, Outcome, Rejected, Result, State, Stopped
-from fillmask_server.protocol import FillMaskRequest
+from tests.test_core import job as new_job
+from tests.test_core import queue_up as queue_jobs
 
 PRIORS = {
     "cpu": Coefficients(),  # 1 ms a batch, 20 us a token, 100 us a row
@@ -204,8 +205,8 @@ class CoreMachine(RuleBasedStateMachine):
             self.submit_one(self.owners[0], deadline)
 
     def submit_one(self, owner: Conn, deadline: float | None) -> None:
-        job = Job(FillMaskRequest(len(self.jobs), "a [MASK] b", 5), owner=owner, arrival=self.now,
-                  deadline=None if deadline is None or not self.deadlines else self.now + deadline)
+        job = new_job(len(self.jobs), owner, self.now,
+                      None if deadline is None or not self.deadlines else self.now + deadline)
         expected = self.admission(owner)
         assert self.core.submit(job) is expected
         self.jobs.append(job)
@@ -725,8 +726,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert len(self.outcomes) + len(self.refused) == len(self.jobs)
         assert self.core.reserved_total() == 0 and not self.core._reserved and not self.core.busy()
         assert len(self.core._queue) == 0
-        assert self.core.submit(Job(FillMaskRequest("late", "a [MASK] b", 5), owner=Conn("late"),
-                                    arrival=self.now)) is Admission.STOPPED
+        assert self.core.submit(new_job("late", Conn("late"), self.now)) is Admission.STOPPED
 
     def drain(self) -> None:
         """Serve everything held, as the engine's threads would with clients that read their answers."""
@@ -762,14 +762,11 @@ TestCoreMachine = CoreMachine.TestCase
 
 
 def queue_up(core: EngineCore, requests: list[tuple[str, int, int]], now: float = 0.0) -> list[Job]:
-    """``(owner, tokens, answer bytes)`` requests submitted, taken and checked at ``now``."""
-    jobs = [Job(FillMaskRequest(f"{owner}{n}", "a [MASK] b", 5), owner=owner, arrival=now)
-            for n, (owner, _, _) in enumerate(requests)]
-    for job in jobs:
-        assert core.submit(job) is Admission.ACCEPTED
-    taken = core.take_intake()
-    assert core.checked([(job, intake.Checked(list(range(n)), 1, None, size))
-                         for job, (_, n, size) in zip(taken, requests, strict=True)]) == []
+    """``(owner, tokens, answer bytes)`` requests submitted, taken and checked at ``now``, in order
+    (``tests/test_core.py``'s helpers, one request at a time)."""
+    jobs = [new_job(f"{owner}{n}", owner, now) for n, (owner, _, _) in enumerate(requests)]
+    for one, (_, tokens, size) in zip(jobs, requests, strict=True):
+        queue_jobs(core, [one], tokens, size)
     return jobs
 
 
