@@ -109,3 +109,13 @@ def test_every_relative_link_in_the_repositorys_markdown_leads_somewhere() -> No
     read = {path: path.read_text(encoding="utf-8") for path in files}
     broken = {str(path.relative_to(ROOT)): links for path in files if (links := broken_links(path, read))}
     assert not broken, f"links to a file or heading that is not there: {broken}"
+
+
+def test_the_readmes_layout_names_every_module_of_the_server() -> None:
+    """A trial looked for ``load_server``'s module in "Layout" and did not find it: every module of
+    ``fillmask_server`` is named there (``name.py``)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = readme[readme.index("\n## Layout\n"):]
+    modules = sorted(path.name for path in (ROOT / "fillmask_server").glob("*.py") if path.name != "__init__.py")
+    assert len(modules) > 30
+    assert [name for name in modules if f"`{name}`" not in layout and f"fillmask_server/{name}`" not in layout] == []

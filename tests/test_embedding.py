@@ -208,6 +208,9 @@ async def test_the_readmes_embedding_example_serves(tiny_config: Config, capsys:
     assert code is not None
     work = "        await asyncio.sleep(60)  # your program's own work\n"
     assert work in code.group(1) and '"models/tiny"' in code.group(1)
+    # Run as a script it must call main (a trial's copy of an earlier form did nothing, exit status 0);
+    # exec'd here, __name__ is not "__main__", and this test awaits main on its own loop instead.
+    assert code.group(1).endswith('\n\nif __name__ == "__main__":\n    asyncio.run(main())\n')
     source = code.group(1).replace('"models/tiny"', repr(tiny_config.model)).replace(work, (
         "        async with FillMaskClient(server.url) as client:\n"
         "            print(len(await client.fill_mask('Paris is the [MASK] of France.')))\n"))
