@@ -75,8 +75,10 @@ FREE_COUNTS = 64  # ... and so does any count until this many have been met; aft
 PER_OCTAVE = 16  # ... to one of this many counts per octave (a power of two), or a count met in between
 
 
-with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced graph is TorchScript anyway)
-    warnings.simplefilter("ignore", DeprecationWarning)
+with warnings.catch_warnings():  # (TorchScript's deprecation notice: the traced graph is TorchScript anyway;
+    # a DeprecationWarning until torch 2.13, a FutureWarning, which Python shows every user, from 2.14)
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.", category=FutureWarning)
 
     class PackedLinear(torch.jit.ScriptModule):
         """A linear layer's product on oneDNN's kernel, on a copy of its weight reordered once for it (the

@@ -444,3 +444,43 @@ def test_every_family_answers_as_its_pipeline_with_the_packed_kernel(
         for row, predictions in zip(range(first, last), expected, strict=True):
             assert got.indices[row].tolist() == [p["token"] for p in predictions]
             assert got.values[row].tolist() == pytest.approx([p["score"] for p in predictions], abs=1e-5)
+
+
+TORCH_2_14 = r"""
+import sys, warnings
+import torch
+
+def as_in_torch_2_14(name):  # torch 2.14 warns with a FutureWarning, which Python shows every user
+    original = getattr(torch.jit, name)
+    def warned(*args, **kwargs):
+        warnings.warn(f"`torch.jit.{name}` is deprecated. Please switch to `torch.compile` or `torch.export`.",
+                      FutureWarning, stacklevel=2)
+        return original(*args, **kwargs)
+    setattr(torch.jit, name, warned)
+
+for name in ("script_method", "script", "trace"):
+    as_in_torch_2_14(name)
+warnings.filterwarnings("error", message=r"`torch\.jit\.")
+from fillmask_server.loading import load_model
+model = load_model(sys.argv[1], threads=1, announce=False)
+print(model.forward_mode, model.projection_kernel)
+"""
+
+
+@needs_onednn
+def test_torchs_notice_that_torchscript_is_deprecated_reaches_no_operator(tiny_model_dir: Path) -> None:
+    """Found with torch 2.14.1, which made TorchScript's deprecation notice a FutureWarning: every start
+    printed a line of torch's source path and the notice, which an operator can do nothing about (the
+    fast path is TorchScript, and says so in its log line). With the notices turned into errors here
+    (the packed kernel measured faster, ``SPEED_ENV``), the load prints nothing of them and gives up
+    neither the traced graph nor the packed kernel (it did: the error reached the kernel's class)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TORCH_2_14, str(tiny_model_dir)], cwd=Path(__file__).parent.parent,
+                          env={**os.environ, projection.SPEED_ENV: "0.01"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["traced", "onednn-packed"], (done.stdout, done.stderr[-2000:])
+    assert "torch.jit" not in done.stderr, done.stderr[-2000:]
