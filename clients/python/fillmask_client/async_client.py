@@ -63,6 +63,9 @@ AHEAD = 4
 #: How many times one call is sent again after a send ended without an answer. A bound, so that a
 #: request which itself brings servers down (a "poison" request) cannot take a whole fleet with it.
 MAX_RESENDS = 3
+#: A send that comes this many ms or more after its call began waited in the client (a redial, a place
+#: under ``max_inflight_per_connection``): its ``deadline_ms`` carries only what is left of the budget.
+WAITED_MS = 1.0
 
 
 def default_concurrency(limits: dict[str, Any], per_url: int, urls: int = 1) -> int:
@@ -388,9 +391,11 @@ class FillMaskClient:
     ) -> FillMaskResult:
         """Like ``fill_mask``, but return the whole ``result``: predictions, timings and the raw frame.
 
-        With retry, reconnect or several connections, a resend carries what is left of ``deadline_ms``
-        (the caller's budget counts from this call, not from each send), and no resend happens once it
-        is spent. To bound the whole call, reconnecting included, wrap it in ``asyncio.timeout``.
+        A resend, or a send that waited in this client first (for a redial, for a place under the
+        server's ``max_inflight_per_connection``, or out a back-off), carries what is left of
+        ``deadline_ms`` (the caller's budget counts from this call, not from each send), and nothing is
+        sent once it is spent (``DeadlineExceededError``). To bound the whole call, reconnecting
+        included, wrap it in ``asyncio.timeout``.
         Values JSON cannot carry as given (a lone surrogate, a NaN or infinite number) raise
         ``UsageError`` at once, before any connection is waited for.
         """
@@ -404,15 +409,19 @@ class FillMaskClient:
             conn = await self._pool.acquire(self.reconnect_timeout)
 
             def build(request_id: int, conn: Connection = conn, last: FillMaskError | None = last) -> bytes:
-                """The frame, built when it goes out: after any back-off the connection imposed (§6), so
-                that ``deadline_ms`` carries what is left of the caller's budget then."""
+                """The frame, built when it goes out: after any wait in this client (a redial, a place
+                under ``max_inflight_per_connection``, a back-off the connection imposed, §6), so that
+                ``deadline_ms`` carries what is left of the caller's budget then. A send that waited
+                for nothing carries ``deadline_ms`` as given."""
                 deadline = deadline_ms
-                waited = last is not None or conn.not_before > started  # a resend, or held back (§6)
+                spent_ms = (loop.time() - started) * 1000.0
+                waited = last is not None or conn.not_before > started or spent_ms >= WAITED_MS
                 if waited and isinstance(deadline_ms, (int, float)):
-                    deadline = deadline_ms - (loop.time() - started) * 1000.0
+                    deadline = deadline_ms - spent_ms
                     if deadline <= 0:
                         raise last or DeadlineExceededError.before_sending(
-                            f"held back {(loop.time() - started) * 1000.0:.0f} ms by the server's retry_after_ms")
+                            f"{spent_ms:.0f} ms went by in this client before the call could be sent (a redial, "
+                            "a place under max_inflight_per_connection, or the server's retry_after_ms)")
                 return request_frame(conn.limits, text, top_k, targets, deadline, request_id)
 
             send_by = started + deadline_ms / 1000.0 if isinstance(deadline_ms, (int, float)) else None

@@ -336,6 +336,15 @@ async def sleep_unless(event: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(event.wait(), seconds)
 
 
+def _give_back(slots: asyncio.Semaphore, place: asyncio.Future[Any]) -> None:
+    """Give ``slots`` back the place ``place`` (a task of ``slots.acquire()``) took, or stop it taking
+    one: a cancelled ``acquire`` that was already woken passes its place on to the next waiter."""
+    if not place.done():
+        place.cancel()
+    elif not place.cancelled() and place.exception() is None:
+        slots.release()
+
+
 def retrieve(future: asyncio.Future[Any]) -> None:
     """Done-callback that marks a future's exception as retrieved.
 
@@ -629,9 +638,12 @@ class Connection:
         """Send the frame ``build(id)`` under a fresh id and return that request's terminal frame.
 
         ``send_by`` is the loop time after which sending is pointless (the call's ``deadline_ms``): a
-        back-off (§6) that would last past it raises ``DeadlineExceededError`` at once, nothing sent.
+        back-off (§6) that would last past it raises ``DeadlineExceededError`` at once, and a wait for a
+        place among this connection's ``max_inflight_per_connection`` requests that outlasts it raises
+        it then; nothing is sent either way.
 
-        Raises ``NotSentError`` when the connection is not ``usable`` (nothing was sent: choose another),
+        Raises ``NotSentError`` when the connection is not ``usable``, or stops taking work while this
+        call waits for a place or a back-off (nothing was sent: choose another),
         ``ConnectionLostError`` when the connection ends after the frame went out. If the calling task is
         cancelled the request is abandoned: the request frame is still sent whole (it is shielded: a
         half-sent frame would break the connection for everyone), a ``cancel`` frame follows it (§5), and
@@ -642,7 +654,7 @@ class Connection:
         if self.slots is not None:
             self.waiting += 1
             try:
-                await self.slots.acquire()
+                await self._take_place(self.slots, send_by)
             finally:
                 self.waiting -= 1
         self.waiting += 1
@@ -686,6 +698,36 @@ class Connection:
             if request_id in self.pending:
                 self._spawn(self._cancel(request_id, after=None))
             raise
+
+    async def _take_place(self, slots: asyncio.Semaphore, send_by: float | None) -> None:
+        """A place among this connection's ``max_inflight_per_connection`` requests (held on return).
+        The wait ends early, holding none, when the connection stops taking work (``_stopped``:
+        ``NotSentError``, so the call chooses another connection or fails at once, §10) or at
+        ``send_by`` (``DeadlineExceededError``)."""
+        if not slots.locked():
+            await slots.acquire()  # (a place is free: no wait)
+            return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        place = asyncio.ensure_future(slots.acquire())
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            timeout = None if send_by is None else max(0.0, send_by - started)
+            await asyncio.wait((place, stopped), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # (cancelled meanwhile)
+            _give_back(slots, place)
+            raise
+        finally:
+            stopped.cancel()
+        if place.done() and not place.cancelled() and self.usable:
+            return
+        _give_back(slots, place)
+        if not self.usable:
+            raise NotSentError
+        waited = (loop.time() - started) * 1000
+        raise DeadlineExceededError.before_sending(
+            f"waited {waited:.0f} ms for one of this connection's max_inflight_per_connection places, past the "
+            "call's deadline_ms")
 
     async def _back_off(self, send_by: float | None) -> None:
         """Wait until ``not_before`` (again, if a refusal moved it meanwhile) or until the connection
