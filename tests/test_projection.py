@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,9 @@ def test_the_packed_kernel_computes_the_linear_layers_product() -> None:
     with torch.inference_mode():
         with found.swapped():
             assert isinstance(head.decoder, projection.PackedLinear)
-            traced = torch.jit.trace(head, (hidden,), check_trace=False)
+            with warnings.catch_warnings():  # (TorchScript's deprecation notice, as the server keeps it out)
+                warnings.filterwarnings("ignore", message=r"`torch\.jit\.")
+                traced = torch.jit.trace(head, (hidden,), check_trace=False)
             swapped = head(hidden)
         assert head.decoder is linear
         assert torch.equal(traced(hidden), swapped)
