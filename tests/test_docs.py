@@ -119,3 +119,18 @@ def test_the_readmes_layout_names_every_module_of_the_server() -> None:
     modules = sorted(path.name for path in (ROOT / "fillmask_server").glob("*.py") if path.name != "__init__.py")
     assert len(modules) > 30
     assert [name for name in modules if f"`{name}`" not in layout and f"fillmask_server/{name}`" not in layout] == []
+
+
+def test_each_machine_column_at_a_glance_links_to_that_machines_runs() -> None:
+    """A session's update once put the family-26 EPYC's run files in the AVX2 column's "from" cell: each
+    column's result files are named for its machine (``bench/results/*-zen4-*``, ``*avx512*``, ...)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("\n### At a glance\n"):].split("\n\n")[2].splitlines()
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    sources = [cell.strip() for cell in next(r for r in table if r.startswith("| from |")).strip("|").split("|")]
+    tags = {"Zen 4": "zen4", "family 26": "avx512", "AVX2": "avx2", "Xeon": "xeon"}
+    assert len(header) == len(sources) == 6
+    for name, cell in zip(header[2:], sources[2:], strict=True):
+        tag = next(tag for key, tag in tags.items() if key in name)
+        files = re.findall(r"\(bench/results/([^)]+)\)", cell)
+        assert files and all(tag in file for file in files), (name, [f for f in files if tag not in f])
