@@ -80,6 +80,8 @@ SINGLE_VALUED_HEADERS = ("Host", "Origin", "Authorization", "Upgrade", "Accept",
                          "Sec-WebSocket-Version")
 LOG_INTERVAL_S = 10.0
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,20}$")  # an HTTP method as RFC 9110 §5.6.2 spells it
+_METHOD = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # (any length: the one above is for quoting it back)
+_CONTROL = re.compile(r"[\x00-\x20\x7f]")  # no request target holds these (RFC 9112 §3.2, RFC 3986)
 #: websockets' refusal of a request line whose version is well-formed (RFC 9112 §2.3) but neither 1.1 nor 1.0.
 _OTHER_VERSION = re.compile(r"^unsupported protocol;[^:]*: \S+ \S+ HTTP/[0-9]\.[0-9]$")
 
@@ -139,7 +141,7 @@ class HttpFront:
 
     def _answer(self, connection: ServerConnection, request: Request) -> Response | None:
         headers = request.headers
-        problem = header_problem(request)
+        problem = request_line_problem(request) or header_problem(request)
         if problem is not None:
             if asks_for_websocket(headers):
                 self.metrics.handshakes_refused.labels("bad_request").inc()
@@ -386,6 +388,19 @@ def origin_form(target: str, host: str | None) -> tuple[str | None, str | None]:
         return None, host
     rest = target.split("://", 1)[1][len(parts.netloc):]  # as sent: a fragment stays, as in origin form
     return (rest if rest.startswith("/") else "/" + rest), parts.netloc
+
+
+def request_line_problem(request: Request) -> str | None:
+    """One line saying why the request line is malformed, or None: websockets splits it on spaces and
+    checks the version alone, so a method that is not a token (RFC 9110 §9.1: empty, or with a control
+    character or a separator) or a target with a control character (RFC 9112 §3.2) reaches the hooks,
+    where it was answered as an unknown method (405) or path (404); RFC 9112 §3 asks for 400."""
+    if not _METHOD.fullmatch(request.method):
+        return "the request line is malformed: its method is not a name such as GET; send 'GET /path HTTP/1.1'"
+    if _CONTROL.search(request.path):
+        return ("the request target has a control character or a space; percent-encode it, as in "
+                "'GET /path%20name HTTP/1.1'")
+    return None
 
 
 def header_problem(request: Request) -> str | None:
