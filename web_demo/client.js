@@ -246,6 +246,11 @@
         this.current = null;
         this.closeConnection(old, { code: 1000, reason: '', wasClean: true });
         old.ws.close(1000);
+        if (this.current) {  // a callback of the lost requests connected meanwhile: that connection stays
+          ws.onopen = ws.onmessage = ws.onerror = ws.onclose = () => {};
+          ws.close(1000);
+          return;
+        }
       }
       const conn = { url: this.url, ws, state: State.CONNECTING, hello: null, opened: false };
       this.current = conn;
@@ -332,13 +337,18 @@
       const wasClosed = conn.state === State.CLOSED;
       this.emit('log', 'event', 'closed' + (event.code ? ' with ' + event.code : '') +
         (event.reason ? ': ' + event.reason : '') + (conn.opened ? '' : ' (the handshake failed)'), 'connection');
+      // No longer current before its lost requests' callbacks run: one of them may connect() at once.
+      if (wasCurrent && !wasClosed) this.current = null;
       this.closeConnection(conn, event);
       if (!wasCurrent || wasClosed) {  // a drained connection, or one replaced by connect()
         this.emit('status', this.status());
         return;
       }
-      this.current = null;
       this.lastClose = { code: event.code || 1006, reason: event.reason || '', opened: conn.opened };
+      if (this.current) {  // a callback connected meanwhile: no reconnection to schedule
+        this.emit('status', this.status());
+        return;
+      }
       const delay = this.nextBackoffMs();
       // A restart that takes this long is no longer a restart.
       if (this.restarting && this.attempt > 4) this.restarting = false;
