@@ -349,7 +349,11 @@ def tls_context(certfile: str, keyfile: str = "") -> ssl.SSLContext:
     Raises ``ValueError`` with one readable line when the files cannot be read or do not match.
     """
     for path in (certfile, keyfile):
-        if path and not Path(path).is_file():
+        try:
+            found = not path or Path(path).is_file()
+        except OSError as exc:  # (is_file raises what is not "no such file": a name too long for the system)
+            raise ValueError(f"cannot read TLS file {path!r}: {exc.strerror}") from None
+        if not found:
             raise ValueError(f"cannot read TLS file {path!r}: no such file")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2

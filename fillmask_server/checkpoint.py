@@ -416,13 +416,17 @@ def main(argv: list[str] | None = None) -> int:
                              "or base (12 layers, hidden 768)")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
-    there = (is_family_checkpoint(args.directory, args.family_shape, args.size, args.seed) if family
-             else is_checkpoint(args.directory, args.size, args.seed))
+    asked = _name(args.size, args.family_shape if family else None, args.seed)
+    try:
+        there = (is_family_checkpoint(args.directory, args.family_shape, args.size, args.seed) if family
+                 else is_checkpoint(args.directory, args.size, args.seed))
+        problem = _problem(args.directory) or (None if args.force else _in_the_way(args.directory, asked))
+    except OSError as exc:  # (a name too long for the system, a loop of links: beyond "no such file")
+        print(f"error: {args.directory} cannot be read: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     if there and not args.force:
         print(f"{args.directory}: checkpoint already there (use --force to rewrite)")
         return 0
-    asked = _name(args.size, args.family_shape if family else None, args.seed)
-    problem = _problem(args.directory) or (None if args.force else _in_the_way(args.directory, asked))
     if problem is not None:
         print(f"error: {args.directory} {problem}", file=sys.stderr)
         return 1

@@ -128,6 +128,8 @@ def check_source(name: str) -> str:
         raise ModelLoadError(f"cannot load model {name!r}: this process (uid {os.getuid()}) may not reach it (a "
                              "directory on its path is not readable by it): make them readable (chmod a+rx), or "
                              "run it as their owner") from None
+    except OSError as exc:  # (a name too long for the system, a loop of links: what is_dir raises beyond "none")
+        raise ModelLoadError(f"cannot load model {name!r}: {exc.strerror}; {_HINT}") from None
     if exists:
         raise ModelLoadError(f"cannot load model {name!r}: it is a file, not a directory; {_HINT}")
     if name.startswith(("/", "./", "../", "~")):

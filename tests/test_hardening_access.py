@@ -167,6 +167,7 @@ def test_token_from_header_or_query() -> None:
     ({"token": "two words"}, "--token must be printable ASCII"),
     ({"keyfile": "key.pem"}, "--keyfile needs --certfile"),
     ({"certfile": "/nonexistent/cert.pem"}, "cannot read TLS file '/nonexistent/cert.pem'"),
+    ({"certfile": "c" * 400}, "cannot read TLS file 'ccc"),  # a name too long: is_file() raised OSError
 ])
 def test_bad_hardening_settings_are_refused_with_one_line(overrides: dict[str, Any], message: str) -> None:
     problem = validate(Config(**overrides))

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from fillmask_server.config import (
     MAX_THREADS_PER_CPU,
     MIN_MESSAGE_BYTES,
     Config,
+    env_name,
     load_config,
     overridden_variables,
     setting_warnings,
@@ -169,6 +171,26 @@ def test_a_switch_interval_that_means_nothing_is_refused(bad: str, capsys: pytes
     with pytest.raises(SystemExit):
         load_config(["--gil-switch-ms", bad], environ={})
     assert "--gil-switch-ms must be 0 (automatic) or between 0.01 and 1000" in capsys.readouterr().err
+
+
+ODD_VALUES = ["", " ", "0", "-0", "1", "-1", "1e309", "nan", "-inf", "0x10", "\u0661\u0662", "1_000", "3.5", "abc",
+              "\x00", "a\nb", "\U0001f4a5", "9" * 400, "True", "none", "ALL", "auto", " 5 ", "+5", ".5", "08"]
+
+
+def test_every_setting_given_any_value_is_taken_or_refused_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    """Every flag and every variable, each with values a shell or a manifest can produce: the settings
+    are read, or start-up stops with status 2 and one line, never a traceback (a --certfile name too
+    long for the system raised OSError from a check that expected only "no such file")."""
+    for f in fields(Config):
+        for value in ODD_VALUES:
+            for argv, environ in ((["--" + f.name.replace("_", "-"), value], {}), ([], {env_name(f.name): value})):
+                try:
+                    load_config(argv, environ)
+                except SystemExit as exited:
+                    lines = capsys.readouterr().err.strip().splitlines()
+                    assert exited.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (
+                        f.name, argv, environ, exited.code, lines)
+                capsys.readouterr()
 
 
 @pytest.mark.parametrize("flag", ["--send-timeout", "--drain-delay", "--shutdown-timeout", "--max-wait-ms",
@@ -774,6 +796,7 @@ def test_the_checkpoint_command_never_writes_over_what_it_was_not_asked_for(
                                           "'roberta' one"),
         (["tiny", str(tmp_path / "a-file")], "is not a directory"),
         (["tiny", str(tmp_path / "dangling")], "is a symbolic link to a path that does not exist"),
+        (["tiny", str(tmp_path / ("m" * 400))], "cannot be read: File name too long"),  # (was a traceback)
     ]
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}

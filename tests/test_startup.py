@@ -53,6 +53,7 @@ def run_without_torch(*args: str) -> subprocess.CompletedProcess[str]:
         ("{empty}", "has no config.json"),
         ("{file}", "is a file, not a directory"),
         ("google-bert/bert-base-uncased", "not in the local cache"),  # HF_HUB_OFFLINE=1, nothing cached
+        ("m" * 400, "File name too long"),  # is_dir raised OSError: a traceback, before
     ],
 )
 def test_a_wrong_model_fails_with_one_line_before_torch_is_imported(tmp_path: Path, model: str,
