@@ -332,7 +332,9 @@ async def test_flags_outside_the_servers_limits_are_one_usage_error(make_server:
             assert (code, out) == (2, "") and err.startswith(f"fillmask-client: {named}"), err
             assert len(err.splitlines()) == 1
         for flags, named in [(["--top-k", "0"], "--top-k 0"), (["-t", " , "], "--targets: no words given"),
-                             (["--connections", "0"], "--connections must be at least 1")]:
+                             (["--connections", "0"], "--connections must be between 1 and 1024"),
+                             # (a billion connections' slots took all memory before any socket opened)
+                             (["--connections", "1000000000"], "--connections must be between 1 and 1024")]:
             code, _, err = await run_cli("--url", srv.url, *flags, stdin=texts)
             assert code == 2 and named in err, err  # judged before connecting (a usage error from argparse)
         assert sum(count(srv, "error", code) for code in ("invalid_top_k", "invalid_targets", "invalid_deadline")) == 0

@@ -246,6 +246,8 @@ def test_options_of_the_wrong_kind_are_usage_errors_at_construction() -> None:
         ({"backoff": 5}, "backoff must be a ReconnectBackoff or None, not 5"),
         ({"ssl": context}, "ssl= is for wss:// URLs, and 'ws://127.0.0.1:8765/' is ws://"),
         ({"ssl": "cert.pem"}, "ssl must be an ssl.SSLContext or None, not 'cert.pem'"),
+        # (a billion connections' slots took all memory before any socket opened: a fuzz of the command's flags)
+        ({"connections": 10**9}, "connections must be at most 1024 per URL, not 1000000000"),
     ]
     for options, words in refusals:
         for make in (FillMaskClient, SyncFillMaskClient):

@@ -66,6 +66,9 @@ MAX_RESENDS = 3
 #: A send that comes this many ms or more after its call began waited in the client (a redial, a place
 #: under ``max_inflight_per_connection``): its ``deadline_ms`` carries only what is left of the budget.
 WAITED_MS = 1.0
+#: The most connections one client opens to each URL: each is a socket and a task, and a server takes
+#: up to its ``--max-connections`` (1000 by default) from everyone together.
+MAX_CONNECTIONS = 1024
 
 
 def default_concurrency(limits: dict[str, Any], per_url: int, urls: int = 1) -> int:
@@ -183,6 +186,9 @@ class FillMaskClient:
                 raise UsageError(problem)
         if not isinstance(connections, int) or isinstance(connections, bool) or connections < 1:
             raise UsageError(f"connections must be a positive integer, not {connections!r}")
+        if connections > MAX_CONNECTIONS:  # (a billion slots took all memory before a socket opened)
+            raise UsageError(f"connections must be at most {MAX_CONNECTIONS} per URL, not {connections}: each is a "
+                             "socket of its own, and a server takes up to its --max-connections from all clients")
         self.urls = tuple(urls)
         self.url = urls[0]
         if not isinstance(retry, (bool, RetryPolicy)):  # (a number would fail at the first 503, not here)

@@ -53,7 +53,7 @@ from typing import Any, BinaryIO, TextIO
 import orjson
 
 from ._version import __version__
-from .async_client import DEFAULT_URL, FillMaskClient
+from .async_client import DEFAULT_URL, MAX_CONNECTIONS, FillMaskClient
 from .connection import GOING_AWAY_CODES, is_secure, redact, url_problem
 from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
 from .frames import FillMaskResult
@@ -548,8 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(parser, sys.argv[1:] if argv is None else list(argv))
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
-    if args.connections < 1:
-        parser.error("--connections must be at least 1")
+    if not 1 <= args.connections <= MAX_CONNECTIONS:
+        parser.error(f"--connections must be between 1 and {MAX_CONNECTIONS}")
     # ``not 0 < x < inf`` (rather than ``x <= 0``) also refuses NaN, with which every comparison is false.
     if not 0 < args.timeout < math.inf:
         parser.error(f"--timeout {_number(args.timeout)}: must be a finite number of seconds greater than 0")
