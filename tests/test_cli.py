@@ -411,3 +411,12 @@ async def test_fillmask_server_help_names_the_program_as_invoked() -> None:
                                                 stderr=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0 and out.decode().startswith("usage: fillmask-server ")
+
+
+async def test_a_file_name_with_a_newline_is_quoted_so_the_message_stays_one_line(tmp_path: Path) -> None:
+    """A fuzz of the command's flags: ``--file`` or ``--cafile`` naming a file with a newline in its name
+    broke the one line every message is; such a name is now shown quoted."""
+    odd = tmp_path / "a\nb"
+    for flags in (["--file", str(odd)], ["--cafile", str(odd)]):
+        code, _, err = await run_cli("--url", "wss://127.0.0.1:1/", *flags, "a [MASK]")
+        assert code == 2 and len(err.splitlines()) == 1 and repr(str(odd)) in err, err

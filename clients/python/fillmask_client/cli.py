@@ -206,7 +206,7 @@ def collect_texts(args: argparse.Namespace, stdin: BinaryIO | TextIO) -> list[Te
         texts.extend(read_lines(stdin))
     elif args.file is not None:
         with open(args.file, "rb") as handle:
-            texts.extend(read_lines(handle, f"--file {args.file}"))
+            texts.extend(read_lines(handle, f"--file {shown_path(args.file)}"))
     if not args.texts and args.file is None:
         texts.extend(read_lines(stdin))
     return texts
@@ -404,10 +404,10 @@ def load_cafile(path: str) -> ssl.SSLContext:
     try:
         return ssl.create_default_context(cafile=path)
     except ssl.SSLError as exc:
-        raise BadInput(f"--cafile {path}: no certificate could be loaded from it ({exc.reason or exc}); "
+        raise BadInput(f"--cafile {shown_path(path)}: no certificate could be loaded from it ({exc.reason or exc}); "
                        "expected PEM certificates, such as the server's cert.pem") from None
     except OSError as exc:
-        raise BadInput(f"--cafile {path}: cannot read it ({exc.strerror or exc})") from None
+        raise BadInput(f"--cafile {shown_path(path)}: cannot read it ({exc.strerror or exc})") from None
 
 
 async def run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, err: TextIO,
@@ -542,6 +542,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     return args
 
 
+def shown_path(path: str) -> str:
+    """``path`` as a message shows it: as given, or quoted where it holds a control character (a newline
+    in a file's name would break the one line every message is)."""
+    return repr(path) if any(ord(c) < 32 or ord(c) == 127 for c in path) else path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fillmask-client`` and ``python -m fillmask_client``; returns the exit status."""
     parser = build_parser()
@@ -571,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.deadline_ms is not None and not 0 < args.deadline_ms < math.inf:
         parser.error(f"--deadline-ms {_number(args.deadline_ms)}: must be a finite number greater than 0")
     if args.cafile is not None and not os.path.isfile(args.cafile):
-        parser.error(f"--cafile {args.cafile}: no such file")
+        parser.error(f"--cafile {shown_path(args.cafile)}: no such file")
     plain = [url for url in args.url or [DEFAULT_URL] if not is_secure(url)]
     if args.cafile is not None and plain:
         parser.error(f"--cafile is for wss:// URLs, and {redact(plain[0])!r} is ws://: use wss://, or leave "
@@ -589,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fillmask-client: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"fillmask-client: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        print(f"fillmask-client: cannot read {shown_path(str(exc.filename))}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C while texts were being typed on standard input: nothing was sent
         return EXIT_INTERRUPTED
