@@ -195,7 +195,7 @@ class Engine:
     def submit(self, job: Job) -> Admission:
         """Accept ``job`` for the tokenizer stage, or say why not (``EngineCore.submit``)."""
         with self._lock:
-            if not self.alive:
+            if not self.alive or self._stopping:  # (``stop`` clears ``alive`` only once its threads end)
                 return Admission.STOPPED
             self._count_cpu_locked()
             admission = self.core.submit(job)
@@ -669,6 +669,7 @@ class Engine:
         """A stage thread is ending abnormally: refuse new work, stop the other stages, answer everything held."""
         log.critical("an engine thread stopped (%s); /readyz now answers 503 and requests get 503 engine_stopped",
                      type(exc).__name__, exc_info=exc)
+        stranded: list[_Forwarded] = []
         try:
             with self._handing_over():
                 self.alive = False
@@ -676,12 +677,14 @@ class Engine:
                 self._stopping = True
                 for wake in (self._intake_wake, self._model_wake, self._decode_wake):
                     wake.notify_all()
+                stranded = list(self._decoding)
                 self._decoding.clear()
                 self._undecoded = 0
                 self._next = None
                 self._hand_over_locked(self.core.stop_all())
         except Exception:
             log.exception("answering the requests of the stopped engine failed")
+        self._observe(stranded)  # batches the model ran and the decode stage never took: counted all the same
 
 
 def name_os_thread(name: str) -> None:

@@ -610,12 +610,15 @@ class FillMaskServer:
 
     def _on_outcomes(self, outcomes: Sequence[Outcome], in_transit: bool = False) -> None:
         """Each outcome to its job's session, and the answer to that session's connection; then the answer
-        memory their computation reserved is given back (the answers are now counted as unsent bytes)."""
-        self._route(outcomes)
-        self.engine.release([outcome.job for outcome in outcomes])
-        if in_transit:
-            with self._transit_lock:
-                self._in_transit -= 1
+        memory their computation reserved is given back (the answers are now counted as unsent bytes).
+        The memory and the count in transit are given back whatever routing meets."""
+        try:
+            self._route(outcomes)
+        finally:
+            self.engine.release([outcome.job for outcome in outcomes])
+            if in_transit:
+                with self._transit_lock:
+                    self._in_transit -= 1
 
     def _route(self, outcomes: Sequence[Outcome]) -> None:
         touched: dict[Connection, None] = {}
@@ -633,6 +636,9 @@ class FillMaskServer:
             except DoubleAnswer:
                 self.double_answers += 1
                 log.exception("not sending a second answer")
+                continue
+            except Exception:  # a defect: the other answers of this hand-over still go out
+                log.exception("routing an answer failed")
                 continue
             if answer is None:
                 self.metrics.dropped()  # its connection closed while the model had it
