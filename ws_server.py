@@ -25,6 +25,11 @@ import signal
 import sys
 from typing import Any
 
+from fillmask_server.lifecycle import signals_handled, stop_while_starting
+
+if __name__ == "__main__":  # before the imports below (a tenth of a second): a signal leaves as §10 says
+    stop_while_starting(signals_handled())  # (the console script's ``lifecycle.console_main`` does the same)
+
 try:
     from fillmask_server.allocator import freeze_start_up_heap
     from fillmask_server.config import (
@@ -43,8 +48,6 @@ try:
         exit_on_signal,
         ignore_signals,
         say_ready,
-        signals_handled,
-        stop_while_starting,
     )
     from fillmask_server.server import FillMaskServer, quiet_accept_failures
     from fillmask_server.signals import SignalGate, drain_delay

@@ -4,7 +4,9 @@ What a signal *means* is ``signals.py``'s (pure); this module installs the handl
 four phases of the process's life (``ws_server.py`` calls them in this order):
 
 1. starting (``stop_while_starting``): a signal leaves at once with 128 + its number, since the model
-   loads inside native code and no event loop would see the signal before it had loaded;
+   loads inside native code and no event loop would see the signal before it had loaded. Installed
+   before the program's imports (``ws_server.py`` run as a script, or ``console_main`` for the
+   ``fillmask-server`` command), so that only the interpreter's own start precedes it;
 2. serving (``drain_on_signals``): the first signal starts the drain, a second one during it stops at
    once (``stop_now``, exit 130), the first delivered twice does nothing;
 3. drained (``exit_on_signal``): a signal only hurries the exit, with the drain's status;
@@ -52,6 +54,15 @@ def stop_while_starting(handled: list[signal.Signals]) -> None:
     otherwise ignored)."""
     for signum in handled:
         signal.signal(signum, _interrupted_while_starting)
+
+
+def console_main() -> int:
+    """The ``fillmask-server`` command: phase 1's handlers, then ``ws_server``'s imports and ``main``
+    (a console script imports its module before it calls anything in it)."""
+    stop_while_starting(signals_handled())
+    import ws_server  # (after the handlers, on purpose)
+
+    return ws_server.main()
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
