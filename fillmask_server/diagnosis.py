@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +26,15 @@ class ModelLoadError(Exception):
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
+    """What ``exc`` says, in one line of at most 200 characters. A first line that only introduces the
+    rest takes the line that says it: one ending in ``:`` its next line (a validation error's reason), one
+    opening a module's repr (``BertLayer(``) the words after the repr's last line."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     line = text[0] if text else type(exc).__name__
+    if line.endswith(":") and len(text) > 1:
+        line = f"{line} {text[1]}"
+    elif line.endswith("(") and len(text) > 1 and text[-1].startswith(")"):
+        line = f"{line[:-1]} {text[-1][1:].strip()}"
     return line if len(line) <= 200 else line[:197] + "..."
 
 
@@ -177,7 +185,10 @@ def device_problem(exc: BaseException) -> str:
 
 @contextmanager
 def library_warnings() -> Iterator[list[str]]:
-    """transformers' warnings while the block runs, kept (in the list it gives) instead of printed.
+    """The libraries' warnings while the block runs, kept (in the list it gives) instead of printed:
+    transformers' log records, Python's ``warnings`` (torch's about a pickle's protocol, with a path
+    into torch), and the records of every other library's logger below ERROR (the ``kernels`` package
+    a config.json's attention implementation wakes). This server's own records still show.
 
     Start-up keeps the library quiet, but some of its failures say only "look at the above report"
     or name a fallback's problem (tiktoken) instead of the cause, which it gave as a warning just
@@ -196,19 +207,40 @@ def library_warnings() -> Iterator[list[str]]:
                 for handler in handlers:
                     handler.handle(record)
 
+    class Others(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.name.partition(".")[0] == "fillmask_server" or record.levelno >= logging.ERROR:
+                return True
+            said.append(record.getMessage())
+            return False
+
     library.handlers = [Keep(logging.WARNING)]
     library.setLevel(logging.WARNING)
     library.propagate = False
+    others, shown_by = Others(), logging.getLogger().handlers[:]
+    for handler in shown_by:
+        handler.addFilter(others)
     try:
-        yield said
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield said
+            finally:
+                said.extend(str(warning.message) for warning in caught)
     finally:
         library.handlers = handlers
         library.setLevel(level)
         library.propagate = propagates
+        for handler in shown_by:
+            handler.removeFilter(others)
 
 
 _SHAPE_MISMATCH = re.compile(r"^(\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
                              r"model:\s*torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
+
+
+#: The weights with a row (or an entry) per vocabulary token: the input embeddings and the output layer.
+_VOCABULARY_SIZED = re.compile(r"word_embeddings|embed_tokens|lm_head|decoder|predictions\.bias")
 
 
 def _warned_cause(said: Sequence[str]) -> str | None:
@@ -221,22 +253,32 @@ def _warned_cause(said: Sequence[str]) -> str | None:
                 "it (pip install sentencepiece), or give --model a directory with the tokenizer as tokenizer.json")
     mismatch = _SHAPE_MISMATCH.search(text)
     if mismatch:
+        changed = "a vocab_size" if _VOCABULARY_SIZED.search(mismatch[1]) else "a size in it"
         return (f"the checkpoint's {mismatch[1]} has the shape {mismatch[2]}, where its config.json makes it "
-                f"{mismatch[3]}: the weights and config.json do not belong together (a vocab_size changed?); give "
+                f"{mismatch[3]}: the weights and config.json do not belong together ({changed} changed?); give "
                 "--model a directory whose config.json was saved with its weights")
     return None
 
 
+#: config.json's sizes that must be whole numbers above 0 for a model to be built (a layer count of 0
+#: builds one: an encoder of no layers).
+_SIZES = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "max_position_embeddings")
+#: config.json's names for the activation function, by family.
+_ACTIVATIONS = ("hidden_act", "hidden_activation", "activation")
+
+
 def _config_cause(directory: Path, exc: BaseException) -> str | None:
-    """What ``directory``'s config.json says that explains ``exc``, or None: it names Python code of its
-    own (``auto_map``), or a ``model_type`` this version of transformers does not know (whose error
-    the one-line cut would end mid-sentence)."""
+    """What ``directory``'s config.json says that explains ``exc``, or None: it is not an object; it names
+    Python code of its own (``auto_map``), or a ``model_type`` this version of transformers does not know
+    (whose error the one-line cut would end mid-sentence); a size of 0 or less, an activation or a dtype
+    unknown to the libraries, cross-attention in an encoder (whose errors name no field)."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(config, dict):
-        return None
+        return (f"its config.json holds {json.dumps(config)[:40]}, not an object of settings with a model_type; "
+                "give --model a directory whose config.json was saved with its weights")
     if "auto_map" in config and ("custom code" in str(exc) or "trust_remote_code" in str(exc)):
         return ("its config.json names Python code of its own (auto_map), which this server never runs: it serves "
                 "the architectures transformers implements; point --model at a checkpoint of one of those")
@@ -248,7 +290,87 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
             return (f"its config.json's model_type {model_type!r} is not one transformers {__version__} knows: check "
                     "the model_type in the config.json of --model's directory, or install a newer transformers "
                     "(pip install -U transformers)")
+    return _config_value_cause(config, exc)
+
+
+def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | None:
+    """The field of ``config`` whose value explains ``exc`` (see ``_config_cause``), or None."""
+    fix = "correct it in the config.json of --model's directory (as saved with its weights)"
+    for key in _SIZES:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+            return f"its config.json's {key} is {value}, where a model needs a whole number above 0; {fix}"
+    if isinstance(exc, KeyError) and exc.args:
+        for key in _ACTIVATIONS:
+            if isinstance(config.get(key), str) and config[key] == exc.args[0]:
+                return (f"its config.json's {key} {config[key]!r} is not an activation function transformers "
+                        f"knows (gelu, relu, silu, ...); {fix}")
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if isinstance(value, str) and value != "auto" and f"'{value}'" in str(exc):
+            return f"its config.json's {key} {value!r} is not a torch dtype (float32, float16, bfloat16); {fix}"
+    if config.get("add_cross_attention") is True and "cross attention" in str(exc):
+        return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
+                f"fill-mask checkpoint has it false: {fix}")
     return None
+
+
+#: The JSON files of a checkpoint's directory that transformers reads besides config.json (whose own
+#: errors name it).
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+               "generation_config.json", "model.safetensors.index.json")
+_DAMAGED = "it is cut short or damaged: copy the checkpoint into --model's directory again"
+
+
+def _damaged_file(directory: Path, exc: BaseException) -> str | None:
+    """The file of ``directory`` that is damaged, named with what is wrong with it, or None: a JSON file
+    that is not JSON, a safetensors file whose header the library cannot read (its error names no file),
+    a pickle of weights torch's safe loader refuses (its advice is about a ``torch.load`` call the
+    operator never made), a vocabulary file the tokenizer needs and the directory lacks."""
+    for name in _JSON_FILES:
+        path = directory / name
+        if path.is_file():
+            try:
+                json.loads(path.read_bytes())
+            except (OSError, ValueError) as damaged:
+                return f"its {name} is not valid JSON ({first_line(damaged)}): {_DAMAGED}"
+    for path in sorted(directory.glob("*.safetensors")):
+        if not path.is_file():  # (a link to nothing or a directory: transformers says there is no such file)
+            continue
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt"):
+                pass
+        except Exception as damaged:  # (safetensors' own error type, or an OSError)
+            return f"its {path.name} cannot be read ({first_line(damaged)}): {_DAMAGED}"
+    if "Weights only load failed" in str(exc):
+        pickles = ", ".join(sorted(path.name for path in directory.glob("*.bin"))) or "weights file"
+        return (f"its {pickles} cannot be loaded safely: torch's weights-only loader refuses it (it holds more than "
+                "tensors, or is damaged), and the server never runs a pickle's code; save the weights as "
+                "model.safetensors where the file is trusted (save_pretrained), or use a checkpoint with them")
+    if isinstance(exc, TypeError) and "NoneType" in str(exc):
+        missing = _missing_vocabulary_files(directory)
+        if missing:
+            return (f"its tokenizer needs {' and '.join(missing)}, which the directory does not hold: add the "
+                    "tokenizer files the model was trained with")
+    return None
+
+
+def _missing_vocabulary_files(directory: Path) -> list[str]:
+    """The files the tokenizer class that tokenizer_config.json names reads (``vocab_files_names``), and
+    that ``directory`` lacks."""
+    try:
+        named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return []
+    import transformers
+
+    tokenizer = getattr(transformers, named, None) if isinstance(named, str) and named.isidentifier() else None
+    files = getattr(tokenizer, "vocab_files_names", None)
+    if not isinstance(files, dict):
+        return []
+    return [name for name in files.values() if isinstance(name, str) and not (directory / name).exists()]
 
 
 def _unreadable(directory: Path) -> str | None:
@@ -279,7 +401,7 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
             return f"cannot load model from directory {name!r}: {unreadable}"
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
-        cause = _warned_cause(said) or _config_cause(path, exc)
+        cause = _warned_cause(said) or _config_cause(path, exc) or _damaged_file(path, exc)
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
         cause = first_line(exc)
@@ -328,9 +450,14 @@ def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
     """
     weights = [key for key in missing if key.endswith(".weight")]
     if weights:
-        return (f"has no weights for {weights[0]}" + (f" and {len(weights) - 1} more" if len(weights) > 1 else "")
-                + " in its checkpoint (an encoder saved without its masked-language-model head?): they would "
-                "be random, and so would its predictions; use a checkpoint saved with its fill-mask head")
+        named = f"has no weights for {weights[0]}" + (f" and {len(weights) - 1} more" if len(weights) > 1 else "")
+        encoder = getattr(model, "base_model_prefix", "")
+        if not encoder or not any(key.startswith(f"{encoder}.") for key in weights):  # the head's alone
+            return (f"{named} in its checkpoint (an encoder saved without its masked-language-model head?): they "
+                    "would be random, and so would its predictions; use a checkpoint saved with its fill-mask head")
+        return (f"{named} in its checkpoint: they would be random, and so would its predictions; its config.json "
+                "asks for weights the checkpoint does not hold (a model_type or num_hidden_layers changed?): give "
+                "--model a directory whose config.json was saved with its weights")
     if missing:
         log.warning("the checkpoint has no %s (and %d more); they start at the library's initial values",
                     missing[0], len(missing) - 1)
@@ -344,7 +471,50 @@ def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
             return (f"has a tokenizer whose {role} token {token!r} is id {token_id}, but the model has token "
                     f"embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
                     "(resize_token_embeddings) or use the tokenizer it was trained with")
+    try:  # the tokens the tokenizer puts in every text (its start and end), as around a lone mask
+        every = list(tokenizer(tokenizer.mask_token)["input_ids"])
+    except Exception:  # (a tokenizer that fails here fails the load's own first texts, which say why)
+        every = []
+    beyond = [token_id for token_id in every if isinstance(token_id, int) and not 0 <= token_id < (rows or 0)]
+    if rows is not None and beyond:
+        token = tokenizer.convert_ids_to_tokens(beyond[0])
+        return (f"has a tokenizer that puts the token {token!r} (id {beyond[0]}) in every text, but the model has "
+                f"token embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
+                "(resize_token_embeddings) or use the tokenizer it was trained with")
     return None
+
+
+def not_numbers(model: Any, dtype: str) -> str | None:
+    """Why the model's weights cannot serve: one of them holds NaN or infinite values (every answer would
+    be scores that are not numbers), named; or None. Asked before the model's own checks run batches,
+    whose warnings about padding and tracing such weights would draw first. In a reduced ``dtype`` a
+    weight beyond its range is infinite too (float16 ends at 65,504)."""
+    import torch
+
+    for name, weight in model.named_parameters():
+        if weight.is_floating_point() and not bool(torch.isfinite(weight).all()):
+            if dtype in ("float16", "bfloat16"):
+                return (f"has weights that are not numbers in {dtype}, in {name} (beyond its range, or NaN in the "
+                        "checkpoint): use --dtype float32, or bfloat16 for float16")
+            return (f"has weights that are not numbers (NaN or infinite values) in {name}: its answers would be "
+                    "scores that are not numbers; use a checkpoint whose weights are all numbers")
+    return None
+
+
+#: A weight of one of an encoder's layers (``encoder.layer.3.``, ``layers.3.``).
+_LAYER_WEIGHT = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+
+
+def unused(unexpected: list[str]) -> None:
+    """Log the layers of weights the checkpoint holds and config.json leaves out (its ``num_hidden_layers``
+    lowered: the model served is smaller than the one saved, as the pipeline's is). Other weights left
+    unused are the norm (a pre-training head, a pooler) and are not logged."""
+    layers = {key[:found.end(1)]: int(found[1]) for key in unexpected if (found := _LAYER_WEIGHT.search(key))}
+    if layers:
+        named = sorted(layers, key=layers.__getitem__)
+        which = named[0] if len(named) == 1 else f"{named[0]} to {named[-1]}"
+        log.warning("the checkpoint holds weights of %d layer(s) that its config.json leaves out (%s): the model "
+                    "served has fewer layers than the one saved (a num_hidden_layers lowered?)", len(named), which)
 
 
 def embedding_rows(model: Any) -> int | None:

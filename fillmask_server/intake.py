@@ -118,9 +118,15 @@ def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None,
     if request.targets is not None:
         try:
             target_ids = model.target_ids(request.targets)
+            notes = model.target_notes(request.targets)
         except TargetError as exc:
             return Refusal("invalid_targets", f"{exc}; use words from the vocabulary")
-        notes = model.target_notes(request.targets)
+        except BaseException as exc:  # (the tokenizer failed on a target, as ``tokenize_all`` on a text)
+            if not request_fault(exc):
+                raise
+            log.exception("the tokenizer failed on the targets of a request")
+            return Refusal("internal_error", "the model's tokenizer failed on these targets (logged on the server); "
+                           "other requests are unaffected; these targets will fail the same way again")
     candidates = min(request.top_k, len(target_ids) if target_ids is not None else model.vocab_size)
     bound = result_bound(model, ids, masks, candidates) + len(targets_field(notes))  # notes count too (§3)
     if bound > max_result_bytes:

@@ -20,7 +20,9 @@ from .diagnosis import (
     device_problem,
     explain_load_failure,
     library_warnings,
+    not_numbers,
     unservable,
+    unused,
 )
 from .model import NOT_NUMBERS, FillMaskModel
 
@@ -155,9 +157,19 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     if getattr(tokenizer, "mask_token_id", None) is None:
         raise ModelLoadError(f"model {name!r} has a tokenizer without a mask token, so it cannot fill masks; "
                              "use a fill-mask model such as google-bert/bert-base-uncased")
+    limit = getattr(tokenizer, "model_max_length", None)  # (a hand-edited "64" failed every text in the library)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))):
+        raise ModelLoadError(f"model {name!r} has a tokenizer whose model_max_length is {limit!r}, not a number: write "
+                             "it as a number in its tokenizer_config.json, or leave it out")
     problem = unservable(tokenizer, model, sorted(loading.get("missing_keys") or ()))
     if problem is not None:
         raise ModelLoadError(f"model {name!r} {problem}")
+    problem = not_numbers(model, dtype)
+    if problem is not None:
+        raise ModelLoadError(f"model {name!r} {problem}")
+    unused(sorted(loading.get("unexpected_keys") or ()))
+    if getattr(model.config, "return_dict", True) is False:  # (tuples: the model is asked for its outputs by name)
+        model.config.return_dict = True
     if getattr(model.config, "is_decoder", False):
         log.warning("model %s has is_decoder true in its config.json: each position attends to those before it "
                     "only, so a mask sees none of the words after it (the pipeline answers the same); a fill-mask "

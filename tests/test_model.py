@@ -791,11 +791,13 @@ def odd_bert(tmp_path: Path, name: str, edit: Any) -> Path:
     ("a pad token beyond the embeddings", "pad token '<newpad>' is id 1000"),
     ("an encoder without its head", "has no weights for cls.predictions"),
     ("no token type embeddings", "fails on a batch of two short texts with a mask"),
-    ("NaN weights", "gives scores that are not numbers on a batch of two short texts with a mask (its weights "
-                    "hold NaN or infinite values?); it cannot serve requests: use a checkpoint whose weights"),
+    ("NaN weights", "has weights that are not numbers (NaN or infinite values) in "
+                    "bert.encoder.layer.0.attention.self.query.weight: its answers would be scores that are not "
+                    "numbers; use a checkpoint whose weights are all numbers"),
     ("no tokenizer files", "has a tokenizer of 5 special tokens and no others"),
     # A checkpoint audit: these said "check that its tokenizer and its weights belong together", and started.
-    ("a float16 overflow", "gives scores that are not numbers in float16 (its activations overflow"),
+    ("a float16 overflow", "has weights that are not numbers in float16, in bert.encoder.layer.0.intermediate.dense"
+                           ".weight (beyond its range, or NaN in the checkpoint): use --dtype float32"),
     ("a model_max_length of 2", "accepts at most 2 tokens (its tokenizer's model_max_length), and a text of one "
                                 "mask takes 3: no request could run; raise it in its tokenizer_config.json"),
 ])
