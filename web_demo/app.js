@@ -354,6 +354,7 @@
         if (document.activeElement === cancel) rec.card.focus();
         cancel.hidden = true;
         setMessage(rec.card, 'The server is restarting; this answer is still coming on the old connection.');
+        if (rec.burst) updateBurst(rec.burst);
       }
     }
     updateInflight();
@@ -1136,7 +1137,10 @@
     el.burstStatus.textContent = 'Burst ' + burst.n + ': ' + line;
     setBadge(card, t.waiting ? 'pending' : 'done', t.waiting ? 'Running' : 'Finished');
     card.dataset.state = t.waiting ? 'pending' : 'done';
-    card.querySelector('[data-testid="burst-cancel"]').hidden = !t.waiting;
+    // Offered while a request of it waits on the current connection: one owed on a draining one can no
+    // longer be cancelled (onGoingAway).
+    card.querySelector('[data-testid="burst-cancel"]').hidden =
+      !burst.records.some((r) => client.inflight.get(r.id) === r && r.conn === client.current);
     card.querySelector('.burst-requests summary').textContent = 'Its ' + plural(t.sent, 'request', 'requests');
     renderBatchChips(card.querySelector('.batch-chips'), batches);
     if (!t.waiting && !burst.announced) {
@@ -1318,6 +1322,11 @@
     if (!raw) return;
     const url = normaliseUrl(raw);
     showNotice('');
+    if (lib.wsUrlProblem(url)) {  // (not even tried: the connection that is open stays open)
+      state.urlFromForm = true;
+      onBadUrl(url);
+      return;
+    }
     connectTo(url, true);
     // Only an address the browser takes goes into ?ws= (a bad one made every reload stuck on it).
     if (!client.status().badUrl) keepInAddress(url);

@@ -403,6 +403,7 @@
     if (!m) return 'it does not start with ws:// or wss://';
     const authority = m[2].replace(/^.*@/, '');
     if (!authority) return 'it has no host';
+    if (/\s/.test(authority)) return 'its host has a space in it';  // (Chromium takes it, %-escaped)
     if (authority.startsWith('[') && !authority.includes(']')) return 'its IPv6 address has no closing ]';
     const port = /:(\d+)$/.exec(authority.startsWith('[') ? authority.slice(authority.indexOf(']')) : authority);
     if (port && Number(port[1]) > 65535) return 'its port, ' + port[1] + ', is above 65535';
