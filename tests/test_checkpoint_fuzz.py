@@ -464,18 +464,22 @@ BERT_SERVED: dict[str, tuple[Breakage, str | None]] = {
                                write("generation_config.json", "{broken")), None),
     "tokenizer noise": (both(tokenizer_config(tokenizer_class="FancyTokenizer", model_max_length=None),
                              write("added_tokens.json", json.dumps({"<new>": 999999}))), None),
-    "pad_token_id negative": (config(pad_token_id=-5), None),
+    # (grouped to keep the file's time down: values that change nothing, each of which started alone too)
+    "config.json values the model takes": (config(pad_token_id=-5, output_hidden_states=True,
+                                                  output_attentions=True, torchscript=True), None),
+    "tokenizer_config.json values the tokenizer takes": (tokenizer_config(
+        model_input_names=["input_ids"], do_lower_case=False, bos_token="<newbos>", model_max_length=-1), None),
+    "an extra tensor, safetensors metadata format tf": (both(
+        tensors(lambda w: w.update({"junk.weight": w["cls.predictions.bias"][:3].clone()})),
+        safetensors_header(lambda h: h.__setitem__("__metadata__", {"format": "tf"}))), None),
     "dtype a number": (config(dtype=16), None),  # (the pipeline fails on it: compared in float32)
     "dtype float16": (config(dtype="float16"), None),  # (the server computes in float32: README)
     "a tensor stored as int64": (set_tensor("bert.encoder.layer.0.intermediate.dense.weight",
                                             lambda t: (t * 100).round().to(__import__("torch").int64)), None),
     "every tensor float16": (all_tensors(lambda t: t.half()), None),
-    "safetensors metadata format tf": (safetensors_header(lambda h: h.__setitem__("__metadata__", {"format": "tf"})),
-                                       None),
     "the MLM bias missing": (drop("cls.predictions.bias"), "has no cls.predictions.bias"),
     "a LayerNorm bias missing": (drop("bert.encoder.layer.0.output.LayerNorm.bias"),
                                  "has no bert.encoder.layer.0.output.LayerNorm.bias"),
-    "an extra tensor": (tensors(lambda w: w.update({"junk.weight": w["cls.predictions.bias"][:3].clone()})), None),
     "tensor names without the bert. prefix": (tensors(lambda w: w.update({k[5:]: w.pop(k) for k in list(w)
                                                                           if k.startswith("bert.")})), None),
     "a pickle beside the safetensors, disagreeing": (pickled_weights(keep_safetensors=True, scale=-1.0), None),
@@ -488,21 +492,15 @@ BERT_SERVED: dict[str, tuple[Breakage, str | None]] = {
     "the mask token an ordinary word": (tokenizer_config(mask_token="the"), None),
     "no padding token": (tokenizer_config(pad_token=None), None),
     "model_max_length 0": (tokenizer_config(model_max_length=0), None),
-    "model_max_length negative": (tokenizer_config(model_max_length=-1), None),
     "model_max_length 1e30": (tokenizer_config(model_max_length=1e30), None),
     "model_max_length 12": (tokenizer_config(model_max_length=12), None),
     "tokenizer_class of another family": (tokenizer_config(tokenizer_class="GPT2Tokenizer"), None),
-    "do_lower_case false": (tokenizer_config(do_lower_case=False), None),
     "tokenizer.json truncating at 8 tokens": (edit_json("tokenizer.json", truncation={
         "direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}), None),
     "tokenizer.json padding to 24 tokens": (edit_json("tokenizer.json", padding={
         "strategy": {"Fixed": 24}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0,
         "pad_token": "[PAD]"}), None),
-    "model_input_names input_ids only": (tokenizer_config(model_input_names=["input_ids"]), None),
     "an unknown token beyond the embeddings": (tokenizer_config(unk_token="<newunk>"), None),
-    "a bos token beyond the embeddings (BERT uses none)": (tokenizer_config(bos_token="<newbos>"), None),
-    "output_hidden_states and output_attentions": (config(output_hidden_states=True, output_attentions=True), None),
-    "torchscript true": (config(torchscript=True), None),
 }
 
 
