@@ -53,6 +53,7 @@ from typing import Any
 import orjson
 import pytest
 
+from fillmask_server.checkpoint import ensure_family
 from fillmask_server.config import Config
 from fillmask_server.diagnosis import ModelLoadError
 from fillmask_server.loading import load_model
@@ -268,7 +269,7 @@ def both(*edits: Breakage) -> Breakage:
 
 def copy_of(family: str, tmp_path: Path, edit: Breakage, name: str = "model") -> Path:
     directory = tmp_path / name
-    shutil.copytree(FAMILIES / family, directory, symlinks=True)
+    shutil.copytree(ensure_family(family, FAMILIES), directory, symlinks=True)  # (written once where missing)
     edit(directory)
     return directory
 
