@@ -334,12 +334,12 @@ def _damaged_file(directory: Path, exc: BaseException) -> str | None:
                 json.loads(path.read_bytes())
             except (OSError, ValueError) as damaged:
                 return f"its {name} is not valid JSON ({first_line(damaged)}): {_DAMAGED}"
+    from safetensors import safe_open
+
     for path in sorted(directory.glob("*.safetensors")):
         if not path.is_file():  # (a link to nothing or a directory: transformers says there is no such file)
             continue
         try:
-            from safetensors import safe_open
-
             with safe_open(str(path), "pt"):
                 pass
         except Exception as damaged:  # (safetensors' own error type, or an OSError)
@@ -469,19 +469,23 @@ def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
         token, token_id = getattr(tokenizer, f"{role}_token", None), getattr(tokenizer, f"{role}_token_id", None)
         if rows is not None and isinstance(token_id, int) and not 0 <= token_id < rows:
             return (f"has a tokenizer whose {role} token {token!r} is id {token_id}, but the model has token "
-                    f"embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
-                    "(resize_token_embeddings) or use the tokenizer it was trained with")
+                    f"embeddings for ids 0 to {rows - 1} only; {_RESIZE}")
+    if rows is None:
+        return None
     try:  # the tokens the tokenizer puts in every text (its start and end), as around a lone mask
         every = list(tokenizer(tokenizer.mask_token)["input_ids"])
     except Exception:  # (a tokenizer that fails here fails the load's own first texts, which say why)
         every = []
-    beyond = [token_id for token_id in every if isinstance(token_id, int) and not 0 <= token_id < (rows or 0)]
-    if rows is not None and beyond:
-        token = tokenizer.convert_ids_to_tokens(beyond[0])
-        return (f"has a tokenizer that puts the token {token!r} (id {beyond[0]}) in every text, but the model has "
-                f"token embeddings for ids 0 to {rows - 1} only; resize the model's embeddings to its tokenizer "
-                "(resize_token_embeddings) or use the tokenizer it was trained with")
+    beyond = next((token_id for token_id in every if isinstance(token_id, int) and not 0 <= token_id < rows), None)
+    if beyond is not None:
+        return (f"has a tokenizer that puts the token {tokenizer.convert_ids_to_tokens(beyond)!r} (id {beyond}) in "
+                f"every text, but the model has token embeddings for ids 0 to {rows - 1} only; {_RESIZE}")
     return None
+
+
+#: What to do about a token beyond the model's token embeddings.
+_RESIZE = ("resize the model's embeddings to its tokenizer (resize_token_embeddings) or use the tokenizer it was "
+           "trained with")
 
 
 def not_numbers(model: Any, dtype: str) -> str | None:
