@@ -52,7 +52,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 #: Start-up as short as the flags allow: what is measured or traced at load is not what this file is about.
 FAST_START = ("--calibration-s", "0", "--forward", "eager", "--projection", "torch", "--torch-threads", "1")
 BASE_SEED = int(os.environ.get("LIFECYCLE_SEED", "20261207"))
-EXAMPLES = int(os.environ.get("LIFECYCLE_EXAMPLES", "4"))  # (more by hand: the suite's time)
+EXAMPLES = int(os.environ.get("LIFECYCLE_EXAMPLES", "2"))  # (more by hand: the suite's time)
 CONCURRENT = 3  # servers alive at once (two cores)
 SIGNAL_NAMES = {signal.SIGTERM: "terminated", signal.SIGINT: "interrupted", signal.SIGHUP: "hung up"}
 SAME_SIGNAL_S = 0.25  # signals.SAME_SIGNAL_S, as §10 states it
