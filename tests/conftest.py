@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -21,7 +22,7 @@ from websockets.asyncio.client import ClientConnection
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The suite runs two workers and their servers' torch teams on two cores: an OpenMP worker left
+# The suite runs three workers and their servers' torch teams on two cores: an OpenMP worker left
 # spinning after a pass (the runtime's default) burns a core another process is waiting for, and a
 # team waits at its barriers for a thread so preempted. Sleeping at once instead took a fifth off the
 # time and the CPU of the files that start servers (docs/test-suite-history.md, the twenty-ninth
@@ -138,7 +139,7 @@ def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsy
     return factory
 
 
-# --- how pytest-xdist shares the tests out (pyproject.toml: -n 2 --dist loadfile) ---------------------
+# --- how pytest-xdist shares the tests out (pyproject.toml: -n 3 --dist loadfile) ---------------------
 
 #: Files whose tests the workers may take one by one: each test starts processes of its own and shares
 #: no fixture, so the file's long waits (model loads, drains) overlap with the other worker's. Every
@@ -153,15 +154,45 @@ def work_unit(nodeid: str) -> str:
     return nodeid if Path(path).name in SPREAD_FILES else path
 
 
+#: Seconds each test file took in a full run (``tests/suite_seconds.json``), to hand the longest units of
+#: work out first. ``FILLMASK_TEST_SUITE_SECONDS=write`` on a full, passing run with workers writes it again.
+SECONDS_FILE = Path(__file__).with_name("suite_seconds.json")
+#: A file the table does not know (a new one) is taken to be this many seconds a test.
+UNKNOWN_SECONDS_PER_TEST = 0.5
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the tests by unit of work (``work_unit``), the longest first (by ``SECONDS_FILE``); within a
+    unit, the files' own order. With the workers taking units as they finish, the last units to start
+    are short, so neither worker is left alone with a long file at the end (xdist's own order, by number
+    of tests, started the cluster and the browser sessions last). Every process sorts the same way."""
+    try:
+        seconds: dict[str, float] = json.loads(SECONDS_FILE.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+    counts = collections.Counter(Path(item.nodeid.split("::", 1)[0]).name for item in items)
+
+    def weight(item: pytest.Item) -> float:
+        name = Path(item.nodeid.split("::", 1)[0]).name
+        total = seconds.get(name, UNKNOWN_SECONDS_PER_TEST * counts[name])
+        return total / counts[name] if name in SPREAD_FILES else total
+
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (-weight(item), work_unit(item.nodeid), order[id(item)]))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` with ``SPREAD_FILES`` spread test by test. (Marks read by ``--dist
-    loadgroup`` cannot do it under pytest 9.2: xdist 3.8 renames a node by a field pytest no longer
-    reads, so every file was spread test by test and a module fixture started once per worker.)
-    Another ``--dist`` asked for on the command line is xdist's own."""
+    """``--dist loadfile`` with ``SPREAD_FILES`` spread test by test, in the collection's order
+    (``pytest_collection_modifyitems``: the longest units first). (Marks read by ``--dist loadgroup``
+    cannot do it under pytest 9.2: xdist 3.8 renames a node by a field pytest no longer reads, so every
+    file was spread test by test and a module fixture started once per worker.) Another ``--dist``
+    asked for on the command line is xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # (xdist's default reorders the units by number of tests)
 
     class FileScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -228,7 +259,16 @@ _FILES_BY_WORKER: dict[str, set[str]] = {}  # the same: each worker's files
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    RAN_FILES.add(Path(location[0]).name)
+    # (By the node's id: a hypothesis state machine's location is hypothesis's own stateful.py, which
+    # made a full run look partial, and the checks at its end were skipped.)
+    RAN_FILES.add(Path(nodeid.split("::", 1)[0]).name)
+
+
+_SECONDS_TAKEN: collections.Counter[str] = collections.Counter()  # file -> seconds (set-up, call, tear-down)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SECONDS_TAKEN[Path(report.nodeid.split("::", 1)[0]).name] += report.duration
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -275,6 +315,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(f"test files run on more than one worker: {', '.join(split)} (tests/conftest.py "
                                 "pytest_xdist_make_scheduler should keep each file on one)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if os.environ.get("FILLMASK_TEST_SUITE_SECONDS") == "write" and exitstatus == 0 and ran == EVERY_FILE:
+        SECONDS_FILE.write_text(json.dumps({name: round(seconds, 1) for name, seconds in
+                                            sorted(_SECONDS_TAKEN.items(), key=lambda item: -item[1])}, indent=0)
+                                + "\n")
     if exitstatus == 0 and not _WORKERS["failed"] and ran == EVERY_FILE \
             and _WORKERS["frames"] <= MIN_FRAMES_IN_FULL_RUN:
         if reporter is not None:

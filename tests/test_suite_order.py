@@ -1,0 +1,68 @@
+"""How the suite's own plumbing (``tests/conftest.py``) shares out and counts the tests.
+
+- ``pytest_collection_modifyitems`` hands the units of work out longest first, by the seconds each file
+  took (``suite_seconds.json``), a file the table does not know counting ``UNKNOWN_SECONDS_PER_TEST`` a
+  test, a spread file (``SPREAD_FILES``) its tests one by one at its average; a file's own order is kept.
+- ``pytest_runtest_logstart`` counts a test in its own file, whatever the location pytest gives it (a
+  hypothesis state machine's is hypothesis's ``stateful.py``): otherwise a full run looks partial and the
+  checks at its end (the contract's frame count, the seconds table) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import conftest
+import pytest
+
+
+@dataclass
+class Item:
+    """What ``pytest_collection_modifyitems`` reads of a test."""
+
+    nodeid: str
+
+
+def test_units_are_handed_out_longest_first_keeping_each_files_order(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    table = tmp_path / "suite_seconds.json"
+    table.write_text(json.dumps({"test_long.py": 60.0, "test_short.py": 2.0, "test_process.py": 30.0}))
+    monkeypatch.setattr(conftest, "SECONDS_FILE", table)
+    monkeypatch.setattr(conftest, "SPREAD_FILES", {"test_process.py"})
+    items = [Item("tests/test_short.py::b"), Item("tests/test_short.py::a"),
+             Item("tests/test_new.py::x"), Item("tests/test_new.py::y"),  # unknown: 2 tests × 0.5 s
+             Item("tests/test_process.py::p1"), Item("tests/test_process.py::p2"),  # spread: one by one,
+             Item("tests/test_process.py::p3"),  # 10 s each (three tests share the file's 30 s)
+             Item("tests/test_long.py::z"), Item("tests/test_long.py::c")]
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [item.nodeid.split("/")[1] for item in items] == [
+        "test_long.py::z", "test_long.py::c",  # 60 s, its own order
+        "test_process.py::p1", "test_process.py::p2", "test_process.py::p3",  # 10 s each
+        "test_short.py::b", "test_short.py::a",  # 2 s
+        "test_new.py::x", "test_new.py::y",  # 1 s
+    ]
+
+
+def test_without_a_table_the_files_with_more_tests_go_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conftest, "SECONDS_FILE", tmp_path / "missing.json")
+    items = [Item("tests/test_a.py::one"), Item("tests/test_b.py::one"), Item("tests/test_b.py::two")]
+    conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [item.nodeid for item in items] == ["tests/test_b.py::one", "tests/test_b.py::two", "tests/test_a.py::one"]
+
+
+def test_a_state_machines_test_is_counted_in_its_own_file(request: pytest.FixtureRequest,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    machine = "tests/test_core_properties.py::TestCoreMachine::runTest"
+    ran: set[str] = set()
+    monkeypatch.setattr(conftest, "RAN_FILES", ran)
+    conftest.pytest_runtest_logstart(machine, ("../hypothesis/stateful.py", 100, "TestCoreMachine.runTest"))
+    assert ran == {"test_core_properties.py"}
+
+
+def test_the_seconds_table_names_only_test_files_that_exist() -> None:
+    """(A renamed or removed file's entry would only mislead the order: written again, it goes.)"""
+    table = json.loads(conftest.SECONDS_FILE.read_text())
+    assert set(table) <= conftest.EVERY_FILE, sorted(set(table) - conftest.EVERY_FILE)
+    assert all(isinstance(seconds, (int, float)) and seconds >= 0 for seconds in table.values()), table
