@@ -40,6 +40,13 @@ fi
 
 # The offline random-weight model the quick start and the tests use (hubs may be unreachable).
 .venv/bin/python -m fillmask_server.checkpoint tiny models/tiny
+# The tests' tiny model of each family (models/families/: BERT, RoBERTa, ESM, ...): written here once, not
+# by whichever test workers need one first (each would train the same tokenizers at once); kept where
+# present and of this version.
+if [ "$want_test" = 1 ]; then
+  .venv/bin/python -c "from pathlib import Path; from fillmask_server.checkpoint import FAMILIES, ensure_family
+for family in FAMILIES: ensure_family(family, Path('models/families'))"
+fi
 
 # --- system tools for the tests ---
 # Debian's Chromium for the demo-page test (issue 4), driven by Playwright's Python package pointed at
@@ -90,4 +97,4 @@ if [ "$want_test" = 1 ]; then
   fi
 fi
 # --- end Node.js ---
-echo "setup: ready (.venv, models/tiny)"
+echo "setup: ready (.venv, models/tiny$( [ "$want_test" = 1 ] && echo ", models/families"))"
