@@ -33,8 +33,8 @@ vocabulary words, targets with spaces around them, Unicode in any normal form, d
 that tokenize to nothing, as a list or a single string.
 
 The run is reproducible: the requests of a family come from ``random.Random(f"{seed}:{family}")``,
-where the seed is ``FILLMASK_DIFF_SEED`` (an integer; ``random`` for a fresh one) or ``DEFAULT_SEED``.
-Every failure message names the seed and the command that repeats it; ``FILLMASK_DIFF_REQUESTS`` asks
+where the seed is ``FILLMASK_TEST_DIFF_SEED`` (an integer; ``random`` for a fresh one) or ``DEFAULT_SEED``.
+Every failure message names the seed and the command that repeats it; ``FILLMASK_TEST_DIFF_REQUESTS`` asks
 for more requests per family for a deeper run by hand (hundreds per family have been run: no
 disagreement was found, so this file has no test for a particular bug).
 """
@@ -57,11 +57,11 @@ from tests.test_families import TOLERANCE, Family, family_server
 from tests.wire import recv_n, send, session
 
 DEFAULT_SEED = 20240611
-_SEED_ENV = os.environ.get("FILLMASK_DIFF_SEED", "").strip()
+_SEED_ENV = os.environ.get("FILLMASK_TEST_DIFF_SEED", "").strip()
 SEED = random.SystemRandom().randrange(1 << 32) if _SEED_ENV == "random" else int(_SEED_ENV or DEFAULT_SEED)
 #: Requests per family (those the spec accepts are sent twice: in the first batch and in the second);
-#: ``FILLMASK_DIFF_REQUESTS`` asks for more, for a deeper run by hand.
-REQUESTS = int(os.environ.get("FILLMASK_DIFF_REQUESTS", "") or 32)
+#: ``FILLMASK_TEST_DIFF_REQUESTS`` asks for more, for a deeper run by hand.
+REQUESTS = int(os.environ.get("FILLMASK_TEST_DIFF_REQUESTS", "") or 32)
 #: Two candidates may come in the other order only where the pipeline's scores for them differ by no more
 #: (the server's scores were seen within 4e-7 of the pipeline's on these checkpoints, so a swap needs closer).
 TIE = 1e-6
@@ -97,8 +97,8 @@ class Case:
 
 
 def reproduce(name: str) -> str:
-    return (f"seed {SEED}, {REQUESTS} requests (family {name}); repeat with FILLMASK_DIFF_SEED={SEED} "
-            f"FILLMASK_DIFF_REQUESTS={REQUESTS} .venv/bin/python -m pytest -p no:cacheprovider -q -n 0 "
+    return (f"seed {SEED}, {REQUESTS} requests (family {name}); repeat with FILLMASK_TEST_DIFF_SEED={SEED} "
+            f"FILLMASK_TEST_DIFF_REQUESTS={REQUESTS} .venv/bin/python -m pytest -p no:cacheprovider -q -n 0 "
             f"'tests/test_families_differential.py::test_random_requests_get_the_pipelines_answers[{name}]'")
 
 

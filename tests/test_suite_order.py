@@ -66,3 +66,18 @@ def test_the_seconds_table_names_only_test_files_that_exist() -> None:
     table = json.loads(conftest.SECONDS_FILE.read_text())
     assert set(table) <= conftest.EVERY_FILE, sorted(set(table) - conftest.EVERY_FILE)
     assert all(isinstance(seconds, (int, float)) and seconds >= 0 for seconds in table.values()), table
+
+
+def test_every_variable_the_tests_read_is_one_a_server_they_start_takes_quietly() -> None:
+    """The tests' own ``FILLMASK_*`` variables (replays, longer runs by hand) reach every server process
+    they start (``{**os.environ, ...}``), which warns of a ``FILLMASK_*`` name that is no setting: a test
+    of its stderr would then fail. So they are settings, or start with one of ``OTHER_VARIABLES``
+    (``FILLMASK_TEST_``)."""
+    import re
+
+    from fillmask_server.config import unknown_variables
+
+    read = {name for path in Path(__file__).parent.glob("*.py")
+            for name in re.findall(r"environ(?:\.get\(|\[)\s*\"(FILLMASK_[A-Z0-9_]+)\"", path.read_text())}
+    assert read, "no variable found: the pattern no longer matches how the tests read them"
+    assert unknown_variables(dict.fromkeys(read, "1")) == []

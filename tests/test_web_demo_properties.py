@@ -34,9 +34,9 @@ frames are seen at one instant) is held against the page's invariants:
 In-page recording: an init script wraps ``window.WebSocket`` (a subclass that notes each frame sent and
 received, and each close, before the page's own handlers run) and seeds ``Math.random`` (the burst's
 sentences, the reconnection jitter), so that a session replays from its seed. A failure names the seed
-and the steps; ``FILLMASK_DEMO_SEEDS=7,8 FILLMASK_DEMO_STEPS=40`` replays or extends sessions (two by
+and the steps; ``FILLMASK_TEST_DEMO_SEEDS=7,8 FILLMASK_TEST_DEMO_STEPS=40`` replays or extends sessions (two by
 default, for the suite's time; the session that found the bugs below ran seeds 11 to 15) (and
-``FILLMASK_DEMO_VERBOSE=1`` with ``-s`` prints the steps of the sessions that pass).
+``FILLMASK_TEST_DEMO_VERBOSE=1`` with ``-s`` prints the steps of the sessions that pass).
 
 The tests after the sessions are the deterministic witnesses of what the sessions found: Cancel burst
 left on a burst whose requests wait on a draining connection (a control that does nothing), and an
@@ -72,8 +72,8 @@ PHONE = {"width": 375, "height": 812}
 INSTALL_HINT = ("install them with `bash scripts/setup.sh --test` (Debian's chromium and the playwright "
                 "package), or set FILLMASK_CHROMIUM to a Chromium binary")
 
-SEEDS = [int(s) for s in os.environ.get("FILLMASK_DEMO_SEEDS", "").split(",") if s.strip()] or [11, 12]
-STEPS = int(os.environ.get("FILLMASK_DEMO_STEPS", "20"))
+SEEDS = [int(s) for s in os.environ.get("FILLMASK_TEST_DEMO_SEEDS", "").split(",") if s.strip()] or [11, 12]
+STEPS = int(os.environ.get("FILLMASK_TEST_DEMO_STEPS", "20"))
 
 #: The terminal frame types (§8) and the card state each one gives.
 OUTCOME_STATE = {"result": "done", "error": "error", "overloaded": "overloaded", "cancelled": "cancelled"}
@@ -623,7 +623,7 @@ class Session:
             state = (f"\nstatus {s['conn']} client {s['client']} notice {s['notice']!r}\n"
                      f"cards {[(c['id'], c['state'], c['badge']) for c in s['cards']][:30]}")
         raise AssertionError(
-            f"seed {self.m.seed} (replay: FILLMASK_DEMO_SEEDS={self.m.seed} FILLMASK_DEMO_STEPS={STEPS}), "
+            f"seed {self.m.seed} (replay: FILLMASK_TEST_DEMO_SEEDS={self.m.seed} FILLMASK_TEST_DEMO_STEPS={STEPS}), "
             f"after step {len(self.m.steps)}:\n" + "\n".join(f"- {p}" for p in problems[:12]) +
             f"\nsteps:\n{steps}{state}")
 
@@ -1122,7 +1122,7 @@ async def test_random_user_sessions_keep_the_pages_invariants(seed: int, browser
             await session.step()
             await session.verify()
         await session.settle()
-        if os.environ.get("FILLMASK_DEMO_VERBOSE"):
+        if os.environ.get("FILLMASK_TEST_DEMO_VERBOSE"):
             print(f"\nseed {seed}:\n" + "\n".join(session.m.steps))
     finally:
         await context.close()
