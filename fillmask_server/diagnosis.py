@@ -6,6 +6,8 @@ explanation of a library's failure (``explain_load_failure``, reading the warnin
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import json
 import logging
 import os
@@ -324,9 +326,15 @@ _DAMAGED = "it is cut short or damaged: copy the checkpoint into --model's direc
 
 def _damaged_file(directory: Path, exc: BaseException) -> str | None:
     """The file of ``directory`` that is damaged, named with what is wrong with it, or None: a JSON file
-    that is not JSON, a safetensors file whose header the library cannot read (its error names no file),
-    a pickle of weights torch's safe loader refuses (its advice is about a ``torch.load`` call the
-    operator never made), a vocabulary file the tokenizer needs and the directory lacks."""
+    that starts with a byte-order mark or is not JSON, a safetensors file whose header the library cannot
+    read (its error names no file), a pickle of weights torch's safe loader refuses (its advice is about
+    a ``torch.load`` call the operator never made), a vocabulary file the tokenizer needs and the
+    directory lacks."""
+    for name in ("config.json", *_JSON_FILES):
+        with contextlib.suppress(OSError):  # (the libraries read text, where a byte-order mark is not JSON)
+            if (directory / name).is_file() and (directory / name).read_bytes()[:3] == codecs.BOM_UTF8:
+                return (f"its {name} starts with a UTF-8 byte-order mark, which the libraries refuse as not JSON: "
+                        "save it as UTF-8 without one")
     for name in _JSON_FILES:
         path = directory / name
         if path.is_file():

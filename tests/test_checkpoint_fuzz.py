@@ -356,6 +356,11 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "config.json in UTF-16": (lambda d: (d / "config.json").write_bytes(
         (d / "config.json").read_text().encode("utf-16")), ("config file",)),
     "config.json a directory": (directory_instead("config.json"), ("has no config.json",)),
+    # (Saved by an editor that writes one: Python's own json.loads takes it in bytes, the libraries do not.)
+    "config.json with a UTF-8 byte-order mark": (lambda d: (d / "config.json").write_bytes(
+        b"\xef\xbb\xbf" + (d / "config.json").read_bytes()), ("its config.json starts with a UTF-8 byte-order mark",)),
+    "tokenizer.json with a UTF-8 byte-order mark": (lambda d: (d / "tokenizer.json").write_bytes(
+        b"\xef\xbb\xbf" + (d / "tokenizer.json").read_bytes()), ("its tokenizer.json starts with a UTF-8",)),
     "vocab_size smaller than the weights'": (config(vocab_size=500), ("where its config.json makes it [500",)),
     "vocab_size negative": (config(vocab_size=-1), ("-1",)),
     "hidden_size of another model": (config(hidden_size=64), ("where its config.json makes it",)),
