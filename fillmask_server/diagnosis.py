@@ -330,9 +330,12 @@ def _damaged_file(directory: Path, exc: BaseException) -> str | None:
     read (its error names no file), a pickle of weights torch's safe loader refuses (its advice is about
     a ``torch.load`` call the operator never made), a vocabulary file the tokenizer needs and the
     directory lacks."""
-    for name in ("config.json", *_JSON_FILES):
-        with contextlib.suppress(OSError):  # (the libraries read text, where a byte-order mark is not JSON)
-            if (directory / name).is_file() and (directory / name).read_bytes()[:3] == codecs.BOM_UTF8:
+    for name in ("config.json", *_JSON_FILES) if re.search(r"JSON|BOM", str(exc)) else ():
+        # (The libraries read these as text, where a byte-order mark is not JSON; json.loads takes bytes.)
+        if not (directory / name).is_file():  # (a FIFO would block the read)
+            continue
+        with contextlib.suppress(OSError), open(directory / name, "rb") as file:
+            if file.read(3) == codecs.BOM_UTF8:
                 return (f"its {name} starts with a UTF-8 byte-order mark, which the libraries refuse as not JSON: "
                         "save it as UTF-8 without one")
     for name in _JSON_FILES:

@@ -178,7 +178,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return total / counts[name] if name in SPREAD_FILES else total
 
     order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda item: (-weight(item), work_unit(item.nodeid), order[id(item)]))
+    items.sort(key=lambda item: (-weight(item), item.nodeid.split("::", 1)[0], order[id(item)]))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -315,16 +315,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(f"test files run on more than one worker: {', '.join(split)} (tests/conftest.py "
                                 "pytest_xdist_make_scheduler should keep each file on one)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if os.environ.get("FILLMASK_TEST_SUITE_SECONDS") == "write" and exitstatus == 0 and ran == EVERY_FILE:
-        SECONDS_FILE.write_text(json.dumps({name: round(seconds, 1) for name, seconds in
-                                            sorted(_SECONDS_TAKEN.items(), key=lambda item: -item[1])}, indent=0)
-                                + "\n")
     if exitstatus == 0 and not _WORKERS["failed"] and ran == EVERY_FILE \
             and _WORKERS["frames"] <= MIN_FRAMES_IN_FULL_RUN:
         if reporter is not None:
             reporter.write_line(f"only {_WORKERS['frames']} frames checked against the contract "
                                 "(tests/conftest.py wire_contract)", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if os.environ.get("FILLMASK_TEST_SUITE_SECONDS") == "write" and session.exitstatus == 0 and ran == EVERY_FILE:
+        SECONDS_FILE.write_text(json.dumps({name: round(seconds, 1) for name, seconds in
+                                            sorted(_SECONDS_TAKEN.items(), key=lambda item: -item[1])}, indent=0)
+                                + "\n")
 
 
 @pytest.fixture(autouse=True)

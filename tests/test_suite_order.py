@@ -33,13 +33,13 @@ def test_units_are_handed_out_longest_first_keeping_each_files_order(tmp_path: P
     monkeypatch.setattr(conftest, "SPREAD_FILES", {"test_process.py"})
     items = [Item("tests/test_short.py::b"), Item("tests/test_short.py::a"),
              Item("tests/test_new.py::x"), Item("tests/test_new.py::y"),  # unknown: 2 tests × 0.5 s
-             Item("tests/test_process.py::p1"), Item("tests/test_process.py::p2"),  # spread: one by one,
+             Item("tests/test_process.py::p2"), Item("tests/test_process.py::p1"),  # spread: one by one,
              Item("tests/test_process.py::p3"),  # 10 s each (three tests share the file's 30 s)
              Item("tests/test_long.py::z"), Item("tests/test_long.py::c")]
     conftest.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
     assert [item.nodeid.split("/")[1] for item in items] == [
         "test_long.py::z", "test_long.py::c",  # 60 s, its own order
-        "test_process.py::p1", "test_process.py::p2", "test_process.py::p3",  # 10 s each
+        "test_process.py::p2", "test_process.py::p1", "test_process.py::p3",  # 10 s each, the file's order
         "test_short.py::b", "test_short.py::a",  # 2 s
         "test_new.py::x", "test_new.py::y",  # 1 s
     ]
