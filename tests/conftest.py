@@ -22,9 +22,9 @@ from websockets.asyncio.client import ClientConnection
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The suite runs three workers and their servers' torch teams on two cores: an OpenMP worker left
-# spinning after a pass (the runtime's default) burns a core another process is waiting for, and a
-# team waits at its barriers for a thread so preempted. Sleeping at once instead took a fifth off the
+# The suite runs three workers and their servers' torch teams on two cores (-n auto, below): an OpenMP
+# worker left spinning after a pass (the runtime's default) burns a core another process is waiting for,
+# and a team waits at its barriers for a thread so preempted. Sleeping at once instead took a fifth off the
 # time and the CPU of the files that start servers (docs/test-suite-history.md, the twenty-ninth
 # session). Set here, before torch loads, for this process and every one the tests start; the speed
 # of the server's own default is the benchmarks' business (bench/), not the tests'.
@@ -139,7 +139,7 @@ def make_server_for(tiny_config: Config) -> Callable[..., contextlib.AbstractAsy
     return factory
 
 
-# --- how pytest-xdist shares the tests out (pyproject.toml: -n 3 --dist loadfile) ---------------------
+# --- how pytest-xdist shares the tests out (pyproject.toml: -n auto --dist loadfile) ------------------
 
 #: Files whose tests the workers may take one by one: each test starts processes of its own and shares
 #: no fixture, so the file's long waits (model loads, drains) overlap with the other worker's. Every
@@ -179,6 +179,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     order = {id(item): n for n, item in enumerate(items)}
     items.sort(key=lambda item: (-weight(item), item.nodeid.split("::", 1)[0], order[id(item)]))
+
+
+#: Workers at most (``pytest_xdist_auto_num_workers``): each imports torch, and past the longest file
+#: (the cluster) more cannot shorten the run.
+MAX_WORKERS = 6
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject.toml): one worker more than the CPUs this process may run on (its affinity:
+    ``taskset`` counts), up to ``MAX_WORKERS``. On two cores three: the third uses the time the others
+    spend waiting on server starts, drains and the browser; pinned to one core, two."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cpus + 1, MAX_WORKERS)
 
 
 @pytest.hookimpl(optionalhook=True)

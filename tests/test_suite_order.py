@@ -3,6 +3,8 @@
 - ``pytest_collection_modifyitems`` hands the units of work out longest first, by the seconds each file
   took (``suite_seconds.json``), a file the table does not know counting ``UNKNOWN_SECONDS_PER_TEST`` a
   test, a spread file (``SPREAD_FILES``) its tests one by one at its average; a file's own order is kept.
+- ``pytest_xdist_auto_num_workers`` (``-n auto``) gives one worker more than the CPUs the run may use,
+  up to ``MAX_WORKERS``.
 - ``pytest_runtest_logstart`` counts a test in its own file, whatever the location pytest gives it (a
   hypothesis state machine's is hypothesis's ``stateful.py``): otherwise a full run looks partial and the
   checks at its end (the contract's frame count, the seconds table) are skipped.
@@ -81,3 +83,10 @@ def test_every_variable_the_tests_read_is_one_a_server_they_start_takes_quietly(
             for name in re.findall(r"environ(?:\.get\(|\[)\s*\"(FILLMASK_[A-Z0-9_]+)\"", path.read_text())}
     assert read, "no variable found: the pattern no longer matches how the tests read them"
     assert unknown_variables(dict.fromkeys(read, "1")) == []
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 2), (2, 3), (4, 5), (64, conftest.MAX_WORKERS)])
+def test_auto_is_one_worker_more_than_the_cpus_this_run_may_use(cpus: int, workers: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert conftest.pytest_xdist_auto_num_workers(None) == workers  # type: ignore[arg-type]
