@@ -344,9 +344,10 @@ def overridden_variables(argv: list[str] | None = None, environ: Mapping[str, st
 
 
 #: ``FILLMASK_*`` variables that are not the server's settings but belong to other parts of the project:
-#: the client's (``FILLMASK_URL``), deploy/haproxy.cfg's, and the tests'.
-OTHER_VARIABLES = ("FILLMASK_URL", "FILLMASK_REPLICA_", "FILLMASK_LB_", "FILLMASK_TEST_", "FILLMASK_CHROMIUM",
-                   "FILLMASK_UPDATE_SCREENSHOT")
+#: the client's (``FILLMASK_URL``), deploy/haproxy.cfg's, the README's test fixture's
+#: (``FILLMASK_SERVER_DIR``, which the server it starts inherits), and the tests'.
+OTHER_VARIABLES = ("FILLMASK_URL", "FILLMASK_REPLICA_", "FILLMASK_LB_", "FILLMASK_SERVER_DIR", "FILLMASK_TEST_",
+                   "FILLMASK_CHROMIUM", "FILLMASK_UPDATE_SCREENSHOT")
 
 
 #: A ``--token`` shorter than this gets a warning at start: the server does not slow down guessing.

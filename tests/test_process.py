@@ -1002,7 +1002,10 @@ def test_the_readmes_fixture_for_testing_an_application_starts_serves_and_drains
     (tmp_path / "conftest.py").write_text(conftest)
     (tmp_path / "test_app.py").write_text(test)
     ran = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-W", "error",
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "no:xdist", "-W", "error",
          "-o", "asyncio_default_fixture_loop_scope=function", str(tmp_path)],
         cwd=tmp_path, env={**ENV, "FILLMASK_SERVER_DIR": str(ROOT)}, capture_output=True, text=True, timeout=180)
     assert ran.returncode == 0 and "1 passed" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-3000:]
+    # The server inherits the fixture's environment (its stderr shown: -s): the README's own variable is
+    # no misspelt setting to warn of.
+    assert "warning:" not in ran.stdout + ran.stderr, ran.stdout[-3000:] + ran.stderr[-3000:]
