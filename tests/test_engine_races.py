@@ -32,6 +32,7 @@ from fillmask_server.model import FillMaskModel
 from fillmask_server.protocol import FillMaskRequest
 from fillmask_server.session import Session
 from tests import wire
+from tests.test_engine import Collector as EngineCollector
 
 MARKER = "explode"  # one WordPiece token of the tiny model's vocabulary (as in test_hardening_faults)
 TEXT = "Paris is the [MASK] of France."
@@ -79,21 +80,8 @@ class HeldForward(FillMaskModel):
         return super().forward(items)
 
 
-class Collector:
-    """A ``deliver`` that records every outcome, by job identity."""
-
-    def __init__(self) -> None:
-        self.outcomes: list[Outcome] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, outcomes: list[Outcome]) -> None:
-        with self._cond:
-            self.outcomes.extend(outcomes)
-            self._cond.notify_all()
-
-    def wait_for(self, count: int) -> None:
-        with self._cond:
-            assert self._cond.wait_for(lambda: len(self.outcomes) >= count, WAIT_S), self.outcomes
+class Collector(EngineCollector):
+    """``tests.test_engine.Collector`` (every outcome, waited for), and the outcomes of one job."""
 
     def of(self, job: Job) -> list[Outcome]:
         with self._cond:

@@ -54,7 +54,6 @@ import json
 import os
 import random
 import re
-import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -62,15 +61,9 @@ from typing import Any
 
 import pytest
 
+from tests.test_web_demo import CHROMIUM_FLAGS, DESKTOP, PHONE, _find_chromium, _unavailable
+
 MASK = "[MASK]"
-CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]
-DESKTOP = {"width": 1280, "height": 900}
-PHONE = {"width": 375, "height": 812}
-INSTALL_HINT = ("install them with `bash scripts/setup.sh --test` (Debian's chromium and the playwright "
-                "package), or set FILLMASK_CHROMIUM to a Chromium binary")
 
 SEEDS = [int(s) for s in os.environ.get("FILLMASK_TEST_DEMO_SEEDS", "").split(",") if s.strip()] or [11, 12]
 STEPS = int(os.environ.get("FILLMASK_TEST_DEMO_STEPS", "20"))
@@ -235,23 +228,6 @@ SNAPSHOT_JS = r"""
 # ---------------------------------------------------------------------------- the browser
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason}; CI must run the demo-page tests: {INSTALL_HINT}", pytrace=False)
-    pytest.skip(f"{reason}; {INSTALL_HINT}")
-
-
-def _chromium() -> str | None:
-    configured = os.environ.get("FILLMASK_CHROMIUM")
-    if configured:
-        return configured if os.access(configured, os.X_OK) else None
-    for candidate in ("/usr/bin/chromium", "chromium", "chromium-browser"):
-        found = shutil.which(candidate)
-        if found:
-            return found
-    return None
-
-
 @pytest.fixture(scope="module")
 async def browser() -> AsyncIterator[Any]:
     """One Chromium for the module; each session gets a context of its own."""
@@ -259,7 +235,7 @@ async def browser() -> AsyncIterator[Any]:
         from playwright.async_api import async_playwright
     except ImportError:
         _unavailable("the playwright Python package is not installed")
-    executable = _chromium()
+    executable = _find_chromium()
     if executable is None:
         _unavailable("no Chromium found (looked for FILLMASK_CHROMIUM, /usr/bin/chromium, chromium)")
     async with async_playwright() as playwright:
