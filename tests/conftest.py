@@ -311,6 +311,42 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         for directory in BYTECODE_DIRS:
             compileall.compile_dir(directory, quiet=2)
         compileall.compile_file(ROOT / "ws_server.py", quiet=2)  # (a module too: some tests' scripts import it)
+        rewrite_test_modules_ahead(session.config, sorted(Path(__file__).parent.glob("test_*.py")))
+
+
+def rewrite_test_modules_ahead(config: pytest.Config, paths: list[Path]) -> int:
+    """Write pytest's assertion-rewritten bytecode of ``paths`` (test modules) to its cache, once, in the
+    controller: where Python may not write bytecode (``PYTHONDONTWRITEBYTECODE``), pytest rewrites every
+    test module again in every process that imports it, and each worker imports them all at its start
+    (a third of its collection's CPU, on cores the other workers share). A module whose cached copy
+    matches its source is left alone; the workers read the cache as pytest always does (it checks the
+    source's hash). Uses pytest's own (private) rewriting functions: where those are missing or changed,
+    nothing is written and the run is only slower. Returns how many modules it wrote."""
+    try:
+        from _pytest.assertion.rewrite import (
+            PYC_TAIL,
+            _read_pyc,
+            _rewrite_test,
+            _write_pyc,
+            assertstate_key,
+            get_cache_dir,
+            try_makedirs,
+        )
+
+        state = config.stash.get(assertstate_key, None)
+        if state is None:  # (--assert=plain: nothing is rewritten)
+            return 0
+        written = 0
+        for path in paths:
+            cache = get_cache_dir(path)
+            pyc = cache / (path.name[:-3] + PYC_TAIL)
+            if _read_pyc(path, pyc) is not None or not try_makedirs(cache):
+                continue
+            source_hash, code = _rewrite_test(path, config)
+            written += _write_pyc(state, code, source_hash, pyc)
+        return written
+    except (ImportError, TypeError, AttributeError, ValueError, SyntaxError, OSError):
+        return 0  # (a module that does not compile is reported by its own collection)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

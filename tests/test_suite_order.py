@@ -8,6 +8,9 @@
 - ``pytest_runtest_logstart`` counts a test in its own file, whatever the location pytest gives it (a
   hypothesis state machine's is hypothesis's ``stateful.py``): otherwise a full run looks partial and the
   checks at its end (the contract's frame count, the seconds table) are skipped.
+- ``rewrite_test_modules_ahead`` (the controller, at the session's start) writes pytest's rewritten
+  bytecode of every test module once, so that no worker rewrites them all again where Python may not
+  write bytecode.
 """
 
 from __future__ import annotations
@@ -90,3 +93,26 @@ def test_auto_is_one_worker_more_than_the_cpus_this_run_may_use(cpus: int, worke
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     assert conftest.pytest_xdist_auto_num_workers(None) == workers  # type: ignore[arg-type]
+
+
+def test_the_controller_writes_each_test_modules_rewritten_bytecode_once(tmp_path: Path,
+                                                                         pytestconfig: pytest.Config) -> None:
+    from _pytest.assertion.rewrite import PYC_TAIL, _read_pyc
+
+    module = tmp_path / "test_sample.py"
+    module.write_text("def test_sum():\n    total = 1 + 1\n    assert total == 3\n")
+    pyc = tmp_path / "__pycache__" / ("test_sample" + PYC_TAIL)
+    assert conftest.rewrite_test_modules_ahead(pytestconfig, [module]) == 1
+    code = _read_pyc(module, pyc)
+    assert code is not None
+    namespace: dict[str, object] = {}
+    exec(code, namespace)
+    with pytest.raises(AssertionError, match=r"assert 2 == 3"):  # rewritten: the failure shows the values
+        namespace["test_sum"]()  # type: ignore[operator]
+    assert conftest.rewrite_test_modules_ahead(pytestconfig, [module]) == 0  # up to date: left alone
+    module.write_text("def test_sum():\n    assert 1 + 1 == 2\n")
+    assert conftest.rewrite_test_modules_ahead(pytestconfig, [module]) == 1  # changed: written again
+    # And this run's own: the controller wrote them before any worker imported one.
+    stale = [path.name for path in sorted(Path(conftest.__file__).parent.glob("test_*.py"))
+             if _read_pyc(path, path.parent / "__pycache__" / (path.name[:-3] + PYC_TAIL)) is None]
+    assert not stale
