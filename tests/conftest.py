@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +49,8 @@ from fillmask_server.server import FillMaskServer  # noqa: E402
 from tests.contract import WireMonitor  # noqa: E402
 
 TINY_DIR = ROOT / "models" / "tiny"
+#: When this process (the controller, a worker) read this file: after the controller's session start.
+PROCESS_STARTED = time.time()
 
 
 @pytest.fixture(scope="session")
