@@ -273,7 +273,8 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
     """What ``directory``'s config.json says that explains ``exc``, or None: it is not an object; it names
     Python code of its own (``auto_map``), or a ``model_type`` this version of transformers does not know
     (whose error the one-line cut would end mid-sentence); a size of 0 or less, an activation or a dtype
-    unknown to the libraries, cross-attention in an encoder (whose errors name no field)."""
+    unknown to the libraries, a pad_token_id beyond the vocabulary, cross-attention in an encoder (whose
+    errors name no field)."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
@@ -311,6 +312,11 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
         value = config.get(key)
         if isinstance(value, str) and value != "auto" and f"'{value}'" in str(exc):
             return f"its config.json's {key} {value!r} is not a torch dtype (float32, float16, bfloat16); {fix}"
+    pad, rows = config.get("pad_token_id"), config.get("vocab_size")
+    if "adding_idx" in str(exc) and type(pad) is int and type(rows) is int \
+            and not -rows <= pad < rows:  # (torch's "Padding_idx must be within num_embeddings" names neither)
+        return (f"its config.json's pad_token_id {pad} is no token of its vocabulary (vocab_size {rows}): set it "
+                f"to the id of the tokenizer's pad token; {fix}")
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
