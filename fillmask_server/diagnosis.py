@@ -374,6 +374,58 @@ def _damaged_file(directory: Path, exc: BaseException) -> str | None:
     return None
 
 
+#: The tokenizer's JSON files, each an object of settings (tokenizer.json: the tokenizers library's own).
+_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json")
+_RESAVE = ("save the tokenizer again with save_pretrained, or copy the checkpoint into --model's directory "
+           "again")
+
+
+def _misshapen_file(directory: Path, exc: BaseException) -> str | None:
+    """The tokenizer file of ``directory`` that is JSON of the wrong shape, named with what is wrong, or
+    None. Only for an error in Python's own words (a ``TypeError``, ``AttributeError`` or ``KeyError``,
+    which names no file: "'list' object has no attribute 'get'"): a file that is not a JSON object, a
+    tokenizer.json without the model or the added tokens the tokenizers library saves, a tokenizer_class
+    or a special token (``*_token``) that is not text."""
+    if not isinstance(exc, (TypeError, AttributeError, KeyError)):
+        return None
+    for name in _TOKENIZER_FILES:
+        path = directory / name
+        if not path.is_file():  # (a FIFO would block the read)
+            continue
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError):  # (_damaged_file names it)
+            continue
+        if not isinstance(data, dict):
+            return f"its {name} holds {_json_kind(data)}, not an object of settings: {_RESAVE}"
+        missing = [key for key in ("model", "added_tokens") if key not in data] if name == "tokenizer.json" else []
+        if missing:
+            return (f"its tokenizer.json has no {' and no '.join(missing)}, so it is not a tokenizer as the tokenizers "
+                    f"library saves one: {_RESAVE}")
+        value = data.get("tokenizer_class")
+        if value is not None and not isinstance(value, str):
+            return (f"its {name}'s tokenizer_class is {json.dumps(value)[:40]}, not the name of a tokenizer class "
+                    f"(such as \"BertTokenizer\"): correct it, or {_RESAVE}")
+        for key, value in data.items():
+            if key.endswith("_token") and not _token_text(value):
+                return (f"its {name}'s {key} is {json.dumps(value)[:40]}, not a token's text (a string, or an object "
+                        f"whose content is one): correct it, or {_RESAVE}")
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    """``value``'s JSON type, as a reader of the file calls it: "a JSON array", "a JSON number", ..."""
+    kinds = ((bool, "true or false"), (list, "a JSON array"), (str, "a JSON string"), ((int, float), "a JSON number"))
+    return next((kind for types, kind in kinds if isinstance(value, types)), "null")
+
+
+def _token_text(value: Any) -> bool:
+    """Whether ``value`` is a special token as the tokenizer files write one: text, an added token's
+    object with text as its content, or null (none)."""
+    return value is None or isinstance(value, str) or (isinstance(value, dict)
+                                                        and isinstance(value.get("content"), str))
+
+
 def _missing_vocabulary_files(directory: Path) -> list[str]:
     """The files the tokenizer class that tokenizer_config.json names reads (``vocab_files_names``), and
     that ``directory`` lacks."""
@@ -418,7 +470,8 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
             return f"cannot load model from directory {name!r}: {unreadable}"
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
-        cause = _warned_cause(said) or _config_cause(path, exc) or _damaged_file(path, exc)
+        cause = (_warned_cause(said) or _config_cause(path, exc) or _damaged_file(path, exc)
+                 or _misshapen_file(path, exc))
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
         cause = first_line(exc)

@@ -66,7 +66,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 TOLERANCE = 1e-5
 #: What a line for the operator must never hold: a traceback, a path into the installed libraries, a
 #: quoted Python source file (``File "x.py"``).
-INTERNALS = ("Traceback", "site-packages", '.py"', ".py:")
+INTERNALS = ("Traceback", "site-packages", '.py"', ".py:",
+             # Python's own words for a value of the wrong type, which name no file or field
+             "object has no attribute", "object cannot be interpreted", "is not an instance of", "object is not")
 START_TIMEOUT_S = 90
 
 #: A way to break a checkpoint directory in place (what it returns is ignored).
@@ -423,20 +425,23 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "tokenizer.json a FIFO": (fifo_instead("tokenizer.json"), ("special tokens and no others",)),
     "tokenizer.json cut short": (cut("tokenizer.json", lambda size: 500), ()),
     "tokenizer.json empty": (write("tokenizer.json", ""), ()),
-    "tokenizer.json an empty object": (write("tokenizer.json", "{}"), ()),
-    "tokenizer.json a JSON array": (write("tokenizer.json", "[]"), ()),
+    "tokenizer.json an empty object": (write("tokenizer.json", "{}"), ("its tokenizer.json has no model",)),
+    "tokenizer.json a JSON array": (write("tokenizer.json", "[]"), ("its tokenizer.json holds a JSON array",)),
     "tokenizer_config.json not JSON": (write("tokenizer_config.json", "{oops"), ()),
     "tokenizer_config.json empty": (write("tokenizer_config.json", ""), ()),
-    "tokenizer_config.json a JSON array": (write("tokenizer_config.json", "[]"), ()),
+    "tokenizer_config.json a JSON array": (write("tokenizer_config.json", "[]"),
+                                           ("its tokenizer_config.json holds a JSON array",)),
     "no mask token": (tokenizer_config(mask_token=None), ("without a mask token",)),
     "mask token not in the vocabulary": (tokenizer_config(mask_token="<zzz>"), ("mask token '<zzz>' is id 1000",
                                                                                  "ids 0 to 999")),
     "mask token a number": (tokenizer_config(mask_token=5), ("mask_token",)),
-    "tokenizer_class a number": (tokenizer_config(tokenizer_class=3), ()),
+    "tokenizer_class a number": (tokenizer_config(tokenizer_class=3), ("tokenizer_class is 3",)),
     "special_tokens_map.json not JSON": (write("special_tokens_map.json", "{broken"), ()),
-    "special_tokens_map.json a JSON array": (write("special_tokens_map.json", "[1, 2]"), ()),
+    "special_tokens_map.json a JSON array": (write("special_tokens_map.json", "[1, 2]"),
+                                             ("its special_tokens_map.json holds a JSON array",)),
     "special_tokens_map.json mask of the wrong type": (write("special_tokens_map.json",
-                                                             json.dumps({"mask_token": {"content": 5}})), ()),
+                                                             json.dumps({"mask_token": {"content": 5}})),
+                                                       ("special_tokens_map.json's mask_token is {\"content\": 5}",)),
     "added_tokens.json not JSON": (write("added_tokens.json", "{broken"), ()),
     "a model_max_length too short for any text": (tokenizer_config(model_max_length=2), ("accepts at most 2 tokens",)),
 }
