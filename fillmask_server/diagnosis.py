@@ -286,6 +286,9 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
         return ("its config.json names Python code of its own (auto_map), which this server never runs: it serves "
                 "the architectures transformers implements; point --model at a checkpoint of one of those")
     model_type = config.get("model_type")
+    if "model_type" in config and not isinstance(model_type, str):  # (transformers: "unhashable type: 'list'")
+        return (f"its config.json's model_type is {_shown(model_type)}, not the name of a model type (such as "
+                "\"bert\"): correct it in the config.json of --model's directory (as saved with its weights)")
     if isinstance(model_type, str):
         from transformers import CONFIG_MAPPING, __version__
 
@@ -320,7 +323,102 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
+    refused = re.search(r"Validation error for field '(\w+)'", str(exc))
+    if refused:
+        key = refused.group(1)
+        wanted = _wanted_types(str(exc))
+        takes = f", where transformers takes {wanted}" if wanted else ", which transformers refuses"
+        if key in config:
+            return f"its config.json's {key} is {_shown(config[key])}{_kind_note(config[key])}{takes}; {fix}"
+        return f"its config.json leads transformers to a {key}{takes.replace(', where', ' where')}; {fix}"
+    for key in _TEXT_OR_NULL:
+        if key in config and config[key] is not None and not isinstance(config[key], str):
+            return f"its config.json's {key} is {_shown(config[key])}{_kind_note(config[key])}, not text; {fix}"
+    if isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)):  # (Python's own words)
+        return mistyped_config_field(config)
     return None
+
+
+#: config.json's fields that are text or null (transformers' errors for others: "'int' object has no
+#: attribute 'startswith'", "list index out of range").
+_TEXT_OR_NULL = ("attn_implementation", "_attn_implementation", "dtype", "torch_dtype")
+#: How a reader of config.json calls the types in transformers' validation errors.
+_TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false",
+               "NoneType": "null", "list": "a list", "dict": "an object", "tuple": "a list"}
+
+
+def _wanted_types(error: str) -> str:
+    """The types a transformers validation error says a field takes, in a reader's words ("a whole number
+    or null"), or "" where the error names none this knows."""
+    listed = re.search(r"doesn't match any type in \((.*?)\)\.", error)
+    names = re.findall(r"<class '(\w+)'>|\b(list|dict|tuple)\[(\w+)?", listed.group(1)) if listed else []
+    words = [_TYPE_WORDS.get(simple, "") if simple else "a list of texts" if (generic, inner) == ("list", "str")
+             else _TYPE_WORDS.get(generic, "") for simple, generic, inner in names]
+    if not listed:
+        expected = re.search(r"expected (\w+)", error)
+        words = [_TYPE_WORDS.get(expected.group(1), "")] if expected else []
+    words = [word for word in dict.fromkeys(words) if word and not (word == "a whole number" and "a number" in words)]
+    return " or ".join(words)
+
+
+def mistyped_config_field(config: dict[str, Any]) -> str | None:
+    """The first field of ``config`` (a config.json's settings) whose JSON type is not the type of the
+    same field in a default configuration of its ``model_type``, named with both (a whole number where a
+    default is one, a number where it is a float, true or false, text, a list, an object), or None. For
+    an error in Python's own words ("'>' not supported between instances of 'str' and 'int'"), which
+    names no field. A field whose default is null, or that is null, is passed over."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    try:
+        defaults = CONFIG_MAPPING[model_type]()
+    except Exception:  # (a configuration class that needs arguments: nothing to compare with)
+        return None
+    for key, value in config.items():
+        try:
+            default = getattr(defaults, key, None)
+        except Exception:  # (a property that fails on the defaults)
+            continue
+        if value is None or default is None or key.startswith("_"):
+            continue
+        kind, wanted = _value_kind(value), _value_kind(default)
+        if kind != wanted and not (wanted == "a number" and kind == "a whole number"):
+            return (f"its config.json's {key} is {_shown(value)}{_kind_note(value)}, where a {model_type} model "
+                    f"takes {wanted} (its default is {_shown(default)}); correct it in the config.json of --model's "
+                    "directory (as saved with its weights)")
+    return None
+
+
+def _value_kind(value: Any) -> str:
+    """``value``'s kind as config.json writes it, with whole numbers apart from other numbers."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int):
+        return "a whole number"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def _kind_note(value: Any) -> str:
+    """`` (a JSON string)`` and the like after a value shown, where its JSON type is worth saying (not
+    for null, true or false)."""
+    return "" if value is None or isinstance(value, bool) else f" ({_json_kind(value)})"
+
+
+def _shown(value: Any) -> str:
+    """``value`` as JSON, cut to a few words."""
+    try:
+        shown = json.dumps(value)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 #: The JSON files of a checkpoint's directory that transformers reads besides config.json (whose own
@@ -383,10 +481,11 @@ _RESAVE = ("save the tokenizer again with save_pretrained, or copy the checkpoin
 def _misshapen_file(directory: Path, exc: BaseException) -> str | None:
     """The tokenizer file of ``directory`` that is JSON of the wrong shape, named with what is wrong, or
     None. Only for an error in Python's own words (a ``TypeError``, ``AttributeError`` or ``KeyError``,
-    which names no file: "'list' object has no attribute 'get'"): a file that is not a JSON object, a
-    tokenizer.json without the model or the added tokens the tokenizers library saves, a tokenizer_class
-    or a special token (``*_token``) that is not text."""
-    if not isinstance(exc, (TypeError, AttributeError, KeyError)):
+    which names no file: "'list' object has no attribute 'get'"; or a ``ValueError`` in the libraries'
+    words that name no file): a file that is not a JSON object, a tokenizer.json without the model or the
+    added tokens the tokenizers library saves, a tokenizer_class or a special token (``*_token``) that is
+    not text, a setting of another kind (``_tokenizer_setting_problem``)."""
+    if not isinstance(exc, (TypeError, AttributeError, KeyError, ValueError)):
         return None
     for name in _TOKENIZER_FILES:
         path = directory / name
@@ -410,12 +509,44 @@ def _misshapen_file(directory: Path, exc: BaseException) -> str | None:
             if key.endswith("_token") and not _token_text(value):
                 return (f"its {name}'s {key} is {json.dumps(value)[:40]}, not a token's text (a string, or an object "
                         f"whose content is one): correct it, or {_RESAVE}")
+            wrong = _tokenizer_setting_problem(key, value) if name != "tokenizer.json" else None
+            if wrong is not None:
+                return f"its {name}'s {key} is {_shown(value)}, {wrong}: correct it, or {_RESAVE}"
+    return None
+
+
+#: The prefixes of a tokenizer setting that is a flag: true, false (or null).
+_FLAG_PREFIXES = ("do_", "add_", "strip_", "trim_", "tokenize_", "clean_up_", "split_", "keep_", "remove_",
+                  "use_", "legacy")
+
+
+def _tokenizer_setting_problem(key: str, value: Any) -> str | None:
+    """What is wrong with a tokenizer_config.json (or special_tokens_map.json) setting, in a few words
+    after "its KEY is VALUE, ...", or None: a flag that is not true or false, a side not "right" or
+    "left", a list of special tokens or input names that is not one, added tokens not by id."""
+    if key.startswith(_FLAG_PREFIXES) and value is not None and not isinstance(value, bool):
+        return "where the tokenizers take true or false"
+    if key in ("padding_side", "truncation_side") and value not in ("right", "left"):
+        return "where the tokenizers take \"right\" or \"left\""
+    if key in ("additional_special_tokens", "extra_special_tokens"):
+        tokens = value.values() if key == "extra_special_tokens" and isinstance(value, dict) else value
+        if not isinstance(tokens, (list, type({}.values()))) \
+                or not all(token is not None and _token_text(token) for token in tokens):
+            return "not a list of tokens' texts"
+    if key == "model_input_names" and not (isinstance(value, list) and "input_ids" in value
+                                           and all(isinstance(item, str) for item in value)):
+        return "not a list of the model's input names with \"input_ids\" (such as [\"input_ids\", \"attention_mask\"])"
+    if key == "added_tokens_decoder" and not (isinstance(value, dict) and all(
+            re.fullmatch(r"\d+", str(token_id)) and isinstance(token, dict) and isinstance(token.get("content"), str)
+            for token_id, token in value.items())):
+        return "not an object of added tokens by their ids (\"5\": {\"content\": \"<x>\", ...})"
     return None
 
 
 def _json_kind(value: Any) -> str:
     """``value``'s JSON type, as a reader of the file calls it: "a JSON array", "a JSON number", ..."""
-    kinds = ((bool, "true or false"), (list, "a JSON array"), (str, "a JSON string"), ((int, float), "a JSON number"))
+    kinds = ((bool, "true or false"), (list, "a JSON array"), (str, "a JSON string"), ((int, float), "a JSON number"),
+             (dict, "a JSON object"))
     return next((kind for types, kind in kinds if isinstance(value, types)), "null")
 
 
@@ -481,6 +612,36 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
                 "(incomplete, or written for another model or version of transformers?)")
     return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
             f"Hugging Face Hub (offline, or no such model); {_HINT}")
+
+
+def explain_set_up_failure(name: str, exc: BaseException, model_config: Any) -> str:
+    """The one line for a model whose files loaded but whose tokenizer or model then fails as the server
+    sets it up (its traced forward pass, its first text): the tokenizer file or config.json field to
+    blame where one is of the wrong kind or a special token the tokenizer needs is null, else the
+    library's own first line."""
+    path = Path(name).expanduser()
+    cause = (_misshapen_file(path, exc) or _nulled_special_token(path)) if path.is_dir() else None
+    cause = cause or mistyped_config_field(model_config.to_dict())
+    if cause is not None:
+        return f"model {name!r} cannot be set up to serve: {cause}"
+    return (f"model {name!r} fails as it is set up to serve ({first_line(exc)}); check that its tokenizer and its "
+            "weights belong together")
+
+
+def _nulled_special_token(directory: Path) -> str | None:
+    """A special token that a tokenizer puts in every text (cls, sep, bos, eos) set to null in
+    ``directory``'s tokenizer files, named, or None."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = directory / name
+        try:
+            data = json.loads(path.read_bytes()) if path.is_file() else None
+        except (OSError, ValueError):
+            continue
+        for key in ("cls_token", "sep_token", "bos_token", "eos_token"):
+            if isinstance(data, dict) and key in data and data[key] is None:
+                return (f"its {name}'s {key} is null, and its tokenizer fails on a text without one: give it the "
+                        f"token the model was trained with, or {_RESAVE}")
+    return None
 
 
 def _hub_reachable() -> bool:

@@ -19,7 +19,9 @@ from .diagnosis import (
     check_source,
     device_problem,
     explain_load_failure,
+    explain_set_up_failure,
     library_warnings,
+    mistyped_config_field,
     not_numbers,
     unservable,
     unused,
@@ -180,9 +182,14 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         progress("int8 quantisation")
         unquantized, model = model, _quantize_dynamic(model)  # (a copy: the float32 model is checked against)
     progress("forward pass traced and checked" if forward == "traced" else "model set-up")
-    loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized, projection, announce)
+    try:
+        loaded = FillMaskModel(name, tokenizer, model, device, dtype, forward, unquantized, projection, announce)
+        shortest = len(loaded.tokenize([loaded.mask_token])[0])
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # (a tokenizer setting the libraries took and then failed on: one line too)
+        raise ModelLoadError(explain_set_up_failure(name, exc, model.config)) from None
     del unquantized
-    shortest = len(loaded.tokenize([loaded.mask_token])[0])
     if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)
         whose, fix = (("its tokenizer's model_max_length", "raise it in its tokenizer_config.json")
                       if loaded.max_tokens_source == "tokenizer" else
@@ -198,6 +205,9 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         raise ModelLoadError(f"model {name!r} gives scores that are not numbers on a batch of two short texts with "
                              "a mask (its weights hold NaN or infinite values?); it cannot serve requests: use a "
                              "checkpoint whose weights are all numbers")
+    mistyped = mistyped_config_field(model.config.to_dict()) if failure is not None else None
+    if mistyped is not None:  # (Python's words, "'>' not supported between instances of 'str' and 'int'")
+        raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask: {mistyped}")
     if failure is not None:
         raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
                              "cannot serve requests: check that its tokenizer and its weights belong together")

@@ -68,7 +68,9 @@ TOLERANCE = 1e-5
 #: quoted Python source file (``File "x.py"``).
 INTERNALS = ("Traceback", "site-packages", '.py"', ".py:",
              # Python's own words for a value of the wrong type, which name no file or field
-             "object has no attribute", "object cannot be interpreted", "is not an instance of", "object is not")
+             "object has no attribute", "object cannot be interpreted", "is not an instance of", "object is not",
+             "not supported between instances", "invalid literal for", "unhashable type", "NoneType",
+             "index out of range", "<class '")
 START_TIMEOUT_S = 90
 
 #: A way to break a checkpoint directory in place (what it returns is ignored).
@@ -374,6 +376,21 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "type_vocab_size 0": (config(type_vocab_size=0), ("token_type_embeddings",)),
     "pad_token_id beyond the vocabulary": (config(pad_token_id=5000), ("pad_token_id 5000 is no token", "1000")),
     "pad_token_id negative beyond the vocabulary": (config(pad_token_id=-5000), ("pad_token_id -5000 is no",)),
+    # (a field of another type than transformers takes: its own validation error, Python's words, or a
+    # batch that fails, none of which names config.json)
+    "vocab_size as text": (config(vocab_size="1000"), ('vocab_size is "1000" (a JSON string)', "a whole number")),
+    "pad_token_id a fraction": (config(pad_token_id=1.5), ("pad_token_id is 1.5", "a whole number or null")),
+    "num_attention_heads null": (config(num_attention_heads=None), ("num_attention_heads is null",)),
+    "hidden_dropout_prob as text": (config(hidden_dropout_prob="0.1"), ('hidden_dropout_prob is "0.1"',
+                                                                        "takes a number;")),
+    "id2label a list": (config(id2label=["a", "b"]), ('id2label is ["a", "b"]', "takes an object")),
+    "num_labels as text": (config(num_labels="2"), ('num_labels is "2"', "a whole number")),
+    "attn_implementation a number": (config(attn_implementation=5), ("attn_implementation is 5", "not text")),
+    "dtype a list": (config(dtype=["float32"]), ('dtype is ["float32"]', "not text")),
+    "chunk_size_feed_forward as text": (config(chunk_size_feed_forward="x"), ('chunk_size_feed_forward is "x"',)),
+    "output_hidden_states as text": (config(output_hidden_states="yes"), ('output_hidden_states is "yes"',
+                                                                         "true or false")),
+    "model_type a list": (config(model_type=["bert"]), ('model_type is ["bert"], not the name',)),
     "model_type unknown": (config(model_type="fancybert"), ("model_type 'fancybert'",)),
     "model_type missing": (config(model_type=...), ("model_type",)),
     "model_type a number": (config(model_type=5), ("model type",)),
@@ -431,6 +448,16 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "tokenizer_config.json empty": (write("tokenizer_config.json", ""), ()),
     "tokenizer_config.json a JSON array": (write("tokenizer_config.json", "[]"),
                                            ("its tokenizer_config.json holds a JSON array",)),
+    "do_lower_case as text": (tokenizer_config(do_lower_case="yes"), ('do_lower_case is "yes"', "true or false")),
+    "padding_side middle": (tokenizer_config(padding_side="middle"), ('padding_side is "middle"', '"left"')),
+    "truncation_side a list": (tokenizer_config(truncation_side=[1]), ("truncation_side is [1]",)),
+    "added_tokens_decoder a list": (tokenizer_config(added_tokens_decoder=[1, 2]), ("added_tokens_decoder is [1, 2]",)),
+    "added_tokens_decoder by name": (tokenizer_config(added_tokens_decoder={"x": {"content": "<q>"}}),
+                                     ("added_tokens_decoder is", "by their ids")),
+    "additional_special_tokens a string": (tokenizer_config(additional_special_tokens="<x>"),
+                                           ('additional_special_tokens is "<x>"',)),
+    "extra_special_tokens of numbers": (tokenizer_config(extra_special_tokens={"a": 1}),
+                                        ('extra_special_tokens is {"a": 1}',)),
     "no mask token": (tokenizer_config(mask_token=None), ("without a mask token",)),
     "mask token not in the vocabulary": (tokenizer_config(mask_token="<zzz>"), ("mask token '<zzz>' is id 1000",
                                                                                  "ids 0 to 999")),
@@ -572,6 +599,14 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
     "roberta, tokenizer.json missing": ("roberta", remove("tokenizer.json"), ("special tokens and no others",)),
     "xlm-roberta, tokenizer.json cut in half": ("xlm-roberta", cut("tokenizer.json", lambda size: size // 2), ()),
     "deberta-v2, vocab_size 10": ("deberta-v2", config(vocab_size=10), ("where its config.json makes it [10",)),
+    # (loaded, then failed as the server set it up: a ValueError escaped load_model, a traceback at start-up)
+    "esm, model_input_names a string": ("esm", tokenizer_config(model_input_names="input_ids"),
+                                        ('model_input_names is "input_ids"',)),
+    "esm, model_input_names without input_ids": ("esm", tokenizer_config(model_input_names=["foo"]),
+                                                 ('model_input_names is ["foo"]',)),
+    "esm, cls_token null": ("esm", tokenizer_config(cls_token=None), ("cls_token is null",)),
+    "modernbert, layer_types a string": ("modernbert", config(layer_types="full_attention"),
+                                         ('layer_types is "full_attention"', "a list of texts or null")),
 }
 
 
@@ -647,7 +682,7 @@ def test_a_pickle_the_safe_loader_cannot_read_is_named_and_not_cut_mid_word(tmp_
     ("num_attention_heads 0", config(num_attention_heads=0), "num_attention_heads"),  # "integer modulo by zero"
     ("vocab_size 0", config(vocab_size=0), "vocab_size"),  # "index 0 is out of bounds for dimension 0 with size 0"
     ("dtype unknown", config(dtype="banana"), "dtype"),  # "module 'torch' has no attribute 'banana'"
-    ("vocab_size a string", config(vocab_size="1000"), "expected int"),  # "Validation error for field 'vocab_size':;"
+    ("vocab_size a string", config(vocab_size="1000"), 'vocab_size is "1000"'),  # "Validation error for field 'vocab_size':;"
     ("config.json null", write("config.json", "null"), "config.json"),  # "argument of type 'NoneType' is not iterable"
     ("add_cross_attention true", config(add_cross_attention=True), "add_cross_attention"),  # "BertLayer("
 ])
