@@ -314,7 +314,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         for directory in BYTECODE_DIRS:
             compileall.compile_dir(directory, quiet=2)
         compileall.compile_file(ROOT / "ws_server.py", quiet=2)  # (a module too: some tests' scripts import it)
-        rewrite_test_modules_ahead(session.config, sorted(Path(__file__).parent.glob("test_*.py")))
+        rewrite_test_modules_ahead(session.config, [*sorted(Path(__file__).parent.glob("test_*.py")),
+                                                    *rewritten_here(session.config)])
+
+
+def rewritten_here(config: pytest.Config) -> list[Path]:
+    """The modules pytest rewrote in this process so far: the conftest files and the plugins' own
+    modules (hypothesis, anyio, pytest-asyncio, ...), which each worker imports, and rewrites, too."""
+    try:
+        from _pytest.assertion.rewrite import assertstate_key
+
+        hook = config.stash[assertstate_key].hook
+        return sorted(set(getattr(hook, "_rewritten_names", {}).values()))
+    except (ImportError, KeyError, AttributeError):
+        return []
 
 
 def rewrite_test_modules_ahead(config: pytest.Config, paths: list[Path]) -> int:

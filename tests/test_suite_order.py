@@ -9,8 +9,8 @@
   hypothesis state machine's is hypothesis's ``stateful.py``): otherwise a full run looks partial and the
   checks at its end (the contract's frame count, the seconds table) are skipped.
 - ``rewrite_test_modules_ahead`` (the controller, at the session's start) writes pytest's rewritten
-  bytecode of every test module once, so that no worker rewrites them all again where Python may not
-  write bytecode.
+  bytecode of every test module (and of the conftest and plugin modules it rewrote itself) once, so
+  that no worker rewrites them all again where Python may not write bytecode.
 """
 
 from __future__ import annotations
