@@ -515,6 +515,40 @@ def _misshapen_file(directory: Path, exc: BaseException) -> str | None:
     return None
 
 
+#: The tokenizers library's names for the parts of a tokenizer.json (in its errors), by the part's key.
+_TOKENIZER_PARTS = {"ModelUntagged": "model", "NormalizerUntagged": "normalizer",
+                    "PreTokenizerUntagged": "pre_tokenizer", "PostProcessorUntagged": "post_processor",
+                    "DecoderUntagged": "decoder", "TruncationParams": "truncation", "PaddingParams": "padding",
+                    "tokenizer version": "version", "PyVocab": "model's vocab", "tuple of size 2": "model's vocab"}
+
+
+def _unread_tokenizer_part(directory: Path, exc: BaseException) -> str | None:
+    """The part of ``directory``'s tokenizer.json (valid JSON) that the tokenizers library could not
+    read, named with where it is, or None. Its errors name a Rust type and a place, never the file
+    ("data did not match any variant of untagged enum ModelUntagged at line 1 column 1033"); an added
+    token without its id or content fails in transformers' words (a bare ``KeyError``)."""
+    text = str(exc)
+    place = re.search(r"at line (\d+) column (\d+)", text)
+    part = next((key for words, key in _TOKENIZER_PARTS.items() if words in text), None)
+    if isinstance(exc, KeyError) and exc.args in (("id",), ("content",)):
+        try:
+            tokens = json.loads((directory / "tokenizer.json").read_bytes()).get("added_tokens")
+        except (OSError, ValueError, AttributeError):
+            return None
+        if isinstance(tokens, list) and any(not isinstance(token, dict) or exc.args[0] not in token
+                                            for token in tokens):
+            return (f"its tokenizer.json has an added token without its {exc.args[0]}: {_RESAVE}")
+        return None
+    if (place is None and part is None) or not (directory / "tokenizer.json").is_file():
+        return None
+    where = f" (line {place.group(1)}, column {place.group(2)})" if place else ""
+    import tokenizers
+
+    return (f"the {part or 'part'} in its tokenizer.json{where} is not one the tokenizers library "
+            f"{tokenizers.__version__} reads (damaged, or written by a newer release): {_RESAVE}, or pip install -U "
+            "tokenizers")
+
+
 #: The prefixes of a tokenizer setting that is a flag: true, false (or null).
 _FLAG_PREFIXES = ("do_", "add_", "strip_", "trim_", "tokenize_", "clean_up_", "split_", "keep_", "remove_",
                   "use_", "legacy")
@@ -602,7 +636,7 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
         cause = (_warned_cause(said) or _config_cause(path, exc) or _damaged_file(path, exc)
-                 or _misshapen_file(path, exc))
+                 or _misshapen_file(path, exc) or _unread_tokenizer_part(path, exc))
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
         cause = first_line(exc)

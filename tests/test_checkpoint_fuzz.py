@@ -103,6 +103,17 @@ def config(**changes: Any) -> Breakage:
     return edit_json("config.json", **changes)
 
 
+def tokenizer_json(change: Callable[[dict[str, Any]], object]) -> Breakage:
+    """tokenizer.json, still valid JSON, after ``change`` (which edits its parsed object in place)."""
+    def edit(directory: Path) -> None:
+        path = directory / "tokenizer.json"
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+
+    return edit
+
+
 def tokenizer_config(**changes: Any) -> Breakage:
     return edit_json("tokenizer_config.json", **changes)
 
@@ -444,6 +455,19 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "tokenizer.json empty": (write("tokenizer.json", ""), ()),
     "tokenizer.json an empty object": (write("tokenizer.json", "{}"), ("its tokenizer.json has no model",)),
     "tokenizer.json a JSON array": (write("tokenizer.json", "[]"), ("its tokenizer.json holds a JSON array",)),
+    # (the tokenizers library's words name a Rust type and a place, not the file)
+    "tokenizer.json of an unknown model type": (tokenizer_json(lambda t: t["model"].__setitem__("type", "Banana")),
+                                                ("the model in its tokenizer.json (line 1, column",)),
+    "tokenizer.json a normalizer unknown": (tokenizer_json(lambda t: t.__setitem__("normalizer", {"type": "Nope"})),
+                                            ("the normalizer in its tokenizer.json",)),
+    "tokenizer.json vocab a list": (tokenizer_json(lambda t: t["model"].__setitem__("vocab", [1, 2])),
+                                    ("the model's vocab in its tokenizer.json",)),
+    "tokenizer.json padding a number": (tokenizer_json(lambda t: t.__setitem__("padding", 5)),
+                                        ("the padding in its tokenizer.json",)),
+    "tokenizer.json of a newer version": (tokenizer_json(lambda t: t.__setitem__("version", "9.0")),
+                                          ("the version in its tokenizer.json", "pip install -U tokenizers")),
+    "tokenizer.json an added token without an id": (tokenizer_json(lambda t: t["added_tokens"][0].pop("id")),
+                                                    ("its tokenizer.json has an added token without its id",)),
     "tokenizer_config.json not JSON": (write("tokenizer_config.json", "{oops"), ()),
     "tokenizer_config.json empty": (write("tokenizer_config.json", ""), ()),
     "tokenizer_config.json a JSON array": (write("tokenizer_config.json", "[]"),
