@@ -277,7 +277,7 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
     errors name no field)."""
     try:
         config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(config, dict):
         return (f"its config.json holds {json.dumps(config)[:40]}, not an object of settings with a model_type; "
@@ -318,8 +318,8 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     pad, rows = config.get("pad_token_id"), config.get("vocab_size")
     if "adding_idx" in str(exc) and type(pad) is int and type(rows) is int \
             and not -rows <= pad < rows:  # (torch's "Padding_idx must be within num_embeddings" names neither)
-        return (f"its config.json's pad_token_id {pad} is no token of its vocabulary (vocab_size {rows}): set it "
-                f"to the id of the tokenizer's pad token; {fix}")
+        return (f"its config.json's pad_token_id {pad} is no token of its vocabulary (vocab_size {rows}): make it "
+                "the id of the tokenizer's pad token, in the config.json of --model's directory")
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
@@ -334,8 +334,6 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     for key in _TEXT_OR_NULL:
         if key in config and config[key] is not None and not isinstance(config[key], str):
             return f"its config.json's {key} is {_shown(config[key])}{_kind_note(config[key])}, not text; {fix}"
-    if isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)):  # (Python's own words)
-        return mistyped_config_field(config)
     return None
 
 
@@ -357,38 +355,97 @@ def _wanted_types(error: str) -> str:
     if not listed:
         expected = re.search(r"expected (\w+)", error)
         words = [_TYPE_WORDS.get(expected.group(1), "")] if expected else []
-    words = [word for word in dict.fromkeys(words) if word and not (word == "a whole number" and "a number" in words)]
+    covered = {"a whole number": "a number", "a list": "a list of texts"}  # (a word another one in the list covers)
+    words = [word for word in dict.fromkeys(words) if word and covered.get(word) not in words]
     return " or ".join(words)
 
 
 def mistyped_config_field(config: dict[str, Any]) -> str | None:
-    """The first field of ``config`` (a config.json's settings) whose JSON type is not the type of the
-    same field in a default configuration of its ``model_type``, named with both (a whole number where a
-    default is one, a number where it is a float, true or false, text, a list, an object), or None. For
-    an error in Python's own words ("'>' not supported between instances of 'str' and 'int'"), which
-    names no field. A field whose default is null, or that is null, is passed over."""
+    """The first field of ``config`` (a config.json's settings) whose value is not of a type its
+    ``model_type``'s configuration takes, named with what it takes, or None. For an error in Python's
+    own words ("'>' not supported between instances of 'str' and 'int'"), which names no field.
+
+    A field is held to the configuration class's annotation (``eos_token_id``: a whole number, a list
+    of them, or null); one without an annotation to the type of its default (a whole number where the
+    default is one, a number where it is a float, ...), unless the default is null or a method. A
+    value of null, an annotation this does not read, and a field starting with ``_`` pass."""
     from transformers import CONFIG_MAPPING
 
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return None
+    annotations: dict[str, Any] = {}
+    for cls in reversed(CONFIG_MAPPING[model_type].__mro__):
+        annotations.update({key: _annotation(hint) for key, hint in getattr(cls, "__annotations__", {}).items()})
     try:
         defaults = CONFIG_MAPPING[model_type]()
     except Exception:  # (a configuration class that needs arguments: nothing to compare with)
-        return None
+        defaults = None
     for key, value in config.items():
-        try:
-            default = getattr(defaults, key, None)
-        except Exception:  # (a property that fails on the defaults)
+        if value is None or key.startswith("_"):
             continue
-        if value is None or default is None or key.startswith("_"):
-            continue
-        kind, wanted = _value_kind(value), _value_kind(default)
-        if kind != wanted and not (wanted == "a number" and kind == "a whole number"):
-            return (f"its config.json's {key} is {_shown(value)}{_kind_note(value)}, where a {model_type} model "
-                    f"takes {wanted} (its default is {_shown(default)}); correct it in the config.json of --model's "
-                    "directory (as saved with its weights)")
+        if key in annotations:
+            fits, wanted = _fits(value, annotations[key])
+        else:
+            try:
+                default = getattr(defaults, key, None)
+            except Exception:  # (a property that fails on the defaults)
+                continue
+            if default is None or callable(default):
+                continue
+            kind, wanted = _value_kind(value), _value_kind(default)
+            fits = kind == wanted or (wanted == "a number" and kind == "a whole number")
+        if not fits and wanted:
+            return (f"its config.json's {key} is {_shown(value)}{_kind_note(value)}, where a model of type "
+                    f"{model_type!r} takes {wanted}; correct it in the config.json of --model's directory (as "
+                    "saved with its weights)")
     return None
+
+
+def _annotation(hint: Any) -> Any:
+    """A class attribute's annotation as a type: a string one (a module with ``from __future__ import
+    annotations``, as transformers' base configuration is) read with the builtin types only; None where
+    it names anything else (which ``_fits`` then passes)."""
+    if not isinstance(hint, str):
+        return hint
+    import typing
+
+    names = {"int": int, "float": float, "str": str, "bool": bool, "None": None, "list": list, "dict": dict,
+             "tuple": tuple, "Literal": typing.Literal, "Any": typing.Any}
+    try:
+        return eval(hint, {"__builtins__": {}}, names)  # (the library's own annotation, as typing.get_type_hints does)
+    except Exception:
+        return None
+
+
+def _fits(value: Any, annotation: Any) -> tuple[bool, str]:
+    """Whether a JSON ``value`` is of a type ``annotation`` allows, and what it allows in a reader's words
+    ("a whole number or a list of whole numbers or null"); (True, "") for an annotation this does not
+    read (a class, a string)."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        checked = [_fits(value, arg) for arg in args]
+        if any(fits for fits, _ in checked):
+            return True, ""
+        words = [word for _, word in checked]
+        return (False, " or ".join(dict.fromkeys(words))) if all(words) else (True, "")
+    if origin is typing.Literal:
+        return value in args, " or ".join(json.dumps(arg) for arg in args)
+    if origin in (list, tuple) or annotation in (list, tuple):
+        inner = _fits(0, args[0])[1] if args and args[0] is not Ellipsis else ""
+        items = all(_fits(item, args[0])[0] for item in value) if inner and isinstance(value, list) else True
+        plural = {"a whole number": "whole numbers", "a number": "numbers", "text": "texts"}.get(inner)
+        return isinstance(value, list) and items, f"a list of {plural}" if plural else "a list"
+    if origin is dict or annotation is dict:
+        return isinstance(value, dict), "an object"
+    simple = {type(None): (value is None, "null"), bool: (isinstance(value, bool), "true or false"),
+              int: (isinstance(value, int) and not isinstance(value, bool), "a whole number"),
+              float: (isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+              str: (isinstance(value, str), "text")}
+    return simple.get(annotation, (True, ""))
 
 
 def _value_kind(value: Any) -> str:
@@ -449,6 +506,8 @@ def _damaged_file(directory: Path, exc: BaseException) -> str | None:
                 json.loads(path.read_bytes())
             except (OSError, ValueError) as damaged:
                 return f"its {name} is not valid JSON ({first_line(damaged)}): {_DAMAGED}"
+            except RecursionError:
+                return f"its {name} nests its values too deeply to be read: {_DAMAGED}"
     from safetensors import safe_open
 
     for path in sorted(directory.glob("*.safetensors")):
@@ -493,7 +552,7 @@ def _misshapen_file(directory: Path, exc: BaseException) -> str | None:
             continue
         try:
             data = json.loads(path.read_bytes())
-        except (OSError, ValueError):  # (_damaged_file names it)
+        except (OSError, ValueError, RecursionError):  # (_damaged_file names it)
             continue
         if not isinstance(data, dict):
             return f"its {name} holds {_json_kind(data)}, not an object of settings: {_RESAVE}"
@@ -506,7 +565,7 @@ def _misshapen_file(directory: Path, exc: BaseException) -> str | None:
             return (f"its {name}'s tokenizer_class is {json.dumps(value)[:40]}, not the name of a tokenizer class "
                     f"(such as \"BertTokenizer\"): correct it, or {_RESAVE}")
         for key, value in data.items():
-            if key.endswith("_token") and not _token_text(value):
+            if key.endswith("_token") and not key.startswith(_FLAG_PREFIXES) and not _token_text(value):
                 return (f"its {name}'s {key} is {json.dumps(value)[:40]}, not a token's text (a string, or an object "
                         f"whose content is one): correct it, or {_RESAVE}")
             wrong = _tokenizer_setting_problem(key, value) if name != "tokenizer.json" else None
@@ -533,7 +592,7 @@ def _unread_tokenizer_part(directory: Path, exc: BaseException) -> str | None:
     if isinstance(exc, KeyError) and exc.args in (("id",), ("content",)):
         try:
             tokens = json.loads((directory / "tokenizer.json").read_bytes()).get("added_tokens")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             return None
         if isinstance(tokens, list) and any(not isinstance(token, dict) or exc.args[0] not in token
                                             for token in tokens):
@@ -596,7 +655,7 @@ def _missing_vocabulary_files(directory: Path) -> list[str]:
     that ``directory`` lacks."""
     try:
         named = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return []
     import transformers
 
@@ -636,7 +695,7 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
         cause = (_warned_cause(said) or _config_cause(path, exc) or _damaged_file(path, exc)
-                 or _misshapen_file(path, exc) or _unread_tokenizer_part(path, exc))
+                 or _misshapen_file(path, exc) or _unread_tokenizer_part(path, exc) or _mistyped_config_file(path, exc))
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
         cause = first_line(exc)
@@ -648,14 +707,32 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
             f"Hugging Face Hub (offline, or no such model); {_HINT}")
 
 
+def _mistyped_config_file(directory: Path, exc: BaseException) -> str | None:
+    """``mistyped_config_field`` of ``directory``'s config.json, for an error in Python's own words only
+    (after every check that names a file), or None."""
+    if not isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)):
+        return None
+    try:
+        config = json.loads((directory / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return mistyped_config_field(config) if isinstance(config, dict) else None
+
+
 def explain_set_up_failure(name: str, exc: BaseException, model_config: Any) -> str:
     """The one line for a model whose files loaded but whose tokenizer or model then fails as the server
     sets it up (its traced forward pass, its first text): the tokenizer file or config.json field to
     blame where one is of the wrong kind or a special token the tokenizer needs is null, else the
-    library's own first line."""
+    library's own first line. (A null special token is blamed only for an error that speaks of None, and
+    a config.json field only for an error in Python's own words.)"""
     path = Path(name).expanduser()
-    cause = (_misshapen_file(path, exc) or _nulled_special_token(path)) if path.is_dir() else None
-    cause = cause or mistyped_config_field(model_config.to_dict())
+    cause = _misshapen_file(path, exc) if path.is_dir() else None
+    if cause is None and path.is_dir() and "None" in str(exc):  # ("type of None unknown")
+        cause = _nulled_special_token(path)
+    settings = model_config.to_dict()
+    cause = cause or _config_value_cause(settings, exc)  # (a size of 0: "list assignment index out of range")
+    if cause is None and isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)):
+        cause = mistyped_config_field(settings)
     if cause is not None:
         return f"model {name!r} cannot be set up to serve: {cause}"
     return (f"model {name!r} fails as it is set up to serve ({first_line(exc)}); check that its tokenizer and its "
@@ -669,7 +746,7 @@ def _nulled_special_token(directory: Path) -> str | None:
         path = directory / name
         try:
             data = json.loads(path.read_bytes()) if path.is_file() else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         for key in ("cls_token", "sep_token", "bos_token", "eos_token"):
             if isinstance(data, dict) and key in data and data[key] is None:

@@ -53,9 +53,10 @@ from typing import Any
 import orjson
 import pytest
 
+from fillmask_server.checkpoint import FAMILIES as FAMILY_NAMES
 from fillmask_server.checkpoint import ensure_family
 from fillmask_server.config import Config
-from fillmask_server.diagnosis import ModelLoadError
+from fillmask_server.diagnosis import ModelLoadError, mistyped_config_field
 from fillmask_server.loading import load_model
 from fillmask_server.server import FillMaskServer
 from tests.wire import assert_same_predictions, recv_n, send, session
@@ -391,14 +392,16 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     # batch that fails, none of which names config.json)
     "vocab_size as text": (config(vocab_size="1000"), ('vocab_size is "1000" (a JSON string)', "a whole number")),
     "pad_token_id a fraction": (config(pad_token_id=1.5), ("pad_token_id is 1.5", "a whole number or null")),
-    "num_attention_heads null": (config(num_attention_heads=None), ("num_attention_heads is null",)),
+    "num_attention_heads null": (config(num_attention_heads=None), ("num_attention_heads is null",
+                                                                    "takes a whole number")),
     "hidden_dropout_prob as text": (config(hidden_dropout_prob="0.1"), ('hidden_dropout_prob is "0.1"',
                                                                         "takes a number;")),
     "id2label a list": (config(id2label=["a", "b"]), ('id2label is ["a", "b"]', "takes an object")),
     "num_labels as text": (config(num_labels="2"), ('num_labels is "2"', "a whole number")),
     "attn_implementation a number": (config(attn_implementation=5), ("attn_implementation is 5", "not text")),
     "dtype a list": (config(dtype=["float32"]), ('dtype is ["float32"]', "not text")),
-    "chunk_size_feed_forward as text": (config(chunk_size_feed_forward="x"), ('chunk_size_feed_forward is "x"',)),
+    "chunk_size_feed_forward as text": (config(chunk_size_feed_forward="x"), ('chunk_size_feed_forward is "x"',
+                                                                               "takes a whole number")),
     "output_hidden_states as text": (config(output_hidden_states="yes"), ('output_hidden_states is "yes"',
                                                                          "true or false")),
     "model_type a list": (config(model_type=["bert"]), ('model_type is ["bert"], not the name',)),
@@ -474,19 +477,20 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
                                            ("its tokenizer_config.json holds a JSON array",)),
     "do_lower_case as text": (tokenizer_config(do_lower_case="yes"), ('do_lower_case is "yes"', "true or false")),
     "padding_side middle": (tokenizer_config(padding_side="middle"), ('padding_side is "middle"', '"left"')),
-    "truncation_side a list": (tokenizer_config(truncation_side=[1]), ("truncation_side is [1]",)),
-    "added_tokens_decoder a list": (tokenizer_config(added_tokens_decoder=[1, 2]), ("added_tokens_decoder is [1, 2]",)),
+    "truncation_side a list": (tokenizer_config(truncation_side=[1]), ("truncation_side is [1]", '"right" or "left"')),
+    "added_tokens_decoder a list": (tokenizer_config(added_tokens_decoder=[1, 2]), ("added_tokens_decoder is [1, 2]",
+                                                                                     "by their ids")),
     "added_tokens_decoder by name": (tokenizer_config(added_tokens_decoder={"x": {"content": "<q>"}}),
                                      ("added_tokens_decoder is", "by their ids")),
     "additional_special_tokens a string": (tokenizer_config(additional_special_tokens="<x>"),
-                                           ('additional_special_tokens is "<x>"',)),
+                                           ('additional_special_tokens is "<x>"', "not a list of tokens' texts")),
     "extra_special_tokens of numbers": (tokenizer_config(extra_special_tokens={"a": 1}),
-                                        ('extra_special_tokens is {"a": 1}',)),
+                                        ('extra_special_tokens is {"a": 1}', "not a list of tokens' texts")),
     "no mask token": (tokenizer_config(mask_token=None), ("without a mask token",)),
     "mask token not in the vocabulary": (tokenizer_config(mask_token="<zzz>"), ("mask token '<zzz>' is id 1000",
                                                                                  "ids 0 to 999")),
     "mask token a number": (tokenizer_config(mask_token=5), ("mask_token",)),
-    "tokenizer_class a number": (tokenizer_config(tokenizer_class=3), ("tokenizer_class is 3",)),
+    "tokenizer_class a number": (tokenizer_config(tokenizer_class=3), ("tokenizer_class is 3", "BertTokenizer")),
     "special_tokens_map.json not JSON": (write("special_tokens_map.json", "{broken"), ()),
     "special_tokens_map.json a JSON array": (write("special_tokens_map.json", "[1, 2]"),
                                              ("its special_tokens_map.json holds a JSON array",)),
@@ -625,10 +629,19 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
     "deberta-v2, vocab_size 10": ("deberta-v2", config(vocab_size=10), ("where its config.json makes it [10",)),
     # (loaded, then failed as the server set it up: a ValueError escaped load_model, a traceback at start-up)
     "esm, model_input_names a string": ("esm", tokenizer_config(model_input_names="input_ids"),
-                                        ('model_input_names is "input_ids"',)),
+                                        ('model_input_names is "input_ids"', "not a list of the model's input")),
     "esm, model_input_names without input_ids": ("esm", tokenizer_config(model_input_names=["foo"]),
-                                                 ('model_input_names is ["foo"]',)),
-    "esm, cls_token null": ("esm", tokenizer_config(cls_token=None), ("cls_token is null",)),
+                                                 ('model_input_names is ["foo"]', 'with "input_ids"')),
+    "esm, cls_token null": ("esm", tokenizer_config(cls_token=None), ("cls_token is null", "fails on a text")),
+    # (a field of a type the configuration's annotation allows, though not its default's, or a flag ending
+    # in _token, beside a real breakage: the real one is named)
+    "roberta, tokenizer.json cut short, eos_token_id a list": (
+        "roberta", both(config(eos_token_id=[2]), cut("tokenizer.json", lambda size: 500)),
+        ("its tokenizer.json is not valid JSON",)),
+    "modernbert, padding_side middle, add_eos_token false": (
+        "modernbert", tokenizer_config(add_eos_token=False, padding_side="middle"), ('padding_side is "middle"',)),
+    "esm, max_position_embeddings 0, bos_token null": (
+        "esm", both(tokenizer_config(bos_token=None), config(max_position_embeddings=0)), ("max_position_embeddings",)),
     "modernbert, layer_types a string": ("modernbert", config(layer_types="full_attention"),
                                          ('layer_types is "full_attention"', "a list of texts or null")),
 }
@@ -638,6 +651,17 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
 def test_another_familys_broken_checkpoint_is_refused_in_one_clear_line(case: str, tmp_path: Path) -> None:
     family, edit, expected = OTHERS_REFUSED[case]
     assert_one_clear_line(refusal(copy_of(family, tmp_path, edit)), *expected)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_no_field_of_a_familys_own_config_is_called_mistyped(family: str) -> None:
+    """The fallback that names a config.json field of another type than its configuration takes, for an
+    error in Python's own words, blames none of the fields a checkpoint saved by transformers has, nor
+    an ``eos_token_id`` list (whose default is a whole number, and whose annotation allows one)."""
+    saved = json.loads((ensure_family(family, FAMILIES) / "config.json").read_text())
+    assert mistyped_config_field(saved) is None
+    assert mistyped_config_field({**saved, "eos_token_id": [2, 3]}) is None
+    assert "takes an object" in (mistyped_config_field({**saved, "id2label": ["a"]}) or "")  # (the check bites)
 
 
 # --- the directory itself ---------------------------------------------------------------------------------
