@@ -277,8 +277,10 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
     errors name no field)."""
     try:
         config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError):
         return None
+    except RecursionError:  # (valid JSON, deeper than Python's parser goes)
+        return f"its config.json nests its values too deeply to be read: {_DAMAGED}"
     if not isinstance(config, dict):
         return (f"its config.json holds {json.dumps(config)[:40]}, not an object of settings with a model_type; "
                 "give --model a directory whose config.json was saved with its weights")

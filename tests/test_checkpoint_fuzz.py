@@ -372,6 +372,10 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "config.json in UTF-16": (lambda d: (d / "config.json").write_bytes(
         (d / "config.json").read_text().encode("utf-16")), ("config file",)),
     "config.json a directory": (directory_instead("config.json"), ("has no config.json",)),
+    "config.json nested too deeply": (write("config.json", "[" * 100_000 + "]" * 100_000),
+                                      ("its config.json nests its values too deeply",)),
+    "tokenizer_config.json nested too deeply": (write("tokenizer_config.json", "[" * 100_000 + "]" * 100_000),
+                                                ("its tokenizer_config.json nests its values too deeply",)),
     # (Saved by an editor that writes one: Python's own json.loads takes it in bytes, the libraries do not.)
     "config.json with a UTF-8 byte-order mark": (lambda d: (d / "config.json").write_bytes(
         b"\xef\xbb\xbf" + (d / "config.json").read_bytes()), ("its config.json starts with a UTF-8 byte-order mark",)),
