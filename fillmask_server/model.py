@@ -1003,10 +1003,19 @@ def _spans(counts: list[int]) -> list[tuple[int, int]]:
 
 
 def _position_padding_index(model: Any) -> int:
-    """The ``padding_idx`` of the model's position table (-1: none)."""
+    """The padding index a model with a position table that has one counts its position ids from
+    (RoBERTa's: from the index plus one), or -1: none (position ids from 0).
+
+    The embeddings' own ``padding_idx`` (config.json's pad_token_id, as the model counts with it) where
+    they keep one, not the table's: torch keeps a negative one as its row counted from the end (a
+    ``pad_token_id`` of -1 is row 65 of a 66-row table, from which the position ids would start past the
+    table), while the model counts from -1 + 1 = 0 (the pipeline answered; the server refused every text)."""
     embeddings = getattr(getattr(model, "base_model", None), "embeddings", None)
     padding_idx = getattr(getattr(embeddings, "position_embeddings", None), "padding_idx", None)
-    return padding_idx if isinstance(padding_idx, int) and padding_idx >= 0 else -1
+    if not isinstance(padding_idx, int):
+        return -1
+    counted = getattr(embeddings, "padding_idx", padding_idx)
+    return counted if isinstance(counted, int) and counted >= 0 else -1
 
 
 def _same_bits(got: Any, want: Any) -> bool:

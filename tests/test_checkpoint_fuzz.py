@@ -601,6 +601,7 @@ OTHERS_SERVED: dict[str, tuple[str, Breakage]] = {
     "roberta, pad_token_id 0 (the tokenizer's <s>)": ("roberta", config(pad_token_id=0)),
     "roberta, pad_token_id 5": ("roberta", config(pad_token_id=5)),
     "xlm-roberta, pad_token_id 3": ("xlm-roberta", config(pad_token_id=3)),
+    "roberta, pad_token_id -1 (position ids from 0)": ("roberta", config(pad_token_id=-1)),
     "roberta, model_max_length 1e30": ("roberta", tokenizer_config(model_max_length=1e30)),
     "roberta, tokenizer_config.json missing": ("roberta", remove("tokenizer_config.json")),
     "esm, config mask_token_id not the tokenizer's": ("esm", config(mask_token_id=5)),
