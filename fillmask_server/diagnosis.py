@@ -255,7 +255,8 @@ def _warned_cause(said: Sequence[str]) -> str | None:
                 "it (pip install sentencepiece), or give --model a directory with the tokenizer as tokenizer.json")
     mismatch = _SHAPE_MISMATCH.search(text)
     if mismatch:
-        changed = "a vocab_size" if _VOCABULARY_SIZED.search(mismatch[1]) else "a size in it"
+        rows_differ = mismatch[2].split(",")[0] != mismatch[3].split(",")[0]  # ("[1000, 32]": a row per token)
+        changed = "a vocab_size" if _VOCABULARY_SIZED.search(mismatch[1]) and rows_differ else "a size in it"
         return (f"the checkpoint's {mismatch[1]} has the shape {mismatch[2]}, where its config.json makes it "
                 f"{mismatch[3]}: the weights and config.json do not belong together ({changed} changed?); give "
                 "--model a directory whose config.json was saved with its weights")
@@ -308,20 +309,35 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
         value = config.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
             return f"its config.json's {key} is {value}, where a model needs a whole number above 0; {fix}"
-    if isinstance(exc, KeyError) and exc.args:
-        for key in _ACTIVATIONS:
-            if isinstance(config.get(key), str) and config[key] == exc.args[0]:
-                return (f"its config.json's {key} {config[key]!r} is not an activation function transformers "
-                        f"knows (gelu, relu, silu, ...); {fix}")
+    for key in _ACTIVATIONS:  # (a KeyError of its name; DistilBERT's "function banana not found in ACT2FN")
+        value = config.get(key)
+        if isinstance(value, str) and ((isinstance(exc, KeyError) and exc.args[:1] == (value,))
+                                       or f"function {value} not found" in str(exc)):
+            return (f"its config.json's {key} {value!r} is not an activation function transformers "
+                    f"knows (gelu, relu, silu, ...); {fix}")
+    if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str):  # (a bare KeyError: 'banana')
+        path = _path_of(config, exc.args[0])
+        if path is not None:
+            return f"its config.json's {path} is {exc.args[0]!r}, a name transformers does not know; {fix}"
+    zero = _zero_size(config) if "by zero" in str(exc) else None  # ("integer modulo by zero", "division by zero")
+    if zero is not None:
+        return f"its config.json's {zero} is 0, where a model needs a whole number above 0; {fix}"
     for key in ("dtype", "torch_dtype"):
         value = config.get(key)
         if isinstance(value, str) and value != "auto" and f"'{value}'" in str(exc):
             return f"its config.json's {key} {value!r} is not a torch dtype (float32, float16, bfloat16); {fix}"
     pad, rows = config.get("pad_token_id"), config.get("vocab_size")
+    if type(pad) is int and pad < -1 and re.search(r"index -?\d+ is out of bounds", str(exc)):
+        return (f"its config.json's pad_token_id is {pad}: position ids counted from it fall outside the model's "
+                "position table; make it the id of the tokenizer's pad token, in the config.json of --model's "
+                "directory")
     if "adding_idx" in str(exc) and type(pad) is int and type(rows) is int \
             and not -rows <= pad < rows:  # (torch's "Padding_idx must be within num_embeddings" names neither)
         return (f"its config.json's pad_token_id {pad} is no token of its vocabulary (vocab_size {rows}): make it "
                 "the id of the tokenizer's pad token, in the config.json of --model's directory")
+    for key, needed in _NEEDED_IDS.items():  # ("ne() received ... got (NoneType)", "'bool' object has no attribute")
+        if key in config and config[key] is None and re.search(r"None|'bool' object", str(exc)):
+            return f"its config.json's {key} is null, where the model needs the id of its {needed}; {fix}"
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
@@ -345,6 +361,39 @@ _TEXT_OR_NULL = ("attn_implementation", "_attn_implementation", "dtype", "torch_
 #: How a reader of config.json calls the types in transformers' validation errors.
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false",
                "NoneType": "null", "list": "a list", "dict": "an object", "tuple": "a list"}
+
+
+def _path_of(config: Any, text: str, path: str = "") -> str | None:
+    """Where in ``config`` (config.json's settings, nested) the value ``text`` is, as dotted keys
+    (``rope_parameters.full_attention.rope_type``), or None."""
+    if isinstance(config, dict):
+        for key, value in config.items():
+            found = _path_of(value, text, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    return path if config == text and path else None
+
+
+def _zero_size(config: dict[str, Any]) -> str | None:
+    """The first field of ``config`` that is 0 where a default configuration of its ``model_type`` has a
+    whole number above 0 (a count of heads, groups or layers something is divided by), or None."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    try:
+        defaults = CONFIG_MAPPING[model_type]()
+    except Exception:
+        return None
+    for key, value in config.items():
+        try:
+            default = getattr(defaults, key, None)
+        except Exception:
+            continue
+        if value == 0 and type(value) is int and type(default) is int and default > 0 and not key.startswith("_"):
+            return key
+    return None
 
 
 def _wanted_types(error: str) -> str:
@@ -418,6 +467,10 @@ def _annotation(hint: Any) -> Any:
         return eval(hint, {"__builtins__": {}}, names)  # (the library's own annotation, as typing.get_type_hints does)
     except Exception:
         return None
+
+
+#: The token ids a model may compute with (RoBERTa's position ids, ESM's token dropout), by what they name.
+_NEEDED_IDS = {"pad_token_id": "pad token", "mask_token_id": "mask token"}
 
 
 def _fits(value: Any, annotation: Any) -> tuple[bool, str]:
@@ -707,6 +760,19 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
                 "(incomplete, or written for another model or version of transformers?)")
     return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
             f"Hugging Face Hub (offline, or no such model); {_HINT}")
+
+
+def explain_batch_failure(name: str, failure: str, model_config: Any) -> str:
+    """The one line for a model that loaded and then failed on the start-up batch (``failure``: what it
+    raised, in the library's words): a config.json field to blame where one explains it (a size of 0
+    something was divided by, a pad_token_id whose position ids fall off the table, a field of another
+    type than its configuration takes), else the library's words."""
+    settings = model_config.to_dict()
+    cause = _config_value_cause(settings, RuntimeError(failure)) or mistyped_config_field(settings)
+    if cause is not None:
+        return f"model {name!r} fails on a batch of two short texts with a mask: {cause}"
+    return (f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it cannot serve requests: "
+            "check that its tokenizer and its weights belong together")
 
 
 def _mistyped_config_file(directory: Path, exc: BaseException) -> str | None:

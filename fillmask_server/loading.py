@@ -18,10 +18,10 @@ from .diagnosis import (
     check_libraries,
     check_source,
     device_problem,
+    explain_batch_failure,
     explain_load_failure,
     explain_set_up_failure,
     library_warnings,
-    mistyped_config_field,
     not_numbers,
     unservable,
     unused,
@@ -205,12 +205,8 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         raise ModelLoadError(f"model {name!r} gives scores that are not numbers on a batch of two short texts with "
                              "a mask (its weights hold NaN or infinite values?); it cannot serve requests: use a "
                              "checkpoint whose weights are all numbers")
-    mistyped = mistyped_config_field(model.config.to_dict()) if failure is not None else None
-    if mistyped is not None:  # (Python's words, "'>' not supported between instances of 'str' and 'int'")
-        raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask: {mistyped}")
     if failure is not None:
-        raise ModelLoadError(f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it "
-                             "cannot serve requests: check that its tokenizer and its weights belong together")
+        raise ModelLoadError(explain_batch_failure(name, failure, model.config))
     facts = loaded.engine_facts()
     if announce:
         kernel = ", output projection on oneDNN's packed kernel" if loaded.projection_kernel != "torch" else ""

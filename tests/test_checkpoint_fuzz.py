@@ -647,6 +647,21 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
         "modernbert", tokenizer_config(add_eos_token=False, padding_side="middle"), ('padding_side is "middle"',)),
     "esm, max_position_embeddings 0, bos_token null": (
         "esm", both(tokenizer_config(bos_token=None), config(max_position_embeddings=0)), ("max_position_embeddings",)),
+    # (values whose failure speaks of none of them: "integer modulo by zero", "division by zero", a bare
+    # KeyError 'banana', "index -59 is out of bounds", "ne() received an invalid combination of arguments")
+    "distilbert, n_heads 0": ("distilbert", config(n_heads=0), ("n_heads is 0",)),
+    "albert, num_hidden_groups 0": ("albert", config(num_hidden_groups=0), ("num_hidden_groups is 0",)),
+    "distilbert, activation unknown": ("distilbert", config(activation="banana"), ("activation 'banana'",)),
+    "modernbert, a rope_type unknown": (
+        "modernbert", lambda d: edit_json("config.json", rope_parameters={
+            **json.loads((d / "config.json").read_text())["rope_parameters"],
+            "full_attention": {"rope_type": "banana", "rope_theta": 10000.0}})(d),
+        ("rope_parameters.full_attention.rope_type is 'banana'",)),
+    "roberta, pad_token_id -60": ("roberta", config(pad_token_id=-60), ("pad_token_id is -60", "position table")),
+    "roberta, pad_token_id null": ("roberta", config(pad_token_id=None), ("pad_token_id is null", "pad token")),
+    "esm, mask_token_id null": ("esm", config(mask_token_id=None), ("mask_token_id is null", "mask token")),
+    "electra, embedding_size of another model": ("electra", config(embedding_size=16),
+                                                 ("a size in it changed?",)),
     "modernbert, layer_types a string": ("modernbert", config(layer_types="full_attention"),
                                          ('layer_types is "full_attention"', "a list of texts or null")),
 }
@@ -771,6 +786,19 @@ def test_a_shape_mismatch_outside_the_vocabulary_does_not_blame_vocab_size(case:
     line = refusal(copy_of("bert", tmp_path, BERT_REFUSED[case][0]))
     assert_one_clear_line(line, "where its config.json makes it")
     assert "vocab_size" not in line, line
+
+
+def test_word_embeddings_of_as_many_rows_as_config_json_makes_do_not_blame_vocab_size() -> None:
+    """A word-embedding table has a row a token: one whose rows are as many as config.json makes them, and
+    whose width is not (an ELECTRA ``embedding_size`` changed), is no vocab_size's doing."""
+    from fillmask_server.diagnosis import _warned_cause
+
+    def told(ckpt: str, model: str) -> str:
+        return _warned_cause([f"electra.embeddings.word_embeddings.weight | MISMATCH | Reinit due to size mismatch - "
+                              f"ckpt: torch.Size({ckpt}) vs model: torch.Size({model})"]) or ""
+
+    assert "(a size in it changed?)" in told("[1000, 32]", "[1000, 16]")
+    assert "(a vocab_size changed?)" in told("[1000, 32]", "[500, 32]")
 
 
 @pytest.mark.parametrize("layers", [1, 0])
