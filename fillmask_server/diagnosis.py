@@ -316,7 +316,10 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
             return (f"its config.json's {key} {value!r} is not an activation function transformers "
                     f"knows (gelu, relu, silu, ...); {fix}")
     if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str):  # (a bare KeyError: 'banana')
-        path = _path_of(config, exc.args[0])
+        try:
+            path = _path_of(config, exc.args[0])
+        except RecursionError:
+            path = None
         if path is not None:
             return f"its config.json's {path} is {exc.args[0]!r}, a name transformers does not know; {fix}"
     zero = _zero_size(config) if "by zero" in str(exc) else None  # ("integer modulo by zero", "division by zero")
@@ -327,7 +330,7 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
         if isinstance(value, str) and value != "auto" and f"'{value}'" in str(exc):
             return f"its config.json's {key} {value!r} is not a torch dtype (float32, float16, bfloat16); {fix}"
     pad, rows = config.get("pad_token_id"), config.get("vocab_size")
-    if type(pad) is int and pad < -1 and re.search(r"index -?\d+ is out of bounds", str(exc)):
+    if type(pad) is int and pad < -1 and re.search(r"index -\d+ is out of bounds", str(exc)):
         return (f"its config.json's pad_token_id is {pad}: position ids counted from it fall outside the model's "
                 "position table; make it the id of the tokenizer's pad token, in the config.json of --model's "
                 "directory")
@@ -335,9 +338,11 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
             and not -rows <= pad < rows:  # (torch's "Padding_idx must be within num_embeddings" names neither)
         return (f"its config.json's pad_token_id {pad} is no token of its vocabulary (vocab_size {rows}): make it "
                 "the id of the tokenizer's pad token, in the config.json of --model's directory")
-    for key, needed in _NEEDED_IDS.items():  # ("ne() received ... got (NoneType)", "'bool' object has no attribute")
-        if key in config and config[key] is None and re.search(r"None|'bool' object", str(exc)):
-            return f"its config.json's {key} is null, where the model needs the id of its {needed}; {fix}"
+    positions = config.get("max_position_embeddings")
+    if "adding_idx" in str(exc) and type(pad) is int and type(positions) is int and not -positions <= pad < positions:
+        return (f"its config.json's pad_token_id {pad} is beyond its position table (max_position_embeddings "
+                f"{positions}), which counts position ids from it: make it the id of the tokenizer's pad token, in "
+                "the config.json of --model's directory")
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
@@ -352,6 +357,9 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     for key in _TEXT_OR_NULL:
         if key in config and config[key] is not None and not isinstance(config[key], str):
             return f"its config.json's {key} is {_shown(config[key])}{_kind_note(config[key])}, not text; {fix}"
+    for key, (needed, words) in _NEEDED_IDS.items():
+        if key in config and config[key] is None and re.search(words, str(exc)):
+            return f"its config.json gives no {key}, where the model needs the id of its {needed}; {fix}"
     return None
 
 
@@ -391,7 +399,8 @@ def _zero_size(config: dict[str, Any]) -> str | None:
             default = getattr(defaults, key, None)
         except Exception:
             continue
-        if value == 0 and type(value) is int and type(default) is int and default > 0 and not key.startswith("_"):
+        if value == 0 and type(value) is int and type(default) is int and default > 0 and not key.startswith("_") \
+                and not key.endswith("_id"):  # (a token id of 0 is an id, not a count)
             return key
     return None
 
@@ -469,8 +478,10 @@ def _annotation(hint: Any) -> Any:
         return None
 
 
-#: The token ids a model may compute with (RoBERTa's position ids, ESM's token dropout), by what they name.
-_NEEDED_IDS = {"pad_token_id": "pad token", "mask_token_id": "mask token"}
+#: The token ids a model may compute with, by what they name and the words its failure has without one:
+#: RoBERTa's position ids (``input_ids.ne(padding_idx)``), ESM's token dropout (``input_ids == mask_id``).
+_NEEDED_IDS = {"pad_token_id": ("pad token", r"ne\(\) received an invalid combination.*NoneType"),
+               "mask_token_id": ("mask token", r"'bool' object has no attribute")}
 
 
 def _fits(value: Any, annotation: Any) -> tuple[bool, str]:
@@ -749,7 +760,7 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
             return f"cannot load model from directory {name!r}: {unreadable}"
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
-        cause = (_warned_cause(said) or _config_cause(path, exc) or _damaged_file(path, exc)
+        cause = (_warned_cause(said) or _too_deep(path, exc) or _config_cause(path, exc) or _damaged_file(path, exc)
                  or _misshapen_file(path, exc) or _unread_tokenizer_part(path, exc) or _mistyped_config_file(path, exc))
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
@@ -773,6 +784,29 @@ def explain_batch_failure(name: str, failure: str, model_config: Any) -> str:
         return f"model {name!r} fails on a batch of two short texts with a mask: {cause}"
     return (f"model {name!r} fails on a batch of two short texts with a mask ({failure}); it cannot serve requests: "
             "check that its tokenizer and its weights belong together")
+
+
+def _too_deep(directory: Path, exc: BaseException) -> str | None:
+    """For a ``RecursionError`` (the libraries walk a JSON file's values recursively): the JSON file of
+    ``directory`` that nests its values deepest, if deeper than any checkpoint's, named; else None."""
+    if not isinstance(exc, RecursionError):
+        return None
+    depths = {}
+    for name in ("config.json", *_JSON_FILES):
+        path = directory / name
+        try:
+            text = path.read_text(errors="replace") if path.is_file() else ""
+        except OSError:
+            continue
+        depth = deepest = 0
+        for bracket in re.sub(r"[^\[\]{}]", "", text):  # (inside strings too: a bound, not a parse)
+            depth += 1 if bracket in "[{" else -1
+            deepest = max(deepest, depth)
+        depths[name] = deepest
+    worst = max(depths, key=depths.__getitem__, default=None)
+    if worst is None or depths[worst] < 100:
+        return None
+    return f"its {worst} nests its values {depths[worst]} levels deep, deeper than the libraries read: {_DAMAGED}"
 
 
 def _mistyped_config_file(directory: Path, exc: BaseException) -> str | None:

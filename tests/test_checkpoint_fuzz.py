@@ -373,9 +373,14 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
         (d / "config.json").read_text().encode("utf-16")), ("config file",)),
     "config.json a directory": (directory_instead("config.json"), ("has no config.json",)),
     "config.json nested too deeply": (write("config.json", "[" * 100_000 + "]" * 100_000),
-                                      ("its config.json nests its values too deeply",)),
+                                      ("its config.json nests its values",)),
     "tokenizer_config.json nested too deeply": (write("tokenizer_config.json", "[" * 100_000 + "]" * 100_000),
-                                                ("its tokenizer_config.json nests its values too deeply",)),
+                                                ("its tokenizer_config.json nests its values",)),
+    # (deep enough for transformers' own recursion over it, not for the JSON parser)
+    "config.json nested 800 deep": (config(deep=json.loads('{"a":' * 800 + "1" + "}" * 800)),
+                                    ("its config.json nests its values 801 levels deep",)),
+    # (a null token id, or one of 0, beside the real breakage: the real one is named)
+    "pad_token_id null beside a null hidden_act": (config(pad_token_id=None, hidden_act=None), ("hidden_act is null",)),
     # (Saved by an editor that writes one: Python's own json.loads takes it in bytes, the libraries do not.)
     "config.json with a UTF-8 byte-order mark": (lambda d: (d / "config.json").write_bytes(
         b"\xef\xbb\xbf" + (d / "config.json").read_bytes()), ("its config.json starts with a UTF-8 byte-order mark",)),
@@ -658,8 +663,12 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
             "full_attention": {"rope_type": "banana", "rope_theta": 10000.0}})(d),
         ("rope_parameters.full_attention.rope_type is 'banana'",)),
     "roberta, pad_token_id -60": ("roberta", config(pad_token_id=-60), ("pad_token_id is -60", "position table")),
-    "roberta, pad_token_id null": ("roberta", config(pad_token_id=None), ("pad_token_id is null", "pad token")),
-    "esm, mask_token_id null": ("esm", config(mask_token_id=None), ("mask_token_id is null", "mask token")),
+    "roberta, pad_token_id null": ("roberta", config(pad_token_id=None), ("gives no pad_token_id", "pad token")),
+    "esm, mask_token_id null": ("esm", config(mask_token_id=None), ("gives no mask_token_id", "mask token")),
+    "albert, num_hidden_groups 0 beside a bos_token_id 0": ("albert", config(num_hidden_groups=0, bos_token_id=0),
+                                                            ("num_hidden_groups is 0",)),
+    "roberta, pad_token_id beyond the position table": ("roberta", config(pad_token_id=70),
+                                                        ("pad_token_id 70 is beyond its position table",)),
     "electra, embedding_size of another model": ("electra", config(embedding_size=16),
                                                  ("a size in it changed?",)),
     "modernbert, layer_types a string": ("modernbert", config(layer_types="full_attention"),
@@ -786,6 +795,16 @@ def test_a_shape_mismatch_outside_the_vocabulary_does_not_blame_vocab_size(case:
     line = refusal(copy_of("bert", tmp_path, BERT_REFUSED[case][0]))
     assert_one_clear_line(line, "where its config.json makes it")
     assert "vocab_size" not in line, line
+
+
+def test_a_division_by_zero_blames_a_count_of_0_not_a_token_id_of_0() -> None:
+    """"division by zero" names no field: the one blamed is 0 where its default is a count above 0, never
+    a token id, for which 0 is an id like any other (fields in the order that blamed bos_token_id)."""
+    from fillmask_server.diagnosis import _config_value_cause
+
+    line = _config_value_cause({"model_type": "albert", "bos_token_id": 0, "num_hidden_groups": 0},
+                               ZeroDivisionError("division by zero"))
+    assert line is not None and "num_hidden_groups is 0" in line, line
 
 
 def test_word_embeddings_of_as_many_rows_as_config_json_makes_do_not_blame_vocab_size() -> None:
