@@ -363,6 +363,9 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     return None
 
 
+#: The errors a library raises in Python's own words, which name no file or field ("'list' object has no
+#: attribute 'items'", "list index out of range").
+PYTHONS_OWN_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError)
 #: config.json's fields that are text or null (transformers' errors for others: "'int' object has no
 #: attribute 'startswith'", "list index out of range").
 _TEXT_OR_NULL = ("attn_implementation", "_attn_implementation", "dtype", "torch_dtype")
@@ -385,24 +388,31 @@ def _path_of(config: Any, text: str, path: str = "") -> str | None:
 def _zero_size(config: dict[str, Any]) -> str | None:
     """The first field of ``config`` that is 0 where a default configuration of its ``model_type`` has a
     whole number above 0 (a count of heads, groups or layers something is divided by), or None."""
-    from transformers import CONFIG_MAPPING
-
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        return None
-    try:
-        defaults = CONFIG_MAPPING[model_type]()
-    except Exception:
+    defaults = _default_config(config.get("model_type"))
+    if defaults is None:
         return None
     for key, value in config.items():
         try:
             default = getattr(defaults, key, None)
-        except Exception:
+        except Exception:  # (a property that fails on the defaults)
             continue
         if value == 0 and type(value) is int and type(default) is int and default > 0 and not key.startswith("_") \
                 and not key.endswith("_id"):  # (a token id of 0 is an id, not a count)
             return key
     return None
+
+
+def _default_config(model_type: Any) -> Any:
+    """A default configuration of ``model_type`` (config.json's), to compare a field with; None for a type
+    transformers does not know, or whose configuration class needs arguments."""
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    try:
+        return CONFIG_MAPPING[model_type]()
+    except Exception:
+        return None
 
 
 def _wanted_types(error: str) -> str:
@@ -437,10 +447,7 @@ def mistyped_config_field(config: dict[str, Any]) -> str | None:
     annotations: dict[str, Any] = {}
     for cls in reversed(CONFIG_MAPPING[model_type].__mro__):
         annotations.update({key: _annotation(hint) for key, hint in getattr(cls, "__annotations__", {}).items()})
-    try:
-        defaults = CONFIG_MAPPING[model_type]()
-    except Exception:  # (a configuration class that needs arguments: nothing to compare with)
-        defaults = None
+    defaults = _default_config(model_type)
     for key, value in config.items():
         if value is None or key.startswith("_"):
             continue
@@ -516,17 +523,7 @@ def _fits(value: Any, annotation: Any) -> tuple[bool, str]:
 
 def _value_kind(value: Any) -> str:
     """``value``'s kind as config.json writes it, with whole numbers apart from other numbers."""
-    if isinstance(value, bool):
-        return "true or false"
-    if isinstance(value, int):
-        return "a whole number"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    return "an object" if isinstance(value, dict) else type(value).__name__
+    return _TYPE_WORDS.get(type(value).__name__, type(value).__name__)
 
 
 def _kind_note(value: Any) -> str:
@@ -812,7 +809,7 @@ def _too_deep(directory: Path, exc: BaseException) -> str | None:
 def _mistyped_config_file(directory: Path, exc: BaseException) -> str | None:
     """``mistyped_config_field`` of ``directory``'s config.json, for an error in Python's own words only
     (after every check that names a file), or None."""
-    if not isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)):
+    if not isinstance(exc, PYTHONS_OWN_ERRORS):
         return None
     try:
         config = json.loads((directory / "config.json").read_bytes())
@@ -833,7 +830,7 @@ def explain_set_up_failure(name: str, exc: BaseException, model_config: Any) -> 
         cause = _nulled_special_token(path)
     settings = model_config.to_dict()
     cause = cause or _config_value_cause(settings, exc)  # (a size of 0: "list assignment index out of range")
-    if cause is None and isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)):
+    if cause is None and isinstance(exc, PYTHONS_OWN_ERRORS):
         cause = mistyped_config_field(settings)
     if cause is not None:
         return f"model {name!r} cannot be set up to serve: {cause}"

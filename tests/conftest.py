@@ -352,17 +352,19 @@ def rewrite_test_modules_ahead(config: pytest.Config, paths: list[Path]) -> int:
         state = config.stash.get(assertstate_key, None)
         if state is None:  # (--assert=plain: nothing is rewritten)
             return 0
-        written = 0
-        for path in paths:
-            cache = get_cache_dir(path)
-            pyc = cache / (path.name[:-3] + PYC_TAIL)
-            if _read_pyc(path, pyc) is not None or not try_makedirs(cache):
-                continue
-            source_hash, code = _rewrite_test(path, config)
-            written += _write_pyc(state, code, source_hash, pyc)
-        return written
-    except (ImportError, TypeError, AttributeError, ValueError, SyntaxError, OSError):
-        return 0  # (a module that does not compile is reported by its own collection)
+    except (ImportError, AttributeError):
+        return 0
+    written = 0
+    for path in paths:
+        cache = get_cache_dir(path)
+        pyc = cache / (path.name[:-3] + PYC_TAIL)
+        try:
+            if _read_pyc(path, pyc) is None and try_makedirs(cache):
+                source_hash, code = _rewrite_test(path, config)
+                written += _write_pyc(state, code, source_hash, pyc)
+        except (TypeError, ValueError, SyntaxError, OSError):
+            continue  # (a module that does not compile is reported by its own collection; the others go on)
+    return written
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
