@@ -89,7 +89,8 @@ def result_bound(model: FillMaskModel, ids: list[int], masks: int, candidates: i
 
 
 #: ``text_too_long``'s word for whose limit ``FillMaskModel.max_tokens`` is (no file or key names: §7).
-LIMIT_SOURCES = {"tokenizer": "its tokenizer's limit", "positions": "the positions it has room for"}
+LIMIT_SOURCES = {"tokenizer": "its tokenizer's limit", "positions": "the positions it has room for",
+                 "declared": "the length it was made for"}
 
 
 def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None, max_masks: int,

@@ -191,10 +191,11 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         raise ModelLoadError(explain_set_up_failure(name, exc, model.config)) from None
     del unquantized
     if shortest > loaded.max_tokens:  # (a checkpoint audit: it started, and refused every request)
-        whose, fix = (("its tokenizer's model_max_length", "raise it in its tokenizer_config.json")
-                      if loaded.max_tokens_source == "tokenizer" else
-                      ("the positions its config.json's max_position_embeddings has room for",
-                       "its weights were made for that many: use another checkpoint"))
+        whose, fix = {"tokenizer": ("its tokenizer's model_max_length", "raise it in its tokenizer_config.json"),
+                      "positions": ("the positions its config.json's max_position_embeddings has room for",
+                                    "its weights were made for that many: use another checkpoint"),
+                      "declared": ("the length its config.json's max_position_embeddings declares",
+                                   "set it to the length the model was made for")}[loaded.max_tokens_source]
         raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens ({whose}), and a text "
                              f"of one mask takes {shortest}: no request could run; {fix}")
     failure = loaded.fails_a_batch()

@@ -1031,11 +1031,14 @@ def _same_bits(got: Any, want: Any) -> bool:
 
 def _max_tokens(tokenizer: Any, model: Any) -> tuple[int, str]:
     """Longest input the model accepts, special tokens included, and whose limit that is: the
-    tokenizer's ``model_max_length`` (``"tokenizer"``) when it has one, and never more than the
-    positions the model has room for (``"positions"``: ``max_position_embeddings``, less the offset of
-    position ids that start after the padding index, as RoBERTa's do: a RoBERTa tokenizer that says 514
-    for a table of 514 takes 512). A longer limit let texts through that the model then failed on. On a
-    tie, the tokenizer's (the file a user would edit)."""
+    tokenizer's ``model_max_length`` (``"tokenizer"``) when it has one, and never more than
+    ``max_position_embeddings``. For a model with a position table that is the positions it has room for
+    (``"positions"``), less the offset of position ids that start after the padding index, as RoBERTa's
+    do: a RoBERTa tokenizer that says 514 for a table of 514 takes 512; a longer limit let texts through
+    that the model then failed on. A model without one (relative positions as DeBERTa-v3's, rotary as
+    ModernBERT's and ESM-2's) would run longer texts, but is held to the length its config.json declares
+    (``"declared"``), as other servers hold it: what it was made for. On a tie, the tokenizer's (the file
+    a user would edit)."""
     limit = getattr(tokenizer, "model_max_length", None)
     positions = getattr(model.config, "max_position_embeddings", 512)
     padding_idx = _position_padding_index(model)
@@ -1043,7 +1046,17 @@ def _max_tokens(tokenizer: Any, model: Any) -> tuple[int, str]:
         positions -= padding_idx + 1
     if isinstance(limit, int) and 0 < limit < 1_000_000 and limit <= positions:
         return limit, "tokenizer"
-    return positions, "positions"
+    return positions, "positions" if _has_position_table(model) else "declared"
+
+
+def _has_position_table(model: Any) -> bool:
+    """Whether ``model`` looks its positions up in a table: an embedding named ``position_embeddings``
+    anywhere in it (BERT's, RoBERTa's, ALBERT's, DistilBERT's, XLM's, ESM-1b's; DeBERTa-v2's where
+    ``position_biased_input``), which a position past its end fails in."""
+    import torch
+
+    return any(isinstance(module, torch.nn.Embedding) and name.rpartition(".")[2] == "position_embeddings"
+               for name, module in model.named_modules())
 
 
 def _token_json_bytes(tokenizer: Any) -> list[int]:

@@ -673,6 +673,10 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
                                                  ("a size in it changed?",)),
     "modernbert, layer_types a string": ("modernbert", config(layer_types="full_attention"),
                                          ('layer_types is "full_attention"', "a list of texts or null")),
+    # (rotary positions, no table: the limit is the length config.json declares, not a table's room)
+    "esm, max_position_embeddings 2 and no tokenizer limit": (
+        "esm", both(config(max_position_embeddings=2), tokenizer_config(model_max_length=...)),
+        ("max_position_embeddings declares", "set it to the length the model was made for")),
 }
 
 

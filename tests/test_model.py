@@ -356,6 +356,63 @@ def test_roberta_style_positions_leave_out_those_before_the_padding_index() -> N
     assert _max_tokens(SimpleNamespace(model_max_length=12), model) == (12, "tokenizer")
 
 
+#: The families whose positions are not looked up in a table (relative, rotary): no position overruns one.
+WITHOUT_A_POSITION_TABLE = {"deberta-v2", "modernbert", "esm"}
+
+
+@pytest.mark.parametrize("family", ["albert", "bert", "deberta-v2", "distilbert", "electra", "esm", "modernbert",
+                                    "roberta", "xlm-roberta"])
+def test_whose_limit_it_is_follows_whether_the_model_has_a_position_table(family: str) -> None:
+    """A model with a table has room for its positions; one without (DeBERTa-v3's relative positions,
+    ModernBERT's and ESM-2's rotary ones) runs a longer text, and is held to the length it declares.
+    The refusal called that "the positions it has room for", which is not so for them."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForMaskedLM
+
+    from fillmask_server.checkpoint import ensure_family
+    from fillmask_server.model import _max_tokens
+
+    directory = ensure_family(family, Path(__file__).resolve().parent.parent / "models" / "families")
+    model = AutoModelForMaskedLM.from_pretrained(directory).eval()
+    limit, source = _max_tokens(SimpleNamespace(model_max_length=int(1e30)), model)
+    assert source == ("declared" if family in WITHOUT_A_POSITION_TABLE else "positions")
+    assert limit <= model.config.max_position_embeddings
+    longer = torch.full((1, model.config.max_position_embeddings + 8), 5)
+    if family in WITHOUT_A_POSITION_TABLE:  # (what makes "the positions it has room for" untrue of it)
+        with torch.no_grad():
+            assert model(input_ids=longer).logits.shape[1] == longer.shape[1]
+    else:
+        with pytest.raises((IndexError, RuntimeError)), torch.no_grad():  # (each family words its own)
+            model(input_ids=longer)
+
+
+def test_a_text_too_long_for_a_model_without_a_position_table_is_told_the_length_it_was_made_for(
+        tmp_path: Path) -> None:
+    """ESM's rotary positions, its tokenizer without a limit of its own, config.json declaring 12."""
+    import json
+    import shutil
+
+    from fillmask_server.checkpoint import ensure_family
+    from fillmask_server.intake import Refusal, check
+    from fillmask_server.protocol import FillMaskRequest
+
+    directory = tmp_path / "esm"
+    shutil.copytree(ensure_family("esm", Path(__file__).resolve().parent.parent / "models" / "families"), directory)
+    for name, key, value in [("config.json", "max_position_embeddings", 12), ("tokenizer_config.json",
+                                                                            "model_max_length", None)]:
+        data = json.loads((directory / name).read_text())
+        data.pop(key) if value is None else data.__setitem__(key, value)
+        (directory / name).write_text(json.dumps(data))
+    fill = load_model(str(directory), announce=False)
+    assert (fill.max_tokens, fill.max_tokens_source) == (12, "declared")
+    text = "<mask> " + "L " * 12
+    refusal = check(fill, FillMaskRequest(1, text, 5), fill.tokenize([text])[0], 8, 1 << 20)
+    assert isinstance(refusal, Refusal) and refusal.code == "text_too_long"
+    assert refusal.message.endswith("is 15 tokens long; this model accepts at most 12 (the length it was made "
+                                    "for); shorten it"), refusal.message
+
+
 #: Four texts of different lengths that ``batching.layout`` packs into rows of 64 tokens.
 RESIDUE_TEXTS = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L", "Q [MASK] S", "E V Q L Q E S G G G L V Q [MASK] G"]
 
