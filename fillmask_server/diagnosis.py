@@ -302,6 +302,29 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
     return _config_value_cause(config, exc)
 
 
+def _broken_rule(config: dict[str, Any], error: str) -> str | None:
+    """What breaks a rule of transformers' configurations between fields, said of config.json (before the
+    fix), or None: a ``layer_types`` list of another length than ``num_hidden_layers`` (an empty one
+    failed as a ``rope_parameters`` transformers had rewritten from it), an entry of it transformers does
+    not know, or another rule in its own words (without its backquotes)."""
+    validation = "alidation error for " in error  # (huggingface_hub's strict dataclasses, field or class)
+    layers, kinds = config.get("num_hidden_layers"), config.get("layer_types")
+    if validation and type(layers) is int and isinstance(kinds, list) and len(kinds) != layers:
+        return (f"its config.json's layer_types has {len(kinds)} entries, where num_hidden_layers is {layers} "
+                "(one for each layer)")
+    unknown = re.search(r"The `(\w+)` entries must be in \((.*?)\) but got (\[.*\])", error)
+    if unknown and isinstance(config.get(unknown.group(1)), list):
+        known = re.findall(r"'([^']*)'", unknown.group(2))
+        stranger = next((kind for kind in config[unknown.group(1)] if kind not in known), None)
+        if stranger is not None:
+            return (f"its config.json's {unknown.group(1)} holds {_shown(stranger)}, not a kind of layer transformers "
+                    f"knows (such as {' or '.join(map(repr, known[:2]))})")
+    rule = re.search(r"Class validation error for validator '\w+':\s*\w+: (.+)", error)
+    if rule:  # ("`num_hidden_layers` (3) must be equal to the number of `layer_types` (2)")
+        return f"its config.json's settings do not agree: {rule.group(1).strip().replace('`', '').rstrip('.')[:160]}"
+    return None
+
+
 def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | None:
     """The field of ``config`` whose value explains ``exc`` (see ``_config_cause``), or None."""
     fix = "correct it in the config.json of --model's directory (as saved with its weights)"
@@ -346,6 +369,9 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
+    broken = _broken_rule(config, str(exc))
+    if broken is not None:
+        return f"{broken}; {fix}"
     refused = re.search(r"Validation error for field '(\w+)'", str(exc))
     if refused:
         key = refused.group(1)
@@ -878,6 +904,36 @@ def _hub_reachable() -> bool:
     return True
 
 
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def _missing_weights_cause(model: Any, missing: list[str]) -> str:
+    """What in config.json most likely asks for the ``missing`` weights, said as a fact or a question:
+
+    - every weight of the last entries of one numbered list of layers, and nothing else (of
+      ``bert.encoder.layer``, entries 2 on): the count config.json gives (its field of that value whose
+      last word is the list's, as ``num_hidden_layers`` for ``layer``, ``num_hidden_groups`` for
+      ``albert_layer_groups``) and the checkpoint's;
+    - else, half or more of the model's weights: another model's weights, or another ``model_type``;
+    - else a setting that adds weights (DeBERTa's ``share_att_key``, ESM's ``emb_layer_norm_before``)."""
+    weights = [name for name, _ in model.named_parameters() if name.endswith(".weight")]
+    numbered = [match for match in map(_NUMBERED.match, missing) if match]
+    if len(numbered) == len(missing) and len({match[1] for match in numbered}) == 1:
+        layers = numbered[0][1]
+        entries = [int(match[2]) for match in map(_NUMBERED.match, weights) if match and match[1] == layers]
+        lost = {int(match[2]) for match in numbered}
+        count, held = len(set(entries)), len(set(entries) - lost)
+        if lost == set(range(held, count)) and sum(entry in lost for entry in entries) == len(missing):
+            word = layers.rpartition(".")[2].rpartition("_")[2].rstrip("s")
+            fields = [key for key, value in model.config.to_dict().items()
+                      if type(value) is int and value == count and key.rpartition("_")[2].rstrip("s") == word]
+            asks = f"its {fields[0]} is {count}" if len(fields) == 1 else f"it asks for {count} of {layers}"
+            return f"{asks}, and the checkpoint holds {held}"
+    if 2 * len(missing) >= len(weights):
+        return "its model_type changed, or the weights are another model's?"
+    return "a setting in it that adds weights changed?"
+
+
 def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
     """Why a loaded checkpoint cannot be served (the end of a one-line ``ModelLoadError``), or None.
 
@@ -897,7 +953,7 @@ def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
             return (f"{named} in its checkpoint (an encoder saved without its masked-language-model head?): they "
                     "would be random, and so would its predictions; use a checkpoint saved with its fill-mask head")
         return (f"{named} in its checkpoint: they would be random, and so would its predictions; its config.json "
-                "asks for weights the checkpoint does not hold (a model_type or num_hidden_layers changed?): give "
+                f"asks for weights the checkpoint does not hold ({_missing_weights_cause(model, weights)}): give "
                 "--model a directory whose config.json was saved with its weights")
     if missing:
         log.warning("the checkpoint has no %s (and %d more); they start at the library's initial values",

@@ -71,7 +71,10 @@ INTERNALS = ("Traceback", "site-packages", '.py"', ".py:",
              # Python's own words for a value of the wrong type, which name no file or field
              "object has no attribute", "object cannot be interpreted", "is not an instance of", "object is not",
              "not supported between instances", "invalid literal for", "unhashable type", "NoneType",
-             "index out of range", "<class '")
+             "index out of range", "<class '",
+             # huggingface_hub's strict dataclasses' wording ("Class validation error for validator 'x':
+             # ValueError: ...")
+             "alidation error for", "Error: ")
 START_TIMEOUT_S = 90
 
 #: A way to break a checkpoint directory in place (what it returns is ignored).
@@ -390,7 +393,8 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "vocab_size negative": (config(vocab_size=-1), ("-1",)),
     "hidden_size of another model": (config(hidden_size=64), ("where its config.json makes it",)),
     "num_attention_heads not dividing hidden_size": (config(num_attention_heads=3), ("not a multiple",)),
-    "num_hidden_layers more than the weights'": (config(num_hidden_layers=3), ("bert.encoder.layer.2",)),
+    "num_hidden_layers more than the weights'": (config(num_hidden_layers=3), (
+        "bert.encoder.layer.2", "(its num_hidden_layers is 3, and the checkpoint holds 2)")),
     "max_position_embeddings 0": (config(max_position_embeddings=0), ("position_embeddings", "[0, 32]")),
     "max_position_embeddings huge": (config(max_position_embeddings=10**12), ("position_embeddings",)),
     "max_position_embeddings smaller": (config(max_position_embeddings=8), ("position_embeddings", "[8, 32]")),
@@ -673,6 +677,23 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
                                                  ("a size in it changed?",)),
     "modernbert, layer_types a string": ("modernbert", config(layer_types="full_attention"),
                                          ('layer_types is "full_attention"', "a list of texts or null")),
+    # (weights config.json asks for and the checkpoint lacks, after a count or a flag changed: the guess
+    # was "(a model_type or num_hidden_layers changed?)" for each)
+    "distilbert, n_layers more than the weights'": ("distilbert", config(n_layers=3),
+                                                    ("(its n_layers is 3, and the checkpoint holds 2)",)),
+    "albert, num_hidden_groups 2 of 1": ("albert", config(num_hidden_groups=2),
+                                         ("(its num_hidden_groups is 2, and the checkpoint holds 1)",)),
+    "deberta-v2, share_att_key false": ("deberta-v2", config(share_att_key=False),
+                                        ("pos_key_proj", "(a setting in it that adds weights changed?)")),
+    "roberta, model_type bert": ("roberta", config(model_type="bert"),
+                                 ("(its model_type changed, or the weights are another model's?)",)),
+    # (rules between fields, in transformers' words with its backquotes, or blamed on another field)
+    "modernbert, num_hidden_layers more than layer_types": (
+        "modernbert", config(num_hidden_layers=3), ("layer_types has 2 entries, where num_hidden_layers is 3",)),
+    "modernbert, layer_types empty": ("modernbert", config(layer_types=[]),
+                                      ("layer_types has 0 entries, where num_hidden_layers is 2",)),
+    "modernbert, a layer type unknown": ("modernbert", config(layer_types=["full_attention", "banana"]),
+                                         ('layer_types holds "banana", not a kind of layer',)),
     # (rotary positions, no table: the limit is the length config.json declares, not a table's room)
     "esm, max_position_embeddings 2 and no tokenizer limit": (
         "esm", both(config(max_position_embeddings=2), tokenizer_config(model_max_length=...)),
