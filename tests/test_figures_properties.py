@@ -69,18 +69,18 @@ from typing import Any
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
 from fillmask_server.server import FillMaskServer
 from fillmask_server.stats import MAX_BATCHES_PER_FRAME
+from tests.wire import open_reader
 
 BASE_SEED = int(os.environ.get("FIGURES_SEED", "1306"))
 EXAMPLES = int(os.environ.get("FIGURES_EXAMPLES", "1"))  # (more by hand: the suite's time)
 STEPS = 50
 MAX_CLIENTS = 4
 WAIT_S = 10.0  # every wait is bounded by this (a safety net: a passing run never comes near it)
-SLOW_RCVBUF = 2048
 MAX_SENT_WHILE_PAUSED = 12  # a paused client sends no more than its buffers surely hold
 INTERVALS = (250, 300, 400, 500)
 PACE_S = (0, 0.01, 0.03, 0.06, 0.12)  # between two steps: a program lasts a few seconds, many intervals
@@ -297,16 +297,7 @@ class Run:
         return mark.batches, mark.results
 
     async def open(self, slow: bool) -> Client:
-        if slow:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", self.srv.port))
-            ws = await connect(self.srv.url, sock=sock, max_queue=1, max_size=None, close_timeout=1)
-        else:
-            ws = await connect(self.srv.url, max_size=None, close_timeout=1)
-        hello = orjson.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
-        assert hello["type"] == "hello"
+        ws, _ = await open_reader(self.srv.url, self.srv.port, slow, WAIT_S)
         client = Client(f"c{len(self.clients)}{'s' if slow else ''}", ws, slow)
         client.reading.set()
         client.reader = asyncio.create_task(client.read())

@@ -71,18 +71,17 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
 from fillmask_server.server import FillMaskServer
 from tests.contract import WireMonitor
-from tests.wire import answers_counted
+from tests.wire import answers_counted, open_reader
 
 MAX_STEPS = 40
 MAX_CLIENTS = 4
 WAIT_S = 10.0  # every wait of the test is bounded by this (a passing run never comes near it)
 FRAME_LIMIT = 4096  # --max-frame-bytes of both servers: an oversize frame costs little to send
-SLOW_RCVBUF = 2048  # a slow client's receive buffer (set before connecting: the window stays small)
 MAX_SENT_WHILE_PAUSED = 24  # frames a paused client sends at most: never enough to fill every buffer
 
 TEXTS = [
@@ -488,16 +487,7 @@ class Run:
         return [n, -n, f"r{n}", 2**53 - 1 - n, f"ü-{n}-🗼", -(2**53 - 1) + n, longest][style % 7]
 
     async def open(self, slow: bool) -> Client:
-        if slow:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)
-            sock.setblocking(False)
-            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", self.srv.port))
-            ws = await connect(self.srv.url, sock=sock, max_queue=1, max_size=None, close_timeout=1)
-        else:
-            ws = await connect(self.srv.url, max_size=None, close_timeout=1)
-        hello = orjson.loads(await asyncio.wait_for(ws.recv(), WAIT_S))
-        assert hello["type"] == "hello"
+        ws, hello = await open_reader(self.srv.url, self.srv.port, slow, WAIT_S)
         client = Client(f"c{len(self.clients)}{'s' if slow else ''}", ws, hello, slow)
         client.reading.set()
         client.reader = asyncio.create_task(client.read())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import os
 import re
 import shlex
@@ -80,8 +81,10 @@ def _find_chromium() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-async def browser() -> AsyncIterator[Any]:
+@contextlib.asynccontextmanager
+async def chromium_launched() -> AsyncIterator[Any]:
+    """Chromium through Playwright, closed on the way out; a skip (a failure in CI) where either is
+    missing. A launch failure with the browser present is a real failure, not a skip."""
     try:
         from playwright.async_api import async_playwright
     except ImportError:
@@ -90,10 +93,18 @@ async def browser() -> AsyncIterator[Any]:
     if executable is None:
         _unavailable("no Chromium found (looked for FILLMASK_CHROMIUM, /usr/bin/chromium, chromium)")
     async with async_playwright() as playwright:
-        # A launch failure with the browser present is a real failure, not a skip.
         chromium = await playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
+        try:
+            yield chromium
+        finally:
+            await chromium.close()
+
+
+@pytest.fixture(scope="module")
+async def browser() -> AsyncIterator[Any]:
+    """One Chromium for the module."""
+    async with chromium_launched() as chromium:
         yield chromium
-        await chromium.close()
 
 
 class Page:

@@ -61,7 +61,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_web_demo import CHROMIUM_FLAGS, DESKTOP, PHONE, _find_chromium, _unavailable
+from tests.test_web_demo import DESKTOP, PHONE, chromium_launched
 
 MASK = "[MASK]"
 
@@ -231,19 +231,8 @@ SNAPSHOT_JS = r"""
 @pytest.fixture(scope="module")
 async def browser() -> AsyncIterator[Any]:
     """One Chromium for the module; each session gets a context of its own."""
-    try:
-        from playwright.async_api import async_playwright
-    except ImportError:
-        _unavailable("the playwright Python package is not installed")
-    executable = _find_chromium()
-    if executable is None:
-        _unavailable("no Chromium found (looked for FILLMASK_CHROMIUM, /usr/bin/chromium, chromium)")
-    async with async_playwright() as playwright:
-        chromium = await playwright.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
-        try:
-            yield chromium
-        finally:
-            await chromium.close()
+    async with chromium_launched() as chromium:
+        yield chromium
 
 
 class ServerSlot:

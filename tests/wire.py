@@ -27,6 +27,28 @@ async def session(url: str) -> AsyncIterator[tuple[ClientConnection, dict[str, A
         yield ws, hello
 
 
+#: A slow reader's receive buffer, set before it connects (so that the window stays small).
+SLOW_RCVBUF = 2048
+
+
+async def open_reader(url: str, port: int, slow: bool, timeout: float = 30.0) -> tuple[ClientConnection,
+                                                                                      dict[str, Any]]:
+    """A connection to the server at ``url`` (on loopback ``port``) and its hello: a slow one with a
+    receive buffer of ``SLOW_RCVBUF`` and websockets' queue of one message, so that an answer it does
+    not read soon fills the server's send buffer; the caller closes it."""
+    if slow:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SLOW_RCVBUF)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        ws = await connect(url, sock=sock, max_queue=1, max_size=None, close_timeout=1)
+    else:
+        ws = await connect(url, max_size=None, close_timeout=1)
+    hello = orjson.loads(await asyncio.wait_for(ws.recv(), timeout))
+    assert hello["type"] == "hello", hello
+    return ws, hello
+
+
 async def send(ws: ClientConnection, frame: dict[str, Any]) -> None:
     await ws.send(orjson.dumps(frame).decode())
 
