@@ -237,7 +237,7 @@ def library_warnings() -> Iterator[list[str]]:
             handler.removeFilter(others)
 
 
-_SHAPE_MISMATCH = re.compile(r"^(\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
+_SHAPE_MISMATCH = re.compile(r"^(\S[^|\n]*?)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*"
                              r"model:\s*torch\.Size\((\[[^\]]*\])\)", re.MULTILINE)
 
 
@@ -369,6 +369,10 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
+    heads = re.search(r"hidden size \((\d+)\) is not a multiple of the number of attention heads \((\d+)\)", str(exc))
+    if heads and [str(config.get(key)) for key in ("hidden_size", "num_attention_heads")] == list(heads.groups()):
+        return (f"its config.json's hidden_size {heads[1]} is not a multiple of its num_attention_heads {heads[2]} "
+                f"(each head takes an equal share); {fix}")
     broken = _broken_rule(config, str(exc))
     if broken is not None:
         return f"{broken}; {fix}"

@@ -694,6 +694,13 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
                                       ("layer_types has 0 entries, where num_hidden_layers is 2",)),
     "modernbert, a layer type unknown": ("modernbert", config(layer_types=["full_attention", "banana"]),
                                          ('layer_types holds "banana", not a kind of layer',)),
+    # (heads that do not divide the hidden size: transformers' sentence, or for ELECTRA, which builds
+    # the layers anyway, a report whose keys hold spaces ("layer.{0, 1}"), once blamed on a
+    # "ignore_mismatched_sizes" and "the above report")
+    "roberta, num_attention_heads 3": ("roberta", config(num_attention_heads=3),
+                                       ("hidden_size 32 is not a multiple of its num_attention_heads 3",)),
+    "electra, num_attention_heads 3": ("electra", config(num_attention_heads=3),
+                                       ("where its config.json makes it [63", "a size in it changed?")),
     # (rotary positions, no table: the limit is the length config.json declares, not a table's room)
     "esm, max_position_embeddings 2 and no tokenizer limit": (
         "esm", both(config(max_position_embeddings=2), tokenizer_config(model_max_length=...)),
