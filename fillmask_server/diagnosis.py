@@ -302,6 +302,25 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
     return _config_value_cause(config, exc)
 
 
+def _heads_cause(config: dict[str, Any], error: str) -> str | None:
+    """config.json's width and head count, where ``error`` is that the heads do not divide the width
+    (transformers' "The hidden size (33) is not a multiple of the number of attention heads (2)", or
+    DistilBERT's "config.n_heads 2 must divide config.dim 33 evenly"), or that a head has no width at all
+    (more heads than the width: "0.0 cannot be raised to a negative power"); None otherwise."""
+    said = re.search(r"hidden size \((\d+)\) is not a multiple of the number of attention heads \((\d+)\)", error)
+    named = re.search(r"config\.(\w+) (\d+) must divide config\.(\w+) (\d+) evenly", error)
+    width, heads = (("hidden_size", said[1]), ("num_attention_heads", said[2])) if said else \
+        ((named[3], named[4]), (named[1], named[2])) if named else (("", ""), ("", ""))
+    if width[0] and str(config.get(width[0])) == width[1] and str(config.get(heads[0])) == heads[1]:
+        return (f"its config.json's {width[0]} {width[1]} is not a multiple of its {heads[0]} {heads[1]} (each head "
+                "takes an equal share)")
+    wide, many = config.get("hidden_size"), config.get("num_attention_heads")
+    if "negative power" in error and type(wide) is int and type(many) is int and 0 < wide < many:
+        return (f"its config.json's hidden_size {wide} is less than its num_attention_heads {many}, which leaves each "
+                "head no width")
+    return None
+
+
 def _broken_rule(config: dict[str, Any], error: str) -> str | None:
     """What breaks a rule of transformers' configurations between fields, said of config.json (before the
     fix), or None: a ``layer_types`` list of another length than ``num_hidden_layers`` (an empty one
@@ -369,10 +388,9 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
-    heads = re.search(r"hidden size \((\d+)\) is not a multiple of the number of attention heads \((\d+)\)", str(exc))
-    if heads and [str(config.get(key)) for key in ("hidden_size", "num_attention_heads")] == list(heads.groups()):
-        return (f"its config.json's hidden_size {heads[1]} is not a multiple of its num_attention_heads {heads[2]} "
-                f"(each head takes an equal share); {fix}")
+    heads = _heads_cause(config, str(exc))
+    if heads is not None:
+        return f"{heads}; {fix}"
     broken = _broken_rule(config, str(exc))
     if broken is not None:
         return f"{broken}; {fix}"

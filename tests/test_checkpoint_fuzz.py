@@ -701,6 +701,9 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
                                        ("hidden_size 32 is not a multiple of its num_attention_heads 3",)),
     "electra, num_attention_heads 3": ("electra", config(num_attention_heads=3),
                                        ("where its config.json makes it [63", "a size in it changed?")),
+    "distilbert, n_heads 3": ("distilbert", config(n_heads=3), ("dim 32 is not a multiple of its n_heads 3",)),
+    "electra, hidden_size 1 of 2 heads": ("electra", config(hidden_size=1),
+                                          ("hidden_size 1 is less than its num_attention_heads 2",)),
     # (rotary positions, no table: the limit is the length config.json declares, not a table's room)
     "esm, max_position_embeddings 2 and no tokenizer limit": (
         "esm", both(config(max_position_embeddings=2), tokenizer_config(model_max_length=...)),
