@@ -388,6 +388,12 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
     if config.get("add_cross_attention") is True and "cross attention" in str(exc):
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
+    dropout = re.search(r"dropout probability has to be between 0 and 1, but got (\S+)", str(exc))
+    got = dropout[1] if dropout else None
+    named = [key for key, value in config.items() if got and type(value) in (int, float)
+             and repr(float(value)) == got and ("drop" in key or "prob" in key)]
+    if named:  # (torch's words name no field; several fields of one value: the first)
+        return f"its config.json's {named[0]} is {got}, where a dropout probability is between 0 and 1; {fix}"
     heads = _heads_cause(config, str(exc))
     if heads is not None:
         return f"{heads}; {fix}"
@@ -816,6 +822,17 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
                 "(incomplete, or written for another model or version of transformers?)")
     return (f"cannot load model {name!r}: it is not a local directory and could not be fetched from the "
             f"Hugging Face Hub (offline, or no such model); {_HINT}")
+
+
+def unnormalised(model_config: Any) -> str | None:
+    """config.json's epsilon of a layer norm (``layer_norm_eps``, ModernBERT's ``norm_eps``, ...) that is
+    0 or less, named, or None: a norm divides by the root of its variance plus it, which is not a
+    number where the sum is 0 or less (scores that are not numbers, blamed on the weights)."""
+    for key, value in model_config.to_dict().items():
+        if key.endswith("eps") and type(value) in (int, float) and value <= 0:
+            return (f"its config.json's {key} is {value}, where a layer norm takes a small number above 0 (such as "
+                    "1e-12) to add to the variance it divides by")
+    return None
 
 
 def explain_batch_failure(name: str, failure: str, model_config: Any) -> str:

@@ -23,6 +23,7 @@ from .diagnosis import (
     explain_set_up_failure,
     library_warnings,
     not_numbers,
+    unnormalised,
     unservable,
     unused,
 )
@@ -199,6 +200,10 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
         raise ModelLoadError(f"model {name!r} accepts at most {loaded.max_tokens} tokens ({whose}), and a text "
                              f"of one mask takes {shortest}: no request could run; {fix}")
     failure = loaded.fails_a_batch()
+    unsteady = unnormalised(model.config) if failure == NOT_NUMBERS else None
+    if unsteady is not None:  # (a trial: it blamed the weights)
+        raise ModelLoadError(f"model {name!r} gives scores that are not numbers on a batch of two short texts with "
+                             f"a mask: {unsteady}; correct it in the config.json of --model's directory")
     if failure == NOT_NUMBERS and dtype in ("float16", "bfloat16"):  # (an audit: it blamed weights and tokenizer)
         raise ModelLoadError(f"model {name!r} gives scores that are not numbers in {dtype} (its activations "
                              "overflow, or its weights hold NaN); use --dtype float32, or bfloat16 for float16")

@@ -704,6 +704,15 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
     "distilbert, n_heads 3": ("distilbert", config(n_heads=3), ("dim 32 is not a multiple of its n_heads 3",)),
     "electra, hidden_size 1 of 2 heads": ("electra", config(hidden_size=1),
                                           ("hidden_size 1 is less than its num_attention_heads 2",)),
+    # (a dropout out of range, in torch's words that name no field; a layer norm's epsilon of 0 or less,
+    # whose scores that are not numbers were blamed on the weights)
+    "modernbert, mlp_dropout 1.5": ("modernbert", config(mlp_dropout=1.5),
+                                    ("mlp_dropout is 1.5, where a dropout probability is between 0 and 1",)),
+    "bert, attention_probs_dropout_prob -1": ("bert", config(attention_probs_dropout_prob=-1.0),
+                                              ("attention_probs_dropout_prob is -1.0",)),
+    "deberta-v2, layer_norm_eps 0": ("deberta-v2", config(layer_norm_eps=0.0),
+                                     ("layer_norm_eps is 0.0, where a layer norm takes a small number above 0",)),
+    "modernbert, norm_eps -1": ("modernbert", config(norm_eps=-1.0), ("norm_eps is -1.0",)),
     # (rotary positions, no table: the limit is the length config.json declares, not a table's room)
     "esm, max_position_embeddings 2 and no tokenizer limit": (
         "esm", both(config(max_position_embeddings=2), tokenizer_config(model_max_length=...)),
