@@ -943,6 +943,15 @@ def _hub_reachable() -> bool:
     return True
 
 
+def _output_weight(model: Any) -> str | None:
+    """The name of the weight of ``model``'s output layer (the one tied to the word embeddings), or None."""
+    try:
+        output = model.get_output_embeddings()
+    except (NotImplementedError, AttributeError):
+        return None
+    return next((f"{name}.weight" for name, module in model.named_modules() if module is output and name), None)
+
+
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
 
 
@@ -973,12 +982,16 @@ def _missing_weights_cause(model: Any, missing: list[str]) -> str:
     return "a setting in it that adds weights changed?"
 
 
-def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
+def unservable(tokenizer: Any, model: Any, missing: list[str], unexpected: Sequence[str] = ()) -> str | None:
     """Why a loaded checkpoint cannot be served (the end of a one-line ``ModelLoadError``), or None.
 
     - Weights of the model missing from the checkpoint (an encoder saved without its MLM head): the
       library fills them with random values, and predictions would be noise that changes with every
-      start. Missing biases alone are only logged (some checkpoints leave a tied bias out).
+      start. Missing biases alone are only logged (some checkpoints leave a tied bias out). Of the
+      head's weights: the output layer alone, where config.json's ``tie_word_embeddings`` is false (a
+      checkpoint saved tied holds it once, as the word embeddings); weights the checkpoint holds
+      (``unexpected``) outside the encoder, a head of another kind than config.json builds (a setting
+      that picks it changed: DeBERTa's ``legacy``); else no head at all.
     - The mask or padding token's id beyond the model's token embeddings (a tokenizer given a new
       special token, the model not resized): every request, or every padded batch, would fail.
     - A tokenizer of special tokens only (transformers 5 makes one when the directory has no tokenizer
@@ -989,6 +1002,18 @@ def unservable(tokenizer: Any, model: Any, missing: list[str]) -> str | None:
         named = f"has no weights for {weights[0]}" + (f" and {len(weights) - 1} more" if len(weights) > 1 else "")
         encoder = getattr(model, "base_model_prefix", "")
         if not encoder or not any(key.startswith(f"{encoder}.") for key in weights):  # the head's alone
+            if weights == [_output_weight(model)] and getattr(model.config, "tie_word_embeddings", None) is False:
+                return (f"{named} in its checkpoint: its config.json's tie_word_embeddings is false, so the model "
+                        "wants an output layer of its own, which the checkpoint does not hold (saved tied to its word "
+                        "embeddings?): set tie_word_embeddings to true in its config.json, or give --model a "
+                        "directory whose config.json was saved with its weights")
+            other = [key for key in unexpected if key.endswith(".weight") and encoder
+                     and not key.startswith(f"{encoder}.")]
+            if other:
+                held = other[0] + (f" and {len(other) - 1} more" if len(other) > 1 else "")
+                return (f"{named} in its checkpoint, which holds other head weights ({held}): config.json builds "
+                        "another kind of head than the one saved (a setting that picks it changed?); give --model a "
+                        "directory whose config.json was saved with its weights")
             return (f"{named} in its checkpoint (an encoder saved without its masked-language-model head?): they "
                     "would be random, and so would its predictions; use a checkpoint saved with its fill-mask head")
         return (f"{named} in its checkpoint: they would be random, and so would its predictions; its config.json "

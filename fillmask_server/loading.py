@@ -164,7 +164,8 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))):
         raise ModelLoadError(f"model {name!r} has a tokenizer whose model_max_length is {limit!r}, not a number: write "
                              "it as a number in its tokenizer_config.json, or leave it out")
-    problem = unservable(tokenizer, model, sorted(loading.get("missing_keys") or ()))
+    problem = unservable(tokenizer, model, sorted(loading.get("missing_keys") or ()),
+                         sorted(loading.get("unexpected_keys") or ()))
     if problem is not None:
         raise ModelLoadError(f"model {name!r} {problem}")
     problem = not_numbers(model, dtype)

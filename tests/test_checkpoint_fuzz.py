@@ -713,6 +713,12 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
     "deberta-v2, layer_norm_eps 0": ("deberta-v2", config(layer_norm_eps=0.0),
                                      ("layer_norm_eps is 0.0, where a layer norm takes a small number above 0",)),
     "modernbert, norm_eps -1": ("modernbert", config(norm_eps=-1.0), ("norm_eps is -1.0",)),
+    # (the head's weights missing after a setting changed, each blamed on "an encoder saved without its
+    # masked-language-model head?")
+    "roberta, tie_word_embeddings false": ("roberta", config(tie_word_embeddings=False),
+                                           ("tie_word_embeddings is false", "set tie_word_embeddings to true")),
+    "deberta-v2, legacy false": ("deberta-v2", config(legacy=False),
+                                 ("holds other head weights (cls.predictions.", "another kind of head")),
     # (rotary positions, no table: the limit is the length config.json declares, not a table's room)
     "esm, max_position_embeddings 2 and no tokenizer limit": (
         "esm", both(config(max_position_embeddings=2), tokenizer_config(model_max_length=...)),
