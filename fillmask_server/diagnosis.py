@@ -1070,16 +1070,31 @@ def not_numbers(model: Any, dtype: str) -> str | None:
 _LAYER_WEIGHT = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 
 
-def unused(unexpected: list[str]) -> None:
-    """Log the layers of weights the checkpoint holds and config.json leaves out (its ``num_hidden_layers``
-    lowered: the model served is smaller than the one saved, as the pipeline's is). Other weights left
-    unused are the norm (a pre-training head, a pooler) and are not logged."""
-    layers = {key[:found.end(1)]: int(found[1]) for key in unexpected if (found := _LAYER_WEIGHT.search(key))}
+def unused(model: Any, unexpected: list[str]) -> None:
+    """Log the weights the checkpoint holds and config.json leaves out of the model, where the model
+    served is then another than the one saved (as the pipeline's is): whole layers beyond the model's
+    (its ``num_hidden_layers`` lowered: a smaller model), and other weights of the encoder (a setting
+    that used them changed: DeBERTa's ``relative_attention``, ``share_att_key``). Weights outside the
+    encoder (a pre-training head) and its pooler are left unused by the norm, and not logged."""
+    names = [name for name, _ in model.named_parameters()]
+    layers: dict[str, int] = {}
+    inside: list[str] = []
+    encoder = getattr(model, "base_model_prefix", "")
+    for key in unexpected:
+        found = _LAYER_WEIGHT.search(key)
+        if found and not any(name.startswith(key[:found.end(0)]) for name in names):
+            layers[key[:found.end(1)]] = int(found[1])
+        elif encoder and key.startswith(f"{encoder}.") and ".pooler." not in key:
+            inside.append(key)
     if layers:
         named = sorted(layers, key=layers.__getitem__)
         which = named[0] if len(named) == 1 else f"{named[0]} to {named[-1]}"
         log.warning("the checkpoint holds weights of %d layer(s) that its config.json leaves out (%s): the model "
                     "served has fewer layers than the one saved (a num_hidden_layers lowered?)", len(named), which)
+    if inside:
+        log.warning("the checkpoint holds weights that its config.json leaves unused (%s%s): the model served is not "
+                    "the one saved (a setting that uses them changed?)", inside[0],
+                    f" and {len(inside) - 1} more" if len(inside) > 1 else "")
 
 
 def embedding_rows(model: Any) -> int | None:

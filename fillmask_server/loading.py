@@ -171,7 +171,7 @@ def _load_model(name: str, device: str, dtype: str, threads: int, forward: str,
     problem = not_numbers(model, dtype)
     if problem is not None:
         raise ModelLoadError(f"model {name!r} {problem}")
-    unused(sorted(loading.get("unexpected_keys") or ()))
+    unused(model, sorted(loading.get("unexpected_keys") or ()))
     if getattr(model.config, "return_dict", True) is False:  # (tuples: the model is asked for its outputs by name)
         model.config.return_dict = True
     if getattr(model.config, "is_decoder", False):

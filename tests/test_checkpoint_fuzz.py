@@ -884,6 +884,26 @@ def test_weights_a_config_leaves_unused_are_warned_about(layers: int, tmp_path: 
                if record.levelname == "WARNING"), caplog.text
 
 
+def test_encoder_weights_a_changed_setting_leaves_unused_are_warned_about_and_no_fewer_layers_blamed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """DeBERTa's ``relative_attention`` turned off: transformers drops the relative position embeddings
+    and their norm without a word, and the model served is another than the one saved. A weight left
+    unused inside a layer the model has is no layer left out (the warning said "a num_hidden_layers
+    lowered?" of any weight with a layer number)."""
+    caplog.set_level("WARNING")
+    query = "deberta.encoder.layer.0.attention.self.query_proj.weight"
+    saved_apart = tensors(lambda weights: weights.__setitem__(  # (as a checkpoint saved with share_att_key false)
+        "deberta.encoder.layer.0.attention.self.pos_key_proj.weight", weights[query].clone()))
+    load_model(str(copy_of("deberta-v2", tmp_path, both(config(relative_attention=False), saved_apart))))
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any("leaves unused (deberta.encoder." in line and "a setting that uses them changed?" in line
+               for line in warned), warned
+    assert not any("num_hidden_layers" in line for line in warned), warned
+    caplog.clear()
+    load_model(str(ensure_family("deberta-v2", FAMILIES)))
+    assert not [record for record in caplog.records if record.levelname == "WARNING"], caplog.text
+
+
 # --- real starts: python ws_server.py --model DIR, beside the in-process cases -------------------------------
 
 
