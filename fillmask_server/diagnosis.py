@@ -299,6 +299,11 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
             return (f"its config.json's model_type {model_type!r} is not one transformers {__version__} knows: check "
                     "the model_type in the config.json of --model's directory, or install a newer transformers "
                     "(pip install -U transformers)")
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+        if model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # (before its fields: no value of them would do)
+            return (f"its config.json's model_type {model_type!r} has no masked-language-model head, so it cannot "
+                    "fill masks; point --model at a fill-mask model such as google-bert/bert-base-uncased")
     return _config_value_cause(config, exc)
 
 

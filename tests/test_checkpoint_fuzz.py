@@ -393,6 +393,8 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "vocab_size negative": (config(vocab_size=-1), ("-1",)),
     "hidden_size of another model": (config(hidden_size=64), ("where its config.json makes it",)),
     "num_attention_heads not dividing hidden_size": (config(num_attention_heads=3), ("not a multiple",)),
+    # (a model_type of no masked-language-model head, whose configuration then refused a field of BERT's)
+    "model_type t5": (config(model_type="t5"), ("model_type 't5' has no masked-language-model head",)),
     "num_hidden_layers more than the weights'": (config(num_hidden_layers=3), (
         "bert.encoder.layer.2", "(its num_hidden_layers is 3, and the checkpoint holds 2)")),
     "max_position_embeddings 0": (config(max_position_embeddings=0), ("position_embeddings", "[0, 32]")),
