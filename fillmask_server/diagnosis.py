@@ -817,7 +817,9 @@ def explain_load_failure(name: str, exc: BaseException, said: Sequence[str] = ()
         if not (path / "config.json").is_file():
             return f"cannot load model from directory {name!r}: it has no config.json; {_HINT}"
         cause = (_warned_cause(said) or _too_deep(path, exc) or _config_cause(path, exc) or _damaged_file(path, exc)
-                 or _misshapen_file(path, exc) or _unread_tokenizer_part(path, exc) or _mistyped_config_file(path, exc))
+                 or _misshapen_file(path, exc) or _unread_tokenizer_part(path, exc)
+                 or _unknown_tokenizer_class(path, exc) or _unknown_template_token(path, exc)
+                 or _mistyped_config_file(path, exc))
         if cause is not None:
             return f"cannot load model from directory {name!r}: {cause}"
         cause = first_line(exc)
@@ -898,6 +900,8 @@ def explain_set_up_failure(name: str, exc: BaseException, model_config: Any) -> 
     cause = _misshapen_file(path, exc) if path.is_dir() else None
     if cause is None and path.is_dir() and "None" in str(exc):  # ("type of None unknown")
         cause = _nulled_special_token(path)
+    if cause is None and path.is_dir() and isinstance(exc, RecursionError):
+        cause = _unknown_unk_token(path)
     settings = model_config.to_dict()
     cause = cause or _config_value_cause(settings, exc)  # (a size of 0: "list assignment index out of range")
     if cause is None and isinstance(exc, PYTHONS_OWN_ERRORS):
@@ -906,6 +910,70 @@ def explain_set_up_failure(name: str, exc: BaseException, model_config: Any) -> 
         return f"model {name!r} cannot be set up to serve: {cause}"
     return (f"model {name!r} fails as it is set up to serve ({first_line(exc)}); check that its tokenizer and its "
             "weights belong together")
+
+
+def _foreign_special_token(directory: Path, keys: Sequence[str]) -> tuple[str, str, str] | None:
+    """The first special token of ``keys`` (``unk_token``, ``cls_token``, ...) that ``directory``'s
+    tokenizer files set to a text its vocabulary (tokenizer.json's, or vocab.txt's) does not hold, as
+    (file, key, the text as JSON), or None (also where no vocabulary can be read)."""
+    vocabulary: set[str] = set()
+    with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError, TypeError, KeyError):
+        data = json.loads((directory / "tokenizer.json").read_bytes())
+        vocab = data["model"]["vocab"]
+        vocabulary |= set(vocab) if isinstance(vocab, dict) else {piece[0] for piece in vocab}
+        vocabulary |= {token["content"] for token in data.get("added_tokens") or ()}
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        vocabulary |= set((directory / "vocab.txt").read_text().splitlines())
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        for key in keys:
+            with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+                value = json.loads((directory / name).read_bytes()).get(key)
+                token = value.get("content") if isinstance(value, dict) else value
+                if vocabulary and isinstance(token, str) and token not in vocabulary:
+                    return name, key, json.dumps(token)[:40]
+    return None
+
+
+def _unknown_unk_token(directory: Path) -> str | None:
+    """The unknown token, named, where the vocabulary does not hold it (``_foreign_special_token``), or
+    None: transformers looks for the id of an unknown word as the id of that token, which is itself
+    unknown, and so on without end (a ``RecursionError``)."""
+    found = _foreign_special_token(directory, ("unk_token",))
+    if found is None:
+        return None
+    name, key, token = found
+    return (f"its {name}'s {key} is {token}, which is no token of its vocabulary: the tokenizer looks for the id of "
+            f"an unknown word in vain; make it the unknown token its vocabulary has, or {_RESAVE}")
+
+
+def _unknown_tokenizer_class(directory: Path, exc: BaseException) -> str | None:
+    """For a tokenizer transformers could not build ("Couldn't instantiate the backend tokenizer", where
+    the directory has no tokenizer.json to fall back on): a ``tokenizer_class`` in tokenizer_config.json
+    that transformers has no class of, named, or None."""
+    if "Couldn't instantiate the backend tokenizer" not in str(exc):
+        return None
+    with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+        named = json.loads((directory / "tokenizer_config.json").read_bytes()).get("tokenizer_class")
+        import transformers
+
+        if isinstance(named, str) and not (named.isidentifier() and hasattr(transformers, named)):
+            return (f"its tokenizer_config.json's tokenizer_class is {json.dumps(named)[:40]}, not a tokenizer class "
+                    f"transformers {transformers.__version__} has (such as \"BertTokenizer\"): correct it, or "
+                    f"{_RESAVE}")
+    return None
+
+
+def _unknown_template_token(directory: Path, exc: BaseException) -> str | None:
+    """For the tokenizers library's refusal of a template whose special token has no id ("Expected
+    Union[Tuple[str, int], ...]", ALBERT's): the token every text gets (cls, sep, bos, eos) that the
+    vocabulary does not hold, named, or None."""
+    found = _foreign_special_token(directory, ("cls_token", "sep_token", "bos_token", "eos_token")) \
+        if "Tuple[str, int]" in str(exc) else None
+    if found is None:
+        return None
+    name, key, token = found
+    return (f"its {name}'s {key} is {token}, which is no token of its vocabulary, and the tokenizer puts it in every "
+            f"text; make it the one its vocabulary has, or {_RESAVE}")
 
 
 def _nulled_special_token(directory: Path) -> str | None:

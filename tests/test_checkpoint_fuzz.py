@@ -721,6 +721,15 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
                                            ("tie_word_embeddings is false", "set tie_word_embeddings to true")),
     "deberta-v2, legacy false": ("deberta-v2", config(legacy=False),
                                  ("holds other head weights (cls.predictions.", "another kind of head")),
+    # (special tokens the vocabulary does not hold: a RecursionError in transformers for the unknown
+    # token, the tokenizers library's "Expected Union[Tuple[str, int], ...]" for ALBERT's template, and a
+    # tokenizer class transformers has none of, cut mid-sentence, where no tokenizer.json is there)
+    "bert, unk_token empty": ("bert", tokenizer_config(unk_token=""),
+                              ('unk_token is "", which is no token of its vocabulary',)),
+    "albert, cls_token not in the vocabulary": ("albert", tokenizer_config(cls_token="banana"),
+                                                ('cls_token is "banana", which is no token of its vocabulary',)),
+    "esm, tokenizer_class unknown": ("esm", tokenizer_config(tokenizer_class="banana"),
+                                     ('tokenizer_class is "banana", not a tokenizer class transformers',)),
     # (rotary positions, no table: the limit is the length config.json declares, not a table's room)
     "esm, max_position_embeddings 2 and no tokenizer limit": (
         "esm", both(config(max_position_embeddings=2), tokenizer_config(model_max_length=...)),
