@@ -17,6 +17,8 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
+from fillmask_client.wire import MAX_SAFE_INTEGER
+
 from . import __version__
 from .access import HostPolicy, OriginPolicy, ProxyPolicy, tls_context
 from .batching import DEFAULT_BATCH_ROWS, DEFAULT_BATCH_TOKENS
@@ -459,6 +461,11 @@ def validate(config: Config) -> str | None:
         value = getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             return f"--{f.name.replace('_', '-')} must be a finite number, not {value}"
+    for f in fields(Config):  # (the hello frame carries them: a larger one failed to encode, a traceback)
+        value = getattr(config, f.name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_SAFE_INTEGER:
+            return (f"--{f.name.replace('_', '-')} must be at most {MAX_SAFE_INTEGER}, the largest number every "
+                    "client reads exactly")
     for name, choices in CHOICES.items():  # (the command line's parser checks them; a Config built in code too)
         if getattr(config, name) not in choices:
             return f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(config, name)!r}"

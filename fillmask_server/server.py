@@ -80,8 +80,10 @@ KERNEL_SEND_BUFFER_BYTES = 128 * 1024
 #: The listen backlog is ``--max-connections``, at least this: when a replica drains, its clients
 #: (up to ``--max-connections``) reconnect to the others within ``reconnect_within_ms`` (§10), and
 #: asyncio's default of 100 left the rest of a burst waiting a second for their SYN's retransmit.
-#: The kernel caps it at ``net.core.somaxconn``.
+#: The kernel caps it at ``net.core.somaxconn``, and ``listen`` takes a C int: the backlog is at most
+#: ``MAX_LISTEN_BACKLOG`` (a larger ``--max-connections`` overflowed it, a traceback at start-up).
 MIN_LISTEN_BACKLOG = 128
+MAX_LISTEN_BACKLOG = 65535
 
 
 @dataclass
@@ -295,7 +297,7 @@ class FillMaskServer:
                 compression=None,
                 server_header=SERVER_NAME,
                 ssl=self._tls,
-                backlog=max(MIN_LISTEN_BACKLOG, self.config.max_connections),
+                backlog=min(max(MIN_LISTEN_BACKLOG, self.config.max_connections), MAX_LISTEN_BACKLOG),
                 start_serving=False,
             )
             for listener in self._server.sockets:  # accepted sockets inherit it

@@ -206,6 +206,22 @@ def test_a_number_that_is_not_finite_is_refused(flag: str, value: str, capsys: p
         load_config([], environ={"FILLMASK_" + flag[2:].replace("-", "_").upper(): value})
 
 
+def test_a_number_larger_than_every_client_reads_exactly_is_refused(capsys: pytest.CaptureFixture) -> None:
+    """A newcomer's trial: --max-queue 100000000000000000000 was taken, the model loaded, and the hello
+    frame failed to encode ("Integer exceeds 64-bit range"): a traceback, exit 1. Every number setting
+    is now at most the largest whole number a JSON client reads exactly, or one line and status 2."""
+    from fillmask_client.wire import MAX_SAFE_INTEGER
+
+    for f in fields(Config):
+        if f.type not in ("int", "float"):
+            continue
+        with pytest.raises(SystemExit) as exited:
+            load_config(["--" + f.name.replace("_", "-"), "1" + "0" * 20], environ={})
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2 and len(lines) == 1, (f.name, lines)
+        assert f"must be at most {MAX_SAFE_INTEGER}" in lines[0] or "--port must be between" in lines[0], lines
+
+
 def test_a_misspelt_variable_is_named_even_when_another_setting_is_refused(tiny_model_dir: Path) -> None:
     """Found by an operator's trial: the warning about FILLMASK_MAX_QUEU was lost whenever start-up stopped
     at a bad value, which is just when a misspelling may be why. And a --device that torch does not know,

@@ -77,6 +77,25 @@ async def test_hello_is_the_first_frame_with_model_and_limits(server: FillMaskSe
         assert {"max_masks", "max_targets", "max_id_chars", "max_deadline_ms", "max_frame_bytes"} <= set(limits)
 
 
+async def test_the_largest_limits_accepted_are_announced_exactly_in_hello(make_server: Any) -> None:
+    """Each limit hello carries, at the largest value start-up takes (``config.validate``), reaches the
+    client as that number (the server had failed to encode a larger one, at start-up, with a traceback),
+    and --max-connections that large listens (``listen`` takes a C int)."""
+    from fillmask_client.wire import MAX_SAFE_INTEGER
+    from fillmask_server.config import validate
+
+    largest = {name: MAX_SAFE_INTEGER for name in ("max_queue", "max_text_chars", "max_masks", "max_targets",
+                                                   "max_frame_bytes", "max_result_bytes", "max_connections",
+                                                   "max_inflight_per_connection", "max_send_buffer_bytes",
+                                                   "max_answer_bytes")}
+    async with make_server(**largest) as srv:
+        assert validate(srv.config) is None
+        async with session(srv.url) as (_, hello):
+            for name in ("max_queue", "max_text_chars", "max_masks", "max_targets", "max_frame_bytes",
+                         "max_result_bytes", "max_inflight_per_connection"):
+                assert hello["limits"][name] == MAX_SAFE_INTEGER, (name, hello["limits"])
+
+
 async def test_ws_alias_path_and_unknown_ws_path(server: FillMaskServer) -> None:
     async with session(server.url + "ws") as (_, hello):
         assert hello["type"] == "hello"
