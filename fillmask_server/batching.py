@@ -106,8 +106,12 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   being computed, per connection and in all) is not started; it keeps its place. A connection with
   nothing waiting always has room for one request, so nobody waits for room forever.
 - **Waiting.** ``max_wait_s`` is one deadline per batch, counted from the arrival of the oldest
-  queued request, never restarted by later arrivals. With ``max_wait_s == 0`` (the default) a batch
-  starts as soon as the engine is free, whatever its size, with one exception:
+  queued request, never restarted by later arrivals. A request with a deadline is waited for at most
+  ``deadline_share`` of its time (from its arrival to its deadline), and never so long that the batch
+  formed now could not be done within ``deadline_share`` of the time then left (the rule a batch
+  keeps, above): a wait that ended at the deadline itself left it expired before its batch could start.
+  With ``max_wait_s == 0`` (the default) a batch starts as soon as the engine is free, whatever its
+  size, with one exception:
 - **Anticipation.** Answers just sent bring requests back: a client that keeps a few requests in
   flight sends its next one as soon as an answer arrives. So once a batch's forward pass is done
   (``answered``), while fewer requests are queued than a full batch and some of those answers have not
@@ -440,9 +444,12 @@ class BatchPolicy:
         wait_until = waiting.first().arrival + self.max_wait_s if self.max_wait_s else now
         if anticipating:
             wait_until = max(wait_until, self._anticipate_until)
-        earliest = waiting.earliest_deadline()
-        if earliest is not None:  # never wait a request into its own deadline
-            wait_until = min(wait_until, earliest)
+        deadlines = [(job.arrival, job.deadline) for job in waiting.deadlined() if job.deadline is not None]
+        if deadlines:  # never wait a request into its own deadline (the module doc)
+            batch_s = _predicted(formed, cost, self.pack_width)
+            wait_until = min(wait_until, *(min(arrival + self.deadline_share * (deadline - arrival),
+                                                deadline - batch_s / self.deadline_share)
+                                            for arrival, deadline in deadlines))
         return max(0.0, wait_until - now)
 
     def take(self, queue: Waiting[J] | deque[J], now: float, room: Room | None = None,

@@ -87,7 +87,8 @@ _HELP: dict[str, str] = {
                         "automatic: 8192, scaled as --max-batch-size 0 is",
     "max_queue": "most requests waiting for the model; beyond it requests are answered 503, and from half of it "
                  "on a connection holding its fair share is answered 429",
-    "max_wait_ms": "wait at most this long (from the oldest queued request) for a fuller batch; 0 = never wait",
+    "max_wait_ms": "wait at most this long (from the oldest queued request) for a fuller batch, and a request "
+                   "with a deadline_ms at most half its time; 0 = never wait",
     "anticipate_ms": "after sending answers, wait at most this long (and at most 30%% of the last batch's time) for "
                      "the requests those clients are likely to send back, before starting a batch that is not full; "
                      "an idle server never waits; 0 = off. Only for clients that send again as soon as an answer "

@@ -120,9 +120,19 @@ def test_a_trickle_of_new_connections_cannot_starve_a_backlog() -> None:
 
 
 def test_max_wait_never_waits_past_a_deadline() -> None:
+    """A newcomer's trial: with --max-wait-ms 200, an idle server waited a request with deadline_ms 100
+    until the deadline itself, and then answered it 504 (expired before its batch could start). A
+    request with a deadline is waited for at most half its time (``deadline_share``), and never so long
+    that the batch formed now could not be done within half the time then left."""
     p = policy(size=8, wait=0.050)
     q = queue(FakeJob("a", arrival=1.000, deadline=1.010))
-    assert p.wait_s(q, now=1.002) == pytest.approx(0.008)
+    assert p.wait_s(q, now=1.002) == pytest.approx(0.003)  # until 1.005: half of its 10 ms
+    slow = policy(size=8, wait=0.200, cost=Coefficients(overhead_s=0.040))
+    batch_s = slow.cost.batch_s(1, 10, 100)  # (FakeJob's tokens and answer bytes)
+    q = queue(FakeJob("b", arrival=1.000, deadline=1.100))
+    assert slow.wait_s(q, now=1.000) == pytest.approx(0.100 - 2 * batch_s)  # its batch done within half the rest
+    assert policy(size=8, wait=0.050).wait_s(queue(FakeJob("c", arrival=1.0, deadline=1.2)), now=1.0) == \
+        pytest.approx(0.050)  # a deadline far enough away leaves --max-wait-ms as it is
 
 
 def test_places_are_shared_round_robin_without_tolerance_and_within_it_by_default() -> None:
@@ -231,7 +241,7 @@ def test_a_full_batch_or_a_deadline_does_not_wait() -> None:
     p = anticipating(size=4)
     p.answered(4, now=3.0)
     assert p.wait_s(queue(*(FakeJob(str(i)) for i in range(4))), now=3.0) == 0.0
-    assert p.wait_s(queue(FakeJob("soon", deadline=3.001)), now=3.0) == pytest.approx(0.001)
+    assert p.wait_s(queue(FakeJob("soon", deadline=3.001)), now=3.0) == 0.0  # (half its time is long gone)
 
 
 def test_anticipation_off_by_default() -> None:

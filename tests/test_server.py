@@ -96,6 +96,19 @@ async def test_the_largest_limits_accepted_are_announced_exactly_in_hello(make_s
                 assert hello["limits"][name] == MAX_SAFE_INTEGER, (name, hello["limits"])
 
 
+async def test_an_idle_server_that_waits_for_fuller_batches_answers_a_deadline_shorter_than_the_wait(
+        make_server: Any) -> None:
+    """A newcomer's trial: with --max-wait-ms 200, an idle server held a request with deadline_ms 100
+    until its deadline and answered 504 deadline_exceeded; also beside a plain request sent with it.
+    (Here 3000 and 1000: the wait now ends at half the deadline, a margin no busy machine eats.)"""
+    async with make_server(max_wait_ms=3000.0) as srv, session(srv.url) as (ws, _):
+        await send(ws, {"type": "fill_mask", "id": 1, "text": "a [MASK] day.", "top_k": 1, "deadline_ms": 1000})
+        assert (await recv(ws))["type"] == "result"
+        await send(ws, {"type": "fill_mask", "id": 2, "text": "a [MASK] day.", "top_k": 1})
+        await send(ws, {"type": "fill_mask", "id": 3, "text": "a [MASK] day.", "top_k": 1, "deadline_ms": 1000})
+        assert sorted((frame["id"], frame["type"]) for frame in await recv_n(ws, 2)) == [(2, "result"), (3, "result")]
+
+
 async def test_ws_alias_path_and_unknown_ws_path(server: FillMaskServer) -> None:
     async with session(server.url + "ws") as (_, hello):
         assert hello["type"] == "hello"
