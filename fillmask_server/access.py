@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 import re
 import ssl
 from dataclasses import dataclass
@@ -348,13 +349,21 @@ def tls_context(certfile: str, keyfile: str = "") -> ssl.SSLContext:
 
     Raises ``ValueError`` with one readable line when the files cannot be read or do not match.
     """
-    for path in (certfile, keyfile):
+    texts = {}
+    for path in filter(None, (certfile, keyfile)):
         try:
-            found = not path or Path(path).is_file()
+            if Path(path).is_dir():
+                raise ValueError(f"cannot read TLS file {path!r}: it is a directory; name the PEM file in it")
+            found = Path(path).is_file()
         except OSError as exc:  # (is_file raises what is not "no such file": a name too long for the system)
             raise ValueError(f"cannot read TLS file {path!r}: {exc.strerror}") from None
         if not found:
             raise ValueError(f"cannot read TLS file {path!r}: no such file")
+        try:  # (each file read here: load_cert_chain's error names no file, and blamed the certificate)
+            texts[path] = Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read TLS file {path!r}: {exc.strerror} (for this process, uid "
+                             f"{os.getuid()})") from None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
@@ -366,8 +375,25 @@ def tls_context(certfile: str, keyfile: str = "") -> ssl.SSLContext:
                          "give it an unencrypted key (openssl pkey -in KEY -out PLAIN_KEY), readable by this "
                          "server's user only") from None
     except ssl.SSLError:
-        raise ValueError(f"cannot load the TLS certificate {certfile!r}" + (f" and key {keyfile!r}" if keyfile else "")
-                         + ": not PEM, or the key does not match the certificate") from None
+        raise ValueError(_tls_problem(certfile, keyfile, texts)) from None
     except OSError as exc:
         raise ValueError(f"cannot read TLS file {exc.filename or certfile!r}: {exc.strerror}") from None
     return context
+
+
+def _tls_problem(certfile: str, keyfile: str, texts: dict[str, bytes]) -> str:
+    """What is wrong with TLS files OpenSSL refused, read from their PEM blocks: a file that is no PEM,
+    a certificate file without a certificate, no private key where one was looked for (the certificate
+    file alone, without --keyfile), else a key that does not belong to the certificate."""
+    key_path = keyfile or certfile
+    if b"-----BEGIN" not in texts.get(certfile, b""):
+        return f"cannot load the TLS certificate {certfile!r}: it is not a PEM file (-----BEGIN CERTIFICATE-----)"
+    if b"CERTIFICATE-----" not in texts[certfile]:
+        return f"cannot load the TLS certificate {certfile!r}: the file holds no certificate"
+    if b"PRIVATE KEY-----" not in texts.get(key_path, b""):
+        if not keyfile:
+            return (f"cannot load the TLS certificate {certfile!r}: the file holds no private key; give the key "
+                    "with --keyfile, or one PEM file that holds both")
+        return f"cannot load the TLS key {keyfile!r}: the file holds no PEM private key (-----BEGIN PRIVATE KEY-----)"
+    return (f"cannot load the TLS certificate {certfile!r}" + (f" and key {keyfile!r}" if keyfile else "")
+            + ": the key does not belong to the certificate, or a file is damaged")

@@ -11,6 +11,7 @@ import base64
 import logging
 import os
 import re
+import shutil
 import ssl
 import subprocess
 import sys
@@ -474,14 +475,46 @@ async def test_the_images_health_check_follows_the_port_and_tls(make_server: Any
             assert checked.returncode == 0, (settings, checked.stderr[-500:])
 
 
+def _other_key(directory: Path) -> bool:
+    """Write ``other.pem``, a private key of no certificate here; whether openssl made it."""
+    made = subprocess.run(["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out",
+                           str(directory / "other.pem")], capture_output=True, text=True, timeout=30)
+    return made.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"),
+                    reason="root reads any file; setpriv (util-linux) takes that power away")
+def test_a_key_the_servers_user_may_not_read_is_named_not_the_certificate(certificate: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """A newcomer's trial: a key.pem its owner alone may read, the server run as another user: the line
+    named cert.pem (the OSError of OpenSSL's load names no file). Each file is read first now. (The key
+    here may be read by nobody; root, which reads any file, runs without that power.)"""
+    cert, key = certificate
+    shutil.copy(key, tmp_path / "key.pem")
+    os.chmod(tmp_path / "key.pem", 0)
+    code = ("from fillmask_server.access import tls_context\n"
+            f"try: tls_context({str(cert)!r}, {str(tmp_path / 'key.pem')!r})\n"
+            "except ValueError as exc: print(exc)")
+    powerless = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    said = subprocess.run([*powerless, sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert said.stdout.startswith(f"cannot read TLS file {str(tmp_path / 'key.pem')!r}: Permission denied"), (
+        said.stdout + said.stderr)
+
+
 def test_tls_files_that_do_not_load_are_one_line_errors(certificate: tuple[Path, Path], tmp_path: Path) -> None:
     cert, key = certificate
     assert isinstance(tls_context(str(cert), str(key)), ssl.SSLContext)
     bundle = tmp_path / "bundle.pem"
     bundle.write_text(cert.read_text() + key.read_text())
     assert isinstance(tls_context(str(bundle)), ssl.SSLContext)  # key in the certificate file
-    with pytest.raises(ValueError, match="not PEM, or the key does not match"):
-        tls_context(str(cert))  # no key anywhere
+    with pytest.raises(ValueError, match="the file holds no private key; give the key with --keyfile"):
+        tls_context(str(cert))  # no key anywhere (it said "not PEM, or the key does not match")
+    with pytest.raises(ValueError, match="it is a directory; name the PEM file in it"):
+        tls_context(str(tmp_path))  # (it said "no such file")
+    assert _other_key(tmp_path)
+    with pytest.raises(ValueError, match="the key does not belong to the certificate"):
+        tls_context(str(cert), str(tmp_path / "other.pem"))
     (tmp_path / "junk.pem").write_text("junk")
     problem = validate(Config(certfile=str(tmp_path / "junk.pem")))
     assert problem is not None and problem.startswith("--certfile/--keyfile: ") and "\n" not in problem
