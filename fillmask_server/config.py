@@ -447,6 +447,21 @@ def _cpus(count: int) -> str:
     return f"{count} CPU" if count == 1 else f"{count} CPUs"
 
 
+def _host_problem(host: str) -> str | None:
+    """What makes ``--host`` no host, in a form its users write (before any lookup, which says only
+    that the name does not resolve), or None: a URL, an IPv6 address in brackets (as a URL writes it),
+    a host with its port."""
+    if "://" in host or "/" in host:
+        return f"--host {host!r} is no host name or address: give the host alone (such as 127.0.0.1, or 0.0.0.0)"
+    if host.startswith("[") and host.endswith("]"):
+        return f"--host {host!r}: write an IPv6 address without its brackets (--host {host[1:-1]})"
+    name, _, port = host.rpartition(":")
+    if port.isdigit() and name and (name.count(":") == 0 or name.startswith("[")):
+        return (f"--host {host!r} holds a port: give the port with --port (--host {name.strip('[]')} "
+                f"--port {port})")
+    return None
+
+
 def checked(config: Config) -> Config:
     """``config``, for a ``Config`` built in code (a program that embeds the server); ``ValueError``
     with ``validate``'s one line where the command line would refuse it."""
@@ -470,9 +485,8 @@ def validate(config: Config) -> str | None:
     for name, choices in CHOICES.items():  # (the command line's parser checks them; a Config built in code too)
         if getattr(config, name) not in choices:
             return f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, not {getattr(config, name)!r}"
-    positive = ("max_queue", "max_text_chars", "max_masks",
-                "max_top_k", "max_targets", "max_frame_bytes", "max_connections", "max_inflight_per_connection",
-                "max_send_buffer_bytes", "max_result_bytes", "max_answer_bytes")
+    positive = ("max_queue", "max_text_chars", "max_masks", "max_top_k", "max_targets", "max_connections",
+                "max_inflight_per_connection", "max_send_buffer_bytes", "max_answer_bytes")  # (and two below)
     for name in positive:
         if getattr(config, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
@@ -503,6 +517,9 @@ def validate(config: Config) -> str | None:
             return f"--{name.replace('_', '-')} must not be negative"
     if not 0 <= config.port <= 65535:
         return "--port must be between 0 and 65535"
+    host = _host_problem(config.host)
+    if host is not None:
+        return host
     if config.send_timeout <= 0:
         return "--send-timeout must be greater than 0"
     if config.gil_switch_ms != 0 and not 0.01 <= config.gil_switch_ms <= 1000:

@@ -222,6 +222,28 @@ def test_a_number_larger_than_every_client_reads_exactly_is_refused(capsys: pyte
         assert f"must be at most {MAX_SAFE_INTEGER}" in lines[0] or "--port must be between" in lines[0], lines
 
 
+@pytest.mark.parametrize(("host", "said"), [
+    ("[::1]", "write an IPv6 address without its brackets (--host ::1)"),  # (as the ready line writes it)
+    ("127.0.0.1:8000", "holds a port: give the port with --port (--host 127.0.0.1 --port 8000)"),
+    ("[::1]:8000", "holds a port: give the port with --port (--host ::1 --port 8000)"),
+    ("http://0.0.0.0", "is no host name or address: give the host alone"),
+])
+def test_a_host_written_as_a_url_writes_it_is_told_how_to_write_it(host: str, said: str) -> None:
+    """A newcomer's trial: each was refused as "the host name does not resolve", after a lookup."""
+    problem = validate(Config(host=host))
+    assert problem is not None and problem.startswith(f"--host {host!r}") and said in problem, problem
+    for fine in ("::1", "::", "0.0.0.0", "localhost", "", "fe80::1%eth0", "::ffff:127.0.0.1"):
+        assert validate(Config(host=fine)) is None, fine
+
+
+def test_a_frame_or_result_limit_below_its_floor_is_told_the_floor_whatever_the_value() -> None:
+    """A newcomer's trial: --max-frame-bytes 0 was told "at least 1", and 1 then "at least 1024"."""
+    for value in (0, -5, 1):
+        for name in ("max_frame_bytes", "max_result_bytes"):
+            problem = validate(Config(**{name: value}))  # type: ignore[arg-type]
+            assert problem is not None and "must be at least 1024" in problem, (name, value, problem)
+
+
 def test_a_misspelt_variable_is_named_even_when_another_setting_is_refused(tiny_model_dir: Path) -> None:
     """Found by an operator's trial: the warning about FILLMASK_MAX_QUEU was lost whenever start-up stopped
     at a bad value, which is just when a misspelling may be why. And a --device that torch does not know,
