@@ -517,6 +517,10 @@ def validate(config: Config) -> str | None:
             return f"--{name.replace('_', '-')} must not be negative"
     if not 0 <= config.port <= 65535:
         return "--port must be between 0 and 65535"
+    if not config.model.strip():  # (an empty one was read as this directory, "''")
+        return "--model must not be empty: give a Hugging Face model id or a local directory"
+    if not config.device.strip():  # (torch's words: "Device string must not be empty")
+        return "--device must not be empty: choose auto, cpu, cuda, cuda:N or mps"
     host = _host_problem(config.host)
     if host is not None:
         return host

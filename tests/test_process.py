@@ -236,6 +236,17 @@ def test_a_host_written_as_a_url_writes_it_is_told_how_to_write_it(host: str, sa
         assert validate(Config(host=fine)) is None, fine
 
 
+@pytest.mark.parametrize(("setting", "said"), [
+    ("model", "--model must not be empty: give a Hugging Face model id or a local directory"),
+    ("device", "--device must not be empty: choose auto, cpu, cuda, cuda:N or mps"),
+])
+def test_an_empty_model_or_device_is_refused_before_anything_loads(setting: str, said: str) -> None:
+    """A newcomer's trial: --model "" was looked for as the directory '' (this one), and --device ""
+    loaded torch to be told in torch's words "Device string must not be empty"."""
+    for empty in ("", "  "):
+        assert validate(Config(**{setting: empty})) == said  # type: ignore[arg-type]
+
+
 def test_a_frame_or_result_limit_below_its_floor_is_told_the_floor_whatever_the_value() -> None:
     """A newcomer's trial: --max-frame-bytes 0 was told "at least 1", and 1 then "at least 1024"."""
     for value in (0, -5, 1):
