@@ -11,6 +11,7 @@ import contextlib
 import functools
 import http.server
 import inspect
+import io
 import itertools
 import logging
 import math
@@ -47,7 +48,7 @@ from fillmask_client import (
     UsageError,
 )
 from fillmask_client.async_client import AHEAD
-from fillmask_client.cli import build_parser, collect_texts, format_table, parse_targets
+from fillmask_client.cli import BadInput, build_parser, collect_texts, format_table, parse_targets
 from fillmask_client.frames import encode_fill_mask, outcome, terminal_id
 from fillmask_client.pool import least_loaded
 from fillmask_client.state import ConnState, Event, transition
@@ -156,7 +157,8 @@ BAD_URLS = {  # each URL, and what the message says is wrong with it
     "ws://[::1/": "invalid IPv6 URL",
     "ws://": "hostname isn't provided",
     "ws://:8765/": "hostname isn't provided",
-    "ws://host:http/": "port could not be cast",
+    "ws://host:http/": "the port 'http' is not a number",  # (urllib's words: "port could not be cast...")
+    "ws://127.0.0.1:1:2/": "the port '1:2' is not a number (an IPv6 address goes in brackets",
     "ftp://127.0.0.1:8765/": "scheme isn't ws or wss",
 }
 
@@ -736,17 +738,24 @@ async def test_token_is_sent_and_never_shown(make_server: Any) -> None:
         assert (code, err) == (0, "") and out.startswith(TEXT)
 
 
-async def test_wss_with_a_trusted_self_signed_certificate(make_server: Any, tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+async def self_signed(folder: Path, names: str) -> tuple[Path, Path]:
+    """A self-signed certificate for ``names`` (subjectAltName: ``IP:127.0.0.1,DNS:localhost``) and its
+    key, written into ``folder`` by the openssl command (the test is skipped where it is missing)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
     try:
         made = await asyncio.create_subprocess_exec(
             "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
             "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-            "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-addext", f"subjectAltName={names}",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     except FileNotFoundError:
         pytest.skip("the openssl command is not installed")
     assert await made.wait() == 0
+    return cert, key
+
+
+async def test_wss_with_a_trusted_self_signed_certificate(make_server: Any, tmp_path: Path) -> None:
+    cert, key = await self_signed(tmp_path, "IP:127.0.0.1,DNS:localhost")
     async with make_server(certfile=str(cert), keyfile=str(key)) as srv:
         assert srv.url.startswith("wss://")
         with pytest.raises(ConnectError) as untrusted:
@@ -1829,3 +1838,129 @@ async def test_ctrl_c_ends_a_run_of_several_texts_with_its_summary(make_server: 
                                    "4 not answered\n"
             if json_flag:  # what was printed before the interrupt stays printed
                 assert [frame["code"] for frame in map(orjson.loads, out.splitlines())] == ["no_mask"]
+
+
+# --- a newcomer's trial: URLs with spaces, connections past a server's handshake bound, TLS by address,
+# --- an endless input ----------------------------------------------------------------------------------
+
+
+async def test_a_url_with_a_space_or_a_control_character_is_a_usage_error_before_anything_is_sent() -> None:
+    """"ws://127.0.0.1:PORT/ " (a copy's stray space), a space in the path or the token, or two URLs in
+    $FILLMASK_URL were sent as they were: the server answered 400, and the command exited 3. The
+    README says a malformed URL is a usage error (2), said before anything is sent."""
+    connected = 0
+
+    async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connected
+        connected += 1
+        writer.close()
+
+    listener = await asyncio.start_server(count, "127.0.0.1", 0)
+    try:
+        url = f"ws://127.0.0.1:{listener.sockets[0].getsockname()[1]}/"
+        bad = {url + " ": "contains a space at its end", url + "a b": "contains a space at character",
+               url + "?token=se same": "contains a space at character", url + "\t": "control character (U+0009)"}
+        for each, words in bad.items():
+            with pytest.raises(UsageError, match=re.escape(words)):
+                FillMaskClient(each)
+            code, out, err = await run_cli("--url", each, "--timeout", "1", TEXT)
+            assert_usage_error(code, err, "--url: invalid server URL", words, "%")
+            assert out == "" and "se same" not in err  # (the token stays hidden)
+        code, out, err = await run_cli("--timeout", "1", TEXT, env={"FILLMASK_URL": f"{url} {url}"})
+        assert_usage_error(code, err, "$FILLMASK_URL", "more than one URL", "--url URL, repeated")
+        assert connected == 0  # nothing was sent
+    finally:
+        listener.close()
+
+
+async def test_hundreds_of_connections_open_past_the_servers_bound_on_unfinished_handshakes(
+        make_server: Any) -> None:
+    """--connections 300 opened 256: the client dialled all at once, and the server resets handshakes past
+    its bound of unfinished ones (256); the line saying so lacked the command's prefix (a library logger's
+    bare line). The client now has a bounded number of handshakes under way at once."""
+    async with make_server() as srv:  # (--max-connections 1000, the default)
+        assert srv.config.max_connections >= 300
+        async with FillMaskClient(srv.url, connections=300) as client:
+            assert client.usable_connections == 300
+            assert len(await client.fill_mask_many([TEXT] * 10)) == 10
+    async with make_server(max_connections=3) as srv:  # the library's warning, said as the command's line
+        code, out, err = await run_cli("--url", srv.url, "--connections", "5", "-k", "1", TEXT)
+        assert code == 0 and out.startswith(TEXT), err
+        assert err.startswith("fillmask-client: 2 of 5 connections could not be opened: ") and len(
+            err.splitlines()) == 1, err
+
+
+async def test_a_certificate_for_another_address_says_so_not_to_pass_cafile(make_server: Any, tmp_path: Path) -> None:
+    """A certificate for DNS:localhost only, reached as wss://127.0.0.1:PORT/ with it trusted: the advice
+    was to pass --cafile, which the user had done. OpenSSL's IP address mismatch (64) now reads as its
+    host name mismatch (62) does, in an address's words."""
+    cert, key = await self_signed(tmp_path, "DNS:localhost")
+    async with make_server(certfile=str(cert), keyfile=str(key)) as srv:
+        assert srv.url.startswith("wss://127.0.0.1:")
+        with pytest.raises(ConnectError) as mismatch:
+            await FillMaskClient(srv.url, ssl=ssl.create_default_context(cafile=str(cert))).connect()
+        message = str(mismatch.value)
+        assert mismatch.value.kind == "certificate" and not mismatch.value.transient, message
+        assert "it is not for the address '127.0.0.1'; connect with a host name or address it was issued for" in (
+            message) and "cafile" not in message, message
+        code, _, err = await run_cli("--url", srv.url, "--cafile", str(cert), "-q", TEXT)
+        assert code == 3 and "connect with a host name or address it was issued for" in err, err
+        assert "--cafile" not in err and len(err.splitlines()) == 1, err
+
+
+class EndlessInput(io.RawIOBase):
+    """An input that never ends (``/dev/urandom``, a pipe that is never closed): one good line, then bytes
+    that are not UTF-8, for ever; it fails the test once read far past the first of those."""
+
+    BOUND = 64 * 2**20
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        assert self.served < self.BOUND, "read on past the first byte that is not UTF-8"
+        head = b"good [MASK]\n" if self.served == 0 else b""
+        data = (head + b"\xff" * len(buffer))[: len(buffer)]
+        buffer[: len(data)] = data
+        self.served += len(data)
+        return len(data)
+
+
+def test_an_endless_input_that_is_not_utf8_is_refused_at_its_first_bad_byte(tmp_path: Path) -> None:
+    """--file /dev/urandom hung until killed (holding ever more memory): the whole input was read before
+    it was decoded. It is now decoded as it is read, and refused at its first byte that is not UTF-8,
+    with the words a finite file gets."""
+    for stream in (io.BufferedReader(EndlessInput()), EndlessInput()):
+        with pytest.raises(BadInput, match=r"^standard input: line 2 is not valid UTF-8 \(byte 0xff\); save it"):
+            collect_texts(build_parser().parse_args(["-"]), stream)  # type: ignore[arg-type]
+
+    # The command, reading a FIFO that a thread keeps writing (up to a bound it should never reach).
+    fifo = tmp_path / "endless"
+    os.mkfifo(fifo)
+    bound = 64 * 2**20
+    wrote = 0
+
+    def feed() -> None:
+        nonlocal wrote
+        with contextlib.suppress(BrokenPipeError), open(fifo, "wb") as pipe:
+            pipe.write(b"first [MASK]\n")
+            while wrote < bound:
+                pipe.write(b"\xff" * 65536)
+                wrote += 65536
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    try:
+        command = subprocess.run([sys.executable, "-m", "fillmask_client", "--file", str(fifo)], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    finally:
+        if writer.is_alive():  # (a command that never opened the FIFO: let the writer's open return)
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(30)
+    assert_usage_error(command.returncode, command.stderr, f"--file {fifo}: line 2 is not valid UTF-8 (byte 0xff)")
+    assert wrote < bound, "the command read the whole input before it looked at it"

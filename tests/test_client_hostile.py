@@ -8,6 +8,7 @@ import asyncio
 import base64
 import contextlib
 import hashlib
+import io
 import math
 import socket
 import sys
@@ -288,18 +289,22 @@ async def test_many_before_connect_says_not_connected() -> None:
             getattr(client, name)
 
 
-async def handshake_then_deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """A peer (``asyncio.start_server``'s handler) that answers the handshake and sends ``hello``, then
-    reads nothing and answers nothing, not even a close."""
+async def answer_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bytes) -> None:
+    """Answer a client's WebSocket handshake on a raw stream, then send ``first`` as one text frame."""
     head = await reader.readuntil(b"\r\n\r\n")
     key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
                if line.lower().startswith(b"sec-websocket-key:"))
     accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
     writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                  b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
-    payload = orjson.dumps(HELLO)
-    writer.write(bytes([0x81, 126]) + len(payload).to_bytes(2, "big") + payload)
+    writer.write(bytes([0x81, 126]) + len(first).to_bytes(2, "big") + first)
     await writer.drain()
+
+
+async def handshake_then_deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A peer (``asyncio.start_server``'s handler) that answers the handshake and sends ``hello``, then
+    reads nothing and answers nothing, not even a close."""
+    await answer_handshake(reader, writer, orjson.dumps(HELLO))
     await asyncio.sleep(30)
 
 
@@ -508,3 +513,77 @@ async def test_open_timeout_bounds_the_handshake_and_the_hello_together() -> Non
         took = time.monotonic() - started
     assert failed.value.kind == "no_hello" and "within 2 s" in str(failed.value), failed.value
     assert 1.9 < took < 2.9, took  # (each with its own timeout: 3.5 s)
+
+
+# --- what a hostile server sends that reaches the terminal, or that is not a hello (a newcomer's trial) --
+
+
+#: A candidate whose strings would clear the screen, turn it red, ring the bell and add lines of their own.
+EVIL = {"score": 0.5, "token": 7, "token_str": "\x1b[2J\x1b[31mEVIL\nline2\r\x07",
+        "sequence": "paris is the \x1b[2J\x9b31m\u2028EVIL\r\n\x07 of france."}
+
+
+async def evil_answers(ws: ServerConnection, request: dict[str, Any], number: int) -> None:
+    frame = {"type": "result", "id": request["id"], "predictions": [EVIL],
+             "targets": [{"given": "a\x1bb", "scored": "c\x9bd"}]}
+    await ws.send(orjson.dumps(frame))
+
+
+async def test_the_table_shows_no_control_character_a_server_sent_and_json_stays_exact() -> None:
+    """``fillmask-client ... | cat -A`` showed a server's token_str raw: a screen clear, a colour, a carriage
+    return, a bell and a line break of its own. The table now shows each as a space; --json is the frame."""
+    from fillmask_client import cli
+
+    async with fake(evil_answers) as server:
+        for json_flag in ([], ["--json"]):
+            args = cli.build_parser().parse_args(["--url", server.url, "-k", "1", "-t", "a\x1bb", *json_flag, TEXT])
+            out, err = io.StringIO(), io.StringIO()
+            assert await cli.run(args, [TEXT], out, err) == 0, err.getvalue()
+            if json_flag:
+                assert orjson.loads(out.getvalue())["predictions"] == [EVIL]  # exactly as sent
+                continue
+            table = out.getvalue()
+            shown = [c for c in table if c != "\n" and (ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029")]
+            assert not shown, table
+            lines = table.splitlines()
+            assert len(lines) == 4, table  # the text, the note on the target, the heading, one row
+            assert lines[1] == 'note: target "a\\u001bb" was scored as "c d"', lines[1]
+            assert " [2J [31mEVIL line2  " in lines[3] and "paris is the  [2J 31m EVIL    of france." in lines[3]
+
+
+def handshake_then(first: bytes) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A peer (``asyncio.start_server``'s handler) that answers the handshake, sends ``first`` as its
+    first text frame, then answers nothing, not even a close, until the client drops the connection."""
+
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_handshake(reader, writer, first)
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # (the client's close frame, unanswered, then its end of the connection)
+        writer.close()
+
+    return peer
+
+
+async def test_a_first_frame_that_is_not_a_hello_says_so_in_words_and_fails_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial against fake servers: a hello without "protocol" read "server speaks protocol None", a
+    first frame that is not JSON gave orjson's words ("invalid literal, expected 'null'..."), and each
+    failed only after the closing handshake's wait (CLOSE_TIMEOUT_S), meanwhile "waiting for the server…:
+    connected, no hello frame yet". A peer that is not usable is now left at once. (The close timeout is
+    made far longer than the test's bound, so that a wait for the peer's close cannot pass unseen.)"""
+    import fillmask_client.connection as connection
+
+    monkeypatch.setattr(connection, "CLOSE_TIMEOUT_S", 120.0)
+    for first, words in ((b'{"type": "hello", "model": "x"}',
+                          "the server's hello has no protocol field: is it a fill-mask server?"),
+                         (b"nope, not JSON", "the server's first frame is not JSON: 'nope, not JSON'; is it a "
+                                             "fill-mask server?")):
+        peer = await asyncio.start_server(handshake_then(first), "127.0.0.1", 0)
+        try:
+            url = f"ws://127.0.0.1:{peer.sockets[0].getsockname()[1]}/"
+            with pytest.raises(ConnectError) as failed:
+                await asyncio.wait_for(FillMaskClient(url).connect(wait=10), 60)
+        finally:
+            peer.close()
+        assert str(failed.value) == f"cannot use {url}: {words}", failed.value
+        assert failed.value.kind == "bad_hello" and not failed.value.transient

@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import contextlib
+import io
+import logging
 import math
 import os
 import re
@@ -55,7 +58,15 @@ import orjson
 from ._version import __version__
 from .async_client import DEFAULT_URL, MAX_CONNECTIONS, FillMaskClient
 from .connection import GOING_AWAY_CODES, is_secure, redact, url_problem
-from .errors import ConnectError, ConnectionLostError, FillMaskError, OverloadedError, RequestError, UsageError
+from .errors import (
+    ConnectError,
+    ConnectionLostError,
+    FillMaskError,
+    OverloadedError,
+    RequestError,
+    UsageError,
+    one_line,
+)
 from .frames import FillMaskResult
 from .wire import SERVER_GONE_REASONS, retryable
 
@@ -166,22 +177,35 @@ class BadInput(ValueError):
     """A text cannot be sent as given (it is not valid UTF-8); the message names where it came from."""
 
 
+#: How much of an input ``read_lines`` reads (and checks) at a time.
+READ_CHUNK = 1 << 16
+
+
 def read_lines(stream: BinaryIO | TextIO, name: str = "standard input") -> list[Text]:
     """The non-blank lines of ``stream``, decoded as UTF-8 and stripped: one text each, its ``origin``
     ``NAME line N`` (N counts every line, blank ones too).
 
     Lines end at ``\\n``, ``\\r\\n`` or ``\\r``. ``BadInput`` names ``name`` and the line when the bytes are
     not UTF-8 (a text stream's lone surrogates, as ``errors='surrogateescape'`` makes them, count as such).
+    The input is decoded as it is read, ``READ_CHUNK`` at a time: the first byte that is not UTF-8 ends
+    the read there, so an endless input (``/dev/urandom``) that is not text is refused at once.
     """
-    data = stream.read()
-    if isinstance(data, str):
-        data = data.encode("utf-8", "surrogatepass")
-    try:
-        content = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = len(re.split(rb"\r\n|\r|\n", data[: exc.start]))  # the lines before it, plus its own
-        raise BadInput(f"{name}: line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x}); "
-                       f"save it as UTF-8") from None
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    parts: list[str] = []
+    while True:
+        chunk = stream.read1(READ_CHUNK) if isinstance(stream, io.BufferedIOBase) else stream.read(READ_CHUNK)
+        data = chunk.encode("utf-8", "surrogatepass") if isinstance(chunk, str) else chunk
+        try:
+            parts.append(decoder.decode(data, final=not chunk))
+        except UnicodeDecodeError as exc:
+            # ``exc.object``: the bytes the decoder held back from the chunk before, then this chunk's.
+            before = "".join(parts) + exc.object[: exc.start].decode("utf-8")
+            line = len(re.split(r"\r\n|\r|\n", before))  # the lines before it, plus its own
+            raise BadInput(f"{name}: line {line} is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x}); "
+                           f"save it as UTF-8") from None
+        if not chunk:
+            break
+    content = "".join(parts)
     return [Text(line.strip(), f"{name} line {number}", number)
             for number, line in enumerate(re.split(r"\r\n|\r|\n", content), start=1) if line.strip()]
 
@@ -249,21 +273,32 @@ def limits_problem(top_k: int | None, targets: list[str] | None, deadline_ms: fl
 def format_table(text: str, result: FillMaskResult) -> str:
     """A readable table of one text's predictions: rank, token, score, sequence; one table per mask.
 
-    Columns are aligned whatever the scores look like (``0.5000`` beside ``2.03e-05``).
+    Columns are aligned whatever the scores look like (``0.5000`` beside ``2.03e-05``). Every string
+    shown (the text, and what the server sent: each ``token_str`` and ``sequence``, the targets' notes)
+    passes ``printable``: the table holds no control character, so a server cannot clear or recolour the
+    terminal, nor add lines of its own; ``--json`` prints the frame as received instead.
     """
-    lines = [text, *target_notes(result)]
+    lines = [printable(text), *target_notes(result)]
     tables = result.per_mask()
     for number, predictions in enumerate(tables, start=1):
         if len(tables) > 1:
             lines.append(f"mask {number} of {len(tables)}")
-        tokens = [str(p.get("token_str", "")) for p in predictions]
+        tokens = [printable(str(p.get("token_str", ""))) for p in predictions]
         scores = [_score(float(p.get("score", 0.0))) for p in predictions]
         token_width = max([len("token"), *(len(token) for token in tokens)])
         score_width = max([len("score"), *(len(score) for score in scores)])
         lines.append(f"{'rank':>4}  {'token':<{token_width}}  {'score':>{score_width}}  sequence")
         for rank, (prediction, token, score) in enumerate(zip(predictions, tokens, scores, strict=True), start=1):
-            lines.append(f"{rank:>4}  {token:<{token_width}}  {score:>{score_width}}  {prediction.get('sequence', '')}")
+            sequence = printable(str(prediction.get("sequence", "")))
+            lines.append(f"{rank:>4}  {token:<{token_width}}  {score:>{score_width}}  {sequence}")
     return "\n".join(lines)
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character (escape, carriage return, bell, line breaks, C1 codes)
+    as a space, for a terminal: ``errors.one_line``, the cleaning of a server's messages, without its
+    cut (a table shows a sequence whole). The same length as ``text``, so columns stay aligned."""
+    return one_line(text, max(len(text), 1))
 
 
 def target_notes(result: FillMaskResult) -> list[str]:
@@ -277,7 +312,8 @@ def target_notes(result: FillMaskResult) -> list[str]:
 
 
 def _quoted(text: str) -> str:
-    return orjson.dumps(text).decode()
+    """``text`` in double quotes, as JSON escapes it, and ``printable`` (JSON leaves DEL and C1 codes as they are)."""
+    return printable(orjson.dumps(text).decode())
 
 
 def _score(score: float) -> str:
@@ -372,6 +408,22 @@ def stop_line(error: FillMaskError, tally: Tally, reconnect: bool) -> str:
     return line
 
 
+class SayHandler(logging.Handler):
+    """The library's log lines of WARNING and above (``N of M connections could not be opened: ...``)
+    as the command's own: each through ``say`` (so ``fillmask-client: `` first), as one line, without a
+    traceback. Without it, Python's last-resort handler printed them bare."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.say(one_line(record.getMessage()))
+        except Exception:  # (a closed stderr: as logging does for any handler)
+            self.handleError(record)
+
+
 async def report_waiting(waiting: Callable[[], bool], reason: Callable[[], str | None],
                          say: Callable[[str], None]) -> None:
     """Say ``waiting for the server… (Ns)`` once a second for as long as ``waiting()`` holds, with
@@ -418,11 +470,25 @@ async def run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, err: 
     several texts, unless ``--quiet``), the connections are closed, and the cancellation goes on (so
     ``asyncio.run`` raises ``KeyboardInterrupt``, which ``main`` turns into exit status 130).
 
-    ``context`` is the TLS context for ``wss://`` (``load_cafile(args.cafile)``; ``None``: the system's)."""
+    ``context`` is the TLS context for ``wss://`` (``load_cafile(args.cafile)``; ``None``: the system's).
+    While it runs, the library's warnings (logger ``fillmask_client``) are lines of its own on ``err``
+    (``SayHandler``), like every other line it says."""
 
     def say(line: str) -> None:
         print(f"fillmask-client: {line}", file=err, flush=True)
 
+    library_log = logging.getLogger("fillmask_client")
+    said_by_us = SayHandler(say)
+    library_log.addHandler(said_by_us)
+    try:
+        return await _run(args, texts, out, context, say)
+    finally:
+        library_log.removeHandler(said_by_us)
+
+
+async def _run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, context: ssl.SSLContext | None,
+               say: Callable[[str], None]) -> int:
+    """``run``'s work, with the library's warnings said as the command's lines."""
     targets = parse_targets(args.targets)
     client = FillMaskClient(args.url or [DEFAULT_URL], connections=args.connections, retry=args.retry,
                             reconnect=args.reconnect, reconnect_timeout=args.reconnect_timeout,
@@ -568,7 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for url in args.url or []:
         problem = url_problem(url)
         if problem is not None:
-            parser.error(f"{given}: {problem}")
+            several = given != "--url" and "more than one URL" in problem  # (the variable holds one)
+            parser.error(f"{given}: {problem}" + (" (as --url URL, repeated)" if several else ""))
     # What needs no server to judge is judged here (the server's own limits are checked after its hello).
     if args.top_k is not None and args.top_k < 1:
         parser.error(f"--top-k {args.top_k}: must be at least 1")

@@ -32,7 +32,14 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from websockets.protocol import State as SocketState
 from websockets.uri import parse_uri
 
-from .errors import ConnectError, ConnectionLostError, DeadlineExceededError, OverloadedError, RequestError
+from .errors import (
+    ConnectError,
+    ConnectionLostError,
+    DeadlineExceededError,
+    OverloadedError,
+    RequestError,
+    one_line,
+)
 from .frames import check_hello, decode_frame, encode_cancel, encode_fill_mask, terminal_id
 from .state import ConnState, Event, transition
 from .wire import (
@@ -104,19 +111,60 @@ def redact(url: str) -> str:
 def url_problem(url: str) -> str | None:
     """Why ``url`` cannot be a server's WebSocket URL, as one line that shows what a valid one looks
     like; ``None`` when it can. Pure: it only parses (websockets' own rules, so a URL passed here is
-    one ``connect`` accepts), and the token is hidden."""
-    try:
-        parse_uri(url)
-        return None
-    except InvalidURI as exc:
-        detail = exc.msg
-    except ValueError as exc:  # urllib's: a port out of range or not a number, a broken [IPv6] host...
-        detail = str(exc) or type(exc).__name__
+    one ``connect`` accepts), and the token is hidden.
+
+    A URL passed here holds no space and no control character: websockets would put them in the
+    request line as they are, and the server answer 400 to a URL that is only mistyped."""
+    blank = _blank_problem(url)
+    if blank is not None:
+        return f"invalid server URL {redact(url)!r}: {blank}"
+    port = _port_text(url)
+    if port and not (port.isascii() and port.isdigit()):  # (urllib's words: "could not be cast to integer")
+        brackets = " (an IPv6 address goes in brackets: ws://[::1]:8765/)" if ":" in port else ""
+        detail = f"the port {port!r} is not a number{brackets}"
+    else:
+        try:
+            parse_uri(url)
+            return None
+        except InvalidURI as exc:
+            detail = exc.msg
+        except ValueError as exc:  # urllib's: a port out of range, a broken [IPv6] host...
+            detail = str(exc) or type(exc).__name__
     detail = detail[:1].lower() + detail[1:]
     instead = _websocket_url_of(url)
     if instead is not None:
         return f"invalid server URL {redact(url)!r}: {detail}; the same server's WebSocket URL is {redact(instead)!r}"
     return f"invalid server URL {redact(url)!r}: {detail}; expected ws://HOST:PORT/ or wss://HOST:PORT/"
+
+
+def _blank_problem(url: str) -> str | None:
+    """Where ``url`` holds a space or a control character (a tab, a line break...), and what to do;
+    ``None`` when it holds none. A URL spells them percent-encoded (``%20``); as they are, they are
+    most often a copy's stray space, or two URLs given as one."""
+    if re.search(r"\S\s+wss?://", url, re.IGNORECASE):
+        return "it holds more than one URL; give each server's URL on its own"
+    found = next(((index, char) for index, char in enumerate(url) if ord(char) <= 32 or ord(char) == 127), None)
+    if found is None:
+        return None
+    index, char = found
+    what = "a space" if char == " " else f"a control character (U+{ord(char):04X})"
+    where = "at its start" if index == 0 else "at its end" if index == len(url) - 1 else f"at character {index + 1}"
+    return f"it contains {what} {where}; remove it, or write it as %{ord(char):02X} if it is meant to be there"
+
+
+def _port_text(url: str) -> str:
+    """The port of ``url`` as written (after the host's ``:``, as urllib reads it), or ``""``."""
+    try:
+        host = urllib.parse.urlsplit(url).netloc.rpartition("@")[2]
+    except ValueError:
+        return ""
+    return host.partition("]")[2].partition(":")[2] if host.startswith("[") else host.partition(":")[2]
+
+
+def _preview(data: bytes) -> str:
+    """The start of a frame that is not what it should be, for a message: quoted, one line, short."""
+    text = data[:60].decode("utf-8", "replace")
+    return repr(one_line(text, 40))
 
 
 def is_secure(url: str) -> bool:
@@ -241,6 +289,9 @@ def connect_failure(exc: OSError, url: str) -> str:
         if code == _HOSTNAME_MISMATCH:
             return (f"{head}: it is not for {parts.hostname!r}; connect with a host name it was issued for, or "
                     "give the server a certificate for this name")
+        if code == _IP_ADDRESS_MISMATCH:
+            return (f"{head}: it is not for the address {parts.hostname!r}; connect with a host name or address "
+                    "it was issued for, or give the server a certificate for this address")
         return (f"{head}; to trust it, pass ssl=ssl.create_default_context(cafile=PATH) with its certificate "
                 "(e.g. the server's cert.pem), or with the certificate of the authority that issued it")
     tls = parts.scheme == "wss"
@@ -265,9 +316,12 @@ _TLS_PLAIN_WORDS = {"wrong version number": "the answer was not TLS", "record la
 
 
 #: OpenSSL's verification codes (X509_V_ERR_*) after which trusting the certificate cannot help: not yet
-#: valid, expired; and a certificate issued for another host name.
+#: valid, expired; and a certificate issued for another host name, or for another IP address (a URL
+#: whose host is an address, such as wss://127.0.0.1:8765/, is checked against the certificate's
+#: addresses, not its names).
 _CERT_OUT_OF_DATE = frozenset({9, 10})
 _HOSTNAME_MISMATCH = 62
+_IP_ADDRESS_MISMATCH = 64
 
 
 def _tls_words(detail: str) -> str:
@@ -549,8 +603,11 @@ class Connection:
         kind = "bad_hello"
         try:
             left = max(0.0, give_up - asyncio.get_running_loop().time())
-            hello = decode_frame(await asyncio.wait_for(ws.recv(decode=False), left))
+            first = await asyncio.wait_for(ws.recv(decode=False), left)
+            hello = decode_frame(first)
             problem = check_hello(hello)
+        except orjson.JSONDecodeError:
+            problem = f"the server's first frame is not JSON: {_preview(first)}; is it a fill-mask server?"
         except TimeoutError:  # (its message is empty)
             kind, problem = "no_hello", (f"connected, but no hello frame came within {open_timeout:g} s "
                                          "(is this a fill-mask server?)")
@@ -567,6 +624,10 @@ class Connection:
             raise
         if problem is not None:
             conn._move(Event.CLOSE)
+            if kind == "bad_hello":
+                # A peer this client cannot use: its close frame goes out, and no closing handshake is
+                # waited for (a peer that does not answer one held the failure up for CLOSE_TIMEOUT_S).
+                ws.close_timeout = 0
             await ws.close()
             raise ConnectError(f"cannot use {shown}: {problem}", url=shown, kind=kind)
         conn._greeted(hello)

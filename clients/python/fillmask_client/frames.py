@@ -192,6 +192,8 @@ def check_hello(frame: dict[str, Any]) -> str | None:
     """Return why ``frame`` is not an acceptable first frame (§2), or ``None`` when it is."""
     if frame.get("type") != "hello":
         return f"expected a 'hello' frame first, got {frame.get('type')!r}"
+    if "protocol" not in frame:
+        return "the server's hello has no protocol field: is it a fill-mask server?"
     if type(frame.get("protocol")) is not int or frame.get("protocol") != PROTOCOL_VERSION:  # not true, not 1.0
         return f"server speaks protocol {frame.get('protocol')!r}, this client speaks {PROTOCOL_VERSION}"
     return None

@@ -18,6 +18,8 @@ Invariants:
 - A slot has at most one dialer task; it ends when it installs a usable connection, when the failure is
   final (not ``ConnectError.transient``: a wrong token or path, TLS against a plain server, a peer that
   is not a fill-mask server do not change by waiting), or when the pool closes.
+- At most ``MAX_OPENING`` connections of a pool are being opened at once (``open`` and the redials
+  together), whatever its number of slots.
 - Every connection the pool ever installed is in exactly one place until it has ended: its slot's
   ``conn`` or that slot's ``retired`` set; so ``close`` reaches them all, and ``in_flight`` counts them all.
 """
@@ -77,6 +79,13 @@ class Slot:
     dialled_at_step: int = 0  # the backoff step of the dial that opened its connection
 
 
+#: The most connections one pool has in its opening handshake at once (TCP, TLS, WebSocket upgrade and
+#: ``hello``); the rest wait their turn. A server holds a bounded number of unfinished handshakes (256 by
+#: default, against clients that open connections they never use) and resets the ones beyond it, so a
+#: pool that dialled its up to ``MAX_CONNECTIONS`` at once lost those past the server's bound. Well
+#: below that bound, so that a few such clients opening at once still fit.
+MAX_OPENING = 64
+
 #: A connection that lasted this long (seconds) starts its slot's next redial from the first backoff
 #: step; one lost sooner, without the server announcing it, carries on from where the previous
 #: redial's backoff was, so a server that closes every connection at once (1011 each time, say) is
@@ -103,6 +112,8 @@ class Pool:
         self.closed_event = asyncio.Event()
         self._opening: set[asyncio.Future[Connection]] = set()  # ``open``'s dials under way
         self._opener = opener
+        #: Held for each connection being opened (``open`` and the redials): at most ``MAX_OPENING`` at once.
+        self._opening_places = asyncio.Semaphore(MAX_OPENING)
         self._turn = 0
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -268,11 +279,11 @@ class Pool:
     # --- opening, replacing, closing -----------------------------------------------------------------
 
     async def open(self) -> None:
-        """Open every slot's connection at once. Raises the first failure when none opened; otherwise the
-        failed slots are dialled again in the background (with ``reconnect``) or stay empty."""
+        """Open every slot's connection, at most ``MAX_OPENING`` handshakes at once. Raises the first
+        failure when none opened; otherwise the failed slots are dialled again in the background (with
+        ``reconnect``) or stay empty."""
         self.check_loop()
-        tasks = [asyncio.ensure_future(self._opener(slot.url, functools.partial(self._on_change, slot)))
-                 for slot in self.slots]
+        tasks = [asyncio.ensure_future(self._open_one(slot)) for slot in self.slots]
         self._opening.update(tasks)  # close() cancels them
         try:
             await asyncio.wait(tasks)
@@ -311,6 +322,12 @@ class Pool:
             log.warning("%d of %d connections could not be opened: %s", len(failures), len(self.slots),
                         failures[0])
         self._dial_where_needed()
+
+    async def _open_one(self, slot: Slot) -> Connection:
+        """Open a connection for ``slot`` once one of the ``MAX_OPENING`` places is free (the opener's
+        ``ConnectError`` on failure); the place is held until its ``hello`` came or it failed."""
+        async with self._opening_places:
+            return await self._opener(slot.url, functools.partial(self._on_change, slot))
 
     def _install(self, slot: Slot, conn: Connection) -> None:
         """Make ``conn`` the slot's connection; the one it replaces keeps only the answers it still owes."""
@@ -373,7 +390,7 @@ class Pool:
                 await asyncio.sleep(self.backoff.delay(attempt, first_window))
                 step, attempt = attempt, attempt + 1
                 try:
-                    conn = await self._opener(slot.url, functools.partial(self._on_change, slot))
+                    conn = await self._open_one(slot)
                 except ConnectError as exc:
                     log.debug("redial of %s failed: %s", redact(slot.url), exc)
                     self._failed(slot, exc)
