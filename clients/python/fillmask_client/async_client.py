@@ -209,6 +209,8 @@ class FillMaskClient:
         self.reconnect_timeout = check_seconds("reconnect_timeout", reconnect_timeout)
         self.open_timeout = check_seconds("open_timeout", open_timeout, zero_ok=False)
         self.connect_wait = check_seconds("connect_wait", connect_wait)
+        if token == "":
+            raise UsageError("token is empty: give the server's token, or token=None to send none")
         if token is not None and not (isinstance(token, str) and token and token.strip() == token
                                       and all(" " <= c <= "~" for c in token)):
             # (The token itself stays out of the message: it is a secret, and may hold a line break.)

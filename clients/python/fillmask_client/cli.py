@@ -649,6 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cafile is not None and plain:
         parser.error(f"--cafile is for wss:// URLs, and {redact(plain[0])!r} is ws://: use wss://, or leave "
                      "--cafile out")
+    if args.token == "":  # (the library's refusal of an empty token names no flag)
+        parser.error("--token is empty: give the server's token, or leave --token out")
     if not args.texts and args.file is None and sys.stdin.isatty():
         parser.error("no texts: pass TEXT arguments, --file PATH, or pipe lines on stdin")
     reads_stdin = "-" in args.texts or args.file == "-" or (not args.texts and args.file is None)
