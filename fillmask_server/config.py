@@ -479,7 +479,7 @@ def validate(config: Config) -> str | None:
             return f"--{f.name.replace('_', '-')} must be a finite number, not {value}"
     for f in fields(Config):  # (the hello frame carries them: a larger one failed to encode, a traceback)
         value = getattr(config, f.name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_SAFE_INTEGER:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_SAFE_INTEGER:
             return (f"--{f.name.replace('_', '-')} must be at most {MAX_SAFE_INTEGER}, the largest number every "
                     "client reads exactly")
     for name, choices in CHOICES.items():  # (the command line's parser checks them; a Config built in code too)

@@ -307,6 +307,14 @@ def _config_cause(directory: Path, exc: BaseException) -> str | None:
     return _config_value_cause(config, exc)
 
 
+def _same_number(value: float, said: str) -> bool:
+    """Whether ``said`` (a number as torch printed it: "2", "1.5", "1e+308") is ``value``."""
+    try:
+        return float(said) == float(value)
+    except (ValueError, OverflowError):  # (a whole number past a float's range)
+        return False
+
+
 def _heads_cause(config: dict[str, Any], error: str) -> str | None:
     """config.json's width and head count, where ``error`` is that the heads do not divide the width
     (transformers' "The hidden size (33) is not a multiple of the number of attention heads (2)", or
@@ -394,11 +402,11 @@ def _config_value_cause(config: dict[str, Any], exc: BaseException) -> str | Non
         return ("its config.json's add_cross_attention is true, which only a decoder (is_decoder true) can have; a "
                 f"fill-mask checkpoint has it false: {fix}")
     dropout = re.search(r"dropout probability has to be between 0 and 1, but got (\S+)", str(exc))
-    got = dropout[1] if dropout else None
-    named = [key for key, value in config.items() if got and type(value) in (int, float)
-             and repr(float(value)) == got and ("drop" in key or "prob" in key)]
+    named = [key for key, value in config.items() if dropout and ("drop" in key or "prob" in key)
+             and type(value) in (int, float) and not 0 <= value <= 1 and _same_number(value, dropout[1])]
     if named:  # (torch's words name no field; several fields of one value: the first)
-        return f"its config.json's {named[0]} is {got}, where a dropout probability is between 0 and 1; {fix}"
+        return (f"its config.json's {named[0]} is {config[named[0]]}, where a dropout probability is between 0 "
+                f"and 1; {fix}")
     heads = _heads_cause(config, str(exc))
     if heads is not None:
         return f"{heads}; {fix}"
@@ -836,7 +844,7 @@ def unnormalised(model_config: Any) -> str | None:
     0 or less, named, or None: a norm divides by the root of its variance plus it, which is not a
     number where the sum is 0 or less (scores that are not numbers, blamed on the weights)."""
     for key, value in model_config.to_dict().items():
-        if key.endswith("eps") and type(value) in (int, float) and value <= 0:
+        if (key == "eps" or key.endswith("_eps")) and type(value) in (int, float) and value <= 0:
             return (f"its config.json's {key} is {value}, where a layer norm takes a small number above 0 (such as "
                     "1e-12) to add to the variance it divides by")
     return None
@@ -917,7 +925,7 @@ def _foreign_special_token(directory: Path, keys: Sequence[str]) -> tuple[str, s
     tokenizer files set to a text its vocabulary (tokenizer.json's, or vocab.txt's) does not hold, as
     (file, key, the text as JSON), or None (also where no vocabulary can be read)."""
     vocabulary: set[str] = set()
-    with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError, TypeError, KeyError):
+    with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError, TypeError, KeyError, IndexError):
         data = json.loads((directory / "tokenizer.json").read_bytes())
         vocab = data["model"]["vocab"]
         vocabulary |= set(vocab) if isinstance(vocab, dict) else {piece[0] for piece in vocab}
@@ -1016,6 +1024,14 @@ def _hub_reachable() -> bool:
     return True
 
 
+#: The weights of a masked-language-model head, by the names the families give them (BERT's
+#: ``cls.predictions``, RoBERTa's ``lm_head``, DeBERTa's ``lm_predictions``, DistilBERT's ``vocab_*``,
+#: ELECTRA's ``generator_*``, XLM's ``pred_layer``): not a classifier's, a pooler's or ELECTRA's
+#: discriminator's (a checkpoint of another task: no fill-mask head at all).
+_MLM_HEAD = re.compile(r"(?:^|\.)(?:predictions|lm_head|lm_predictions|vocab_transform|vocab_projector|"
+                       r"vocab_layer_norm|generator_lm_head|generator_predictions|pred_layer)\.")
+
+
 def _output_weight(model: Any) -> str | None:
     """The name of the weight of ``model``'s output layer (the one tied to the word embeddings), or None."""
     try:
@@ -1081,7 +1097,7 @@ def unservable(tokenizer: Any, model: Any, missing: list[str], unexpected: Seque
                         "embeddings?): set tie_word_embeddings to true in its config.json, or give --model a "
                         "directory whose config.json was saved with its weights")
             other = [key for key in unexpected if key.endswith(".weight") and encoder
-                     and not key.startswith(f"{encoder}.")]
+                     and not key.startswith(f"{encoder}.") and _MLM_HEAD.search(key)]
             if other:
                 held = other[0] + (f" and {len(other) - 1} more" if len(other) > 1 else "")
                 return (f"{named} in its checkpoint, which holds other head weights ({held}): config.json builds "

@@ -456,6 +456,12 @@ BERT_REFUSED: dict[str, tuple[Breakage, tuple[str, ...]]] = {
     "a tensor transposed": (set_tensor("bert.encoder.layer.0.intermediate.dense.weight", lambda t: t.T.contiguous()),
                             ("intermediate.dense.weight", "[32, 64]", "[64, 32]")),
     "the MLM head missing": (drop("cls."), ("has no weights for cls.predictions",)),
+    # (a review's find: a classifier's or a pooler's weights were taken for "another kind of head")
+    "a sequence classifier's head instead": (
+        both(drop("cls."), tensors(lambda weights: weights.update(
+            {"classifier.weight": weights["bert.embeddings.word_embeddings.weight"][:2].clone(),
+             "classifier.bias": weights["bert.embeddings.LayerNorm.bias"][:2].clone()}))),
+        ("an encoder saved without its masked-language-model head?", "use a checkpoint saved with its fill-mask")),
     "the word embeddings missing": (drop("bert.embeddings.word_embeddings"), ("word_embeddings.weight",)),
     "infinite weights": (set_tensor("bert.encoder.layer.0.attention.self.query.weight",
                                     lambda t: t.fill_(float("inf"))), ("not numbers",)),
@@ -708,6 +714,8 @@ OTHERS_REFUSED: dict[str, tuple[str, Breakage, tuple[str, ...]]] = {
                                           ("hidden_size 1 is less than its num_attention_heads 2",)),
     # (a dropout out of range, in torch's words that name no field; a layer norm's epsilon of 0 or less,
     # whose scores that are not numbers were blamed on the weights)
+    "bert, hidden_dropout_prob 2 beside a number past a float's range": (
+        "bert", config(hidden_dropout_prob=2, some_count=10**400), ("hidden_dropout_prob is 2, where a dropout",)),
     "modernbert, mlp_dropout 1.5": ("modernbert", config(mlp_dropout=1.5),
                                     ("mlp_dropout is 1.5, where a dropout probability is between 0 and 1",)),
     "bert, attention_probs_dropout_prob -1": ("bert", config(attention_probs_dropout_prob=-1.0),
@@ -893,6 +901,31 @@ def test_weights_a_config_leaves_unused_are_warned_about(layers: int, tmp_path: 
     load_model(str(copy_of("bert", tmp_path, config(num_hidden_layers=layers))))
     assert any("bert.encoder.layer.1" in record.getMessage() for record in caplog.records
                if record.levelname == "WARNING"), caplog.text
+
+
+def test_only_a_layer_norms_epsilon_is_blamed_for_scores_that_are_not_numbers() -> None:
+    """A review's find: any field ending in "eps" was taken for one (``warmup_steps`` 0 blamed for weights
+    that overflow)."""
+    from transformers import BertConfig
+
+    from fillmask_server.diagnosis import unnormalised
+
+    assert unnormalised(BertConfig(warmup_steps=0, max_steps=-1)) is None
+    assert "layer_norm_eps is 0.0" in (unnormalised(BertConfig(layer_norm_eps=0.0)) or "")
+    assert "eps is -1.0" in (unnormalised(BertConfig(eps=-1.0)) or "")
+
+
+@pytest.mark.parametrize("vocab", [[""], [[]], ["", ["a", 0.0]]])
+def test_a_vocabulary_of_odd_entries_does_not_break_the_unknown_token_check(vocab: list[Any],
+                                                                            tmp_path: Path) -> None:
+    """A review's find: entries of a Unigram vocabulary that are empty raised IndexError from the check
+    that explains another failure (a traceback instead of its line)."""
+    from fillmask_server.diagnosis import _unknown_template_token, _unknown_unk_token
+
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>", "cls_token": "<s>"}))
+    assert _unknown_unk_token(tmp_path) is None
+    assert _unknown_template_token(tmp_path, ValueError("Expected Union[Tuple[str, int], ...]")) is None
 
 
 def test_encoder_weights_a_changed_setting_leaves_unused_are_warned_about_and_no_fewer_layers_blamed(

@@ -220,6 +220,7 @@ def test_a_number_larger_than_every_client_reads_exactly_is_refused(capsys: pyte
         lines = capsys.readouterr().err.strip().splitlines()
         assert exited.value.code == 2 and len(lines) == 1, (f.name, lines)
         assert f"must be at most {MAX_SAFE_INTEGER}" in lines[0] or "--port must be between" in lines[0], lines
+    assert validate(Config(shutdown_timeout=-1e20)) == "--shutdown-timeout must not be negative"  # (not "at most")
 
 
 @pytest.mark.parametrize(("host", "said"), [
