@@ -587,3 +587,31 @@ async def test_a_first_frame_that_is_not_a_hello_says_so_in_words_and_fails_at_o
             peer.close()
         assert str(failed.value) == f"cannot use {url}: {words}", failed.value
         assert failed.value.kind == "bad_hello" and not failed.value.transient
+
+
+async def test_a_server_that_never_answers_a_handshake_costs_one_open_timeout_however_many_connections() -> None:
+    """A review's find: with at most ``MAX_OPENING`` handshakes at once, a pool of 200 against a server
+    that accepts and never answers waited out ``open_timeout`` once for each group of them (four times
+    here), and said "timed out after 0.5 s". Once one of ``connect``'s handshakes timed out before any
+    opened, those still waiting for their turn fail with it: one group is ever dialled."""
+    from fillmask_client.pool import MAX_OPENING
+
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        with contextlib.suppress(ConnectionError):
+            await reader.read()  # (until the client gives up and closes)
+        writer.close()
+
+    black_hole = await asyncio.start_server(silent, "127.0.0.1", 0, backlog=512)
+    try:
+        client = FillMaskClient(f"ws://127.0.0.1:{black_hole.sockets[0].getsockname()[1]}/", connections=200,
+                                open_timeout=0.5)
+        with pytest.raises(ConnectError, match=r"timed out after 0\.5 s"):
+            await client.connect()
+        await client.close()
+        assert 0 < len(accepted) <= MAX_OPENING
+    finally:
+        black_hole.close()
+        await black_hole.wait_closed()

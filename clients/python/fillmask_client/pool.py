@@ -114,6 +114,8 @@ class Pool:
         self._opener = opener
         #: Held for each connection being opened (``open`` and the redials): at most ``MAX_OPENING`` at once.
         self._opening_places = asyncio.Semaphore(MAX_OPENING)
+        self._unreachable: ConnectError | None = None  # ``open``'s first timeout before any opened
+        self._reached = False  # one of ``open``'s connections opened
         self._turn = 0
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -283,7 +285,8 @@ class Pool:
         failure when none opened; otherwise the failed slots are dialled again in the background (with
         ``reconnect``) or stay empty."""
         self.check_loop()
-        tasks = [asyncio.ensure_future(self._open_one(slot)) for slot in self.slots]
+        self._unreachable, self._reached = None, False
+        tasks = [asyncio.ensure_future(self._open_one(slot, first=True)) for slot in self.slots]
         self._opening.update(tasks)  # close() cancels them
         try:
             await asyncio.wait(tasks)
@@ -323,11 +326,25 @@ class Pool:
                         failures[0])
         self._dial_where_needed()
 
-    async def _open_one(self, slot: Slot) -> Connection:
+    async def _open_one(self, slot: Slot, first: bool = False) -> Connection:
         """Open a connection for ``slot`` once one of the ``MAX_OPENING`` places is free (the opener's
-        ``ConnectError`` on failure); the place is held until its ``hello`` came or it failed."""
+        ``ConnectError`` on failure); the place is held until its ``hello`` came or it failed.
+
+        ``first``: one of ``open``'s. Once one of those timed out before any opened (a server that
+        accepts and never answers), those still waiting for a place fail with it at once: otherwise
+        each group of ``MAX_OPENING`` waited out its own ``open_timeout``, and ``open`` took as many
+        times it as there are groups."""
         async with self._opening_places:
-            return await self._opener(slot.url, functools.partial(self._on_change, slot))
+            if first and self._unreachable is not None:
+                raise self._unreachable
+            try:
+                conn = await self._opener(slot.url, functools.partial(self._on_change, slot))
+            except ConnectError as exc:
+                if first and exc.kind == "timeout" and not self._reached:
+                    self._unreachable = exc
+                raise
+            self._reached = self._reached or first
+            return conn
 
     def _install(self, slot: Slot, conn: Connection) -> None:
         """Make ``conn`` the slot's connection; the one it replaces keeps only the answers it still owes."""
