@@ -24,6 +24,7 @@ from fillmask_server.config import (
     MAX_THREADS_PER_CPU,
     MIN_MESSAGE_BYTES,
     Config,
+    checked,
     env_name,
     load_config,
     overridden_variables,
@@ -246,6 +247,27 @@ def test_an_empty_model_or_device_is_refused_before_anything_loads(setting: str,
     loaded torch to be told in torch's words "Device string must not be empty"."""
     for empty in ("", "  "):
         assert validate(Config(**{setting: empty})) == said  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("setting", "value", "said"), [
+    ("port", "0", "--port must be a whole number, not '0'"),
+    ("max_queue", 10.7, "--max-queue must be a whole number, not 10.7"),
+    ("max_frame_bytes", 2000.5, "--max-frame-bytes must be a whole number, not 2000.5"),
+    ("max_connections", True, "--max-connections must be a whole number, not True"),
+    ("max_text_chars", None, "--max-text-chars must be a whole number, not None"),
+    ("max_wait_ms", "5", "--max-wait-ms must be a number, not '5'"),
+    ("model", None, "--model must be text, not None"),
+])
+def test_a_setting_of_another_type_in_a_config_built_in_code_is_refused_naming_the_flag(
+        setting: str, value: object, said: str) -> None:
+    """A developer's trial of embedding: the command line's parser checks each type, a Config built in
+    code was not checked: a port of "0" raised Python's TypeError, a max_queue of 10.7 and a top_k of
+    3.5 were announced in hello, and a max_frame_bytes of 2000.5 dropped every handshake without a
+    word (README: load_server raises ValueError for what the command line refuses)."""
+    assert validate(Config(**{setting: value})) == said  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=re.escape(said)):
+        checked(Config(**{setting: value}))  # type: ignore[arg-type]
+    assert validate(Config(max_wait_ms=5, calibration_s=1)) is None  # (a whole number where a number goes)
 
 
 def test_a_frame_or_result_limit_below_its_floor_is_told_the_floor_whatever_the_value() -> None:
