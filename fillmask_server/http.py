@@ -106,7 +106,9 @@ class FrontState:
 #: connections and send nothing (or a byte now and then) cannot keep a probe or a client that asks at
 #: once from getting in; where every one of them has sent its request, the newcomer is reset instead.
 #: A burst of clients reconnecting after a drain finishes each handshake far sooner than the open
-#: timeout, so it stays far below it.
+#: timeout; but more connections than the bound accepted at once (before the server has read their
+#: requests) look unfinished, and those past it are reset (the client reconnects; the client library
+#: opens at most 64 at a time). ``--max-connections`` raises the bound to a quarter of it.
 MIN_UNFINISHED = 256
 
 
@@ -257,7 +259,8 @@ class HttpFront:
     def _reset_unfinished(self, kind: str, connection: ServerConnection, which: str, why: str) -> None:
         self.metrics.handshakes_refused.labels("unfinished").inc()
         self.log.warning(kind, "reset %s, from %s: %d connections had not finished their handshake or "
-                         "taken their answer, %s (a client opening connections it does not use?)",
+                         "taken their answer, %s (a client opening connections it does not use, or more "
+                         "connections at once than that: --max-connections raises the bound to a quarter of it)",
                          which, self.peer(connection), self.max_unfinished, why)
         cut(connection.transport)
 
