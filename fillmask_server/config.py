@@ -471,13 +471,16 @@ def checked(config: Config) -> Config:
     return config
 
 
+#: The types a setting's annotation names, and what a value of one is called (``validate``).
+_SETTING_TYPES = {"int": ((int,), "a whole number"), "float": ((int, float), "a number"), "str": ((str,), "text")}
+
+
 def validate(config: Config) -> str | None:
     """Return a one-line description of the first nonsensical value, or None."""
     for f in fields(Config):  # (a Config built in code: the command line's parser checks each type)
         value = getattr(config, f.name)
-        takes = {"int": (int,), "float": (int, float), "str": (str,)}.get(str(f.type), ())
+        takes, kind = _SETTING_TYPES.get(str(f.type), ((), ""))
         if takes and (isinstance(value, bool) or not isinstance(value, takes)):
-            kind = {"int": "a whole number", "float": "a number", "str": "text"}[str(f.type)]
             return f"--{f.name.replace('_', '-')} must be {kind}, not {value!r}"[:200]
     for f in fields(Config):  # NaN passes every comparison below (all are false), and no duration is endless
         value = getattr(config, f.name)

@@ -320,13 +320,15 @@ def _heads_cause(config: dict[str, Any], error: str) -> str | None:
     (transformers' "The hidden size (33) is not a multiple of the number of attention heads (2)", or
     DistilBERT's "config.n_heads 2 must divide config.dim 33 evenly"), or that a head has no width at all
     (more heads than the width: "0.0 cannot be raised to a negative power"); None otherwise."""
-    said = re.search(r"hidden size \((\d+)\) is not a multiple of the number of attention heads \((\d+)\)", error)
-    named = re.search(r"config\.(\w+) (\d+) must divide config\.(\w+) (\d+) evenly", error)
-    width, heads = (("hidden_size", said[1]), ("num_attention_heads", said[2])) if said else \
-        ((named[3], named[4]), (named[1], named[2])) if named else (("", ""), ("", ""))
-    if width[0] and str(config.get(width[0])) == width[1] and str(config.get(heads[0])) == heads[1]:
-        return (f"its config.json's {width[0]} {width[1]} is not a multiple of its {heads[0]} {heads[1]} (each head "
-                "takes an equal share)")
+    pairs = []  # ((width's field, its value), (heads' field, its value)) as the error gives them
+    if said := re.search(r"hidden size \((\d+)\) is not a multiple of the number of attention heads \((\d+)\)", error):
+        pairs.append((("hidden_size", said[1]), ("num_attention_heads", said[2])))
+    if named := re.search(r"config\.(\w+) (\d+) must divide config\.(\w+) (\d+) evenly", error):
+        pairs.append(((named[3], named[4]), (named[1], named[2])))
+    for (width, wide_said), (heads, many_said) in pairs:
+        if str(config.get(width)) == wide_said and str(config.get(heads)) == many_said:
+            return (f"its config.json's {width} {wide_said} is not a multiple of its {heads} {many_said} (each head "
+                    "takes an equal share)")
     wide, many = config.get("hidden_size"), config.get("num_attention_heads")
     if "negative power" in error and type(wide) is int and type(many) is int and 0 < wide < many:
         return (f"its config.json's hidden_size {wide} is less than its num_attention_heads {many}, which leaves each "
@@ -932,13 +934,15 @@ def _foreign_special_token(directory: Path, keys: Sequence[str]) -> tuple[str, s
         vocabulary |= {token["content"] for token in data.get("added_tokens") or ()}
     with contextlib.suppress(OSError, UnicodeDecodeError):
         vocabulary |= set((directory / "vocab.txt").read_text().splitlines())
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        for key in keys:
-            with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
-                value = json.loads((directory / name).read_bytes()).get(key)
-                token = value.get("content") if isinstance(value, dict) else value
-                if vocabulary and isinstance(token, str) and token not in vocabulary:
-                    return name, key, json.dumps(token)[:40]
+    for name in ("tokenizer_config.json", "special_tokens_map.json") if vocabulary else ():
+        settings: Any = {}
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            settings = json.loads((directory / name).read_bytes())
+        for key in keys if isinstance(settings, dict) else ():
+            value = settings.get(key)
+            token = value.get("content") if isinstance(value, dict) else value
+            if isinstance(token, str) and token not in vocabulary:
+                return name, key, json.dumps(token)[:40]
     return None
 
 
