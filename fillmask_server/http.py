@@ -102,14 +102,20 @@ class FrontState:
 #: each hold memory (up to websockets' 128 header lines of 8 KiB) for up to its open timeout (10 s), and
 #: nothing else bounds how many there are (``--max-connections`` counts open WebSocket connections):
 #: at most this many, or a quarter of ``--max-connections`` where that is more (§12). One past it makes
-#: room by resetting the oldest of them that has not sent a whole request yet, so clients that open
-#: connections and send nothing (or a byte now and then) cannot keep a probe or a client that asks at
-#: once from getting in; where every one of them has sent its request, the newcomer is reset instead.
-#: A burst of clients reconnecting after a drain finishes each handshake far sooner than the open
-#: timeout; but more connections than the bound accepted at once (before the server has read their
-#: requests) look unfinished, and those past it are reset (the client reconnects; the client library
-#: opens at most 64 at a time). ``--max-connections`` raises the bound to a quarter of it.
+#: room by resetting the oldest of them that has not sent a whole request yet and was accepted at least
+#: ``UNFINISHED_GRACE_S`` ago, so clients that open connections and send nothing (or a byte now and
+#: then) cannot keep a probe or a client that asks at once from getting in. The server accepts before
+#: it reads, so a burst of connections accepted at once (clients reconnecting after a drain) has sent
+#: nothing the server has read yet: while none is that old and the newest came less than that ago, a
+#: newcomer is let in past the bound, up to ``unfinished_ceiling`` (``--max-connections``, the number
+#: the operator sized the server for). Otherwise, the oldest without a whole request is reset whatever
+#: its age or, where every one has sent its request, the newcomer.
 MIN_UNFINISHED = 256
+
+#: Seconds a connection is given, from its accept, to have its request read before it counts as one
+#: that sends nothing (``MIN_UNFINISHED``): longer than a client's request takes to follow its TCP
+#: handshake on most networks (a round trip), far shorter than the open timeout.
+UNFINISHED_GRACE_S = 1.0
 
 
 class HttpFront:
@@ -125,9 +131,11 @@ class HttpFront:
         self.metrics = metrics
         self.state = state
         self.log = LogThrottle(log, LOG_INTERVAL_S)
-        # Connections accepted and not yet upgraded or ended (``FrontConnection``), oldest first.
-        self._unfinished: dict[ServerConnection, None] = {}
+        # Connections accepted and not yet upgraded or ended (``FrontConnection``), oldest first, each
+        # with when it was accepted (``time.monotonic``).
+        self._unfinished: dict[ServerConnection, float] = {}
         self.max_unfinished = max(MIN_UNFINISHED, config.max_connections // 4)
+        self.unfinished_ceiling = max(self.max_unfinished, config.max_connections)
 
     def peer(self, connection: ServerConnection) -> str:
         """``connection``'s client for a log line (``peer``, with this server's ``--forwarded-allow-ips``)."""
@@ -235,33 +243,44 @@ class HttpFront:
         return len(self._unfinished)
 
     def admit_unfinished(self, connection: ServerConnection) -> bool:
-        """A connection just accepted: counted among the unfinished (True), after the oldest of them
-        that has not sent a whole request (and is not closing already) was reset to make room where
-        ``max_unfinished`` are; or, where there is none such, reset itself (False). See ``MIN_UNFINISHED``."""
-        if len(self._unfinished) >= self.max_unfinished:
+        """A connection just accepted: counted among the unfinished (True),
+        or reset itself (False). Where ``max_unfinished`` are, room is made first by resetting the oldest
+        of them that has not sent a whole request (and is not closing already) and was accepted
+        ``UNFINISHED_GRACE_S`` ago or more; where none is that old and the newest was accepted less than
+        that ago (a burst the server has not read yet), the newcomer is let in past ``max_unfinished``,
+        up to ``unfinished_ceiling``; otherwise the oldest without a whole request is reset whatever its
+        age, or, where every one has sent its request, the newcomer. See ``MIN_UNFINISHED``."""
+        now = time.monotonic()
+        count = len(self._unfinished)
+        if count >= self.max_unfinished:
             oldest = next((waiting for waiting in self._unfinished  # (one answered early is closing: let it go)
                            if waiting.request is None and not waiting.transport.is_closing()), None)
-            if oldest is None:
-                self._reset_unfinished("unfinished_new", connection, "a new connection",
+            aged = oldest is not None and now - self._unfinished[oldest] >= UNFINISHED_GRACE_S
+            burst = now - self._unfinished[next(reversed(self._unfinished))] < UNFINISHED_GRACE_S
+            if not aged and burst and count < self.unfinished_ceiling:
+                pass  # (let in past the bound: the burst's requests are read in a moment)
+            elif oldest is None:
+                self._reset_unfinished("unfinished_new", connection, count, "a new connection",
                                        "every one of them has sent its request")
                 return False
-            del self._unfinished[oldest]
-            self._reset_unfinished("unfinished_oldest", oldest,
-                                   "the connection that had waited longest without a whole request",
-                                   "to make room for a new one")
-        self._unfinished[connection] = None
+            else:
+                del self._unfinished[oldest]
+                self._reset_unfinished("unfinished_oldest", oldest, count,
+                                       "the connection that had waited longest without a whole request",
+                                       "to make room for a new one")
+        self._unfinished[connection] = now
         return True
 
     def unfinished_ended(self, connection: ServerConnection) -> None:
         """``connection`` upgraded or ended: it no longer counts among the unfinished."""
         self._unfinished.pop(connection, None)
 
-    def _reset_unfinished(self, kind: str, connection: ServerConnection, which: str, why: str) -> None:
+    def _reset_unfinished(self, kind: str, connection: ServerConnection, count: int, which: str, why: str) -> None:
         self.metrics.handshakes_refused.labels("unfinished").inc()
         self.log.warning(kind, "reset %s, from %s: %d connections had not finished their handshake or "
                          "taken their answer, %s (a client opening connections it does not use, or more "
-                         "connections at once than that: --max-connections raises the bound to a quarter of it)",
-                         which, self.peer(connection), self.max_unfinished, why)
+                         "connections at once than --max-connections)",
+                         which, self.peer(connection), count, why)
         cut(connection.transport)
 
     def refuse_tls(self, connection: ServerConnection) -> None:

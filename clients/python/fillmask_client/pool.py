@@ -81,9 +81,10 @@ class Slot:
 
 #: The most connections one pool has in its opening handshake at once (TCP, TLS, WebSocket upgrade and
 #: ``hello``); the rest wait their turn. A server holds a bounded number of unfinished handshakes (256 by
-#: default, against clients that open connections they never use) and resets the ones beyond it, so a
-#: pool that dialled its up to ``MAX_CONNECTIONS`` at once lost those past the server's bound. Well
-#: below that bound, so that a few such clients opening at once still fit.
+#: default, against clients that open connections they never use) and may reset the ones beyond it (this
+#: project's server lets a burst past it up to its ``--max-connections``; older ones did not), so a pool
+#: that dialled its up to ``MAX_CONNECTIONS`` at once lost those past the server's bound. Well below that
+#: bound, so that a few such clients opening at once still fit.
 MAX_OPENING = 64
 
 #: A connection that lasted this long (seconds) starts its slot's next redial from the first backoff
