@@ -523,11 +523,13 @@ PAGE_HEADERS = [
 
 
 def static_file(path: str) -> Response | None:
-    """A file of web_demo/ (``/`` is index.html), or None; never a path outside web_demo/."""
+    """A file of web_demo/ (``/`` is index.html), or None; never a path outside web_demo/, and only a
+    path that names the file itself: none with an empty, ``.`` or hidden part (``/index.html/``,
+    ``/app.js/.``, which the file system reads as the file, would serve a page whose relative links break)."""
     if not WEB_ROOT.is_dir():
         return None
     relative = "index.html" if path in ("", "/") else path.lstrip("/")
-    if ".." in relative.split("/") or "\\" in relative or relative.startswith("."):
+    if any(part == "" or part.startswith(".") for part in relative.split("/")) or "\\" in relative:
         return None
     try:
         target = (WEB_ROOT / relative).resolve()

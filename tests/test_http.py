@@ -295,6 +295,19 @@ async def test_a_handshake_refused_before_it_could_be_read_is_counted(server: Fi
         assert refused(server, "bad_request") == before + 1, extra
 
 
+async def test_the_pages_files_are_served_at_their_own_paths_only(server: FillMaskServer) -> None:
+    """``/index.html/`` and ``/app.js/.`` answered 200 with the file (the file system reads them as the
+    file), and the page at ``/index.html/`` then loaded ``/index.html/app.js``, which broke it. A path
+    with an empty, ``.`` or hidden part is not one of the page's files: 404, as any unknown path."""
+    for path in ("/", "/index.html", "/app.js", "/style.css"):
+        status, _, _ = await get(server.port, path)
+        assert status == 200, path
+    for path in ("/index.html/", "/app.js/", "/app.js/.", "/style.css/./", "/./app.js", "/web_demo/../app.js",
+                 "/index.html//", "/.hidden", "/a/.hidden", "/app.js%2F"):
+        status, headers, body = await get(server.port, path)
+        assert status == 404 and error_line(headers, body), path
+
+
 async def test_head_has_the_get_headers_and_no_body(server: FillMaskServer) -> None:
     port = server.port
     for path in ("/healthz", "/readyz", "/", "/metrics", "/nope"):
