@@ -981,13 +981,28 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
         assert_same_predictions(many[0], expected)
         assert len(many[1]) == 2 and all(len(per_mask) == 3 for per_mask in many[1])
         with server.engine.paused():
-            with pytest.raises(TimeoutError, match=r"no answer within timeout=0.1 s; the call was cancelled"):
-                await asyncio.to_thread(client.fill_mask, TEXT, timeout=0.1)
+            with pytest.raises(TimeoutError, match=r"no answer within timeout=0.1 s; the call was cancelled$"):
+                await asyncio.to_thread(client.fill_mask, TEXT, timeout=0.1)  # (no word of a blocked loop)
             await wait_until(lambda: server.engine.queued() == 0)  # cancelled on the server, connection open
     finally:
         await asyncio.to_thread(client.close)
     with pytest.raises(ConnectionLostError, match=r"the client for ws://127\.0\.0\.1:\d+/ was closed"):
         client.fill_mask(TEXT)  # the async client's exception (a trial: a RuntimeError, not a FillMaskError)
+
+
+async def test_the_blocking_client_called_on_the_servers_own_loop_says_it_blocked_that_loop(server: Any) -> None:
+    """A program that starts a server and then calls the blocking client from a coroutine on the same
+    loop waited out the open timeout and was told of a server too busy to answer: the call itself held
+    up the loop the server runs on. Its timeout now says so, and what to use instead."""
+    with pytest.raises(ConnectError) as failed:
+        SyncFillMaskClient(server.url, open_timeout=0.5)  # blocks this loop, the server's, for half a second
+    message = str(failed.value)
+    assert failed.value.kind == "timeout" and message.startswith(f"cannot connect to {server.url}: timed out"), message
+    assert message.endswith("this call blocked the event loop running in this thread, so a server on that loop "
+                            "(one started in this program) could not answer: in a coroutine, await "
+                            "FillMaskClient's calls instead"), message
+    async with FillMaskClient(server.url) as client:  # the server is none the worse
+        assert await client.fill_mask(TEXT, top_k=1)
 
 
 # --- the command line, as a subprocess ----------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 from .async_client import FillMaskClient, check_texts
 from .connection import redact
-from .errors import ConnectionLostError, FillMaskError, check_seconds
+from .errors import ConnectError, ConnectionLostError, FillMaskError, check_seconds
 from .frames import FillMaskResult, Predictions
 
 _T = TypeVar("_T")
@@ -37,6 +37,18 @@ async def _cancel_the_others() -> None:
         task.cancel()
     if others:
         await asyncio.wait(others, timeout=STOP_GRACE_S)
+
+
+def _blocked_loop_hint() -> str:
+    """Words for a timeout in a thread whose event loop the blocking call held up (a coroutine that called
+    the sync client), or "" in a thread without one: a server on that loop (one embedded in the same
+    program) could not answer while the thread waited, which looks like a busy or silent server."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return ""
+    return ("; this call blocked the event loop running in this thread, so a server on that loop (one started "
+            "in this program) could not answer: in a coroutine, await FillMaskClient's calls instead")
 
 
 def same_options_as(
@@ -167,7 +179,13 @@ class SyncFillMaskClient:
         except concurrent.futures.TimeoutError:
             # Cancelling the concurrent future cancels the task on the loop, which sends `cancel` frames.
             future.cancel()
-            raise TimeoutError(f"no answer within timeout={timeout:g} s; the call was cancelled") from None
+            raise TimeoutError(f"no answer within timeout={timeout:g} s; the call was cancelled"
+                               + _blocked_loop_hint()) from None
+        except ConnectError as exc:
+            if exc.kind != "timeout" or not _blocked_loop_hint():
+                raise
+            raise ConnectError(str(exc) + _blocked_loop_hint(), url=exc.url, http_status=exc.http_status,
+                               kind=exc.kind) from None
         except KeyboardInterrupt:
             future.cancel()
             raise
