@@ -18,6 +18,7 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from .connection import cut
+from .protocol import close_reason
 
 if TYPE_CHECKING:
     from .http import HttpFront
@@ -50,6 +51,10 @@ class FrontConnection(ServerConnection):
     client sends the rest again). Over TLS reading goes on (asyncio's TLS layer does not take a
     pause or an end of stream kept open well): a TLS client that ends its side before the answer
     loses it, as it did before.
+
+    And: the reasons of the closes websockets makes itself (1009, 1007, 1002, a missing pong's 1011) are
+    said in the protocol's words, with what to do (``protocol.close_reason``): its own read "frame with
+    2000000 bytes exceeds limit of 65536 bytes", "incorrect masking".
 
     And: websockets answers each ping with a pong written straight to the socket, past the
     server's outbox and its bound (protocol.md §12). A client that sends pings and never reads would
@@ -90,6 +95,12 @@ class FrontConnection(ServerConnection):
             transport.set_write_buffer_limits(bound)
         if self.front.admit_unfinished(self):
             self._unfinished = True
+        fail, bound = self.protocol.fail, self.front.config.max_frame_bytes
+
+        def fail_in_the_protocols_words(code: int, reason: str = "") -> None:
+            fail(code, close_reason(code, reason, bound))
+
+        self.protocol.fail = fail_in_the_protocols_words  # type: ignore[method-assign]
 
     def finished(self) -> None:
         """The handshake is done (the server's handler runs) or the connection ended: it no longer counts

@@ -43,6 +43,36 @@ SLOW_READER_REASON = "too many unread messages; read the server's messages as th
 RESENDER_REASON = ("too many requests sent before their retry_after_ms; wait as overloaded answers say before "
                    "sending again")
 
+#: RFC 6455's bound on a close frame's reason, in bytes of UTF-8.
+MAX_CLOSE_REASON_BYTES = 123
+
+
+def close_reason(code: int, reason: str, max_frame_bytes: int) -> str:
+    """The reason the server's close frame gives when the WebSocket library under it fails a connection
+    (§8's table), in this protocol's words: what was wrong and what to do, keeping the library's detail
+    where it says which rule a frame broke. ``reason`` is the library's; a close of another code or
+    reason, and this server's own closes (1001, 1008), keep theirs. At most ``MAX_CLOSE_REASON_BYTES``."""
+    if code == 1009:
+        words = ("a message in more than 4,096 fragments: send each message in fewer frames"
+                 if reason == "too many fragments" else
+                 f"a message larger than limits.max_frame_bytes ({max_frame_bytes} bytes): send shorter texts")
+    elif code == 1007:
+        where = reason.replace(" at position ", " at byte ")
+        words = f"a text frame that is not valid UTF-8 ({where}): send text as UTF-8"
+    elif code == 1002 and reason == "incomplete fragmented message":  # (the library's rule, not RFC 6455's)
+        words = "a close frame in the middle of a fragmented message: finish or drop the message before closing"
+    elif code == 1002:
+        words = f"a frame that breaks RFC 6455 ({reason}): a bug in the client or its WebSocket library"
+    elif code == 1011 and reason == "keepalive ping timeout":
+        words = "no pong within 20 s of the server's ping: keep reading so that your library answers pings"
+    else:
+        return reason
+    data = words.encode()
+    if len(data) <= MAX_CLOSE_REASON_BYTES:
+        return words
+    return data[:MAX_CLOSE_REASON_BYTES - 3].decode(errors="ignore") + "..."
+
+
 RequestId = int | str
 #: A target not scored as given (§4 ``result.targets``): what the client sent, and the token the pipeline
 #: scored instead as its ``token_str`` reads, or None when the target is no token at all (ignored).

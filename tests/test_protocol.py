@@ -9,11 +9,13 @@ import orjson
 import pytest
 
 from fillmask_server.protocol import (
+    MAX_CLOSE_REASON_BYTES,
     MAX_SAFE_INTEGER,
     CancelRequest,
     FillMaskRequest,
     Limits,
     ProtocolError,
+    close_reason,
     encode_error,
     encode_hello,
     encode_overloaded,
@@ -281,3 +283,30 @@ def test_a_result_names_the_targets_not_scored_as_given_and_only_those() -> None
     assert frame["targets"] == [{"given": "new york", "scored": "new"}, {"given": "\u0301", "scored": None}]
     assert "targets" not in orjson.loads(encode_result(1, b"[]", 0.0, 0.0, 1, 1, 1))
     assert targets_field(()) == b""
+
+
+def test_the_libraries_close_reasons_are_said_in_the_protocols_words() -> None:
+    """§8: the closes the WebSocket library makes itself went out in its words ("frame with 2000000 bytes
+    exceeds limit of 65536 bytes", "incorrect masking"); each now says what was wrong and what to do,
+    within RFC 6455's 123 bytes, and keeps the library's detail of which rule a frame broke."""
+    said = {
+        (1009, "frame with 2000000 bytes exceeds limit of 65536 bytes"):
+            "a message larger than limits.max_frame_bytes (65536 bytes): send shorter texts",
+        (1009, "too many fragments"): "a message in more than 4,096 fragments: send each message in fewer frames",
+        (1007, "invalid start byte at position 35"):
+            "a text frame that is not valid UTF-8 (invalid start byte at byte 35): send text as UTF-8",
+        (1002, "incorrect masking"):
+            "a frame that breaks RFC 6455 (incorrect masking): a bug in the client or its WebSocket library",
+        (1002, "incomplete fragmented message"):
+            "a close frame in the middle of a fragmented message: finish or drop the message before closing",
+        (1011, "keepalive ping timeout"):
+            "no pong within 20 s of the server's ping: keep reading so that your library answers pings",
+    }
+    for (code, reason), words in said.items():
+        assert close_reason(code, reason, 65536) == words
+        assert len(words.encode()) <= MAX_CLOSE_REASON_BYTES, words
+    for code, reason in ((1001, "the server is draining"), (1008, "too many unread messages"), (1011, ""),
+                         (1000, "")):
+        assert close_reason(code, reason, 65536) == reason  # the server's own, and the rest, as they were
+    long = close_reason(1002, "é" * 200, 65536)  # a detail of any length is cut on a character, marked
+    assert long.endswith("...") and len(long.encode()) <= MAX_CLOSE_REASON_BYTES and long.encode().decode() == long

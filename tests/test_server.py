@@ -672,8 +672,32 @@ async def test_a_close_frame_inside_a_fragmented_message_is_answered_1002_as_pro
         ws.send_data()
         await asyncio.wait_for(ws.wait_closed(), 10)
         assert ws.protocol.close_rcvd is not None and ws.protocol.close_rcvd.code == 1002
+        assert ws.protocol.close_rcvd.reason == ("a close frame in the middle of a fragmented message: finish or "
+                                                 "drop the message before closing")
         async with session(srv.url) as (other, _):  # the server goes on
             assert (await request(other, 1, "Paris is the [MASK] of France."))["type"] == "result"
+
+
+async def test_the_closes_the_websocket_library_makes_give_their_reason_in_the_protocols_words(
+        server: FillMaskServer) -> None:
+    """§8: a frame over the limit, one that breaks RFC 6455, a message in too many fragments: the close
+    reasons were the library's ("frame with 65537 bytes exceeds limit of 65536 bytes", "reserved bits
+    must be 0"); they now say what was wrong, with the limit, and what to do."""
+    limit = server.config.max_frame_bytes
+    for write, code, reason in (
+            (lambda ws: ws.protocol.send_text(b"x" * (limit + 1)), 1009,
+             f"a message larger than limits.max_frame_bytes ({limit} bytes): send shorter texts"),
+            (lambda ws: ws.transport.write(b"\xc1\x82\x00\x00\x00\x00{}"), 1002,  # (RSV1 set, masked by zeros)
+             "a frame that breaks RFC 6455 (reserved bits must be 0): a bug in the client or its WebSocket library"),
+            (lambda ws: [ws.protocol.send_text(b"{", fin=False), *(ws.protocol.send_continuation(b" ", fin=False)
+                                                                     for _ in range(4100))], 1009,
+             "a message in more than 4,096 fragments: send each message in fewer frames")):
+        async with session(server.url) as (ws, _):
+            write(ws)
+            ws.send_data()
+            await asyncio.wait_for(ws.wait_closed(), 10)
+            assert ws.protocol.close_rcvd is not None, reason
+            assert (ws.protocol.close_rcvd.code, ws.protocol.close_rcvd.reason) == (code, reason)
 
 
 async def test_a_failure_handling_a_message_closes_that_connection_with_1011_and_no_other(
