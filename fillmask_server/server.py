@@ -391,6 +391,8 @@ class FillMaskServer:
             self._phase = _Phase.ENDED
         if self._phase is _Phase.ENDED:
             return
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            await self._drained_elsewhere()
         self._phase = _Phase.DRAINING  # (from STARTING too: start() then leaves the phase to this drain)
         if not self._start_done.is_set():  # every drain during start() waits for it to end
             await self._start_done.wait()
@@ -430,6 +432,29 @@ class FillMaskServer:
         self._release_switch_interval()
         self._phase = _Phase.ENDED
         log.info("stopped")
+
+    async def _drained_elsewhere(self) -> None:
+        """``drain`` on another event loop than ``start``'s (two ``asyncio.run`` calls, say): everything
+        the server does on its loop (connections, timers, the listener) can only be done there, so this
+        raises ``RuntimeError`` saying how to drain it. Where that loop has closed, nothing can ever run
+        on it again: the listening sockets are closed and the engine's threads stopped first, so that
+        nothing is left running (its clients' connections end with the process, without a close frame)."""
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            raise RuntimeError("drain() was called on another event loop than the one this server was started "
+                               "on, where its connections live: run it there (asyncio.run_coroutine_threadsafe("
+                               "server.drain(), loop) from another thread)")
+        if self._server is not None:
+            with contextlib.suppress(RuntimeError):  # (asyncio's close: its sockets close, then "loop closed")
+                self._server.server.close()
+        await asyncio.to_thread(self.engine.stop)
+        self._release_switch_interval()
+        self._phase = _Phase.ENDED
+        log.warning("stopped without a drain: the event loop it was started on had closed")
+        raise RuntimeError("the event loop this server was started on has closed (asyncio.run closes its loop "
+                           "when its coroutine returns), so it could not drain: its listener and threads are "
+                           "stopped, its clients were not told; start and drain a server within one "
+                           "asyncio.run (async with server: ...)")
 
     # --- WebSocket --------------------------------------------------------------------------------
 

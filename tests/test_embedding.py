@@ -255,3 +255,42 @@ async def test_a_hand_built_server_runs_its_passes_on_the_torch_threads_its_conf
             assert torch.get_num_threads() == 3 - wanted  # (this thread's: the model thread set its own)
     finally:
         torch.set_num_threads(process)
+
+
+def test_a_drain_on_another_event_loop_says_how_and_after_its_own_loop_closed_leaves_nothing_running(
+        tiny_config: Config) -> None:
+    """A program that started the server in one ``asyncio.run`` and drained it in a second got asyncio's
+    "Event loop is closed" and kept the engine's threads and the listening port. A drain on another loop
+    now says where to run it while the server's own loop still runs (and changes nothing), and once
+    that loop has closed, stops the listener and the threads and says what was not done."""
+    import threading
+
+    server = load_server(replace(tiny_config, calibration_s=0))
+    own = asyncio.new_event_loop()
+    thread = threading.Thread(target=own.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), own).result(30)
+        with pytest.raises(RuntimeError, match=r"run it there \(asyncio\.run_coroutine_threadsafe\("):
+            asyncio.run(server.drain())
+        assert running_threads(server)
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()  # still listening
+        asyncio.run_coroutine_threadsafe(server.drain(), own).result(30)  # on its own loop: drained
+        assert running_threads(server) == []
+    finally:
+        own.call_soon_threadsafe(own.stop)
+        thread.join(10)
+        own.close()
+
+    server = load_server(replace(tiny_config, calibration_s=0))
+    asyncio.run(server.start())  # (asyncio.run closes its loop on return)
+    try:
+        with pytest.raises(RuntimeError, match="the event loop this server was started on has closed") as ended:
+            asyncio.run(server.drain())
+        assert "start and drain a server within one asyncio.run" in str(ended.value)
+        assert running_threads(server) == []
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+        asyncio.run(server.drain())  # ended: nothing to do, as after any drain
+    finally:
+        server.engine.stop()
