@@ -477,12 +477,13 @@ class Engine:
         if quiet is not None and count >= quiet.team:
             self._team_ran_at = finished
         forwarded = [i for indices, _ in groups for i in indices]
+        said: list[str] = []  # the lines this batch's rules and probes make, logged once the lock is released
         with self._handing_over():
             if ruled and not failed_items and quiet is not None:  # timed for the rule, at the calibration's length
                 cost = self.core.cost
                 scale = cost.forward_s(1, padded_tokens) / max(1e-9, cost.forward_s(1, quiet.tokens))
                 if (line := quiet.ran(count, finished - forward_at, scale)) is not None:
-                    log.info("%s", line)
+                    said.append(line)
             in_use = self.core.threads.current if self.core.threads is not None else 0
             looking = self.core.measures_beside
             failed = self.core.update_from_output(batch, padded_tokens, forwarded, failed_items, elapsed, finished,
@@ -492,13 +493,13 @@ class Engine:
             # A probe's switch (the look, if this batch made it, came after it: its ``before``).
             probed = made.before if made is not None else self.core.threads.current if self.core.threads else 0
             if (verdict := self.core.probe_ended) is not None:
-                log.info("%s", verdict.line(self._words))
+                said.append(verdict.line(self._words))
             if probed != in_use:
-                log.info("torch threads %s -> %s: batches so won %d probes in a row against the cost model while "
-                         "serving (tuning.py: a larger count, or a wider team, must be faster; a smaller one as "
-                         "fast)", self._words(in_use), self._words(probed), WINS_TO_SWITCH)
+                said.append(f"torch threads {self._words(in_use)} -> {self._words(probed)}: batches so won "
+                            f"{WINS_TO_SWITCH} probes in a row against the cost model while serving (tuning.py: a "
+                            "larger count, or a wider team, must be faster; a smaller one as fast)")
             if made is not None and look is not None:
-                log.info("%s", made.line(look.layouts))
+                said.append(made.line(look.layouts))
             self._forwarding = False
             # Counted before any of the batch's answers is handed over: whoever has an answer sees its batch.
             stats = self.stats
@@ -512,6 +513,8 @@ class Engine:
             self._undecoded += 1
             self._hand_over_locked(failed)
             self._decode_wake.notify()
+        for line in said:  # (not under the lock: a log handler may block, on a pipe nobody reads, say)
+            log.info("%s", line)
 
     def _words(self, threads: int) -> str:
         """``2`` or ``2 in 2 parts``: the layout of the tuner's ``threads``, for the log."""

@@ -969,8 +969,26 @@ def test_the_thread_tuner_measures_the_layouts_in_parts_too(model: FillMaskModel
     assert all(isinstance(outcome, Result) for outcome in collector.outcomes)
 
 
+class LockChecking(logging.Handler):
+    """Records each line the engine logs with whether its lock was free to the thread that logged it: the
+    lock is not re-entrant, so the thread that holds it waits out the timeout (another thread holding it
+    a moment only delays the answer)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(logging.INFO)
+        self.engine = engine
+        self.lines: list[tuple[str, bool]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        free = self.engine._lock.acquire(timeout=5)
+        if free:
+            self.engine._lock.release()
+        self.lines.append((record.getMessage(), free))
+
+
 def test_the_second_look_hears_the_cpu_of_every_thread_but_the_models_and_switches_to_its_layout(
-        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch) -> None:
+        model: FillMaskModel, collector: Collector, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """On the first busy spell the engine tells the second look (``layout.SecondLook``) the CPU time
     that the submitting thread (the event loop's place), the tokenizer stage and the decode stage used,
     never the model thread's nor a part helper's, and runs the next batches in the layout the look
@@ -1001,6 +1019,10 @@ def test_the_second_look_hears_the_cpu_of_every_thread_but_the_models_and_switch
 
     monkeypatch.setattr(engine.core, "beside", hearing)
     calls = record_forward(model, monkeypatch)
+    logged = LockChecking(engine)  # (its lines were written under the engine's lock: a handler that blocks held it)
+    engine_log = logging.getLogger("fillmask_server.engine")
+    engine_log.addHandler(logged)
+    caplog.set_level(logging.INFO, logger=engine_log.name)
     before = torch.get_num_threads()
     engine.start()
     try:
@@ -1020,7 +1042,9 @@ def test_the_second_look_hears_the_cpu_of_every_thread_but_the_models_and_switch
     finally:
         engine.stop()
         torch.set_num_threads(before)
+        engine_log.removeHandler(logged)
     assert look.done.before == 3 and look.done.chosen == 2 and look.done.requests >= LOOK_REQUESTS
+    assert any("layout" in line for line, _ in logged.lines) and all(free for _, free in logged.lines), logged.lines
     assert look.done.beside_s > 5e-6  # (what the choice needs: measured, not assumed)
     assert engine.core.threads is not None and engine.core.threads.current == 2 and engine.forward_parts == 2
     assert set(heard) == {threading.current_thread().name, "fillmask-intake", "fillmask-decode"}
