@@ -102,6 +102,11 @@ class FrontConnection(ServerConnection):
 
         self.protocol.fail = fail_in_the_protocols_words  # type: ignore[method-assign]
 
+    @property
+    def read_any(self) -> bool:
+        """Whether a byte has been read from the connection (its request, or part of one)."""
+        return self._read_any
+
     def finished(self) -> None:
         """The handshake is done (the server's handler runs) or the connection ended: it no longer counts
         in the front's ``unfinished``. Idempotent."""

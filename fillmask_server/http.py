@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import http
 import logging
@@ -102,17 +103,20 @@ class FrontState:
 #: each hold memory (up to websockets' 128 header lines of 8 KiB) for up to its open timeout (10 s), and
 #: nothing else bounds how many there are (``--max-connections`` counts open WebSocket connections):
 #: at most this many, or a quarter of ``--max-connections`` where that is more (§12). One past it makes
-#: room by resetting the oldest of them that has not sent a whole request yet and was accepted at least
-#: ``UNFINISHED_GRACE_S`` ago, so clients that open connections and send nothing (or a byte now and
-#: then) cannot keep a probe or a client that asks at once from getting in. The server accepts before
-#: it reads, so a burst of connections accepted at once (clients reconnecting after a drain) has sent
-#: nothing the server has read yet: while none is that old and the newest came less than that ago, a
-#: newcomer is let in past the bound, up to ``unfinished_ceiling`` (``--max-connections``, the number
-#: the operator sized the server for). Otherwise, the oldest without a whole request is reset whatever
-#: its age or, where every one has sent its request, the newcomer.
+#: room by resetting the oldest of them that has sent no whole request, so clients that open
+#: connections and send nothing (or a byte now and then) cannot keep a probe or a client that asks at
+#: once from getting in; where every one has sent its request, the newcomer is reset instead. But the
+#: server accepts before it reads: a burst of connections accepted at once (clients reconnecting after
+#: a drain) has sent nothing the server has read yet. So one from which nothing has been read, accepted
+#: less than ``UNFINISHED_GRACE_S`` ago, is not reset to make room: where every one without a whole
+#: request is such, the newcomer is let in past the bound, up to ``unfinished_ceiling``
+#: (``--max-connections``, or this bound where that is more). Once a connection's grace has passed with
+#: nothing read, it counts as one that sends nothing, and those past the bound are reset then, oldest
+#: first (``_trim_unfinished``): past the bound only connections that have sent nothing (a few hundred
+#: bytes each) stay, and for about a grace.
 MIN_UNFINISHED = 256
 
-#: Seconds a connection is given, from its accept, to have its request read before it counts as one
+#: Seconds a connection is given, from its accept, to have its first bytes read before it counts as one
 #: that sends nothing (``MIN_UNFINISHED``): longer than a client's request takes to follow its TCP
 #: handshake on most networks (a round trip), far shorter than the open timeout.
 UNFINISHED_GRACE_S = 1.0
@@ -131,11 +135,12 @@ class HttpFront:
         self.metrics = metrics
         self.state = state
         self.log = LogThrottle(log, LOG_INTERVAL_S)
-        # Connections accepted and not yet upgraded or ended (``FrontConnection``), oldest first, each
-        # with when it was accepted (``time.monotonic``).
-        self._unfinished: dict[ServerConnection, float] = {}
+        # Connections accepted and not yet upgraded or ended, oldest first, each with when it was accepted
+        # (``time.monotonic``).
+        self._unfinished: dict[FrontConnection, float] = {}
         self.max_unfinished = max(MIN_UNFINISHED, config.max_connections // 4)
         self.unfinished_ceiling = max(self.max_unfinished, config.max_connections)
+        self._trim: asyncio.TimerHandle | None = None  # ``_trim_unfinished``, when some are past the bound
 
     def peer(self, connection: ServerConnection) -> str:
         """``connection``'s client for a log line (``peer``, with this server's ``--forwarded-allow-ips``)."""
@@ -242,45 +247,83 @@ class HttpFront:
         """How many connections have not finished their handshake or taken their answer (``MIN_UNFINISHED``)."""
         return len(self._unfinished)
 
-    def admit_unfinished(self, connection: ServerConnection) -> bool:
-        """A connection just accepted: counted among the unfinished (True),
-        or reset itself (False). Where ``max_unfinished`` are, room is made first by resetting the oldest
-        of them that has not sent a whole request (and is not closing already) and was accepted
-        ``UNFINISHED_GRACE_S`` ago or more; where none is that old and the newest was accepted less than
-        that ago (a burst the server has not read yet), the newcomer is let in past ``max_unfinished``,
-        up to ``unfinished_ceiling``; otherwise the oldest without a whole request is reset whatever its
-        age, or, where every one has sent its request, the newcomer. See ``MIN_UNFINISHED``."""
+    def admit_unfinished(self, connection: FrontConnection) -> bool:
+        """A connection just accepted: counted among the unfinished (True), or reset itself (False).
+
+        Where ``max_unfinished`` are, room is made by resetting the oldest of them that has not sent a whole
+        request (and is not closing already) and is not ``_in_grace``. Where every such one is in its
+        grace (a burst not read yet), the newcomer is let in past the bound, up to ``unfinished_ceiling``
+        (and ``_trim_unfinished`` runs once the grace has passed); at the ceiling the oldest of them is
+        reset all the same. Where every one has sent its request, the newcomer is reset. Invariant: at
+        most ``unfinished_ceiling`` are counted. See ``MIN_UNFINISHED``."""
         now = time.monotonic()
         count = len(self._unfinished)
         if count >= self.max_unfinished:
-            oldest = next((waiting for waiting in self._unfinished  # (one answered early is closing: let it go)
-                           if waiting.request is None and not waiting.transport.is_closing()), None)
-            aged = oldest is not None and now - self._unfinished[oldest] >= UNFINISHED_GRACE_S
-            burst = now - self._unfinished[next(reversed(self._unfinished))] < UNFINISHED_GRACE_S
-            if not aged and burst and count < self.unfinished_ceiling:
-                pass  # (let in past the bound: the burst's requests are read in a moment)
-            elif oldest is None:
+            idle = self._idle()
+            oldest = next((waiting for waiting in idle if not self._in_grace(waiting, now)), None)
+            if oldest is None and idle and count < self.unfinished_ceiling:
+                self._trim_at(min(self._unfinished[waiting] for waiting in idle) + UNFINISHED_GRACE_S)
+            elif not idle:
                 self._reset_unfinished("unfinished_new", connection, count, "a new connection",
-                                       "every one of them has sent its request")
+                                       "every one of them has sent its request (clients that do not take "
+                                       "their answers?)")
                 return False
             else:
+                oldest = oldest or idle[0]
                 del self._unfinished[oldest]
                 self._reset_unfinished("unfinished_oldest", oldest, count,
                                        "the connection that had waited longest without a whole request",
-                                       "to make room for a new one")
+                                       "to make room for a new one (a client opening connections it sends "
+                                       "nothing on?)" if count < self.unfinished_ceiling else
+                                       "to make room for a new one: more connections at once than "
+                                       "--max-connections")
         self._unfinished[connection] = now
         return True
 
-    def unfinished_ended(self, connection: ServerConnection) -> None:
+    def unfinished_ended(self, connection: FrontConnection) -> None:
         """``connection`` upgraded or ended: it no longer counts among the unfinished."""
         self._unfinished.pop(connection, None)
 
-    def _reset_unfinished(self, kind: str, connection: ServerConnection, count: int, which: str, why: str) -> None:
+    def _idle(self) -> list[FrontConnection]:
+        """The unfinished connections that have not sent a whole request, oldest first, but those closing
+        already (one answered early is: let it go)."""
+        return [waiting for waiting in self._unfinished
+                if waiting.request is None and not waiting.transport.is_closing()]
+
+    def _in_grace(self, connection: FrontConnection, now: float) -> bool:
+        """Accepted less than ``UNFINISHED_GRACE_S`` ago with nothing read from it: its request may be on
+        its way, or not read yet (``MIN_UNFINISHED``)."""
+        return not connection.read_any and now - self._unfinished[connection] < UNFINISHED_GRACE_S
+
+    def _trim_at(self, when: float) -> None:
+        """``_trim_unfinished`` at ``when`` (``time.monotonic``, the loop's clock), unless it is due already."""
+        if self._trim is None:
+            self._trim = asyncio.get_running_loop().call_at(when, self._trim_unfinished)
+
+    def _trim_unfinished(self) -> None:
+        """Past ``max_unfinished`` after a burst: reset those that have not sent a whole request and whose
+        grace is over, oldest first, until at most ``max_unfinished`` are counted; then again when the
+        next grace ends, while some still in their grace keep the count past the bound."""
+        self._trim = None
+        now = time.monotonic()
+        idle = self._idle()
+        for waiting in idle:
+            count = len(self._unfinished)
+            if count <= self.max_unfinished:
+                return
+            if not self._in_grace(waiting, now):
+                del self._unfinished[waiting]
+                self._reset_unfinished("unfinished_trim", waiting, count,
+                                       f"a connection that had sent no whole request {UNFINISHED_GRACE_S:g} s "
+                                       "after its accept", "past the bound after a burst of new ones")
+        young = [self._unfinished[waiting] for waiting in idle if waiting in self._unfinished]
+        if young and len(self._unfinished) > self.max_unfinished:
+            self._trim_at(min(young) + UNFINISHED_GRACE_S)
+
+    def _reset_unfinished(self, kind: str, connection: FrontConnection, count: int, which: str, why: str) -> None:
         self.metrics.handshakes_refused.labels("unfinished").inc()
         self.log.warning(kind, "reset %s, from %s: %d connections had not finished their handshake or "
-                         "taken their answer, %s (a client opening connections it does not use, or more "
-                         "connections at once than --max-connections)",
-                         which, self.peer(connection), count, why)
+                         "taken their answer, %s", which, self.peer(connection), count, why)
         cut(connection.transport)
 
     def refuse_tls(self, connection: ServerConnection) -> None:

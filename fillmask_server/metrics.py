@@ -197,7 +197,8 @@ class Metrics:
                                           "could not be read), not_found (404), host (421), "
                                           "origin (403), token (401), max_connections or unavailable (503), "
                                           "unfinished (reset to bound handshakes under way: the oldest "
-                                          "without a whole request, or the new connection).",
+                                          "without a whole request, the new connection, or one past the "
+                                          "bound after a burst that sent nothing).",
                                           ["reason"], registry=registry)
         for reason in REFUSED_REASONS:
             self.handshakes_refused.labels(reason)

@@ -200,12 +200,13 @@ async def test_connections_that_never_finish_a_handshake_are_bounded(make_server
 async def test_at_the_bound_with_every_request_sent_the_newcomer_is_reset(make_server: Any, monkeypatch: Any
                                                                          ) -> None:
     """§12: where every unfinished connection has sent a whole request (answers that their clients do
-    not take), none is cut for a newcomer: the newcomer is reset, as it is accepted, and counted. (Once
-    the newest is past the grace a burst gets.)"""
+    not take), none is cut for a newcomer: the newcomer is reset, as it is accepted, and counted; also
+    within the grace a burst gets (a review: a request every second let every newcomer in up to
+    --max-connections, each holding an answer nobody took)."""
     from fillmask_server import http as http_module
 
     monkeypatch.setattr(http_module, "MIN_UNFINISHED", 4)
-    monkeypatch.setattr(http_module, "UNFINISHED_GRACE_S", 0.0)
+    monkeypatch.setattr(http_module, "UNFINISHED_GRACE_S", 3600.0)
     async with make_server(max_connections=8) as srv:
         waiting = []
         try:
@@ -257,6 +258,57 @@ async def test_a_burst_of_handshakes_past_the_bound_is_let_in_up_to_max_connecti
         assert upgraded == list(range(2, 14)), answers  # the first two were reset for the last two
         assert sample(srv, "fillmask_handshakes_refused_total", reason="unfinished") == 2
         await wait_until(lambda: srv.http.unfinished == 0)
+
+
+async def test_connections_past_the_bound_that_send_nothing_are_reset_once_their_grace_is_over(
+        make_server: Any, monkeypatch: Any) -> None:
+    """§12: a burst let in past the bound stayed there, each newcomer resetting one of it, until the open
+    timeout (a review: three times the bound, 2.7 s after the burst). Once their grace is over, those that
+    sent nothing are reset, oldest first, back to the bound, with no newcomer needed."""
+    from fillmask_server import http as http_module
+
+    monkeypatch.setattr(http_module, "MIN_UNFINISHED", 4)
+    monkeypatch.setattr(http_module, "UNFINISHED_GRACE_S", 0.5)
+    async with make_server(max_connections=12) as srv:
+        burst = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(8)]  # accepted at once
+        try:
+            await wait_until(lambda: sample(srv, "fillmask_handshakes_refused_total", reason="unfinished") == 4)
+            assert srv.http.unfinished == 4
+            kept = {conn.transport.get_extra_info("peername")[1] for conn in srv.http._unfinished}
+            assert kept == {sock.getsockname()[1] for sock in burst[4:]}  # the oldest four went
+            for sock in burst[:4]:
+                assert await reset_or_closed(sock)
+        finally:
+            for sock in burst:
+                sock.close()
+
+
+async def test_a_connection_that_sent_part_of_a_request_gets_no_grace(make_server: Any, monkeypatch: Any) -> None:
+    """§12: the grace is for connections the server has not read yet. One that sent part of its headers
+    has been read, and may hold up to a megabyte of them: at the bound it is reset for a newcomer, grace
+    or not, so such connections stay within the bound."""
+    from fillmask_server import http as http_module
+
+    monkeypatch.setattr(http_module, "MIN_UNFINISHED", 4)
+    monkeypatch.setattr(http_module, "UNFINISHED_GRACE_S", 3600.0)
+    async with make_server(max_connections=12) as srv:
+        partial = []
+        try:
+            for _ in range(4):
+                sock = socket.create_connection(("127.0.0.1", srv.port))
+                sock.sendall(b"GET / HTTP/1.1\r\nX-Padding: " + b"a" * 4000)
+                partial.append(sock)
+            await wait_until(lambda: srv.http.unfinished == 4 and all(conn.read_any for conn in srv.http._unfinished))
+            newcomer = socket.create_connection(("127.0.0.1", srv.port))
+            try:
+                assert await reset_or_closed(partial[0])
+                assert sample(srv, "fillmask_handshakes_refused_total", reason="unfinished") == 1
+                assert srv.http.unfinished == 4
+            finally:
+                newcomer.close()
+        finally:
+            for sock in partial:
+                sock.close()
 
 
 def first_bytes(sock: socket.socket) -> bytes:
