@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
+from websockets.asyncio.messages import MAX_FRAGMENTS
 from websockets.asyncio.server import ServerConnection
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
@@ -95,10 +96,10 @@ class FrontConnection(ServerConnection):
             transport.set_write_buffer_limits(bound)
         if self.front.admit_unfinished(self):
             self._unfinished = True
-        fail, bound = self.protocol.fail, self.front.config.max_frame_bytes
+        fail, bound, ping_timeout = self.protocol.fail, self.front.config.max_frame_bytes, self.ping_timeout
 
         def fail_in_the_protocols_words(code: int, reason: str = "") -> None:
-            fail(code, close_reason(code, reason, bound))
+            fail(code, close_reason(code, reason, bound, MAX_FRAGMENTS, ping_timeout or 0.0))
 
         self.protocol.fail = fail_in_the_protocols_words  # type: ignore[method-assign]
 

@@ -47,24 +47,27 @@ RESENDER_REASON = ("too many requests sent before their retry_after_ms; wait as 
 MAX_CLOSE_REASON_BYTES = 123
 
 
-def close_reason(code: int, reason: str, max_frame_bytes: int) -> str:
+def close_reason(code: int, reason: str, max_frame_bytes: int, max_fragments: int = 4096,
+                 ping_timeout_s: float = 20.0) -> str:
     """The reason the server's close frame gives when the WebSocket library under it fails a connection
     (§8's table), in this protocol's words: what was wrong and what to do, keeping the library's detail
-    where it says which rule a frame broke. ``reason`` is the library's; a close of another code or
-    reason, and this server's own closes (1001, 1008), keep theirs. At most ``MAX_CLOSE_REASON_BYTES``."""
+    where it says which rule a frame broke. ``reason`` is the library's; ``max_fragments`` and
+    ``ping_timeout_s`` are the library's settings; a close of another code or reason, and this server's
+    own closes (1001, 1008), keep theirs. At most ``MAX_CLOSE_REASON_BYTES``."""
     if code == 1009:
-        words = ("a message in more than 4,096 fragments: send each message in fewer frames"
+        words = (f"a message in more than {max_fragments:,} fragments: send each message in fewer frames"
                  if reason == "too many fragments" else
                  f"a message larger than limits.max_frame_bytes ({max_frame_bytes} bytes): send shorter texts")
-    elif code == 1007:
+    elif code == 1007:  # (a text message's bytes, or a close frame's reason)
         where = reason.replace(" at position ", " at byte ")
-        words = f"a text frame that is not valid UTF-8 ({where}): send text as UTF-8"
+        words = f"text that is not valid UTF-8 ({where}): send text messages and close reasons as UTF-8"
     elif code == 1002 and reason == "incomplete fragmented message":  # (the library's rule, not RFC 6455's)
         words = "a close frame in the middle of a fragmented message: finish or drop the message before closing"
     elif code == 1002:
         words = f"a frame that breaks RFC 6455 ({reason}): a bug in the client or its WebSocket library"
     elif code == 1011 and reason == "keepalive ping timeout":
-        words = "no pong within 20 s of the server's ping: keep reading so that your library answers pings"
+        words = (f"no pong within {ping_timeout_s:g} s of the server's ping: keep reading so that your library "
+                 "answers pings")
     else:
         return reason
     data = words.encode()

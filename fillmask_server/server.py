@@ -438,12 +438,14 @@ class FillMaskServer:
         the server does on its loop (connections, timers, the listener) can only be done there, so this
         raises ``RuntimeError`` saying how to drain it. Where that loop has closed, nothing can ever run
         on it again: the listening sockets are closed and the engine's threads stopped first, so that
-        nothing is left running (its clients' connections end with the process, without a close frame)."""
+        nothing is left running (its connections ended as that loop's tasks were cancelled, without
+        ``going_away``)."""
         assert self._loop is not None
         if not self._loop.is_closed():
+            how = ("asyncio.run_coroutine_threadsafe(server.drain(), loop) from another thread"
+                   if self._loop.is_running() else "loop.run_until_complete(server.drain())")
             raise RuntimeError("drain() was called on another event loop than the one this server was started "
-                               "on, where its connections live: run it there (asyncio.run_coroutine_threadsafe("
-                               "server.drain(), loop) from another thread)")
+                               f"on, where its connections live: run it there ({how})")
         if self._server is not None:
             with contextlib.suppress(RuntimeError):  # (asyncio's close: its sockets close, then "loop closed")
                 self._server.server.close()
@@ -453,8 +455,8 @@ class FillMaskServer:
         log.warning("stopped without a drain: the event loop it was started on had closed")
         raise RuntimeError("the event loop this server was started on has closed (asyncio.run closes its loop "
                            "when its coroutine returns), so it could not drain: its listener and threads are "
-                           "stopped, its clients were not told; start and drain a server within one "
-                           "asyncio.run (async with server: ...)")
+                           "stopped, and its clients were not told going_away; start and drain a server within "
+                           "one asyncio.run (async with server: ...)")
 
     # --- WebSocket --------------------------------------------------------------------------------
 

@@ -998,11 +998,20 @@ async def test_the_blocking_client_called_on_the_servers_own_loop_says_it_blocke
         SyncFillMaskClient(server.url, open_timeout=0.5)  # blocks this loop, the server's, for half a second
     message = str(failed.value)
     assert failed.value.kind == "timeout" and message.startswith(f"cannot connect to {server.url}: timed out"), message
-    assert message.endswith("this call blocked the event loop running in this thread, so a server on that loop "
-                            "(one started in this program) could not answer: in a coroutine, await "
-                            "FillMaskClient's calls instead"), message
+    assert message.endswith("this call blocked the event loop running in this thread: if the server runs on "
+                            "that loop (one started in this program), it could not answer; in a coroutine, "
+                            "await FillMaskClient's calls instead"), message
     async with FillMaskClient(server.url) as client:  # the server is none the worse
         assert await client.fill_mask(TEXT, top_k=1)
+    # Said only where it may be so (a review: a notebook's cells run in its loop, and its server may be
+    # anywhere): a loop runs in this thread, and the server is on this machine.
+    from fillmask_client.sync_client import _blocked_loop_hint
+
+    for url in ("ws://127.0.0.1:8765/", "ws://[::1]:8765/", "wss://localhost/", "ws://127.1.2.3/ws"):
+        assert _blocked_loop_hint([url]), url
+    for url in ("ws://example.com:8765/", "ws://10.0.0.5/", "ws://[2001:db8::1]/"):
+        assert _blocked_loop_hint([url]) == "", url
+    assert await asyncio.to_thread(_blocked_loop_hint, [server.url]) == ""  # (no loop in that thread)
 
 
 # --- the command line, as a subprocess ----------------------------------------------------------

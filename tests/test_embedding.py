@@ -282,6 +282,17 @@ def test_a_drain_on_another_event_loop_says_how_and_after_its_own_loop_closed_le
         thread.join(10)
         own.close()
 
+    server = load_server(replace(tiny_config, calibration_s=0))  # a loop stopped, not closed (a review: the
+    own = asyncio.new_event_loop()  # advice to use run_coroutine_threadsafe would have waited for ever)
+    try:
+        own.run_until_complete(server.start())
+        with pytest.raises(RuntimeError, match=r"run it there \(loop\.run_until_complete\(server\.drain\(\)\)\)"):
+            asyncio.run(server.drain())
+        own.run_until_complete(server.drain())
+        assert running_threads(server) == []
+    finally:
+        own.close()
+
     server = load_server(replace(tiny_config, calibration_s=0))
     asyncio.run(server.start())  # (asyncio.run closes its loop on return)
     try:

@@ -230,5 +230,5 @@ async def test_invalid_utf8_in_a_text_frame_closes_1007_with_nothing_else(server
             frame = await asyncio.wait_for(ws.recv(), 5)
             raise AssertionError(f"unexpected frame {frame!r}")
         assert ws.close_code == 1007
-        assert ws.close_reason == ("a text frame that is not valid UTF-8 (invalid start byte at byte 35): send text "
-                                   "as UTF-8")
+        assert ws.close_reason == ("text that is not valid UTF-8 (invalid start byte at byte 35): send text "
+                                   "messages and close reasons as UTF-8")

@@ -293,8 +293,9 @@ def test_the_libraries_close_reasons_are_said_in_the_protocols_words() -> None:
         (1009, "frame with 2000000 bytes exceeds limit of 65536 bytes"):
             "a message larger than limits.max_frame_bytes (65536 bytes): send shorter texts",
         (1009, "too many fragments"): "a message in more than 4,096 fragments: send each message in fewer frames",
-        (1007, "invalid start byte at position 35"):
-            "a text frame that is not valid UTF-8 (invalid start byte at byte 35): send text as UTF-8",
+        (1007, "invalid start byte at position 35"):  # (also a close frame's reason: a review)
+            "text that is not valid UTF-8 (invalid start byte at byte 35): send text messages and close reasons "
+            "as UTF-8",
         (1002, "incorrect masking"):
             "a frame that breaks RFC 6455 (incorrect masking): a bug in the client or its WebSocket library",
         (1002, "incomplete fragmented message"):
@@ -308,5 +309,7 @@ def test_the_libraries_close_reasons_are_said_in_the_protocols_words() -> None:
     for code, reason in ((1001, "the server is draining"), (1008, "too many unread messages"), (1011, ""),
                          (1000, "")):
         assert close_reason(code, reason, 65536) == reason  # the server's own, and the rest, as they were
+    assert close_reason(1009, "too many fragments", 65536, 100).startswith("a message in more than 100 fragments")
+    assert close_reason(1011, "keepalive ping timeout", 65536, 4096, 5.0).startswith("no pong within 5 s")
     long = close_reason(1002, "é" * 200, 65536)  # a detail of any length is cut on a character, marked
     assert long.endswith("...") and len(long.encode()) <= MAX_CLOSE_REASON_BYTES and long.encode().decode() == long

@@ -691,7 +691,10 @@ async def test_the_closes_the_websocket_library_makes_give_their_reason_in_the_p
              "a frame that breaks RFC 6455 (reserved bits must be 0): a bug in the client or its WebSocket library"),
             (lambda ws: [ws.protocol.send_text(b"{", fin=False), *(ws.protocol.send_continuation(b" ", fin=False)
                                                                      for _ in range(4100))], 1009,
-             "a message in more than 4,096 fragments: send each message in fewer frames")):
+             "a message in more than 4,096 fragments: send each message in fewer frames"),
+            (lambda ws: ws.transport.write(b"\x88\x83\x00\x00\x00\x00\x03\xe8\xff"), 1007,  # (a close reason)
+             "text that is not valid UTF-8 (invalid start byte at byte 0): send text messages and close reasons as "
+             "UTF-8")):
         async with session(server.url) as (ws, _):
             write(ws)
             ws.send_data()

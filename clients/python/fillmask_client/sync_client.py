@@ -14,7 +14,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import ipaddress
 import threading
+import urllib.parse
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
@@ -39,16 +41,30 @@ async def _cancel_the_others() -> None:
         await asyncio.wait(others, timeout=STOP_GRACE_S)
 
 
-def _blocked_loop_hint() -> str:
+def _blocked_loop_hint(urls: Iterable[str]) -> str:
     """Words for a timeout in a thread whose event loop the blocking call held up (a coroutine that called
-    the sync client), or "" in a thread without one: a server on that loop (one embedded in the same
-    program) could not answer while the thread waited, which looks like a busy or silent server."""
+    the sync client, or a notebook's cell, which runs in its loop) against a server on this machine, or ""
+    elsewhere: a server on that loop (one embedded in the same program) could not answer while the
+    thread waited, which looks like a busy or silent server. Conditional: the server may be elsewhere."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return ""
-    return ("; this call blocked the event loop running in this thread, so a server on that loop (one started "
-            "in this program) could not answer: in a coroutine, await FillMaskClient's calls instead")
+    if not any(_on_this_machine(url) for url in urls):
+        return ""
+    return ("; this call blocked the event loop running in this thread: if the server runs on that loop (one "
+            "started in this program), it could not answer; in a coroutine, await FillMaskClient's calls instead")
+
+
+def _on_this_machine(url: str) -> bool:
+    """Whether ``url``'s host is a loopback name or address (where a server in this program listens)."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def same_options_as(
@@ -180,12 +196,13 @@ class SyncFillMaskClient:
             # Cancelling the concurrent future cancels the task on the loop, which sends `cancel` frames.
             future.cancel()
             raise TimeoutError(f"no answer within timeout={timeout:g} s; the call was cancelled"
-                               + _blocked_loop_hint()) from None
+                               + _blocked_loop_hint(self._client.urls)) from None
         except ConnectError as exc:
-            if exc.kind != "timeout" or not _blocked_loop_hint():
+            hint = _blocked_loop_hint([exc.url]) if exc.kind == "timeout" else ""
+            if not hint:
                 raise
-            raise ConnectError(str(exc) + _blocked_loop_hint(), url=exc.url, http_status=exc.http_status,
-                               kind=exc.kind) from None
+            raise ConnectError(str(exc) + hint, url=exc.url, http_status=exc.http_status,
+                               kind=exc.kind) from exc.__cause__
         except KeyboardInterrupt:
             future.cancel()
             raise
