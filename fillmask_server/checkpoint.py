@@ -274,7 +274,7 @@ def _family_tokenizer(family: str, directory: Path, vocab_size: int | None = Non
     return cls(vocab=pieces, **limit)
 
 
-def _train(kind: str, specials: list[str], lowercase: bool = False, vocab_size: int | None = None) -> dict:
+def _train(kind: str, specials: list[str], lowercase: bool = False, vocab_size: int | None = None) -> dict[str, Any]:
     """Train a ``tokenizers`` model of ``kind`` on ``training_text``; its JSON ``model`` section (with
     ``vocab_size``, its vocabulary padded to that size: ``_pad``). Each call gets a fresh copy of the one
     training a process makes for each (kind, specials, lowercase): the trainers are not deterministic from
@@ -311,7 +311,7 @@ def _trained(kind: str, specials: tuple[str, ...], lowercase: bool) -> str:
     return json.dumps(json.loads(tokenizer.to_str())["model"])
 
 
-def _pad(model: dict, vocab_size: int) -> dict:
+def _pad(model: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     """``model`` (a trained model's JSON) with filler tokens after its own up to ``vocab_size``: ``zq``
     and a number (``▁zq`` and a number, of the lowest score, for Unigram). No text the benchmark or the
     tests send holds one, and BPE has no merge that makes one, so the tokenizer splits every text as

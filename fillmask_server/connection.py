@@ -64,7 +64,7 @@ def kernel_unsent(transport: Any) -> int:
     if sock is None or not hasattr(termios, "TIOCOUTQ"):
         return 0
     try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
     except (OSError, ValueError):
         return 0
 

@@ -112,7 +112,8 @@ class SequenceDecoder:
         if type(self._backend.model).__name__ == "BPE" and not getattr(
                 tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False):
             return None
-        return tokenizer.clean_up_tokenization
+        clean: Callable[[str], str] = tokenizer.clean_up_tokenization
+        return clean
 
     def token_str(self, token: int) -> str:
         """The pipeline's ``token_str``: ``decode([token])``."""
@@ -209,7 +210,8 @@ class SequenceDecoder:
         """The pipeline's own way: the whole text decoded again, padding ids dropped first."""
         tokens = list(ids)
         tokens[position] = candidate
-        return self.tokenizer.decode([t for t in tokens if t != self.pad_id], skip_special_tokens=skip_special)
+        text: str = self.tokenizer.decode([t for t in tokens if t != self.pad_id], skip_special_tokens=skip_special)
+        return text
 
     def _self_check(self, cases: int) -> tuple[list[int], int, int, bool] | None:
         """Compare the shortcut with ``_full`` on random texts (special, glued and punctuation tokens

@@ -639,7 +639,7 @@ class FillMaskModel:
         if note is not None:
             return note
         def off(logits: Any) -> float:
-            return (logits.float() - reference).abs().max().item()
+            return float((logits.float() - reference).abs().max().item())
 
         ids, mask, rows, cols, places = packed
         padded_off, packed_off = off(reduced), off(self._logits(*packed))
@@ -989,7 +989,7 @@ def _rounding_slack(expected: Any, dtype: Any) -> float:
     much (``projection.py``); 16 leaves room."""
     import torch
 
-    return 16 * torch.finfo(dtype).eps * max(1.0, expected.abs().max().item())
+    return float(16 * torch.finfo(dtype).eps * max(1.0, expected.abs().max().item()))
 
 
 def _spans(counts: list[int]) -> list[tuple[int, int]]:

@@ -126,7 +126,7 @@ class RowCounts:
 
 def rounded_up(n: int) -> int:
     """``n`` rounded up to one of ``PER_OCTAVE`` counts per octave (``n`` itself below ``2 * PER_OCTAVE``)."""
-    step = max(1, 2 ** (n.bit_length() - PER_OCTAVE.bit_length()))
+    step = 1 << max(0, n.bit_length() - PER_OCTAVE.bit_length())
     return -(-n // step) * step
 
 
@@ -214,7 +214,7 @@ def available() -> bool:
 
 
 def weight_bytes(linear: torch.nn.Linear) -> int:
-    return linear.weight.numel() * linear.weight.element_size()
+    return int(linear.weight.numel() * linear.weight.element_size())
 
 
 def output_linear(model: Any) -> tuple[torch.nn.Module, str, torch.nn.Linear] | None:

@@ -67,7 +67,7 @@ def latency_bucket(latency_ms: float) -> int:
 
 def bucket_value(bucket: int) -> float:
     """The value a bucket stands for: its geometric middle (within half a bucket of any latency in it)."""
-    return LOWEST_MS * BUCKET_RATIO ** (bucket + 0.5)
+    return float(LOWEST_MS * BUCKET_RATIO ** (bucket + 0.5))
 
 
 class LiveStats:

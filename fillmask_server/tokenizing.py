@@ -99,8 +99,9 @@ def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     if isinstance(tokenizer, Tokenizer):
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # tokenizers >= 0.21
         return [encoding.ids for encoding in encode(texts, add_special_tokens=True)]
-    return tokenizer(texts, add_special_tokens=True, return_attention_mask=False, return_token_type_ids=False,
-                     verbose=False)["input_ids"]
+    ids: list[list[int]] = tokenizer(texts, add_special_tokens=True, return_attention_mask=False,
+                                     return_token_type_ids=False, verbose=False)["input_ids"]
+    return ids
 
 
 def check_texts(tokenizer: Any, n: int = CHECK_TEXTS, seed: int = 0) -> list[str]:
