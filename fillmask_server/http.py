@@ -60,7 +60,7 @@ from websockets.http11 import Request, Response
 from .access import HostPolicy, OriginPolicy, ProxyPolicy, parse_host, presented_token, token_matches
 from .config import Config
 from .connection import cut
-from .front_connection import FrontConnection
+from .front_connection import FrontConnection, unanswered
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -112,8 +112,10 @@ class FrontState:
 #: request is such, the newcomer is let in past the bound, up to ``unfinished_ceiling``
 #: (``--max-connections``, or this bound where that is more). Once a connection's grace has passed with
 #: nothing read, it counts as one that sends nothing, and those past the bound are reset then, oldest
-#: first (``_trim_unfinished``): past the bound only connections that have sent nothing (a few hundred
-#: bytes each) stay, and for about a grace.
+#: first, with those that took no answer (``_trim_unfinished``): past the bound, connections stay for
+#: about a grace. A handshake whose request the server has read and not yet answered (a burst's, a
+#: moment before its 101) lets newcomers in past the bound too, where every other one has sent its
+#: request: only answers that clients do not take make a newcomer be reset.
 MIN_UNFINISHED = 256
 
 #: Seconds a connection is given, from its accept, to have its first bytes read before it counts as one
@@ -134,7 +136,7 @@ class HttpFront:
         self.tls = tls
         self.metrics = metrics
         self.state = state
-        self.log = LogThrottle(log, LOG_INTERVAL_S)
+        self.log = LogThrottle(log, LOG_INTERVAL_S, schedule=on_the_loop)
         # Connections accepted and not yet upgraded or ended, oldest first, each with when it was accepted
         # (``time.monotonic``).
         self._unfinished: dict[FrontConnection, float] = {}
@@ -252,17 +254,19 @@ class HttpFront:
 
         Where ``max_unfinished`` are, room is made by resetting the oldest of them that has not sent a whole
         request (and is not closing already) and is not ``_in_grace``. Where every such one is in its
-        grace (a burst not read yet), the newcomer is let in past the bound, up to ``unfinished_ceiling``
-        (and ``_trim_unfinished`` runs once the grace has passed); at the ceiling the oldest of them is
-        reset all the same. Where every one has sent its request, the newcomer is reset. Invariant: at
-        most ``unfinished_ceiling`` are counted. See ``MIN_UNFINISHED``."""
+        grace (a burst not read yet), or there is none and the server is answering a request it read
+        (``_answering``: a burst a moment before its 101s), the newcomer is let in past the bound, up to
+        ``unfinished_ceiling`` (and ``_trim_unfinished`` runs once the grace has passed); at the ceiling
+        the oldest without a whole request is reset all the same. Where every one has sent its request
+        and been answered (answers not taken), the newcomer is reset. Invariant: at most
+        ``unfinished_ceiling`` are counted. See ``MIN_UNFINISHED``."""
         now = time.monotonic()
         count = len(self._unfinished)
         if count >= self.max_unfinished:
             idle = self._idle()
             oldest = next((waiting for waiting in idle if not self._in_grace(waiting, now)), None)
-            if oldest is None and idle and count < self.unfinished_ceiling:
-                self._trim_at(min(self._unfinished[waiting] for waiting in idle) + UNFINISHED_GRACE_S)
+            if oldest is None and count < self.unfinished_ceiling and (idle or self._answering()):
+                self._trim_at(min(self._unfinished.values()) + UNFINISHED_GRACE_S)
             elif not idle:
                 self._reset_unfinished("unfinished_new", connection, count, "a new connection",
                                        "every one of them has sent its request (clients that do not take "
@@ -290,6 +294,11 @@ class HttpFront:
         return [waiting for waiting in self._unfinished
                 if waiting.request is None and not waiting.transport.is_closing()]
 
+    def _answering(self) -> bool:
+        """Whether the server has read a request it has not answered yet (a handshake under way: its
+        answer, a 101 or a refusal, comes in a moment, and the connection then upgrades or leaves)."""
+        return any(waiting.request is not None and unanswered(waiting.protocol) for waiting in self._unfinished)
+
     def _in_grace(self, connection: FrontConnection, now: float) -> bool:
         """Accepted less than ``UNFINISHED_GRACE_S`` ago with nothing read from it: its request may be on
         its way, or not read yet (``MIN_UNFINISHED``)."""
@@ -301,24 +310,26 @@ class HttpFront:
             self._trim = asyncio.get_running_loop().call_at(when, self._trim_unfinished)
 
     def _trim_unfinished(self) -> None:
-        """Past ``max_unfinished`` after a burst: reset those that have not sent a whole request and whose
-        grace is over, oldest first, until at most ``max_unfinished`` are counted; then again when the
-        next grace ends, while some still in their grace keep the count past the bound."""
+        """Past ``max_unfinished`` after a burst: reset those accepted ``UNFINISHED_GRACE_S`` ago or more
+        that neither upgraded nor took their answer (but those the server is answering, or that are
+        closing already: they leave by themselves), oldest first, until at most ``max_unfinished`` are
+        counted; then again a grace later, while the count is still past the bound."""
         self._trim = None
         now = time.monotonic()
-        idle = self._idle()
-        for waiting in idle:
+        for waiting, accepted in list(self._unfinished.items()):
             count = len(self._unfinished)
             if count <= self.max_unfinished:
                 return
-            if not self._in_grace(waiting, now):
-                del self._unfinished[waiting]
-                self._reset_unfinished("unfinished_trim", waiting, count,
-                                       f"a connection that had sent no whole request {UNFINISHED_GRACE_S:g} s "
-                                       "after its accept", "past the bound after a burst of new ones")
-        young = [self._unfinished[waiting] for waiting in idle if waiting in self._unfinished]
-        if young and len(self._unfinished) > self.max_unfinished:
-            self._trim_at(min(young) + UNFINISHED_GRACE_S)
+            if now - accepted < UNFINISHED_GRACE_S:
+                break  # (and every one after it: oldest first)
+            if waiting.transport.is_closing() or (waiting.request is not None and unanswered(waiting.protocol)):
+                continue
+            del self._unfinished[waiting]
+            self._reset_unfinished("unfinished_trim", waiting, count, "a connection that had neither finished its "
+                                   f"handshake nor taken its answer {UNFINISHED_GRACE_S:g} s after its accept",
+                                   "past the bound after a burst of new ones")
+        if len(self._unfinished) > self.max_unfinished:
+            self._trim_at(max(now, min(self._unfinished.values())) + UNFINISHED_GRACE_S)
 
     def _reset_unfinished(self, kind: str, connection: FrontConnection, count: int, which: str, why: str) -> None:
         self.metrics.handshakes_refused.labels("unfinished").inc()
@@ -400,14 +411,22 @@ def asks_for_websocket(headers: Headers) -> bool:
 class LogThrottle:
     """At most one log line per ``interval_s`` for each kind of event; the next line that is written
     says how many were left out since the last one. ``kind`` takes a few fixed values, so the table
-    stays small whatever clients send."""
+    stays small whatever clients send.
 
-    def __init__(self, logger: logging.Logger, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    With ``schedule`` (``schedule(delay_s, call)``, such as ``on_the_loop``), lines left out are never
+    lost for want of a next one: where no line of that kind comes by the end of the interval, the last
+    one left out is written then, with their count (a burst of a thousand resets wrote one line, and
+    the count of the rest never came)."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float, clock: Callable[[], float] = time.monotonic,
+                 schedule: Callable[[float, Callable[[], None]], object] | None = None) -> None:
         self.logger = logger
         self.interval_s = interval_s
         self.clock = clock
+        self.schedule = schedule
         self._last: dict[str, float] = {}
         self._left_out: dict[str, int] = {}
+        self._latest: dict[str, tuple[int, str, tuple[object, ...]]] = {}  # the last line left out, by kind
 
     def warning(self, kind: str, message: str, *args: object) -> None:
         self.line(logging.WARNING, kind, message, *args)
@@ -420,12 +439,35 @@ class LogThrottle:
         since = now - self._last.get(kind, -float("inf"))
         if since < self.interval_s:
             self._left_out[kind] = self._left_out.get(kind, 0) + 1
+            if self.schedule is not None and kind not in self._latest:
+                self.schedule(self.interval_s - since, lambda: self._written_late(kind))
+            self._latest[kind] = (level, message, args)
             return
         self._last[kind] = now
+        self._latest.pop(kind, None)
         left_out = self._left_out.pop(kind, 0)
         if left_out:
             message += f" (and {left_out} more like it in the last {since:.0f} s, not logged)"
         self.logger.log(level, message, *args)
+
+    def _written_late(self, kind: str) -> None:
+        """The interval after lines of ``kind`` were left out has ended with no line to count them in: the
+        last of them, with the count."""
+        latest = self._latest.pop(kind, None)
+        left_out = self._left_out.pop(kind, 0)
+        if latest is None or not left_out:
+            return
+        now = self.clock()
+        since = now - self._last.get(kind, now)
+        self._last[kind] = now
+        level, message, args = latest
+        self.logger.log(level, message + f" (the last of {left_out} like it in the last {since:.0f} s, not logged "
+                        "one by one)", *args)
+
+
+def on_the_loop(delay_s: float, call: Callable[[], None]) -> object:
+    """``LogThrottle``'s ``schedule`` for an object used on an event loop: ``call`` on the running loop."""
+    return asyncio.get_running_loop().call_later(delay_s, call)
 
 
 _ABSOLUTE_FORM = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")

@@ -51,7 +51,7 @@ from .core import AnswerMemory
 from .costmodel import CostModel
 from .engine import Engine
 from .front_connection import FrontConnection
-from .http import LOG_INTERVAL_S, FrontState, HttpFront, LogThrottle
+from .http import LOG_INTERVAL_S, FrontState, HttpFront, LogThrottle, on_the_loop
 from .jobs import Outcome, Result
 from .metrics import LiveValues, Metrics
 from .model import FillMaskModel
@@ -111,7 +111,7 @@ def quiet_accept_failures(loop: asyncio.AbstractEventLoop) -> None:
     were left out), without the traceback; anything else goes to the default handler. Out of file
     descriptors, asyncio logged a traceback for every failure, thousands a second. For the process's
     own loop (``ws_server``), not for a program embedding the server, whose loop is its own."""
-    throttle = LogThrottle(log, ACCEPT_FAILED_LOG_S)
+    throttle = LogThrottle(log, ACCEPT_FAILED_LOG_S, schedule=on_the_loop)
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -210,7 +210,8 @@ class FillMaskServer:
         ), engine=model.engine_facts())
         self.stats = LiveStats()
         self.unsent = UnsentBytes()
-        self._closing_log = LogThrottle(log, LOG_INTERVAL_S)  # lines about a connection it closes, each kind
+        # Lines about a connection it closes, each kind.
+        self._closing_log = LogThrottle(log, LOG_INTERVAL_S, schedule=on_the_loop)
         memory = AnswerMemory(config.max_send_buffer_bytes, config.max_answer_bytes,
                               unsent=lambda session: session.peer.pending_bytes,
                               unsent_total=lambda: self.unsent.total)

@@ -82,6 +82,34 @@ def test_log_throttle_writes_one_line_per_interval_and_counts_the_rest(caplog: p
         "bad request from there (and 49 more like it in the last 11 s, not logged)"]
 
 
+def test_lines_the_throttle_left_out_are_counted_when_no_later_line_comes(caplog: pytest.LogCaptureFixture) -> None:
+    """An operator's trial: a burst of 690 resets wrote one line, and no later line came to count the
+    rest. With ``schedule``, the end of the interval writes the last line left out, with the count; a
+    line that comes first counts them itself, and the end of its interval then writes nothing."""
+    now = [100.0]
+    due: list[tuple[float, Any]] = []
+    throttle = LogThrottle(logging.getLogger("test.throttle"), 10.0, clock=lambda: now[0],
+                           schedule=lambda delay, call: due.append((now[0] + delay, call)))
+    with caplog.at_level(logging.INFO, logger="test.throttle"):
+        for n in range(690):
+            throttle.warning("reset", "reset %d", n)
+            now[0] += 0.001
+        assert [when for when, _ in due] == [pytest.approx(110.0)]  # one summary per interval, not per line
+        now[0] = due[0][0]
+        due.pop()[1]()
+        throttle.warning("host", "refused host")  # another kind: its own lines
+        now[0] += 10.0
+        throttle.warning("reset", "reset %d", 690)  # a line of its own again, a whole interval later
+        throttle.warning("reset", "reset %d", 691)  # left out; then counted by the next line, not late
+        now[0] += 10.0
+        throttle.warning("reset", "reset %d", 692)
+        for _, call in due:
+            call()
+    assert [record.getMessage() for record in caplog.records] == [
+        "reset 0", "reset 689 (the last of 689 like it in the last 10 s, not logged one by one)", "refused host",
+        "reset 690", "reset 692 (and 1 more like it in the last 10 s, not logged)"]
+
+
 # --- raw HTTP against a real server ----------------------------------------------------------------
 
 
