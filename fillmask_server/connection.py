@@ -270,22 +270,38 @@ class Connection:
         """Return once the unsent bytes are back within the bound (or the connection closed)."""
         await self._uncongested.wait()
 
-    async def close_once_read(self, code: int, reason: str, until: float, stall_s: float) -> None:
+    async def close_once_read(self, code: int, reason: str, until: float, stall_s: float,
+                              barrier_s: float = 0.0) -> None:
         """Close with ``code`` once everything queued has left for the client: the outbox handed to the
         socket and the transport's buffer empty (the close frame then follows the answers through the
         kernel's bounded buffer, which ``_close_socket`` gives its own grace). It waits while the client
         keeps taking bytes: until ``until`` (monotonic), or until it has taken none for ``stall_s``,
-        whichever comes first; then it stops sending (dropping what is left) and closes the socket."""
+        whichever comes first; then it stops sending (dropping what is left) and closes the socket.
+
+        With ``barrier_s``, once all has left it pings the client and waits for the pong, at most
+        ``barrier_s``, then for what was queued meanwhile to leave: the pong comes after every frame the
+        client sent before it read what was sent (a ``going_away``), so a request sent in the instant
+        before that arrived is read, and answered, before the close."""
+        await self._sent(until, stall_s)
+        if barrier_s > 0 and not self.closed:
+            with contextlib.suppress(ConnectionClosed, TimeoutError, RuntimeError):  # (closing, no pong in time)
+                pong = await self.ws.ping()
+                await asyncio.wait_for(pong, max(0.0, min(barrier_s, until - time.monotonic())))
+            await self._sent(until, stall_s)
+        self.stop()
+        await self._close_socket(code, reason)
+
+    async def _sent(self, until: float, stall_s: float) -> None:
+        """Wait for the outbox and the transport's buffer to empty, at most until ``until`` or until the
+        client has taken no bytes for ``stall_s`` (``close_once_read``)."""
         while not self.closed and time.monotonic() < until:
             transport = self.ws.transport
             if not self._outbox and (transport is None or not transport.get_write_buffer_size()):
-                break
+                return
             self.note_progress()
             if time.monotonic() - self.last_progress >= stall_s:
-                break
+                return
             await asyncio.sleep(DRAIN_LOOK_S)
-        self.stop()
-        await self._close_socket(code, reason)
 
     def close_soon(self, code: int, reason: str) -> None:
         """Stop sending at once, dropping the outbox, and close in a task (``closing``); idempotent."""

@@ -67,6 +67,10 @@ SERVER_NAME = f"fillmask-server/{__version__}"
 GOING_AWAY = CLOSE_GOING_AWAY
 RECONNECT_WITHIN_MS = 1000  # going_away's reconnect window: clients spread their reconnects over it (§10)
 RUNNING_BATCH_GRACE_S = 60.0  # after the drain timeout, how long a running batch may still take
+#: The longest a drain waits for a client's pong before closing its connection (``close_once_read``): the
+#: pong comes after every request the client sent before it read ``going_away``, so those are answered
+#: ``shutting_down`` instead of lost to the close. A client's round trip, well below it.
+NOTICE_BARRIER_S = 1.0
 TRIM_AFTER_S = 1.0  # after a connection closes, when its answers' memory is given back to the system
 ENGINE_WATCH_S = 0.25  # how often ``engine_stopped`` looks whether the model thread still runs
 WATCHDOG_LOOKS = 10  # the watchdog looks at a stalled socket this many times per --send-timeout
@@ -422,10 +426,12 @@ class FillMaskServer:
         await asyncio.sleep(0)  # let the last call_soon_threadsafe deliveries run
         # Concurrently, each bounded in time: a client gets its answers for as long as it keeps reading
         # them (however slowly), up to the shutdown timeout (at least one second from now); one that
-        # takes no bytes for --send-timeout is closed then (§12), so none holds up the others.
+        # takes no bytes for --send-timeout is closed then (§12), so none holds up the others. Each is
+        # pinged before its close, so that a request sent before going_away arrived is answered.
         until = max(give_up, time.monotonic() + 1.0)
         await asyncio.gather(*(conn.close_once_read(GOING_AWAY, "server shutting down", until,
-                                                    self.config.send_timeout) for conn in list(self.connections)))
+                                                    self.config.send_timeout, NOTICE_BARRIER_S)
+                               for conn in list(self.connections)))
         if self._server is not None:
             self._server.close(close_connections=True, code=GOING_AWAY)
             await self._server.wait_closed()

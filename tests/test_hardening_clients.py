@@ -362,6 +362,55 @@ def first_bytes(sock: socket.socket) -> bytes:
         return b""
 
 
+async def test_a_request_sent_before_going_away_arrived_is_answered_shutting_down_not_lost(make_server: Any) -> None:
+    """§10: an operator's trial through HAProxy lost 3 requests of 267 drained connections: sent just
+    before the client read ``going_away``, they arrived after the server, with nothing in flight, had
+    closed with 1001, and got no answer. The server now pings after ``going_away`` and closes once the
+    pong is back: every frame the client sent before it read the notice comes before that pong. Here
+    the client's pong is held back, and its request written first, as such a client's would be."""
+    from websockets.client import ClientProtocol
+    from websockets.frames import Frame, Opcode
+    from websockets.uri import parse_uri
+
+    async with make_server() as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        client = ClientProtocol(parse_uri(srv.url))
+        client.send_request(client.connect())
+        writer.write(b"".join(client.data_to_send()))
+        frames: list[Frame] = []
+
+        async def read_until(done: Any) -> None:
+            while not done():
+                data = await asyncio.wait_for(reader.read(65536), 10)
+                if not data:
+                    return
+                client.receive_data(data)
+                frames.extend(event for event in client.events_received() if isinstance(event, Frame))
+
+        def texts() -> list[dict[str, Any]]:
+            return [orjson.loads(frame.data) for frame in frames if frame.opcode is Opcode.TEXT]
+
+        try:
+            await read_until(lambda: texts())  # hello
+            drain = asyncio.create_task(srv.drain(timeout=5))
+            await read_until(lambda: any(frame.opcode in (Opcode.PING, Opcode.CLOSE) for frame in frames))
+            assert texts()[-1]["type"] == "going_away"
+            assert frames[-1].opcode is Opcode.PING, frames[-1]  # (not the close: it waits for the pong)
+            pong = client.data_to_send()  # the library's pong, held back
+            client.send_text(orjson.dumps({"type": "fill_mask", "id": "late", "text": TEXT}))
+            writer.write(b"".join(client.data_to_send()) + b"".join(pong))
+            await read_until(lambda: client.close_rcvd is not None)
+            writer.write(b"".join(client.data_to_send()))  # the close frame's echo, and the end of the stream
+            writer.close()
+            late = [frame for frame in texts() if frame.get("id") == "late"]
+            assert late == [{"type": "overloaded", "id": "late", "status": 503, "reason": "shutting_down",
+                             "retry_after_ms": late[0]["retry_after_ms"]}], texts()
+            assert client.close_rcvd is not None and client.close_rcvd.code == 1001
+            await asyncio.wait_for(drain, 30)
+        finally:
+            writer.close()
+
+
 # --- clients that do not read ------------------------------------------------------------------------
 
 
