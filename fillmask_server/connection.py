@@ -282,26 +282,28 @@ class Connection:
         ``barrier_s``, then for what was queued meanwhile to leave: the pong comes after every frame the
         client sent before it read what was sent (a ``going_away``), so a request sent in the instant
         before that arrived is read, and answered, before the close."""
-        await self._sent(until, stall_s)
-        if barrier_s > 0 and not self.closed:
+        if await self._sent(until, stall_s) and barrier_s > 0:
+            # (only once all has left: the ping then cannot overtake what was queued, nor wait for room)
             with contextlib.suppress(ConnectionClosed, TimeoutError, RuntimeError):  # (closing, no pong in time)
-                pong = await self.ws.ping()
-                await asyncio.wait_for(pong, max(0.0, min(barrier_s, until - time.monotonic())))
+                async with asyncio.timeout(max(0.0, min(barrier_s, until - time.monotonic()))):  # (the ping too)
+                    await (await self.ws.ping())
             await self._sent(until, stall_s)
         self.stop()
         await self._close_socket(code, reason)
 
-    async def _sent(self, until: float, stall_s: float) -> None:
-        """Wait for the outbox and the transport's buffer to empty, at most until ``until`` or until the
-        client has taken no bytes for ``stall_s`` (``close_once_read``)."""
+    async def _sent(self, until: float, stall_s: float) -> bool:
+        """Wait for the outbox and the transport's buffer to empty: True once they have; False where
+        ``until`` (monotonic) came first, or the client took no bytes for ``stall_s``, or the connection
+        closed (``close_once_read``)."""
         while not self.closed and time.monotonic() < until:
             transport = self.ws.transport
             if not self._outbox and (transport is None or not transport.get_write_buffer_size()):
-                return
+                return True
             self.note_progress()
             if time.monotonic() - self.last_progress >= stall_s:
-                return
+                return False
             await asyncio.sleep(DRAIN_LOOK_S)
+        return False
 
     def close_soon(self, code: int, reason: str) -> None:
         """Stop sending at once, dropping the outbox, and close in a task (``closing``); idempotent."""

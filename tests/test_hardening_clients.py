@@ -362,7 +362,8 @@ def first_bytes(sock: socket.socket) -> bytes:
         return b""
 
 
-async def test_a_request_sent_before_going_away_arrived_is_answered_shutting_down_not_lost(make_server: Any) -> None:
+async def test_a_request_sent_before_going_away_arrived_is_answered_shutting_down_not_lost(make_server: Any,
+                                                                                          monkeypatch: Any) -> None:
     """§10: an operator's trial through HAProxy lost 3 requests of 267 drained connections: sent just
     before the client read ``going_away``, they arrived after the server, with nothing in flight, had
     closed with 1001, and got no answer. The server now pings after ``going_away`` and closes once the
@@ -372,6 +373,9 @@ async def test_a_request_sent_before_going_away_arrived_is_answered_shutting_dow
     from websockets.frames import Frame, Opcode
     from websockets.uri import parse_uri
 
+    from fillmask_server import server as server_module
+
+    monkeypatch.setattr(server_module, "NOTICE_BARRIER_S", 60.0)  # (the pong comes at once: no stall fails it)
     async with make_server() as srv:
         reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
         client = ClientProtocol(parse_uri(srv.url))
@@ -666,8 +670,10 @@ async def test_answers_a_drain_cannot_deliver_are_counted_as_dropped(make_server
                                                                    close_frame_never_taken: None) -> None:
     """§10, §11: a client that reads nothing holds answers the drain's bounded flush cannot send; each
     of its requests is still counted exactly once, as a result that reached its socket or as dropped.
-    (Nor can it take the drain's close frame: the socket is cut at the end of the close's grace.)"""
-    async with make_server(max_inflight_per_connection=8) as srv:  # the default 1 MiB send buffer: all 8 read
+    (Nor can it take the drain's close frame: the socket is cut at the end of the close's grace.) And
+    the drain keeps to its timeout: the ping it sends after going_away waited, a review found, for room
+    in this client's full socket until --send-timeout (a slow but steady reader: without end)."""
+    async with make_server(max_inflight_per_connection=8, send_timeout=60.0) as srv:  # (1 MiB: all 8 read)
         known = set(srv.connections)
         async with non_reading_client(srv) as hog:
             for i in range(8):
@@ -677,7 +683,9 @@ async def test_answers_a_drain_cannot_deliver_are_counted_as_dropped(make_server
             # Answers fill its memory; the requests left wait in the queue, and the drain answers them too.
             await wait_until(lambda: srv.engine.stats.rows + srv.engine.runnable() == 8 and srv.engine.started() == 0
                              and hog_conn.pending_bytes > 0)
+            started = time.monotonic()
             await srv.drain(timeout=1)
+            assert time.monotonic() - started < 30  # (1 s, and 1 s of close grace; not the 60 s send timeout)
         assert answers_counted(srv) == 8
         assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") >= 1
 
