@@ -142,6 +142,8 @@ class FrontConnection(ServerConnection):
                 self.front.refuse_tls(self)
                 return
         super().data_received(data)
+        if self._unfinished:
+            self.front.read_from(self)
         transport = self.transport
         if not self._held and self.request is not None and unanswered(self.protocol):
             self._held = True

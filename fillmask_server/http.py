@@ -138,8 +138,12 @@ class HttpFront:
         self.state = state
         self.log = LogThrottle(log, LOG_INTERVAL_S, schedule=on_the_loop)
         # Connections accepted and not yet upgraded or ended, oldest first, each with when it was accepted
-        # (``time.monotonic``).
+        # (``time.monotonic``); and of those, the ones nothing has been read from yet, and the ones that
+        # sent part of a request, in the same order (kept as they read: ``read_from``), so that choosing
+        # whom to reset costs the same however many there are.
         self._unfinished: dict[FrontConnection, float] = {}
+        self._unread: dict[FrontConnection, float] = {}
+        self._partial: dict[FrontConnection, float] = {}
         self.max_unfinished = max(MIN_UNFINISHED, config.max_connections // 4)
         self.unfinished_ceiling = max(self.max_unfinished, config.max_connections)
         self._trim: asyncio.TimerHandle | None = None  # ``_trim_unfinished``, when some are past the bound
@@ -253,8 +257,9 @@ class HttpFront:
         """A connection just accepted: counted among the unfinished (True), or reset itself (False).
 
         Where ``max_unfinished`` are, room is made by resetting the oldest of them that has not sent a whole
-        request (and is not closing already) and is not ``_in_grace``. Where every such one is in its
-        grace (a burst not read yet), or there is none and the server is answering a request it read
+        request (and is not closing already) and is not in its grace (nothing read from it, and accepted
+        less than ``UNFINISHED_GRACE_S`` ago). Where every such one is in its grace (a burst not read
+        yet), or there is none and the server is answering a request it read
         (``_answering``: a burst a moment before its 101s), the newcomer is let in past the bound, up to
         ``unfinished_ceiling`` (and ``_trim_unfinished`` runs once the grace has passed); at the ceiling
         the oldest without a whole request is reset all the same. Where every one has sent its request
@@ -263,46 +268,54 @@ class HttpFront:
         now = time.monotonic()
         count = len(self._unfinished)
         if count >= self.max_unfinished:
-            idle = self._idle()
-            oldest = next((waiting for waiting in idle if not self._in_grace(waiting, now)), None)
-            if oldest is None and count < self.unfinished_ceiling and (idle or self._answering()):
-                self._trim_at(min(self._unfinished.values()) + UNFINISHED_GRACE_S)
-            elif not idle:
+            unread, partial = _first_open(self._unread), _first_open(self._partial)
+            aged = unread if unread is not None and now - self._unread[unread] >= UNFINISHED_GRACE_S else None
+            oldest = self._older(aged, partial)
+            if oldest is None and count < self.unfinished_ceiling and (unread is not None or self._answering()):
+                self._trim_at(next(iter(self._unfinished.values())) + UNFINISHED_GRACE_S)
+            elif oldest is None and unread is None:  # (and no partial one: it would be the oldest)
                 self._reset_unfinished("unfinished_new", connection, count, "a new connection",
                                        "every one of them has sent its request (clients that do not take "
                                        "their answers?)")
                 return False
             else:
-                oldest = oldest or idle[0]
-                del self._unfinished[oldest]
+                oldest = oldest or unread
+                assert oldest is not None
+                self.unfinished_ended(oldest)
                 self._reset_unfinished("unfinished_oldest", oldest, count,
                                        "the connection that had waited longest without a whole request",
                                        "to make room for a new one (a client opening connections it sends "
                                        "nothing on?)" if count < self.unfinished_ceiling else
                                        "to make room for a new one: more connections at once than "
                                        "--max-connections")
-        self._unfinished[connection] = now
+        self._unfinished[connection] = self._unread[connection] = now
         return True
+
+    def read_from(self, connection: FrontConnection) -> None:
+        """``connection``, counted among the unfinished, has been read from (``FrontConnection``): no longer
+        one nothing was read from; one that sent part of a request until it has sent all of it."""
+        accepted = self._unread.pop(connection, None)
+        if connection.request is not None:
+            self._partial.pop(connection, None)
+        elif accepted is not None:
+            self._partial[connection] = accepted
 
     def unfinished_ended(self, connection: FrontConnection) -> None:
         """``connection`` upgraded or ended: it no longer counts among the unfinished."""
         self._unfinished.pop(connection, None)
+        self._unread.pop(connection, None)
+        self._partial.pop(connection, None)
 
-    def _idle(self) -> list[FrontConnection]:
-        """The unfinished connections that have not sent a whole request, oldest first, but those closing
-        already (one answered early is: let it go)."""
-        return [waiting for waiting in self._unfinished
-                if waiting.request is None and not waiting.transport.is_closing()]
+    def _older(self, one: FrontConnection | None, other: FrontConnection | None) -> FrontConnection | None:
+        """The one of ``one`` and ``other`` accepted first (None where both are)."""
+        if one is None or other is None:
+            return one or other
+        return one if self._unfinished[one] <= self._unfinished[other] else other
 
     def _answering(self) -> bool:
         """Whether the server has read a request it has not answered yet (a handshake under way: its
         answer, a 101 or a refusal, comes in a moment, and the connection then upgrades or leaves)."""
         return any(waiting.request is not None and unanswered(waiting.protocol) for waiting in self._unfinished)
-
-    def _in_grace(self, connection: FrontConnection, now: float) -> bool:
-        """Accepted less than ``UNFINISHED_GRACE_S`` ago with nothing read from it: its request may be on
-        its way, or not read yet (``MIN_UNFINISHED``)."""
-        return not connection.read_any and now - self._unfinished[connection] < UNFINISHED_GRACE_S
 
     def _trim_at(self, when: float) -> None:
         """``_trim_unfinished`` at ``when`` (``time.monotonic``, the loop's clock), unless it is due already."""
@@ -321,15 +334,16 @@ class HttpFront:
             if count <= self.max_unfinished:
                 return
             if now - accepted < UNFINISHED_GRACE_S:
-                break  # (and every one after it: oldest first)
+                self._trim_at(accepted + UNFINISHED_GRACE_S)  # (and every one after it: oldest first)
+                return
             if waiting.transport.is_closing() or (waiting.request is not None and unanswered(waiting.protocol)):
                 continue
-            del self._unfinished[waiting]
+            self.unfinished_ended(waiting)
             self._reset_unfinished("unfinished_trim", waiting, count, "a connection that had neither finished its "
                                    f"handshake nor taken its answer {UNFINISHED_GRACE_S:g} s after its accept",
                                    "past the bound after a burst of new ones")
-        if len(self._unfinished) > self.max_unfinished:
-            self._trim_at(max(now, min(self._unfinished.values())) + UNFINISHED_GRACE_S)
+        if len(self._unfinished) > self.max_unfinished:  # (held by those being answered or closing)
+            self._trim_at(now + UNFINISHED_GRACE_S)
 
     def _reset_unfinished(self, kind: str, connection: FrontConnection, count: int, which: str, why: str) -> None:
         self.metrics.handshakes_refused.labels("unfinished").inc()
@@ -440,7 +454,8 @@ class LogThrottle:
         if since < self.interval_s:
             self._left_out[kind] = self._left_out.get(kind, 0) + 1
             if self.schedule is not None and kind not in self._latest:
-                self.schedule(self.interval_s - since, lambda: self._written_late(kind))
+                last = self._last.get(kind)
+                self.schedule(self.interval_s - since, lambda: self._written_late(kind, last))
             self._latest[kind] = (level, message, args)
             return
         self._last[kind] = now
@@ -450,9 +465,12 @@ class LogThrottle:
             message += f" (and {left_out} more like it in the last {since:.0f} s, not logged)"
         self.logger.log(level, message, *args)
 
-    def _written_late(self, kind: str) -> None:
+    def _written_late(self, kind: str, last: float | None) -> None:
         """The interval after lines of ``kind`` were left out has ended with no line to count them in: the
-        last of them, with the count."""
+        last of them, with the count. Nothing where a line was written since ``last`` (the one before
+        them): it counted them, and any left out after it have a call of their own to come."""
+        if self._last.get(kind) != last:
+            return
         latest = self._latest.pop(kind, None)
         left_out = self._left_out.pop(kind, 0)
         if latest is None or not left_out:
@@ -463,6 +481,17 @@ class LogThrottle:
         level, message, args = latest
         self.logger.log(level, message + f" (the last of {left_out} like it in the last {since:.0f} s, not logged "
                         "one by one)", *args)
+
+
+def _first_open(table: dict[FrontConnection, float]) -> FrontConnection | None:
+    """The first connection of ``table`` that is not closing; those before it, closing (one answered
+    early: let it go), are taken out of ``table`` (so each is passed over once)."""
+    while table:
+        first = next(iter(table))
+        if not first.transport.is_closing():
+            return first
+        del table[first]
+    return None
 
 
 def on_the_loop(delay_s: float, call: Callable[[], None]) -> object:
