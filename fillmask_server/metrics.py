@@ -198,7 +198,7 @@ class Metrics:
                                           "origin (403), token (401), max_connections or unavailable (503), "
                                           "unfinished (reset to bound handshakes under way: the oldest "
                                           "without a whole request, the new connection, or one past the "
-                                          "bound after a burst that sent nothing).",
+                                          "bound after a burst that neither upgraded nor took its answer).",
                                           ["reason"], registry=registry)
         for reason in REFUSED_REASONS:
             self.handshakes_refused.labels(reason)
