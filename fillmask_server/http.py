@@ -315,7 +315,7 @@ class HttpFront:
     def _answering(self) -> bool:
         """Whether the server has read a request it has not answered yet (a handshake under way: its
         answer, a 101 or a refusal, comes in a moment, and the connection then upgrades or leaves)."""
-        return any(waiting.request is not None and unanswered(waiting.protocol) for waiting in self._unfinished)
+        return any(_being_answered(waiting) for waiting in self._unfinished)
 
     def _trim_at(self, when: float) -> None:
         """``_trim_unfinished`` at ``when`` (``time.monotonic``, the loop's clock), unless it is due already."""
@@ -336,7 +336,7 @@ class HttpFront:
             if now - accepted < UNFINISHED_GRACE_S:
                 self._trim_at(accepted + UNFINISHED_GRACE_S)  # (and every one after it: oldest first)
                 return
-            if waiting.transport.is_closing() or (waiting.request is not None and unanswered(waiting.protocol)):
+            if waiting.transport.is_closing() or _being_answered(waiting):
                 continue
             self.unfinished_ended(waiting)
             self._reset_unfinished("unfinished_trim", waiting, count, "a connection that had neither finished its "
@@ -481,6 +481,12 @@ class LogThrottle:
         level, message, args = latest
         self.logger.log(level, message + f" (the last of {left_out} like it in the last {since:.0f} s, not logged "
                         "one by one)", *args)
+
+
+def _being_answered(connection: FrontConnection) -> bool:
+    """Whether the server has read ``connection``'s request and not yet answered it (a 101 or a refusal
+    comes in a moment)."""
+    return connection.request is not None and unanswered(connection.protocol)
 
 
 def _first_open(table: dict[FrontConnection, float]) -> FrontConnection | None:
