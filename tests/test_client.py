@@ -807,8 +807,10 @@ async def test_fill_mask_many_keeps_at_most_k_in_flight_and_input_order(server: 
 async def test_fill_mask_iter_reads_its_texts_as_it_sends_them(server: Any) -> None:
     """A trial: ``fill_mask_iter`` read its whole input before sending anything, so an endless (or long
     and slow) generator blocked the event loop, where no ``asyncio.timeout`` could end it. Now a text is
-    read as its request goes, at most ``2 * concurrency`` ahead of the consumer; what the iterable raises
-    comes after the outcomes of the texts before it."""
+    read as its request goes, at most ``AHEAD * concurrency`` ahead of the consumer (the README says how
+    many times: a review found it saying 2 where ``AHEAD`` is 4); what the iterable raises comes after
+    the outcomes of the texts before it."""
+    assert f"at most `{AHEAD} × concurrency` ahead of your loop" in (ROOT / "README.md").read_text()
     pulled = 0
 
     def texts(count: int, fail_after: int | None = None) -> Iterator[str]:
