@@ -10,8 +10,10 @@ Three things make the schemas exact for tests, beyond what a generic validator d
   dotted path into hello); ``Contract(hello)`` writes those values in, so ``text`` gets
   ``maxLength: limits.max_text_chars`` of that very server.
 - **Closed server frames.** Schemas say ``additionalProperties: true`` (later versions may add fields;
-  clients ignore them). For frames our server sends, ``closed=True`` turns each of those into
-  ``false``: every field the server sends today must be listed in the schema.
+  clients ignore them), and an ``anyOf``/``oneOf`` branch marked ``"x-later": true`` admits what a later
+  version may add (an error code, a reason, a frame type; protocol.md §14 says what a client does with
+  it). For frames our server sends, ``closed=True`` turns each of those objects ``false`` and drops each
+  such branch: every field and value the server sends today must be listed in the schema.
 
 Invariant: ``Contract`` never raises on a frame; ``problems`` returns what is wrong, empty when valid.
 
@@ -92,7 +94,7 @@ def _lookup(hello: dict[str, Any], path: str) -> Any:
 
 def bind(schema: dict[str, Any], hello: dict[str, Any] | None, closed: bool) -> dict[str, Any]:
     """A copy of ``schema`` with its ``x-limit`` values taken from ``hello`` and, when ``closed``, every
-    explicitly open object (``additionalProperties: true``) closed."""
+    explicitly open object (``additionalProperties: true``) closed and every ``x-later`` branch dropped."""
     schema = copy.deepcopy(schema)
     # Without "$schema", a $ref keeps our validator class: jsonschema switches to the stock class of a
     # dialect a referenced resource names, whose "integer" accepts 7.0 (the registry says 2020-12 instead).
@@ -105,6 +107,10 @@ def bind(schema: dict[str, Any], hello: dict[str, Any] | None, closed: bool) -> 
                     node[keyword] = value
         if closed and node.get("additionalProperties") is True:
             node["additionalProperties"] = False
+        for keyword in ("anyOf", "oneOf") if closed else ():
+            if isinstance(node.get(keyword), list):
+                node[keyword] = [branch for branch in node[keyword]
+                                 if not (isinstance(branch, dict) and branch.get("x-later") is True)]
     return schema
 
 

@@ -161,11 +161,60 @@ def test_the_schemas_are_draft_2020_12_and_open_to_new_fields() -> None:
 def test_the_schemas_name_every_code_and_reason_the_server_has() -> None:
     defs = raw_schemas()["defs.json"]["$defs"]
     upcoming = {"result_too_large"}  # issue 10: comes with hello.limits.max_result_bytes
-    assert set(defs["error_code"]["enum"]) == ERROR_CODES | upcoming
+    assert set(_known(defs["error_code"])) == ERROR_CODES | upcoming
     overloaded = raw_schemas()["overloaded.json"]
-    pairs = {(branch["properties"]["status"]["const"], reason) for branch in overloaded["oneOf"]
+    pairs = {(branch["properties"]["status"]["const"], reason) for branch in _this_versions(overloaded["oneOf"])
              for reason in branch["properties"]["reason"].get("enum", [branch["properties"]["reason"].get("const")])}
     assert pairs == {(status, reason) for reason, status in OVERLOADED_REASONS.items()} | {(429, "queue_share")}
+    assert {reason for _, reason in pairs} == set(_known(overloaded["properties"]["reason"]))
+    assert _known(raw_schemas()["going_away.json"]["properties"]["reason"]) == ["shutting_down"]
+
+
+def _this_versions(branches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An ``anyOf``/``oneOf``'s branches less the one for what a later version may add (``x-later``)."""
+    return [branch for branch in branches if branch.get("x-later") is not True]
+
+
+def _known(schema: dict[str, Any]) -> list[Any]:
+    """The values this version sends of an open list: the ``enum`` beside its ``x-later`` branch."""
+    (known,) = _this_versions(schema["anyOf"])
+    return list(known["enum"])
+
+
+#: Frames a later version of the server may send (protocol.md §14 says what a client does with each),
+#: each beside the same frame as this version sends it.
+LATER_FRAMES = [
+    ({"type": "error", "id": 7, "code": "quota_exceeded", "message": "Too many requests today."},
+     {"type": "error", "id": 7, "code": "internal_error", "message": "The model failed."}),
+    ({"type": "overloaded", "id": 7, "status": 503, "reason": "maintenance", "retry_after_ms": 1000},
+     {"type": "overloaded", "id": 7, "status": 503, "reason": "queue_full", "retry_after_ms": 1000}),
+    ({"type": "going_away", "reason": "rebalancing", "reconnect_within_ms": 1000},
+     {"type": "going_away", "reason": "shutting_down", "reconnect_within_ms": 1000}),
+    ({"type": "progress", "id": 7}, {"type": "cancelled", "id": 7}),
+]
+
+
+def test_what_a_later_version_may_send_passes_the_schemas_but_not_the_servers_closed_contract() -> None:
+    """A docs review: protocol.md §14 tells clients to take an unknown error code as the request's
+    failure, an unknown overloaded reason like queue_full, an unknown going_away reason like
+    shutting_down and to ignore an unknown frame type, while the schemas (which §14 offers client
+    writers to validate with) refused each: a validating client would have failed on a later server.
+    Each now has an ``x-later`` branch; the suite's own contract drops those, so our server still
+    sends only the values listed."""
+    from referencing import Registry, Resource
+
+    registry = Registry().with_resources((name, Resource.from_contents(s)) for name, s in raw_schemas().items())
+    any_frame = Draft202012Validator({"$ref": "server_frame.json"}, registry=registry)
+    closed = Contract(default_hello())
+    for later, known in LATER_FRAMES:
+        assert any_frame.is_valid(later), later
+        assert closed.problems(later, SERVER_SCHEMAS) != [], later
+        assert any_frame.is_valid(known) and closed.problems(known, SERVER_SCHEMAS) == [], known
+    # Every x-later mark is a branch of an anyOf or oneOf, the only place the closed contract drops it.
+    branches = {id(branch) for schema in raw_schemas().values() for node in _nodes(schema)
+                for keyword in ("anyOf", "oneOf") for branch in node.get(keyword, [])}
+    marked = [node for schema in raw_schemas().values() for node in _nodes(schema) if "x-later" in node]
+    assert len(marked) == 5 and all(node["x-later"] is True and id(node) in branches for node in marked)
 
 
 def test_the_examples_fit_the_schemas(asyncapi: dict[str, Any]) -> None:
@@ -198,9 +247,14 @@ def test_the_frame_unions_dispatch_on_type() -> None:
     registry = Registry().with_resources((name, Resource.from_contents(s)) for name, s in raw_schemas().items())
     server = Draft202012Validator({"$ref": "server_frame.json"}, registry=registry)
     client = Draft202012Validator({"$ref": "client_frame.json"}, registry=registry)
-    assert server.is_valid({"type": "cancelled", "id": 7}) and not server.is_valid({"type": "cancel", "id": 7})
+    assert server.is_valid({"type": "cancelled", "id": 7}) and not server.is_valid({"type": "cancelled"})
     assert client.is_valid({"type": "cancel", "id": 7}) and not client.is_valid({"type": "cancelled", "id": 7})
     assert not server.is_valid({"type": "stats"})
+    # A type the server does not send today is one a later version may add (ignored, §14): the union
+    # takes it, and only in its own branch (not, say, as "cancel" misread as "cancelled").
+    later = next(branch for branch in raw_schemas()["server_frame.json"]["oneOf"] if branch.get("x-later"))
+    assert server.is_valid({"type": "cancel", "id": 7})
+    assert set(later["properties"]["type"]["not"]["enum"]) == set(SERVER_SCHEMAS)
 
 
 # --- the schemas agree with the server's parser ------------------------------------------------------
