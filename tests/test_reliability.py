@@ -191,6 +191,31 @@ async def test_a_flood_gets_429_queue_share_and_a_polite_client_still_gets_in(ma
         assert {f["type"] for f in await recv_n(flood, 8, timeout=20)} == {"result"}
 
 
+def dropped(srv: Any) -> float | None:
+    """Requests answered ``dropped`` so far (§11): accepted, and never answered on the wire."""
+    return srv.metrics.registry.get_sample_value("fillmask_requests_total", {"outcome": "dropped", "code": ""})
+
+
+async def test_requests_of_a_connection_closed_1009_are_counted_as_dropped_and_its_neighbour_is_answered(
+        make_server: Any) -> None:
+    """§8: an operator's trial found accepted requests of a connection the server closed (1009 after a
+    frame too large, 1008) without an answer, where §8 named only the client's own close. The close
+    frame is the last frame, so they are dropped, and counted (§11); another connection is answered."""
+    async with make_server() as srv, session(srv.url) as (ws, hello), session(srv.url) as (neighbour, _):
+        with srv.engine.paused():
+            for i in range(3):
+                await send(ws, fill(i))
+            await send(neighbour, fill("n"))
+            await wait_until(lambda: srv.engine.queued() == 4)
+            await ws.send("x" * (hello["limits"]["max_frame_bytes"] + 1))
+            with pytest.raises(ConnectionClosed):
+                await recv(ws, timeout=10)
+            assert ws.close_code == 1009
+            await wait_until(lambda: dropped(srv) == 3)
+        assert (await recv(neighbour, timeout=10))["id"] == "n"
+        assert dropped(srv) == 3
+
+
 async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008(
         make_server: Any, caplog: pytest.LogCaptureFixture) -> None:
     """§12: refused again and again before the time it was told to wait, past the grace for requests
@@ -211,6 +236,10 @@ async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_10
                     await recv(rude, timeout=5)
             assert rude.close_code == 1008 and "retry_after_ms" in rude.close_reason
             assert srv.metrics.registry.get_sample_value("fillmask_resenders_closed_total") == 1
+            # §8 (an operator's trial: it named only the client's closes): its four accepted requests,
+            # still queued, get no answer after the close frame, and are counted as dropped (with the
+            # refusals of frames read just before the close that it left unsent, §11).
+            assert dropped(srv) >= 4
             said = [r.getMessage() for r in caplog.records if "before its retry_after_ms" in r.getMessage()]
             assert len(said) == 1 and "127.0.0.1:" in said[0], said
             await send(polite, fill("polite"))
