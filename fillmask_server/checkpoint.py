@@ -413,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                              "anything else stays")
     parser.add_argument("--family-shape", choices=sorted(FAMILY_SHAPES), default="tiny",
                         help="a family model's shape: tiny (2 layers, hidden 32-64), small (4 layers, hidden 384) "
-                             "or base (12 layers, hidden 768)")
+                             "or base (12 layers, hidden 768, the family's real vocabulary size); every shape takes "
+                             f"texts of at most {FAMILY_MAX_TOKENS} tokens (its tokenizer's model_max_length), "
+                             "special tokens included")
     args = parser.parse_args(argv)
     family = args.size in FAMILIES
     asked = _name(args.size, args.family_shape if family else None, args.seed)

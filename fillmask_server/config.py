@@ -128,8 +128,9 @@ _HELP: dict[str, str] = {
                      "1 = one pass",
     "calibration_s": "time budget for the start-up calibration: the torch thread count, a lone request after a "
                      "quiet spell (--quiet-lone), the cost model's first coefficients, and for --dtype "
-                     "bfloat16/float16/int8 its speed against float32 (a warning when slower); 0 = skip it (the "
-                     "cost model then starts from CPU defaults and learns online)",
+                     "bfloat16/float16/int8 its speed against float32 (a warning when slower); each measurement "
+                     "takes at least two rounds, so a slow forward pass (a large vocabulary, a slow or busy CPU) "
+                     "takes longer; 0 = skip it (the cost model then starts from CPU defaults and learns online)",
     "quiet_lone": "auto: the start-up calibration times a lone request after the torch thread team has been "
                   "quiet, on one thread and on the team, and where one thread is faster (waking a sleeping team "
                   "is slow on some machines, virtual ones above all) by more than it is slower back to back, runs "

@@ -615,7 +615,9 @@ class FillMaskModel:
         except torch.OutOfMemoryError as exc:  # (the float32 weights of a reduced dtype's check)
             note = f"not enough memory to check packed rows against float32 ({first_line(exc)})"
         except Exception as exc:  # a model that builds its own attention from a 2-d mask, or none
-            note = f"the model does not take a mask of which token attends to which ({first_line(exc)})"
+            # (torch's words in brackets, said as what the model raised: an operator read them as a crash)
+            note = ("the model does not take a mask of which token attends to which (given one, it raised: "
+                    f"{first_line(exc)})")
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # (what the check's float32 weights held)

@@ -558,7 +558,7 @@ def test_packed_rows_need_a_model_that_takes_a_mask_of_which_token_attends_to_wh
     fill = FillMaskModel("residues", tokenizer, model, "cpu", "float32")
     assert fill.engine_facts()["layout"] == "padded" and fill.head_mode == "masks"
     assert fill.packing_note == ("the model does not take a mask of which token attends to which "
-                                 "(attention_mask must be 2-d)")
+                                 "(given one, it raised: attention_mask must be 2-d)")
     texts = ["E V [MASK] L", "[MASK] V Q L Q E S G G [MASK] L"]
     assert fill.forward([Item(ids, 3) for ids in fill.tokenize(texts)]).values.shape == (3, 3)
 
