@@ -51,6 +51,7 @@ from .tuning import ThreadTuner, Verdict
 
 WAITING = (State.TOKENIZING, State.QUEUED)  # a request in these states counts against the queue
 STARTED = (State.RUNNING, State.DECODING)
+AHEAD = (State.QUEUED, State.RUNNING)  # tokenized, and not yet through the model: what retry_after_ms prices
 ENGINE_STOPPED_RETRY_MS = 1000
 INTAKE_BATCH = 256  # most requests the tokenizer stage takes in one call
 SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
@@ -119,7 +120,12 @@ class EngineCore:
         self._reserved: dict[object, int] = {}  # owner -> answer bytes reserved by its started requests
         self._reserved_total = 0
         self._intake_held = False  # the tokenizer stage holds the jobs it took (all TOKENIZING ones then)
-        self._seconds_per_row = 0.01  # moving estimate, for retry_after_ms
+        # The tokens and answer bytes of the AHEAD jobs (kept by ``_move``), and a request's of the last
+        # batch, for what is still being tokenized: what ``retry_after_ms`` prices.
+        self._ahead_tokens = 0
+        self._ahead_bytes = 0
+        self._typical = (16.0, 0.0)
+        self._seconds_per_row = 0.01  # the recent batches' time per row (a moving average): the other estimate
 
     # --- what the states hold -----------------------------------------------------------------------
 
@@ -152,12 +158,30 @@ class EngineCore:
         return self._reserved_total
 
     def retry_after_ms(self) -> int:
-        """Estimate of how long the current queue takes to clear, for overload answers (429, 503, 504): its rows at the
-        recent time per row, or with ``--max-wait-ms`` that wait where it is longer (a batch that is
-        not full waits for company up to that long, counted from its oldest request, which runs while
-        earlier rows do)."""
-        pending = self.waiting() + len(self._jobs[State.RUNNING])
-        seconds = max(pending * self._seconds_per_row, self.policy.max_wait_s if pending else 0.0)
+        """Estimate of how long the requests waiting or running take to clear, for overload answers (429,
+        503, 504), 10 to 30,000 ms: the lower of two estimates that each run high in their own case, or
+        with ``--max-wait-ms`` that wait where it is longer (a batch that is not full waits for company
+        up to that long, counted from its oldest request, which runs while earlier rows do).
+
+        - The cost model's time for them as full batches run them: one overhead a batch of
+          ``max_batch_size`` rows or ``max_batch_tokens`` tokens, and each request's tokens, row and
+          answer bytes (one still being tokenized priced as a request of the last batch). High while
+          the online fit puts what lone requests cost beyond its overhead into the token price.
+        - Their rows at the recent batches' time per row (a moving average). High after lone
+          requests, each a batch of its own: alone it told clients to wait up to 30 s for a queue
+          that cleared in about 2, and every call on their connections waits that out (§6)."""
+        known = len(self._jobs[State.QUEUED]) + len(self._jobs[State.RUNNING])
+        pending = known + len(self._jobs[State.TOKENIZING])
+        if not pending:
+            return 10
+        tokens_each, bytes_each = self._typical
+        unknown = pending - known
+        tokens = self._ahead_tokens + unknown * tokens_each
+        out = self._ahead_bytes + unknown * bytes_each
+        batches = max(-(-pending // self.policy.max_batch_size), -(-int(tokens) // self.policy.max_batch_tokens))
+        c = self.cost.coefficients
+        priced = batches * c.overhead_s + tokens * c.token_s + pending * c.row_s + out * c.byte_s
+        seconds = max(min(priced, pending * self._seconds_per_row), self.policy.max_wait_s)
         return int(min(30_000, max(10, seconds * 1000)))
 
     # --- calls ---------------------------------------------------------------------------------------
@@ -315,7 +339,10 @@ class EngineCore:
         # Its answers leave as soon as they are decoded: count their clients as coming back from now,
         # before the next batch is chosen (at hand-over time it would already be running).
         self.policy.answered(len(batch), now)
-        self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (seconds / len(batch))
+        if batch:
+            self._typical = (sum(job.n_tokens for job in batch) / len(batch),
+                             sum(job.result_bytes for job in batch) / len(batch))
+            self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (seconds / len(batch))
         return outcomes
 
     @property
@@ -407,6 +434,10 @@ class EngineCore:
                 self._waiting_by[job.owner] = left
             else:
                 self._waiting_by.pop(job.owner, None)
+        if (before in AHEAD) is not (job.state in AHEAD):
+            sign = 1 if job.state in AHEAD else -1
+            self._ahead_tokens += sign * job.n_tokens
+            self._ahead_bytes += sign * job.result_bytes
         if job.state is State.RUNNING:
             job.reserved = job.result_bytes
             self._reserved[job.owner] = self._reserved.get(job.owner, 0) + job.reserved

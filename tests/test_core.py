@@ -613,5 +613,35 @@ def test_retry_after_counts_the_batch_wait_a_user_set() -> None:
     for c in (plain, waiting):
         queue_up(c, [job(i, owner=i) for i in range(4)])  # four connections: within each one's share
         assert c.submit(job("late", owner="late")) is Admission.QUEUE_FULL
-    assert plain.retry_after_ms() == 40  # 4 rows at the first estimate, 10 ms a row
-    assert waiting.retry_after_ms() == 4000  # the wait, which the rows' 40 ms run within
+    prior = plain.cost.coefficients  # one batch of the four rows of 10 tokens and 1,000 bytes each
+    rows_ms = 1000 * (prior.overhead_s + 40 * prior.token_s + 4 * prior.row_s + 4000 * prior.byte_s)
+    assert abs(plain.retry_after_ms() - max(10, rows_ms)) <= 1 and plain.retry_after_ms() < 100
+    assert waiting.retry_after_ms() == 4000  # the wait, which the rows run within
+
+
+def test_retry_after_prices_the_queue_as_full_batches_not_at_a_lone_requests_time_per_row() -> None:
+    """§6: an application developer's trial was told to wait 28-30 s for a queue that cleared in about
+    2, and every call on the connection waited it out: the hint was the queue's rows at the recent
+    time per row, which lone requests, each a batch of its own (here 30 ms, a quiet team woken), had
+    made that of one-row batches. The queue is now priced by the cost model as the full batches of
+    64 that run it, a request still being tokenized as one of the last batch, where that is lower;
+    and the time per row bounds a cost model whose price is far too high."""
+    cost = CostModel(Coefficients(overhead_s=0.004, token_s=2e-5, row_s=1e-4, byte_s=0.0))
+    c = core(max_queue=2048, size=64, cost=cost)
+    for i in range(8):
+        queue_up(c, [job(f"lone{i}", owner=f"lone{i}")])
+        scheduled = c.schedule(float(i))
+        assert len(scheduled.batch) == 1
+        c.update_from_output(scheduled.batch, scheduled.padded_tokens, [0], [], 0.030, float(i) + 0.03)
+    queue_up(c, [job(i, owner=i) for i in range(1000)])
+    fitted = c.cost.coefficients
+    full_batches_ms = 1000 * (16 * fitted.overhead_s + 1000 * (10 * fitted.token_s + fitted.row_s))
+    assert abs(c.retry_after_ms() - full_batches_ms) <= 1
+    assert c.retry_after_ms() <= 16 * 30 + 1000 * 10 * 2e-5 * 1000 + 100  # (was 1000 x ~30 ms: 26,000 or more)
+    for i in range(1000):  # still being tokenized: priced as a request of the last batch
+        assert c.submit(job(f"t{i}", owner=f"t{i}")) is Admission.ACCEPTED
+    assert abs(c.retry_after_ms() - 1000 * (32 * fitted.overhead_s + 2000 * (10 * fitted.token_s + fitted.row_s))) <= 1
+    # A token price a hundred times too high (no batch has run): the rows at the first 10 ms each.
+    dear = core(max_queue=2048, size=64, cost=CostModel(Coefficients(token_s=0.01)))
+    queue_up(dear, [job(i, owner=i) for i in range(100)])
+    assert dear.retry_after_ms() == 100 * 10

@@ -696,6 +696,10 @@ class CoreMachine(RuleBasedStateMachine):
         for job in self.containers[State.QUEUED]:
             assert job.missed <= (self.policy.max_missed if self.policy.growth else 0), (job.request.id, job.missed)
         assert 10 <= core.retry_after_ms() <= 30_000
+        # What retry_after_ms prices: the tokens and answer bytes of the jobs queued or running.
+        ahead = [job for state in (State.QUEUED, State.RUNNING) for job in self.containers[state]]
+        assert (core._ahead_tokens, core._ahead_bytes) == (sum(job.n_tokens for job in ahead),
+                                                           sum(job.result_bytes for job in ahead))
 
     def reserved_by_owner(self) -> dict[Any, int]:
         by_owner: Counter[Any] = Counter()
