@@ -1677,6 +1677,67 @@ async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: A
         assert rc == 0, err
 
 
+# ---------------------------------------------------------------------------- keyboard and high contrast
+
+FOCUSED = """() => { const e = document.activeElement; const r = e.getBoundingClientRect();
+    return {name: (e.getAttribute('aria-label') || e.textContent || e.id).trim().slice(0, 40), top: r.top,
+            bottom: r.bottom, inHeader: Boolean(e.closest('.top-bar')), skip: e.classList.contains('skip-link'),
+            header: document.querySelector('.top-bar').getBoundingClientRect().bottom}; }"""
+
+
+@pytest.mark.parametrize("viewport", [DESKTOP, {"width": 640, "height": 450}], ids=["desktop", "zoomed_200"])
+async def test_keyboard_focus_is_never_hidden_under_the_sticky_header(server: Any, open_page: Any,
+                                                                      viewport: dict[str, int]) -> None:
+    """A demo-page trial: Shift+Tab up a page of answers scrolled each focused element to the window's
+    top edge, under the sticky header (3 Tab stops wholly hidden at 1280 x 900, 9 at 200% zoom, here a
+    640 x 450 window). The page now pads its scrolling by the header's height, which it follows as
+    zoom or a wrapped line change it."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/", viewport=viewport)
+    for n in range(1, 5):
+        await page.ask("The [MASK] sat on the [MASK] mat.")
+        await expect(page.card(n)).to_have_attribute("data-state", "done")
+    await page.by("frame-log").locator("summary").focus()
+    seen = []
+    for _ in range(80):  # bounded: the page has fewer Tab stops than this above its log
+        await page.page.keyboard.press("Shift+Tab")
+        focused = await page.page.evaluate(FOCUSED)
+        if focused["skip"]:
+            break
+        seen.append(focused)
+        if not focused["inHeader"]:
+            assert focused["top"] >= focused["header"] - 1, focused
+    assert len(seen) >= 20 and sum(not f["inHeader"] for f in seen) >= 15, seen  # the cards' stops were walked
+
+
+async def test_in_forced_colours_the_chosen_candidate_and_the_score_bars_stay_visible(server: Any,
+                                                                                      open_page: Any) -> None:
+    """A demo-page trial (high contrast, as Windows' contrast themes force it): the chosen candidate
+    was marked by its background alone and the score bars were a fill on a track, both dropped in
+    forced colours, so neither could be seen. The chosen one now has a border of its own, and the
+    bars are drawn in the system's colours."""
+    from playwright.async_api import expect
+
+    page = await open_page(server.http_url + "/")
+    # (The same trial: "Cancel all", disabled with nothing in flight, looked like a live link.)
+    await expect(page.by("cancel-all")).to_be_disabled()
+    assert await page.by("cancel-all").evaluate("b => getComputedStyle(b).textDecorationLine") == "none"
+    await page.page.emulate_media(forced_colors="active")
+    await page.ask("The [MASK] sat on the mat.")
+    await expect(page.card(1)).to_have_attribute("data-state", "done")
+    looks = await page.card(1).evaluate("""card => [...card.querySelectorAll('.pred-button')].map(b => {
+        const s = getComputedStyle(b), fill = getComputedStyle(b.querySelector('.fill'));
+        const bar = getComputedStyle(b.querySelector('.bar'));
+        return {chosen: b.getAttribute('aria-pressed') === 'true', border: s.borderTopWidth + ' ' + s.borderTopColor,
+                fill: fill.backgroundColor, page: getComputedStyle(document.body).backgroundColor,
+                barBorder: bar.borderTopWidth}; })""")
+    chosen = [look["border"] for look in looks if look["chosen"]]
+    others = {look["border"] for look in looks if not look["chosen"]}
+    assert len(chosen) == 1 and chosen[0] not in others, looks
+    assert all(look["fill"] != look["page"] and look["barBorder"] != "0px" for look in looks), looks
+
+
 # ---------------------------------------------------------------------------- pictures
 
 
