@@ -362,13 +362,27 @@ MIN_TOKEN_CHARS = 16
 _SMALLEST_REQUEST = b'{"type":"fill_mask","id":0,"text":""}'
 
 
+#: The ports browsers refuse to fetch from or open a WebSocket to (the Fetch standard's "bad ports",
+#: those of other protocols): a server on one serves every client but a browser (web_demo/lib.js has
+#: the same list, tests/test_web_demo.py checks).
+BROWSER_BLOCKED_PORTS = frozenset({
+    1, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23, 25, 37, 42, 43, 53, 69, 77, 79, 87, 95, 101, 102, 103, 104,
+    109, 110, 111, 113, 115, 117, 119, 123, 135, 137, 139, 143, 161, 179, 389, 427, 465, 512, 513, 514, 515,
+    526, 530, 531, 532, 540, 548, 554, 556, 563, 587, 601, 636, 989, 990, 993, 995, 1719, 1720, 1723, 2049,
+    3659, 4045, 4190, 5060, 5061, 6000, 6566, 6665, 6666, 6667, 6668, 6669, 6679, 6697, 10080})
+
+
 def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     """One warning line for each setting that works but is unwise (start-up prints them): a short
     ``--token``, which a client could guess (the server answers wrong tokens at full speed); more
     ``--torch-threads`` or ``--forward-parts`` than the ``cpus`` this process may use (``usable_cpus``),
     which only slow the forward pass (far more are refused: ``validate``); a ``--max-text-chars`` that
-    no frame within ``--max-frame-bytes`` can carry."""
+    no frame within ``--max-frame-bytes`` can carry; a ``--port`` browsers refuse."""
     lines = []
+    if config.port in BROWSER_BLOCKED_PORTS:
+        lines.append(f"warning: --port {config.port} is one that browsers refuse to connect to (the Fetch standard "
+                     "blocks it: another protocol's port), so neither the demo page nor a client in a browser "
+                     "can reach this server; other clients can; for browsers choose another port, e.g. 8765")
     if config.token and len(config.token) < MIN_TOKEN_CHARS:
         lines.append(f"warning: --token is {len(config.token)} characters long, and the server does not slow down "
                      f"clients that guess: use {MIN_TOKEN_CHARS} or more random characters (python -c \"import "

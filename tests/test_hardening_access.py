@@ -35,7 +35,7 @@ from fillmask_server.access import (
     tls_context,
     token_matches,
 )
-from fillmask_server.config import Config, load_config, setting_warnings, validate
+from fillmask_server.config import BROWSER_BLOCKED_PORTS, Config, load_config, setting_warnings, validate
 from fillmask_server.server import FillMaskServer
 from tests.wire import request, session
 
@@ -184,6 +184,16 @@ def test_a_short_token_gets_a_warning_at_start(tmp_path: Path) -> None:
     assert len(warned) == 1 and "3 characters long" in warned[0] and "abc" not in warned[0], result.stderr
     assert setting_warnings(Config(token=TOKEN * (16 // len(TOKEN) + 1))) == []
     assert setting_warnings(Config()) == []
+
+
+def test_a_port_browsers_refuse_is_warned_of_at_start_up() -> None:
+    """A demo-page trial: with --port 6000 (X11's) the server printed its demo page's address, which
+    Chromium refused to open (ERR_UNSAFE_PORT), and the page opened from disk called the server not
+    running. Such a port (the Fetch standard's list) is now said at start-up; every other port is not."""
+    (said,) = setting_warnings(Config(port=6000))
+    assert said.startswith("warning: --port 6000 is one that browsers refuse") and "8765" in said, said
+    assert [setting_warnings(Config(port=port)) for port in (0, 8765, 8080, 443, 80)] == [[]] * 5
+    assert all(setting_warnings(Config(port=port)) for port in BROWSER_BLOCKED_PORTS)
 
 
 def test_hardening_flags_have_environment_variables() -> None:

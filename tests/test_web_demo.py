@@ -32,6 +32,7 @@ import orjson
 import pytest
 from websockets.asyncio.client import connect
 
+from fillmask_server.config import BROWSER_BLOCKED_PORTS
 from fillmask_server.protocol import STATS_INTERVAL_MS
 from tests.wire import free_port, wait_until
 
@@ -1565,8 +1566,12 @@ async def test_a_malformed_address_says_so_next_to_the_form(server: Any, open_pa
     await page.page.get_by_text("Server and limits").click()
     field = page.by("ws-url")
     error = page.by("ws-error")
+    # (And a port browsers refuse, which the page called a server not running: a demo-page trial.)
+    assert set(await page.page.evaluate("[...FillMask.lib.BLOCKED_PORTS]")) == BROWSER_BLOCKED_PORTS
     for bad, why in (("ws://", "it has no host"), ("ws://[::1", "its IPv6 address has no closing ]"),
-                     ("ws://127.0.0.1:99999/", "its port, 99999, is above 65535")):
+                     ("ws://127.0.0.1:99999/", "its port, 99999, is above 65535"),
+                     ("ws://127.0.0.1:6000/", "its port, 6000, is one that browsers refuse to connect to (the "
+                      "Fetch standard blocks it: another protocol's port); start the server on another port")):
         await field.fill(bad)
         await field.press("Enter")
         await expect(error).to_have_text(f'"{bad}" is not a WebSocket URL: {why}. Enter one like '

@@ -398,6 +398,15 @@
    * it is one as far as the page can tell. The browser's WebSocket constructor is the judge; this only
    * names the usual slips.
    */
+  /** The ports browsers refuse to open a WebSocket to (the Fetch standard's "bad ports", those of
+   *  other protocols); fillmask_server/config.py warns of them at start-up (the same list). */
+  const BLOCKED_PORTS = new Set([
+    1, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23, 25, 37, 42, 43, 53, 69, 77, 79, 87, 95, 101, 102, 103,
+    104, 109, 110, 111, 113, 115, 117, 119, 123, 135, 137, 139, 143, 161, 179, 389, 427, 465, 512, 513,
+    514, 515, 526, 530, 531, 532, 540, 548, 554, 556, 563, 587, 601, 636, 989, 990, 993, 995, 1719,
+    1720, 1723, 2049, 3659, 4045, 4190, 5060, 5061, 6000, 6566, 6665, 6666, 6667, 6668, 6669, 6679,
+    6697, 10080]);
+
   function wsUrlProblem(url) {
     const m = /^(wss?):\/\/([^/?#]*)/i.exec(String(url));
     if (!m) return 'it does not start with ws:// or wss://';
@@ -407,6 +416,10 @@
     if (authority.startsWith('[') && !authority.includes(']')) return 'its IPv6 address has no closing ]';
     const port = /:(\d+)$/.exec(authority.startsWith('[') ? authority.slice(authority.indexOf(']')) : authority);
     if (port && Number(port[1]) > 65535) return 'its port, ' + port[1] + ', is above 65535';
+    if (port && BLOCKED_PORTS.has(Number(port[1]))) {
+      return 'its port, ' + port[1] + ', is one that browsers refuse to connect to (the Fetch standard blocks ' +
+        "it: another protocol's port); start the server on another port";
+    }
     try {
       new URL(url);
     } catch (err) {
@@ -642,7 +655,8 @@
 
   FillMask.lib = {
     formatScore, formatMs, formatSeconds, foldWord, plural, codePoints, countOccurrences, parseTargets, clipText, formatCount,
-    filledSegments, excerptSegments, readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, wsUrlProblem, diagnose,
+    filledSegments, excerptSegments, readableToken, glyphProbe, tally, tallyText, shellQuote, snippet, httpBase, wsUrlProblem,
+    BLOCKED_PORTS, diagnose,
     prettyJson, logText, FrameLog,
   };
 })();
