@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import http.server
 import inspect
 import io
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -990,6 +992,29 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
         await asyncio.to_thread(client.close)
     with pytest.raises(ConnectionLostError, match=r"the client for ws://127\.0\.0\.1:\d+/ was closed"):
         client.fill_mask(TEXT)  # the async client's exception (a trial: a RuntimeError, not a FillMaskError)
+
+
+async def test_a_blocking_client_dropped_without_close_says_so_and_lets_go_of_its_connection(server: Any) -> None:
+    """An application developer's trial: five ``SyncFillMaskClient`` dropped without ``close()`` (a
+    notebook cell run again) kept five threads and five connections to the server for the life of the
+    process, silently, also under ``-X dev``. Now each says so (``ResourceWarning``) as it is collected,
+    and its connection and thread end."""
+    def open_clients() -> None:  # (no reference to them survives this function)
+        for _ in range(3):
+            SyncFillMaskClient(server.url).fill_mask(TEXT)
+
+    def client_threads() -> int:
+        return sum(thread.name == "fillmask-client" for thread in threading.enumerate())
+
+    before = client_threads()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", ResourceWarning)
+        await asyncio.to_thread(open_clients)
+        gc.collect()
+    unclosed = [str(w.message) for w in said if issubclass(w.category, ResourceWarning)
+                and "unclosed <SyncFillMaskClient" in str(w.message)]
+    assert len(unclosed) == 3 and "call close(), or use it in a with block" in unclosed[0], unclosed
+    await wait_until(lambda: not server.connections and client_threads() == before, timeout=10)
 
 
 async def test_the_blocking_client_called_on_the_servers_own_loop_says_it_blocked_that_loop(server: Any) -> None:

@@ -17,6 +17,7 @@ import inspect
 import ipaddress
 import threading
 import urllib.parse
+import warnings
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
@@ -39,6 +40,25 @@ async def _cancel_the_others() -> None:
         task.cancel()
     if others:
         await asyncio.wait(others, timeout=STOP_GRACE_S)
+
+
+async def _close_then_stop(client: FillMaskClient) -> None:
+    """Close ``client`` and stop the running loop, as ``close`` does but without a caller waiting (for a
+    client dropped without ``close()``); the loop's thread then closes the loop and ends."""
+    try:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(STOP_GRACE_S):
+                await client.close()
+        await _cancel_the_others()
+    finally:
+        asyncio.get_running_loop().stop()
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The client's thread: ``loop`` until it is stopped, then closed (``close`` closes it too, which
+    is a no-op once closed; a client dropped without ``close()`` has nobody else to close it)."""
+    loop.run_forever()
+    loop.close()
 
 
 def _blocked_loop_hint(urls: Iterable[str]) -> str:
@@ -104,7 +124,7 @@ class SyncFillMaskClient:
         self._closing = False
         self._calls: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fillmask-client", daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._loop,), name="fillmask-client", daemon=True)
         self._thread.start()
         self._client = client
         try:
@@ -121,6 +141,18 @@ class SyncFillMaskClient:
 
     def __repr__(self) -> str:
         return repr(self._client).replace("FillMaskClient", "SyncFillMaskClient", 1)
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        """A client dropped without ``close()`` (a notebook cell run again, say) held its connection and
+        its thread for the life of the process, without a word (an application developer's trial). Now
+        it says so, as a ``ResourceWarning`` (shown with ``python -X dev`` or ``-W default``), and closes
+        them without waiting: from whatever thread the collector runs this in, the loop's own included."""
+        if getattr(self, "_closing", True) or getattr(self, "_client", None) is None or self._loop.is_closed():
+            return  # closed, or its ``__init__`` failed (which stopped what it had started)
+        self._closing = True
+        _warn(f"unclosed {self!r}: call close(), or use it in a with block", ResourceWarning, source=self)
+        with contextlib.suppress(Exception):  # the loop closed meanwhile
+            asyncio.run_coroutine_threadsafe(_close_then_stop(self._client), self._loop)
 
     def close(self) -> None:
         """Close the connection and stop the background thread; safe to call twice, and from any thread
