@@ -25,7 +25,8 @@ Only what waiting may fix (``ConnectError.transient``: refused, reset, 502/503/5
 within ``--timeout``; any other connection failure (TLS against a plain server, a peer that is not a
 fill-mask server, a 401 for the token...) ends the run at once with its one line. Runs of several
 texts end with a summary line on stderr, Ctrl-C included (``interrupted; 5 texts: ...``, then exit
-status 130, ``EXIT_INTERRUPTED``; what was printed before stays printed). While the command waits
+status 130, ``EXIT_INTERRUPTED``; what was printed before stays printed), and SIGTERM too
+(``terminated; ...``, exit status 143, ``EXIT_TERMINATED``). While the command waits
 for a server, it says ``waiting for the server… (Ns)`` on stderr once a second (with why, when that
 changes: a failure, or ``connected, no hello frame yet``). When standard output is closed before the
 run ends (``fillmask-client ... | head -1``), the run stops with exit status 141 (``EXIT_OUTPUT_CLOSED``,
@@ -45,6 +46,7 @@ import logging
 import math
 import os
 import re
+import signal
 import ssl
 import sys
 import typing
@@ -74,6 +76,8 @@ from .wire import SERVER_GONE_REASONS, retryable
 EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_CONNECTION = 0, 1, 2, 3
 #: Ctrl-C (128 + SIGINT, as a shell reports a command that SIGINT ended).
 EXIT_INTERRUPTED = 130
+#: SIGTERM (``timeout(1)``, a supervisor): 128 + SIGTERM, after the same summary as Ctrl-C's.
+EXIT_TERMINATED = 143
 #: Standard output was closed before every outcome was printed (128 + SIGPIPE, as a shell reports it).
 EXIT_OUTPUT_CLOSED = 141
 #: The environment variable the server reads its ``--token`` from; the command reads it too.
@@ -106,7 +110,8 @@ def build_parser() -> Parser:
         prog="fillmask-client",
         description="Ask a fill-mask server to fill the [MASK] in each text.",
         epilog="exit status: 0 all answered, 1 a request failed, 2 usage error (also a value outside the "
-               "server's limits), 3 server unreachable, lost or shutting down, 130 interrupted (Ctrl-C), "
+               "server's limits), 3 server unreachable, lost or shutting down, 130 interrupted (Ctrl-C), 143 "
+               "terminated (SIGTERM), "
                "141 standard output closed (e.g. piped into head). Everything after '--' is a text (a "
                "text such as '-[MASK]' goes there; '-' still reads standard input).",
     )
@@ -468,7 +473,8 @@ async def run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, err: 
 
     Ctrl-C reaches it as the cancellation ``asyncio.run`` makes of it: the summary line is said (for
     several texts, unless ``--quiet``), the connections are closed, and the cancellation goes on (so
-    ``asyncio.run`` raises ``KeyboardInterrupt``, which ``main`` turns into exit status 130).
+    ``asyncio.run`` raises ``KeyboardInterrupt``, which ``main`` turns into exit status 130). SIGTERM
+    (in the main thread) does the same, ``terminated; ...``, and returns ``EXIT_TERMINATED`` (143).
 
     ``context`` is the TLS context for ``wss://`` (``load_cafile(args.cafile)``; ``None``: the system's).
     While it runs, the library's warnings (logger ``fillmask_client``) are lines of its own on ``err``
@@ -480,14 +486,31 @@ async def run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, err: 
     library_log = logging.getLogger("fillmask_client")
     said_by_us = SayHandler(say)
     library_log.addHandler(said_by_us)
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    terminated = False
+
+    def on_sigterm() -> None:  # as Ctrl-C: the run is cancelled, says how far it got, and ends
+        nonlocal terminated
+        terminated = True
+        if task is not None:
+            task.cancel()
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # (no signals here: not the main thread)
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
-        return await _run(args, texts, out, context, say)
+        return await _run(args, texts, out, context, say, lambda: "terminated" if terminated else "interrupted")
+    except asyncio.CancelledError:
+        if terminated:
+            return EXIT_TERMINATED
+        raise
     finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGTERM)
         library_log.removeHandler(said_by_us)
 
 
 async def _run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, context: ssl.SSLContext | None,
-               say: Callable[[str], None]) -> int:
+               say: Callable[[str], None], stopped_by: Callable[[], str] = lambda: "interrupted") -> int:
     """``run``'s work, with the library's warnings said as the command's lines."""
     targets = parse_targets(args.targets)
     client = FillMaskClient(args.url or [DEFAULT_URL], connections=args.connections, retry=args.retry,
@@ -551,8 +574,8 @@ async def _run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, cont
         say(message_for(exc))
         return EXIT_CONNECTION
     except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this task, then raises KeyboardInterrupt
-        if len(texts) > 1 and not args.quiet:
-            say(f"interrupted; {tally.summary()}")
+        if len(texts) > 1 and not args.quiet:  # (or SIGTERM: ``run`` cancelled it, and returns 143)
+            say(f"{stopped_by()}; {tally.summary()}")
         for line in tally.unnamed() if args.quiet else []:
             say(line)
         raise
