@@ -590,6 +590,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
                 {reachable: true, ready: null, fillMask: false},
                 {pageProtocol: 'file:', pageOrigin: 'null', reachable: true, url: 'ws://127.0.0.1:8765/?token=***'},
                 {reachable: true, ready: null, unavailable: true, everConnected: true, attempts: 1},
+                {reachable: true, ready: 'ready', tokenRequired: false},
+                {reachable: true, ready: 'ready', tokenRequired: true},
             ].map(f => L.diagnose(Object.assign({url: 'ws://127.0.0.1:8765/', pageProtocol: 'http:',
                                                  pageOrigin: 'http://127.0.0.1:8765'}, f))),
         };
@@ -629,7 +631,12 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     assert got["frameLog"]["removed"] == [4, 5, 6] and got["frameLog"]["again"] == []
     assert got["frameLog"]["types"] == " ".join(["stats"] + ["fill_mask"] * 9) and got["frameLog"]["dropped"] == 7
     (from_disk, down, token, draining, restarting, lost_lately, lost_for_a_while, wrong, elsewhere, wrong_from_disk,
-     balancer_between) = got["diagnosis"]
+     balancer_between, full, needs_token) = got["diagnosis"]
+    # A trial: a full server (--max-connections) was called one probably started with --token. The
+    # page's own server's /metrics says whether it has one.
+    assert full["kind"] == "reconnecting" and "--max-connections" in full["notice"], full
+    assert "token" not in full["notice"] and full["label"] == "Server full; reconnecting", full
+    assert "it was started with --token;" in needs_token["notice"], needs_token
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
     assert token["kind"] == "refused" and "--token" in token["notice"] and "?token=" in token["notice"]
@@ -1638,6 +1645,23 @@ async def test_another_origin_that_is_no_fill_mask_server_is_not_called_a_refusa
     finally:
         plain.shutdown()
         plain.server_close()
+
+
+async def test_a_full_server_is_not_called_a_token_problem_and_the_page_gets_in_once_there_is_room(
+        make_server: Any, open_page: Any) -> None:
+    """A demo-page trial: with --max-connections 1, a second tab said the server was probably started
+    with --token (it was not). The page asks its own server's /metrics, which answers 401 only with a
+    token, and says the server is full; it keeps trying and connects once the first tab has gone."""
+    from playwright.async_api import expect
+
+    async with make_server(max_connections=1) as full:
+        first = await open_page(full.http_url + "/")
+        second = await open_page(full.http_url + "/", wait=False)
+        await expect(second.page.locator("#conn-text")).to_have_text("Server full; reconnecting", timeout=15_000)
+        await expect(second.by("notice")).to_contain_text("--max-connections")
+        assert "token" not in (await second.by("notice").text_content() or "")
+        await first.page.close()
+        await second.wait_connected()
 
 
 async def test_token_refusal_is_diagnosed_and_fixed_from_the_page(make_server: Any, open_page: Any) -> None:

@@ -329,7 +329,8 @@
         // is some other server; a 5xx may be a balancer or an Ingress with no replica yet: unknown.
         const other = ready === null && (response.status === 404 || response.ok);
         return { reachable: true, ready, fillMask: other ? false : undefined,
-          unavailable: ready === null && response.status >= 500 };
+          unavailable: ready === null && response.status >= 500,
+          tokenRequired: ready === 'ready' ? await needsToken(base, controller.signal) : undefined };
       }
       // Cross-origin (a file: page, another port): the answer is opaque, but that it came is enough.
       await fetch(base + '/healthz', { mode: 'no-cors', cache: 'no-store', signal: controller.signal });
@@ -338,6 +339,18 @@
       return { reachable: false, ready: null, plainHttp: await answersPlainHttp(url, controller.signal) };
     } finally {
       window.clearTimeout(timer);
+    }
+  }
+
+  /** Whether the page's own server was started with --token: its /metrics answers 401 without one
+   *  (§9), 200 with none set (undefined: it could not tell), so that a refusal can be told apart from
+   *  a full server's (--max-connections: a trial found it called a probable token problem). */
+  async function needsToken(base, signal) {
+    try {
+      const response = await fetch(base + '/metrics', { cache: 'no-store', signal });
+      return response.status === 401 ? true : response.ok ? false : undefined;
+    } catch (err) {
+      return undefined;
     }
   }
 

@@ -447,7 +447,8 @@
    * 'draining', 'engine_stopped' or null when unknown), fillMask (false: a same-origin server whose
    * /readyz is not a fill-mask server's; absent when unknown), unavailable (a same-origin /readyz
    * answered 5xx without a fill-mask server's status: a balancer with no replica ready), plainHttp (a
-   * wss:// address whose host and port answer plain HTTP), restarting (a going_away came),
+   * wss:// address whose host and port answer plain HTTP), tokenRequired (the page's own server was
+   * started with --token: true, or not: false; absent when unknown), restarting (a going_away came),
    * everConnected, attempts (the client's attempt count: 1 once the connection dropped, one more for
    * each reconnection that failed; a page that was connected says "not reachable" only from
    * UNREACHABLE_ATTEMPTS on)}
@@ -537,11 +538,16 @@
       };
     }
     const refused = 'The server at ' + url + ' is running but refused this page';
+    if (facts.tokenRequired === false) {  // no token to get wrong, and its own page's origin: it is full
+      return { kind: 'reconnecting', label: 'Server full; reconnecting', notice: refused + ': it has as many ' +
+        'connections as it takes (its --max-connections). The page keeps trying, and connects once one closes.' };
+    }
     const causes = withToken
       ? ': it refused the token in this address (a wrong token? check the server\'s --token), or it has ' +
         'reached its --max-connections.'
-      : ': it was probably started with --token; add ?token=TOKEN to the WebSocket address under ' +
-        '"Server and limits". Or it has reached its --max-connections.';
+      : (facts.tokenRequired ? ': it was started with --token' : ': it was probably started with --token') +
+        '; add ?token=TOKEN to the WebSocket address under "Server and limits". Or it has reached its ' +
+        '--max-connections.';
     return { kind: 'refused', label: 'Refused by the server', notice: refused + causes };
   }
 
