@@ -382,7 +382,8 @@ def setting_warnings(config: Config, cpus: int | None = None) -> list[str]:
     if config.port in BROWSER_BLOCKED_PORTS:
         lines.append(f"warning: --port {config.port} is one that browsers refuse to connect to (the Fetch standard "
                      "blocks it: another protocol's port), so neither the demo page nor a client in a browser "
-                     "can reach this server; other clients can; for browsers choose another port, e.g. 8765")
+                     "can reach this server directly; other clients can; for browsers choose another port, e.g. "
+                     "8765")
     if config.token and len(config.token) < MIN_TOKEN_CHARS:
         lines.append(f"warning: --token is {len(config.token)} characters long, and the server does not slow down "
                      f"clients that guess: use {MIN_TOKEN_CHARS} or more random characters (python -c \"import "

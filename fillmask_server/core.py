@@ -124,7 +124,7 @@ class EngineCore:
         # batch, for what is still being tokenized: what ``retry_after_ms`` prices.
         self._ahead_tokens = 0
         self._ahead_bytes = 0
-        self._typical = (16.0, 0.0)
+        self._last_request = (16.0, 0.0)
         self._seconds_per_row = 0.01  # the recent batches' time per row (a moving average): the other estimate
 
     # --- what the states hold -----------------------------------------------------------------------
@@ -167,14 +167,15 @@ class EngineCore:
           ``max_batch_size`` rows or ``max_batch_tokens`` tokens, and each request's tokens, row and
           answer bytes (one still being tokenized priced as a request of the last batch). High while
           the online fit puts what lone requests cost beyond its overhead into the token price.
-        - Their rows at the recent batches' time per row (a moving average). High after lone
+        - Their rows at the recent batches' time per row (a moving average, of the batches that ran on
+          their layout's threads: not a lone request that woke a quiet team). High after lone
           requests, each a batch of its own: alone it told clients to wait up to 30 s for a queue
           that cleared in about 2, and every call on their connections waits that out (§6)."""
         known = len(self._jobs[State.QUEUED]) + len(self._jobs[State.RUNNING])
         pending = known + len(self._jobs[State.TOKENIZING])
         if not pending:
             return 10
-        tokens_each, bytes_each = self._typical
+        tokens_each, bytes_each = self._last_request
         unknown = pending - known
         tokens = self._ahead_tokens + unknown * tokens_each
         out = self._ahead_bytes + unknown * bytes_each
@@ -340,8 +341,9 @@ class EngineCore:
         # before the next batch is chosen (at hand-over time it would already be running).
         self.policy.answered(len(batch), now)
         if batch:
-            self._typical = (sum(job.n_tokens for job in batch) / len(batch),
-                             sum(job.result_bytes for job in batch) / len(batch))
+            self._last_request = (sum(job.n_tokens for job in batch) / len(batch),
+                                  sum(job.result_bytes for job in batch) / len(batch))
+        if batch and typical:  # (a lone request that woke a quiet team says nothing of a queue's rows)
             self._seconds_per_row = 0.8 * self._seconds_per_row + 0.2 * (seconds / len(batch))
         return outcomes
 

@@ -58,6 +58,7 @@ from tests.contract import (
     SERVER_SCHEMAS,
     Contract,
     WireMonitor,
+    bind,
     raw_schemas,
 )
 from tests.wire import recv, send, session, wait_until
@@ -167,6 +168,8 @@ def test_the_schemas_name_every_code_and_reason_the_server_has() -> None:
              for reason in branch["properties"]["reason"].get("enum", [branch["properties"]["reason"].get("const")])}
     assert pairs == {(status, reason) for reason, status in OVERLOADED_REASONS.items()} | {(429, "queue_share")}
     assert {reason for _, reason in pairs} == set(_known(overloaded["properties"]["reason"]))
+    (later,) = [branch for branch in overloaded["oneOf"] if branch.get("x-later") is True]  # (a review)
+    assert set(later["properties"]["reason"]["not"]["enum"]) == set(_known(overloaded["properties"]["reason"]))
     assert _known(raw_schemas()["going_away.json"]["properties"]["reason"]) == ["shutting_down"]
 
 
@@ -210,6 +213,15 @@ def test_what_a_later_version_may_send_passes_the_schemas_but_not_the_servers_cl
         assert any_frame.is_valid(later), later
         assert closed.problems(later, SERVER_SCHEMAS) != [], later
         assert any_frame.is_valid(known) and closed.problems(known, SERVER_SCHEMAS) == [], known
+    # The union of server frames, closed as the contract closes it, refuses a type it does not list
+    # (``Contract.problems`` refuses one before any schema: a review).
+    from referencing.jsonschema import DRAFT202012
+
+    bound = Registry().with_resources((name, DRAFT202012.create_resource(bind(schema, None, closed=True)))
+                                      for name, schema in raw_schemas().items())
+    closed_union = Draft202012Validator({"$ref": "server_frame.json"}, registry=bound)
+    assert not closed_union.is_valid({"type": "progress", "id": 7}) and closed_union.is_valid(
+        {"type": "cancelled", "id": 7})
     # Every x-later mark is a branch of an anyOf or oneOf, the only place the closed contract drops it.
     branches = {id(branch) for schema in raw_schemas().values() for node in _nodes(schema)
                 for keyword in ("anyOf", "oneOf") for branch in node.get(keyword, [])}

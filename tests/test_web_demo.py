@@ -635,7 +635,8 @@ async def test_pure_helpers_in_the_browser(server: Any, open_page: Any) -> None:
     # A trial: a full server (--max-connections) was called one probably started with --token. The
     # page's own server's /metrics says whether it has one.
     assert full["kind"] == "reconnecting" and "--max-connections" in full["notice"], full
-    assert "token" not in full["notice"] and full["label"] == "Server full; reconnecting", full
+    assert "--token" not in full["notice"] and full["label"] == "Server full; reconnecting", full
+    assert "--allowed-origins" in full["notice"], full  # (a review: or this origin is not allowed, behind a proxy)
     assert "it was started with --token;" in needs_token["notice"], needs_token
     assert from_disk["kind"] == "refused" and "--allowed-origins same-origin,localhost,null" in from_disk["notice"]
     assert down["kind"] == "offline" and "Is it running?" in down["notice"]
@@ -1659,7 +1660,7 @@ async def test_a_full_server_is_not_called_a_token_problem_and_the_page_gets_in_
         second = await open_page(full.http_url + "/", wait=False)
         await expect(second.page.locator("#conn-text")).to_have_text("Server full; reconnecting", timeout=15_000)
         await expect(second.by("notice")).to_contain_text("--max-connections")
-        assert "token" not in (await second.by("notice").text_content() or "")
+        assert "--token" not in (await second.by("notice").text_content() or "")
         await first.page.close()
         await second.wait_connected()
 

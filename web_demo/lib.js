@@ -393,11 +393,6 @@
 
   // ---------------------------------------------------------------- why a connection failed
 
-  /**
-   * Why `url` is no WebSocket address (a few words, for "... is not a WebSocket URL: ..."), or '' when
-   * it is one as far as the page can tell. The browser's WebSocket constructor is the judge; this only
-   * names the usual slips.
-   */
   /** The ports browsers refuse to open a WebSocket to (the Fetch standard's "bad ports", those of
    *  other protocols); fillmask_server/config.py warns of them at start-up (the same list). */
   const BLOCKED_PORTS = new Set([
@@ -407,6 +402,11 @@
     1720, 1723, 2049, 3659, 4045, 4190, 5060, 5061, 6000, 6566, 6665, 6666, 6667, 6668, 6669, 6679,
     6697, 10080]);
 
+  /**
+   * Why `url` is no WebSocket address (a few words, for "... is not a WebSocket URL: ..."), or '' when
+   * it is one as far as the page can tell. The browser's WebSocket constructor is the judge; this only
+   * names the usual slips.
+   */
   function wsUrlProblem(url) {
     const m = /^(wss?):\/\/([^/?#]*)/i.exec(String(url));
     if (!m) return 'it does not start with ws:// or wss://';
@@ -539,8 +539,10 @@
     }
     const refused = 'The server at ' + url + ' is running but refused this page';
     if (facts.tokenRequired === false) {  // no token to get wrong, and its own page's origin: it is full
-      return { kind: 'reconnecting', label: 'Server full; reconnecting', notice: refused + ': it has as many ' +
-        'connections as it takes (its --max-connections). The page keeps trying, and connects once one closes.' };
+      return { kind: 'reconnecting', label: 'Server full; reconnecting', notice: refused + ', and it takes no ' +
+        'token: it most likely has as many connections as it takes (its --max-connections); the page keeps ' +
+        'trying, and connects once one closes. Or it does not allow this page\'s origin (--allowed-origins ' +
+        'without same-origin, or a proxy in front that rewrites the Host header).' };
     }
     const causes = withToken
       ? ': it refused the token in this address (a wrong token? check the server\'s --token), or it has ' +

@@ -495,17 +495,23 @@ async def run(args: argparse.Namespace, texts: Sequence[str], out: TextIO, err: 
         if task is not None:
             task.cancel()
 
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # (no signals here: not the main thread)
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    installed = False  # only over SIGTERM's default: a handler the program has set stays its own
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # (not the main thread)
+            loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+            installed = True
     try:
-        return await _run(args, texts, out, context, say, lambda: "terminated" if terminated else "interrupted")
+        status = await _run(args, texts, out, context, say, lambda: "terminated" if terminated else "interrupted")
+        return EXIT_TERMINATED if terminated else status
     except asyncio.CancelledError:
-        if terminated:
+        if terminated and task is not None:
+            task.uncancel()  # (its own cancellation, taken back: an enclosing timeout still counts right)
             return EXIT_TERMINATED
         raise
     finally:
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.remove_signal_handler(signal.SIGTERM)
+        if installed:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGTERM)
         library_log.removeHandler(said_by_us)
 
 

@@ -130,6 +130,7 @@ class SyncFillMaskClient:
         try:
             self._call(self._client.connect(), None)
         except BaseException:
+            self._closing = True  # (nothing the caller holds: ``__del__`` has nothing to warn of)
             self._stop_loop()
             raise
 
@@ -150,9 +151,10 @@ class SyncFillMaskClient:
         if getattr(self, "_closing", True) or getattr(self, "_client", None) is None or self._loop.is_closed():
             return  # closed, or its ``__init__`` failed (which stopped what it had started)
         self._closing = True
-        _warn(f"unclosed {self!r}: call close(), or use it in a with block", ResourceWarning, source=self)
         with contextlib.suppress(Exception):  # the loop closed meanwhile
             asyncio.run_coroutine_threadsafe(_close_then_stop(self._client), self._loop)
+        # (After the close: under -W error the warning raises, and the close must not depend on it.)
+        _warn(f"unclosed {self!r}: call close(), or use it in a with block", ResourceWarning, source=self)
 
     def close(self) -> None:
         """Close the connection and stop the background thread; safe to call twice, and from any thread
