@@ -21,6 +21,7 @@ from fillmask_server.items import Item
 from fillmask_server.loading import load_model
 from fillmask_server.model import FillMaskModel
 from fillmask_server.protocol import FillMaskRequest, targets_field
+from tests.test_hardening_clients import sample
 from tests.wire import recv, recv_n, send, session, wait_until
 
 TEXT = "Paris is the [MASK] of France."
@@ -191,11 +192,6 @@ async def test_a_flood_gets_429_queue_share_and_a_polite_client_still_gets_in(ma
         assert {f["type"] for f in await recv_n(flood, 8, timeout=20)} == {"result"}
 
 
-def dropped(srv: Any) -> float | None:
-    """Requests answered ``dropped`` so far (§11): accepted, and never answered on the wire."""
-    return srv.metrics.registry.get_sample_value("fillmask_requests_total", {"outcome": "dropped", "code": ""})
-
-
 async def test_requests_of_a_connection_closed_1009_are_counted_as_dropped_and_its_neighbour_is_answered(
         make_server: Any) -> None:
     """§8: an operator's trial found accepted requests of a connection the server closed (1009 after a
@@ -211,9 +207,9 @@ async def test_requests_of_a_connection_closed_1009_are_counted_as_dropped_and_i
             with pytest.raises(ConnectionClosed):
                 await recv(ws, timeout=10)
             assert ws.close_code == 1009
-            await wait_until(lambda: dropped(srv) == 3)
+            await wait_until(lambda: sample(srv, "fillmask_requests_total", outcome="dropped", code="") == 3)
         assert (await recv(neighbour, timeout=10))["id"] == "n"
-        assert dropped(srv) == 3
+        assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") == 3
 
 
 async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_1008(
@@ -239,7 +235,7 @@ async def test_a_client_that_keeps_resending_before_its_retry_after_is_closed_10
             # §8 (an operator's trial: it named only the client's closes): its four accepted requests,
             # still queued, get no answer after the close frame, and are counted as dropped (with the
             # refusals of frames read just before the close that it left unsent, §11).
-            assert dropped(srv) >= 4
+            assert sample(srv, "fillmask_requests_total", outcome="dropped", code="") >= 4
             said = [r.getMessage() for r in caplog.records if "before its retry_after_ms" in r.getMessage()]
             assert len(said) == 1 and "127.0.0.1:" in said[0], said
             await send(polite, fill("polite"))
