@@ -994,6 +994,58 @@ async def test_sync_client_works_from_a_plain_thread(server: Any) -> None:
         client.fill_mask(TEXT)  # the async client's exception (a trial: a RuntimeError, not a FillMaskError)
 
 
+async def test_the_blocking_client_iterates_outcomes_as_the_async_one_does(server: Any) -> None:
+    """``SyncFillMaskClient`` had no ``fill_mask_iter`` (noticed in a trial): a script streaming a long
+    file through the blocking client had to hold every text and every answer at once. Its generator now
+    yields each text's outcome in input order (a bad text's error in its place), reads a generator of
+    texts as its requests go, cancels what still runs when the loop is left early, and takes a timeout
+    for each wait, past which the rest is cancelled."""
+    async with FillMaskClient(server.url) as reference:
+        expected = await reference.fill_mask(TEXT, top_k=3)
+    pulled = 0
+
+    def texts(count: int) -> Iterator[str]:
+        nonlocal pulled
+        for n in range(count):
+            pulled += 1
+            yield f"Number {n} is the [MASK] one."
+
+    def iterate(client: SyncFillMaskClient) -> None:
+        outcomes = list(client.fill_mask_iter([TEXT, "no mask here", TEXT], top_k=3))
+        assert [type(outcome) for outcome in outcomes] == [FillMaskResult, RequestError, FillMaskResult]
+        assert isinstance(outcomes[1], RequestError) and outcomes[1].code == "no_mask"
+        for outcome in (outcomes[0], outcomes[2]):
+            assert isinstance(outcome, FillMaskResult)
+            assert_same_predictions(outcome.per_mask()[0], expected)
+        with pytest.raises(UsageError):
+            client.fill_mask_iter(TEXT)  # one bare text: refused at the call, before any ``next``
+        got = 0
+        for outcome in client.fill_mask_iter(texts(10_000), concurrency=2, top_k=1):
+            assert isinstance(outcome, FillMaskResult)
+            assert outcome.per_mask()[0][0]["sequence"].startswith(f"number {got} is ")  # in order
+            got += 1
+            assert pulled <= got + AHEAD * 2  # read as it goes, not all 10,000 first
+            if got == 10:
+                break
+
+    client = await asyncio.to_thread(SyncFillMaskClient, server.url)
+    try:
+        await asyncio.to_thread(iterate, client)
+        await wait_until(lambda: client._client.in_flight == 0)  # the break cancelled the rest
+        with server.engine.paused():
+            waiting = client.fill_mask_iter(itertools.repeat(TEXT, 100), concurrency=4, timeout=0.1)
+            with pytest.raises(TimeoutError, match=r"no answer within timeout=0.1 s; the call was cancelled$"):
+                await asyncio.to_thread(next, waiting)
+            await wait_until(lambda: client._client.in_flight == 0 and server.engine.queued() == 0)
+            with pytest.raises(StopIteration):
+                next(waiting)  # a timeout ends the iteration
+        assert_same_predictions(await asyncio.to_thread(client.fill_mask, TEXT, top_k=3), expected)  # still open
+    finally:
+        await asyncio.to_thread(client.close)
+    with pytest.raises(ConnectionLostError):
+        next(client.fill_mask_iter([TEXT]))
+
+
 async def test_a_blocking_client_dropped_without_close_says_so_and_lets_go_of_its_connection(server: Any) -> None:
     """An application developer's trial: five ``SyncFillMaskClient`` dropped without ``close()`` (a
     notebook cell run again) kept five threads and five connections to the server for the life of the

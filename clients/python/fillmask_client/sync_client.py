@@ -18,7 +18,7 @@ import ipaddress
 import threading
 import urllib.parse
 import warnings
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar, overload
 
 from .async_client import FillMaskClient, check_texts
@@ -52,6 +52,24 @@ async def _close_then_stop(client: FillMaskClient) -> None:
         await _cancel_the_others()
     finally:
         asyncio.get_running_loop().stop()
+
+
+Outcome = FillMaskResult | FillMaskError
+
+
+async def _next_or_end(outcomes: AsyncGenerator[Outcome, None]) -> Outcome | None:
+    """The async iterator's next outcome, or None at its end (outcomes are never None)."""
+    try:
+        return await anext(outcomes)
+    except StopAsyncIteration:
+        return None
+
+
+async def _end(outcomes: AsyncGenerator[Outcome, None]) -> None:
+    """Close the async iterator, which cancels the requests it still runs. One that a timeout cancelled
+    is still running its own cleanup, which cancels them the same way."""
+    with contextlib.suppress(RuntimeError):  # ("asynchronous generator is already running")
+        await outcomes.aclose()
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
@@ -293,6 +311,47 @@ class SyncFillMaskClient:
         """Blocking ``FillMaskClient.fill_mask_result``: predictions, timings and the raw frame."""
         coro = self._client.fill_mask_result(text, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
         return self._call(coro, timeout)
+
+    def fill_mask_iter(
+        self,
+        texts: Iterable[str],
+        *,
+        concurrency: int | None = None,
+        top_k: int | None = None,
+        targets: str | Sequence[str] | None = None,
+        deadline_ms: float | None = None,
+        timeout: float | None = None,
+    ) -> Generator[FillMaskResult | FillMaskError, None, None]:
+        """Blocking ``FillMaskClient.fill_mask_iter``: a generator of each text's ``FillMaskResult``, or
+        its ``FillMaskError`` (yielded, not raised), in input order, each as soon as it and all before it
+        are ready.
+
+        ``texts`` is read as the requests go, on the client's thread (so a generator of texts must not
+        call this client), at most ``AHEAD * concurrency`` ahead of the outcome your loop waits for.
+        ``timeout`` bounds each wait for the next outcome: when it passes, the requests still running
+        are cancelled on the server and ``TimeoutError`` is raised, which ends the iteration. Leaving
+        the loop early cancels them too: at once when the generator is closed (a ``for`` loop's
+        ``break`` drops it; ``contextlib.closing`` makes it explicit), or when it is collected."""
+        check_texts(texts)  # (here, not at the first ``next``: a bare text is a mistake at the call)
+        if timeout is not None:
+            check_seconds("timeout", timeout)
+        outcomes = self._client.fill_mask_iter(
+            texts, concurrency=concurrency, top_k=top_k, targets=targets, deadline_ms=deadline_ms)
+        return self._outcomes(outcomes, timeout)
+
+    def _outcomes(self, outcomes: AsyncGenerator[Outcome, None],
+                  timeout: float | None) -> Generator[Outcome, None, None]:
+        """``fill_mask_iter``'s generator: each outcome of ``outcomes`` fetched on the client's loop."""
+        try:
+            while (outcome := self._call(_next_or_end(outcomes), timeout)) is not None:
+                yield outcome
+        finally:
+            if threading.current_thread() is self._thread:  # collected on the loop's own thread: no waiting
+                with contextlib.suppress(RuntimeError):  # (the loop closed: nothing runs any more)
+                    asyncio.run_coroutine_threadsafe(_end(outcomes), self._loop)
+            else:
+                with contextlib.suppress(ConnectionLostError):  # the client closed: nothing runs any more
+                    self._call(_end(outcomes), None)
 
     @overload
     def fill_mask_many(
