@@ -7,7 +7,9 @@ Modules, each one idea:
 - ``jobs``: an accepted request's states, the one table of legal moves, and its typed outcomes.
 - ``items``: the values a batch is made of and gives back (``Item`` in, ``TopK`` out), no torch.
 - ``model``: tokenizing, and the batched forward pass (top-k tensors) on the fast path proved at load.
-- ``graph``: a batch's whole forward pass as one TorchScript call (lists in, top-k out).
+- ``graph``: a batch's whole forward pass as one TorchScript call (lists in, top-k out);
+  ``projection``: the output projection at the masks on oneDNN's packed kernel, where the load
+  measures it faster than torch's own.
 - ``loading``: ``--model`` to a checked ``FillMaskModel``; ``diagnosis``: why a model cannot load or
   serve, in one line for the operator.
 - ``tokenizing``: a checked fast equivalent of a pure-Python tokenizer.
@@ -30,7 +32,8 @@ Modules, each one idea:
   connection as the server runs it (JSON refusals, held requests, messages handed over as parsed).
 - ``access``: the handshake's Origin rule, shared token and TLS context, pure.
 - ``metrics``: the Prometheus metrics of one server; ``stats``: the live figures of ``stats`` frames.
-- ``allocator``: giving freed answer memory back to the system (glibc).
+- ``allocator``: giving freed answer memory back to the system (glibc), and the garbage collector
+  kept off what start-up made.
 - ``config``: the one configuration dataclass, from flags and environment.
 - ``checkpoint``: offline random-weight checkpoints for tests and benchmarks.
 - ``client``: the old import path of the Python client, which is the ``fillmask_client`` package

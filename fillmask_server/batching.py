@@ -35,9 +35,10 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   kept: new, or forgotten when it closed) is given one when first seen, as much as the least-served
   connection waiting had: no credit for being new and no debt, so it runs within their band in
   arrival order, and a backlog runs ahead of it by at most the backlog's band. Reconnecting starts a
-  connection afresh within the band, so a client that reconnects often can take up to the band's
-  1 + ``fair_tolerance`` of the least-served connection's work and a little more, the more the more
-  often it reconnects (README, "Cost model, tail bound and calibration", has a simulation's figures).
+  connection afresh within the band, so a client that reconnects often takes more than the band's
+  1 + ``fair_tolerance`` of the least-served connection's work, the more the more often it
+  reconnects: several times as much when it reconnects every few dozen requests (README, "Cost model,
+  tail bound and calibration", has a simulation's figures).
   The first request in fair order
   (the *head*) is always in the batch.
 - **Rounds of neighbouring lengths** (``growth == 0``, the default). The cost model takes a *window*:
@@ -46,12 +47,13 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   sorted by length, into batches of neighbouring lengths, where each cut saves more padding than the
   extra batch's overhead costs: the partition with the least predicted time in all (an exact dynamic
   program over the window's distinct lengths; no batch's longest row above ``AUTO_GROWTH`` x its
-  shortest, none over the token budget). These batches are a *round*: they run back to back, the one
-  holding the window's first request (the head) first, then by their oldest request, before anything
-  else is taken. For equal requests a round is one full batch; on a machine where padding is dear
-  and a batch cheap (a CPU) the lengths run apart, where a batch is dear (a GPU, a tiny model) they
-  mix. Between a round's batches, requests that have left the queue (expired, withdrawn) drop out of
-  it, and those whose connection has no answer room now go back to the fair order. A deadline the
+  shortest, none over the token budget). These batches are a *round*: they run back to back, in the
+  fair order of their first requests (so the one holding the window's first request, the head,
+  first), before anything else is taken. For equal requests a round is one full batch; on a machine
+  where padding is dear and a batch cheap (a CPU) the lengths run apart, where a batch is dear (a
+  GPU, a tiny model) they mix. Between a round's batches, requests that have left the queue
+  (expired, withdrawn) drop out of it, and those whose connection has no answer room now go back to
+  the fair order. A deadline the
   round would not keep by the rule a batch keeps (below: done within ``deadline_share`` of the time
   left; for a request outside the round at the round's predicted end, for one inside it at its own
   batch's) ends the round: the next window is formed at once, bounded by that deadline.
@@ -73,7 +75,8 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   *automatic* (``auto_rows``, ``auto_tokens``; ``--max-batch-size 0``, ``--max-batch-tokens 0``): its
   default (64 rows, 8,192 tokens) times ``cap_scale``, how many default batches fit before the
   overhead falls to ``slack`` of a batch's time, between 1 and ``MAX_CAP_SCALE``, set once from the
-  start-up calibration's fit, whose shapes vary rows and tokens apart. (Not from the online fit: a
+  start-up calibration's fit, whose shapes vary rows and tokens apart (without a calibration,
+  ``--calibration-s 0``, from the CPU prior, ``costmodel.Coefficients``' defaults). (Not from the online fit: a
   load of one shape, 64 short texts a batch, cannot tell the overhead from the row price, and a fit
   that put several times a batch's real overhead in it grew tiny's caps to the most on a CPU.) Where a batch
   is cheap beside its overhead (a GPU launching kernels) the caps grow; where a default batch already
@@ -104,7 +107,8 @@ connections, not the whole queue; a ``deque`` works too. The rules:
   fairly) and answer room (a connection that is not reading).
 - **Room.** A request whose connection has no room left for answers (``Room``: answers unsent or
   being computed, per connection and in all) is not started; it keeps its place. A connection with
-  nothing waiting always has room for one request, so nobody waits for room forever.
+  no answer unsent or being computed always has room for one request, so nobody waits for room
+  forever.
 - **Waiting.** ``max_wait_s`` is one deadline per batch, counted from the arrival of the oldest
   queued request, never restarted by later arrivals. A request with a deadline is waited for at most
   ``deadline_share`` of its time (from its arrival to its deadline), and never so long that the batch
@@ -357,7 +361,8 @@ class BatchPolicy:
 
     def follow_cost(self, cost: Coefficients) -> None:
         """Set the automatic caps (``auto_rows``, ``auto_tokens``) from ``cost``: each floor times
-        ``cap_scale``. The server calls it once, with the start-up calibration's fit (see the module doc)."""
+        ``cap_scale``. The server calls it once, with the start-up calibration's fit, or the CPU prior
+        without one (see the module doc)."""
         if self.auto_rows or self.auto_tokens:
             scale = cap_scale(cost, self.slack, self.max_batch_s)
             rows, tokens = self._floor
@@ -501,10 +506,12 @@ class BatchPolicy:
     def _fair_order(self, ready: Waiting[J] | list[J], room: Room | None, depth: int, cost: Coefficients) -> list[J]:
         """Up to ``depth`` requests in fair order (see the module doc), skipping connections without room.
 
-        Invariant: the bar only rises during a pass (shares only grow, and a connection leaves only when
-        it has nothing left), so a connection once eligible stays so until its own share passes the bar.
-        (This runs on the model thread before every new round: written for speed, one loop, no calls
-        per place but the heaps'; and first ``_arrival_order``, the common case's shortcut.)
+        Invariant: the bar only rises during a pass (shares only grow, and a connection that leaves,
+        with nothing left or no room, can only raise the least share), so a connection once eligible
+        stays so until its own share passes the bar. (This runs before every new round, on the model
+        thread and, choosing the next batch ahead, on the stages that hand it work: written for speed,
+        one loop, no calls per place but the heaps'; and first ``_arrival_order``, the common case's
+        shortcut.)
         """
         queue = _waiting(ready)
         share = self._shares(queue.by_owner(), cost)
@@ -702,7 +709,7 @@ class BatchPolicy:
     def _round(self, ready: Waiting[J] | list[J], now: float, room: Room | None,
                cost: Coefficients) -> list[list[J]]:
         """The window cut into batches of neighbouring lengths at the least predicted time in all (see
-        the module doc), the batch of the window's first request first, then by their oldest request."""
+        the module doc), in the fair order of their first requests (the head's batch first)."""
         waiting = _waiting(ready)
         limit = self.time_limit(waiting, now, cost)
         window = self._window(waiting, limit, room, cost)

@@ -28,7 +28,11 @@ Invariants:
   (``batching.Waiting``: the QUEUED jobs by connection, so that choosing a batch costs about the
   batch, not the queue; all of them but a batch chosen ahead), the owner's count of waiting requests
   and the answer-memory ledger. No second copy of the states is kept by hand.
-- Whoever moves a job to DONE creates its outcome, so each accepted request gets exactly one.
+- Whoever moves a job to DONE creates its outcome, so each accepted request gets exactly one: the
+  core for what it ends (an answer, an expiry, a stop), the caller of ``withdraw`` and
+  ``withdraw_waiting`` for a job it takes back (a ``cancelled`` or ``deadline_exceeded`` frame from
+  the connection's session, an ``overloaded`` from a drain; a closed connection's, none: there is no
+  one to answer).
 - ``reserved`` bytes are taken when a job starts (moves to RUNNING) and given back only by ``release``
   (its answer has left the engine), whatever the job's end.
 
@@ -53,6 +57,7 @@ WAITING = (State.TOKENIZING, State.QUEUED)  # a request in these states counts a
 STARTED = (State.RUNNING, State.DECODING)
 AHEAD = (State.QUEUED, State.RUNNING)  # tokenized, and not yet through the model: what retry_after_ms prices
 ENGINE_STOPPED_RETRY_MS = 1000
+MAX_RETRY_AFTER_MS = 30_000  # the longest wait any retry_after_ms asks for (§6)
 INTAKE_BATCH = 256  # most requests the tokenizer stage takes in one call
 SERVER_FAILED = "the server failed while handling this request; other requests are unaffected; you may send it again"
 MODEL_FAILED = "the model failed on this request, also when run alone; other requests are unaffected"
@@ -144,9 +149,9 @@ class EngineCore:
 
     def batch_ready(self) -> bool:
         """Whether the next batch may be chosen now, before the model is free (``schedule(start=False)``),
-        at no loss: a full batch is queued or a round has batches left (waiting would not make it
-        larger), and no queued request has a deadline (a batch chosen ahead starts later than it was
-        chosen, and the time bound counts from choosing)."""
+        at no loss: a full batch is queued, or a round has batches left (its next batch, of any size, is
+        already cut: waiting would not make it larger), and no queued request has a deadline (a batch
+        chosen ahead starts later than it was chosen, and the time bound counts from choosing)."""
         return ((len(self._queue) >= self.policy.max_batch_size or self.policy.in_round())
                 and self._queue.earliest_deadline() is None)
 
@@ -183,7 +188,7 @@ class EngineCore:
         c = self.cost.coefficients
         priced = batches * c.overhead_s + tokens * c.token_s + pending * c.row_s + out * c.byte_s
         seconds = max(min(priced, pending * self._seconds_per_row), self.policy.max_wait_s)
-        return int(min(30_000, max(10, seconds * 1000)))
+        return int(min(MAX_RETRY_AFTER_MS, max(10, seconds * 1000)))
 
     # --- calls ---------------------------------------------------------------------------------------
 

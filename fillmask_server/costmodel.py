@@ -125,7 +125,9 @@ class CostModel:
 
 def fit(samples: Iterable[tuple[int, int, float]], byte_s: float = Coefficients.byte_s) -> Coefficients | None:
     """Least-squares coefficients (relative error, none below zero) of ``(rows, padded, seconds)``
-    samples: the start-up calibration's first fit. None when the samples do not determine them."""
+    samples: the start-up calibration's first fit. None with fewer than three timed samples. Samples
+    that do not determine all three (a single shape) give one of the fits that explains them equally
+    well; the calibration times shapes that vary rows and tokens apart."""
     s = [[0.0] * 3 for _ in range(3)]
     r = [0.0] * 3
     yy = 0.0

@@ -430,7 +430,7 @@ class Engine:
         chosen requests stay QUEUED until the model thread starts them (``EngineCore.start``), so a
         cancel, a closed connection or a drain still takes them out as it would any queued request. A
         request that arrives meanwhile runs after that batch whatever its fair share: one batch more
-        at most, and a full one."""
+        at most (a full one, or the round's next, which it would have waited for anyway)."""
         if (self._forwarding and self._next is None and not self._paused and not self._stopping
                 and self.core.batch_ready()):
             scheduled = self._schedule_locked(start=False)

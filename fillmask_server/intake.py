@@ -95,7 +95,8 @@ LIMIT_SOURCES = {"tokenizer": "its tokenizer's limit", "positions": "the positio
 
 def check(model: FillMaskModel, request: FillMaskRequest, ids: list[int] | None, max_masks: int,
           max_result_bytes: int) -> Checked | Refusal:
-    """The §3 checks that need the tokenizer, in this order: tokenizable, length, masks, targets, result size."""
+    """The §3 checks that need the tokenizer, in this order: tokenizable, every token within the model's
+    embeddings, length, masks, targets, result size."""
     if ids is None:
         return Refusal("internal_error", "the model's tokenizer failed on this text (logged on the server); other "
                        "requests are unaffected; this text will fail the same way again")

@@ -12,7 +12,8 @@ through the stages, each with one owner::
 ``advance`` is the only function that changes ``Job.state``; it looks the move up in ``TRANSITIONS``
 and raises ``IllegalTransition`` for anything else (as h11 does for its connection states). Callers
 hold the engine's lock around the check and the move, so two threads can never both move one job:
-whoever moves a job to DONE is the one that produces its ``Outcome``, and a job reaches DONE once.
+whoever moves a job to DONE is the one that produces its ``Outcome`` (or, for a withdrawn job, its
+answer: core.py says who), and a job reaches DONE once.
 That is how "exactly one terminal frame" (§8) holds by construction; the connection's ``Session``
 checks it once more when the frame is written.
 

@@ -12,8 +12,9 @@ four phases of the process's life (``ws_server.py`` calls them in this order):
 3. drained (``exit_on_signal``): a signal only hurries the exit, with the drain's status;
 4. leaving (``ignore_signals``): a late signal must not make the exit status its own.
 
-Invariant: from phase 1 on, each handled signal always has a handler of this module (each phase
-replaces the last one's with a single ``signal.signal`` call, never through ``SIG_DFL``).
+Invariant: from phase 1 on, each handled signal always has a handler of this module, or from phase 4
+``SIG_IGN`` (each phase replaces the last one's with a single ``signal.signal`` call, never through
+``SIG_DFL``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from fillmask_client.wire import CLOSE_POLICY_VIOLATION
 
-from .core import ENGINE_STOPPED_RETRY_MS, Admission
+from .core import ENGINE_STOPPED_RETRY_MS, MAX_RETRY_AFTER_MS, Admission
 from .jobs import Expired, Failed, Job, Outcome, Rejected, Result, Stopped
 from .protocol import (
     RESENDER_REASON,
@@ -58,7 +58,6 @@ from .protocol import (
 )
 
 SHUTTING_DOWN_RETRY_MS = 1000  # retry_after_ms of the 503 shutting_down answers (§6)
-MAX_RETRY_AFTER_MS = 30_000
 # Back-off (§6, §12). A refusal that arrives before the retry_after_ms this connection was last told is
 # "early", unless it comes within EARLY_GRACE_S of the first refusal of a burst (a burst: refusals with
 # less than QUIET_S between them; a refusal after the client waited as told starts one too, since a

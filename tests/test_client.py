@@ -1012,18 +1012,16 @@ async def test_the_blocking_client_iterates_outcomes_as_the_async_one_does(serve
 
     def iterate(client: SyncFillMaskClient) -> None:
         outcomes = list(client.fill_mask_iter([TEXT, "no mask here", TEXT], top_k=3))
-        assert [type(outcome) for outcome in outcomes] == [FillMaskResult, RequestError, FillMaskResult]
+        assert [type(each) for each in outcomes] == [FillMaskResult, RequestError, FillMaskResult]
         assert isinstance(outcomes[1], RequestError) and outcomes[1].code == "no_mask"
-        for outcome in (outcomes[0], outcomes[2]):
-            assert isinstance(outcome, FillMaskResult)
-            assert_same_predictions(outcome.per_mask()[0], expected)
+        for answered in (outcomes[0], outcomes[2]):
+            assert isinstance(answered, FillMaskResult)
+            assert_same_predictions(answered.per_mask()[0], expected)
         with pytest.raises(UsageError):
             client.fill_mask_iter(TEXT)  # one bare text: refused at the call, before any ``next``
-        got = 0
-        for outcome in client.fill_mask_iter(texts(10_000), concurrency=2, top_k=1):
-            assert isinstance(outcome, FillMaskResult)
-            assert outcome.per_mask()[0][0]["sequence"].startswith(f"number {got} is ")  # in order
-            got += 1
+        for got, answered in enumerate(client.fill_mask_iter(texts(10_000), concurrency=2, top_k=1), 1):
+            assert isinstance(answered, FillMaskResult)
+            assert answered.per_mask()[0][0]["sequence"].startswith(f"number {got - 1} is ")  # in order
             assert pulled <= got + AHEAD * 2  # read as it goes, not all 10,000 first
             if got == 10:
                 break
