@@ -338,9 +338,9 @@ class BatchPolicy:
     auto_rows: bool = False  # ``max_batch_size`` is set by ``follow_cost`` (``cap_scale``); its value is the floor
     auto_tokens: bool = False  # the same for ``max_batch_tokens``
     # Keyed by the owner object itself, never id(): an id is reused once its object is gone.
-    # owner -> [tokens, rows, answer bytes] served lately, times _growth (priced when compared: _price)
+    # owner -> [tokens, rows, answer bytes] served lately, times _fade_scale (priced when compared: _price)
     _recent: dict[Any, list[float]] = field(default_factory=dict, init=False, repr=False)
-    _growth: float = field(default=1.0, init=False, repr=False)
+    _fade_scale: float = field(default=1.0, init=False, repr=False)
     _unfaded: int = field(default=0, init=False, repr=False)  # requests served since the last fade
     _returning: int = field(default=0, init=False, repr=False)  # answers sent, not yet followed by an arrival
     _anticipate_until: float = field(default=float("-inf"), init=False, repr=False)
@@ -391,14 +391,14 @@ class BatchPolicy:
         batch chosen ahead): take back what ``take`` charged their connections' shares for them, so a
         connection whose client cancelled is not served later for work it never got. (No ``take`` runs
         between that one and this call, so the fade's scale is the one they were charged at.)"""
-        growth = self._growth
+        scale = self._fade_scale
         for job in jobs:
             self._unfaded = max(0, self._unfaded - 1)
             served = self._recent.get(job.owner)
             if served is not None:  # (a closed connection is forgotten already)
-                served[0] = max(0.0, served[0] - job.n_tokens * growth)
-                served[1] = max(0.0, served[1] - growth)
-                served[2] = max(0.0, served[2] - job.result_bytes * growth)
+                served[0] = max(0.0, served[0] - job.n_tokens * scale)
+                served[1] = max(0.0, served[1] - scale)
+                served[2] = max(0.0, served[2] - job.result_bytes * scale)
 
     def in_round(self) -> bool:
         """A round has batches left to run (the cost model's; never with a fixed band)."""
@@ -490,12 +490,12 @@ class BatchPolicy:
             return decision  # (a round whose requests all lack answer room now keeps its plan)
         decision.padded_tokens = footprint([job.n_tokens for job in chosen], self.pack_width)
         decision.predicted_s = _predicted(chosen, cost, tokens=decision.padded_tokens)
-        growth, recent = self._growth, self._recent
+        scale, recent = self._fade_scale, self._recent
         for job in decision.batch:
             served = recent[job.owner]  # (every waiting connection was welcomed)
-            served[0] += job.n_tokens * growth
-            served[1] += growth
-            served[2] += job.result_bytes * growth
+            served[0] += job.n_tokens * scale
+            served[1] += scale
+            served[2] += job.result_bytes * scale
             if room is not None:
                 room.take(job.owner, job.result_bytes)
         self._unfaded += len(chosen)
@@ -635,21 +635,21 @@ class BatchPolicy:
 
     def _price(self, served: list[float] | tuple[float, ...], cost: Coefficients) -> float:
         """Seconds of engine time for what was served (tokens, rows, answer bytes), faded."""
-        return (cost.token_s * served[0] + cost.row_s * served[1] + cost.byte_s * served[2]) / self._growth
+        return (cost.token_s * served[0] + cost.row_s * served[1] + cost.byte_s * served[2]) / self._fade_scale
 
     def _fade(self, waiting: int) -> None:
         """Age what every connection was served by the requests served since the last fade, over about
         ``fair_horizon`` requests for each of the ``waiting`` connections. Done once a round, before its
-        window is taken, so the order of a round's batches does not matter. Stored scaled by ``_growth``
+        window is taken, so the order of a round's batches does not matter. Stored scaled by ``_fade_scale``
         (which grows instead of every value fading), so this costs the same however many are open."""
         if not self._unfaded:
             return
-        self._growth *= math.exp(min(MAX_FADE, self._unfaded / (self.fair_horizon * max(1, waiting))))
+        self._fade_scale *= math.exp(min(MAX_FADE, self._unfaded / (self.fair_horizon * max(1, waiting))))
         self._unfaded = 0
-        if self._growth > RESCALE:
-            self._recent = {o: [x / self._growth for x in v] for o, v in self._recent.items()
-                            if v[1] / self._growth >= FORGOTTEN}
-            self._growth = 1.0
+        if self._fade_scale > RESCALE:
+            self._recent = {o: [x / self._fade_scale for x in v] for o, v in self._recent.items()
+                            if v[1] / self._fade_scale >= FORGOTTEN}
+            self._fade_scale = 1.0
 
     def _planned(self, ready: Waiting[J] | list[J], room: Room | None) -> list[list[J]]:
         """What is left of the current round: its batches, less the requests no longer queued (expired,

@@ -911,9 +911,9 @@ def test_wait_s_only_reads(growth: float) -> None:
     q = queue(*(FakeJob(f"a{i}", arrival=i, owner="a") for i in range(10)))
     p.take(q, now=0)
     q.append(FakeJob("b0", arrival=30, owner="b"))  # three waiting: a batch could still grow
-    before = ({o: list(v) for o, v in p._recent.items()}, p._growth, p._unfaded)
+    before = ({o: list(v) for o, v in p._recent.items()}, p._fade_scale, p._unfaded)
     assert p.wait_s(q, now=0.001) > 0
-    assert ({o: list(v) for o, v in p._recent.items()}, p._growth, p._unfaded) == before
+    assert ({o: list(v) for o, v in p._recent.items()}, p._fade_scale, p._unfaded) == before
 
 
 # --- the queue as the policy reads it (Waiting) and the fair order's shortcut ------------------------
