@@ -126,7 +126,7 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
                      "starts a fresh server", EXIT_ENGINE_STOPPED)
         delay, status = 0.0, EXIT_ENGINE_STOPPED
         gate.draining_without_signal()
-    await server.drain(delay=delay)
+    await server.drain(delay=delay, on_closed=gate.drained)
     if status == 0 and server.engine.faulted:  # the model thread stopped during a signal's drain
         log.critical("the model thread stopped during the drain: exiting with status %d", EXIT_ENGINE_STOPPED)
         status = EXIT_ENGINE_STOPPED

@@ -74,7 +74,8 @@ def _interrupted_while_starting(signum: int, frame: object) -> None:
 
 def drain_on_signals(server: FillMaskServer, handled: list[signal.Signals], gate: SignalGate) -> asyncio.Future[int]:
     """Phase 2: the first of ``handled`` that ``gate`` says drains sets the future returned (its
-    signal's number); one it says stops leaves at once (``stop_now``)."""
+    signal's number); one it says stops leaves at once (``stop_now``), and so does one after the drain
+    closed every connection, with the drain's status (``drained_status``)."""
     loop = asyncio.get_running_loop()
     received: asyncio.Future[int] = loop.create_future()
 
@@ -84,6 +85,8 @@ def drain_on_signals(server: FillMaskServer, handled: list[signal.Signals], gate
             received.set_result(signum)
         elif verdict is Verdict.STOP:
             stop_now(server)
+        elif verdict is Verdict.EXIT:
+            os._exit(drained_status(server))
 
     def hand_over(signum: int, frame: object) -> None:
         with contextlib.suppress(RuntimeError):  # (a loop already closed: the process is leaving)
@@ -95,6 +98,11 @@ def drain_on_signals(server: FillMaskServer, handled: list[signal.Signals], gate
     for signum in handled:
         signal.signal(signum, hand_over)
     return received
+
+
+def drained_status(server: FillMaskServer) -> int:
+    """The exit status of a drain that ended: 0, or ``EXIT_ENGINE_STOPPED`` when the model thread stopped."""
+    return EXIT_ENGINE_STOPPED if server.engine.faulted else 0
 
 
 def stop_now(server: FillMaskServer) -> None:

@@ -29,7 +29,7 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,9 +386,12 @@ class FillMaskServer:
         return (not self.engine.busy() and self._in_transit == 0
                 and all(conn.pending_bytes == 0 for conn in self.connections))
 
-    async def drain(self, timeout: float | None = None, delay: float = 0.0) -> None:
+    async def drain(self, timeout: float | None = None, delay: float = 0.0,
+                    on_closed: Callable[[], None] | None = None) -> None:
         """Graceful shutdown (protocol.md §10): after ``delay`` seconds of serving with ``/readyz`` at 503,
-        refuse new work, tell every connection ``going_away``, finish accepted work, close with 1001.
+        refuse new work, tell every connection ``going_away``, finish accepted work, close with 1001;
+        ``on_closed`` is called once every connection and the listener are closed, before the engine's
+        threads are stopped (``ws_server``: a signal from then on only hurries the exit).
         Called again after a drain that was cancelled, it finishes that drain (``going_away`` is sent
         once); after one that ended, or before ``start()``, it does nothing (and the server will not
         start); during ``start()``, it waits for the start to end."""
@@ -435,6 +438,8 @@ class FillMaskServer:
         if self._server is not None:
             self._server.close(close_connections=True, code=GOING_AWAY)
             await self._server.wait_closed()
+        if on_closed is not None:
+            on_closed()
         await asyncio.to_thread(self.engine.stop)
         self._release_switch_interval()
         self._phase = _Phase.ENDED

@@ -41,3 +41,18 @@ def test_only_sigterm_waits_the_drain_delay_first() -> None:
     person's Ctrl-C or a closed terminal drains at once (tests/test_process.py times both live)."""
     assert drain_delay(TERM, 4.0) == 4.0
     assert drain_delay(INT, 4.0) == 0.0 and drain_delay(HUP, 4.0) == 0.0
+
+
+def test_once_the_drain_closed_every_connection_a_signal_only_hurries_the_exit() -> None:
+    """A spec trial: a second SIGTERM while the engine's threads stopped, after every connection had
+    been answered and closed 1001, exited 130 ("stopped at a second signal during the drain"), where
+    §10 says a signal after the drain only hurries the exit, with its status."""
+    gate = SignalGate()
+    assert gate.take(TERM, 1.0) is Verdict.DRAIN
+    assert gate.take(INT, 2.0) is Verdict.STOP  # during the drain
+    gate.drained()
+    assert gate.take(TERM, 3.0) is Verdict.EXIT and gate.take(INT, 3.0) is Verdict.EXIT
+    fault = SignalGate()
+    fault.draining_without_signal()
+    fault.drained()
+    assert fault.take(TERM, 1.0) is Verdict.EXIT  # (the status is the drain's: 1 after a fault)
