@@ -107,7 +107,7 @@ _HELP: dict[str, str] = {
                           "request runs in the round that takes it in)",
     "max_text_chars": "longest text accepted, in characters",
     "max_masks": "most mask tokens in one text",
-    "max_top_k": "largest top_k a request may ask for",
+    "max_top_k": "largest top_k a request may ask for (or the model's vocabulary size, where smaller)",
     "max_targets": "most targets in one request",
     "max_frame_bytes": "largest WebSocket frame a client may send; larger ones close the connection with 1009",
     "max_result_bytes": "largest answer a request may ask for: a request whose predictions could be larger (bounded "

@@ -364,13 +364,18 @@ def _parse_targets(value: Any, limits: Limits) -> tuple[str, ...] | str:
         return f"\"targets\" must be a string or a list of strings, not {_type_name(value)}"
     if not 1 <= len(value) <= limits.max_targets:
         return f"\"targets\" must hold 1 to {limits.max_targets} strings; it holds {len(value)}"
-    for item in value:
+    # Each message names the target (its place, counted from 1) and the rule it breaks: with up to
+    # max_targets of them, "every target must be ..." left the client to find which (an inputs trial).
+    for n, item in enumerate(value, start=1):
         if not isinstance(item, str):
-            return f"every target must be a string; one is {_type_name(item)}"
-        if not 1 <= len(item) <= limits.max_target_chars or not item.strip():
-            return f"every target must be a non-blank string of at most {limits.max_target_chars} characters"
+            return f"every target must be a string; target {n} is {_type_name(item)}"
+        if not 1 <= len(item) <= limits.max_target_chars:
+            return (f"target {n} is {len(item)} characters long; a target must be 1 to {limits.max_target_chars} "
+                    "characters")
+        if not item.strip():
+            return f"target {n} is only whitespace; a target must hold a word"
         if not _encodable(item):
-            return "a target holds an unpaired surrogate; send valid Unicode"
+            return f"target {n} holds an unpaired surrogate; send valid Unicode"
     return tuple(value)
 
 

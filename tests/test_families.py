@@ -190,6 +190,20 @@ async def test_one_and_several_masks_and_top_k(family: Family) -> None:
     check(family, await ask_server(family, requests), requests)
 
 
+async def test_top_k_is_bounded_by_the_vocabulary_with_targets_too(family: Family) -> None:
+    """§3: ``top_k.max`` is ``--max-top-k`` or the vocabulary's size where smaller, with targets too (an
+    inputs trial expected ESM's 33 to give way when targets are given, as the pipeline's ``top_k``
+    shrinks to their number; the spec now says it does not)."""
+    most = family.hello["limits"]["top_k"]["max"]
+    assert most == min(100, family.server.model.vocab_size)
+    target = family.ask(family.texts()[0], top_k=1)
+    word = (target[0] if isinstance(target[0], dict) else target[0][0])["token_str"]
+    frames = await ask_server(family, [(family.texts()[0], {"top_k": most, "targets": [word]}),
+                                       (family.texts()[0], {"top_k": most + 1, "targets": [word]})])
+    assert frames[0]["type"] == "result" and frames[1]["type"] == "error", frames
+    assert frames[1]["code"] == "invalid_top_k" and f"from 1 to {most}" in frames[1]["message"]
+
+
 async def test_a_text_that_holds_the_padding_token_as_written_beside_others(family: Family) -> None:
     """RoBERTa's positions skip a padding token wherever it is (they count from the padding index): a
     text that holds one, batched with texts of other lengths, still gets the pipeline's answer."""

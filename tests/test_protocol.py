@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import orjson
@@ -313,3 +314,19 @@ def test_the_libraries_close_reasons_are_said_in_the_protocols_words() -> None:
     assert close_reason(1011, "keepalive ping timeout", 65536, 4096, 5.0).startswith("no pong within 5 s")
     long = close_reason(1002, "é" * 200, 65536)  # a detail of any length is cut on a character, marked
     assert long.endswith("...") and len(long.encode()) <= MAX_CLOSE_REASON_BYTES and long.encode().decode() == long
+
+
+@pytest.mark.parametrize(("targets", "said"), [
+    (["cat", "x" * 11], "target 2 is 11 characters long; a target must be 1 to 10 characters"),
+    (["cat", "dog", " \t"], "target 3 is only whitespace; a target must hold a word"),
+    (["", "cat"], "target 1 is 0 characters long"),
+    (["cat", 7], "every target must be a string; target 2 is a number"),
+    (["cat", "a\ud800"], "target 2 holds an unpaired surrogate"),
+])
+def test_a_refused_target_is_named_by_its_place_and_the_rule_it_breaks(targets: list[object], said: str) -> None:
+    """An inputs trial: with up to ``max_targets`` targets, one message ("every target must be a non-blank
+    string of at most 100 characters") for a blank one and a long one left the client to find which."""
+    limits = Limits(mask_token="[MASK]", max_target_chars=10)
+    frame = json.dumps({"type": "fill_mask", "id": 1, "text": "a [MASK]", "targets": targets})  # (\ud800 escaped)
+    error = parse_frame(frame, limits)
+    assert isinstance(error, ProtocolError) and error.code == "invalid_targets" and said in error.message, error
