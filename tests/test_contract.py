@@ -397,6 +397,36 @@ def test_a_blank_target_is_the_same_to_the_schema_in_python_and_in_javascript_as
     assert orjson.loads(ran.stdout) == blank
 
 
+#: §14's recipe for loading the schemas with ajv, as a client writer would follow it.
+AJV_RECIPE = """
+const fs = require('fs'), path = require('path');
+const Ajv2020 = require('ajv/dist/2020').default;
+const [dir, frames] = [process.argv[1], JSON.parse(process.argv[2])];
+const ajv = new Ajv2020();  // strict, ajv's default
+ajv.addKeyword('x-limit'); ajv.addKeyword('x-later');
+for (const name of fs.readdirSync(dir).filter((n) => n.endsWith('.json')))
+  ajv.addSchema(JSON.parse(fs.readFileSync(path.join(dir, name), 'utf8')), name);
+console.log(JSON.stringify(frames.map(([schema, frame]) => ajv.getSchema(schema)(frame))));
+"""
+
+
+def test_the_schemas_load_in_ajv_as_section_14_says() -> None:
+    """A spec trial's JavaScript client: ajv's defaults refused the schemas (an unknown keyword,
+    ``x-limit``), and one compiled alone could not resolve ``defs.json``; §14 said nothing of either.
+    It now gives the recipe, which this runs with the ajv that the contract's Node packages bring."""
+    modules = ROOT / "protocol" / "node_modules"
+    node = _node_or_skip(modules / "ajv")
+    frames = [("server_frame.json", _RESULT), ("server_frame.json", {**_ERROR, "code": "a_later_code"}),
+              ("client_frame.json", {"type": "fill_mask", "id": 1, "text": "a [MASK]", "targets": ["cat"]}),
+              ("client_frame.json", {"type": "fill_mask", "id": 1, "text": "a [MASK]", "targets": ["\x1c"]}),
+              ("server_frame.json", {**_RESULT, "batch_size": "3"})]
+    ran = subprocess.run([node, "-e", AJV_RECIPE, str(SCHEMA_DIR), json.dumps(frames)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "NODE_PATH": str(modules)})
+    assert ran.returncode == 0, ran.stderr
+    assert orjson.loads(ran.stdout) == [True, True, True, False, False]
+    assert "ajv.addKeyword(\"x-limit\")" in (ROOT / "protocol.md").read_text()
+
+
 @pytest.mark.parametrize(("frame", "kinds"), _WHERE_THEY_DIFFER, ids=lambda v: str(v)[:60])
 def test_the_compiled_first_look_is_not_trusted_where_the_two_validators_differ(
         frame: dict[str, Any], kinds: dict[str, str]) -> None:

@@ -330,3 +330,16 @@ def test_a_refused_target_is_named_by_its_place_and_the_rule_it_breaks(targets: 
     frame = json.dumps({"type": "fill_mask", "id": 1, "text": "a [MASK]", "targets": targets})  # (\ud800 escaped)
     error = parse_frame(frame, limits)
     assert isinstance(error, ProtocolError) and error.code == "invalid_targets" and said in error.message, error
+
+
+def test_a_frame_that_breaks_several_rules_gets_the_first_ones_error_in_the_tables_order() -> None:
+    """§3 step 3 (a spec trial asked which error comes back): the fields are checked in the table's
+    order, text, top_k, targets, deadline_ms."""
+    bad = {"text": "no mask here", "top_k": 0, "targets": [], "deadline_ms": -1}
+    codes = []
+    for field in ("text", "top_k", "targets", "deadline_ms"):
+        error = parse_frame(orjson.dumps({"type": "fill_mask", "id": 1, "text": "a [MASK]", **bad}), LIMITS)
+        assert isinstance(error, ProtocolError)
+        codes.append(error.code)
+        del bad[field]  # the next field's rule is the first one broken now
+    assert codes == ["no_mask", "invalid_top_k", "invalid_targets", "invalid_deadline"]

@@ -321,3 +321,14 @@ def test_early_resends_spread_out_in_time_are_forgiven() -> None:
         session.receive(fill(i + 1))
         session._wait_until = clock.now + 1  # always told to wait, so each is early
     assert session.close_request is None
+
+
+def test_an_integer_id_and_the_same_digits_as_a_string_are_two_ids() -> None:
+    """§3 (a spec trial asked): ``6`` and ``"6"`` are two ids, both in flight at once, and a cancel
+    names one of them by type and value."""
+    session, engine, _ = make()
+    assert session.receive(fill(6)) == [] and session.receive(fill("6")) == []  # no duplicate_id
+    assert len(engine.jobs) == 2
+    (answer,) = frames(session.receive(orjson.dumps({"type": "cancel", "id": "6"}).decode()))
+    assert (answer["type"], answer["id"]) == ("cancelled", "6")
+    assert list(session.inflight) == [6]
