@@ -338,7 +338,7 @@ def test_a_frame_that_breaks_several_rules_gets_the_first_ones_error_in_the_tabl
     bad = {"text": "no mask here", "top_k": 0, "targets": [], "deadline_ms": -1}
     codes = []
     for field in ("text", "top_k", "targets", "deadline_ms"):
-        error = parse_frame(orjson.dumps({"type": "fill_mask", "id": 1, "text": "a [MASK]", **bad}), LIMITS)
+        error = parse_frame(orjson.dumps({"type": "fill_mask", "id": 1, "text": "a [MASK]", **bad}).decode(), LIMITS)
         assert isinstance(error, ProtocolError)
         codes.append(error.code)
         del bad[field]  # the next field's rule is the first one broken now
