@@ -430,7 +430,9 @@ class LogThrottle:
     With ``schedule`` (``schedule(delay_s, call)``, such as ``on_the_loop``), lines left out are never
     lost for want of a next one: where no line of that kind comes by the end of the interval, the last
     one left out is written then, with their count (a burst of a thousand resets wrote one line, and
-    the count of the rest never came)."""
+    the count of the rest never came). ``flush`` writes those at once, for a server that stops: no line
+    of a server comes after its ``stopped`` (a stopped server's late line landed in the next test's
+    log capture, ten seconds on, on the same event loop)."""
 
     def __init__(self, logger: logging.Logger, interval_s: float, clock: Callable[[], float] = time.monotonic,
                  schedule: Callable[[float, Callable[[], None]], object] | None = None) -> None:
@@ -441,6 +443,7 @@ class LogThrottle:
         self._last: dict[str, float] = {}
         self._left_out: dict[str, int] = {}
         self._latest: dict[str, tuple[int, str, tuple[object, ...]]] = {}  # the last line left out, by kind
+        self._calls: dict[str, object] = {}  # what ``schedule`` returned for each kind's late line, if it can cancel
 
     def warning(self, kind: str, message: str, *args: object) -> None:
         self.line(logging.WARNING, kind, message, *args)
@@ -455,7 +458,7 @@ class LogThrottle:
             self._left_out[kind] = self._left_out.get(kind, 0) + 1
             if self.schedule is not None and kind not in self._latest:
                 last = self._last.get(kind)
-                self.schedule(self.interval_s - since, lambda: self._written_late(kind, last))
+                self._calls[kind] = self.schedule(self.interval_s - since, lambda: self._written_late(kind, last))
             self._latest[kind] = (level, message, args)
             return
         self._last[kind] = now
@@ -464,6 +467,15 @@ class LogThrottle:
         if left_out:
             message += f" (and {left_out} more like it in the last {since:.0f} s, not logged)"
         self.logger.log(level, message, *args)
+
+    def flush(self) -> None:
+        """Write now the late line of every kind that has lines left out, and call none later."""
+        for kind in list(self._latest):
+            call = self._calls.pop(kind, None)
+            cancel = getattr(call, "cancel", None)
+            if cancel is not None:
+                cancel()
+            self._written_late(kind, self._last.get(kind))
 
     def _written_late(self, kind: str, last: float | None) -> None:
         """The interval after lines of ``kind`` were left out has ended with no line to count them in: the

@@ -443,6 +443,8 @@ class FillMaskServer:
         await asyncio.to_thread(self.engine.stop)
         self._release_switch_interval()
         self._phase = _Phase.ENDED
+        for throttle in (self.http.log, self._closing_log):
+            throttle.flush()  # (lines it left out are counted now: nothing of this server comes after "stopped")
         log.info("stopped")
 
     async def _drained_elsewhere(self) -> None:

@@ -82,6 +82,32 @@ def test_log_throttle_writes_one_line_per_interval_and_counts_the_rest(caplog: p
         "bad request from there (and 49 more like it in the last 11 s, not logged)"]
 
 
+def test_a_stopping_server_counts_the_lines_its_throttle_left_out_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The suite's run: a server that had refused a dozen tokens wrote its late line ("the last of 12 like
+    it") ten seconds on, after it had stopped, into the next test's log capture on the same event loop.
+    ``flush`` (the drain's last step) writes it at once and cancels the later call."""
+    now = [100.0]
+    calls: list[asyncio.TimerHandle] = []
+    loop = asyncio.new_event_loop()
+    try:
+        def schedule(delay: float, call: Any) -> asyncio.TimerHandle:
+            calls.append(loop.call_later(delay, call))
+            return calls[-1]
+
+        throttle = LogThrottle(logging.getLogger("test.throttle"), 10.0, clock=lambda: now[0], schedule=schedule)
+        with caplog.at_level(logging.INFO, logger="test.throttle"):
+            for n in range(12):
+                throttle.warning("token", "refused %d", n)
+            throttle.warning("host", "refused host")
+            throttle.flush()
+            throttle.flush()  # (nothing left: nothing written twice)
+        assert [record.getMessage() for record in caplog.records] == [
+            "refused 0", "refused host", "refused 11 (the last of 11 like it in the last 0 s, not logged one by one)"]
+        assert len(calls) == 1 and calls[0].cancelled()
+    finally:
+        loop.close()
+
+
 def test_lines_the_throttle_left_out_are_counted_when_no_later_line_comes(caplog: pytest.LogCaptureFixture) -> None:
     """An operator's trial: a burst of 690 resets wrote one line, and no later line came to count the
     rest. With ``schedule``, the end of the interval writes the last line left out, with the count; a
