@@ -45,6 +45,7 @@ try:
     from fillmask_server.lifecycle import (
         EXIT_ENGINE_STOPPED,
         drain_on_signals,
+        drained_status,
         exit_on_signal,
         ignore_signals,
         say_ready,
@@ -127,9 +128,9 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         delay, status = 0.0, EXIT_ENGINE_STOPPED
         gate.draining_without_signal()
     await server.drain(delay=delay, on_closed=gate.drained)
-    if status == 0 and server.engine.faulted:  # the model thread stopped during a signal's drain
-        log.critical("the model thread stopped during the drain: exiting with status %d", EXIT_ENGINE_STOPPED)
-        status = EXIT_ENGINE_STOPPED
+    if status != drained_status(server):  # the model thread stopped during a signal's drain
+        status = drained_status(server)
+        log.critical("the model thread stopped during the drain: exiting with status %d", status)
     exit_on_signal(handled, status)  # drained: a signal from now on only hurries the exit
     return status
 

@@ -8,7 +8,8 @@ four phases of the process's life (``ws_server.py`` calls them in this order):
    before the program's imports (``ws_server.py`` run as a script, or ``console_main`` for the
    ``fillmask-server`` command), so that only the interpreter's own start precedes it;
 2. serving (``drain_on_signals``): the first signal starts the drain, a second one during it stops at
-   once (``stop_now``, exit 130), the first delivered twice does nothing;
+   once (``stop_now``, exit 130), the first delivered twice does nothing, and one after the drain
+   closed every connection exits with the drain's status (``drained_status``);
 3. drained (``exit_on_signal``): a signal only hurries the exit, with the drain's status;
 4. leaving (``ignore_signals``): a late signal must not make the exit status its own.
 
@@ -86,7 +87,10 @@ def drain_on_signals(server: FillMaskServer, handled: list[signal.Signals], gate
         elif verdict is Verdict.STOP:
             stop_now(server)
         elif verdict is Verdict.EXIT:
-            os._exit(drained_status(server))
+            status = drained_status(server)
+            if status:
+                last_words(f"exiting with status {status}: the model thread stopped")
+            os._exit(status)
 
     def hand_over(signum: int, frame: object) -> None:
         with contextlib.suppress(RuntimeError):  # (a loop already closed: the process is leaving)

@@ -1037,6 +1037,22 @@ async def test_the_blocking_client_iterates_outcomes_as_the_async_one_does(serve
             await wait_until(lambda: client._client.in_flight == 0 and server.engine.queued() == 0)
             with pytest.raises(StopIteration):
                 next(waiting)  # a timeout ends the iteration
+        # A source that blocks holds up the client's thread, but not the timeout: a review saw the
+        # TimeoutError wait for the source (the generator's cleanup waited on that thread).
+        release, waited_out = threading.Event(), []
+
+        def blocking_source() -> Iterator[str]:
+            waited_out.append(not release.wait(30))  # (bounded) a pipe with nothing in it yet
+            yield TEXT
+
+        def time_out_on_a_blocked_source() -> None:
+            outcomes = client.fill_mask_iter(blocking_source(), timeout=0.2)
+            with pytest.raises(TimeoutError):
+                next(outcomes)
+            release.set()
+
+        await asyncio.to_thread(time_out_on_a_blocked_source)
+        await wait_until(lambda: waited_out == [False] and client._client.in_flight == 0)
         assert_same_predictions(await asyncio.to_thread(client.fill_mask, TEXT, top_k=3), expected)  # still open
     finally:
         await asyncio.to_thread(client.close)

@@ -672,6 +672,7 @@ import ws_server
 stop = Engine.stop
 
 def slow_stop(self, *args, **kwargs):
+    print("test: the engine stops in half a second", file=sys.stderr, flush=True)
     time.sleep(0.5)
     return stop(self, *args, **kwargs)
 
@@ -724,10 +725,13 @@ async def test_under_nohup_with_a_stdout_nobody_reads_it_serves_and_a_signal_aft
                         await ws.recv()
             assert ws.close_code == 1001
         # The drain closes its listener a moment after the last connection: then its engine's threads
-        # stop (held half a second here), and the process exits. A signal from then on must not change
-        # the exit status: SIGINT too, which no twin rule covers (a SIGTERM this soon after the first
-        # is its twin). (The 0.1 s: past the listener's close, well within the engine's stop.)
-        await asyncio.sleep(0.1)
+        # stop (held half a second here, from the script's line), and the process exits. A signal from
+        # then on must not change the exit status: SIGINT too, which no twin rule covers (a SIGTERM
+        # this soon after the first is its twin).
+        while b"the engine stops in half a second" not in (line := await asyncio.wait_for(
+                process.stderr.readline(), 30)):
+            assert line, "stderr ended before the engine stopped"
+            said.append(line)
         async with asyncio.timeout(30):
             for signum in itertools.cycle((signal.SIGINT, signal.SIGTERM)):  # until the process is gone
                 if process.returncode is not None:

@@ -326,12 +326,15 @@ class SyncFillMaskClient:
         its ``FillMaskError`` (yielded, not raised), in input order, each as soon as it and all before it
         are ready.
 
-        ``texts`` is read as the requests go, on the client's thread (so a generator of texts must not
-        call this client), at most ``AHEAD * concurrency`` ahead of the outcome your loop waits for.
-        ``timeout`` bounds each wait for the next outcome: when it passes, the requests still running
-        are cancelled on the server and ``TimeoutError`` is raised, which ends the iteration. Leaving
-        the loop early cancels them too: at once when the generator is closed (a ``for`` loop's
-        ``break`` drops it; ``contextlib.closing`` makes it explicit), or when it is collected."""
+        A generator of texts is read as the requests go, at most ``AHEAD * concurrency`` texts ahead of
+        the outcome your loop waits for (a list is sent as fast as ``concurrency`` allows), and on the
+        client's thread: it must not call this client, and while it blocks (a pipe that has nothing
+        yet) nothing else of the client moves, its keepalive included. ``timeout`` bounds each wait for
+        the next outcome: when it passes, the requests still running are cancelled on the server and
+        ``TimeoutError`` is raised, which ends the iteration. Leaving the loop early cancels them too,
+        as soon as the generator is closed (a ``for`` loop's ``break`` drops it;
+        ``contextlib.closing`` makes it explicit) or collected; the cancel is handed to the client's
+        thread, not waited for."""
         check_texts(texts)  # (here, not at the first ``next``: a bare text is a mistake at the call)
         if timeout is not None:
             check_seconds("timeout", timeout)
@@ -346,12 +349,14 @@ class SyncFillMaskClient:
             while (outcome := self._call(_next_or_end(outcomes), timeout)) is not None:
                 yield outcome
         finally:
-            if threading.current_thread() is self._thread:  # collected on the loop's own thread: no waiting
-                with contextlib.suppress(RuntimeError):  # (the loop closed: nothing runs any more)
-                    asyncio.run_coroutine_threadsafe(_end(outcomes), self._loop)
-            else:
-                with contextlib.suppress(ConnectionLostError):  # the client closed: nothing runs any more
-                    self._call(_end(outcomes), None)
+            # Handed over, never waited for: the collector may run this on any thread, the loop's own
+            # or one inside ``_call`` holding ``_lock`` (a review's deadlock), and after a timeout the
+            # loop may be held up by a text source that blocks.
+            ending = _end(outcomes)
+            try:
+                asyncio.run_coroutine_threadsafe(ending, self._loop)
+            except RuntimeError:  # the loop closed: nothing runs any more
+                ending.close()
 
     @overload
     def fill_mask_many(
