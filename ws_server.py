@@ -128,8 +128,8 @@ async def serve_until_signalled(config: Config, handled: list[signal.Signals]) -
         delay, status = 0.0, EXIT_ENGINE_STOPPED
         gate.draining_without_signal()
     await server.drain(delay=delay, on_closed=gate.drained)
-    if status != drained_status(server):  # the model thread stopped during a signal's drain
-        status = drained_status(server)
+    if (drained := drained_status(server)) != status:  # the model thread stopped during a signal's drain
+        status = drained
         log.critical("the model thread stopped during the drain: exiting with status %d", status)
     exit_on_signal(handled, status)  # drained: a signal from now on only hurries the exit
     return status
